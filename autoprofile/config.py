@@ -1,0 +1,183 @@
+"""The one configuration dataclass, its CLI flags (parent systems' names) and its validation.
+
+Validation runs on the CPU before any GPU work: every bad value or inconsistent combination raises
+ConfigError naming the flag and a value that would work.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+from models.config import ModelConfig, builtin_models, load_model_config
+
+ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+MAX_GRAPH_BATCH = 1024
+
+
+class ConfigError(ValueError):
+    """A bad flag value: names the flag and a value that would work."""
+
+    def __init__(self, flag: str, message: str):
+        self.flag = flag
+        super().__init__(f"--{flag}: {message}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = "llama-3.1-8b"
+    tp: int = 1
+    max_total_token_num: int | None = None
+    mem_fraction: float = 1.0
+    batch_max_tokens: int = 8192
+    running_max_req_size: int | None = None
+    max_req_total_len: int | None = None
+    graph_max_batch_size: int = 256
+    disable_cudagraph: bool = False
+    attention_backend: str = "auto"
+    kv_dtype: str = "auto"
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    canary_mb: int = 256
+    shrink_ratio: float = 0.95
+    max_retries: int = 3
+    host: str = "127.0.0.1"
+    port: int = 8000
+    seed: int = 0
+    report_dir: str | None = "autoprofile_report"
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        return load_model_config(self.model)
+
+    @property
+    def context_len(self) -> int:
+        """Longest request (prompt + output) in tokens: --max_req_total_len or the model's maximum."""
+        return self.max_req_total_len or self.model_config.max_position_embeddings
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.kv_dtype_name]
+
+    @property
+    def canary_bytes(self) -> int:
+        return self.canary_mb << 20
+
+    def replace(self, **changes) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _check(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(flag, message)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def validate(cfg: ServerConfig) -> ServerConfig:
+    """Check every flag and combination; return cfg unchanged or raise ConfigError. CPU only."""
+    _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
+    _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
+           f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; try 1.0")
+    _check(cfg.batch_max_tokens >= 1, "batch_max_tokens", f"must be >= 1, got {cfg.batch_max_tokens}; try 8192")
+    _check(cfg.graph_max_batch_size >= 1, "graph_max_batch_size",
+           f"must be >= 1, got {cfg.graph_max_batch_size}; try 256")
+    _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
+           f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try 256")
+    _check(cfg.running_max_req_size is None or cfg.running_max_req_size >= 1, "running_max_req_size",
+           f"must be >= 1, got {cfg.running_max_req_size}; try 1000 or leave it unset")
+    _check(cfg.max_total_token_num is None or cfg.max_total_token_num >= 1, "max_total_token_num",
+           f"must be >= 1, got {cfg.max_total_token_num}; leave it unset to auto-profile")
+    _check(cfg.max_req_total_len is None or cfg.max_req_total_len >= 2, "max_req_total_len",
+           f"must be >= 2, got {cfg.max_req_total_len}; try 4096")
+    _check(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+           f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    _check(cfg.kv_dtype in KV_DTYPES, "kv_dtype", f"unknown '{cfg.kv_dtype}'; choose one of {', '.join(KV_DTYPES)}")
+    _check(cfg.dtype in MODEL_DTYPES, "dtype", f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
+    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try 16")
+    _check(cfg.page_size >= 16 or cfg.attention_backend == "torch", "page_size",
+           f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try 16 "
+           "(or --attention_backend torch)")
+    _check(cfg.page_size <= 256, "page_size", f"must be <= 256, got {cfg.page_size}; try 16")
+    _check(cfg.canary_mb >= 0, "canary_mb", f"must be >= 0, got {cfg.canary_mb}; try 256")
+    _check(0.5 <= cfg.shrink_ratio < 1, "shrink_ratio",
+           f"must be in [0.5, 1), got {cfg.shrink_ratio}; try 0.95")
+    _check(0 <= cfg.max_retries <= 20, "max_retries", f"must be in [0, 20], got {cfg.max_retries}; try 3")
+    _check(0 <= cfg.port <= 65535, "port", f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try 8000")
+    _check(bool(cfg.host.strip()), "host", "must not be empty; try 127.0.0.1")
+    _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
+           "float32 KV is only supported by --attention_backend torch; try --kv_dtype auto")
+
+    try:
+        m = cfg.model_config
+    except ValueError as e:
+        raise ConfigError("model", f"{e}") from None
+    _check(m.runnable, "model",
+           f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
+           f"choose a dense Llama/Qwen model such as {', '.join(n for n in builtin_models() if 'moe' not in n)}")
+    _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
+           f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
+           f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+    _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
+           f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; try {m.max_position_embeddings}")
+    if cfg.max_total_token_num is not None:
+        _check(cfg.max_total_token_num >= cfg.context_len, "max_total_token_num",
+               f"{cfg.max_total_token_num} tokens cannot hold one request of --max_req_total_len "
+               f"{cfg.context_len}; try --max_total_token_num {cfg.context_len} or lower --max_req_total_len")
+        _check(cfg.max_total_token_num >= cfg.batch_max_tokens, "max_total_token_num",
+               f"{cfg.max_total_token_num} is smaller than --batch_max_tokens {cfg.batch_max_tokens}; "
+               f"try --max_total_token_num {cfg.batch_max_tokens} or lower --batch_max_tokens")
+    if cfg.running_max_req_size is not None:
+        _check(cfg.graph_max_batch_size <= cfg.running_max_req_size, "graph_max_batch_size",
+               f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
+               f"try --graph_max_batch_size {cfg.running_max_req_size}")
+    return cfg
+
+
+# ---------------------------------------------------------------- CLI flags
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    p.add_argument("--model", default=d.model,
+                   help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: {', '.join(builtin_models())}")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (one process per GPU)")
+    p.add_argument("--max_total_token_num", type=int, default=None,
+                   help="pin the KV cache size in tokens: skips the probe, still validated")
+    p.add_argument("--mem_fraction", type=float, default=d.mem_fraction,
+                   help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
+    p.add_argument("--batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
+    p.add_argument("--running_max_req_size", type=int, default=None,
+                   help="most concurrent requests (default: clamp(T/context*512, 2048, 4096))")
+    p.add_argument("--max_req_total_len", type=int, default=None,
+                   help="longest request, prompt + output (default: the model's max_position_embeddings)")
+    p.add_argument("--graph_max_batch_size", type=int, default=d.graph_max_batch_size,
+                   help="largest decode batch captured as a CUDA graph")
+    p.add_argument("--disable_cudagraph", action="store_true", help="run decode eagerly")
+    p.add_argument("--attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
+    p.add_argument("--kv_dtype", default=d.kv_dtype, help=f"one of {', '.join(KV_DTYPES)} (auto = --dtype)")
+    p.add_argument("--dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
+    p.add_argument("--page_size", type=int, default=d.page_size, help="tokens per KV page")
+    p.add_argument("--canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
+    p.add_argument("--shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")
+    p.add_argument("--max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--seed", type=int, default=d.seed, help="random-weight and sampling seed")
+    p.add_argument("--report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
+
+
+def config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    if cfg.report_dir == "":
+        cfg = cfg.replace(report_dir=None)
+    return validate(cfg)

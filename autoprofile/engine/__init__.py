@@ -1,0 +1,1 @@
+"""The engine: KV pool, request table, model runner, decode CUDA graphs, attention backends."""

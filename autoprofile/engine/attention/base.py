@@ -1,0 +1,69 @@
+"""The attention-backend seam: one interface, each backend declares its persistent workspace."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once per forward by the runner (one small object).
+
+    Prefill (varlen, new tokens only; each request attends causally to its own tokens):
+        cu_seqlens [B+1] int32, max_seqlen (python int).
+    Decode (one new token per request, reading the paged cache):
+        block_tables [B, pages_per_req] int32 page ids, seq_lens [B] int32 (incl. the new token),
+        max_seq_len (python int, static: --max_req_total_len so graphs and the probe see the worst case).
+    Both: slot_mapping [num_tokens] int64, slot = page * page_size + offset, where new K/V are written.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    max_seq_len: int = 0
+
+
+class AttentionBackend(ABC):
+    """KV layout per layer: k_cache, v_cache of shape [num_pages, num_kv_heads, page_size, head_dim]."""
+
+    name: str = "base"
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.device = page_size, dtype, device
+        self.scale = head_dim ** -0.5
+
+    @classmethod
+    def workspace_bytes(cls, max_num_reqs: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
+        """Persistent bytes build() allocates for this backend; scales with the token count through
+        max_num_reqs and max_context_len, so the budget solver subtracts it. Per-call allocations
+        are not declared: the probe measures them (inside graphs they live in the graph pool)."""
+        return 0
+
+    def build(self, max_num_reqs: int, max_context_len: int) -> None:
+        """Allocate persistent state (e.g. a workspace) for a cache of this size."""
+
+    def teardown(self) -> None:
+        """Drop everything build() allocated."""
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write new K/V [T, Hkv, D] into the paged cache at slot_mapping."""
+        pages, offs = slot_mapping // self.page_size, slot_mapping % self.page_size
+        k_cache[pages, :, offs] = k
+        v_cache[pages, :, offs] = v
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; causal within each request of cu_seqlens."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, D] attending to seq_lens[b] cached tokens of block_tables[b]."""

@@ -1,0 +1,1 @@
+"""Model definitions (Llama-family decoders) and their HF-style config.json files."""
