@@ -78,6 +78,18 @@ def snapshot(device: torch.device | int | None = None) -> MemorySnapshot:
     )
 
 
+def reserved(device: torch.device | int | None = None) -> int:
+    return torch.cuda.memory_reserved(device_index(device))
+
+
+def allocated(device: torch.device | int | None = None) -> int:
+    return torch.cuda.memory_allocated(device_index(device))
+
+
+def free_and_total(device: torch.device | int | None = None) -> tuple[int, int]:
+    return torch.cuda.mem_get_info(device_index(device))
+
+
 def reset_peak(device: torch.device | int | None = None) -> None:
     torch.cuda.synchronize(device_index(device))
     torch.cuda.reset_peak_memory_stats(device_index(device))

@@ -1,0 +1,437 @@
+"""The two-pass auto-profiler: probe, measure, rebuild, validate.
+
+`run_profile` reads top to bottom as the four phases. Every decision (target, retry, give-up, leak)
+is collective over the TP group, so all ranks end with the same size or the same error.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autoprofile import budget, memory
+from autoprofile.budget import gib
+from autoprofile.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+Checkpoint = Callable[[str], None]
+
+
+class ProfileError(RuntimeError):
+    """The profiler gave up (every rank raises the same text)."""
+
+
+class LeakError(ProfileError):
+    """Teardown did not return the probe's memory: a hard error, never retried."""
+
+
+# ---------------------------------------------------------------- records
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    label: str
+    reserved: int
+    free: int
+    total: int
+
+
+@dataclass
+class Recorder:
+    """Phase durations and a timeline of reserved/free memory (for the report and its PNG)."""
+
+    device: torch.device
+    t0: float = field(default_factory=time.perf_counter)
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def sample(self, label: str) -> None:
+        free, total = memory.free_and_total(self.device)
+        self.samples.append(Sample(time.perf_counter() - self.t0, label, memory.reserved(self.device), free, total))
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        self.sample(f"{name}:start")
+        log.info("phase %s: start", name)
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            self.phases.append((name, took))
+            self.sample(f"{name}:end")
+            log.info("phase %s: %.2f s", name, took)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Everything the measure phase read and derived (bytes unless named tokens)."""
+
+    total: int
+    free: int
+    reserved: int
+    peak_reserved: int
+    own_non_torch: int
+    peers: int
+    probe_tokens: int
+    probe_sized: int
+    non_kv_peak: int
+    available: int
+    local_target: int
+    target: int  # MIN over ranks
+
+
+@dataclass
+class ProfileResult:
+    cfg: ServerConfig
+    tokens: int
+    cell_bytes: int
+    pinned: bool
+    attempts: int
+    initial_target: int
+    probe_tokens: int | None
+    measurement: Measurement | None
+    terms: dict[str, int]
+    phases: list[tuple[str, float]]
+    samples: list[Sample]
+    errors: list[str]
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.tokens * self.cell_bytes
+
+    def report_text(self) -> str:
+        from autoprofile.report import format_report
+        return format_report(self)
+
+
+# ---------------------------------------------------------------- collective helpers
+def _gather_errors(err: str | None, group) -> list[str]:
+    """Every rank's error (None dropped), identical on all ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [err] if err else []
+    out: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, err, group=group)
+    return [f"rank {r}: {e}" for r, e in enumerate(out) if e]
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+
+
+# ---------------------------------------------------------------- the profiler
+class Profiler:
+    """Owns the canary; drives a ModelRunner through the four phases."""
+
+    def __init__(self, cfg: ServerConfig, runner, group=None, checkpoint: Checkpoint | None = None):
+        self.cfg, self.runner, self.group = cfg, runner, group
+        self.device = getattr(runner, "device", torch.device("cuda"))
+        self.fault = checkpoint or (lambda point: None)
+        self.rec = Recorder(self.device)
+        self.sizing: budget.Sizing = runner.sizing
+        self.canary: torch.Tensor | None = None
+        self.errors: list[str] = []
+
+    def checkpoint(self, point: str) -> None:
+        """Timeline sample + test-only fault injection at a named point."""
+        self.rec.sample(point)
+        self.fault(point)
+
+    # ------------------------------------------------------------ phases
+    def run(self) -> ProfileResult:
+        if self.cfg.max_total_token_num is not None:
+            return self.run_pinned(self.cfg.max_total_token_num)
+        with self.rec.phase("probe"):
+            probe = self.probe()
+        with self.rec.phase("measure"):
+            m = self.measure(probe)
+        self.checkpoint("after_measure")
+        sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries, self.cfg.page_size)
+        tokens, attempts = self.fit(sizes, m)
+        return self.result(tokens, attempts, sizes[0], m, pinned=False)
+
+    def run_pinned(self, tokens: int) -> ProfileResult:
+        """--max_total_token_num: one build at N, validated; never shrunk silently."""
+        memory.reset_peak(self.device)
+        with self.rec.phase("build+validate"):
+            err = self.attempt(tokens)
+        if memory.all_ok(err is None, self.group):
+            return self.result(tokens, 1, tokens, None, pinned=True)
+        errors = _gather_errors(err, self.group)
+        self.release(check_leak=False)
+        fits = self.what_fits()
+        raise ProfileError(
+            f"--max_total_token_num {tokens} does not survive the worst-case stress ({'; '.join(errors)}). "
+            f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it unset "
+            "to auto-profile.")
+
+    def probe(self) -> int:
+        tokens = budget.probe_tokens(self.cfg.batch_max_tokens, self.cfg.graph_max_batch_size, self.cfg.page_size)
+        memory.reset_peak(self.device)
+        err = None
+        try:
+            self.runner.build(tokens, self.checkpoint)
+            self.checkpoint("probe_prefill")
+            self.runner.stress_prefill()
+            self.checkpoint("probe_decode")
+            self.runner.stress_decode()
+        except Exception as e:  # noqa: BLE001 - any failure ends in the collective diagnostic
+            err = _describe(e)
+            log.error("probe at %d tokens failed: %s", tokens, err)
+        if not memory.all_ok(err is None, self.group):
+            errors = _gather_errors(err, self.group)
+            self.release(check_leak=False)
+            raise ProfileError(self.diagnostic(tokens, tokens, 0, "; ".join(errors), probe_failed=True))
+        log.info("probe: %d tokens (%.2f GiB KV), stresses passed", tokens, gib(self.runner.kv_bytes))
+        return tokens
+
+    def measure(self, probe: int) -> Measurement:
+        s = memory.snapshot(self.device)
+        probe_sized = self.runner.kv_bytes + self.sizing.overhead(probe)
+        non_kv = budget.non_kv_peak(s.peak_reserved, probe_sized)
+        own_nt = budget.own_non_torch(s.process_used, s.reserved, s.total, s.free)
+        peers = budget.peer_bytes(s.total, s.free, s.reserved, own_nt)
+        available = budget.available_bytes(s.total, own_nt, non_kv, peers, self.cfg.canary_bytes)
+        local = budget.solve_target_tokens(available, self.sizing, self.cfg.mem_fraction)
+        target = memory.all_reduce_min(local, self.group)
+        m = Measurement(s.total, s.free, s.reserved, s.peak_reserved, own_nt, peers, probe, probe_sized, non_kv,
+                        available, local, target)
+        log.info("measure: total %.2f GiB, peak reserved %.2f GiB, non-KV peak %.2f GiB, non-torch %.2f GiB, "
+                 "peers %.2f GiB -> target %d tokens (%.2f GiB KV; this rank %d)", gib(s.total),
+                 gib(s.peak_reserved), gib(non_kv), gib(own_nt), gib(peers), target,
+                 gib(target * self.sizing.cell_bytes), local)
+        if target < self.min_tokens():
+            self.release(check_leak=False)
+            raise ProfileError(self.diagnostic(target, target, 0,
+                                               f"the measured budget fits {target} tokens, fewer than the "
+                                               f"{self.min_tokens()} one request of --max_req_total_len / one "
+                                               "prefill batch needs", m=m))
+        return m
+
+    def fit(self, sizes: list[int], m: Measurement) -> tuple[int, int]:
+        """Rebuild + validate at each size until every rank passes; collective give-up at the end."""
+        for attempt, tokens in enumerate(sizes, 1):
+            self.release(check_leak=True)  # a leak raises here, outside any retry
+            with self.rec.phase(f"rebuild+validate#{attempt}"):
+                err = self.attempt(tokens)
+            if memory.all_ok(err is None, self.group):
+                return tokens, attempt
+            self.errors.extend(_gather_errors(err, self.group))
+            log.warning("attempt %d at %d tokens failed on some rank: %s", attempt, tokens, self.errors[-1])
+        self.release(check_leak=False)
+        raise ProfileError(self.diagnostic(sizes[0], sizes[-1], len(sizes), self.errors[-1], m=m))
+
+    def attempt(self, tokens: int) -> str | None:
+        """Build at `tokens`, hold the canary, run both stresses. Returns this rank's error or None."""
+        try:
+            self.runner.build(tokens, self.checkpoint)
+            self.checkpoint("canary")
+            self.canary = torch.empty(self.cfg.canary_bytes, dtype=torch.uint8, device=self.device)
+            self.checkpoint("validate_prefill")
+            self.runner.stress_prefill()
+            self.checkpoint("validate_decode")
+            self.runner.stress_decode()
+            self.checkpoint("validated")
+        except Exception as e:  # noqa: BLE001 - OOM or not, every failure is retried collectively
+            log.warning("build/validate at %d tokens failed: %s", tokens, _describe(e))
+            self.canary = None
+            self.runner.teardown()
+            return _describe(e)
+        self.canary = None  # released into this process's cache: headroom for serving
+        return None
+
+    def release(self, check_leak: bool) -> None:
+        """One teardown: canary, graphs, attention state, request table, KV; then empty_cache.
+
+        With check_leak, reserved memory must fall by at least the KV that was built, else LeakError
+        naming what still references the KV buffer (collective, never retried)."""
+        kv = self.runner.kv_buffer
+        kv_ref = weakref.ref(kv) if kv is not None else None
+        kv_bytes = self.runner.kv_bytes if kv is not None else 0
+        del kv
+        before, before_alloc = memory.reserved(self.device), memory.allocated(self.device)
+        self.canary = None
+        self.runner.teardown()
+        gc.collect()
+        memory.release_cached(self.device)
+        after, after_alloc = memory.reserved(self.device), memory.allocated(self.device)
+        self.rec.sample("teardown")
+        leak = None
+        if check_leak and kv_ref is not None:
+            alive = kv_ref()
+            if alive is not None:
+                leak = f"the KV buffer ({gib(kv_bytes):.2f} GiB) is still referenced by {_holders(alive)}"
+            elif min(before - after, before_alloc - after_alloc) < kv_bytes:
+                leak = (f"reserved memory fell by {gib(before - after):.2f} GiB and allocated memory by "
+                        f"{gib(before_alloc - after_alloc):.2f} GiB after teardown, less than the "
+                        f"{gib(kv_bytes):.2f} GiB KV buffer: something outside Python (a CUDA graph or "
+                        "a C++ holder) still holds it")
+            del alive
+        if not memory.all_ok(leak is None, self.group):
+            raise LeakError("teardown leak: " + "; ".join(_gather_errors(leak, self.group)))
+
+    def what_fits(self) -> int:
+        """After a pinned size failed: probe and measure once to say what would fit (0 if nothing)."""
+        try:
+            probe = self.probe()
+            m = self.measure(probe)
+        except ProfileError:
+            return 0
+        finally:
+            self.release(check_leak=False)
+        return m.target
+
+    # ------------------------------------------------------------ results and diagnostics
+    def min_tokens(self) -> int:
+        return max(self.cfg.context_len, self.cfg.batch_max_tokens,
+                   self.cfg.graph_max_batch_size * self.cfg.page_size)
+
+    def diagnostic(self, initial: int, last: int, attempts: int, last_error: str, m: Measurement | None = None,
+                   probe_failed: bool = False) -> str:
+        s = memory.snapshot(self.device) if m is None else None
+        g = budget.GiveUp(
+            initial_tokens=initial, last_tokens=last, attempts=attempts, cell_bytes=self.sizing.cell_bytes,
+            peak_reserved=m.peak_reserved if m else (s.peak_reserved if s else 0),
+            total=m.total if m else (s.total if s else 0), canary=self.cfg.canary_bytes,
+            peers=m.peers if m else 0, last_error=last_error, flags=_flags(self.cfg))
+        text = budget.give_up_diagnostic(g)
+        if probe_failed:
+            text = (f"autoprofile: the worst-case stress failed even with the small probe cache of {initial} "
+                    "tokens: the model, its activations or its graphs do not fit beside what is on the GPU.\n"
+                    + text)
+        return text
+
+    def result(self, tokens: int, attempts: int, initial: int, m: Measurement | None, pinned: bool) -> ProfileResult:
+        after = memory.snapshot(self.device)
+        terms = {
+            "total": after.total,
+            "weights": self.runner.weight_bytes,
+            "cuda_context_non_torch": budget.own_non_torch(after.process_used, after.reserved, after.total,
+                                                           after.free),
+            "non_kv_peak": m.non_kv_peak if m else 0,
+            "graph_pools": _graph_pool_bytes(self.rec.samples),
+            "workspace_declared": self.sizing.overhead(tokens) - budget.req_table_bytes(
+                self.sizing.max_reqs(tokens), self.sizing.context_len, self.sizing.page_size),
+            "request_table": budget.req_table_bytes(self.sizing.max_reqs(tokens), self.sizing.context_len,
+                                                    self.sizing.page_size),
+            "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
+            "canary": self.cfg.canary_bytes,
+            "kv": self.runner.kv_bytes,
+            "reserved_after": after.reserved,
+            "free_after": after.free,
+        }
+        log.info("KV cache: %d tokens, %.2f GiB after %d attempt(s)%s", tokens, gib(self.runner.kv_bytes), attempts,
+                 " (pinned by --max_total_token_num)" if pinned else "")
+        return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
+                             m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
+                             list(self.errors))
+
+
+def _flags(cfg: ServerConfig) -> dict:
+    keys = ("batch_max_tokens", "graph_max_batch_size", "running_max_req_size", "mem_fraction", "canary_mb",
+            "shrink_ratio", "max_retries", "tp", "page_size")
+    flags = {k: getattr(cfg, k) for k in keys}
+    flags["max_req_total_len"] = cfg.context_len
+    return flags
+
+
+def _holders(obj) -> str:
+    """Name what still references a leaked tensor (gc referrers, frames and the profiler excluded)."""
+    names = []
+    for r in gc.get_referrers(obj):
+        if isinstance(r, dict):
+            owners = [o for o in gc.get_referrers(r) if hasattr(o, "__dict__") and o.__dict__ is r]
+            keys = [k for k, v in r.items() if v is obj]
+            names += [f"{type(o).__name__}.{k}" for o in owners for k in keys] or [f"a dict under key {keys}"]
+        elif isinstance(r, (list, tuple)):
+            names.append(f"a {type(r).__name__} of {len(r)} items")
+        elif not hasattr(r, "f_code") and type(r).__name__ != "cell":
+            names.append(type(r).__name__)
+    return ", ".join(names) or "an object outside Python's view (a C++ holder or a CUDA graph)"
+
+
+def _graph_pool_bytes(samples: list[Sample]) -> int:
+    """Reserved growth across the last graph capture (from its checkpoint to the end of that build)."""
+    idx = [i for i, s in enumerate(samples) if s.label == "graph_capture"]
+    if not idx or idx[-1] + 1 >= len(samples):
+        return 0
+    i = idx[-1]
+    return max(samples[i + 1].reserved - samples[i].reserved, 0)
+
+
+# ---------------------------------------------------------------- entry points
+def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_group=None,
+         checkpoint: Checkpoint | None = None):
+    """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
+
+    Returns (runner, result); the runner is built at the validated size and ready to serve."""
+    from autoprofile.engine.runner import ModelRunner
+    from autoprofile.report import write_report
+
+    t0 = time.perf_counter()
+    runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=group)
+    load_s = time.perf_counter() - t0
+    log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
+    try:
+        result = Profiler(cfg, runner, group=cpu_group, checkpoint=checkpoint).run()
+    except BaseException:
+        runner.teardown()
+        raise
+    result.phases.insert(0, ("load_weights", load_s))
+    if rank == 0:
+        log.info("\n%s", result.report_text())
+        if cfg.report_dir:
+            write_report(result, cfg.report_dir)
+    return runner, result
+
+
+def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
+    """`autoprofile profile`: run the profiler alone and return its report (the runner is dropped)."""
+    if cfg.tp > 1:
+        return _profile_tp(cfg)
+    runner, result = boot(cfg, checkpoint=checkpoint)
+    runner.teardown()
+    return result
+
+
+def _profile_tp(cfg: ServerConfig) -> ProfileResult:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port, never a hard-coded one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_tp_worker, args=(cfg, port, queue), nprocs=cfg.tp, start_method="spawn", join=True)
+    ok, payload = queue.get()
+    if not ok:
+        raise ProfileError(payload)
+    return payload
+
+
+def _tp_worker(rank: int, cfg: ServerConfig, port: int, queue) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.tp,
+                            device_id=torch.device("cuda", rank))
+    cpu_group = dist.new_group(backend="gloo")  # decisions go over gloo, never through a GPU collective
+    try:
+        runner, result = boot(cfg, rank, cfg.tp, group=dist.group.WORLD, cpu_group=cpu_group)
+        runner.teardown()
+        if rank == 0:
+            result.cfg = cfg
+            queue.put((True, result))
+    except ProfileError as e:
+        if rank == 0:
+            queue.put((False, str(e)))
+    finally:
+        dist.destroy_process_group()

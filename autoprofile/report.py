@@ -1,0 +1,102 @@
+"""The budget report: a log table, a JSON file and a PNG timeline of reserved/free memory."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from autoprofile.budget import gib
+
+log = logging.getLogger(__name__)
+
+ROWS = (  # (term key, label, how it was obtained)
+    ("total", "GPU total", "driver"),
+    ("weights", "weights", "measured"),
+    ("cuda_context_non_torch", "CUDA context + non-torch", "measured"),
+    ("non_kv_peak", "non-KV peak (weights+activations+graphs)", "measured"),
+    ("graph_pools", "decode graph pools (incl. warmup)", "measured"),
+    ("workspace_declared", "attention workspace (declared)", "declared"),
+    ("request_table", "request table", "declared"),
+    ("peers", "peers on this GPU", "measured"),
+    ("canary", "canary (held through validation)", "config"),
+    ("kv", "KV cache", "built"),
+    ("reserved_after", "reserved by this process after", "measured"),
+    ("free_after", "free on the GPU after (headroom)", "measured"),
+)
+
+
+def to_dict(result) -> dict:
+    m = result.measurement
+    return {
+        "model": result.cfg.model,
+        "tp": result.cfg.tp,
+        "attention_backend": result.cfg.attention_backend,
+        "max_total_token_num": result.tokens,
+        "kv_gib": gib(result.kv_bytes),
+        "cell_bytes": result.cell_bytes,
+        "pinned": result.pinned,
+        "attempts": result.attempts,
+        "initial_target": result.initial_target,
+        "probe_tokens": result.probe_tokens,
+        "measurement": asdict(m) if m else None,
+        "terms_bytes": result.terms,
+        "phases_s": dict(result.phases),
+        "timeline": [asdict(s) for s in result.samples],
+        "errors": result.errors,
+    }
+
+
+def format_report(result) -> str:
+    lines = [f"autoprofile budget report: {result.cfg.model}, tp={result.cfg.tp}, "
+             f"backend={result.cfg.attention_backend}",
+             f"  {'term':<44}{'GiB':>10}  source"]
+    lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS]
+    how = "pinned by --max_total_token_num" if result.pinned else (
+        f"probe {result.probe_tokens} tokens, initial target {result.initial_target}")
+    lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
+                 f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
+    lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
+    if result.errors:
+        lines.append("  retried after: " + " | ".join(result.errors))
+    return "\n".join(lines)
+
+
+def write_report(result, out_dir: str | Path) -> tuple[Path, Path | None]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / "budget_report.json"
+    js.write_text(json.dumps(to_dict(result), indent=2) + "\n")
+    png = plot_timeline(result, out / "budget_timeline.png") if result.samples else None
+    log.info("budget report written: %s%s", js, f", {png}" if png else "")
+    return js, png
+
+
+def plot_timeline(result, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result.samples
+    t = [x.t for x in s]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.step(t, [gib(x.reserved) for x in s], where="post", label="reserved by this process", lw=2)
+    ax.step(t, [gib(x.total - x.free) for x in s], where="post", label="used on the GPU (all processes)", lw=1.2)
+    ax.step(t, [gib(x.free) for x in s], where="post", label="free on the GPU", lw=1.2, ls="--")
+    ax.axhline(gib(s[0].total), color="grey", lw=0.8, ls=":", label="GPU total")
+    starts = {x.label[:-6]: x.t for x in s if x.label.endswith(":start")}
+    for i, x in enumerate(e for e in s if e.label.endswith(":end")):
+        name = x.label[:-4]
+        t0 = starts.get(name, x.t)
+        ax.axvspan(t0, x.t, alpha=0.08, color=f"C{i % 10}")
+        ax.text((t0 + x.t) / 2, gib(s[0].total) * 0.98, name, ha="center", va="top", fontsize=8, rotation=90)
+    ax.set_xlabel("seconds since profiler start")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"autoprofile: {result.cfg.model}: {result.tokens} KV tokens ({gib(result.kv_bytes):.1f} GiB), "
+                 f"{result.attempts} attempt(s)")
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

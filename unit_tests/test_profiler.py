@@ -1,0 +1,185 @@
+"""The profiler's decision logic against a simulated GPU (only the torch.cuda memory API is faked)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprofile import budget
+from autoprofile.config import ServerConfig
+from autoprofile.profiler import LeakError, Profiler, ProfileError
+from unit_tests.fakes import GiB, MiB, FakeGPU, FakeRunner, llama8b_sizing
+
+CFG = ServerConfig(model="llama-3.1-8b", max_req_total_len=8192, canary_mb=1, batch_max_tokens=8192,
+                   graph_max_batch_size=256, report_dir=None)
+
+
+@pytest.fixture
+def gpu():
+    g = FakeGPU()
+    with g.patched():
+        yield g
+
+
+def make(gpu, cfg=CFG, fault=None, **kw):
+    runner = FakeRunner(gpu, llama8b_sizing(cfg.page_size, cfg.context_len), **kw)
+    prof = Profiler(cfg, runner, checkpoint=fault)
+    runner.profiler = prof
+    return runner, prof
+
+
+def builds(runner):
+    return [e[1] for e in runner.events if e[0] == "build"]
+
+
+def expected_target(gpu, runner, cfg):
+    """Independent of the solver: overhead is constant here (max_num_reqs clamps at 4096)."""
+    non_kv = runner.weight_bytes + runner.graph_pool + max(runner.prefill_act, runner.decode_act)
+    available = gpu.total - gpu.non_torch - gpu.peers - non_kv - cfg.canary_bytes
+    overhead = budget.req_table_bytes(4096, cfg.context_len, cfg.page_size)
+    return (available - overhead) // runner.sizing.cell_bytes // cfg.page_size * cfg.page_size
+
+
+def test_phase_order_and_target(gpu):
+    runner, prof = make(gpu)
+    points = []
+    prof.fault = points.append
+    result = prof.run()
+    probe = budget.probe_tokens(CFG.batch_max_tokens, CFG.graph_max_batch_size, CFG.page_size)
+    assert [e[0] for e in runner.events] == ["build", "stress_prefill", "stress_decode", "teardown",
+                                             "build", "stress_prefill", "stress_decode"]
+    assert builds(runner) == [probe, expected_target(gpu, runner, CFG)]
+    assert points == ["kv_alloc", "graph_capture", "probe_prefill", "probe_decode", "after_measure", "kv_alloc",
+                      "graph_capture", "canary", "validate_prefill", "validate_decode", "validated"]
+    assert result.tokens == runner.built_tokens and result.attempts == 1 and not result.pinned
+    assert [p for p, _ in result.phases] == ["probe", "measure", "rebuild+validate#1"]
+    m = result.measurement
+    assert m.non_kv_peak == runner.weight_bytes + runner.graph_pool + runner.prefill_act
+    # the validated build leaves exactly the canary (plus page rounding) unused
+    assert 0 <= gpu.total - gpu.non_torch - gpu.peak - CFG.canary_bytes < CFG.page_size * runner.sizing.cell_bytes
+    assert result.terms["graph_pools"] == runner.graph_pool
+
+
+def test_mem_fraction_scales_the_budget(gpu):
+    full = make(gpu)[1].run().tokens
+    gpu2 = FakeGPU()
+    with gpu2.patched():
+        half = make(gpu2, CFG.replace(mem_fraction=0.5))[1].run().tokens
+    assert abs(half - full / 2) <= 2 * CFG.page_size + 100
+
+
+def test_canary_released_before_each_rebuild(gpu):
+    fails = iter([True, True, False])
+
+    def fault(point):
+        if point == "validate_decode" and next(fails):
+            raise torch.OutOfMemoryError("injected")
+
+    runner, prof = make(gpu, fault=fault)
+    result = prof.run()
+    assert result.attempts == 3
+    assert [e[2] for e in runner.events if e[0] == "build"] == [None] * 4  # no canary alive at any build
+    assert prof.canary is None
+
+
+def test_shrink_schedule_and_attempt_cap(gpu):
+    def fault(point):
+        if point == "validate_prefill":
+            raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+    runner, prof = make(gpu, fault=fault)
+    with pytest.raises(ProfileError) as ei:
+        prof.run()
+    target = expected_target(gpu, runner, CFG)
+    assert builds(runner)[1:] == budget.shrink_schedule(target, 0.95, 3, 16)
+    text = str(ei.value)
+    for needle in ("4 attempt(s)", f"initial target      : {target}", "OutOfMemoryError", "--batch_max_tokens",
+                   "--graph_max_batch_size", "--max_req_total_len", "--mem_fraction", "--max_total_token_num",
+                   "--canary_mb", "--tp"):
+        assert needle in text
+    assert gpu.allocated == runner.weight_bytes  # nothing half-built left
+
+
+def test_non_oom_errors_end_in_the_diagnostic(gpu):
+    def fault(point):
+        if point == "validate_decode":
+            raise AssertionError("decode produced NaN")
+
+    runner, prof = make(gpu, fault=fault, )
+    with pytest.raises(ProfileError, match="AssertionError: decode produced NaN"):
+        prof.run()
+    assert len(builds(runner)) == 1 + 1 + CFG.max_retries
+
+
+def test_leak_is_a_hard_error_not_retried(gpu):
+    held = []
+
+    def fault(point):
+        if point == "probe_decode":
+            held.append(runner.kv_buffer)
+
+    runner, prof = make(gpu, fault=fault)
+    with pytest.raises(LeakError, match="still referenced by a list"):
+        prof.run()
+    assert len(builds(runner)) == 1  # never rebuilt
+
+
+def test_leak_detected_from_reserved_memory(gpu):
+    runner, prof = make(gpu)
+    real_teardown = runner.teardown
+
+    def leaky_teardown():  # drops the tensor but "forgets" to free its memory
+        runner._held -= runner.kv_bytes
+        real_teardown()
+
+    runner.teardown = leaky_teardown
+    with pytest.raises(LeakError, match="reserved memory fell by"):
+        prof.run()
+
+
+def test_peer_growth_after_measure_is_absorbed_by_a_retry(gpu):
+    def fault(point):
+        if point == "after_measure":
+            gpu.peers += 2 * GiB  # another process grabs memory between measure and rebuild
+
+    runner, prof = make(gpu, fault=fault)
+    result = prof.run()
+    assert result.attempts >= 2 and result.tokens < builds(runner)[1]
+    assert "OutOfMemoryError" in result.errors[0]
+
+
+def test_probe_failure_gives_diagnostic_and_releases_everything(gpu):
+    def fault(point):
+        if point == "probe_prefill":
+            raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+    runner, prof = make(gpu, fault=fault)
+    with pytest.raises(ProfileError, match="even with the small probe cache"):
+        prof.run()
+    assert gpu.allocated == runner.weight_bytes
+
+
+def test_target_below_one_request_is_a_clear_error():
+    gpu = FakeGPU(total=32 * GiB)
+    with gpu.patched():
+        runner, prof = make(gpu, CFG.replace(max_req_total_len=131072))
+        with pytest.raises(ProfileError, match="fewer than the 131072"):
+            prof.run()
+
+
+def test_escape_hatch_single_build(gpu):
+    cfg = CFG.replace(max_total_token_num=100_000)
+    runner, prof = make(gpu, cfg)
+    result = prof.run()
+    assert builds(runner) == [100_000] and result.pinned and result.attempts == 1
+    assert result.probe_tokens is None and [p for p, _ in result.phases] == ["build+validate"]
+
+
+def test_escape_hatch_that_does_not_fit_says_what_fits(gpu):
+    cfg = CFG.replace(max_total_token_num=600_000)  # 73 GiB of KV beside 16 GiB of weights
+    runner, prof = make(gpu, cfg)
+    with pytest.raises(ProfileError) as ei:
+        prof.run()
+    fits = expected_target(gpu, runner, cfg)
+    assert f"try --max_total_token_num {fits}" in str(ei.value)
+    assert 600_000 not in builds(runner)[1:]  # never shrunk silently: the only other build is the probe
+    assert gpu.allocated == runner.weight_bytes
