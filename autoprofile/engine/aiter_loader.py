@@ -1,0 +1,107 @@
+"""Loading AITER's Triton kernels, on ROCm and on NVIDIA.
+
+`import aiter` runs a package __init__ that probes the ROCm toolchain and fails elsewhere. Its Triton
+kernels do not need it: on CUDA we register a bare `aiter` package whose __path__ is the installed
+folder, then import `aiter.ops.triton.*` directly. Two AMD-only assumptions are patched there:
+`arch_info.get_arch()` returns an int on NVIDIA (types.py compares it with strings), and
+`arch_info.get_device()` only knows gfx942/gfx950 (it names the tuned-config files).
+
+Nothing here runs at import time: call load_aiter_triton() when a backend is built.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MISSING_HINT = ("amd-aiter is not installed: `pip install amd-aiter`, or run the torch reference "
+                "backend with --attention_backend torch")
+FALLBACK_DEVICE = "MI300X"  # config-file name for archs AITER does not know
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def aiter_installed() -> bool:
+    return "aiter" in sys.modules or importlib.util.find_spec("aiter") is not None
+
+
+@dataclass(frozen=True)
+class AiterTriton:
+    """The AITER Triton entry points the backends use."""
+
+    paged_attn_decode_v1: Callable
+    paged_attn_decode_v2: Callable
+    seq_partition_size: int  # tokens per partition of the v2 decode (1024)
+    flash_attn_varlen_func: Callable
+    rms_norm: Callable
+
+
+def _register_bare_package() -> None:
+    """Make `aiter` importable as a namespace for its submodules without running its __init__."""
+    if "aiter" in sys.modules:
+        return
+    spec = importlib.util.find_spec("aiter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(MISSING_HINT)
+    pkg = types.ModuleType("aiter")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    pkg.__spec__ = spec
+    sys.modules["aiter"] = pkg
+
+
+def _patch_arch_info(arch_info: types.ModuleType) -> None:
+    """NOTE: must run before any other aiter.ops.triton module is imported: some bind get_arch by name."""
+    if getattr(arch_info, "_autoprofile_patched", False):
+        return
+    raw_get_arch = arch_info.get_arch
+    known = dict(arch_info._ARCH_TO_DEVICE)
+    arch_info.get_arch = lambda: str(raw_get_arch())
+    arch_info.get_device = lambda: known.get(arch_info.get_arch(), FALLBACK_DEVICE)
+    arch_info._autoprofile_patched = True
+
+
+@functools.cache
+def triton_ops_package() -> str:
+    """Prepare `aiter.ops.triton` for import (idempotent); returns the aiter package path.
+
+    On ROCm the real package imports; elsewhere the bare package plus the arch patches."""
+    if not aiter_installed():
+        raise RuntimeError(MISSING_HINT)
+    if is_rocm():
+        import aiter  # noqa: F401  (the real package works on ROCm)
+    else:
+        _register_bare_package()
+        _patch_arch_info(importlib.import_module("aiter.ops.triton.utils._triton.arch_info"))
+    return sys.modules["aiter"].__path__[0]
+
+
+def load_pa_decode() -> types.ModuleType:
+    """The Triton paged decode module: the only AITER Triton module that imports without a GPU."""
+    triton_ops_package()
+    return importlib.import_module("aiter.ops.triton.pa_decode")
+
+
+@functools.cache
+def load_aiter_triton() -> AiterTriton:
+    """Import the Triton kernels (paged decode, varlen flash attention, RMSNorm); needs a GPU.
+
+    Cached: the second call returns the same object. A missing amd-aiter raises RuntimeError naming
+    --attention_backend torch."""
+    pa = load_pa_decode()
+    mha = importlib.import_module("aiter.ops.triton.mha")
+    rmsnorm = importlib.import_module("aiter.ops.triton.rmsnorm")
+    return AiterTriton(
+        paged_attn_decode_v1=pa.paged_attn_decode_v1,
+        paged_attn_decode_v2=pa.paged_attn_decode_v2,
+        seq_partition_size=pa._SEQ_PARTITION_SIZE,
+        flash_attn_varlen_func=mha.flash_attn_varlen_func,
+        rms_norm=rmsnorm.rms_norm,
+    )

@@ -1,0 +1,93 @@
+"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill, paged decode, RMSNorm.
+
+The decode calls paged_attn_decode_v1/v2 directly with float scales: AITER's wrapper
+(paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
+the wrapper's own rule, from static values only (batch, heads, max_seq_len), so a captured graph
+replays the same kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoprofile import budget
+from autoprofile.engine.aiter_loader import load_aiter_triton
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+
+SEQ_PARTITION = 1024  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked when the kernels load)
+V1_MAX_SEQ_LEN = 8192
+V1_MIN_ROWS = 512  # num_seqs * q_heads above which v1 runs even with several partitions
+MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
+# No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
+PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
+                  "num_stages": 2}
+
+
+def decode_partitions(max_seq_len: int, partition: int = SEQ_PARTITION) -> int:
+    return math.ceil(max_seq_len / partition)
+
+
+def use_v1(num_seqs: int, num_q_heads: int, max_seq_len: int, partition: int = SEQ_PARTITION) -> bool:
+    """AITER's rule: one pass (v1) up to 8192 tokens when there is one partition or enough rows to fill
+    the GPU; otherwise split into partitions (v2) and reduce."""
+    return max_seq_len <= V1_MAX_SEQ_LEN and (
+        decode_partitions(max_seq_len, partition) == 1 or num_seqs * num_q_heads > V1_MIN_ROWS)
+
+
+class AiterTritonBackend(AttentionBackend):
+    name = "aiter_triton"
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"aiter_triton runs bfloat16/float16, not {dtype}; "
+                             "try --attention_backend torch")
+        if page_size < MIN_PAGE_SIZE:
+            raise ValueError(f"aiter_triton needs pages of >= {MIN_PAGE_SIZE} tokens, got {page_size}")
+        self.ops = load_aiter_triton()
+        if self.ops.seq_partition_size != SEQ_PARTITION:
+            raise RuntimeError(f"this amd-aiter decodes in partitions of {self.ops.seq_partition_size} "
+                               f"tokens, autoprofile's workspace arithmetic assumes {SEQ_PARTITION}")
+        import triton.language as tl
+
+        self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+
+    @staticmethod
+    def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
+                                 out_bytes: int) -> int:
+        """Scratch one decode call allocates (v2 only: partial outputs, exp-sums and max-logits);
+        inside a CUDA graph it stays in the graph's pool. Not declared to the solver: the probe
+        captures graphs at the serving max_seq_len and measures it."""
+        if use_v1(num_seqs, q_heads, max_seq_len):
+            return 0
+        return budget.triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
+                                                    SEQ_PARTITION)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.ops.flash_attn_varlen_func(
+            q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
+            softmax_scale=self.scale, causal=True, config=dict(PREFILL_CONFIG))
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
+        every seq_len; max_seq_len must be static (--max_req_total_len) for graphs."""
+        if meta.max_seq_len < 1:
+            raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
+        q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
+        if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
+            self.ops.paged_attn_decode_v1(*args)
+        else:
+            self.ops.paged_attn_decode_v2(*args, decode_partitions(meta.max_seq_len))
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """NOTE: the kernel's program count is a constexpr min(rows, SMs): each row count below the SM
+        count compiles once (decode batch sizes of the graph ladder, at capture)."""
+        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)

@@ -1,0 +1,87 @@
+"""The torch reference backend: plain SDPA prefill and a paged decode in torch ops. Runs on CPU and CUDA.
+
+It is the numerical reference of every kernel test and the backend CI runs. Its decode is
+CUDA-graph-capturable: no host syncs, every shape comes from q and block_tables, never from seq_lens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+
+DECODE_CHUNK_BYTES = 256 << 20  # fp32 K gathered per decode step of the loop over pages
+
+
+class TorchBackend(AttentionBackend):
+    """Decode walks the page table in chunks with an online softmax (fp32), so its working set is
+    bounded by `decode_chunk_bytes` whatever max_seq_len is; it reads all block_tables columns (the
+    static worst case), so it is slow for long max_seq_len: a reference, not a fast path."""
+
+    name = "torch"
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device, decode_chunk_bytes: int = DECODE_CHUNK_BYTES):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+        self.group = num_q_heads // num_kv_heads
+        self.decode_chunk_bytes = decode_chunk_bytes
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        bounds = meta.cu_seqlens.tolist()
+        if bounds[-1] != q.shape[0]:
+            raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens, q has {q.shape[0]}")
+        out = torch.empty_like(q)
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end > start:
+                out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
+        return out
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One request: [L, H, D] in, [L, Hq, D] out."""
+        qh = q.transpose(0, 1)[None]
+        kh = k.transpose(0, 1).repeat_interleave(self.group, 0)[None]
+        vh = v.transpose(0, 1).repeat_interleave(self.group, 0)[None]
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)[0].transpose(0, 1)
+
+    def decode_chunk_pages(self, num_seqs: int, pages_per_req: int) -> int:
+        """Pages per step of the decode loop: fp32 K of one chunk fits decode_chunk_bytes."""
+        per_token = num_seqs * self.num_kv_heads * self.head_dim * 4
+        return max(min(self.decode_chunk_bytes // (per_token * self.page_size), pages_per_req), 1)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Requires seq_lens >= 1 (padded graph slots included: point them at a scratch page)."""
+        tables, seq_lens = meta.block_tables, meta.seq_lens
+        b, pages_per_req = tables.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        # NOTE: columns past seq_len may hold anything (the AITER kernels never read them): clamp to gather
+        tables = tables.clamp(0, k_cache.shape[0] - 1)
+        qg = q.reshape(b, hkv, self.group, d).float() * self.scale
+        m = torch.full((b, hkv, self.group, 1), float("-inf"), device=q.device)
+        denom = torch.zeros((b, hkv, self.group, 1), device=q.device)
+        acc = torch.zeros((b, hkv, self.group, d), device=q.device)
+        step = self.decode_chunk_pages(b, pages_per_req)
+        offsets = torch.arange(step * self.page_size, device=q.device)
+        for first in range(0, pages_per_req, step):
+            pages = tables[:, first:first + step]
+            n = pages.shape[1] * self.page_size
+            keys, values = self._gather(k_cache, pages), self._gather(v_cache, pages)
+            scores = qg @ keys.transpose(-1, -2)  # [b, hkv, group, n]
+            valid = (first * self.page_size + offsets[:n]) < seq_lens[:, None].to(offsets.dtype)
+            scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+            # NOTE: a chunk wholly past seq_len leaves m_new = -inf, and exp(-inf - -inf) is nan
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+            p = torch.exp(scores - m_safe)
+            alpha = torch.exp(m - m_safe)
+            denom = denom * alpha + p.sum(-1, keepdim=True)
+            acc = acc * alpha + p @ values
+            m = m_new
+        return (acc / denom).to(q.dtype).view(b, self.num_q_heads, d)
+
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """[num_pages, Hkv, page, D] at pages [B, c] -> fp32 [B, Hkv, c*page, D]."""
+        g = cache[pages].permute(0, 2, 1, 3, 4)
+        b, h, c, p, d = g.shape
+        return torch.empty(g.shape, dtype=torch.float32, device=g.device).copy_(g).view(b, h, c * p, d)

@@ -1,0 +1,210 @@
+"""GPU: every CUDA backend against the float64 reference on fresh random bf16 inputs.
+
+Every torch.empty is NaN-filled while a kernel runs, so an element it forgets to write shows up; decode
+is also captured in a CUDA graph and replayed on new inputs, and must equal the eager call bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprofile.engine.aiter_loader import aiter_installed
+from autoprofile.engine.attention import BACKENDS, AttentionMetadata
+from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
+from unit_tests.test_attention_cpu import ref_attention, ref_rms_norm, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+BF16_TOL = 2e-2
+NAMES = ["torch", "aiter_triton"]
+
+
+def make(name: str, hq: int = HQ, hkv: int = HKV):
+    if name.startswith("aiter") and not aiter_installed():
+        pytest.skip("amd-aiter not installed")
+    return BACKENDS[name](hq, hkv, D, PAGE, torch.bfloat16, torch.device("cuda"))
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Every torch.empty/empty_like (backends' outputs, AITER's scratch) starts as NaN, so an element a
+    kernel forgets to write shows up as NaN."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
+    assert torch.empty(3, device="cuda").isnan().all()
+
+
+def packed_qkv(t: int, gen: torch.Generator):
+    """q, k, v as strided views of one [T, (Hq+2Hkv)*D] tensor, the way the model hands them over."""
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=1)
+    return q.view(t, HQ, D), k.view(t, HKV, D), v.view(t, HKV, D)
+
+
+def paged(seq_lens: list[int], max_seq_len: int, gen: torch.Generator):
+    """A shuffled page pool; unused table columns point at page 0 (what padded rows do)."""
+    b, cols = len(seq_lens), -(-max_seq_len // PAGE)
+    used = [-(-n // PAGE) for n in seq_lens]
+    perm = torch.randperm(sum(used) + 1, generator=gen, device="cuda").to(torch.int32)
+    tables = torch.zeros(b, cols, dtype=torch.int32, device="cuda")
+    at = 0
+    for i, u in enumerate(used):
+        tables[i, :u] = perm[at: at + u]
+        at += u
+    kc = torch.randn(sum(used) + 1, HKV, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn(sum(used) + 1, HKV, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(b, dtype=torch.int64, device="cuda"),
+                             block_tables=tables, max_seq_len=max_seq_len,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"))
+    return kc, vc, meta
+
+
+def ref_decode_one(q, kc, vc, tables, n):
+    pages = tables[: -(-n // PAGE)].long()
+    k = kc[pages].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]
+    v = vc[pages].permute(0, 2, 1, 3).reshape(-1, HKV, D)[:n]
+    return ref_attention(q[None], k, v, False)[0]
+
+
+def ref_causal(q, k, v, rows: int = 1024) -> torch.Tensor:
+    """float64 causal attention of one request, by blocks of query rows (a full 8192^2 map is 17 GB)."""
+    return torch.cat([ref_attention(q[r:r + rows], k[: r + rows], v[: r + rows], True)
+                      for r in range(0, q.shape[0], rows)])
+
+
+def mixed_lens(b: int, longest: int, gen: torch.Generator) -> list[int]:
+    lens = torch.randint(1, longest + 1, (b,), generator=gen, device="cuda").tolist()
+    lens[:3] = [1, PAGE, longest][: b]  # a one-token request, an exactly full page, the longest
+    return lens
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("lens", [[1, 17, 300, 1024, 2500, 77], [8192]])
+def test_prefill_varlen(name, lens, nan_empty):
+    gen = torch.Generator(device="cuda").manual_seed(sum(lens))
+    be = make(name)
+    q, k, v = packed_qkv(sum(lens), gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu, max_seqlen=max(lens),
+                             slot_mapping=torch.zeros(sum(lens), dtype=torch.int64, device="cuda"))
+    out = be.prefill(q, k, v, meta)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    b = cu.tolist()
+    for i, (s, e) in enumerate(zip(b[:-1], b[1:])):
+        err = rel_err(out[s:e], ref_causal(q[s:e], k[s:e], v[s:e]))
+        assert err < BF16_TOL, f"{name} request {i} (len {e - s}): rel err {err:.2e}"
+
+
+DECODE_CASES = [  # (batch, longest seq_len, static max_seq_len)
+    (8, 3000, 4096),       # v2: 256 rows, 4 partitions
+    (64, 5000, 8192),      # v1: 2048 rows
+    (64, 20000, 32768),    # v2: past 8192
+    (4, 131072, 131072),   # v2 with 128 partitions: llama-3.1's full context
+]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("b,longest,max_seq_len", DECODE_CASES)
+def test_paged_decode(name, b, longest, max_seq_len, nan_empty):
+    gen = torch.Generator(device="cuda").manual_seed(b * longest)
+    be = make(name)
+    lens = mixed_lens(b, longest, gen)
+    kc, vc, meta = paged(lens, max_seq_len, gen)
+    q = packed_qkv(b, gen)[0]  # strided, like the model's
+    out = be.decode(q, kc, vc, meta)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and not out.isnan().any()
+    for i, n in enumerate(lens):
+        err = rel_err(out[i], ref_decode_one(q[i], kc, vc, meta.block_tables[i], n))
+        path = "v1" if use_v1(b, HQ, max_seq_len) else "v2"
+        assert err < BF16_TOL, f"{name} request {i} (len {n}, aiter path {path}): rel err {err:.2e}"
+
+
+def test_decode_cases_cover_both_aiter_paths():
+    paths = {use_v1(b, HQ, m) for b, _, m in DECODE_CASES}
+    assert paths == {True, False}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (32, 16384)])  # v1, v2 (scratch in the graph pool)
+def test_decode_graph_replay_equals_eager(name, b, max_seq_len):
+    gen = torch.Generator(device="cuda").manual_seed(b + max_seq_len)
+    be = make(name)
+    kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)  # every page valid for any later length
+    q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        be.decode(q, kc, vc, meta)  # warm-up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = be.decode(q, kc, vc, meta)
+    for trial in range(2):  # new inputs into the static buffers, then replay
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
+        meta.seq_lens.copy_(torch.randint(1, max_seq_len + 1, (b,), generator=gen, device="cuda"))
+        graph.replay()
+        eager = be.decode(q, kc, vc, meta)
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert torch.equal(out, eager), f"{name} trial {trial}: replay differs from eager"
+        i = int(meta.seq_lens.argmax())
+        n = int(meta.seq_lens[i])
+        assert rel_err(out[i], ref_decode_one(q[i], kc, vc, meta.block_tables[i], n)) < BF16_TOL
+
+
+@pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (8, 4096), (32, 16384), (4, 131072)])
+def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len):
+    """What one aiter_triton decode allocates besides its output is per_call_workspace_bytes (v2: the
+    budget's triton_decode_workspace_bytes; v1: nothing), up to the allocator's 512-byte rounding."""
+    be = make("aiter_triton")
+    kc, vc, meta = paged([17] * b, max_seq_len, torch.Generator(device="cuda").manual_seed(b))
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    be.decode(q, kc, vc, meta)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    be.decode(q, kc, vc, meta)
+    torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
+    expected = AiterTritonBackend.per_call_workspace_bytes(b, HQ, D, max_seq_len, 2)
+    assert (expected == 0) is use_v1(b, HQ, max_seq_len)
+    assert expected <= scratch <= expected + 3 * 512, (scratch, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_store_kv_then_decode(name):
+    """The runner's path: K/V written by store_kv at slot_mapping are what decode reads."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    be = make(name)
+    n = 1000
+    kc = torch.zeros(80, HKV, PAGE, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    pages = torch.randperm(80, generator=gen, device="cuda")[: -(-n // PAGE)].to(torch.int32)
+    slots = (pages.long()[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)[:n]
+    k, v = (torch.randn(n, HKV, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    be.store_kv(k, v, kc, vc, slots)
+    q = torch.randn(1, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=slots[-1:], block_tables=pages[None],
+                             seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"), max_seq_len=n)
+    assert rel_err(be.decode(q, kc, vc, meta), ref_attention(q, k, v, False)) < BF16_TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(37, 4096), (300, HQ, D), (1, 4096)])
+def test_rms_norm(name, shape, nan_empty):
+    gen = torch.Generator(device="cuda").manual_seed(shape[0])
+    be = make(name)
+    x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 4
+    w = torch.randn(shape[-1], generator=gen, device="cuda", dtype=torch.bfloat16)
+    out = be.rms_norm(x, w, 1e-6)
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
+    assert rel_err(out, ref_rms_norm(x, w, 1e-6)) < BF16_TOL
