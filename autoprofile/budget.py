@@ -212,5 +212,5 @@ def give_up_diagnostic(g: GiveUp) -> str:
         f"  --canary_mb (now {f.get('canary_mb')})   headroom held through validation",
         f"  --shrink_ratio (now {f.get('shrink_ratio')}) / --max_retries (now {f.get('max_retries')})",
         f"  --tp (now {f.get('tp')})   spread weights and KV over more GPUs",
-        "  or free the GPU: other processes hold memory on it" if g.peers else "  --disable_cudagraph   drop the decode graph pools",
-    ])
+        "  --disable_cudagraph   drop the decode graph pools",
+    ] + ([f"  or free the GPU: other processes hold {gib(g.peers):.2f} GiB on it"] if g.peers else []))

@@ -84,8 +84,10 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def validate(cfg: ServerConfig) -> ServerConfig:
-    """Check every flag and combination; return cfg unchanged or raise ConfigError. CPU only."""
+def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
+    """Check every flag and combination; return cfg unchanged or raise ConfigError. CPU only.
+
+    serving=False (autoprofile plan) also accepts architectures the engine cannot run yet (MoE)."""
     _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
     _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
            f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; try 1.0")
@@ -122,9 +124,10 @@ def validate(cfg: ServerConfig) -> ServerConfig:
         m = cfg.model_config
     except ValueError as e:
         raise ConfigError("model", f"{e}") from None
-    _check(m.runnable, "model",
+    _check(m.runnable or not serving, "model",
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
-           f"choose a dense Llama/Qwen model such as {', '.join(n for n in builtin_models() if 'moe' not in n)}")
+           f"choose a dense Llama/Qwen model such as "
+           f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
            f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
@@ -175,9 +178,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
 
 
-def config_from_args(ns: argparse.Namespace) -> ServerConfig:
+def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.report_dir == "":
         cfg = cfg.replace(report_dir=None)
-    return validate(cfg)
+    return validate(cfg, serving)

@@ -1,0 +1,343 @@
+"""`autoprofile plan`: the memory budget on paper, without a GPU.
+
+The same solver as the profiler (budget.solve_target_tokens with a budget.Sizing), fed with exact
+terms where the arithmetic is exact (weights, KV per token, declared workspaces, request table) and
+ESTIMATES where only a GPU can tell (activation peak, graph pools, CUDA context). On the GPU the
+profiler measures the estimated rows instead; each row says which it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from autoprofile import budget
+from autoprofile.budget import GiB, MiB, gib
+from autoprofile.config import DTYPE_BYTES, ServerConfig
+from models.config import ModelConfig
+
+CUDA_CONTEXT_ESTIMATE = 512 * MiB  # CUDA context + cuBLAS/Triton module memory of one process, typical
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    total: int  # bytes, as the driver reports the whole card
+    vendor: str  # "nvidia" | "amd" | "unknown"
+    source: str
+
+
+# Totals as the driver reports them (nvidia-smi / rocm-smi), not the marketing GB.
+GPUS = MappingProxyType({
+    "h100": Card("h100", 81559 * MiB, "nvidia", "nvidia-smi, H100 80GB HBM3"),
+    "h200": Card("h200", 143771 * MiB, "nvidia", "nvidia-smi, H200 141GB"),
+    "a100-80g": Card("a100-80g", 81920 * MiB, "nvidia", "nvidia-smi, A100-SXM4-80GB"),
+    "a100-40g": Card("a100-40g", 40960 * MiB, "nvidia", "nvidia-smi, A100-SXM4-40GB"),
+    "l40s": Card("l40s", 46068 * MiB, "nvidia", "nvidia-smi, L40S"),
+    "mi300x": Card("mi300x", 205822885888, "amd", "rocm-smi VRAM Total Memory, MI300X"),
+    "mi325x": Card("mi325x", 262128 * MiB, "amd", "PyTorch 'total capacity of 255.98 GiB', 256 GB Instinct"),
+    "mi355x": Card("mi355x", 288 * GiB, "amd", "nominal 288 GiB HBM3E (no driver reading at hand)"),
+})
+
+
+def card_for(gpu: str | None, gpu_memory_gib: float | None) -> Card:
+    """A known card by name, or a card of the given size (vendor unknown). Exactly one must be given."""
+    if gpu is not None:
+        return GPUS[gpu]
+    assert gpu_memory_gib is not None and gpu_memory_gib > 0
+    return Card(f"{gpu_memory_gib:g} GiB", int(gpu_memory_gib * GiB), "unknown", "--gpu_memory_gib")
+
+
+@dataclass(frozen=True)
+class Row:
+    term: str
+    bytes: int
+    how: str  # input | exact | declared | ESTIMATED | assumed
+    on_gpu: str  # how the profiler gets this term on the GPU
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    architecture: str
+    gpu: str
+    gpu_source: str
+    total: int
+    tp: int
+    attention_backend: str
+    dtype: str
+    kv_dtype: str
+    context_len: int
+    page_size: int
+    batch_max_tokens: int
+    graph_max_batch_size: int
+    mem_fraction: float
+    cell_bytes: int
+    fixed: tuple[Row, ...]  # subtracted from total before solving
+    available: int  # total - fixed: what the T-sized terms share (before mem_fraction)
+    tokens: int  # predicted max_total_token_num
+    max_num_reqs: int
+    sized: tuple[Row, ...]  # KV, workspace, request table at `tokens`
+    slack: int  # available - sized: what mem_fraction and page rounding leave unused
+    min_tokens: int  # the profiler refuses a target below this
+    pinned_tokens: int | None
+    warnings: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+# ---------------------------------------------------------------- exact terms
+@dataclass(frozen=True)
+class WeightSplit:
+    """Parameter counts by how tensor parallelism splits them (engine/parallel.py)."""
+
+    layers: int  # attention and MLP linears (+ qkv bias): split by heads / intermediate columns
+    vocab: int  # embedding (+ untied lm_head): vocab-parallel, ceil(vocab/tp) rows per rank
+    replicated: int  # norms, q/k norms, MoE router: whole on every rank
+
+    def per_rank(self, m: ModelConfig, tp: int) -> int:
+        tables = 1 if m.tie_word_embeddings else 2
+        return self.layers // tp + tables * math.ceil(m.vocab_size / tp) * m.hidden_size + self.replicated
+
+
+def weight_split(m: ModelConfig) -> WeightSplit:
+    h = m.hidden_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0)
+    mlp = m.num_experts * 3 * h * m.moe_intermediate_size if m.num_experts else 3 * h * m.intermediate_size
+    layers = m.num_layers * (attn + mlp)
+    vocab = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
+    return WeightSplit(layers, vocab, m.num_params() - layers - vocab)
+
+
+def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
+    return weight_split(m).per_rank(m, tp) * dtype_bytes
+
+
+def rope_table_bytes(m: ModelConfig, context_len: int) -> int:
+    """The model's cos/sin buffer: [max_req_total_len, head_dim] fp32."""
+    return context_len * m.head_dim * 4
+
+
+def resolve_backend(name: str, vendor: str) -> str:
+    """What --attention_backend auto picks: native AITER on ROCm, AITER Triton elsewhere."""
+    if name != "auto":
+        return name
+    return "aiter" if vendor == "amd" else "aiter_triton"
+
+
+def backend_class(name: str):
+    """The backend's class, for its declared formulas only (never built here, so no GPU is needed)."""
+    from autoprofile.engine.attention import BACKENDS
+    return BACKENDS[name]
+
+
+# ---------------------------------------------------------------- estimated terms
+def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> int:
+    """Largest live set inside one decoder layer for `tokens` tokens on one rank: residual + normed input
+    + fp32 RMSNorm temporary, then the larger of attention (qkv, attention output, o_proj output) and
+    the MLP (gate_up, activation, down output; MoE: top-k copies of the hidden state in and out)."""
+    h = m.hidden_size
+    q = m.num_heads * m.head_dim // tp
+    kv = max(m.num_kv_heads // tp, 1) * m.head_dim
+    attn = (q + 2 * kv) + q + h
+    if m.num_experts:
+        inter = m.num_experts_per_tok * m.moe_intermediate_size // tp
+        mlp = 3 * inter + h + 2 * m.num_experts_per_tok * h
+    else:
+        mlp = 3 * (m.intermediate_size // tp) + h
+    return tokens * ((2 * h + max(attn, mlp)) * dtype_bytes + 4 * h)
+
+
+def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
+    """Sampling over the full vocab for `rows` requests: lm_head logits (dtype), fp32 logits, softmax
+    probabilities, sorted values (fp32) + indices (int64), cumulative sum (fp32)."""
+    return rows * vocab * (dtype_bytes + 4 + 4 + 4 + 8 + 4)
+
+
+def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: int) -> Row:
+    """Layers run first, sampling after them (only the last hidden state is still live): the peak is the
+    larger of the two, not their sum."""
+    layers = layer_live_bytes(m, tokens, tp, dtype_bytes)
+    sample = sampling_bytes(rows, m.vocab_size, dtype_bytes) + tokens * m.hidden_size * dtype_bytes
+    return Row("prefill activation peak", max(layers, sample), "ESTIMATED", "measured in the probe peak",
+               f"max of one layer's live set for --batch_max_tokens {tokens} ({gib(layers):.2f} GiB: "
+               "residual, normed input, fp32 norm temp, then qkv + attention output or gate_up + activation "
+               f"+ down output) and sampling {rows} rows over vocab {m.vocab_size} ({gib(sample):.2f} GiB: "
+               "logits in dtype and fp32, softmax, sorted values + int64 indices, cumsum, final hidden "
+               "states)")
+
+
+def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:
+    """Static graph inputs/outputs: ids, positions, slot mapping (int64), seq lens (int32), block tables
+    [gmbs, ceil(context/page)] int32, output hidden states."""
+    return gmbs * (3 * 8 + 4 + math.ceil(context_len / page_size) * 4 + m.hidden_size * dtype_bytes)
+
+
+def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
+    """Per-call decode scratch at graph_max_batch_size; inside graphs it stays in the pool for good."""
+    gmbs, ctx, tp = cfg.graph_max_batch_size, cfg.context_len, cfg.tp
+    q_heads = m.num_heads // tp
+    where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
+    if backend == "aiter_triton":
+        n = backend_class(backend).per_call_workspace_bytes(gmbs, q_heads, m.head_dim, ctx,
+                                                            DTYPE_BYTES[cfg.dtype])
+        note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/1024) partitions"
+                if n else "AITER Triton takes its v1 path here: no scratch")
+        return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})", note)
+    if backend == "torch":
+        kv_heads = max(m.num_kv_heads // tp, 1)
+        n = 2 * gmbs * budget.round_up(ctx, cfg.page_size) * kv_heads * m.head_dim * cfg.kv_dtype_bytes
+        return Row("decode attention scratch", n, "ESTIMATED", f"measured in the probe ({where})",
+                   f"torch SDPA reads dense K/V: pages of {gmbs} seqs x {ctx} tokens gathered per layer")
+    return Row("decode attention scratch", 0, "declared", "none",
+               "native AITER decode uses its persistent workspace (solved with T below)")
+
+
+def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
+    m, tp, db = cfg.model_config, cfg.tp, DTYPE_BYTES[cfg.dtype]
+    gmbs, bmt = cfg.graph_max_batch_size, cfg.batch_max_tokens
+    split = weight_split(m)
+    rows = [
+        Row("CUDA context, non-torch", CUDA_CONTEXT_ESTIMATE, "ESTIMATED",
+            "measured: NVML per-process use - reserved",
+            "~0.5 GiB per process; NCCL buffers with --tp > 1 come on top"),
+        Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
+            f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
+            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"),
+        Row("rope table", rope_table_bytes(m, cfg.context_len), "exact", "measured in the probe peak",
+            f"cos/sin [{cfg.context_len}, {m.head_dim}] fp32"),
+        prefill_peak(m, bmt, min(gmbs, bmt), tp, db),
+    ]
+    if cfg.disable_cudagraph:
+        rows.append(Row("decode graph pools", 0, "exact", "none", "--disable_cudagraph"))
+    else:
+        from autoprofile.engine.cuda_graph import batch_ladder
+        ladder = batch_ladder(gmbs)
+        pool = (layer_live_bytes(m, gmbs, tp, db) + sum(ladder) * m.vocab_size * db
+                + graph_static_bytes(m, gmbs, cfg.context_len, cfg.page_size, db))
+        rows.append(Row("decode graph pools", pool, "ESTIMATED", "measured in the probe peak",
+                        f"{len(ladder)} graphs share one pool: the largest ({gmbs} seqs) layer live set, "
+                        f"every graph's captured logits ({sum(ladder)} rows x vocab), static buffers incl. "
+                        f"block tables for {cfg.context_len} tokens"))
+    rows += [
+        decode_scratch(cfg, m, backend),
+        Row("canary", cfg.canary_bytes, "input", "allocated through validation",
+            f"--canary_mb {cfg.canary_mb}"),
+        Row("peers (other processes)", 0, "assumed", "measured: NVML / mem_get_info", "an idle card"),
+    ]
+    return tuple(rows)
+
+
+# ---------------------------------------------------------------- the plan
+def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
+    """The Sizing the engine uses: the backend's declared persistent workspace (native AITER's; 0 for the
+    others) solved together with T."""
+    m, cls = cfg.model_config, backend_class(backend)
+    q_heads = m.num_heads // cfg.tp
+
+    def workspace(reqs: int, longest: int) -> int:
+        return cls.workspace_bytes(reqs, longest, q_heads, m.head_dim)
+
+    return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
+                         cfg.running_max_req_size, workspace)
+
+
+def min_tokens(cfg: ServerConfig) -> int:
+    """The profiler refuses targets below one full-length request / one prefill batch / one graph batch."""
+    return max(cfg.context_len, cfg.batch_max_tokens, cfg.graph_max_batch_size * cfg.page_size)
+
+
+def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
+    reqs = sizing.max_reqs(tokens)
+    table = budget.req_table_bytes(reqs, sizing.context_len, sizing.page_size)
+    workspace = sizing.overhead(tokens) - table
+    ws_note = (f"{reqs} reqs x q heads x ceil(min({sizing.context_len}, T)/256) partitions x (4*head_dim + 8)"
+               if backend == "aiter" else "none persistent for this backend")
+    return (
+        Row("KV cache", tokens * sizing.cell_bytes, "exact", "allocated at the target",
+            f"T x {sizing.cell_bytes:,} B/token"),
+        Row("attention workspace", workspace, "declared", "allocated at the target (solved with T)", ws_note),
+        Row("request table", table, "declared", "allocated at the target (solved with T)",
+            f"{reqs} reqs x (ceil({sizing.context_len}/{sizing.page_size}) + 2) x int32"),
+    )
+
+
+def plan_warnings(cfg: ServerConfig, tokens: int, floor: int, backend: str) -> tuple[str, ...]:
+    out = []
+    if tokens < floor:
+        out.append(f"the predicted cache ({tokens} tokens) is below {floor}, the least one request of "
+                   f"--max_req_total_len {cfg.context_len} / one prefill batch needs: the profiler would "
+                   "refuse. "
+                   "Lower --max_req_total_len or --batch_max_tokens, raise --tp, or use a bigger card.")
+    if cfg.max_total_token_num is not None and cfg.max_total_token_num > tokens:
+        out.append(f"--max_total_token_num {cfg.max_total_token_num} is above the predicted {tokens}: "
+                   "expect validation to fail on this card.")
+    if backend == "torch" and not cfg.disable_cudagraph:
+        out.append("the torch backend is the numerical reference: its decode gathers dense K/V at "
+                   "--max_req_total_len inside the graph pool; use aiter_triton for serving.")
+    return tuple(out)
+
+
+def make_plan(cfg: ServerConfig, card: Card) -> Plan:
+    """Pure: the budget breakdown and the predicted max_total_token_num for `cfg` on `card` (per TP rank)."""
+    backend = resolve_backend(cfg.attention_backend, card.vendor)
+    fixed = fixed_rows(cfg, backend)
+    available = card.total - sum(r.bytes for r in fixed)
+    sizing = sizing_for(cfg, backend)
+    tokens = budget.solve_target_tokens(available, sizing, cfg.mem_fraction)
+    sized = sized_rows(sizing, tokens, backend)
+    floor = min_tokens(cfg)
+    gpu = card.name if card.vendor != "unknown" or cfg.attention_backend != "auto" else \
+        f"{card.name} (vendor unknown: auto = aiter_triton; pass --attention_backend aiter for ROCm)"
+    return Plan(
+        model=cfg.model_config.name, architecture=cfg.model_config.architecture, gpu=gpu,
+        gpu_source=card.source,
+        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype_name,
+        context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
+        graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
+        cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,
+        max_num_reqs=sizing.max_reqs(tokens), sized=sized, slack=available - sum(r.bytes for r in sized),
+        min_tokens=floor, pinned_tokens=cfg.max_total_token_num,
+        warnings=plan_warnings(cfg, tokens, floor, backend),
+    )
+
+
+# ---------------------------------------------------------------- text
+def _line(sign: str, r: Row) -> str:
+    return f"  {sign} {r.term:<28} {gib(r.bytes):>9.2f} {r.bytes:>16,}  {r.how:<9}  {r.on_gpu}"
+
+
+def format_plan(p: Plan) -> str:
+    head = [
+        f"autoprofile plan: {p.model} ({p.architecture}) on {p.gpu}, per TP rank (--tp {p.tp})",
+        f"  attention backend {p.attention_backend}, weights {p.dtype}, KV {p.kv_dtype}, "
+        f"context {p.context_len} tokens, page {p.page_size}, --batch_max_tokens {p.batch_max_tokens}, "
+        f"--graph_max_batch_size {p.graph_max_batch_size}, --mem_fraction {p.mem_fraction}",
+        "",
+        f"    {'term':<28} {'GiB':>9} {'bytes':>16}  {'how':<9}  on the GPU",
+        f"    {'GPU total':<28} {gib(p.total):>9.2f} {p.total:>16,}  {'input':<9}  measured: "
+        f"mem_get_info ({p.gpu_source})",
+    ]
+    body = [_line("-", r) for r in p.fixed]
+    body.append(f"  = {'available for T-sized terms':<28} {gib(p.available):>9.2f} {p.available:>16,}")
+    body += [_line("-", r) for r in p.sized]
+    body.append(f"  = {'slack (mem_fraction, pages)':<28} {gib(p.slack):>9.2f} {p.slack:>16,}")
+    kv = p.sized[0].bytes
+    tail = [
+        "",
+        f"  KV per token: {p.cell_bytes:,} B ({p.cell_bytes / 1024:.2f} KiB) over all layers, this rank",
+        f"  predicted --max_total_token_num: {p.tokens:,} tokens ({gib(kv):.2f} GiB KV), "
+        f"max_num_reqs {p.max_num_reqs}",
+        "  solved as: largest page-aligned T with",
+        "             T x cell <= (available - workspace(T) - table(T)) x mem_fraction",
+        "  how: exact = arithmetic; declared = the allocation's own formula;",
+        "       ESTIMATED = a guess the profiler replaces with a measurement on the GPU",
+    ]
+    notes = ["", "  notes:"] + [f"    {r.term}: {r.note}" for r in (*p.fixed, *p.sized) if r.note]
+    warns = [""] + [f"  WARNING: {w}" for w in p.warnings] if p.warnings else []
+    return "\n".join(head + body + tail + notes + warns)

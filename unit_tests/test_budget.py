@@ -1,0 +1,222 @@
+"""The budget arithmetic against the public cases (seeds 000 and 001) and the solver's defining inequality."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autoprofile import budget
+from autoprofile.budget import GiB, Sizing
+from models.config import load_model_config
+
+LLAMA_Q_HEADS, HEAD_DIM = 32, 128
+
+
+def aiter_ws(q_heads: int = LLAMA_Q_HEADS, head_dim: int = HEAD_DIM):
+    """The native AITER workspace as a Sizing callback (max_num_reqs, longest sequence) -> bytes."""
+    return lambda reqs, longest: budget.aiter_workspace_bytes(
+        reqs, q_heads, head_dim, budget.aiter_num_partitions(longest))
+
+
+# ---------------------------------------------------------------- AITER workspace: the public numbers
+def test_llama_aiter_workspace_full_context_is_16_25_gib():
+    parts = budget.aiter_num_partitions(131072)
+    assert parts == 512
+    ws = budget.aiter_workspace_bytes(2048, LLAMA_Q_HEADS, HEAD_DIM, parts)
+    assert ws == 2048 * 32 * 512 * (4 * 128 + 8)
+    assert ws / GiB == 16.25
+
+
+def test_llama_aiter_workspace_capped_by_cache_is_3_17_gib():
+    parts = budget.aiter_num_partitions(131072, tokens=25432)
+    assert parts == 100
+    ws = budget.aiter_workspace_bytes(2048, LLAMA_Q_HEADS, HEAD_DIM, parts)
+    assert ws / GiB == pytest.approx(3.17, abs=0.005)
+    # The same cap applies through Sizing: no sequence outgrows a 25,432-token cache.
+    s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, workspace=aiter_ws())
+    assert s.max_reqs(25432) == 2048
+    assert s.overhead(25432) == ws + budget.req_table_bytes(2048, 131072, 16)
+
+
+def test_qwen3_30b_a3b_aiter_workspace_is_65_gib():
+    m = load_model_config("qwen3-30b-a3b")
+    assert (m.num_heads, m.head_dim, m.max_position_embeddings) == (32, 128, 262144)
+    ws = budget.aiter_workspace_bytes(4096, m.num_heads, m.head_dim, budget.aiter_num_partitions(262144))
+    assert ws / GiB == 65.0
+
+
+def test_partitions_round_up_and_cap():
+    assert budget.aiter_num_partitions(257) == 2
+    assert budget.aiter_num_partitions(131072, tokens=10**9) == 512  # cache larger than the context: no cap
+    assert budget.aiter_num_partitions(131072, tokens=0) == 0
+
+
+# ---------------------------------------------------------------- KV per token
+def test_cell_bytes_llama_bf16():
+    m = load_model_config("llama-3.1-8b")
+    assert budget.cell_bytes_for(m, 2) == 131072 == 2 * 8 * 128 * 32 * 2
+
+
+def test_cell_bytes_split_per_tp_rank():
+    m = load_model_config("llama-3.1-8b")
+    assert budget.cell_bytes_for(m, 2, tp=2) == 131072 // 2
+    assert budget.cell_bytes_for(m, 2, tp=8) == 131072 // 8
+    # 16 ranks, 8 KV heads: each rank keeps one (replicated) head, not half a head.
+    assert budget.cell_bytes_for(m, 2, tp=16) == 131072 // 8
+
+
+def test_cell_bytes_fp32_doubles():
+    assert budget.kv_cell_bytes(32, 8, 128, 4) == 2 * budget.kv_cell_bytes(32, 8, 128, 2)
+
+
+def test_mla_cell_bytes_formula_and_dispatch():
+    # DeepSeek-V3-like: 61 layers, kv_lora_rank 512, rope dim 64.
+    assert budget.mla_cell_bytes(61, 512, 64, 2) == (512 + 64) * 61 * 2 == 70272
+    m = load_model_config("llama-3.1-8b")
+    import dataclasses
+    mla = dataclasses.replace(m, kv_lora_rank=512, qk_rope_head_dim=64, num_layers=61)
+    assert mla.is_mla
+    assert budget.cell_bytes_for(mla, 2, tp=8) == 70272  # latent replicated on every rank
+
+
+# ---------------------------------------------------------------- max_num_reqs regions
+@pytest.mark.parametrize("tokens, context, expected", [
+    (0, 131072, 2048),                   # floor
+    (25432, 131072, 2048),               # floor: 99 by the linear rule
+    (131072 * 4, 131072, 2048),          # 2048 exactly at the knee
+    (131072 * 6, 131072, 3072),          # linear
+    (4096 * 5, 4096, 2560),              # linear, short context
+    (131072 * 8, 131072, 4096),          # 4096 exactly at the cap
+    (10**9, 4096, 4096),                 # cap
+])
+def test_default_max_num_reqs_regions(tokens, context, expected):
+    assert budget.default_max_num_reqs(tokens, context) == expected
+
+
+def test_running_max_req_size_overrides_rule():
+    assert budget.max_num_reqs(10**9, 4096, 100) == 100
+    assert budget.max_num_reqs(10**9, 4096, None) == 4096
+
+
+# ---------------------------------------------------------------- the solver
+def fits(tokens: int, available: int, s: Sizing, mem_fraction: float) -> bool:
+    """The solver's defining inequality, written out independently of solve_target_tokens."""
+    return tokens * s.cell_bytes <= (available - s.overhead(tokens)) * mem_fraction
+
+
+def check_solution(available: int, s: Sizing, mem_fraction: float) -> int:
+    t = budget.solve_target_tokens(available, s, mem_fraction)
+    assert t % s.page_size == 0 and t >= 0
+    if t > 0:
+        assert fits(t, available, s, mem_fraction)
+    assert not fits(t + s.page_size, available, s, mem_fraction)
+    return t
+
+
+@pytest.mark.parametrize("available_gib, region", [(3, "floor"), (6, "linear"), (100, "cap")])
+def test_solver_in_each_clamp_region(available_gib, region):
+    context = 8192
+    s = Sizing(cell_bytes=131072, context_len=context, page_size=16, workspace=aiter_ws())
+    t = check_solution(available_gib * GiB, s, 1.0)
+    reqs = budget.default_max_num_reqs(t, context)
+    assert {"floor": reqs == 2048, "linear": 2048 < reqs < 4096, "cap": reqs == 4096}[region], (t, reqs)
+    # The workspace really is charged: the same budget without it fits strictly more tokens.
+    assert budget.solve_target_tokens(available_gib * GiB, Sizing(131072, context, 16), 1.0) > t
+
+
+def test_solver_random_inputs():
+    rng = random.Random(1234)
+    for _ in range(400):
+        page = rng.choice([16, 32, 64, 128, 256])
+        context = rng.choice([512, 2048, 4096, 32768, 131072, 262144])
+        s = Sizing(
+            cell_bytes=rng.choice([4096, 49152, 65536, 98304, 131072, 70272]),
+            context_len=context, page_size=page,
+            running_max_req_size=rng.choice([None, None, 1, 64, 5000]),
+            workspace=rng.choice([None, aiter_ws(rng.choice([4, 16, 32, 64]), rng.choice([64, 128]))]),
+        )
+        available = rng.randint(-GiB, 300 * GiB)
+        check_solution(available, s, rng.choice([1.0, 0.95, 0.5, 0.1]))
+
+
+def test_solver_nothing_available_gives_zero():
+    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, workspace=aiter_ws())
+    assert budget.solve_target_tokens(-5 * GiB, s, 1.0) == 0
+    assert budget.solve_target_tokens(0, s, 1.0) == 0
+
+
+def test_mem_fraction_scales_the_budget_exactly():
+    # With a fixed request count the overhead is a constant O: T = floor_page((A - O) * f / cell).
+    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, running_max_req_size=512)
+    a = 60 * GiB
+    o = s.overhead(0)
+    for f in (1.0, 0.9, 0.5, 0.25):
+        expected = int((a - o) * f // 131072) // 16 * 16
+        assert budget.solve_target_tokens(a, s, f) == expected
+    assert budget.solve_target_tokens(a, s, 0.5) < budget.solve_target_tokens(a, s, 0.9)
+
+
+# ---------------------------------------------------------------- retries
+def test_shrink_schedule_four_sizes_for_three_retries():
+    sizes = budget.shrink_schedule(500_000, 0.95, 3, 16)
+    assert len(sizes) == 4 and sizes[0] == 500_000
+    assert all(a > b for a, b in zip(sizes, sizes[1:]))
+    assert all(s % 16 == 0 for s in sizes[1:])
+    assert sizes[1] == 474_992 and sizes[3] == pytest.approx(500_000 * 0.95 ** 3, rel=1e-3)
+
+
+def test_shrink_always_drops_at_least_a_page():
+    # 5% of 64 tokens is less than a page: still strictly smaller and page aligned.
+    sizes = budget.shrink_schedule(64, 0.95, 3, 16)
+    assert sizes == [64, 48, 32, 16]
+    assert budget.shrink(0, 0.95, 16) == 0
+
+
+# ---------------------------------------------------------------- measurement terms
+def test_peers_floored_at_zero():
+    assert budget.peer_bytes(total=80, free=70, own_reserved=20, own_non_torch_bytes=5) == 0
+    assert budget.peer_bytes(total=100, free=40, own_reserved=30, own_non_torch_bytes=10) == 20
+
+
+def test_own_non_torch_with_and_without_nvml():
+    assert budget.own_non_torch(process_used=12, own_reserved=10, total=100, free=50) == 2
+    assert budget.own_non_torch(process_used=None, own_reserved=10, total=100, free=50) == 40  # pessimistic
+    assert budget.own_non_torch(process_used=5, own_reserved=10, total=100, free=50) == 0
+
+
+def test_non_kv_peak_and_available():
+    assert budget.non_kv_peak(peak_reserved=30, probe_sized_bytes=10) == 20
+    assert budget.non_kv_peak(peak_reserved=5, probe_sized_bytes=10) == 0
+    assert budget.available_bytes(total=100, own_non_torch_bytes=1, non_kv=20, peers=4, canary=2) == 73
+
+
+def test_probe_tokens_covers_both_stresses():
+    assert budget.probe_tokens(8192, 256, 16) == 8192
+    assert budget.probe_tokens(1000, 512, 16) == 512 * 2 * 16
+    assert budget.probe_tokens(1001, 1, 16) == 1008
+
+
+# ---------------------------------------------------------------- the give-up diagnostic
+FLAGS = {"batch_max_tokens": 8192, "graph_max_batch_size": 256, "max_req_total_len": 131072,
+         "running_max_req_size": None, "mem_fraction": 1.0, "canary_mb": 256, "shrink_ratio": 0.95,
+         "max_retries": 3, "tp": 1, "page_size": 16}
+KNOBS = ["--max_total_token_num", "--batch_max_tokens", "--graph_max_batch_size", "--max_req_total_len",
+         "--running_max_req_size", "--mem_fraction", "--canary_mb", "--shrink_ratio", "--max_retries", "--tp",
+         "--disable_cudagraph"]
+
+
+@pytest.mark.parametrize("peers", [0, 3 * GiB])
+def test_diagnostic_names_every_knob_and_figure(peers):
+    g = budget.GiveUp(initial_tokens=400_000, last_tokens=342_000, attempts=4, cell_bytes=131072,
+                      peak_reserved=70 * GiB, total=80 * GiB, canary=256 << 20, peers=peers,
+                      last_error="OutOfMemoryError: CUDA out of memory", flags=FLAGS)
+    text = budget.give_up_diagnostic(g)
+    for knob in KNOBS:
+        assert knob in text, knob
+    for figure in ("400000 tokens", "342000 tokens", "4 attempt(s)", "70.00 GiB", "80.00 GiB", "0.25 GiB",
+                   f"{peers / GiB:.2f} GiB", "OutOfMemoryError: CUDA out of memory", "(now 8192)",
+                   "(now 256)"):
+        assert figure in text, figure
+    assert ("free the GPU" in text) == (peers > 0)
+    hint = int(text.split("--max_total_token_num ")[1].split()[0])
+    assert 0 < hint < 342_000 and hint % 16 == 0

@@ -1,0 +1,159 @@
+"""Bad flags end in exit code 2 with `error: --flag: ...` and a value that works, before any torch.cuda
+call; valid combinations get past validation."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoprofile import cli
+from autoprofile.config import ConfigError, ServerConfig, validate
+
+CUDA_ENTRY_POINTS = ("is_available", "init", "mem_get_info", "device_count", "current_device",
+                     "get_device_properties", "memory_reserved", "synchronize", "set_device")
+
+
+@pytest.fixture
+def cuda_spy(mocker):
+    """Every torch.cuda entry point the runtime could reach: records calls, raises if used."""
+    return {name: mocker.patch(f"torch.cuda.{name}", side_effect=AssertionError(f"torch.cuda.{name} touched"))
+            for name in CUDA_ENTRY_POINTS}
+
+
+def assert_cuda_untouched(spy) -> None:
+    touched = [name for name, m in spy.items() if m.called]
+    assert not touched, f"torch.cuda touched before validation: {touched}"
+
+
+# (bad argv, flag named, suggested working value as printed, argv with the suggestion applied)
+BAD = [
+    (["--tp", "0"], "tp", "--tp 1", ["--tp", "1"]),
+    (["--tp", "3"], "tp", "--tp 8", ["--tp", "8"]),
+    (["--tp", "16"], "tp", "--tp 8", ["--tp", "8"]),
+    (["--tp", "abc"], "tp", "--tp 1", ["--tp", "1"]),
+    (["--mem_fraction", "0"], "mem_fraction", "try 1.0", ["--mem_fraction", "1.0"]),
+    (["--mem_fraction", "1.5"], "mem_fraction", "try 1.0", ["--mem_fraction", "1.0"]),
+    (["--mem_fraction", "x"], "mem_fraction", "--mem_fraction 1.0", ["--mem_fraction", "1.0"]),
+    (["--batch_max_tokens", "0"], "batch_max_tokens", "try 8192", ["--batch_max_tokens", "8192"]),
+    (["--graph_max_batch_size", "0"], "graph_max_batch_size", "try 256", ["--graph_max_batch_size", "256"]),
+    (["--graph_max_batch_size", "2048"], "graph_max_batch_size", "try 256",
+     ["--graph_max_batch_size", "256"]),
+    (["--running_max_req_size", "0"], "running_max_req_size", "try 1000", ["--running_max_req_size", "1000"]),
+    (["--running_max_req_size", "100"], "graph_max_batch_size", "--graph_max_batch_size 100",
+     ["--running_max_req_size", "100", "--graph_max_batch_size", "100"]),
+    (["--max_total_token_num", "0"], "max_total_token_num", "leave it unset", []),
+    (["--max_total_token_num", "1000"], "max_total_token_num", "--max_total_token_num 131072",
+     ["--max_total_token_num", "131072"]),
+    (["--max_total_token_num", "5000", "--max_req_total_len", "4096"], "max_total_token_num",
+     "--max_total_token_num 8192", ["--max_total_token_num", "8192", "--max_req_total_len", "4096"]),
+    (["--max_req_total_len", "1"], "max_req_total_len", "try 4096", ["--max_req_total_len", "4096"]),
+    (["--max_req_total_len", "200000"], "max_req_total_len", "try 131072", ["--max_req_total_len", "131072"]),
+    (["--attention_backend", "flash"], "attention_backend", "aiter_triton",
+     ["--attention_backend", "aiter_triton"]),
+    (["--kv_dtype", "fp8"], "kv_dtype", "bfloat16", ["--kv_dtype", "bfloat16"]),
+    (["--kv_dtype", "float32"], "kv_dtype", "--kv_dtype auto", ["--kv_dtype", "auto"]),
+    (["--dtype", "int8"], "dtype", "bfloat16", ["--dtype", "bfloat16"]),
+    (["--page_size", "24"], "page_size", "try 16", ["--page_size", "16"]),
+    (["--page_size", "8"], "page_size", "try 16", ["--page_size", "16"]),
+    (["--page_size", "512"], "page_size", "try 16", ["--page_size", "16"]),
+    (["--canary_mb", "-1"], "canary_mb", "try 256", ["--canary_mb", "256"]),
+    (["--shrink_ratio", "1.0"], "shrink_ratio", "try 0.95", ["--shrink_ratio", "0.95"]),
+    (["--shrink_ratio", "0.1"], "shrink_ratio", "try 0.95", ["--shrink_ratio", "0.95"]),
+    (["--max_retries", "-1"], "max_retries", "try 3", ["--max_retries", "3"]),
+    (["--max_retries", "50"], "max_retries", "try 3", ["--max_retries", "3"]),
+    (["--port", "70000"], "port", "try 8000", ["--port", "8000"]),
+    (["--host", " "], "host", "try 127.0.0.1", ["--host", "127.0.0.1"]),
+    (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
+    (["--model", "qwen3-30b-a3b"], "model", "qwen3-8b", ["--model", "qwen3-8b"]),
+]
+
+
+def test_at_least_22_bad_cases():
+    assert len(BAD) >= 22
+
+
+@pytest.mark.parametrize("command", ["serve", "profile"])
+@pytest.mark.parametrize("argv, flag, suggestion, fixed", BAD, ids=[" ".join(c[0]) for c in BAD])
+def test_bad_flag_exits_2_naming_flag_and_fix(command, argv, flag, suggestion, fixed, cuda_spy, capsys):
+    assert cli.main([command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --{flag}: "), err
+    assert suggestion in err, err
+    assert_cuda_untouched(cuda_spy)
+
+
+@pytest.mark.parametrize("argv, flag, suggestion, fixed", BAD, ids=[" ".join(c[0]) for c in BAD])
+def test_suggested_value_really_works(argv, flag, suggestion, fixed, cuda_spy, capsys):
+    """The suggestion applied: validation passes (serve gets as far as looking for a GPU)."""
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    assert cli.main(["serve", *fixed]) == 1
+    assert "autoprofile plan" in capsys.readouterr().err
+
+
+def test_unknown_flag_exits_2(cuda_spy, capsys):
+    assert cli.main(["serve", "--mem-fraction", "0.9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mem-fraction: unknown flag"), err
+    assert_cuda_untouched(cuda_spy)
+
+
+def test_missing_command_exits_2(cuda_spy, capsys):
+    assert cli.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert_cuda_untouched(cuda_spy)
+
+
+def test_help_exits_0(capsys):
+    assert cli.main(["serve", "--help"]) == 0
+    assert "--max_total_token_num" in capsys.readouterr().out
+
+
+VALID = [
+    [],
+    ["--tp", "8"],
+    ["--tp", "2", "--mem_fraction", "0.9", "--port", "0"],
+    ["--max_total_token_num", "131072"],
+    ["--attention_backend", "torch", "--page_size", "1", "--kv_dtype", "float32"],
+    ["--attention_backend", "aiter", "--page_size", "256", "--dtype", "float16"],
+    ["--model", "tiny", "--max_req_total_len", "2048", "--batch_max_tokens", "1024",
+     "--max_total_token_num", "4096"],
+    ["--model", "qwen2.5-7b", "--tp", "4", "--running_max_req_size", "4096",
+     "--graph_max_batch_size", "1024"],
+    ["--model", "qwen3-8b", "--disable_cudagraph", "--report_dir", "", "--canary_mb", "0",
+     "--max_retries", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", VALID, ids=[" ".join(a) or "defaults" for a in VALID])
+def test_valid_combinations_pass_validation(argv, cuda_spy, capsys):
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    assert cli.main(["serve", *argv]) == 1  # validation passed; no GPU here
+    err = capsys.readouterr().err
+    assert "needs a CUDA/ROCm GPU" in err and "autoprofile plan" in err
+
+
+def test_model_folder_with_config_json(tmp_path, cuda_spy, capsys):
+    cfg = json.loads((__import__("models.config", fromlist=["CONFIG_DIR"]).CONFIG_DIR / "tiny/config.json")
+                     .read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    assert cli.main(["serve", "--model", str(tmp_path)]) == 1
+    assert cli.main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "error: --model: no config.json" in capsys.readouterr().err
+
+
+def test_moe_is_planned_but_not_served():
+    cfg = ServerConfig(model="qwen3-30b-a3b")
+    assert validate(cfg, serving=False) is cfg
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.flag == "model"
+
+
+def test_report_dir_empty_means_none():
+    ns = cli.build_parser().parse_args(["profile", "--report_dir", ""])
+    from autoprofile.config import config_from_args
+    assert config_from_args(ns).report_dir is None

@@ -1,0 +1,240 @@
+"""`autoprofile plan`: exact rows, the solver inequality with the printed terms, JSON."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from autoprofile import budget, cli
+from autoprofile.budget import GiB, MiB
+from autoprofile.config import ServerConfig, validate
+from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, weight_split
+
+LLAMA_PARAMS = 8_030_261_248
+
+
+def plan_for(gpu: str = "h100", **flags):
+    return make_plan(validate(ServerConfig(**flags), serving=False), GPUS[gpu])
+
+
+def row(rows, term):
+    return next(r for r in rows if r.term == term)
+
+
+def test_llama_on_h100_weights_and_cell():
+    p = plan_for()
+    assert p.total == 81559 * MiB
+    w = row(p.fixed, "weights")
+    assert w.bytes == LLAMA_PARAMS * 2
+    assert round(w.bytes / GiB, 2) == 14.96 and w.how == "exact"
+    assert p.cell_bytes == 128 * 1024
+    assert p.attention_backend == "aiter_triton"  # auto on an NVIDIA card
+
+
+def check_inequality(p, cfg):
+    """T x cell <= (available - workspace(T) - table(T)) x mem_fraction, using the plan's own printed terms,
+    and one more page would not fit."""
+    assert p.available == p.total - sum(r.bytes for r in p.fixed)
+    kv, ws, table = (r.bytes for r in p.sized)
+    assert kv == p.tokens * p.cell_bytes
+    assert p.tokens % p.page_size == 0
+    assert kv <= (p.available - ws - table) * p.mem_fraction
+    nxt = p.tokens + p.page_size
+    reqs = budget.max_num_reqs(nxt, p.context_len, cfg.running_max_req_size)
+    ws_next = 0
+    if p.attention_backend == "aiter":
+        m = cfg.model_config
+        ws_next = budget.aiter_workspace_bytes(reqs, m.num_heads // cfg.tp, m.head_dim,
+                                               budget.aiter_num_partitions(p.context_len, nxt))
+    table_next = budget.req_table_bytes(reqs, p.context_len, p.page_size)
+    assert nxt * p.cell_bytes > (p.available - ws_next - table_next) * p.mem_fraction
+    assert p.slack == p.available - kv - ws - table
+
+
+@pytest.mark.parametrize("gpu, flags", [
+    ("h100", {}),
+    ("h100", {"mem_fraction": 0.8}),
+    ("h200", {"tp": 2, "max_req_total_len": 32768}),
+    ("mi300x", {}),  # native AITER: workspace solved with T
+    ("mi325x", {"running_max_req_size": 1024, "graph_max_batch_size": 512}),
+    ("a100-40g", {"model": "qwen2.5-7b", "max_req_total_len": 8192}),
+    ("l40s", {"model": "qwen3-8b", "attention_backend": "torch", "page_size": 1, "max_req_total_len": 4096}),
+    ("mi355x", {"model": "qwen3-30b-a3b", "tp": 4}),
+])
+def test_predicted_tokens_satisfy_the_solver_inequality(gpu, flags):
+    cfg = validate(ServerConfig(**flags), serving=False)
+    check_inequality(make_plan(cfg, GPUS[gpu]), cfg)
+
+
+def test_native_aiter_workspace_is_charged():
+    p = plan_for("mi300x")
+    assert p.attention_backend == "aiter"
+    ws = row(p.sized, "attention workspace").bytes
+    parts = budget.aiter_num_partitions(131072, p.tokens)
+    assert ws == budget.aiter_workspace_bytes(p.max_num_reqs, 32, 128, parts) > 0
+    # Same card and flags with the Triton backend: no persistent workspace, more tokens.
+    t = plan_for("mi300x", attention_backend="aiter_triton")
+    assert row(t.sized, "attention workspace").bytes == 0 and t.tokens > p.tokens
+
+
+def test_triton_scratch_is_the_declared_v2_formula():
+    p = plan_for("h100")
+    assert row(p.fixed, "decode attention scratch").bytes == budget.triton_decode_workspace_bytes(
+        256, 32, 128, 131072, 2)
+    short = plan_for("h100", max_req_total_len=1024)  # one 1024-token partition: v1, no scratch
+    assert row(short.fixed, "decode attention scratch").bytes == 0
+
+
+def test_tp2_halves_weights_and_cell():
+    one, two = plan_for(), plan_for(tp=2)
+    split = weight_split(validate(ServerConfig()).model_config)
+    assert split.layers + split.vocab + split.replicated == LLAMA_PARAMS
+    assert split.replicated == 32 * 2 * 4096 + 4096  # two RMSNorms per layer + the final one
+    w1, w2 = row(one.fixed, "weights").bytes, row(two.fixed, "weights").bytes
+    assert w2 == ((split.layers + split.vocab) // 2 + split.replicated) * 2
+    assert 2 * w2 - w1 == split.replicated * 2  # exactly half, but for the replicated norms (< 1 MiB)
+    assert two.cell_bytes * 2 == one.cell_bytes
+    assert two.tokens > one.tokens
+
+
+def test_vocab_shards_round_up():
+    m = validate(ServerConfig(model="qwen2.5-7b")).model_config  # vocab 152064, 28 heads / 4 KV heads
+    split = weight_split(m)
+    per_rank = split.per_rank(m, 4)
+    assert per_rank == split.layers // 4 + 2 * (152064 // 4) * m.hidden_size + split.replicated
+    assert split.per_rank(m, 1) == m.num_params()
+
+
+def test_bigger_card_predicts_more_tokens():
+    tokens = [plan_for(g).tokens for g in ("a100-40g", "h100", "h200")]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+    assert make_plan(validate(ServerConfig()), card_for(None, 200)).tokens > tokens[-1]
+
+
+def test_mem_fraction_lowers_the_prediction():
+    assert plan_for(mem_fraction=0.5).tokens < plan_for(mem_fraction=0.9).tokens < plan_for().tokens
+
+
+def test_estimated_rows_are_marked():
+    p = plan_for()
+    how = {r.term: r.how for r in p.fixed}
+    assert how["CUDA context, non-torch"] == "ESTIMATED"
+    assert how["prefill activation peak"] == "ESTIMATED"
+    assert how["decode graph pools"] == "ESTIMATED"
+    assert how["weights"] == "exact"
+    assert row(p.fixed, "CUDA context, non-torch").bytes == 512 * MiB
+    assert all(r.on_gpu for r in (*p.fixed, *p.sized))
+    assert row(plan_for(disable_cudagraph=True).fixed, "decode graph pools").bytes == 0
+
+
+def test_moe_config_plans():
+    p = plan_for("h200", model="qwen3-30b-a3b")
+    m = validate(ServerConfig(model="qwen3-30b-a3b"), serving=False).model_config
+    assert row(p.fixed, "weights").bytes == m.num_params() * 2
+    assert p.cell_bytes == 2 * 4 * 128 * 48 * 2
+    assert p.tokens > 0 and p.architecture == "Qwen3MoeForCausalLM"
+
+
+def test_too_small_card_warns():
+    p = make_plan(validate(ServerConfig()), Card("tiny", 20 * GiB, "nvidia", "test"))
+    assert p.tokens < p.min_tokens
+    assert any("the profiler would refuse" in w for w in p.warnings)
+    assert "WARNING" in format_plan(p)
+
+
+def test_pinned_size_above_prediction_warns():
+    p = plan_for("a100-40g", max_req_total_len=4096, max_total_token_num=10_000_000)
+    assert any("--max_total_token_num 10000000" in w for w in p.warnings)
+
+
+def printed_bytes(text: str) -> dict[str, int]:
+    """term -> bytes from the printed table (`  - term   GiB   1,234  how ...`)."""
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s+[-=]?\s*(\S.*?)\s{2,}(-?\d+\.\d\d)\s+(-?[\d,]+)(\s|$)", line)
+        if m:
+            out[m.group(1)] = int(m.group(3).replace(",", ""))
+    return out
+
+
+@pytest.mark.parametrize("gpu, flags", [("h100", {}), ("mi300x", {"mem_fraction": 0.9}), ("h200", {"tp": 2})])
+def test_printed_terms_satisfy_the_inequality(gpu, flags):
+    cfg = validate(ServerConfig(**flags))
+    text = format_plan(make_plan(cfg, GPUS[gpu]))
+    b = printed_bytes(text)
+    def number(pattern: str) -> int:
+        return int(re.search(pattern, text).group(1).replace(",", ""))
+    tokens = number(r"predicted --max_total_token_num: ([\d,]+) tokens")
+    cell = number(r"KV per token: ([\d,]+) B")
+    fixed = [k for k in b if k not in ("GPU total", "available for T-sized terms", "KV cache",
+                                       "attention workspace", "request table", "slack (mem_fraction, pages)")]
+    assert len(fixed) == 8
+    available = b["GPU total"] - sum(b[k] for k in fixed)
+    assert available == b["available for T-sized terms"]
+    assert b["KV cache"] == tokens * cell
+    assert b["KV cache"] <= (available - b["attention workspace"] - b["request table"]) * cfg.mem_fraction
+    assert b["slack (mem_fraction, pages)"] == available - b["KV cache"] - b["attention workspace"] \
+        - b["request table"]
+
+
+def test_format_shows_every_row_and_the_prediction():
+    p = plan_for()
+    text = format_plan(p)
+    for r in (*p.fixed, *p.sized):
+        assert r.term in text and f"{r.bytes:,}" in text
+    assert f"predicted --max_total_token_num: {p.tokens:,} tokens" in text
+    assert "14.96" in text and "128.00 KiB" in text and "ESTIMATED" in text
+
+
+def test_json_round_trip():
+    p = plan_for()
+    d = json.loads(p.to_json())
+    assert d["tokens"] == p.tokens and d["cell_bytes"] == 131072
+    assert [r["term"] for r in d["fixed"]] == [r.term for r in p.fixed]
+    assert d == json.loads(json.dumps(dataclasses.asdict(p)))
+
+
+def test_plan_cli_json(capsys):
+    assert cli.main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tokens"] == plan_for().tokens and d["gpu"] == "h100"
+
+
+def test_plan_cli_gpu_memory_gib(capsys):
+    assert cli.main(["plan", "--gpu_memory_gib", "80", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["total"] == 80 * GiB and "vendor unknown" in d["gpu"]
+
+
+TINY_VARIANTS = {
+    "llama-tied": {},
+    "qwen2-bias-untied": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                          "tie_word_embeddings": False},
+    "qwen3-qk-norm": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_scaling": None},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
+    """The exact rows are what the engine really allocates: weights + rope table = the runner's
+    parameters and buffers; the plan's Sizing charges what the runner's Sizing charges."""
+    from autoprofile.engine.runner import ModelRunner
+    from models.config import CONFIG_DIR
+
+    d = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text()) | TINY_VARIANTS[variant]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = validate(ServerConfig(model=str(tmp_path), attention_backend="torch", max_req_total_len=1024,
+                                batch_max_tokens=512, graph_max_batch_size=8, disable_cudagraph=True))
+    p = make_plan(cfg, GPUS["h100"])
+    runner = ModelRunner(cfg)
+    assert row(p.fixed, "weights").bytes + row(p.fixed, "rope table").bytes == runner.weight_bytes
+    assert p.cell_bytes == runner.sizing.cell_bytes
+    for t in (0, 1024, 50_000, p.tokens):
+        assert sum(r.bytes for r in make_plan_sized(cfg, t)) == runner.sizing.sized_bytes(t)
+
+
+def make_plan_sized(cfg, tokens):
+    from autoprofile.plan import sized_rows, sizing_for
+    return sized_rows(sizing_for(cfg, "torch"), tokens, "torch")
