@@ -1,0 +1,110 @@
+"""Decode CUDA graphs: one capture loop over a batch ladder, one memory pool, static buffers.
+
+The static AttentionMetadata is sized for the worst case: block_tables [max_bs, ceil(context_len/page)]
+and max_seq_len = context_len, so kernels that pick a code path or a scratch size from them capture the
+serving worst case, and the probe measures the pool that serving uses. Logits are captured too;
+sampling runs outside the graph.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.engine.kv_cache import PAD_PAGE
+
+log = logging.getLogger(__name__)
+
+# (input_ids, positions, metadata) -> logits
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def batch_ladder(max_bs: int) -> list[int]:
+    """Captured batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
+
+    def __init__(self, max_bs: int, pages_per_req: int, max_seq_len: int, page_size: int,
+                 device: torch.device):
+        self.sizes = batch_ladder(max_bs)
+        self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab]: the one static output of every graph
+        self.pool = None
+
+    def meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+                                 block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
+                                 max_seq_len=self.max_seq_len)
+
+    def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
+                show_progress: bool = True) -> None:
+        """Largest batch first, so smaller graphs reuse the pool's blocks. `step` is not kept."""
+        ladder = tqdm(self.sizes[::-1], desc="capturing decode graphs", unit="graph",
+                      disable=not show_progress)
+        for bs in ladder:
+            args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs))
+            warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
+            self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
+            del warm
+            if before_first is not None:
+                before_first()
+                before_first = None
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                # NOTE: a graph's own output would stay allocated in the pool for good (one logits tensor
+                # per ladder size, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
+                self.logits[:bs].copy_(step(*args))
+            self.pool = graph.pool() if self.pool is None else self.pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Logits [b, vocab] of one decode step for b <= max_bs requests; pad rows write to PAD_PAGE."""
+        b = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.slot_mapping[:b].copy_(slot_mapping)
+        self.seq_lens[:b].copy_(seq_lens)
+        self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
+        if bs > b:  # rows of an earlier, larger batch must not leak into the padding
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.slot_mapping[b:bs].fill_(PAD_PAGE * self.page_size)
+            self.seq_lens[b:bs].fill_(1)
+            self.block_tables[b:bs].fill_(PAD_PAGE)
+        self.graphs[bs].replay()
+        return self.logits[:b]
+
+    def teardown(self) -> None:
+        """Drop graphs, pool and buffers (one owner: after this nothing of them is reachable)."""
+        if self.graphs:
+            torch.cuda.synchronize()
+        self.graphs.clear()
+        self.logits = self.pool = None
+        self.input_ids = self.positions = self.slot_mapping = self.block_tables = self.seq_lens = None
+        release_cublas_workspaces()
+
+
+def release_cublas_workspaces() -> None:
+    """NOTE: cuBLAS keeps a workspace per (handle, stream) in the caching allocator for good. The capture
+    stream's one is allocated inside the graph pool and pins that pool's segment after the graphs are
+    gone; the others keep reserved memory above its pre-build level. They are re-made on the next matmul."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        clear()

@@ -1,0 +1,151 @@
+"""Tensor-parallel layers: column-parallel (QKV, gate/up) by output rows, row-parallel (O, down) by
+input columns + all_reduce, vocab-parallel embedding and LM head. World size 1 = plain layers.
+
+Every parameter carries a `weight_loader(param, source, part)` that copies this rank's shard of a full
+HF tensor. `source` is a torch.Tensor or a safetensors slice (both index as `src[a:b]` / `src[:, a:b]`),
+so a checkpoint is read shard by shard, never whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TP:
+    """This rank's place in the tensor-parallel group (group None = the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's x along the last dim (rank order)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def source_shape(src) -> tuple[int, ...]:
+    return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
+
+
+def read_rows(src, start: int, length: int, dim: int) -> torch.Tensor:
+    """Rows [start, start+length) of src along dim 0 or 1, read without materialising the rest."""
+    return src[start:start + length] if dim == 0 else src[:, start:start + length]
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """copy_ without broadcasting: a checkpoint of another shape is an error, not a silent fill."""
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"checkpoint tensor (shard) of shape {tuple(src.shape)} "
+                         f"does not fit {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def load_replicated(param: nn.Parameter, src, part: int = 0) -> None:
+    copy_checked(param.data, src if isinstance(src, torch.Tensor) else src[:])
+
+
+def load_column(param: nn.Parameter, src, part: int, *, shard_sizes: list[int], rank: int) -> None:
+    size, offset = shard_sizes[part], sum(shard_sizes[:part])
+    copy_checked(param.data.narrow(0, offset, size), read_rows(src, rank * size, size, 0))
+
+
+def load_row(param: nn.Parameter, src, part: int, *, shard: int, rank: int) -> None:
+    copy_checked(param.data, read_rows(src, rank * shard, shard, 1))
+
+
+def load_vocab(param: nn.Parameter, src, part: int, *, start: int, valid: int) -> None:
+    param.data.zero_()
+    copy_checked(param.data[:valid], read_rows(src, start, valid, 0))
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader=load_replicated,
+              num_parts: int = 1) -> nn.Parameter:
+    # NOTE: allocated on the ambient device (the runner builds the model under `with torch.device(...)`).
+    # Loaders are plain functions (no module reference): no param <-> module cycle delays freeing.
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.weight_loader, p.num_parts = loader, num_parts
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split over ranks; no communication.
+
+    `out_sizes` are the packed parts (q, k, v) or (gate, up): each part is split separately, so a rank
+    holds [q_r; k_r; v_r] and whole heads stay together (head_dim rows per head)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        if any(s % tp.size for s in out_sizes):
+            raise ValueError(f"output sizes {out_sizes} are not divisible by {tp.size} TP ranks")
+        shard_sizes = [s // tp.size for s in out_sizes]
+        loader = partial(load_column, shard_sizes=shard_sizes, rank=tp.rank)
+        self.weight = new_param((sum(shard_sizes), in_features), dtype, loader, len(out_sizes))
+        self.bias = new_param((sum(shard_sizes),), dtype, loader, len(out_sizes)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b with W's input columns split over ranks (x arrives split)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by {tp.size} TP ranks")
+        self.tp = tp
+        shard = in_features // tp.size
+        self.weight = new_param((out_features, shard), dtype, partial(load_row, shard=shard, rank=tp.rank))
+        self.bias = new_param((out_features,), dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ceil(vocab/tp) rows; ids outside the shard look up zeros; all_reduce sums."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TP, dtype: torch.dtype,
+                 weight: nn.Parameter | None = None):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.valid = max(min(self.rows, vocab_size - self.start), 0)  # the last shard may be short
+        loader = partial(load_vocab, start=self.start, valid=self.valid)
+        self.weight = weight if weight is not None else new_param((self.rows, hidden_size), dtype, loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.valid)
+        out = F.embedding(torch.where(inside, local, 0), self.weight)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over this rank's vocab rows, gathered over ranks and cut to vocab_size.
+
+    Tied embeddings: pass the embedding's Parameter as `weight` (same shard layout, one tensor)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

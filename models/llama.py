@@ -1,0 +1,179 @@
+"""One decoder for Llama 3.x, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+GQA, RoPE (default, linear, Llama-3 `rope_scaling`), RMSNorm from the attention backend, SwiGLU, tied or
+untied embeddings. The model holds no KV cache and no per-step state: `forward` takes the token ids,
+their positions, the step's AttentionMetadata and the per-layer (k_cache, v_cache) views.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.engine.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                         VocabParallelEmbedding, new_param)
+from models.config import ModelConfig
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------- RoPE
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (fp32, on the CPU as HF computes them) for rope_type default,
+    linear or llama3."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise NotImplementedError(f"rope_scaling type '{kind}' is not supported (default, linear, llama3 are)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table [max_positions, head_dim] (fp32), built once on the ambient device."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(torch.get_default_device())
+        positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, H, D] (halves, as in HF's rotate_half), computed in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+# ---------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, backend: AttentionBackend, dtype: torch.dtype):
+        super().__init__()
+        self.eps, self.backend = eps, backend
+        self.weight = new_param((size,), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        self.backend, self.head_dim = backend, mc.head_dim
+        self.num_heads, self.num_kv_heads = mc.num_heads // tp.size, mc.num_kv_heads // tp.size
+        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        self.q_size, self.kv_size = q // tp.size, kv // tp.size
+        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [q, kv, kv], mc.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype)
+        self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype) if mc.qk_norm else None
+        self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype) if mc.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv: KVLayer) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
+        q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
+        k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
+        k_cache, v_cache = kv
+        self.backend.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            o = self.backend.prefill(q, k, v, meta)
+        else:
+            o = self.backend.decode(q, k_cache, v_cache, meta)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, mc: ModelConfig, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        i = mc.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype)
+        self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(mc, backend, tp, dtype)
+        self.mlp = LlamaMLP(mc, tp, dtype)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, backend, tp, dtype) for _ in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        self.rotary_emb = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            x = layer(x, rope, meta, kv)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow HF's; the loader maps q/k/v and gate/up into the packed projections."""
+
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP = TP(),
+                 dtype: torch.dtype = torch.bfloat16, max_positions: int | None = None):
+        super().__init__()
+        self.config = mc
+        self.model = LlamaModel(mc, backend, tp, dtype, max_positions or mc.max_position_embeddings)
+        tied = self.model.embed_tokens.weight if mc.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(mc.vocab_size, mc.hidden_size, tp, dtype, weight=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of every input token."""
+        return self.model(input_ids, positions, meta, kv_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] for the rows that are sampled (select them before calling)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,441 @@
+"""The engine on CPU with the torch backend: KV pool, allocator, request table, sampling, the decoder's
+cached decode against a from-scratch forward, checkpoint loading and TP sharding, build/teardown, stresses."""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import traceback
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from autoprofile import budget
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+from autoprofile.engine.cuda_graph import batch_ladder
+from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
+from autoprofile.engine.parallel import TP
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import SamplingBatch, SamplingParams, sample, top_k_top_p_probs
+from autoprofile.engine.weights import init_random, load_checkpoint
+from models.config import load_model_config
+from models.llama import LlamaForCausalLM, rope_inv_freq
+
+CPU = torch.device("cpu")
+SMALL = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
+             batch_max_tokens=256, graph_max_batch_size=4, running_max_req_size=16, report_dir=None)
+
+
+def small_cfg(**kw) -> ServerConfig:
+    return validate(ServerConfig(**{**SMALL, **kw}))
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = ModelRunner(small_cfg())
+    init_random(r.model, seed=1, std=0.08)  # larger than the default 0.02: less degenerate greedy text
+    r.build(1024)
+    return r
+
+
+# ---------------------------------------------------------------- pages, slots, the one KV tensor
+def test_page_allocator_hands_out_every_page_but_the_pad_page_then_fails_clearly():
+    a = PageAllocator(9)
+    assert a.capacity == a.num_free == 8
+    got = a.alloc(3) + a.alloc(5)
+    assert sorted(got) == list(range(1, 9)) and PAD_PAGE not in got
+    with pytest.raises(KVCacheFull, match="1 pages requested, 0 of 8 free"):
+        a.alloc(1)
+    a.free(got[:2])
+    assert a.num_free == 2 and sorted(a.alloc(2)) == sorted(got[:2])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([got[2], got[2]])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([PAD_PAGE])
+
+
+@pytest.mark.parametrize("reqs,ctx,page", [(16, 256, 16), (2048, 131072, 16), (7, 1000, 64), (3, 17, 1)])
+def test_req_table_bytes_equal_the_budget_formula(reqs, ctx, page):
+    t = ReqTable(reqs, ctx, page, torch.device("cpu"))
+    assert t.pages_per_req == math.ceil(ctx / page)
+    assert t.nbytes == budget.req_table_bytes(reqs, ctx, page)
+
+
+def test_req_table_slots_pages_and_exhaustion():
+    t = ReqTable(2, 64, 16, torch.device("cpu"))
+    s0, s1 = t.alloc([5, 6]), t.alloc([])
+    assert t.page_table[s0, :2].tolist() == [5, 6] and t.seq_lens[s0] == 0
+    with pytest.raises(KVCacheFull, match="all 2 slots"):
+        t.alloc([1])
+    t.free(s1)
+    with pytest.raises(ValueError, match="exceed the 4"):
+        t.alloc([1, 2, 3, 4, 5])
+    t.free(s0)
+    with pytest.raises(ValueError, match="double free"):
+        t.free(s0)
+
+
+def test_kv_cache_is_one_tensor_with_per_layer_views():
+    kv = KVCache(3, 5, 2, 16, 8, torch.float32, torch.device("cpu"))
+    assert kv.buffer.shape == (2, 3, 5, 2, 16, 8) and kv.buffer.is_contiguous()
+    assert kv.nbytes == 2 * 3 * 5 * 2 * 16 * 8 * 4
+    k1, v1 = kv.layers[1]
+    assert k1.shape == (5, 2, 16, 8)
+    k1[4, 1, 15, 7] = 3.0
+    v1[0, 0, 0, 0] = 4.0
+    assert kv.buffer[0, 1, 4, 1, 15, 7] == 3.0 and kv.buffer[1, 1, 0, 0, 0, 0] == 4.0
+    assert k1.untyped_storage().data_ptr() == kv.buffer.untyped_storage().data_ptr()
+
+
+def test_batch_ladder():
+    assert batch_ladder(1) == [1]
+    assert batch_ladder(8) == [1, 2, 4, 8]
+    assert batch_ladder(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert batch_ladder(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert batch_ladder(256)[-2:] == [248, 256] and len(batch_ladder(256)) == 35
+
+
+# ---------------------------------------------------------------- sampling
+def _batch(n: int, **kw) -> SamplingBatch:
+    return SamplingBatch.from_params([SamplingParams(**kw)] * n, torch.device("cpu"))
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy():
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    assert torch.equal(sample(logits, _batch(64), gen), logits.argmax(-1))
+    assert torch.equal(sample(logits, _batch(64, temperature=1.5, top_k=1), gen), logits.argmax(-1))
+    assert torch.equal(sample(logits, _batch(64, temperature=1.0, top_p=1e-6), gen), logits.argmax(-1))
+
+
+def test_top_p_keeps_exactly_the_nucleus_and_top_k_the_k_best():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().repeat(4000, 1)
+    gen = torch.Generator().manual_seed(2)
+    nucleus = sample(logits, _batch(4000, temperature=1.0, top_p=0.7), gen)  # 0.5 + 0.3 reach 0.7
+    assert set(nucleus.tolist()) == {1, 3}
+    share = (nucleus == 1).float().mean().item()
+    assert abs(share - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
+    top2 = sample(logits, _batch(4000, temperature=1.0, top_k=2), gen)
+    assert set(top2.tolist()) == {1, 3}
+    full = sample(logits, _batch(4000, temperature=1.0), gen)
+    freq = torch.bincount(full, minlength=4).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_mixed_rows_each_follow_their_own_params_and_draws_are_seeded():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=0.7, top_p=0.5)]
+    batch = SamplingBatch.from_params(params, torch.device("cpu"))
+    draws = torch.stack([sample(logits, batch, torch.Generator().manual_seed(9)) for _ in range(3)])
+    assert (draws == draws[0]).all()  # same seed, same tokens
+    probs, ids = top_k_top_p_probs(logits, batch)
+    assert draws[0, 0] == logits[0].argmax()
+    assert draws[0, 1] in logits[1].topk(3).indices
+    assert (probs[1] > 0).sum() == 3
+    kept = probs[2] > 0
+    soft = (logits[2] / 0.7).softmax(-1).sort(descending=True).values
+    n = int(kept.sum())
+    assert soft[: n - 1].sum() < 0.5 <= soft[:n].sum()  # smallest prefix reaching top_p
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+# ---------------------------------------------------------------- the decoder
+def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}
+    base, scaled = rope_inv_freq(64, 10000.0, None), rope_inv_freq(64, 10000.0, scaling)
+    wavelen = 2 * math.pi / base
+    high, low = wavelen < 1024 / 4, wavelen > 1024
+    assert torch.equal(scaled[high], base[high]) and torch.allclose(scaled[low], base[low] / 8)
+    mid = ~high & ~low
+    assert mid.any() and ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all()
+    with pytest.raises(NotImplementedError, match="yarn"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def _prefill_meta(lens: list[int], slots: torch.Tensor) -> AttentionMetadata:
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    return AttentionMetadata(is_prefill=True, slot_mapping=slots, cu_seqlens=cu, max_seqlen=max(lens))
+
+
+def test_prefill_then_decode_equals_a_from_scratch_forward():
+    """Cached, paged decode (pages deliberately out of order) against a full-sequence forward."""
+    mc = load_model_config("tiny")
+    page, ctx = 4, 64
+    backend = TorchBackend(mc.num_heads, mc.num_kv_heads, mc.head_dim, page, torch.float32, CPU)
+    model = LlamaForCausalLM(mc, backend, TP(), torch.float32, max_positions=ctx)
+    init_random(model, seed=4, std=0.08)
+    kv = KVCache(mc.num_layers, 32, mc.num_kv_heads, page, mc.head_dim, torch.float32, torch.device("cpu"))
+    seq = torch.randint(0, mc.vocab_size, (30,), generator=torch.Generator().manual_seed(5))
+    prompt_len = 21
+    pages = torch.tensor([17, 3, 25, 9, 30, 12, 1, 22])  # 32 slots for 30 tokens
+    slot = lambda p: pages[p // page] * page + p % page  # noqa: E731
+    with torch.no_grad():
+        pos = torch.arange(prompt_len)
+        hidden = model(seq[:prompt_len], pos, _prefill_meta([prompt_len], slot(pos)), kv.layers)
+        cached = [model.compute_logits(hidden[-1:])]
+        for p in range(prompt_len, 30):
+            meta = AttentionMetadata(is_prefill=False, slot_mapping=slot(torch.tensor([p])),
+                                     block_tables=pages[None].to(torch.int32),
+                                     seq_lens=torch.tensor([p + 1], dtype=torch.int32), max_seq_len=ctx)
+            cached.append(model.compute_logits(model(seq[p:p + 1], torch.tensor([p]), meta, kv.layers)))
+        fresh_kv = KVCache(mc.num_layers, 32, mc.num_kv_heads, page, mc.head_dim, torch.float32, CPU)
+        full = model.compute_logits(model(seq, torch.arange(30), _prefill_meta([30], torch.arange(30)),
+                                          fresh_kv.layers))
+    cached = torch.cat(cached)
+    assert cached.shape == (10, mc.vocab_size)
+    torch.testing.assert_close(cached, full[prompt_len - 1:], rtol=1e-4, atol=1e-4)
+    assert cached.std() > 0.1  # not a degenerate all-equal output
+
+
+def test_generate_matches_argmax_of_a_full_forward_and_is_batch_invariant(runner):
+    prompts = [[7, 99, 1000, 3], [5] * 17, list(range(40, 80))]
+    out = runner.generate(prompts, max_new_tokens=6)
+    assert [len(o) for o in out] == [6, 6, 6]
+    assert out == [runner.generate([p], max_new_tokens=6)[0] for p in prompts]
+    seq = prompts[2] + out[2]
+    kv = runner.kv.layers
+    page_ids = runner.allocator.alloc(math.ceil(len(seq) / 16))
+    try:
+        slots = torch.tensor(page_ids).repeat_interleave(16)[: len(seq)] * 16 + torch.arange(len(seq)) % 16
+        with torch.no_grad():
+            meta = _prefill_meta([len(seq)], slots)
+            hidden = runner.model(torch.tensor(seq), torch.arange(len(seq)), meta, kv)
+            logits = runner.model.compute_logits(hidden)
+    finally:
+        runner.allocator.free(page_ids)
+    assert logits[len(prompts[2]) - 1:-1].argmax(-1).tolist() == out[2]
+
+
+def test_generate_in_waves_when_the_cache_holds_fewer_requests(runner):
+    runner.teardown()
+    runner.build(80)  # 4 pages besides the pad page: the first two requests, then the third
+    try:
+        prompts = [[1, 2, 3], [4, 5], [6] * 30]
+        got = runner.generate(prompts, max_new_tokens=20)
+        assert runner.allocator.num_free == 4 and runner.req_table.num_free == 16
+    finally:
+        runner.teardown()
+        runner.build(1024)
+    assert got == runner.generate(prompts, max_new_tokens=20)
+    with pytest.raises(ValueError, match="--max_req_total_len"):
+        runner.generate([[1] * 250], max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
+        runner.generate([[4096]], max_new_tokens=1)
+
+
+# ---------------------------------------------------------------- build / teardown / stresses
+def test_build_teardown_drops_the_kv_and_rebuild_works(runner):
+    runner.teardown()
+    runner.build(1000)  # rounded down to whole pages
+    assert runner.built_tokens == 992
+    assert runner.kv_bytes == 992 * runner.sizing.cell_bytes  # exactly what the budget solved for
+    assert runner.allocator.capacity == 992 // 16 - 1  # the pad page
+    assert runner.req_table.nbytes == budget.req_table_bytes(16, 256, 16)
+    ref = weakref.ref(runner.kv_buffer)
+    with pytest.raises(RuntimeError, match="teardown"):
+        runner.build(64)
+    runner.teardown()
+    runner.teardown()  # idempotent
+    assert ref() is None
+    assert runner.kv is runner.req_table is runner.allocator is runner.graphs is runner.kv_buffer is None
+    assert runner.built_tokens is None and runner.kv_bytes == 0
+    runner.build(512)
+    assert runner.built_tokens == 512 and runner.generate([[1, 2]], 2)
+    runner.teardown()
+    runner.build(1024)
+
+
+def test_a_failing_build_tears_down_what_it_built(runner, mocker):
+    runner.teardown()
+    kv_refs = []
+
+    def boom(*a):
+        kv_refs.append(weakref.ref(runner.kv_buffer))
+        raise torch.OutOfMemoryError("injected")
+
+    mocker.patch.object(runner.backend, "build", side_effect=boom)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.build(1024)
+    assert kv_refs and kv_refs[0]() is None and runner.kv is None and runner.built_tokens is None
+    mocker.stopall()
+    points = []
+
+    def refuse(point):
+        points.append(point)
+        raise ValueError(f"refused at {point}")
+
+    with pytest.raises(ValueError, match="refused at kv_alloc"):
+        runner.build(1024, refuse)
+    assert points == ["kv_alloc"] and runner.kv is None
+    runner.build(1024, points.append)
+    assert points == ["kv_alloc", "kv_alloc"]  # no graph_capture checkpoint without graphs
+
+
+def test_stresses_run_on_cpu_and_free_everything(runner):
+    runner.teardown()
+    runner.build(256)  # exactly batch_max_tokens
+    runner.stress_prefill()
+    runner.stress_decode()
+    assert runner.allocator.num_free == runner.allocator.capacity == 15
+    assert runner.req_table.num_free == 16
+    runner.teardown()
+    runner.build(128)
+    with pytest.raises(KVCacheFull):
+        runner.stress_prefill()  # needs batch_max_tokens of cache
+    assert runner.allocator.num_free == 7
+    runner.teardown()
+    runner.build(1024)
+
+
+def test_sizing_matches_what_build_allocates(runner):
+    s = runner.sizing
+    mc = runner.model_config
+    assert s.cell_bytes == 2 * mc.num_kv_heads * mc.head_dim * mc.num_layers * 4
+    assert (s.context_len, s.page_size, s.running_max_req_size) == (256, 16, 16)
+    assert s.overhead(1024) == budget.req_table_bytes(16, 256, 16)  # torch declares no workspace
+
+
+# ---------------------------------------------------------------- checkpoints and tensor parallelism
+def hf_tensors(d: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights under HF names for an HF-style config dict."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = d["hidden_size"], d["intermediate_size"], d["vocab_size"]
+    hd = d.get("head_dim") or h // d["num_attention_heads"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    rnd = lambda *s: torch.randn(*s, generator=g) * 0.08  # noqa: E731
+    t = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": 1 + rnd(h)}
+    if not d.get("tie_word_embeddings"):
+        t["lm_head.weight"] = rnd(v, h)
+    for n in range(d["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        t |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+              p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+              p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+              p + "mlp.down_proj.weight": rnd(h, i), p + "input_layernorm.weight": 1 + rnd(h),
+              p + "post_attention_layernorm.weight": 1 + rnd(h)}
+        if d.get("model_type") == "qwen2":
+            t |= {p + "self_attn.q_proj.bias": rnd(q), p + "self_attn.k_proj.bias": rnd(kv),
+                  p + "self_attn.v_proj.bias": rnd(kv)}
+        if d.get("model_type") == "qwen3":
+            t |= {p + "self_attn.q_norm.weight": 1 + rnd(hd), p + "self_attn.k_norm.weight": 1 + rnd(hd)}
+    return t
+
+
+QWEN_SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
+              "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 1001, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False}
+
+
+def write_checkpoint(folder: Path, d: dict, seed: int = 0, files: int = 2) -> dict[str, torch.Tensor]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(d))
+    t = hf_tensors(d, seed)
+    names = sorted(t)
+    for f in range(files):  # split over several files like real checkpoints
+        save_file({n: t[n].contiguous() for n in names[f::files]}, str(folder / f"model-{f:05d}.safetensors"))
+    return t
+
+
+def test_checkpoint_loads_with_hf_names_into_packed_layers(tmp_path):
+    t = write_checkpoint(tmp_path / "qwen", QWEN_SMALL)
+    mc = load_model_config(str(tmp_path / "qwen"))
+    assert mc.attention_bias and len(mc.checkpoint_files) == 2
+    model = LlamaForCausalLM(mc, TorchBackend(4, 2, 32, 16, torch.float32, CPU), TP(), torch.float32)
+    load_checkpoint(model, mc.checkpoint_files, show_progress=False)
+    attn = model.model.layers[1].self_attn
+    p = "model.layers.1.self_attn."
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([t[p + "q_proj.weight"], t[p + "k_proj.weight"],
+                                                        t[p + "v_proj.weight"]]))
+    assert torch.equal(attn.qkv_proj.bias, torch.cat([t[p + "q_proj.bias"], t[p + "k_proj.bias"],
+                                                      t[p + "v_proj.bias"]]))
+    mlp = model.model.layers[1].mlp
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([t["model.layers.1.mlp.gate_proj.weight"],
+                                                           t["model.layers.1.mlp.up_proj.weight"]]))
+    assert torch.equal(model.lm_head.weight, t["lm_head.weight"])
+
+
+def test_checkpoint_with_a_missing_tensor_is_an_error_naming_it(tmp_path):
+    write_checkpoint(tmp_path / "qwen", QWEN_SMALL, files=1)
+    path = tmp_path / "qwen" / "model-00000.safetensors"
+    from safetensors.torch import load_file
+    t = load_file(str(path))
+    del t["model.layers.0.self_attn.k_proj.weight"]
+    save_file(t, str(path))
+    mc = load_model_config(str(tmp_path / "qwen"))
+    model = LlamaForCausalLM(mc, TorchBackend(4, 2, 32, 16, torch.float32, CPU), TP(), torch.float32)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight"):
+        load_checkpoint(model, mc.checkpoint_files, show_progress=False)
+
+
+def test_tp_rank_loads_its_shard(tmp_path):
+    t = write_checkpoint(tmp_path / "qwen", QWEN_SMALL)
+    mc = load_model_config(str(tmp_path / "qwen"))
+    tp = TP(rank=1, size=2)
+    model = LlamaForCausalLM(mc, TorchBackend(2, 1, 32, 16, torch.float32, CPU), tp, torch.float32)
+    load_checkpoint(model, mc.checkpoint_files, show_progress=False)
+    p = "model.layers.0."
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([t[p + "self_attn.q_proj.weight"][64:],
+                                                        t[p + "self_attn.k_proj.weight"][32:],
+                                                        t[p + "self_attn.v_proj.weight"][32:]]))
+    assert torch.equal(attn.o_proj.weight, t[p + "self_attn.o_proj.weight"][:, 64:])
+    assert torch.equal(mlp.down_proj.weight, t[p + "mlp.down_proj.weight"][:, 128:])
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([t[p + "mlp.gate_proj.weight"][128:],
+                                                           t[p + "mlp.up_proj.weight"][128:]]))
+    emb = model.model.embed_tokens.weight  # 1001 rows over 2 ranks: 501 each, the last one padded
+    assert emb.shape == (501, 128) and torch.equal(emb[:500], t["model.embed_tokens.weight"][501:])
+    assert not emb[500:].any()
+
+
+def _tp_worker(rank: int, init: str, model_dir: str, queue) -> None:
+    try:
+        torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        r = ModelRunner(small_cfg(model=model_dir, tp=2), rank=rank, world_size=2,
+                        group=torch.distributed.group.WORLD)
+        r.build(512)
+        queue.put((rank, r.generate([[1, 2, 3, 4, 5], [9] * 12], max_new_tokens=8), _last_logits(r)))
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - report to the parent instead of hanging it
+        queue.put((rank, "crash", traceback.format_exc()))
+
+
+def _last_logits(r: ModelRunner) -> torch.Tensor:
+    pages = r.allocator.alloc(1)
+    try:
+        with torch.no_grad():
+            return r._prefill([[3, 1, 4, 1, 5, 9, 2, 6]], torch.arange(8) + pages[0] * 16)
+    finally:
+        r.allocator.free(pages)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_ranks_over_gloo_equals_one_rank(tmp_path):
+    write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
+    one = ModelRunner(small_cfg(model=str(tmp_path / "qwen")))
+    one.build(512)
+    want = one.generate([[1, 2, 3, 4, 5], [9] * 12], max_new_tokens=8)
+    want_logits = _last_logits(one)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_tp_worker, args=(r, init, str(tmp_path / "qwen"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((rank, rest) for rank, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert all(v[0] != "crash" for v in got.values()), got
+    for rank in (0, 1):
+        tokens, logits = got[rank]
+        assert tokens == want
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
