@@ -82,6 +82,18 @@ def req_table_bytes(max_reqs: int, context_len: int, page_size: int) -> int:
     return max_reqs * (math.ceil(context_len / page_size) + 2) * 4
 
 
+def reserved_bytes(n: int) -> int:
+    """What PyTorch's caching allocator reserves for one n-byte buffer: small buffers share 2 MiB
+    segments, 1-10 MiB buffers get a 20 MiB segment, larger ones are rounded up to 2 MiB."""
+    if n <= 0:
+        return 0
+    if n <= MiB:
+        return 2 * MiB
+    if n < 10 * MiB:
+        return 20 * MiB
+    return -(-n // (2 * MiB)) * 2 * MiB
+
+
 def token_index_bytes(max_batch: int, context_len: int) -> int:
     """A token-granular index buffer (one int32 per token, never per page: seed 003)."""
     return max_batch * context_len * 4
@@ -133,11 +145,19 @@ class Sizing:
     def max_reqs(self, tokens: int) -> int:
         return max_num_reqs(tokens, self.context_len, self.running_max_req_size)
 
+    def workspace_reserved(self, tokens: int) -> int:
+        """The backend's declared persistent workspace at T, as the caching allocator reserves it."""
+        ws = self.workspace(self.max_reqs(tokens), min(self.context_len, tokens)) if self.workspace else 0
+        return reserved_bytes(ws)
+
+    def table_reserved(self, tokens: int) -> int:
+        return reserved_bytes(req_table_bytes(self.max_reqs(tokens), self.context_len, self.page_size))
+
     def overhead(self, tokens: int) -> int:
-        """Declared bytes that scale with T (workspace, request table), KV excluded."""
-        reqs = self.max_reqs(tokens)
-        ws = self.workspace(reqs, min(self.context_len, tokens)) if self.workspace else 0
-        return ws + req_table_bytes(reqs, self.context_len, self.page_size)
+        """Declared bytes that scale with T (workspace, request table), KV excluded, as the caching
+        allocator reserves them (a 1 MiB table at the probe and a 2 MiB one at the target differ by a
+        20 MiB segment: counted here, not discovered as an OOM in validation)."""
+        return self.workspace_reserved(tokens) + self.table_reserved(tokens)
 
     def sized_bytes(self, tokens: int) -> int:
         return tokens * self.cell_bytes + self.overhead(tokens)

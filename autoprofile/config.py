@@ -117,6 +117,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(0 <= cfg.max_retries <= 20, "max_retries", f"must be in [0, 20], got {cfg.max_retries}; try 3")
     _check(0 <= cfg.port <= 65535, "port", f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try 8000")
     _check(bool(cfg.host.strip()), "host", "must not be empty; try 127.0.0.1")
+    _check(cfg.dtype != "float32" or cfg.attention_backend == "torch", "dtype",
+           "float32 weights are only supported by --attention_backend torch; try --dtype bfloat16")
     _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
            "float32 KV is only supported by --attention_backend torch; try --kv_dtype auto")
 

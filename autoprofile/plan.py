@@ -254,8 +254,8 @@ def min_tokens(cfg: ServerConfig) -> int:
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
     reqs = sizing.max_reqs(tokens)
-    table = budget.req_table_bytes(reqs, sizing.context_len, sizing.page_size)
-    workspace = sizing.overhead(tokens) - table
+    table = sizing.table_reserved(tokens)
+    workspace = sizing.workspace_reserved(tokens)
     ws_note = (f"{reqs} reqs x q heads x ceil(min({sizing.context_len}, T)/256) partitions x (4*head_dim + 8)"
                if backend == "aiter" else "none persistent for this backend")
     return (

@@ -317,10 +317,8 @@ class Profiler:
                                                            after.free),
             "non_kv_peak": m.non_kv_peak if m else 0,
             "graph_pools": _graph_pool_bytes(self.rec.samples),
-            "workspace_declared": self.sizing.overhead(tokens) - budget.req_table_bytes(
-                self.sizing.max_reqs(tokens), self.sizing.context_len, self.sizing.page_size),
-            "request_table": budget.req_table_bytes(self.sizing.max_reqs(tokens), self.sizing.context_len,
-                                                    self.sizing.page_size),
+            "workspace_declared": self.sizing.workspace_reserved(tokens),
+            "request_table": self.sizing.table_reserved(tokens),
             "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
             "canary": self.cfg.canary_bytes,
             "kv": self.runner.kv_bytes,

@@ -84,6 +84,7 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None) -> Mode
     arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
     heads = d["num_attention_heads"]
     model_type = d.get("model_type", "llama")
+    rope = d.get("rope_parameters") or {}  # transformers v5 nests rope_theta/rope_scaling here
     return ModelConfig(
         name=name,
         architecture=arch,
@@ -97,8 +98,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None) -> Mode
         vocab_size=d["vocab_size"],
         max_position_embeddings=d.get("max_position_embeddings", 4096),
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta", 10000.0),
-        rope_scaling=d.get("rope_scaling"),
+        rope_theta=d.get("rope_theta") or rope.get("rope_theta", 10000.0),
+        rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
         tie_word_embeddings=d.get("tie_word_embeddings", False),
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
         attention_bias=d.get("attention_bias", model_type == "qwen2"),

@@ -40,16 +40,16 @@ class Ballast:
     def fill(self) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the runtime's cached blocks become free, and then ours
-        free, _ = torch.cuda.mem_get_info()
-        big = max(free - self.leave - 256 * MiB, 0)
-        if big:
-            self.chunks.append(torch.empty(big, dtype=torch.uint8, device="cuda"))
-        step = 32 * MiB
-        while torch.cuda.mem_get_info()[0] - step > self.leave:
+        step = 1 << 30
+        while step >= 4096:  # take everything but `leave`, down to the last small block
+            free = torch.cuda.mem_get_info()[0]
+            if free - step < self.leave:
+                step //= 2
+                continue
             try:
                 self.chunks.append(torch.empty(step, dtype=torch.uint8, device="cuda"))
             except torch.OutOfMemoryError:
-                break
+                step //= 2
 
     def drop(self) -> None:
         self.chunks.clear()
@@ -57,13 +57,16 @@ class Ballast:
 
 
 class FailOnce:
-    """Fill the GPU at `point`; give the memory back at the `skip`+1-th kv_alloc after that."""
+    """Fill the GPU at `point` (in the rebuild, unless it is a probe point); give the memory back at the
+    `skip`+1-th kv_alloc after that."""
 
     def __init__(self, point: str, leave: int = 0, skip: int = 0):
         self.point, self.ballast, self.fired, self.skip = point, Ballast(leave), False, skip
+        self.armed = point.startswith("probe") or point == "after_measure"
 
     def __call__(self, point: str) -> None:
-        if point == self.point and not self.fired:
+        self.armed |= point == "after_measure"
+        if point == self.point and self.armed and not self.fired:
             self.fired = True
             self.ballast.fill()
         elif point == "kv_alloc" and self.ballast.chunks:

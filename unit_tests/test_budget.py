@@ -35,7 +35,7 @@ def test_llama_aiter_workspace_capped_by_cache_is_3_17_gib():
     # The same cap applies through Sizing: no sequence outgrows a 25,432-token cache.
     s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, workspace=aiter_ws())
     assert s.max_reqs(25432) == 2048
-    assert s.overhead(25432) == ws + budget.req_table_bytes(2048, 131072, 16)
+    assert s.overhead(25432) == budget.reserved_bytes(ws) + budget.reserved_bytes(budget.req_table_bytes(2048, 131072, 16))
 
 
 def test_qwen3_30b_a3b_aiter_workspace_is_65_gib():
@@ -220,3 +220,12 @@ def test_diagnostic_names_every_knob_and_figure(peers):
     assert ("free the GPU" in text) == (peers > 0)
     hint = int(text.split("--max_total_token_num ")[1].split()[0])
     assert 0 < hint < 342_000 and hint % 16 == 0
+
+
+def test_reserved_bytes_follows_the_caching_allocator_segments():
+    MiB = 1 << 20
+    assert budget.reserved_bytes(0) == 0
+    assert budget.reserved_bytes(1) == budget.reserved_bytes(MiB) == 2 * MiB  # small pool
+    assert budget.reserved_bytes(MiB + 1) == budget.reserved_bytes(10 * MiB - 1) == 20 * MiB
+    assert budget.reserved_bytes(10 * MiB) == 10 * MiB
+    assert budget.reserved_bytes(10 * MiB + 1) == 12 * MiB

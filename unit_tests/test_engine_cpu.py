@@ -301,7 +301,7 @@ def test_sizing_matches_what_build_allocates(runner):
     mc = runner.model_config
     assert s.cell_bytes == 2 * mc.num_kv_heads * mc.head_dim * mc.num_layers * 4
     assert (s.context_len, s.page_size, s.running_max_req_size) == (256, 16, 16)
-    assert s.overhead(1024) == budget.req_table_bytes(16, 256, 16)  # torch declares no workspace
+    assert s.overhead(1024) == budget.reserved_bytes(budget.req_table_bytes(16, 256, 16))  # no workspace
 
 
 # ---------------------------------------------------------------- checkpoints and tensor parallelism

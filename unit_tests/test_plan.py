@@ -46,9 +46,9 @@ def check_inequality(p, cfg):
     ws_next = 0
     if p.attention_backend == "aiter":
         m = cfg.model_config
-        ws_next = budget.aiter_workspace_bytes(reqs, m.num_heads // cfg.tp, m.head_dim,
-                                               budget.aiter_num_partitions(p.context_len, nxt))
-    table_next = budget.req_table_bytes(reqs, p.context_len, p.page_size)
+        ws_next = budget.reserved_bytes(budget.aiter_workspace_bytes(
+            reqs, m.num_heads // cfg.tp, m.head_dim, budget.aiter_num_partitions(p.context_len, nxt)))
+    table_next = budget.reserved_bytes(budget.req_table_bytes(reqs, p.context_len, p.page_size))
     assert nxt * p.cell_bytes > (p.available - ws_next - table_next) * p.mem_fraction
     assert p.slack == p.available - kv - ws - table
 

@@ -35,7 +35,7 @@ def expected_target(gpu, runner, cfg):
     """Independent of the solver: overhead is constant here (max_num_reqs clamps at 4096)."""
     non_kv = runner.weight_bytes + runner.graph_pool + max(runner.prefill_act, runner.decode_act)
     available = gpu.total - gpu.non_torch - gpu.peers - non_kv - cfg.canary_bytes
-    overhead = budget.req_table_bytes(4096, cfg.context_len, cfg.page_size)
+    overhead = budget.reserved_bytes(budget.req_table_bytes(4096, cfg.context_len, cfg.page_size))
     return (available - overhead) // runner.sizing.cell_bytes // cfg.page_size * cfg.page_size
 
 

@@ -322,10 +322,12 @@ class ModelRunner:
         return torch.stack(steps, dim=1).tolist()
 
     def _prefill_chunks(self, lens: list[int]) -> list[tuple[int, int]]:
-        """Consecutive [lo, hi) ranges of at most batch_max_tokens tokens each."""
+        """Consecutive [lo, hi) ranges of at most batch_max_tokens tokens and graph_max_batch_size
+        requests each: the worst case stress_prefill measured, never more."""
         chunks, lo, used = [], 0, 0
         for i, n in enumerate(lens):
-            if used + n > self.cfg.batch_max_tokens and i > lo:
+            full = used + n > self.cfg.batch_max_tokens or i - lo >= self.cfg.graph_max_batch_size
+            if full and i > lo:
                 chunks.append((lo, i))
                 lo, used = i, 0
             used += n
