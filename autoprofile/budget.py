@@ -18,6 +18,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 AITER_PARTITION = 256  # native AITER paged_attention_ragged partition size (tokens)
 MIN_REQS, MAX_REQS = 2048, 4096  # SGLang's default max_num_reqs clamp
+# The driver cannot hand out the last MiBs of the card: on H100 a 2/20/256 MiB cudaMalloc failed with
+# 2.19/20.19/256.19 MiB reported free. Never plan to the last byte.
+DRIVER_RESERVE = 64 * MiB
 
 
 def gib(n: float) -> float:
@@ -127,9 +130,10 @@ def peer_bytes(total: int, free: int, own_reserved: int, own_non_torch_bytes: in
     return max(total - free - own_reserved - own_non_torch_bytes, 0)
 
 
-def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: int, canary: int) -> int:
+def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: int, canary: int,
+                    driver_reserve: int = DRIVER_RESERVE) -> int:
     """What is left for everything sized from T, before mem_fraction."""
-    return total - own_non_torch_bytes - non_kv - peers - canary
+    return total - own_non_torch_bytes - non_kv - peers - canary - driver_reserve
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
         Row("canary", cfg.canary_bytes, "input", "allocated through validation",
             f"--canary_mb {cfg.canary_mb}"),
         Row("peers (other processes)", 0, "assumed", "measured: NVML / mem_get_info", "an idle card"),
+        Row("driver reserve", budget.DRIVER_RESERVE, "exact", "never handed out",
+            "the driver refuses the last MiBs of a card"),
     ]
     return tuple(rows)
 

@@ -321,6 +321,7 @@ class Profiler:
             "request_table": self.sizing.table_reserved(tokens),
             "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
             "canary": self.cfg.canary_bytes,
+            "driver_reserve": budget.DRIVER_RESERVE,
             "kv": self.runner.kv_bytes,
             "reserved_after": after.reserved,
             "free_after": after.free,

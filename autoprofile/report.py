@@ -20,6 +20,7 @@ ROWS = (  # (term key, label, how it was obtained)
     ("request_table", "request table", "declared"),
     ("peers", "peers on this GPU", "measured"),
     ("canary", "canary (held through validation)", "config"),
+    ("driver_reserve", "driver reserve (never planned)", "config"),
     ("kv", "KV cache", "built"),
     ("reserved_after", "reserved by this process after", "measured"),
     ("free_after", "free on the GPU after (headroom)", "measured"),

@@ -187,7 +187,9 @@ def test_own_non_torch_with_and_without_nvml():
 def test_non_kv_peak_and_available():
     assert budget.non_kv_peak(peak_reserved=30, probe_sized_bytes=10) == 20
     assert budget.non_kv_peak(peak_reserved=5, probe_sized_bytes=10) == 0
-    assert budget.available_bytes(total=100, own_non_torch_bytes=1, non_kv=20, peers=4, canary=2) == 73
+    assert budget.available_bytes(total=100, own_non_torch_bytes=1, non_kv=20, peers=4, canary=2,
+                                  driver_reserve=3) == 70
+    assert budget.DRIVER_RESERVE > 0
 
 
 def test_probe_tokens_covers_both_stresses():
