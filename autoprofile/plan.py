@@ -18,7 +18,7 @@ from autoprofile.budget import GiB, MiB, gib
 from autoprofile.config import DTYPE_BYTES, ServerConfig
 from models.config import ModelConfig
 
-CUDA_CONTEXT_ESTIMATE = 512 * MiB  # CUDA context + cuBLAS/Triton module memory of one process, typical
+CUDA_CONTEXT_ESTIMATE = 1670 * MiB  # non-torch memory of one process, measured 1.63 GiB on H100 and H200 (torch 2.11, CUDA 13)
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class Card:
 
 # Totals as the driver reports them (nvidia-smi / rocm-smi), not the marketing GB.
 GPUS = MappingProxyType({
-    "h100": Card("h100", 81559 * MiB, "nvidia", "nvidia-smi, H100 80GB HBM3"),
-    "h200": Card("h200", 143771 * MiB, "nvidia", "nvidia-smi, H200 141GB"),
+    "h100": Card("h100", 85_017_493_504, "nvidia", "torch.cuda.mem_get_info on an H100 80GB HBM3"),
+    "h200": Card("h200", 150_109_880_320, "nvidia", "torch.cuda.mem_get_info on an H200"),
     "a100-80g": Card("a100-80g", 81920 * MiB, "nvidia", "nvidia-smi, A100-SXM4-80GB"),
     "a100-40g": Card("a100-40g", 40960 * MiB, "nvidia", "nvidia-smi, A100-SXM4-40GB"),
     "l40s": Card("l40s", 46068 * MiB, "nvidia", "nvidia-smi, L40S"),
@@ -205,7 +205,7 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     rows = [
         Row("CUDA context, non-torch", CUDA_CONTEXT_ESTIMATE, "ESTIMATED",
             "measured: NVML per-process use - reserved",
-            "~0.5 GiB per process; NCCL buffers with --tp > 1 come on top"),
+            "~1.6 GiB per process as measured on H100/H200 (torch 2.11, CUDA 13); NCCL buffers with --tp > 1 come on top"),
         Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
             f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"),
