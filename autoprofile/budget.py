@@ -97,11 +97,6 @@ def reserved_bytes(n: int) -> int:
     return -(-n // (2 * MiB)) * 2 * MiB
 
 
-def token_index_bytes(max_batch: int, context_len: int) -> int:
-    """A token-granular index buffer (one int32 per token, never per page: seed 003)."""
-    return max_batch * context_len * 4
-
-
 # ---------------------------------------------------------------- probe
 def probe_tokens(batch_max_tokens: int, graph_max_batch_size: int, page_size: int, decode_pages: int = 2) -> int:
     """Smallest cache that runs both stresses: one full prefill batch, or every graph request holding

@@ -367,7 +367,7 @@ def _graph_pool_bytes(samples: list[Sample]) -> int:
 
 # ---------------------------------------------------------------- entry points
 def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_group=None,
-         checkpoint: Checkpoint | None = None):
+         checkpoint: Checkpoint | None = None, log_report: bool = True):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
 
     Returns (runner, result); the runner is built at the validated size and ready to serve."""
@@ -385,7 +385,8 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
         raise
     result.phases.insert(0, ("load_weights", load_s))
     if rank == 0:
-        log.info("\n%s", result.report_text())
+        if log_report:
+            log.info("\n%s", result.report_text())
         if cfg.report_dir:
             write_report(result, cfg.report_dir)
     return runner, result
@@ -395,7 +396,7 @@ def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileR
     """`autoprofile profile`: run the profiler alone and return its report (the runner is dropped)."""
     if cfg.tp > 1:
         return _profile_tp(cfg)
-    runner, result = boot(cfg, checkpoint=checkpoint)
+    runner, result = boot(cfg, checkpoint=checkpoint, log_report=False)  # the caller prints it
     runner.teardown()
     return result
 
@@ -424,7 +425,7 @@ def _tp_worker(rank: int, cfg: ServerConfig, port: int, queue) -> None:
                             device_id=torch.device("cuda", rank))
     cpu_group = dist.new_group(backend="gloo")  # decisions go over gloo, never through a GPU collective
     try:
-        runner, result = boot(cfg, rank, cfg.tp, group=dist.group.WORLD, cpu_group=cpu_group)
+        runner, result = boot(cfg, rank, cfg.tp, group=dist.group.WORLD, cpu_group=cpu_group, log_report=False)
         runner.teardown()
         if rank == 0:
             result.cfg = cfg
