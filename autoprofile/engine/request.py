@@ -1,0 +1,76 @@
+"""A request's lifecycle state, owned by the scheduler; what one engine step reports back for it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (its pages were freed; it is recomputed when resumed)
+    RUNNING = "running"  # holds a request slot and the pages of its computed tokens
+    FINISHED = "finished"
+
+
+class RequestError(ValueError):
+    """A request the engine can never serve (refused up front): names the field and what would work."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = GREEDY
+    max_tokens: int = 16
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: int = 0  # admission order: preemption picks the youngest (largest arrival) running request
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_computed: int = 0  # tokens of prompt + output whose K/V are in the cache
+    pages: list[int] = field(default_factory=list)
+    slot: int | None = None
+    num_preemptions: int = 0
+    num_sent: int = 0  # output tokens already reported by step()
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens: the K/V a full recompute would hold."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_len(self) -> int:
+        """The most tokens this request can ever hold in the cache (prompt + max_tokens - 1: the last
+        sampled token is never fed back)."""
+        return len(self.prompt_ids) + self.max_tokens - 1
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids[start:] if start < n else []) + self.output_ids[max(start - n, 0):end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: the tokens new since the last report."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (a stop token id), "length" (max_tokens) or "abort"
+    prompt_tokens: int
+    completion_tokens: int
