@@ -16,6 +16,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.profiler import LeakError, Profiler, ProfileError, boot
 
@@ -77,7 +78,7 @@ class FailOnce:
 
 
 def serve_check(runner) -> None:
-    out = runner.generate([[1, 2, 3, 4], [5, 6]], max_new_tokens=8)
+    out = LLMEngine(runner).generate([[1, 2, 3, 4], [5, 6]], max_tokens=8)
     assert [len(o) for o in out] == [8, 8]
 
 

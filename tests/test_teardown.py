@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from tests.conftest import release_gpu, require_backend
 
@@ -40,7 +41,7 @@ def test_teardown_returns_reserved_memory_to_its_pre_build_level(backend, graphs
         runner.build(KV_TOKENS)
         runner.stress_prefill()
         runner.stress_decode()
-        outputs.append(runner.generate([[1, 2, 3], [4] * 50], max_new_tokens=8))
+        outputs.append(LLMEngine(runner).generate([[1, 2, 3], [4] * 50], max_tokens=8))
         kv = weakref.ref(runner.kv_buffer)
         built = torch.cuda.memory_reserved()
         runner.teardown()
@@ -88,6 +89,6 @@ def test_real_oom_during_graph_capture_tears_everything_down():
     runner.build(KV_TOKENS)  # the capture stream and the allocator are usable again
     try:
         runner.stress_decode()
-        assert len(runner.generate([[5, 6, 7]], max_new_tokens=4)[0]) == 4
+        assert len(LLMEngine(runner).generate([[5, 6, 7]], max_tokens=4)[0]) == 4
     finally:
         runner.teardown()
