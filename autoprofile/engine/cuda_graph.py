@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE
 
@@ -20,12 +21,6 @@ log = logging.getLogger(__name__)
 
 # (input_ids, positions, metadata) -> logits
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-
-
-def batch_ladder(max_bs: int) -> list[int]:
-    """Captured batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
-    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
-    return sorted(sizes)
 
 
 class DecodeGraphs:
