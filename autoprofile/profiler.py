@@ -138,9 +138,9 @@ class Profiler:
         self.sizing: budget.Sizing = runner.sizing
         self.canary: torch.Tensor | None = None
         self.errors: list[str] = []
-        self.kv_seen: weakref.ref | None = None  # the KV buffer of the current build, seen at a checkpoint
-        self.expected_kv = 0  # bytes of KV the current build was asked for
-        self.baseline: int | None = None  # reserved bytes after the last clean teardown (nothing built)
+        # the KV buffer of the current build as last seen at a checkpoint: a build that fails after
+        # allocating it drops it itself, and it must still be gone after release()
+        self.kv_seen: weakref.ref | None = None
 
     def checkpoint(self, point: str) -> None:
         """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
@@ -169,7 +169,6 @@ class Profiler:
     def run_pinned(self, tokens: int) -> ProfileResult:
         """--max_total_token_num: one build at N, validated; never shrunk silently."""
         memory.reset_peak(self.device)
-        self.expected_kv = tokens * self.sizing.cell_bytes
         with self.rec.phase("build+validate"):
             err = self.attempt(tokens)
         if memory.all_ok(err is None, self.group):
@@ -189,7 +188,6 @@ class Profiler:
     def probe(self) -> int:
         tokens = budget.probe_tokens(self.cfg.batch_max_tokens, self.cfg.graph_max_batch_size, self.cfg.page_size)
         memory.reset_peak(self.device)
-        self.expected_kv = tokens * self.sizing.cell_bytes
         err = None
         try:
             self.runner.build(tokens, self.checkpoint)
@@ -248,7 +246,6 @@ class Profiler:
     def attempt(self, tokens: int) -> str | None:
         """Build at `tokens`, hold the canary, run both stresses. Returns this rank's error or None; what a
         failed attempt built is torn down by the caller's release(), leak-checked, on every rank."""
-        self.expected_kv = tokens * self.sizing.cell_bytes
         try:
             self.runner.build(tokens, self.checkpoint)
             self.checkpoint("canary")
@@ -268,9 +265,9 @@ class Profiler:
     def release(self) -> None:
         """One teardown: canary, graphs, attention state, request table, KV; then empty_cache. Collective.
 
-        Afterwards the KV buffer must be unreachable and reserved memory must have fallen by the KV that
-        was built (or, when a failed build already dropped it, be back at its level before the build);
-        else LeakError naming what still holds it. A teardown that raises ends in a ProfileError with the
+        Afterwards the KV buffer (the live one, or the one a failed build dropped itself) must be
+        unreachable, and reserved memory must have fallen by the KV that was live; else LeakError naming
+        what still holds it. A teardown that raises ends in a ProfileError with the
         same text on every rank (never a traceback on one rank and a closed connection on the other)."""
         leak, broken = self._teardown_and_check()
         if not memory.all_ok(leak is None and broken is None, self.group):
@@ -294,10 +291,9 @@ class Profiler:
         kv = self.runner.kv_buffer
         refs = [r for r in (weakref.ref(kv) if kv is not None else None, self.kv_seen) if r is not None]
         kv_bytes = self.runner.kv_bytes if kv is not None else 0
-        expected = kv_bytes or self.expected_kv
         del kv
         before, before_alloc = memory.reserved(self.device), memory.allocated(self.device)
-        self.canary, self.kv_seen, self.expected_kv = None, None, 0
+        self.canary, self.kv_seen = None, None
         broken = None
         try:
             self.runner.teardown()
@@ -320,13 +316,7 @@ class Profiler:
                     f"{gib(before_alloc - after_alloc):.2f} GiB after teardown, less than the "
                     f"{gib(kv_bytes):.2f} GiB KV buffer: something outside Python (a CUDA graph or "
                     "a C++ holder) still holds it")
-        elif not kv_bytes and self.baseline is not None and expected and after - self.baseline >= expected // 2:
-            leak = (f"after a failed build, reserved memory is {gib(after - self.baseline):.2f} GiB above its "
-                    f"level before the build (the attempt's KV was {gib(expected):.2f} GiB): something still "
-                    "holds what the build allocated")
         del alive
-        if broken is None and leak is None:
-            self.baseline = after
         return leak, broken
 
     def what_fits(self) -> int:
