@@ -147,6 +147,9 @@ def _cmd_plan(cfg, card, as_json: bool) -> int:
     from autoprofile.plan import format_plan, make_plan
     p = make_plan(cfg, card)
     print(p.to_json() if as_json else format_plan(p))
+    if p.problem:  # the model cannot be served as configured: name the flag and a value that works
+        print(f"error: --{p.problem_flag}: {p.problem}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
