@@ -129,8 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan_card(ns: argparse.Namespace):
     from autoprofile.plan import card_for
-    if (ns.gpu is None) == (ns.gpu_memory_gib is None):
-        raise UsageError("--gpu", "give exactly one of --gpu NAME or --gpu_memory_gib N; try --gpu h100")
+    if ns.gpu is not None and ns.gpu_memory_gib is not None:
+        raise UsageError("--gpu", f"give one of --gpu NAME or --gpu_memory_gib N, not both; drop one: "
+                                  f"--gpu {ns.gpu} or --gpu_memory_gib {ns.gpu_memory_gib:g}")
+    if ns.gpu is None and ns.gpu_memory_gib is None:
+        raise UsageError("--gpu", "say which card: --gpu NAME or --gpu_memory_gib N; try --gpu h100")
     gib = ns.gpu_memory_gib
     if gib is not None and not (math.isfinite(gib) and 0 < gib <= MAX_GPU_MEMORY_GIB):
         raise UsageError("--gpu_memory_gib", f"must be a number of GiB in (0, {MAX_GPU_MEMORY_GIB:g}], got {gib}; "

@@ -99,35 +99,38 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     serving=False (autoprofile plan) also accepts architectures the engine cannot run yet (MoE)."""
     _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
     _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
-           f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; try 1.0")
+           f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; "
+           "try --mem_fraction 1.0")
     _check(1 <= cfg.batch_max_tokens <= MAX_BATCH_TOKENS, "batch_max_tokens",
-           f"must be in [1, {MAX_BATCH_TOKENS}], got {cfg.batch_max_tokens}; try 8192")
+           f"must be in [1, {MAX_BATCH_TOKENS}], got {cfg.batch_max_tokens}; try --batch_max_tokens 8192")
     _check(cfg.graph_max_batch_size >= 1, "graph_max_batch_size",
-           f"must be >= 1, got {cfg.graph_max_batch_size}; try 256")
+           f"must be >= 1, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
-           f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try 256")
+           f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.running_max_req_size is None or cfg.running_max_req_size >= 1, "running_max_req_size",
-           f"must be >= 1, got {cfg.running_max_req_size}; try 1000 or leave it unset")
+           f"must be >= 1, got {cfg.running_max_req_size}; try --running_max_req_size 1000 or leave it unset")
     _check(cfg.max_total_token_num is None or cfg.max_total_token_num >= 1, "max_total_token_num",
            f"must be >= 1, got {cfg.max_total_token_num}; leave it unset to auto-profile")
     _check(cfg.max_req_total_len is None or cfg.max_req_total_len >= 2, "max_req_total_len",
-           f"must be >= 2, got {cfg.max_req_total_len}; try 4096")
+           f"must be >= 2, got {cfg.max_req_total_len}; try --max_req_total_len 4096")
     _check(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
            f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
     _check(cfg.kv_dtype in KV_DTYPES, "kv_dtype", f"unknown '{cfg.kv_dtype}'; choose one of {', '.join(KV_DTYPES)}")
     _check(cfg.dtype in MODEL_DTYPES, "dtype", f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
-    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try 16")
+    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try --page_size 16")
     _check(cfg.page_size >= 16 or cfg.attention_backend == "torch", "page_size",
-           f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try 16 "
+           f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try --page_size 16 "
            "(or --attention_backend torch)")
-    _check(cfg.page_size <= 256, "page_size", f"must be <= 256, got {cfg.page_size}; try 16")
+    _check(cfg.page_size <= 256, "page_size", f"must be <= 256, got {cfg.page_size}; try --page_size 16")
     _check(0 <= cfg.canary_mb <= MAX_CANARY_MB, "canary_mb",
-           f"must be in [0, {MAX_CANARY_MB}] MiB, got {cfg.canary_mb}; try 256")
+           f"must be in [0, {MAX_CANARY_MB}] MiB, got {cfg.canary_mb}; try --canary_mb 256")
     _check(0.5 <= cfg.shrink_ratio < 1, "shrink_ratio",
-           f"must be in [0.5, 1), got {cfg.shrink_ratio}; try 0.95")
-    _check(0 <= cfg.max_retries <= 20, "max_retries", f"must be in [0, 20], got {cfg.max_retries}; try 3")
-    _check(0 <= cfg.port <= 65535, "port", f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try 8000")
-    _check(bool(cfg.host.strip()), "host", "must not be empty; try 127.0.0.1")
+           f"must be in [0.5, 1), got {cfg.shrink_ratio}; try --shrink_ratio 0.95")
+    _check(0 <= cfg.max_retries <= 20, "max_retries",
+           f"must be in [0, 20], got {cfg.max_retries}; try --max_retries 3")
+    _check(0 <= cfg.port <= 65535, "port",
+           f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try --port 8000")
+    _check(bool(cfg.host.strip()), "host", "must not be empty; try --host 127.0.0.1")
     _check(cfg.report_dir is None or not os.path.exists(cfg.report_dir) or os.path.isdir(cfg.report_dir),
            "report_dir", f"'{cfg.report_dir}' exists and is not a folder; try --report_dir autoprofile_report "
            "(or '' for no report)")
@@ -148,7 +151,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
            f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
     _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
-           f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; try {m.max_position_embeddings}")
+           f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; "
+           f"try --max_req_total_len {m.max_position_embeddings}")
     if cfg.max_total_token_num is not None:
         floor, n = cfg.min_usable_tokens, cfg.max_total_token_num
         _check(n >= floor, "max_total_token_num",
