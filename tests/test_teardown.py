@@ -83,6 +83,9 @@ def test_real_oom_during_graph_capture_tears_everything_down():
     ballast.chunks.clear()
     gc.collect()
     assert runner.kv is None and runner.graphs is None and runner.built_tokens is None
+    # the failed capture was ended cleanly: no capture underway, the default stream is current again
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     after = reserved_after_release()
     print(f"\nafter a real OOM in capture: reserved {before / MiB:.1f} -> {after / MiB:.1f} MiB")
     assert abs(after - before) <= 0.01 * before, (before, after)
