@@ -216,10 +216,12 @@ def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator 
         col = _race(z, generator)
         drawn = col if ids is None else ids.gather(1, col.unsqueeze(1)).squeeze(1)
         del z, ids
-        if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+        if isinstance(rows, slice):
+            tok[rows] = drawn
+        elif rows.dtype == torch.bool:
             tok = torch.where(rows, drawn, tok)
         else:
-            tok[rows] = drawn
+            tok.index_copy_(0, rows, drawn)
     return torch.where(b.temperatures > 0, tok, greedy)
 
 
@@ -277,10 +279,10 @@ def _prefilter(x: torch.Tensor, b: SamplingBatch, width: int, whole_mass: bool):
 
 
 def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """log sum exp(x / T) per row in one fp32 copy of the logits."""
-    z = x / temps  # fp32 (type promotion), a new tensor
-    m = z.amax(dim=-1, keepdim=True)
-    return z.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(1))
+    """log sum exp(x / T) per row: max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in place."""
+    inv = temps.reciprocal()
+    shift = x.amax(dim=-1, keepdim=True).float() * inv
+    return torch.addcmul(-shift, x, inv).exp_().sum(dim=-1).log_().add_(shift.squeeze(1))
 
 
 def _sorted(x: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
