@@ -1,10 +1,11 @@
-"""Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new), side by side.
+"""Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new).
 
-    PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50] [--json out.json]
+    PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
+        [--json out.json]
 
-Logits are bf16 [rows, vocab]. "peaked" = randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few to a
-few hundred tokens, like a trained model's; the rows whose nucleus is wider than the prefilter are counted in
-`wider`) and "flat" = randn (every nucleus is wider than the prefilter: the sort fallback, the worst case).
+Logits are bf16 [rows, vocab]. "peaked" = randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few
+to a few hundred tokens, like a trained model's; the rows whose nucleus is wider than the prefilter are counted
+in `wider`) and "flat" = randn (every nucleus is wider than the prefilter: the sort fallback, the worst case).
 Times: CUDA events around each call after 10 warm-up calls, median of --iters (the logits stay in L2 at small
 rows). Memory: peak allocated above what was allocated before one call, per row, next to the declared bound
 sampler_workspace_bytes(rows) / rows. Ratios old/new come from the same run.
@@ -66,27 +67,36 @@ def wider_rows(logits: torch.Tensor, batch: SamplingBatch) -> int:
     plan = sampling._plan(batch.params, logits.shape[-1])
     if not plan.nucleus:
         return 0
-    return sum(int(sampling._prefilter(logits[lo:lo + sampling.CHUNK_ROWS], batch.rows(lo, lo + sampling.CHUNK_ROWS),
-                                       plan.prefilter, True)[2].sum())
-               for lo in range(0, logits.shape[0], sampling.CHUNK_ROWS))
+    step = sampling.CHUNK_ROWS
+    wide = [sampling._prefilter(logits[lo:lo + step], batch.rows(lo, lo + step), plan.prefilter, True)[2]
+            for lo in range(0, logits.shape[0], step)]
+    return int(torch.cat(wide).sum())
+
+
+def bench_case(rows: int, vocab: int, scale: float, params: SamplingParams, iters: int) -> dict:
+    gen = torch.Generator("cuda").manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    batch = SamplingBatch.from_params([params] * rows, torch.device("cuda"))
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def old():
+        return reference_sample(logits, batch, gen)
+
+    def new():
+        return sample(logits, batch, gen)
+
+    r = {"rows": rows, "vocab": vocab, "old_ms": median_ms(old, iters), "new_ms": median_ms(new, iters),
+         "old_peak_bytes": peak_bytes(old), "new_peak_bytes": peak_bytes(new),
+         "declared_bytes": sampler_workspace_bytes(rows, vocab, 2), "wider_rows": wider_rows(logits, batch)}
+    r["speedup"] = r["old_ms"] / r["new_ms"]
+    return r
 
 
 def run(vocab: int, rows_list: list[int], iters: int) -> list[dict]:
     results = []
     for rows in rows_list:
         for name, (scale, params) in CASES.items():
-            logits = (torch.randn(rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(rows))
-                      * scale).to(torch.bfloat16)
-            batch = SamplingBatch.from_params([params] * rows, torch.device("cuda"))
-            gen = torch.Generator("cuda").manual_seed(0)
-            old = lambda: reference_sample(logits, batch, gen)  # noqa: E731
-            new = lambda: sample(logits, batch, gen)  # noqa: E731
-            r = {"rows": rows, "case": name, "vocab": vocab, "old_ms": median_ms(old, iters),
-                 "new_ms": median_ms(new, iters), "old_peak_bytes": peak_bytes(old), "new_peak_bytes": peak_bytes(new),
-                 "declared_bytes": sampler_workspace_bytes(rows, vocab, 2), "wider_rows": wider_rows(logits, batch)}
-            r["speedup"] = r["old_ms"] / r["new_ms"]
-            results.append(r)
-            del logits, batch
+            results.append({"case": name, **bench_case(rows, vocab, scale, params, iters)})
             torch.cuda.empty_cache()
     return results
 
@@ -115,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run(args.vocab, [int(r) for r in args.rows.split(",")], args.iters)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits, "
-          f"prefilter {PREFILTER}, chunk {sampling.CHUNK_ROWS} rows, sort {sampling.SORT_ROWS} rows at a time")
+          f"prefilter {PREFILTER}, chunk {sampling.CHUNK_ROWS} rows, sort {sampling.SORT_ROWS} rows at once")
     print(table(results))
     over = [r for r in results if r["new_peak_bytes"] > r["declared_bytes"]]
     for (case, rows), target in TARGETS_MS.items():
         got = [r["new_ms"] for r in results if r["case"] == case and r["rows"] == rows]
         if got:
-            print(f"target {case} at {rows} rows <= {target} ms: {got[0]:.3f} ms {'OK' if got[0] <= target else 'MISSED'}")
+            verdict = "OK" if got[0] <= target else "MISSED"
+            print(f"target {case} at {rows} rows <= {target} ms: {got[0]:.3f} ms {verdict}")
     print(f"measured peak above the declared workspace: {len(over)} of {len(results)}")
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     print(json.dumps(doc))

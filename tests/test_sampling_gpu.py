@@ -1,5 +1,6 @@
-"""The sampler on a GPU at Llama 3's vocabulary: declared workspace vs torch.cuda.max_memory_allocated at 256 and
-1024 rows, no host sync on the fast paths, agreement with the full-sort reference, seeded rows batch-invariant."""
+"""The sampler on a GPU at Llama 3's vocabulary: declared workspace vs torch.cuda.max_memory_allocated at
+256 and 1024 rows, no host sync on the fast paths, agreement with the full-sort reference, seeded rows
+batch-invariant."""
 from __future__ import annotations
 
 import pytest
@@ -48,23 +49,25 @@ def _peak(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def _case_peak(rows: int, scale: float, params: SamplingParams) -> int:
+    logits, batch = _logits(rows, scale), _batch([params] * rows)
+    return _peak(lambda: sample(logits, batch, torch.Generator("cuda").manual_seed(0)))
+
+
 @pytest.mark.parametrize("rows", [256, 1024])
 def test_declared_workspace_bounds_the_measured_peak_and_stress_is_the_worst(rows):
     declared = sampler_workspace_bytes(rows, VOCAB, 2)
-    peaks = {}
-    for name, (scale, p) in CASES.items():
-        logits, batch = _logits(rows, scale), _batch([p] * rows)
-        peaks[name] = _peak(lambda: sample(logits, batch, torch.Generator("cuda").manual_seed(0)))
-        del logits, batch
+    peaks = {name: _case_peak(rows, scale, p) for name, (scale, p) in CASES.items()}
     mixed = [p for name, (_, p) in CASES.items() if name != "stress"]
     logits = _logits(rows, 1.0)
     peaks["mixed"] = _peak(lambda: sample(logits, _batch((mixed * rows)[:rows]), None))
     old = _peak(lambda: reference_sample(logits, _batch([STRESS] * rows), None))
     report = {k: round(v / rows / 2**20, 3) for k, v in peaks.items()}
-    print(f"rows {rows}: MiB/row {report}; declared {declared / rows / 2**20:.3f}; old {old / rows / 2**20:.3f}")
+    print(f"rows {rows}: MiB/row {report}; declared {declared / rows / 2**20:.3f}; "
+          f"old {old / rows / 2**20:.3f}")
     for name, peak in peaks.items():
         assert peak <= declared, (name, peak, declared)
-    assert peaks["stress"] + 64 * rows >= max(peaks.values()), report  # the profiler's stress measures the worst
+    assert peaks["stress"] + 64 * rows >= max(peaks.values()), report  # the profiler's stress: the worst
     assert old > declared
 
 
@@ -74,8 +77,8 @@ def test_no_host_sync_except_the_wide_nucleus_fallback():
     for name, (scale, p) in CASES.items():
         logits = _logits(rows, scale, 1)
         runs[name] = (logits, _batch([p] * rows))
-    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i % 3 == 0 else SamplingParams(temperature=0.8)
-              for i in range(rows)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i % 3 == 0
+              else SamplingParams(temperature=0.8) for i in range(rows)]
     gens = [request_generator(p, torch.device("cuda")) for p in seeded]
     seeded_batch = _batch(seeded)
     top_p_logits, top_p_batch = runs["top_p"]

@@ -1,8 +1,10 @@
-"""The sampler on CPU: greedy, the top-k / top-p paths against the full-sort reference, the drawn distribution,
-per-request seeds, and the declared transient memory (measured with torch.profiler's CPU allocator events).
+"""The sampler on CPU: greedy, the top-k / top-p paths against the full-sort reference, the drawn
+distribution, per-request seeds, and the declared transient memory (measured with torch.profiler's CPU
+allocator events).
 
 Tie rule under test: at a top-k/top-p boundary the sampler keeps some n tokens holding the n largest logits
-(which of several equal logits is unspecified, as with torch.sort); n and the probabilities are the reference's.
+(which of several equal logits is unspecified, as with torch.sort); n and the probabilities are the
+reference's.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy(dtype):
     assert torch.equal(reference_sample(logits, _same(64), gen), argmax)
     for batch in (_same(64, temperature=1.5, top_k=1), _same(64, temperature=1.0, top_p=1e-6)):
         out = sample(logits, batch, gen)
-        assert torch.equal(logits.gather(1, out.unsqueeze(1)).squeeze(1), logits.max(-1).values)  # a top token
+        top = logits.gather(1, out.unsqueeze(1)).squeeze(1)
+        assert torch.equal(top, logits.max(-1).values)  # a top token
         if dtype == torch.float32:  # no ties among fp32 randn: the argmax itself
             assert torch.equal(out, argmax)
 
@@ -54,7 +57,8 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy(dtype):
 def test_greedy_rows_of_a_mixed_batch_are_exact_argmax():
     logits = _logits(6, 3000, 0.05, 2)  # flat: a sampled greedy row would differ from argmax
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(top_p=0.5),
-              SamplingParams(temperature=1.0), SamplingParams(top_k=7), SamplingParams(temperature=0.9, top_k=2000)]
+              SamplingParams(temperature=1.0), SamplingParams(top_k=7),
+              SamplingParams(temperature=0.9, top_k=2000)]
     for perm in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]):
         out = sample(logits[perm], _batch(params[i] for i in perm), torch.Generator().manual_seed(3))
         for row, i in enumerate(perm):
@@ -140,13 +144,14 @@ def test_kept_set_and_probabilities_match_the_reference(case):
 
 
 def test_paths_are_exercised():
-    """The hypothesis cases reach each path: prefilter exact, prefilter too narrow (sort fallback), whole vocab,
-    full sort; checked here on fixed inputs so that a refactor cannot silently drop one."""
+    """The hypothesis cases reach each path: prefilter exact, prefilter too narrow (sort fallback), whole
+    vocab, full sort; checked here on fixed inputs so that a refactor cannot silently drop one."""
     import autoprofile.engine.sampling as s
 
     vocab = 3000
     assert s._plan(_same(2, temperature=1.0, top_k=50).params, vocab) == s._Plan(prefilter=50)
-    assert s._plan(_same(2, temperature=1.0, top_p=0.9).params, vocab) == s._Plan(prefilter=PREFILTER, nucleus=True)
+    assert s._plan(_same(2, temperature=1.0, top_p=0.9).params, vocab) == \
+        s._Plan(prefilter=PREFILTER, nucleus=True)
     assert s._plan(_same(2, temperature=1.0).params, vocab) == s._Plan(whole_vocab=True)
     assert s._plan(_same(2, temperature=1.0, top_k=PREFILTER + 1).params, vocab) == s._Plan(sort=True)
     assert s._plan(_same(2, temperature=1.0, top_k=vocab).params, vocab) == s._Plan(whole_vocab=True)
@@ -172,7 +177,8 @@ def _chi2(tokens: torch.Tensor, expected: torch.Tensor, bins: int = 24) -> tuple
     order = expected.sort(descending=True).indices
     order = order[expected[order] > 0]
     cell = (expected[order].cumsum(0) * bins).ceil().clamp(1, bins).long() - 1  # cell per token by mass
-    exp = torch.zeros(bins, dtype=torch.float64).index_add_(0, cell, expected[order].double()) * tokens.numel()
+    exp = torch.zeros(bins, dtype=torch.float64).index_add_(0, cell, expected[order].double())
+    exp *= tokens.numel()
     obs = torch.zeros(bins, dtype=torch.float64).index_add_(0, cell, counts[order])
     used = exp > 0
     stat = float(((obs - exp)[used] ** 2 / exp[used]).sum())
@@ -208,8 +214,10 @@ def test_draws_follow_the_reference_distribution_and_a_wrong_one_fails(logits, p
     off = SamplingParams(temperature=params.temperature * 1.25, top_p=params.top_p, top_k=params.top_k)
     stat, critical = _chi2(tokens, _expected(logits, off))
     assert stat > critical, (stat, critical)
-    wrong = SamplingParams(temperature=params.temperature, top_p=1.0 if params.top_p < 1 else 0.9, top_k=params.top_k)
-    drawn = reference_sample(logits.expand(DRAWS, -1), _batch([wrong] * DRAWS), torch.Generator().manual_seed(12))
+    wrong = SamplingParams(temperature=params.temperature, top_p=1.0 if params.top_p < 1 else 0.9,
+                           top_k=params.top_k)
+    drawn = reference_sample(logits.expand(DRAWS, -1), _batch([wrong] * DRAWS),
+                             torch.Generator().manual_seed(12))
     stat, critical = _chi2(drawn, expected)
     assert stat > critical, (stat, critical)
 
@@ -232,8 +240,10 @@ def test_seeded_rows_are_batch_invariant():
     assert len(set(alone)) > 1  # it really samples
     assert run([SamplingParams()] * 3, 2) == alone  # greedy neighbours (fast path off: one row samples)
     assert run([SamplingParams(temperature=1.0, top_k=PREFILTER + 7)] * 5, 1) == alone  # sort plan
-    assert run([SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.3, seed=9)], 1) == alone
-    assert run([SamplingParams(temperature=1.0, top_k=3)] * (CHUNK_ROWS + 3), CHUNK_ROWS + 1) == alone  # 2nd chunk
+    assert run([SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.3, seed=9)], 1) \
+        == alone
+    many = [SamplingParams(temperature=1.0, top_k=3)] * (CHUNK_ROWS + 3)
+    assert run(many, CHUNK_ROWS + 1) == alone  # in the second chunk
 
 
 def test_same_seed_same_tokens_and_unseeded_rows_use_the_shared_generator():

@@ -15,8 +15,8 @@ kept and their probabilities are exact. Draws: exponential race, argmax over kep
 E ~ Exp(1) (= argmax p/E). Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
 Memory: rows are sampled CHUNK_ROWS at a time and sorted SORT_ROWS at a time, so the transient bytes are
 bounded whatever the rows (`sampler_workspace_bytes`); STRESS takes the sort path, the worst case.
-Seeds: a row with its own generator is sampled alone (a per-row loop of ~15 small kernels per seeded row), so its
-tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
+Seeds: a row with its own generator is sampled alone (a per-row loop, ~15 small kernels per seeded row), so
+its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def request_generator(params: SamplingParams, device: torch.device) -> torch.Gen
 
 # ---------------------------------------------------------------- declared memory
 def sort_bytes_per_row(vocab_size: int, dtype_bytes: int) -> int:
-    """Sort path, per row: the gathered row, the sorted copy and torch's sort scratch (keys: 2 * dtype, int64
-    ids: 3 * 8, the output included), then fp32 scaled logits, softmax/cumsum and noise; + 8/logit of margin."""
+    """Sort path, per row: the gathered row, the sorted copy and torch's sort scratch (keys: 2 * dtype,
+    int64 ids: 3 * 8, the output included), then fp32 logits / T, softmax/cumsum, noise; + 8/logit margin."""
     return vocab_size * (3 * dtype_bytes + 32)
 
 
@@ -109,7 +109,8 @@ def fast_bytes_per_row(vocab_size: int) -> int:
 
 def sampler_workspace_bytes(rows: int, vocab_size: int, dtype_bytes: int = 4) -> int:
     """Worst-case transient bytes of one sample() call over `rows` rows of `dtype_bytes` logits (the logits
-    themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS rows whatever `rows`, + 64 bytes per row of outputs."""
+    themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS rows whatever `rows`, + 64 bytes per row of
+    outputs."""
     return (max(min(rows, SORT_ROWS) * sort_bytes_per_row(vocab_size, dtype_bytes),
                 min(rows, CHUNK_ROWS) * fast_bytes_per_row(vocab_size)) + 64 * rows)
 
@@ -168,7 +169,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
 
 def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [B, V] fp32, kept [B, V] bool): the distribution sample() draws each row from and its kept set,
-    through the same path (greedy rows: unspecified, sample() gives their argmax). For tests: materialises [B, V]."""
+    through the same path (greedy rows: unspecified, sample() gives their argmax). For tests: [B, V] dense."""
     assert logits.shape[0] <= CHUNK_ROWS
     dense = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     kept = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -189,8 +190,8 @@ def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor
 class _Plan:
     sort: bool = False  # the full sort for every row
     prefilter: int = 0  # width of the torch.topk prefilter (0: none)
-    whole_vocab: bool = False  # some sampled row has neither top-k nor top-p: a race over the whole vocabulary
-    nucleus: bool = False  # some sampled row has top-p without top-k: its nucleus may be wider than the prefilter
+    whole_vocab: bool = False  # a sampled row has neither top-k nor top-p: a race over the whole vocabulary
+    nucleus: bool = False  # a sampled row has top-p, no top-k: its nucleus may outgrow the prefilter
 
 
 def _plan(params: tuple[SamplingParams, ...] | None, vocab: int) -> _Plan:
@@ -226,9 +227,10 @@ def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator 
 
 
 def _pieces(x: torch.Tensor, b: SamplingBatch):
-    """Yields (rows, z, ids) covering every row, later pieces overriding earlier ones: rows a slice or an index
-    (z holds those rows in that order) or a bool mask (z holds every row, only the masked ones take it); z [n, W] fp32 logits / T with -inf outside the kept set; ids [n, W] their token ids (None:
-    W is the whole vocabulary in order). A generator, so that each piece's memory is freed before the next."""
+    """Yields (rows, z, ids) covering every row, later pieces overriding earlier ones. rows: a slice or an
+    index (z holds those rows in that order) or a bool mask (z holds every row, only the masked ones take it).
+    z [n, W]: fp32 logits / T, -inf outside the kept set; ids [n, W]: their token ids (None: the whole
+    vocabulary in order). A generator, so that each piece's memory is freed before the next."""
     vocab = x.shape[-1]
     plan = _plan(b.params, vocab)
     if plan.sort:
@@ -244,7 +246,7 @@ def _pieces(x: torch.Tensor, b: SamplingBatch):
         yield no_top_k & (b.top_ps >= 1), x / b.temperatures.clamp_min(1e-5).unsqueeze(1), None
     if plan.nucleus:
         # NOTE: the sampler's one host read (nonzero: a sync), only for batches with top-p rows without top-k.
-        # Avoiding it means sorting every such row (the old cost) or a custom kernel (FlashInfer-style rejection).
+        # Avoiding it means sorting every such row (the old cost) or a custom kernel (FlashInfer-style).
         yield from _sort_rows(x, b, wider.nonzero().squeeze(1))
 
 
@@ -256,8 +258,8 @@ def _sort_rows(x: torch.Tensor, b: SamplingBatch, index: torch.Tensor):
 
 
 def _prefilter(x: torch.Tensor, b: SamplingBatch, width: int, whole_mass: bool):
-    """(z, ids, wider): the `width` largest logits of each row, z = logit / T with -inf outside the row's top-k
-    and nucleus; wider [B] bool: the row's nucleus reaches past the prefilter (its z is then not its answer)."""
+    """(z, ids, wider): the `width` largest logits of each row, z = logit / T with -inf outside the row's
+    top-k and nucleus; wider [B] bool: the row's nucleus reaches past the prefilter (z is not its answer)."""
     vocab = x.shape[-1]
     temps = b.temperatures.clamp_min(1e-5).unsqueeze(1)
     vals, ids = x.topk(width, dim=-1)  # sorted: the order of logit / T too (T > 0)
