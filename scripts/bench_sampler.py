@@ -4,7 +4,7 @@
         [--json out.json]
 
 Logits are bf16 [rows, vocab]. "peaked" = randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few
-to a few hundred tokens, like a trained model's; the rows whose nucleus is wider than the prefilter are counted
+to a few hundred tokens, like a trained model's; the rows whose nucleus outgrows the prefilter are counted
 in `wider`) and "flat" = randn (every nucleus is wider than the prefilter: the sort fallback, the worst case).
 Times: CUDA events around each call after 10 warm-up calls, median of --iters (the logits stay in L2 at small
 rows). Memory: peak allocated above what was allocated before one call, per row, next to the declared bound
