@@ -1,4 +1,4 @@
-"""The engine on CPU with the torch backend: KV pool, allocator, request table, sampling, the decoder's
+"""The engine on CPU with the torch backend: KV pool, allocator, request table, the decoder's
 cached decode against a from-scratch forward, checkpoint loading and TP sharding, build/teardown, stresses."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
 from autoprofile.engine.parallel import TP
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, sample, top_k_top_p_probs
+from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random, load_checkpoint
 from models.config import load_model_config
@@ -96,53 +96,6 @@ def test_batch_ladder():
     assert batch_ladder(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert batch_ladder(30) == [1, 2, 4, 8, 16, 24, 30]
     assert batch_ladder(256)[-2:] == [248, 256] and len(batch_ladder(256)) == 35
-
-
-# ---------------------------------------------------------------- sampling
-def _batch(n: int, **kw) -> SamplingBatch:
-    return SamplingBatch.from_params([SamplingParams(**kw)] * n, torch.device("cpu"))
-
-
-def test_greedy_is_argmax_and_top_k_1_is_greedy():
-    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
-    gen = torch.Generator().manual_seed(1)
-    assert torch.equal(sample(logits, _batch(64), gen), logits.argmax(-1))
-    assert torch.equal(sample(logits, _batch(64, temperature=1.5, top_k=1), gen), logits.argmax(-1))
-    assert torch.equal(sample(logits, _batch(64, temperature=1.0, top_p=1e-6), gen), logits.argmax(-1))
-
-
-def test_top_p_keeps_exactly_the_nucleus_and_top_k_the_k_best():
-    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
-    logits = probs.log().repeat(4000, 1)
-    gen = torch.Generator().manual_seed(2)
-    nucleus = sample(logits, _batch(4000, temperature=1.0, top_p=0.7), gen)  # 0.5 + 0.3 reach 0.7
-    assert set(nucleus.tolist()) == {1, 3}
-    share = (nucleus == 1).float().mean().item()
-    assert abs(share - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
-    top2 = sample(logits, _batch(4000, temperature=1.0, top_k=2), gen)
-    assert set(top2.tolist()) == {1, 3}
-    full = sample(logits, _batch(4000, temperature=1.0), gen)
-    freq = torch.bincount(full, minlength=4).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
-
-
-def test_mixed_rows_each_follow_their_own_params_and_draws_are_seeded():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
-    params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=3),
-              SamplingParams(temperature=0.7, top_p=0.5)]
-    batch = SamplingBatch.from_params(params, torch.device("cpu"))
-    draws = torch.stack([sample(logits, batch, torch.Generator().manual_seed(9)) for _ in range(3)])
-    assert (draws == draws[0]).all()  # same seed, same tokens
-    probs, ids = top_k_top_p_probs(logits, batch)
-    assert draws[0, 0] == logits[0].argmax()
-    assert draws[0, 1] in logits[1].topk(3).indices
-    assert (probs[1] > 0).sum() == 3
-    kept = probs[2] > 0
-    soft = (logits[2] / 0.7).softmax(-1).sort(descending=True).values
-    n = int(kept.sum())
-    assert soft[: n - 1].sum() < 0.5 <= soft[:n].sum()  # smallest prefix reaching top_p
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
 
 
 # ---------------------------------------------------------------- the decoder

@@ -332,3 +332,18 @@ def test_model_serves_many_short_beside_one_of_max_req_total_len(roomy):
     for s in log:
         env.check(s)
     assert torch.equal(roomy.kv.buffer.isnan().any(), torch.tensor(False))
+
+
+def test_model_seeded_requests_are_batch_and_preemption_invariant(roomy):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    alone = LLMEngine(roomy).generate([[5, 6, 7]], seeded, max_tokens=12)[0]
+    others = [SamplingParams(temperature=0.9, top_k=40)] * 3
+    prompts = [[5, 6, 7]] + [[(13 * i + j) % 4000 + 1 for j in range(30)] for i in range(3)]
+    crowded = LLMEngine(roomy).generate(prompts, [seeded] + others, max_tokens=12)[0]
+    tight = LLMEngine(tiny_runner(160))
+    preempted = tight.generate([[(3 * i + j) % 4000 + 1 for j in range(40)] for i in range(3)] + [[5, 6, 7]],
+                               others + [seeded], max_tokens=60)[3][:12]
+    assert tight.stats.preemptions > 0
+    assert alone == crowded == preempted
+    assert LLMEngine(roomy).generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_p=0.95, seed=1235),
+                                     max_tokens=12)[0] != alone

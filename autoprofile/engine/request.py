@@ -37,6 +37,7 @@ class Request:
     slot: int | None = None
     num_preemptions: int = 0
     num_sent: int = 0  # output tokens already reported by step()
+    generator: object | None = None  # a seeded request's own torch.Generator, made on its first sample
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.kv_cache import KVCache, ReqTable
 from autoprofile.engine.parallel import TP
 from autoprofile.engine import stress
-from autoprofile.engine.sampling import SamplingBatch, make_generator, sample
+from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.weights import load_weights
 from models.llama import LlamaForCausalLM
@@ -150,10 +150,21 @@ class ModelRunner:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.req_table.write(step.page_writes)
             logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
-            params = [r.params for r in step.rows if r.sample]
-            if not params:
+            rows = [r for r in step.rows if r.sample]
+            if not rows:
                 return []
-            return sample(logits, SamplingBatch.from_params(params, self.device), self.generator).tolist()
+            batch = SamplingBatch.from_params([r.params for r in rows], self.device)
+            return sample(logits, batch, self.generator, self._row_generators(rows)).tolist()
+
+    def _row_generators(self, rows: list[StepRow]) -> list | None:
+        """Seeded requests draw from their own generator (kept on the request, so their tokens do not
+        depend on the batch, nor on a preemption: the generator advances once per sampled token)."""
+        if all(r.params.seed is None for r in rows):
+            return None
+        for r in rows:
+            if r.params.seed is not None and r.request is not None and r.request.generator is None:
+                r.request.generator = request_generator(r.params, self.device)
+        return [r.request.generator if r.request is not None else None for r in rows]
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:

@@ -1,13 +1,33 @@
-"""Sampling over the full vocabulary: greedy, temperature, top-k, top-p, per request, batched.
+"""Sampling: greedy, temperature, top-k, top-p, per request, batched, without sorting the vocabulary.
 
-One sort/softmax path for every row (the stress runs it at its worst: full vocab, every row), outside
-any CUDA graph. Draws come from a seeded torch.Generator (exponential race: argmax p/E, E ~ Exp(1)).
+The path is chosen on the host from the batch's parameters (no device read):
+- every row greedy: argmax.
+- top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
+- top-p without a top-k: the same prefilter of PREFILTER tokens, exact when its mass reaches top_p; the rows
+  whose nucleus is wider are sorted (the sampler's one host read: see `_pieces`).
+- temperature only (no top-k, top_p 1): a race over the whole vocabulary, no sort.
+- top_k > PREFILTER, or a batch built without its host parameters: the full sort (the old sampler).
+Semantics (all paths, and `top_k_top_p_probs`, the full-sort reference): logits / temperature, top-k, then the
+smallest prefix by descending probability whose mass reaches top_p (a token is kept when the mass before it is
+<= top_p, so the first token always is; top_p = 1 keeps the whole top-k), renormalised. Ties: which of several
+tokens with equal logits is kept at a top-k/top-p boundary is unspecified (as with torch.sort); how many are
+kept and their probabilities are exact. Draws: exponential race, argmax over kept tokens of logit/T - log(E),
+E ~ Exp(1) (= argmax p/E). Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
+Memory: rows are sampled CHUNK_ROWS at a time and sorted SORT_ROWS at a time, so the transient bytes are
+bounded whatever the rows (`sampler_workspace_bytes`); STRESS takes the sort path, the worst case.
+Seeds: a row with its own generator is sampled alone (a per-row loop, ~15 small kernels per seeded row), so
+its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+PREFILTER = 1024  # top-k via torch.topk up to this k; top-p searched in this many tokens first
+CHUNK_ROWS = 128  # rows sampled at a time
+SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
 
 
 @dataclass(frozen=True)
@@ -15,6 +35,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 = whole vocabulary
+    seed: int | None = None  # OpenAI `seed`: the engine gives the request its own generator
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -23,33 +44,83 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
 
 GREEDY = SamplingParams()
-STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=50)  # every branch of the sampler
+# The sampler's memory worst case (top_k above PREFILTER: the full sort, SORT_ROWS rows at a time)
+STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1)
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row parameters as device tensors: temperatures [B] fp32, top_ps [B] fp32, top_ks [B] int64."""
+    """Per-row parameters as device tensors (temperatures [B] fp32, top_ps [B] fp32, top_ks [B] int64) and on
+    the host (`params`, which picks the sampler's path; None = unknown: the full sort)."""
 
     temperatures: torch.Tensor
     top_ps: torch.Tensor
     top_ks: torch.Tensor
+    params: tuple[SamplingParams, ...] | None = None
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device: torch.device) -> SamplingBatch:
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingBatch:
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device))
+                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device), tuple(params))
 
     def __len__(self) -> int:
         return self.temperatures.numel()
 
+    @property
+    def all_greedy(self) -> bool:
+        return self.params is not None and all(p.temperature == 0 for p in self.params)
+
     def rows(self, start: int, end: int) -> SamplingBatch:
-        return SamplingBatch(self.temperatures[start:end], self.top_ps[start:end], self.top_ks[start:end])
+        return SamplingBatch(self.temperatures[start:end], self.top_ps[start:end], self.top_ks[start:end],
+                             None if self.params is None else self.params[start:end])
+
+    def take(self, index: torch.Tensor) -> SamplingBatch:
+        """Rows picked by a device index (host parameters dropped)."""
+        return SamplingBatch(self.temperatures[index], self.top_ps[index], self.top_ks[index])
 
 
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
+
+
+def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The generator a seeded request keeps across its steps (None: it draws from the engine's)."""
+    return None if params.seed is None else make_generator(params.seed, device)
+
+
+# ---------------------------------------------------------------- declared memory
+def sort_bytes_per_row(vocab_size: int, dtype_bytes: int) -> int:
+    """Sort path, per row: the gathered row, the sorted copy and torch's sort scratch (keys: 2 * dtype,
+    int64 ids: 3 * 8, the output included), then fp32 logits / T, softmax/cumsum, noise; + 8/logit margin."""
+    return vocab_size * (3 * dtype_bytes + 32)
+
+
+def fast_bytes_per_row(vocab_size: int) -> int:
+    """Prefilter and whole-vocabulary race, per row: fp32 logits/T + fp32 noise over the vocabulary, plus the
+    prefilter's values, int64 ids, masks, cumsum and noise (48 bytes per prefiltered token)."""
+    return 8 * vocab_size + 48 * PREFILTER
+
+
+def sampler_workspace_bytes(rows: int, vocab_size: int, dtype_bytes: int = 4) -> int:
+    """Worst-case transient bytes of one sample() call over `rows` rows of `dtype_bytes` logits (the logits
+    themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS rows whatever `rows`, + 64 bytes per row of
+    outputs."""
+    return (max(min(rows, SORT_ROWS) * sort_bytes_per_row(vocab_size, dtype_bytes),
+                min(rows, CHUNK_ROWS) * fast_bytes_per_row(vocab_size)) + 64 * rows)
+
+
+def sampler_bytes_per_row(vocab_size: int, dtype_bytes: int = 4) -> int:
+    """Per sampled row, an upper bound at any number of rows: workspace(rows) <= rows * this."""
+    return max(sort_bytes_per_row(vocab_size, dtype_bytes), fast_bytes_per_row(vocab_size)) + 64
+
+
+# ---------------------------------------------------------------- reference (the full sort)
 def top_k_top_p_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs, ids), both [B, V] sorted by descending logit; probs zero outside each row's top-k and
     nucleus (the smallest prefix whose mass reaches top_p; the first token always stays); not renormalised."""
@@ -63,9 +134,9 @@ def top_k_top_p_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     return probs.masked_fill_(mass_before > batch.top_ps.unsqueeze(1), 0.0), ids
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution."""
+def reference_sample(logits: torch.Tensor, batch: SamplingBatch,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """The previous sampler (full sort of every row): the baseline of tests and benchmarks."""
     greedy = logits.argmax(dim=-1)
     probs, ids = top_k_top_p_probs(logits, batch)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)  # 0/0 would be NaN
@@ -73,5 +144,167 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     return torch.where(batch.temperatures > 0, drawn, greedy)
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+# ---------------------------------------------------------------- the sampler
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
+           row_generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+    """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
+    Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`."""
+    rows = logits.shape[0]
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
+    if row_generators is not None and len(row_generators) != rows:
+        raise ValueError(f"{len(row_generators)} row generators for {rows} rows")
+    seeded = [i for i, g in enumerate(row_generators or ()) if g is not None]
+    if len(seeded) == rows:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif rows <= CHUNK_ROWS:
+        out = _sample_chunk(logits, batch, generator)
+    else:
+        out = torch.cat([_sample_chunk(logits[lo:lo + CHUNK_ROWS], batch.rows(lo, lo + CHUNK_ROWS), generator)
+                         for lo in range(0, rows, CHUNK_ROWS)])
+    for i in seeded:
+        out[i] = _sample_chunk(logits[i:i + 1], batch.rows(i, i + 1), row_generators[i])[0]
+    return out
+
+
+def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [B, V] fp32, kept [B, V] bool): the distribution sample() draws each row from and its kept set,
+    through the same path (greedy rows: unspecified, sample() gives their argmax). For tests: [B, V] dense."""
+    assert logits.shape[0] <= CHUNK_ROWS
+    dense = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    kept = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    for rows, z, ids in _pieces(logits, batch):
+        part, mask = z.softmax(dim=-1), z > float("-inf")
+        if ids is not None:
+            part = torch.zeros_like(dense[: len(part)]).scatter_(1, ids, part)
+            mask = torch.zeros_like(kept[: len(mask)]).scatter_(1, ids, mask)
+        if isinstance(rows, torch.Tensor) and rows.dtype == torch.bool:
+            dense = torch.where(rows.unsqueeze(1), part, dense)
+            kept = torch.where(rows.unsqueeze(1), mask, kept)
+        else:
+            dense[rows], kept[rows] = part, mask
+    return dense, kept
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sort: bool = False  # the full sort for every row
+    prefilter: int = 0  # width of the torch.topk prefilter (0: none)
+    whole_vocab: bool = False  # a sampled row has neither top-k nor top-p: a race over the whole vocabulary
+    nucleus: bool = False  # a sampled row has top-p, no top-k: its nucleus may outgrow the prefilter
+
+
+def _plan(params: tuple[SamplingParams, ...] | None, vocab: int) -> _Plan:
+    if params is None:
+        return _Plan(sort=True)
+    sampled = [p for p in params if p.temperature > 0]
+    ks = [p.top_k if p.top_k < vocab else 0 for p in sampled]  # top_k >= vocab: no top-k
+    if vocab <= PREFILTER:
+        return _Plan(prefilter=vocab)
+    if any(k > PREFILTER for k in ks):
+        return _Plan(sort=True)
+    nucleus = any(k == 0 and p.top_p < 1 for k, p in zip(ks, sampled))
+    return _Plan(prefilter=max([k for k in ks if k] + [PREFILTER] * nucleus, default=0),
+                 whole_vocab=any(k == 0 and p.top_p >= 1 for k, p in zip(ks, sampled)), nucleus=nucleus)
+
+
+def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
+    greedy = x.argmax(dim=-1)
+    if b.all_greedy:
+        return greedy
+    tok = greedy.clone()
+    for rows, z, ids in _pieces(x, b):
+        col = _race(z, generator)
+        drawn = col if ids is None else ids.gather(1, col.unsqueeze(1)).squeeze(1)
+        del z, ids
+        if isinstance(rows, slice):
+            tok[rows] = drawn
+        elif rows.dtype == torch.bool:
+            tok = torch.where(rows, drawn, tok)
+        else:
+            tok.index_copy_(0, rows, drawn)
+    return torch.where(b.temperatures > 0, tok, greedy)
+
+
+def _pieces(x: torch.Tensor, b: SamplingBatch):
+    """Yields (rows, z, ids) covering every row, later pieces overriding earlier ones. rows: a slice or an
+    index (z holds those rows in that order) or a bool mask (z holds every row, only the masked ones take it).
+    z [n, W]: fp32 logits / T, -inf outside the kept set; ids [n, W]: their token ids (None: the whole
+    vocabulary in order). A generator, so that each piece's memory is freed before the next."""
+    vocab = x.shape[-1]
+    plan = _plan(b.params, vocab)
+    if plan.sort:
+        yield from _sort_rows(x, b, torch.arange(x.shape[0], device=x.device))
+        return
+    no_top_k = (b.top_ks <= 0) | (b.top_ks >= vocab)
+    wider = None
+    if plan.prefilter:
+        z, ids, wider = _prefilter(x, b, plan.prefilter, plan.nucleus)
+        yield slice(None), z, ids
+        del z, ids
+    if plan.whole_vocab:
+        yield no_top_k & (b.top_ps >= 1), x / b.temperatures.clamp_min(1e-5).unsqueeze(1), None
+    if plan.nucleus:
+        # NOTE: the sampler's one host read (nonzero: a sync), only for batches with top-p rows without top-k.
+        # Avoiding it means sorting every such row (the old cost) or a custom kernel (FlashInfer-style).
+        yield from _sort_rows(x, b, wider.nonzero().squeeze(1))
+
+
+def _sort_rows(x: torch.Tensor, b: SamplingBatch, index: torch.Tensor):
+    """Pieces of the rows `index` through the full sort, SORT_ROWS at a time (gathered: one copy each)."""
+    for lo in range(0, index.numel(), SORT_ROWS):
+        rows = index[lo:lo + SORT_ROWS]
+        yield rows, *_sorted(x[rows], b.take(rows))
+
+
+def _prefilter(x: torch.Tensor, b: SamplingBatch, width: int, whole_mass: bool):
+    """(z, ids, wider): the `width` largest logits of each row, z = logit / T with -inf outside the row's
+    top-k and nucleus; wider [B] bool: the row's nucleus reaches past the prefilter (z is not its answer)."""
+    vocab = x.shape[-1]
+    temps = b.temperatures.clamp_min(1e-5).unsqueeze(1)
+    vals, ids = x.topk(width, dim=-1)  # sorted: the order of logit / T too (T > 0)
+    z = vals.float().div_(temps) if vals.dtype != torch.float32 else vals.div_(temps)
+    del vals
+    k = torch.where(b.top_ks > 0, b.top_ks, vocab).clamp(max=vocab)
+    rank = torch.arange(width, device=x.device)
+    z.masked_fill_(rank >= k.unsqueeze(1), float("-inf"))
+    inside = k <= width
+    lse = z.logsumexp(dim=-1)
+    if whole_mass:  # rows without top-k: their probabilities are over the whole vocabulary
+        lse = torch.where(inside, lse, _scaled_logsumexp(x, temps))
+    top_p = torch.where(b.top_ps >= 1, float("inf"), b.top_ps).unsqueeze(1)  # 1: the whole top-k, no rounding
+    mass = (z - lse.unsqueeze(1)).exp_().cumsum_(dim=-1)  # mass up to and including each rank
+    n = 1 + (mass[:, :-1] <= top_p).sum(dim=-1)  # kept while the mass before the token is <= top_p
+    wider = ~inside & (b.top_ps < 1) & (b.temperatures > 0) & (mass[:, -1:] <= top_p).squeeze(1)
+    z.masked_fill_(rank >= n.unsqueeze(1), float("-inf"))
+    return z, ids, wider
+
+
+def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """log sum exp(x / T) per row: max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in place."""
+    inv = temps.reciprocal()
+    shift = x.amax(dim=-1, keepdim=True).float() * inv
+    return torch.addcmul(-shift, x, inv).exp_().sum(dim=-1).log_().add_(shift.squeeze(1))
+
+
+def _sorted(x: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, ids) over the whole vocabulary by descending logit: the reference's semantics, in less memory."""
+    vocab = x.shape[-1]
+    vals, ids = x.sort(dim=-1, descending=True)
+    temps = b.temperatures.clamp_min(1e-5).unsqueeze(1)
+    z = vals.float().div_(temps) if vals.dtype != torch.float32 else vals.div_(temps)
+    del vals
+    k = torch.where(b.top_ks > 0, b.top_ks, vocab).clamp(max=vocab).unsqueeze(1)
+    rank = torch.arange(vocab, device=x.device)
+    z.masked_fill_(rank >= k, float("-inf"))
+    top_p = torch.where(b.top_ps >= 1, float("inf"), b.top_ps).unsqueeze(1)
+    mass = z.softmax(dim=-1).cumsum_(dim=-1)
+    n = 1 + (mass[:, :-1] <= top_p).sum(dim=-1, keepdim=True)
+    del mass
+    return z.masked_fill_(rank >= n, float("-inf")), ids
+
+
+def _race(z: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Column of the exponential race's winner per row (consumes z): argmax z - log E, E ~ Exp(1)."""
+    noise = torch.empty_like(z).exponential_(generator=generator).clamp_min_(1e-20).log_()  # log 0: NaN below
+    return z.sub_(noise).argmax(dim=-1)
