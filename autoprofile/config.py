@@ -47,6 +47,7 @@ class ServerConfig:
     max_retries: int = 3
     host: str = "127.0.0.1"
     port: int = 8000
+    max_waiting_requests: int = 1024
     seed: int = 0
     report_dir: str | None = "autoprofile_report"
 
@@ -117,6 +118,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(0 <= cfg.max_retries <= 20, "max_retries", f"must be in [0, 20], got {cfg.max_retries}; try 3")
     _check(0 <= cfg.port <= 65535, "port", f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try 8000")
     _check(bool(cfg.host.strip()), "host", "must not be empty; try 127.0.0.1")
+    _check(cfg.max_waiting_requests >= 0, "max_waiting_requests",
+           f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; try 1024")
     _check(cfg.dtype != "float32" or cfg.attention_backend == "torch", "dtype",
            "float32 weights are only supported by --attention_backend torch; try --dtype bfloat16")
     _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
@@ -176,6 +179,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--max_waiting_requests", type=int, default=d.max_waiting_requests,
+                   help="requests queued beyond the running ones; past it the server answers 429")
     p.add_argument("--seed", type=int, default=d.seed, help="random-weight and sampling seed")
     p.add_argument("--report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
 
