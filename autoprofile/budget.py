@@ -17,7 +17,6 @@ from dataclasses import dataclass
 GiB = 1 << 30
 MiB = 1 << 20
 AITER_PARTITION = 256  # native AITER paged_attention_ragged partition size (tokens)
-MIN_REQS, MAX_REQS = 2048, 4096  # SGLang's default max_num_reqs clamp
 # The driver cannot hand out the last MiBs of the card: on H100 a 2/20/256 MiB cudaMalloc failed with
 # 2.19/20.19/256.19 MiB reported free. Never plan to the last byte.
 DRIVER_RESERVE = 64 * MiB
@@ -54,15 +53,6 @@ def round_up(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size) * page_size
 
 
-def default_max_num_reqs(tokens: int, context_len: int) -> int:
-    """SGLang's rule: clamp(T / context_len * 512, 2048, 4096)."""
-    return min(max(int(tokens / context_len * 512), MIN_REQS), MAX_REQS)
-
-
-def max_num_reqs(tokens: int, context_len: int, running_max_req_size: int | None) -> int:
-    return running_max_req_size if running_max_req_size else default_max_num_reqs(tokens, context_len)
-
-
 def aiter_num_partitions(context_len: int, tokens: int | None = None, partition: int = AITER_PARTITION) -> int:
     """Partitions per sequence; no sequence can outgrow the cache, so cap by min(context_len, T)."""
     longest = context_len if tokens is None else min(context_len, tokens)
@@ -81,8 +71,8 @@ def triton_decode_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, ma
 
 
 def req_table_bytes(max_reqs: int, context_len: int, page_size: int) -> int:
-    """Request table: one int32 page id per page of the longest request, plus per-request lengths."""
-    return max_reqs * (math.ceil(context_len / page_size) + 2) * 4
+    """Request table: one int32 page id per page of the longest request, per request slot."""
+    return max_reqs * math.ceil(context_len / page_size) * 4
 
 
 def reserved_bytes(n: int) -> int:
@@ -133,29 +123,29 @@ def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: in
 
 @dataclass(frozen=True)
 class Sizing:
-    """How everything built from T is sized: the solver and the engine share it."""
+    """How everything built from T is sized: the solver and the engine share it. The request table
+    and the declared workspace are sized from the envelope's rows (running requests, decode rows per
+    step), not from T; only the workspace's partition count follows T (min(context_len, T))."""
 
     cell_bytes: int
     context_len: int
     page_size: int
-    running_max_req_size: int | None = None
-    workspace: Callable[[int, int], int] | None = None  # (max_num_reqs, longest_seq) -> declared bytes
-
-    def max_reqs(self, tokens: int) -> int:
-        return max_num_reqs(tokens, self.context_len, self.running_max_req_size)
+    running_reqs: int  # request slots (envelope.running_reqs)
+    decode_rows: int  # rows of one decode step (envelope.decode_rows)
+    workspace: Callable[[int, int], int] | None = None  # (decode_rows, longest_seq) -> declared bytes
 
     def workspace_reserved(self, tokens: int) -> int:
         """The backend's declared persistent workspace at T, as the caching allocator reserves it."""
-        ws = self.workspace(self.max_reqs(tokens), min(self.context_len, tokens)) if self.workspace else 0
+        ws = self.workspace(self.decode_rows, min(self.context_len, tokens)) if self.workspace else 0
         return reserved_bytes(ws)
 
     def table_reserved(self, tokens: int) -> int:
-        return reserved_bytes(req_table_bytes(self.max_reqs(tokens), self.context_len, self.page_size))
+        return reserved_bytes(req_table_bytes(self.running_reqs, self.context_len, self.page_size))
 
     def overhead(self, tokens: int) -> int:
-        """Declared bytes that scale with T (workspace, request table), KV excluded, as the caching
-        allocator reserves them (a 1 MiB table at the probe and a 2 MiB one at the target differ by a
-        20 MiB segment: counted here, not discovered as an OOM in validation)."""
+        """Declared bytes built beside the KV (workspace, request table), as the caching allocator
+        reserves them (a 1 MiB table and a 2 MiB one differ by a 20 MiB segment: counted here, not
+        discovered as an OOM in validation)."""
         return self.workspace_reserved(tokens) + self.table_reserved(tokens)
 
     def sized_bytes(self, tokens: int) -> int:
@@ -165,8 +155,8 @@ class Sizing:
 def solve_target_tokens(available: int, sizing: Sizing, mem_fraction: float = 1.0) -> int:
     """Largest page-aligned T with T*cell <= (available - overhead(T)) * mem_fraction.
 
-    overhead(T) is piecewise linear and non-decreasing in T (max_num_reqs clamps, partitions cap at
-    min(context_len, T)), so the condition is monotone and a binary search over pages is exact."""
+    overhead(T) is non-decreasing in T (partitions cap at min(context_len, T)), so the condition is
+    monotone and a binary search over pages is exact."""
 
     def fits(pages: int) -> bool:
         t = pages * sizing.page_size

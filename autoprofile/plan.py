@@ -16,6 +16,7 @@ from types import MappingProxyType
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib
 from autoprofile.config import DTYPE_BYTES, ServerConfig
+from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig
 
 CUDA_CONTEXT_ESTIMATE = 1670 * MiB  # non-torch memory of one process, measured 1.63 GiB on H100 and H200 (torch 2.11, CUDA 13)
@@ -242,11 +243,12 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
     m, cls = cfg.model_config, backend_class(backend)
     q_heads = m.num_heads // cfg.tp
 
-    def workspace(reqs: int, longest: int) -> int:
-        return cls.workspace_bytes(reqs, longest, q_heads, m.head_dim)
+    def workspace(rows: int, longest: int) -> int:
+        return cls.workspace_bytes(rows, longest, q_heads, m.head_dim)
 
+    reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
-                         cfg.running_max_req_size, workspace)
+                         running_reqs=reqs, decode_rows=reqs, workspace=workspace)
 
 
 def min_tokens(cfg: ServerConfig) -> int:
@@ -255,17 +257,17 @@ def min_tokens(cfg: ServerConfig) -> int:
 
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
-    reqs = sizing.max_reqs(tokens)
+    reqs = sizing.running_reqs
     table = sizing.table_reserved(tokens)
     workspace = sizing.workspace_reserved(tokens)
-    ws_note = (f"{reqs} reqs x q heads x ceil(min({sizing.context_len}, T)/256) partitions x (4*head_dim + 8)"
+    ws_note = (f"{sizing.decode_rows} decode rows x q heads x ceil(min({sizing.context_len}, T)/256) partitions x (4*head_dim + 8)"
                if backend == "aiter" else "none persistent for this backend")
     return (
         Row("KV cache", tokens * sizing.cell_bytes, "exact", "allocated at the target",
             f"T x {sizing.cell_bytes:,} B/token"),
         Row("attention workspace", workspace, "declared", "allocated at the target (solved with T)", ws_note),
         Row("request table", table, "declared", "allocated at the target (solved with T)",
-            f"{reqs} reqs x (ceil({sizing.context_len}/{sizing.page_size}) + 2) x int32"),
+            f"{reqs} reqs x ceil({sizing.context_len}/{sizing.page_size}) x int32"),
     )
 
 
@@ -303,7 +305,7 @@ def make_plan(cfg: ServerConfig, card: Card) -> Plan:
         context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
         graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
         cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,
-        max_num_reqs=sizing.max_reqs(tokens), sized=sized, slack=available - sum(r.bytes for r in sized),
+        max_num_reqs=sizing.running_reqs, sized=sized, slack=available - sum(r.bytes for r in sized),
         min_tokens=floor, pinned_tokens=cfg.max_total_token_num,
         warnings=plan_warnings(cfg, tokens, floor, backend),
     )

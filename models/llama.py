@@ -104,6 +104,8 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv
         self.backend.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
+            if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
+                k, v = self.backend.gather_kv(k_cache, v_cache, meta.kv_slots)
             o = self.backend.prefill(q, k, v, meta)
         else:
             o = self.backend.decode(q, k_cache, v_cache, meta)

@@ -115,4 +115,4 @@ class FakeRunner:
 
 def llama8b_sizing(page_size: int = 16, context_len: int = 8192) -> budget.Sizing:
     return budget.Sizing(cell_bytes=budget.kv_cell_bytes(32, 8, 128, 2), context_len=context_len,
-                         page_size=page_size, running_max_req_size=None, workspace=None)
+                         page_size=page_size, running_reqs=256, decode_rows=256, workspace=None)

@@ -13,7 +13,7 @@ LLAMA_Q_HEADS, HEAD_DIM = 32, 128
 
 
 def aiter_ws(q_heads: int = LLAMA_Q_HEADS, head_dim: int = HEAD_DIM):
-    """The native AITER workspace as a Sizing callback (max_num_reqs, longest sequence) -> bytes."""
+    """The native AITER workspace as a Sizing callback (decode rows, longest sequence) -> bytes."""
     return lambda reqs, longest: budget.aiter_workspace_bytes(
         reqs, q_heads, head_dim, budget.aiter_num_partitions(longest))
 
@@ -33,9 +33,18 @@ def test_llama_aiter_workspace_capped_by_cache_is_3_17_gib():
     ws = budget.aiter_workspace_bytes(2048, LLAMA_Q_HEADS, HEAD_DIM, parts)
     assert ws / GiB == pytest.approx(3.17, abs=0.005)
     # The same cap applies through Sizing: no sequence outgrows a 25,432-token cache.
-    s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, workspace=aiter_ws())
-    assert s.max_reqs(25432) == 2048
+    s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, running_reqs=2048, decode_rows=2048,
+               workspace=aiter_ws())
     assert s.overhead(25432) == budget.reserved_bytes(ws) + budget.reserved_bytes(budget.req_table_bytes(2048, 131072, 16))
+
+
+def test_workspace_follows_decode_rows_and_table_follows_running_requests():
+    """The envelope's rows size the declared buffers: 256 decode rows of a 4096-slot table."""
+    s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, running_reqs=4096, decode_rows=256,
+               workspace=aiter_ws())
+    parts = budget.aiter_num_partitions(131072)
+    assert s.workspace_reserved(10**6) == budget.reserved_bytes(budget.aiter_workspace_bytes(256, 32, 128, parts))
+    assert s.table_reserved(10**6) == budget.reserved_bytes(4096 * 8192 * 4)
 
 
 def test_qwen3_30b_a3b_aiter_workspace_is_65_gib():
@@ -79,25 +88,6 @@ def test_mla_cell_bytes_formula_and_dispatch():
     assert budget.cell_bytes_for(mla, 2, tp=8) == 70272  # latent replicated on every rank
 
 
-# ---------------------------------------------------------------- max_num_reqs regions
-@pytest.mark.parametrize("tokens, context, expected", [
-    (0, 131072, 2048),                   # floor
-    (25432, 131072, 2048),               # floor: 99 by the linear rule
-    (131072 * 4, 131072, 2048),          # 2048 exactly at the knee
-    (131072 * 6, 131072, 3072),          # linear
-    (4096 * 5, 4096, 2560),              # linear, short context
-    (131072 * 8, 131072, 4096),          # 4096 exactly at the cap
-    (10**9, 4096, 4096),                 # cap
-])
-def test_default_max_num_reqs_regions(tokens, context, expected):
-    assert budget.default_max_num_reqs(tokens, context) == expected
-
-
-def test_running_max_req_size_overrides_rule():
-    assert budget.max_num_reqs(10**9, 4096, 100) == 100
-    assert budget.max_num_reqs(10**9, 4096, None) == 4096
-
-
 # ---------------------------------------------------------------- the solver
 def fits(tokens: int, available: int, s: Sizing, mem_fraction: float) -> bool:
     """The solver's defining inequality, written out independently of solve_target_tokens."""
@@ -113,15 +103,16 @@ def check_solution(available: int, s: Sizing, mem_fraction: float) -> int:
     return t
 
 
-@pytest.mark.parametrize("available_gib, region", [(3, "floor"), (6, "linear"), (100, "cap")])
-def test_solver_in_each_clamp_region(available_gib, region):
-    context = 8192
-    s = Sizing(cell_bytes=131072, context_len=context, page_size=16, workspace=aiter_ws())
+@pytest.mark.parametrize("available_gib, below_context", [(3, True), (6, True), (100, False)])
+def test_solver_charges_the_workspace_below_and_above_the_context_cap(available_gib, below_context):
+    context = 131072  # a cache below the context caps the partitions at T
+    s = Sizing(cell_bytes=131072, context_len=context, page_size=16, running_reqs=256, decode_rows=256,
+               workspace=aiter_ws())
     t = check_solution(available_gib * GiB, s, 1.0)
-    reqs = budget.default_max_num_reqs(t, context)
-    assert {"floor": reqs == 2048, "linear": 2048 < reqs < 4096, "cap": reqs == 4096}[region], (t, reqs)
+    assert (t < context) == below_context
     # The workspace really is charged: the same budget without it fits strictly more tokens.
-    assert budget.solve_target_tokens(available_gib * GiB, Sizing(131072, context, 16), 1.0) > t
+    bare = Sizing(131072, context, 16, running_reqs=256, decode_rows=256)
+    assert budget.solve_target_tokens(available_gib * GiB, bare, 1.0) > t
 
 
 def test_solver_random_inputs():
@@ -132,7 +123,7 @@ def test_solver_random_inputs():
         s = Sizing(
             cell_bytes=rng.choice([4096, 49152, 65536, 98304, 131072, 70272]),
             context_len=context, page_size=page,
-            running_max_req_size=rng.choice([None, None, 1, 64, 5000]),
+            running_reqs=rng.choice([1, 64, 256, 5000]), decode_rows=rng.choice([1, 64, 256]),
             workspace=rng.choice([None, aiter_ws(rng.choice([4, 16, 32, 64]), rng.choice([64, 128]))]),
         )
         available = rng.randint(-GiB, 300 * GiB)
@@ -140,14 +131,15 @@ def test_solver_random_inputs():
 
 
 def test_solver_nothing_available_gives_zero():
-    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, workspace=aiter_ws())
+    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, running_reqs=256, decode_rows=256,
+               workspace=aiter_ws())
     assert budget.solve_target_tokens(-5 * GiB, s, 1.0) == 0
     assert budget.solve_target_tokens(0, s, 1.0) == 0
 
 
 def test_mem_fraction_scales_the_budget_exactly():
     # With a fixed request count the overhead is a constant O: T = floor_page((A - O) * f / cell).
-    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, running_max_req_size=512)
+    s = Sizing(cell_bytes=131072, context_len=8192, page_size=16, running_reqs=512, decode_rows=512)
     a = 60 * GiB
     o = s.overhead(0)
     for f in (1.0, 0.9, 0.5, 0.25):

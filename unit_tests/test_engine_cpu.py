@@ -18,10 +18,12 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.engine.cuda_graph import batch_ladder
+from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
 from autoprofile.engine.parallel import TP
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.engine.sampling import SamplingBatch, SamplingParams, sample, top_k_top_p_probs
+from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, sample, top_k_top_p_probs
+from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random, load_checkpoint
 from models.config import load_model_config
 from models.llama import LlamaForCausalLM, rope_inv_freq
@@ -66,18 +68,14 @@ def test_req_table_bytes_equal_the_budget_formula(reqs, ctx, page):
     assert t.nbytes == budget.req_table_bytes(reqs, ctx, page)
 
 
-def test_req_table_slots_pages_and_exhaustion():
+def test_req_table_mirrors_page_writes_and_refuses_out_of_range():
     t = ReqTable(2, 64, 16, torch.device("cpu"))
-    s0, s1 = t.alloc([5, 6]), t.alloc([])
-    assert t.page_table[s0, :2].tolist() == [5, 6] and t.seq_lens[s0] == 0
-    with pytest.raises(KVCacheFull, match="all 2 slots"):
-        t.alloc([1])
-    t.free(s1)
-    with pytest.raises(ValueError, match="exceed the 4"):
-        t.alloc([1, 2, 3, 4, 5])
-    t.free(s0)
-    with pytest.raises(ValueError, match="double free"):
-        t.free(s0)
+    t.write([(1, 0, [5, 6]), (0, 2, [9]), (1, 2, [7])])
+    assert t.page_table.tolist() == [[0, 0, 9, 0], [5, 6, 7, 0]]
+    with pytest.raises(ValueError, match="outside the 2 x 4 page table"):
+        t.write([(0, 3, [1, 2])])
+    with pytest.raises(ValueError, match="slot 2"):
+        t.write([(2, 0, [1])])
 
 
 def test_kv_cache_is_one_tensor_with_per_layer_views():
@@ -198,38 +196,36 @@ def test_prefill_then_decode_equals_a_from_scratch_forward():
 
 def test_generate_matches_argmax_of_a_full_forward_and_is_batch_invariant(runner):
     prompts = [[7, 99, 1000, 3], [5] * 17, list(range(40, 80))]
-    out = runner.generate(prompts, max_new_tokens=6)
+    out = LLMEngine(runner).generate(prompts, max_tokens=6)
     assert [len(o) for o in out] == [6, 6, 6]
-    assert out == [runner.generate([p], max_new_tokens=6)[0] for p in prompts]
+    assert out == [LLMEngine(runner).generate([p], max_tokens=6)[0] for p in prompts]
     seq = prompts[2] + out[2]
     kv = runner.kv.layers
-    page_ids = runner.allocator.alloc(math.ceil(len(seq) / 16))
-    try:
-        slots = torch.tensor(page_ids).repeat_interleave(16)[: len(seq)] * 16 + torch.arange(len(seq)) % 16
-        with torch.no_grad():
-            meta = _prefill_meta([len(seq)], slots)
-            hidden = runner.model(torch.tensor(seq), torch.arange(len(seq)), meta, kv)
-            logits = runner.model.compute_logits(hidden)
-    finally:
-        runner.allocator.free(page_ids)
+    page_ids = list(range(1, 1 + math.ceil(len(seq) / 16)))  # the engine is idle: every page is free
+    slots = torch.tensor(page_ids).repeat_interleave(16)[: len(seq)] * 16 + torch.arange(len(seq)) % 16
+    with torch.no_grad():
+        meta = _prefill_meta([len(seq)], slots)
+        hidden = runner.model(torch.tensor(seq), torch.arange(len(seq)), meta, kv)
+        logits = runner.model.compute_logits(hidden)
     assert logits[len(prompts[2]) - 1:-1].argmax(-1).tolist() == out[2]
 
 
-def test_generate_in_waves_when_the_cache_holds_fewer_requests(runner):
-    runner.teardown()
-    runner.build(80)  # 4 pages besides the pad page: the first two requests, then the third
-    try:
-        prompts = [[1, 2, 3], [4, 5], [6] * 30]
-        got = runner.generate(prompts, max_new_tokens=20)
-        assert runner.allocator.num_free == 4 and runner.req_table.num_free == 16
-    finally:
-        runner.teardown()
-        runner.build(1024)
-    assert got == runner.generate(prompts, max_new_tokens=20)
-    with pytest.raises(ValueError, match="--max_req_total_len"):
-        runner.generate([[1] * 250], max_new_tokens=10)
-    with pytest.raises(ValueError, match=r"\[0, 4096\)"):
-        runner.generate([[4096]], max_new_tokens=1)
+def test_engine_refuses_what_can_never_fit_naming_the_field(runner):
+    e = LLMEngine(runner)
+    with pytest.raises(ValueError, match="max_tokens: .*--max_req_total_len.*try max_tokens <= 6"):
+        e.add_request([1] * 250, max_tokens=10)
+    with pytest.raises(ValueError, match="prompt: .*at most 255 tokens"):
+        e.add_request([1] * 256, max_tokens=1)
+    with pytest.raises(ValueError, match=r"prompt: token ids must be integers in \[0, 4096\)"):
+        e.add_request([4096], max_tokens=1)
+    with pytest.raises(ValueError, match="prompt: must hold at least one token"):
+        e.add_request([], max_tokens=1)
+    with pytest.raises(ValueError, match="max_tokens: must be an integer >= 1"):
+        e.add_request([1], max_tokens=0)
+    e.add_request([1], request_id="a")
+    with pytest.raises(ValueError, match="request_id: 'a' is already in use"):
+        e.add_request([2], request_id="a")
+    assert e.stats.waiting == 1
 
 
 # ---------------------------------------------------------------- build / teardown / stresses
@@ -238,7 +234,7 @@ def test_build_teardown_drops_the_kv_and_rebuild_works(runner):
     runner.build(1000)  # rounded down to whole pages
     assert runner.built_tokens == 992
     assert runner.kv_bytes == 992 * runner.sizing.cell_bytes  # exactly what the budget solved for
-    assert runner.allocator.capacity == 992 // 16 - 1  # the pad page
+    assert runner.envelope.pages == 992 // 16 - 1  # the pad page
     assert runner.req_table.nbytes == budget.req_table_bytes(16, 256, 16)
     ref = weakref.ref(runner.kv_buffer)
     with pytest.raises(RuntimeError, match="teardown"):
@@ -246,10 +242,10 @@ def test_build_teardown_drops_the_kv_and_rebuild_works(runner):
     runner.teardown()
     runner.teardown()  # idempotent
     assert ref() is None
-    assert runner.kv is runner.req_table is runner.allocator is runner.graphs is runner.kv_buffer is None
+    assert runner.kv is runner.req_table is runner.envelope is runner.graphs is runner.kv_buffer is None
     assert runner.built_tokens is None and runner.kv_bytes == 0
     runner.build(512)
-    assert runner.built_tokens == 512 and runner.generate([[1, 2]], 2)
+    assert runner.built_tokens == 512 and len(LLMEngine(runner).generate([[1, 2]], max_tokens=2)[0]) == 2
     runner.teardown()
     runner.build(1024)
 
@@ -280,27 +276,28 @@ def test_a_failing_build_tears_down_what_it_built(runner, mocker):
     assert points == ["kv_alloc", "kv_alloc"]  # no graph_capture checkpoint without graphs
 
 
-def test_stresses_run_on_cpu_and_free_everything(runner):
+@pytest.mark.parametrize("tokens", [128, 1024])
+def test_stresses_reach_every_limit_whatever_the_cache_size(runner, tokens):
+    """The corners need no real cache (prefixes reuse pages cyclically): a 128-token cache runs the
+    same chunk over a 254-token prefix as a big one, and the engine serves afterwards."""
     runner.teardown()
-    runner.build(256)  # exactly batch_max_tokens
-    runner.stress_prefill()
-    runner.stress_decode()
-    assert runner.allocator.num_free == runner.allocator.capacity == 15
-    assert runner.req_table.num_free == 16
-    runner.teardown()
-    runner.build(128)
-    with pytest.raises(KVCacheFull):
-        runner.stress_prefill()  # needs batch_max_tokens of cache
-    assert runner.allocator.num_free == 7
-    runner.teardown()
-    runner.build(1024)
+    runner.build(tokens)
+    try:
+        env = runner.envelope
+        shapes = runner.stress_prefill() + runner.stress_decode()
+        for name, limit in env.limits().items():
+            assert max(getattr(s, name) for s in shapes) == limit, name
+        assert len(LLMEngine(runner).generate([[3, 4]], max_tokens=3)[0]) == 3
+    finally:
+        runner.teardown()
+        runner.build(1024)
 
 
 def test_sizing_matches_what_build_allocates(runner):
     s = runner.sizing
     mc = runner.model_config
     assert s.cell_bytes == 2 * mc.num_kv_heads * mc.head_dim * mc.num_layers * 4
-    assert (s.context_len, s.page_size, s.running_max_req_size) == (256, 16, 16)
+    assert (s.context_len, s.page_size, s.running_reqs, s.decode_rows) == (256, 16, 16, 16)
     assert s.overhead(1024) == budget.reserved_bytes(budget.req_table_bytes(16, 256, 16))  # no workspace
 
 
@@ -403,19 +400,16 @@ def _tp_worker(rank: int, init: str, model_dir: str, queue) -> None:
         r = ModelRunner(small_cfg(model=model_dir, tp=2), rank=rank, world_size=2,
                         group=torch.distributed.group.WORLD)
         r.build(512)
-        queue.put((rank, r.generate([[1, 2, 3, 4, 5], [9] * 12], max_new_tokens=8), _last_logits(r)))
+        queue.put((rank, LLMEngine(r).generate([[1, 2, 3, 4, 5], [9] * 12], max_tokens=8), _last_logits(r)))
         torch.distributed.destroy_process_group()
     except Exception:  # noqa: BLE001 - report to the parent instead of hanging it
         queue.put((rank, "crash", traceback.format_exc()))
 
 
 def _last_logits(r: ModelRunner) -> torch.Tensor:
-    pages = r.allocator.alloc(1)
-    try:
-        with torch.no_grad():
-            return r._prefill([[3, 1, 4, 1, 5, 9, 2, 6]], torch.arange(8) + pages[0] * 16)
-    finally:
-        r.allocator.free(pages)
+    r.req_table.write([(0, 0, [1])])  # the engine is idle: slot 0 and page 1 are free
+    with torch.no_grad():
+        return r._prefill([StepRow(0, 0, [3, 1, 4, 1, 5, 9, 2, 6], True, GREEDY)])
 
 
 @pytest.mark.slow
@@ -423,7 +417,7 @@ def test_tensor_parallel_2_ranks_over_gloo_equals_one_rank(tmp_path):
     write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
     one = ModelRunner(small_cfg(model=str(tmp_path / "qwen")))
     one.build(512)
-    want = one.generate([[1, 2, 3, 4, 5], [9] * 12], max_new_tokens=8)
+    want = LLMEngine(one).generate([[1, 2, 3, 4, 5], [9] * 12], max_tokens=8)
     want_logits = _last_logits(one)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -43,7 +43,7 @@ def check_inequality(p, cfg):
     assert p.tokens % p.page_size == 0
     assert kv <= (p.available - ws - table) * p.mem_fraction
     nxt = p.tokens + p.page_size
-    reqs = budget.max_num_reqs(nxt, p.context_len, cfg.running_max_req_size)
+    reqs = cfg.running_max_req_size or cfg.graph_max_batch_size  # the envelope's rows
     ws_next = 0
     if p.attention_backend == "aiter":
         m = cfg.model_config

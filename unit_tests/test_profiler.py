@@ -32,10 +32,11 @@ def builds(runner):
 
 
 def expected_target(gpu, runner, cfg):
-    """Independent of the solver: overhead is constant here (max_num_reqs clamps at 4096)."""
+    """Independent of the solver: overhead is constant here (the request table of the envelope's rows)."""
     non_kv = runner.weight_bytes + runner.graph_pool + max(runner.prefill_act, runner.decode_act)
     available = gpu.total - gpu.non_torch - gpu.peers - non_kv - cfg.canary_bytes - budget.DRIVER_RESERVE
-    overhead = budget.reserved_bytes(budget.req_table_bytes(4096, cfg.context_len, cfg.page_size))
+    overhead = budget.reserved_bytes(budget.req_table_bytes(runner.sizing.running_reqs, cfg.context_len,
+                                                            cfg.page_size))
     return (available - overhead) // runner.sizing.cell_bytes // cfg.page_size * cfg.page_size
 
 

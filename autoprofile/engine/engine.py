@@ -12,11 +12,19 @@ and the tests. Not thread-safe: one thread (the server's engine loop) owns it an
 """
 from __future__ import annotations
 
+import itertools
+import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from autoprofile.engine.request import RequestError, RequestOutput  # noqa: F401 - part of the API
+import torch
+
+from autoprofile.engine.request import Request, RequestError, RequestOutput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,37 +35,115 @@ class EngineStats:
     pages_used: int
     pages_total: int
     steps: int
+    failed_steps: int  # steps that raised: their requests finished with finish_reason "error"
+    ooms: int  # of those, out-of-memory errors (a validated envelope keeps this 0)
 
 
 class LLMEngine:
     def __init__(self, runner):
-        raise NotImplementedError("being built: see issue 7")
+        if runner.envelope is None:
+            raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
+        self.runner, self.envelope = runner, runner.envelope
+        self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages)
+        self.vocab_size = runner.model_config.vocab_size
+        self._requests: dict[str, Request] = {}
+        self._ended: list[Request] = []  # aborted or failed, reported by the next step()
+        self._arrivals = itertools.count()
+        self._steps = self._failed_steps = self._ooms = 0
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None) -> str:
         """Queue a request; returns its id. Raises RequestError naming the field ("prompt", "max_tokens",
         "request_id") when it can never be served: empty prompt, ids outside the vocabulary,
         prompt + max_tokens > --max_req_total_len, or more pages than the whole cache holds."""
-        raise NotImplementedError
+        prompt = list(prompt_ids)
+        context = self.envelope.max_req_total_len
+        if not prompt:
+            raise RequestError("prompt", "must hold at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise RequestError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
+        if len(prompt) >= context:
+            raise RequestError("prompt", f"{len(prompt)} tokens leave no room for output under the {context}-token "
+                                         f"request limit (--max_req_total_len): at most {context - 1} tokens")
+        if len(prompt) + max_tokens > context:
+            raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                             f"the {context}-token request limit (--max_req_total_len); "
+                                             f"try max_tokens <= {context - len(prompt)}")
+        request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
+        if request_id in self._requests:
+            raise RequestError("request_id", f"'{request_id}' is already in use")
+        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), next(self._arrivals))
+        pages = math.ceil(req.max_len / self.envelope.page_size)
+        if pages > self.scheduler.allocator.capacity:
+            capacity = self.scheduler.allocator.capacity * self.envelope.page_size
+            raise RequestError("max_tokens", f"the request can grow to {req.max_len} tokens, the KV cache holds "
+                                             f"{capacity}; try max_tokens <= {capacity - len(prompt) + 1}")
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request now (its pages and slot are freed before this returns);
         the next step() reports it once with finish_reason "abort". False if unknown or finished."""
-        raise NotImplementedError
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, "abort")
+        self._ended.append(req)
+        return True
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step (a prefill chunk batch or a decode batch); return an output for every
-        request that got new tokens or finished in it."""
-        raise NotImplementedError
+        request that got new tokens or finished in it (aborted ones included)."""
+        ended, self._ended = self._ended, []
+        outputs = [self._report(req) for req in ended]
+        step = self.scheduler.schedule()
+        if step is None:
+            return outputs
+        try:
+            sampled = self.runner.execute(step)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
+            self._failed_steps += 1
+            self._ooms += isinstance(e, torch.OutOfMemoryError)
+            log.exception("step of %d rows failed; its requests end with finish_reason 'error'", len(step.rows))
+            for req in dict.fromkeys(row.request for row in step.rows):
+                if not req.finished:
+                    self.scheduler.finish(req, "error")
+                    outputs.append(self._report(req))
+            return outputs
+        self._steps += 1
+        outputs += [self._report(req) for req in self.scheduler.update(step, sampled)]
+        return outputs
+
+    def _report(self, req: Request) -> RequestOutput:
+        new = req.output_ids[req.num_sent:]
+        req.num_sent = len(req.output_ids)
+        if req.finished:
+            self._requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, new, req.finished, req.finish_reason, len(req.prompt_ids),
+                             len(req.output_ids))
 
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
+        return self.scheduler.has_work() or bool(self._ended)
 
     @property
     def stats(self) -> EngineStats:
-        raise NotImplementedError
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used, s.allocator.capacity,
+                           self._steps, self._failed_steps, self._ooms)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = GREEDY,
                  max_tokens: int = 16) -> list[list[int]]:
         """Offline: run every prompt to completion over the same loop; output ids per prompt, in order."""
-        raise NotImplementedError
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp, max_tokens) for p, sp in zip(prompts, each)]
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while any(rid in self._requests for rid in ids):
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id] += o.new_token_ids
+        return [out[rid] for rid in ids]

@@ -67,42 +67,31 @@ class PageAllocator:
 
 
 class ReqTable:
-    """Request slots on the GPU: page_table [max_reqs, ceil(context_len/page_size)] int32 page ids,
-    seq_lens [max_reqs] int32 (tokens in the cache) and last_tokens [max_reqs] int32 (the next decode
-    input, so decode steps need no host round trip). Bytes = budget.req_table_bytes(...)."""
+    """The GPU page table of the request slots: page_table [max_reqs, ceil(context_len/page_size)] int32
+    page ids (the block tables the decode kernels read). The scheduler owns which slot holds which
+    request; the runner mirrors each step's new pages here. Bytes = budget.req_table_bytes(...)."""
 
     def __init__(self, max_reqs: int, context_len: int, page_size: int, device: torch.device):
         self.max_reqs, self.page_size = max_reqs, page_size
         self.pages_per_req = math.ceil(context_len / page_size)
         self.page_table = torch.zeros((max_reqs, self.pages_per_req), dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self.last_tokens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self._free = list(range(max_reqs - 1, -1, -1))
-        self._used = bytearray(max_reqs)
 
     @property
     def nbytes(self) -> int:
-        return self.page_table.nbytes + self.seq_lens.nbytes + self.last_tokens.nbytes
+        return self.page_table.nbytes
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self, pages: list[int]) -> int:
-        """A free slot whose page row starts with `pages` (seq_len 0)."""
-        if not self._free:
-            raise KVCacheFull(f"request table full: all {self.max_reqs} slots in use")
-        if len(pages) > self.pages_per_req:
-            raise ValueError(f"{len(pages)} pages exceed the {self.pages_per_req} a request may hold")
-        slot = self._free.pop()
-        self._used[slot] = 1
-        if pages:
-            self.page_table[slot, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.seq_lens[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        if not 0 <= slot < self.max_reqs or not self._used[slot]:
-            raise ValueError(f"request slot {slot} is not in use (double free?)")
-        self._used[slot] = 0
-        self._free.append(slot)
+    def write(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """(slot, first column, page ids) triples, in one indexed copy."""
+        if not writes:
+            return
+        rows, cols, pages = [], [], []
+        for slot, first, ids in writes:
+            if not 0 <= slot < self.max_reqs or first + len(ids) > self.pages_per_req:
+                raise ValueError(f"pages {first}..{first + len(ids) - 1} of slot {slot} are outside the "
+                                 f"{self.max_reqs} x {self.pages_per_req} page table")
+            rows += [slot] * len(ids)
+            cols += range(first, first + len(ids))
+            pages += ids
+        dev = self.page_table.device
+        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+            pages, dtype=torch.int32, device=dev)

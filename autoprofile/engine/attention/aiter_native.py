@@ -56,9 +56,9 @@ class AiterNativeBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        cu_k, max_k = meta.keys()  # causal is aligned bottom-right (flash-attention >= 2.1 semantics)
         return self.aiter.flash_attn_varlen_func(
-            q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-            softmax_scale=self.scale, causal=True)
+            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

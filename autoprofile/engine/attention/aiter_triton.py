@@ -67,8 +67,11 @@ class AiterTritonBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        """With a cached prefix, cu_seqlens_k differs from cu_seqlens: AITER's causal mask is aligned
+        bottom-right (offs_n + seqlen_q - seqlen_k), which is what a chunk over its prefix needs."""
+        cu_k, max_k = meta.keys()
         return self.ops.flash_attn_varlen_func(
-            q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
+            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
             softmax_scale=self.scale, causal=True, config=dict(PREFILL_CONFIG))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -91,3 +94,4 @@ class AiterTritonBackend(AttentionBackend):
         """NOTE: the kernel's program count is a constexpr min(rows, SMs): each row count below the SM
         count compiles once (decode batch sizes of the graph ladder, at capture)."""
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+

@@ -11,8 +11,11 @@ import torch
 class AttentionMetadata:
     """Per-step attention inputs, built once per forward by the runner (one small object).
 
-    Prefill (varlen, new tokens only; each request attends causally to its own tokens):
+    Prefill (varlen; each request's new tokens attend causally to its own tokens):
         cu_seqlens [B+1] int32, max_seqlen (python int).
+      Chunks over a cached prefix add what the attention reads from the cache (prefix + new tokens,
+      aligned bottom-right): kv_slots [sum kv_len] int64 cache slots, cu_seqlens_k [B+1] int32,
+      max_seqlen_k (python int). None when no row has a prefix (new tokens attend to themselves).
     Decode (one new token per request, reading the paged cache):
         block_tables [B, pages_per_req] int32 page ids, seq_lens [B] int32 (incl. the new token),
         max_seq_len (python int, static: --max_req_total_len so graphs and the probe see the worst case).
@@ -26,6 +29,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     max_seq_len: int = 0
+    kv_slots: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
+
+    def keys(self) -> tuple[torch.Tensor, int]:
+        """(cu_seqlens_k, max_seqlen_k) of what a prefill attends to: the gathered prefix + new tokens,
+        or the new tokens alone."""
+        if self.cu_seqlens_k is None:
+            return self.cu_seqlens, self.max_seqlen
+        return self.cu_seqlens_k, self.max_seqlen_k
 
 
 class AttentionBackend(ABC):
@@ -59,6 +72,13 @@ class AttentionBackend(ABC):
         k_cache[pages, :, offs] = k
         v_cache[pages, :, offs] = v
 
+    def gather_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens): materialised per layer;
+        the stress runs it at envelope.prefill_kv_tokens."""
+        pages, offs = slots // self.page_size, slots % self.page_size
+        return k_cache[pages, :, offs], v_cache[pages, :, offs]
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""
         xf = x.float()
@@ -66,7 +86,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; causal within each request of cu_seqlens."""
+        """q [T, Hq, D] -> [T, Hq, D]; causal within each request of cu_seqlens. k/v [T, Hkv, D], or with
+        meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right)."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

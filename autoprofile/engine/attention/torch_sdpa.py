@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
@@ -29,20 +30,26 @@ class TorchBackend(AttentionBackend):
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         bounds = meta.cu_seqlens.tolist()
-        if bounds[-1] != q.shape[0]:
-            raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens, q has {q.shape[0]}")
+        kv_bounds = meta.cu_seqlens_k.tolist() if meta.cu_seqlens_k is not None else bounds
+        if bounds[-1] != q.shape[0] or kv_bounds[-1] != k.shape[0]:
+            raise ValueError(f"cu_seqlens cover {bounds[-1]} query and {kv_bounds[-1]} key tokens, "
+                             f"q has {q.shape[0]} and k {k.shape[0]}")
         out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
+        for start, end, kv_start, kv_end in zip(bounds[:-1], bounds[1:], kv_bounds[:-1], kv_bounds[1:]):
             if end > start:
-                out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
+                out[start:end] = self._causal(q[start:end], k[kv_start:kv_end], v[kv_start:kv_end])
         return out
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One request: [L, H, D] in, [L, Hq, D] out."""
+        """One request: q [Lq, H, D], k/v [Lk, Hkv, D] with Lk >= Lq (the last Lq keys are q's own
+        tokens: causal aligned bottom-right) -> [Lq, Hq, D]."""
         qh = q.transpose(0, 1)[None]
-        kh = k.transpose(0, 1).repeat_interleave(self.group, 0)[None]
-        vh = v.transpose(0, 1).repeat_interleave(self.group, 0)[None]
-        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)[0].transpose(0, 1)
+        kh = k.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
+        vh = v.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
+        if k.shape[0] == q.shape[0]:
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)[0].transpose(0, 1)
+        mask = causal_lower_right(q.shape[0], k.shape[0])
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)[0].transpose(0, 1)
 
     def decode_chunk_pages(self, num_seqs: int, pages_per_req: int) -> int:
         """Pages per step of the decode loop: fp32 K of one chunk fits decode_chunk_bytes."""

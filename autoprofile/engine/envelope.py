@@ -1,0 +1,95 @@
+"""The envelope: every limit one serving step obeys, derived from the config and the built KV size.
+
+A measured profile is a promise only for the steps the stress ran. So the scheduler reads its limits
+from here and nowhere else, the runner refuses any step outside them (`Envelope.check`), and the
+stress (`ModelRunner.stress_prefill` / `stress_decode`) runs every limit at its maximum.
+
+Decode rows above --graph_max_batch_size: by default they do not exist (running requests default to
+--graph_max_batch_size, so every decode step replays a captured graph). A user who sets
+--running_max_req_size above it gets eager decode steps of up to that many rows, and the stress then
+runs an eager decode step at that many rows besides the graph corner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+class EnvelopeError(RuntimeError):
+    """A step outside the validated envelope: a bug in whoever built the step, never run."""
+
+
+def running_reqs(running_max_req_size: int | None, graph_max_batch_size: int) -> int:
+    """Request slots: --running_max_req_size, or --graph_max_batch_size (every decode step a graph)."""
+    return running_max_req_size or graph_max_batch_size
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step does, in the envelope's terms (every field has a limit of the same name)."""
+
+    decode_rows: int = 0  # rows of a decode step
+    graph_rows: int = 0  # rows of a decode step replayed through a captured graph
+    prefill_tokens: int = 0  # new tokens of a prefill step
+    prefill_rows: int = 0  # requests of a prefill step
+    prefill_kv_tokens: int = 0  # tokens (cached prefix + new) the prefill attention reads, all rows
+    max_prefix_len: int = 0  # longest cached prefix a prefill row attends to
+    sampled_rows: int = 0
+    max_req_total_len: int = 0  # longest request after this step's sampled token
+    running_reqs: int = 0  # request slots in use
+    pages: int = 0  # KV pages in use
+
+
+STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    page_size: int
+    pages: int  # most pages in use at once: min(cache pages - pad page, running_reqs * pages of a request)
+    running_reqs: int
+    max_req_total_len: int  # longest request, prompt + output (--max_req_total_len)
+    decode_rows: int
+    graph_rows: int  # 0: no graphs (eager decode only)
+    prefill_tokens: int  # --batch_max_tokens
+    prefill_rows: int
+    prefill_kv_tokens: int
+    max_prefix_len: int
+    sampled_rows: int
+
+    @classmethod
+    def build(cls, *, kv_pages: int, page_size: int, context_len: int, batch_max_tokens: int,
+              running_max_req_size: int | None, graph_max_batch_size: int, use_graphs: bool) -> Envelope:
+        """kv_pages: pages of the built cache, the pad page included."""
+        reqs = running_reqs(running_max_req_size, graph_max_batch_size)
+        # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
+        longest_kv = context_len - 1
+        prefill_rows = min(reqs, batch_max_tokens)
+        return cls(
+            page_size=page_size,
+            pages=min(kv_pages - 1, reqs * math.ceil(longest_kv / page_size)),
+            running_reqs=reqs,
+            max_req_total_len=context_len,
+            decode_rows=reqs,
+            graph_rows=min(graph_max_batch_size, reqs) if use_graphs else 0,
+            prefill_tokens=batch_max_tokens,
+            prefill_rows=prefill_rows,
+            # one chunk at the end of the longest prompt, or a full batch of fresh prompts
+            prefill_kv_tokens=max(longest_kv, batch_max_tokens),
+            max_prefix_len=longest_kv - 1,
+            sampled_rows=max(reqs, prefill_rows),
+        )
+
+    def limits(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in STEP_FIELDS}
+
+    def check(self, shape: StepShape) -> None:
+        over = [f"{name} {getattr(shape, name)} > {limit}" for name, limit in self.limits().items()
+                if getattr(shape, name) > limit]
+        if shape.decode_rows and shape.prefill_rows:
+            over.append("a step is either prefill or decode")
+        if shape.graph_rows and shape.graph_rows != shape.decode_rows:
+            over.append("a graph step replays every decode row")
+        if over:
+            raise EnvelopeError(f"step outside the validated envelope: {', '.join(over)}")

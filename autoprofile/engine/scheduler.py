@@ -1,0 +1,194 @@
+"""Continuous batching inside the envelope: host-side only (no torch), so it is tested without a model.
+
+Each step is a prefill step (chunks of waiting or partly computed requests, at most
+envelope.prefill_tokens new tokens, prefill_rows rows and prefill_kv_tokens attended tokens) or a
+decode step (every running request whose tokens are all computed but the last). While both kinds of
+work exist, the two kinds alternate, so a long chunked prompt never stalls the decodes by more than
+one step. Pages are allocated as requests grow; when a running request needs a page and none is
+free, the youngest running requests are preempted (pages and slot freed, recomputed later from
+prompt + output so far). A request is admitted only when its first chunk's pages are free, so
+admission never preempts.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from autoprofile.engine.envelope import Envelope, StepShape
+from autoprofile.engine.kv_cache import PageAllocator
+from autoprofile.engine.request import Request, RequestStatus
+from autoprofile.engine.sampling import SamplingParams
+
+
+@dataclass
+class StepRow:
+    slot: int
+    start: int  # tokens already in the cache: the row computes positions start .. start + len(ids) - 1
+    ids: list[int]
+    sample: bool  # its last position's logits are sampled (the request's tokens are all computed)
+    params: SamplingParams
+    request: Request | None = None  # None in the stresses
+
+
+@dataclass
+class Step:
+    is_prefill: bool
+    rows: list[StepRow]
+    page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first column, pages)
+    running: int = 0  # request slots in use during the step
+    pages_used: int = 0
+
+    def shape(self, graph_rows: int) -> StepShape:
+        """graph_rows: the runner's graph limit (a decode step of at most that many rows replays a graph)."""
+        rows = self.rows
+        common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running, pages=self.pages_used,
+                      max_req_total_len=max((r.start + len(r.ids) + 1 for r in rows), default=0))
+        if not self.is_prefill:
+            return StepShape(decode_rows=len(rows), graph_rows=len(rows) if len(rows) <= graph_rows else 0,
+                             **common)
+        return StepShape(prefill_tokens=sum(len(r.ids) for r in rows), prefill_rows=len(rows),
+                         prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
+                         max_prefix_len=max((r.start for r in rows), default=0), **common)
+
+
+class Scheduler:
+    def __init__(self, envelope: Envelope, kv_pages: int):
+        """kv_pages: pages of the built cache, the pad page included (never handed out)."""
+        self.env = envelope
+        self.allocator = PageAllocator(kv_pages)
+        self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: preemption takes from the tail
+        self.num_preemptions = 0
+        self._last_was_prefill = False
+
+    # ------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finished, or aborted: its pages and slot are free when this returns."""
+        if req.status is RequestStatus.RUNNING:
+            self._release(req)
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    @property
+    def pages_used(self) -> int:
+        return self.allocator.capacity - self.allocator.num_free
+
+    # ------------------------------------------------------------ one step
+    def schedule(self) -> Step | None:
+        decodable = any(r.num_tokens - r.num_computed == 1 for r in self.running)
+        order = [self._schedule_prefill] + ([self._schedule_decode] if decodable else [])
+        if decodable and self._last_was_prefill:
+            order.reverse()
+        step = None
+        for build in order:
+            step = build()
+            if step is not None:
+                break
+        if step is not None:
+            self._last_was_prefill = step.is_prefill
+            step.running, step.pages_used = len(self.running), self.pages_used
+        return step
+
+    def _schedule_prefill(self) -> Step | None:
+        env, ps = self.env, self.env.page_size
+        tokens_left, kv_left = env.prefill_tokens, env.prefill_kv_tokens
+        step = Step(is_prefill=True, rows=[])
+        partial = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        for req in partial + list(self.waiting):
+            if len(step.rows) == env.prefill_rows or tokens_left == 0:
+                break
+            admit = req.status is RequestStatus.WAITING
+            if admit and not self.free_slots:
+                break
+            n = min(req.num_tokens - req.num_computed, tokens_left, kv_left - req.num_computed)
+            if n < 1:
+                break
+            need = math.ceil((req.num_computed + n) / ps) - len(req.pages)
+            if need > self.allocator.num_free:
+                if admit:
+                    break  # admission never preempts: wait for pages
+                if not self._make_room(need, req):
+                    continue  # req itself was preempted
+            if admit:
+                self.waiting.remove(req)
+                req.slot, req.status = self.free_slots.pop(), RequestStatus.RUNNING
+                self.running.append(req)
+            self._grow(req, need, step)
+            step.rows.append(StepRow(req.slot, req.num_computed, req.tokens(req.num_computed, req.num_computed + n),
+                                     req.num_computed + n == req.num_tokens, req.params, req))
+            tokens_left -= n
+            kv_left -= req.num_computed + n
+        return step if step.rows else None
+
+    def _schedule_decode(self) -> Step | None:
+        step = Step(is_prefill=False, rows=[])
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
+                continue  # preempted by an older request of this step, or still in prefill
+            need = 1 if req.num_computed == len(req.pages) * self.env.page_size else 0
+            if need and need > self.allocator.num_free and not self._make_room(need, req):
+                continue
+            self._grow(req, need, step)
+            step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True, req.params, req))
+        return step if step.rows else None
+
+    # ------------------------------------------------------------ pages and preemption
+    def _grow(self, req: Request, n: int, step: Step) -> None:
+        if n > 0:
+            pages = self.allocator.alloc(n)
+            step.page_writes.append((req.slot, len(req.pages), pages))
+            req.pages += pages
+
+    def _make_room(self, need: int, req: Request) -> bool:
+        """Preempt the youngest running requests until `need` pages are free; False if req itself went."""
+        while self.allocator.num_free < need:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status, req.num_computed = RequestStatus.WAITING, 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)  # youngest preempted first, so older ones end up ahead of it
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.pages)
+        self.free_slots.append(req.slot)
+        req.pages, req.slot = [], None
+
+    # ------------------------------------------------------------ after the step ran
+    def update(self, step: Step, sampled: list[int]) -> list[Request]:
+        """Advance each row's request by its computed tokens and append its sampled token (one per
+        sampled row, in row order); finish requests on a stop token or max_tokens. Returns the requests
+        that got a token."""
+        got, it = [], iter(sampled)
+        for row in step.rows:
+            req, token = row.request, next(it) if row.sample else None
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted after the step was built
+            req.num_computed = row.start + len(row.ids)
+            if token is None:
+                continue
+            req.output_ids.append(token)
+            got.append(req)
+            if token in req.stop_token_ids:
+                self.finish(req, "stop")
+            elif len(req.output_ids) >= req.max_tokens:
+                self.finish(req, "length")
+        return got
