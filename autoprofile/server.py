@@ -62,14 +62,6 @@ class ServerState:
 STATE = web.AppKey("state", ServerState)
 
 
-def max_running(engine, cfg) -> int:
-    """The engine's running-request limit (the waiting bound counts requests beyond it)."""
-    envelope = getattr(engine, "envelope", None)
-    if envelope is not None and hasattr(envelope, "running_requests"):
-        return envelope.running_requests
-    return cfg.running_max_req_size or engine.runner.req_table.max_reqs
-
-
 def sampling_params(args) -> SamplingParams:
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     # NOTE: SamplingParams.seed lands with the sampler work; until then a seed is validated, not honoured
@@ -330,7 +322,7 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size)
     st.result = result
     st.metrics.add_profile(result)
-    st.engine = AsyncEngine(engine, max_running(engine, cfg), cfg.max_waiting_requests, st.metrics)
+    st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics)
     st.engine.start()
     st.phase = "ready"
     log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens, st.engine.max_running,

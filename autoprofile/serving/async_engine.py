@@ -8,8 +8,10 @@ Backpressure: at most `max_running + max_waiting` requests are outstanding (subm
 `max_running` is the engine's running-request limit, so `max_waiting` bounds the requests beyond what the
 engine can run at once. submit() past the bound raises QueueFull (HTTP 429) before anything is queued.
 
-A torch.OutOfMemoryError (or any other error) raised by step() fails every request the engine holds
-(the engine cannot say which were in the failed step), counts it, and the loop goes on.
+A step that raises (torch.OutOfMemoryError included) ends its requests with finish_reason "error"
+inside the engine, which counts it (EngineStats.ooms, .failed_steps); those requests fail here with
+EngineFailure ("oom" or "internal": HTTP 500 without internal text) and the loop goes on. An error
+that escapes step() itself fails every request the engine holds, counted the same way.
 """
 from __future__ import annotations
 
@@ -51,8 +53,8 @@ class Snapshot:
     pages_used: int = 0
     pages_total: int = 0
     steps: int = 0
-    ooms: int = 0
-    errors: int = 0
+    ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
+    errors: int = 0  # failed steps, OOMs included
 
 
 @dataclass
@@ -181,11 +183,15 @@ class AsyncEngine:
         if not self.handles:
             self._idle.set()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], error_code: str) -> None:
         now = time.perf_counter()
         for out in outputs:
             handle = self.handles.get(out.request_id)
             if handle is None:  # closed by the server side already
+                continue
+            if out.finish_reason == "error":
+                del self.handles[out.request_id]
+                handle.queue.put_nowait(EngineFailure(error_code))
                 continue
             if out.new_token_ids and handle.timing.first is None:
                 handle.timing.first = now
@@ -254,10 +260,12 @@ class AsyncEngine:
         self._post(settle, added, None)
 
     def _step(self) -> None:
+        ooms = self.engine.stats.ooms
         try:
             outputs = self.engine.step()
         except torch.OutOfMemoryError:
             self._ooms += 1
+            self._errors += 1
             log.error("out of memory in an engine step (%d since start): failing %d requests",
                       self._ooms, len(self._live), exc_info=True)
             self._abort_live("oom")
@@ -272,8 +280,9 @@ class AsyncEngine:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
+        self._publish()  # before the outputs: what a client has seen, the snapshot already shows
         if outputs:
-            self._post(self._dispatch, outputs)
+            self._post(self._dispatch, outputs, "oom" if self.engine.stats.ooms > ooms else "internal")
 
     def _abort_live(self, code: str) -> None:
         failed = list(self._live)
@@ -289,7 +298,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         s = self.engine.stats
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
-                                 self._ooms, self._errors)
+                                 s.ooms + self._ooms, s.failed_steps + self._errors)
 
 
 def settle(fut: asyncio.Future, error: BaseException | None, value=None) -> None:

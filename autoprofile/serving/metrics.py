@@ -36,7 +36,7 @@ class EngineCollector:
         for name, doc, value in (
                 ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)", s.preemptions),
                 ("autoprofile_serving_oom", "torch.OutOfMemoryError caught in the engine loop (must stay 0)", s.ooms),
-                ("autoprofile_engine_errors", "other errors raised by an engine step", s.errors),
+                ("autoprofile_engine_failed_steps", "engine steps that raised (their requests failed)", s.errors),
                 ("autoprofile_engine_steps", "engine steps run", s.steps)):
             yield CounterMetricFamily(name, doc, value=value)
 
