@@ -11,8 +11,8 @@
 
 `TextStream` turns a request's output ids into text deltas: incremental detokenization (a window of
 the previous tokens gives each new one its context; text ending in an incomplete character is held)
-and stop strings (a stop string ends the text and is not part of it; text that could be the start of a
-stop string is held back until it is known not to be).
+and stop strings (the first stop string to complete ends the text and is not part of it; text that could
+be the start of a stop string is held back until it is known not to be).
 """
 from __future__ import annotations
 
@@ -216,9 +216,10 @@ class TextStream:
             return ""
         start = max(len(self.text) - self.longest + 1, 0)
         self.text += delta
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        # the stop string that completes first wins (then the one that starts first)
+        hits = [(i + len(s), i) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
+            self.text, self.stopped = self.text[:min(hits)[1]], True
             final = True
         end = len(self.text) if final else len(self.text) - self._partial_stop()
         out, self.sent = self.text[self.sent:end], max(end, self.sent)
