@@ -95,7 +95,7 @@ async def errors(request: web.Request, handler):
                f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
         resp = _error_response(APIError(e.status, msg, type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
                                         code=e.reason.lower().replace(" ", "_")))
-    except (asyncio.CancelledError, ConnectionResetError):
+    except ConnectionResetError:  # the client went away: nobody to answer
         raise
     except Exception:  # noqa: BLE001 - the client gets no internal text; the log gets the traceback
         log.exception("%s %s failed", request.method, request.path)
@@ -132,7 +132,7 @@ async def _json_body(request: web.Request):
         raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def _queue_full(st: ServerState, e: QueueFull) -> APIError:
+def _queue_full(e: QueueFull) -> APIError:
     return APIError(429, f"the server is at capacity ({e}); retry later", type="rate_limit_error",
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -142,7 +142,7 @@ async def _submit(st: ServerState, args: GenerateArgs):
     try:
         handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids)
     except QueueFull as e:
-        raise _queue_full(st, e) from None
+        raise _queue_full(e) from None
     except RequestError as e:
         param = args.prompt_param if e.field == "prompt" else e.field
         raise bad(param, str(e)) from None
@@ -269,7 +269,7 @@ async def generate(request: web.Request) -> web.Response:
     st = _accepting(request.app)
     prompts, max_new, params = parse_generate(await _json_body(request), st.limits)
     if not st.engine.has_room(len(prompts)):
-        raise _queue_full(st, QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
+        raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
                                         f"limit {st.engine.capacity}"))
     handles = []
     try:
@@ -365,8 +365,6 @@ async def serve(cfg, boot) -> int:
     from autoprofile.profiler import ProfileError
 
     loop = asyncio.get_running_loop()
-    app = make_app(cfg)
-    site = await start(app, cfg.host, cfg.port)
     stop = asyncio.Event()
     signals = 0
 
@@ -381,6 +379,8 @@ async def serve(cfg, boot) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    app = make_app(cfg)
+    site = await start(app, cfg.host, cfg.port)
     booted: asyncio.Future = loop.create_future()
 
     def run_boot() -> None:

@@ -475,3 +475,21 @@ def test_sigterm_drains_every_accepted_request_then_exits_0():
         else:
             assert json.loads(text)["usage"]["completion_tokens"] == 200
     assert code == 0
+
+
+def test_sigterm_during_the_profile_exits_0_at_once():
+    proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags()], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if "serving on" in line:  # bound; the boot (the profile) runs now
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped during startup" in rest
