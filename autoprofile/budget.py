@@ -70,6 +70,38 @@ def triton_decode_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, ma
     return num_seqs * q_heads * math.ceil(max_seq_len / partition) * (head_dim * out_bytes + 8)
 
 
+TRITON_PARTITION = 1024  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked when the kernels load)
+TRITON_V1_MAX_SEQ_LEN = 8192
+TRITON_V1_MIN_ROWS = 512  # num_seqs * q_heads above which v1 runs even with several partitions
+
+
+def triton_decode_uses_v1(num_seqs: int, q_heads: int, max_seq_len: int, partition: int = TRITON_PARTITION) -> bool:
+    """AITER's rule: one pass (v1) up to 8192 tokens when there is one partition or enough rows to fill
+    the GPU; otherwise split into partitions (v2) and reduce."""
+    return max_seq_len <= TRITON_V1_MAX_SEQ_LEN and (
+        math.ceil(max_seq_len / partition) == 1 or num_seqs * q_heads > TRITON_V1_MIN_ROWS)
+
+
+def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int, out_bytes: int) -> int:
+    """What one AITER Triton decode call allocates: v2 partials, nothing on the v1 path."""
+    if triton_decode_uses_v1(num_seqs, q_heads, max_seq_len):
+        return 0
+    return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, TRITON_PARTITION)
+
+
+def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_heads: int, head_dim: int) -> int:
+    """The persistent workspace each backend declares (its workspace_bytes; only native AITER has one)."""
+    if backend != "aiter":
+        return 0
+    return aiter_workspace_bytes(max_reqs, q_heads, head_dim, aiter_num_partitions(longest))
+
+
+def batch_ladder(max_bs: int) -> list[int]:
+    """Captured decode batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
+    return sorted(sizes)
+
+
 def req_table_bytes(max_reqs: int, context_len: int, page_size: int) -> int:
     """Request table: one int32 page id per page of the longest request, per request slot."""
     return max_reqs * math.ceil(context_len / page_size) * 4
@@ -85,6 +117,15 @@ def reserved_bytes(n: int) -> int:
     if n < 10 * MiB:
         return 20 * MiB
     return -(-n // (2 * MiB)) * 2 * MiB
+
+
+def min_usable_tokens(context_len: int, page_size: int, batch_max_tokens: int = 0, decode_rows: int = 0) -> int:
+    """The smallest cache that can serve, in tokens (a page multiple): one request of context_len
+    tokens in whole pages, one prefill batch of batch_max_tokens tokens, and a page for each of
+    decode_rows concurrent decodes, each PLUS the pad page (PageAllocator never hands out page 0).
+    The one rule for config validation, the solver's floor, the shrink schedule, diagnostics and plan."""
+    pages = max(math.ceil(context_len / page_size), math.ceil(batch_max_tokens / page_size), decode_rows) + 1
+    return pages * page_size
 
 
 # ---------------------------------------------------------------- probe
@@ -175,11 +216,17 @@ def shrink(tokens: int, ratio: float, page_size: int) -> int:
     return max(min(round_down(int(tokens * ratio), page_size), tokens - page_size), 0)
 
 
-def shrink_schedule(initial: int, ratio: float, max_retries: int, page_size: int) -> list[int]:
-    """Sizes tried: the initial target then max_retries shrinks (1 + max_retries attempts)."""
+def shrink_schedule(initial: int, ratio: float, max_retries: int, page_size: int, floor: int = 0) -> list[int]:
+    """Sizes tried: the initial target then up to max_retries shrinks (1 + max_retries attempts), never
+    below `floor` (min_usable_tokens): a shrink that would cross it tries the floor itself, and the
+    schedule stops there. An initial target below the floor is not tried at all (empty schedule)."""
+    if initial < floor:
+        return []
     sizes = [initial]
     for _ in range(max_retries):
-        sizes.append(shrink(sizes[-1], ratio, page_size))
+        if sizes[-1] <= floor:
+            break
+        sizes.append(max(shrink(sizes[-1], ratio, page_size), floor))
     return sizes
 
 
@@ -197,29 +244,80 @@ class GiveUp:
     peers: int
     last_error: str
     flags: dict  # current values of the knobs, by flag name
+    min_tokens: int = 0  # min_usable_tokens: no suggestion goes below it
+    stage: str = "validate"  # probe | measure | validate | teardown
+
+
+def _headline(g: GiveUp) -> str:
+    if g.stage == "probe":
+        return (f"autoprofile: the worst-case stress failed even with the small probe cache of {g.initial_tokens} "
+                "tokens: the model, its activations or its graphs do not fit beside what is on the GPU.")
+    if g.stage == "measure":
+        return (f"autoprofile: the measured budget fits {g.last_tokens} KV tokens, fewer than the {g.min_tokens} "
+                "the smallest usable cache needs (one request of --max_req_total_len, one prefill batch and "
+                "one page per decode row, plus the pad page); nothing was built at the target.")
+    if g.stage == "teardown":
+        return "autoprofile: tearing the engine down failed; the GPU state is unknown, so nothing was retried."
+    if g.attempts == 0:
+        return "autoprofile: no KV cache size was tried: the first target is below the smallest usable cache."
+    return f"autoprofile: no KV cache size survived the worst-case stress after {g.attempts} attempt(s)."
+
+
+def _knobs(g: GiveUp) -> list[str]:
+    """Only knobs that can help at this stage, each with a value the CLI accepts."""
+    f, ps = g.flags, g.flags.get("page_size", 16)
+    fraction = f.get("mem_fraction", 1.0)
+    out = []
+    if g.stage == "validate" and g.last_tokens > g.min_tokens:
+        hint = max(round_down(int(g.last_tokens * 0.8), ps), g.min_tokens)
+        out.append(f"  --max_total_token_num {hint}   pin a smaller cache (still validated; "
+                   f">= {g.min_tokens}, the smallest usable)")
+    ctx = f.get("max_req_total_len")
+    if g.stage == "measure" and _fitting_context(g) is not None:
+        ctx = f"{_fitting_context(g)} (now {ctx})"
+    else:
+        ctx = f"(now {ctx})"
+    out += [
+        f"  --batch_max_tokens (now {f.get('batch_max_tokens')})   smaller prefill batches need fewer activations",
+        f"  --graph_max_batch_size (now {f.get('graph_max_batch_size')})   smaller decode graphs and pools",
+        f"  --max_req_total_len {ctx}   shorter requests shrink the smallest usable cache, workspace and tables",
+        f"  --running_max_req_size (now {f.get('running_max_req_size')})   fewer request slots",
+    ]
+    if g.stage == "validate":
+        lower = max(round(fraction * 0.9, 2), 0.01)
+        out.append(f"  --mem_fraction {lower} (now {fraction})   leave more of the measured budget unused")
+    elif g.stage == "measure" and fraction < 1:
+        out.append(f"  --mem_fraction 1.0 (now {fraction})   it scales the measured budget down: raise it")
+    out.append(f"  --canary_mb (now {f.get('canary_mb')})   headroom held through validation")
+    if g.stage == "validate":
+        out.append(f"  --shrink_ratio (now {f.get('shrink_ratio')}) / --max_retries (now {f.get('max_retries')})")
+    out += [f"  --tp (now {f.get('tp')})   spread weights and KV over more GPUs",
+            "  --disable_cudagraph   drop the decode graph pools"]
+    if g.peers:
+        out.append(f"  or free the GPU: other processes hold {gib(g.peers):.2f} GiB on it")
+    return out
+
+
+def _fitting_context(g: GiveUp) -> int | None:
+    """The longest --max_req_total_len whose smallest usable cache fits the measured budget, if any."""
+    f, ps = g.flags, g.flags.get("page_size", 16)
+    ctx = (g.last_tokens // ps - 1) * ps
+    bmt, rows = f.get("batch_max_tokens") or 0, f.get("graph_max_batch_size") or 0
+    if ctx < 2 or min_usable_tokens(ctx, ps, bmt, rows) > g.last_tokens:
+        return None
+    return ctx
 
 
 def give_up_diagnostic(g: GiveUp) -> str:
-    f = g.flags
-    fit_hint = max(shrink(g.last_tokens, 0.8, f.get("page_size", 16)), 0)
     return "\n".join([
-        f"autoprofile: no KV cache size survived the worst-case stress after {g.attempts} attempt(s).",
+        _headline(g),
         f"  initial target      : {g.initial_tokens} tokens ({gib(g.initial_tokens * g.cell_bytes):.2f} GiB KV)",
         f"  last attempt        : {g.last_tokens} tokens ({gib(g.last_tokens * g.cell_bytes):.2f} GiB KV)",
+        f"  smallest usable     : {g.min_tokens} tokens ({gib(g.min_tokens * g.cell_bytes):.2f} GiB KV)",
         f"  measured peak       : {gib(g.peak_reserved):.2f} GiB reserved by this process",
         f"  GPU total           : {gib(g.total):.2f} GiB",
         f"  canary              : {gib(g.canary):.2f} GiB",
         f"  peers on this GPU   : {gib(g.peers):.2f} GiB",
         f"  last error          : {g.last_error}",
         "Turn one of these knobs:",
-        f"  --max_total_token_num {fit_hint}   pin a smaller cache (still validated)",
-        f"  --batch_max_tokens (now {f.get('batch_max_tokens')})   smaller prefill batches need fewer activations",
-        f"  --graph_max_batch_size (now {f.get('graph_max_batch_size')})   smaller decode graphs and pools",
-        f"  --max_req_total_len (now {f.get('max_req_total_len')})   shorter requests shrink workspace and tables",
-        f"  --running_max_req_size (now {f.get('running_max_req_size')})   fewer request slots",
-        f"  --mem_fraction (now {f.get('mem_fraction')})   leave more of the measured budget unused",
-        f"  --canary_mb (now {f.get('canary_mb')})   headroom held through validation",
-        f"  --shrink_ratio (now {f.get('shrink_ratio')}) / --max_retries (now {f.get('max_retries')})",
-        f"  --tp (now {f.get('tp')})   spread weights and KV over more GPUs",
-        "  --disable_cudagraph   drop the decode graph pools",
-    ] + ([f"  or free the GPU: other processes hold {gib(g.peers):.2f} GiB on it"] if g.peers else []))
+    ] + _knobs(g))

@@ -5,12 +5,14 @@ Bad flags end with `error: --flag: ...` on stderr and exit code 2 before any tor
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import math
 import re
 import sys
 from collections.abc import Sequence
 
-from autoprofile.config import ConfigError, add_server_args, config_from_args
+from autoprofile.config import ConfigError, add_flag, add_server_args, config_from_args
 
 log = logging.getLogger("autoprofile")
 
@@ -29,14 +31,39 @@ class _Parser(argparse.ArgumentParser):
     """argparse that names the flag and suggests a working value instead of exiting on its own."""
 
     def error(self, message: str):
-        m = re.match(r"argument (--\w+)(?:/-\w+)?: (.*)", message)
+        m = re.match(r"argument (--\w+)(?:/\S+)?: (.*)", message)
         if m:
             flag, why = m.groups()
             raise UsageError(flag, why if "choose from" in why else f"{why}; {self._suggest(flag)}")
         m = re.match(r"unrecognized arguments: (\S+)", message)
         if m:
-            raise UsageError(m.group(1), f"unknown flag; see `{self.prog} --help`")
+            flag = m.group(1).split("=")[0]
+            near = self._near(flag)
+            hint = f"did you mean {near}? " if near else ""
+            raise UsageError(flag, f"unknown flag; {hint}see `{self.prog} --help`")
+        m = re.match(r"argument \S+: invalid choice: '([^']*)'", message)
+        if m:
+            near = difflib.get_close_matches(m.group(1), COMMANDS, n=1)
+            raise UsageError("command", f"unknown command '{m.group(1)}'; "
+                                        f"{f'did you mean {near[0]}? ' if near else ''}choose one of "
+                                        f"{', '.join(COMMANDS)}")
         raise UsageError("command", f"{message}; try `autoprofile plan --gpu h100` or `autoprofile --help`")
+
+    def _all_flags(self) -> list[str]:
+        """Every long option of this parser and its sub-commands."""
+        parsers = [self] + [sp for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                            for sp in a.choices.values()]
+        return sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+
+    def _near(self, flag: str) -> str | None:
+        """A known flag close to a mistyped one (hyphens and underscores alike)."""
+        known = {o.replace("-", "_"): o for o in self._all_flags() if "_" in o or "-" not in o[2:]}
+        typed = flag.replace("-", "_")
+        prefixed = [k for k in known if k.startswith(typed)]
+        if len(prefixed) == 1:
+            return known[prefixed[0]]
+        near = difflib.get_close_matches(typed, list(known), n=1, cutoff=0.75)
+        return known[near[0]] if near else None
 
     def _suggest(self, flag: str) -> str:
         action = next((a for a in self._actions if flag in a.option_strings), None)
@@ -47,20 +74,27 @@ class _Parser(argparse.ArgumentParser):
         return f"see `{self.prog} --help`"
 
 
+COMMANDS = ("serve", "profile", "plan")
+MAX_GPU_MEMORY_GIB = 4096.0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="autoprofile", description="LLM serving that sizes its KV cache from a measured profile")
+    # NOTE: allow_abbrev=False: `--mem` must not silently mean --mem_fraction (no fuzzy flag matching)
+    p = _Parser(prog="autoprofile", description="LLM serving that sizes its KV cache from a measured profile",
+                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,profile,plan}")
-    serve = sub.add_parser("serve", help="profile the GPU, size the KV cache, serve HTTP")
+    serve = sub.add_parser("serve", help="profile the GPU, size the KV cache, serve HTTP", allow_abbrev=False)
     add_server_args(serve)
-    profile = sub.add_parser("profile", help="profile the GPU and print the budget report, then exit")
+    profile = sub.add_parser("profile", help="profile the GPU and print the budget report, then exit",
+                             allow_abbrev=False)
     add_server_args(profile)
-    plan = sub.add_parser("plan", help="the budget on paper for a card, no GPU needed")
+    plan = sub.add_parser("plan", help="the budget on paper for a card, no GPU needed", allow_abbrev=False)
     add_server_args(plan)
     from autoprofile.plan import GPUS  # NOTE: plan imports no torch; keeps `plan` usable anywhere
-    plan.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                      help="a known card (its driver-reported total)")
-    plan.add_argument("--gpu_memory_gib", type=float, default=None, help="or any card's total memory in GiB")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_flag(plan, "gpu", choices=sorted(GPUS), default=None, help="a known card (its driver-reported total)")
+    add_flag(plan, "gpu_memory_gib", type=float, default=None,
+             help=f"or any card's total memory in GiB, in (0, {MAX_GPU_MEMORY_GIB:g}]")
+    add_flag(plan, "json", action="store_true", help="print the plan as JSON")
     return p
 
 
@@ -95,10 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plan_card(ns: argparse.Namespace):
     from autoprofile.plan import card_for
-    if (ns.gpu is None) == (ns.gpu_memory_gib is None):
-        raise UsageError("--gpu", "give exactly one of --gpu NAME or --gpu_memory_gib N; try --gpu h100")
-    if ns.gpu_memory_gib is not None and not ns.gpu_memory_gib > 0:
-        raise UsageError("--gpu_memory_gib", f"must be > 0, got {ns.gpu_memory_gib}; try --gpu_memory_gib 80")
+    if ns.gpu is not None and ns.gpu_memory_gib is not None:
+        raise UsageError("--gpu", f"give one of --gpu NAME or --gpu_memory_gib N, not both; drop one: "
+                                  f"--gpu {ns.gpu} or --gpu_memory_gib {ns.gpu_memory_gib:g}")
+    if ns.gpu is None and ns.gpu_memory_gib is None:
+        raise UsageError("--gpu", "say which card: --gpu NAME or --gpu_memory_gib N; try --gpu h100")
+    gib = ns.gpu_memory_gib
+    if gib is not None and not (math.isfinite(gib) and 0 < gib <= MAX_GPU_MEMORY_GIB):
+        raise UsageError("--gpu_memory_gib", f"must be a number of GiB in (0, {MAX_GPU_MEMORY_GIB:g}], got {gib}; "
+                                             "try --gpu_memory_gib 80")
     return card_for(ns.gpu, ns.gpu_memory_gib)
 
 
@@ -111,6 +150,9 @@ def _cmd_plan(cfg, card, as_json: bool) -> int:
     from autoprofile.plan import format_plan, make_plan
     p = make_plan(cfg, card)
     print(p.to_json() if as_json else format_plan(p))
+    if p.problem:  # the model cannot be served as configured: name the flag and a value that works
+        print(f"error: --{p.problem_flag}: {p.problem}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
+from autoprofile.budget import min_usable_tokens, round_up
+from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig, builtin_models, load_model_config
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
@@ -17,6 +20,8 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_GRAPH_BATCH = 1024
+MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
+MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
 
 
 class ConfigError(ValueError):
@@ -69,6 +74,12 @@ class ServerConfig:
         return DTYPE_BYTES[self.kv_dtype_name]
 
     @property
+    def min_usable_tokens(self) -> int:
+        """The smallest cache that serves this config (budget.min_usable_tokens)."""
+        return min_usable_tokens(self.context_len, self.page_size, self.batch_max_tokens,
+                                 running_reqs(self.running_max_req_size, self.graph_max_batch_size))
+
+    @property
     def canary_bytes(self) -> int:
         return self.canary_mb << 20
 
@@ -91,35 +102,44 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     serving=False (autoprofile plan) also accepts architectures the engine cannot run yet (MoE)."""
     _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
     _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
-           f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; try 1.0")
-    _check(cfg.batch_max_tokens >= 1, "batch_max_tokens", f"must be >= 1, got {cfg.batch_max_tokens}; try 8192")
+           f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; "
+           "try --mem_fraction 1.0")
+    _check(1 <= cfg.batch_max_tokens <= MAX_BATCH_TOKENS, "batch_max_tokens",
+           f"must be in [1, {MAX_BATCH_TOKENS}], got {cfg.batch_max_tokens}; try --batch_max_tokens 8192")
     _check(cfg.graph_max_batch_size >= 1, "graph_max_batch_size",
-           f"must be >= 1, got {cfg.graph_max_batch_size}; try 256")
+           f"must be >= 1, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
-           f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try 256")
+           f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.running_max_req_size is None or cfg.running_max_req_size >= 1, "running_max_req_size",
-           f"must be >= 1, got {cfg.running_max_req_size}; try 1000 or leave it unset")
+           f"must be >= 1, got {cfg.running_max_req_size}; try --running_max_req_size 1000 or leave it unset")
     _check(cfg.max_total_token_num is None or cfg.max_total_token_num >= 1, "max_total_token_num",
            f"must be >= 1, got {cfg.max_total_token_num}; leave it unset to auto-profile")
     _check(cfg.max_req_total_len is None or cfg.max_req_total_len >= 2, "max_req_total_len",
-           f"must be >= 2, got {cfg.max_req_total_len}; try 4096")
+           f"must be >= 2, got {cfg.max_req_total_len}; try --max_req_total_len 4096")
     _check(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
            f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
     _check(cfg.kv_dtype in KV_DTYPES, "kv_dtype", f"unknown '{cfg.kv_dtype}'; choose one of {', '.join(KV_DTYPES)}")
     _check(cfg.dtype in MODEL_DTYPES, "dtype", f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
-    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try 16")
+    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try --page_size 16")
     _check(cfg.page_size >= 16 or cfg.attention_backend == "torch", "page_size",
-           f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try 16 "
+           f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try --page_size 16 "
            "(or --attention_backend torch)")
-    _check(cfg.page_size <= 256, "page_size", f"must be <= 256, got {cfg.page_size}; try 16")
-    _check(cfg.canary_mb >= 0, "canary_mb", f"must be >= 0, got {cfg.canary_mb}; try 256")
+    _check(cfg.page_size <= 256, "page_size", f"must be <= 256, got {cfg.page_size}; try --page_size 16")
+    _check(0 <= cfg.canary_mb <= MAX_CANARY_MB, "canary_mb",
+           f"must be in [0, {MAX_CANARY_MB}] MiB, got {cfg.canary_mb}; try --canary_mb 256")
     _check(0.5 <= cfg.shrink_ratio < 1, "shrink_ratio",
-           f"must be in [0.5, 1), got {cfg.shrink_ratio}; try 0.95")
-    _check(0 <= cfg.max_retries <= 20, "max_retries", f"must be in [0, 20], got {cfg.max_retries}; try 3")
-    _check(0 <= cfg.port <= 65535, "port", f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try 8000")
-    _check(bool(cfg.host.strip()), "host", "must not be empty; try 127.0.0.1")
+           f"must be in [0.5, 1), got {cfg.shrink_ratio}; try --shrink_ratio 0.95")
+    _check(0 <= cfg.max_retries <= 20, "max_retries",
+           f"must be in [0, 20], got {cfg.max_retries}; try --max_retries 3")
+    _check(0 <= cfg.port <= 65535, "port",
+           f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try --port 8000")
+    _check(bool(cfg.host.strip()), "host", "must not be empty; try --host 127.0.0.1")
+    _check(cfg.report_dir is None or not os.path.exists(cfg.report_dir) or os.path.isdir(cfg.report_dir),
+           "report_dir", f"'{cfg.report_dir}' exists and is not a folder; try --report_dir autoprofile_report "
+           "(or '' for no report)")
     _check(cfg.max_waiting_requests >= 0, "max_waiting_requests",
-           f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; try 1024")
+           f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; "
+           "try --max_waiting_requests 1024")
     _check(cfg.dtype != "float32" or cfg.attention_backend == "torch", "dtype",
            "float32 weights are only supported by --attention_backend torch; try --dtype bfloat16")
     _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
@@ -137,14 +157,20 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
            f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
     _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
-           f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; try {m.max_position_embeddings}")
+           f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; "
+           f"try --max_req_total_len {m.max_position_embeddings}")
     if cfg.max_total_token_num is not None:
-        _check(cfg.max_total_token_num >= cfg.context_len, "max_total_token_num",
-               f"{cfg.max_total_token_num} tokens cannot hold one request of --max_req_total_len "
-               f"{cfg.context_len}; try --max_total_token_num {cfg.context_len} or lower --max_req_total_len")
-        _check(cfg.max_total_token_num >= cfg.batch_max_tokens, "max_total_token_num",
-               f"{cfg.max_total_token_num} is smaller than --batch_max_tokens {cfg.batch_max_tokens}; "
-               f"try --max_total_token_num {cfg.batch_max_tokens} or lower --batch_max_tokens")
+        floor, n = cfg.min_usable_tokens, cfg.max_total_token_num
+        _check(n >= floor, "max_total_token_num",
+               f"{n} tokens is below the smallest usable cache, {floor} tokens: one request of "
+               f"--max_req_total_len {cfg.context_len} and one prefill batch of --batch_max_tokens "
+               f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
+               f"--graph_max_batch_size {cfg.graph_max_batch_size} decode rows, plus the pad page; "
+               f"try --max_total_token_num {floor} or lower --max_req_total_len")
+        # NOTE: pinned sizes are whole pages, so what is built is what is reported
+        _check(n % cfg.page_size == 0, "max_total_token_num",
+               f"{n} is not a multiple of --page_size {cfg.page_size}; "
+               f"try --max_total_token_num {round_up(n, cfg.page_size)}")
     if cfg.running_max_req_size is not None:
         _check(cfg.graph_max_batch_size <= cfg.running_max_req_size, "graph_max_batch_size",
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
@@ -153,36 +179,42 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
 
 
 # ---------------------------------------------------------------- CLI flags
+def add_flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
+    """--name, plus --name-with-hyphens (the spelling vLLM and SGLang users type): one dest."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    p.add_argument(*spellings, dest=name, **kw)
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
-    p.add_argument("--model", default=d.model,
-                   help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: {', '.join(builtin_models())}")
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (one process per GPU)")
-    p.add_argument("--max_total_token_num", type=int, default=None,
-                   help="pin the KV cache size in tokens: skips the probe, still validated")
-    p.add_argument("--mem_fraction", type=float, default=d.mem_fraction,
-                   help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
-    p.add_argument("--batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
-    p.add_argument("--running_max_req_size", type=int, default=None,
-                   help="most concurrent requests (default: clamp(T/context*512, 2048, 4096))")
-    p.add_argument("--max_req_total_len", type=int, default=None,
-                   help="longest request, prompt + output (default: the model's max_position_embeddings)")
-    p.add_argument("--graph_max_batch_size", type=int, default=d.graph_max_batch_size,
-                   help="largest decode batch captured as a CUDA graph")
-    p.add_argument("--disable_cudagraph", action="store_true", help="run decode eagerly")
-    p.add_argument("--attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
-    p.add_argument("--kv_dtype", default=d.kv_dtype, help=f"one of {', '.join(KV_DTYPES)} (auto = --dtype)")
-    p.add_argument("--dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
-    p.add_argument("--page_size", type=int, default=d.page_size, help="tokens per KV page")
-    p.add_argument("--canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
-    p.add_argument("--shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")
-    p.add_argument("--max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--max_waiting_requests", type=int, default=d.max_waiting_requests,
-                   help="requests queued beyond the running ones; past it the server answers 429")
-    p.add_argument("--seed", type=int, default=d.seed, help="random-weight and sampling seed")
-    p.add_argument("--report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
+    add_flag(p, "model", default=d.model,
+             help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: {', '.join(builtin_models())}")
+    add_flag(p, "tp", type=int, default=d.tp, help="tensor-parallel ranks (one process per GPU)")
+    add_flag(p, "max_total_token_num", type=int, default=None,
+             help="pin the KV cache size in tokens (a multiple of --page_size): skips the probe, still validated")
+    add_flag(p, "mem_fraction", type=float, default=d.mem_fraction,
+             help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
+    add_flag(p, "batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
+    add_flag(p, "running_max_req_size", type=int, default=None,
+             help="most concurrent requests (default: clamp(T/context*512, 2048, 4096))")
+    add_flag(p, "max_req_total_len", type=int, default=None,
+             help="longest request, prompt + output (default: the model's max_position_embeddings)")
+    add_flag(p, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
+             help="largest decode batch captured as a CUDA graph")
+    add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
+    add_flag(p, "attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
+    add_flag(p, "kv_dtype", default=d.kv_dtype, help=f"one of {', '.join(KV_DTYPES)} (auto = --dtype)")
+    add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
+    add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
+    add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
+    add_flag(p, "shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")
+    add_flag(p, "max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
+    add_flag(p, "host", default=d.host)
+    add_flag(p, "port", type=int, default=d.port, help="0 picks a free port")
+    add_flag(p, "max_waiting_requests", type=int, default=d.max_waiting_requests,
+             help="requests queued beyond the running ones; past it the server answers 429")
+    add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
+    add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
 
 
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:

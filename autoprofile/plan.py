@@ -15,11 +15,16 @@ from types import MappingProxyType
 
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib
-from autoprofile.config import DTYPE_BYTES, ServerConfig
+from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, validate
 from autoprofile.engine.envelope import running_reqs
-from models.config import ModelConfig
+from models.config import ModelConfig, builtin_models, load_model_config
 
 CUDA_CONTEXT_ESTIMATE = 1670 * MiB  # non-torch memory of one process, measured 1.63 GiB on H100 and H200 (torch 2.11, CUDA 13)
+# The profiler measured llama-3.1-8b's activations + graph pools (non-KV peak - weights) at 2.00x the live-set
+# estimates below, on H100 and on H200 (2026-11, defaults: caching-allocator segments and sampler temporaries
+# the estimates do not model). Plan charges 2.25x, so that it stays at or below what the profiler measures
+# (0.5% below on both cards); without the margin it predicted 0.55% ABOVE (a pinned plan failed validation).
+ACTIVATION_FACTOR = 2.25
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,11 @@ class Plan:
     max_num_reqs: int
     sized: tuple[Row, ...]  # KV, workspace, request table at `tokens`
     slack: int  # available - sized: what mem_fraction and page rounding leave unused
-    min_tokens: int  # the profiler refuses a target below this
+    min_tokens: int  # budget.min_usable_tokens: the profiler refuses a target below this
     pinned_tokens: int | None
     warnings: tuple[str, ...]
+    problem_flag: str | None = None  # set when the model cannot be served as configured on this card
+    problem: str | None = None  # ... and why, with a value of that flag that works
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -129,12 +136,6 @@ def resolve_backend(name: str, vendor: str) -> str:
     if name != "auto":
         return name
     return "aiter" if vendor == "amd" else "aiter_triton"
-
-
-def backend_class(name: str):
-    """The backend's class, for its declared formulas only (never built here, so no GPU is needed)."""
-    from autoprofile.engine.attention import BACKENDS
-    return BACKENDS[name]
 
 
 # ---------------------------------------------------------------- estimated terms
@@ -185,8 +186,7 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     q_heads = m.num_heads // tp
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
     if backend == "aiter_triton":
-        n = backend_class(backend).per_call_workspace_bytes(gmbs, q_heads, m.head_dim, ctx,
-                                                            DTYPE_BYTES[cfg.dtype])
+        n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype])
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/1024) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})", note)
@@ -217,16 +217,20 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     if cfg.disable_cudagraph:
         rows.append(Row("decode graph pools", 0, "exact", "none", "--disable_cudagraph"))
     else:
-        from autoprofile.engine.cuda_graph import batch_ladder
-        ladder = batch_ladder(gmbs)
-        pool = (layer_live_bytes(m, gmbs, tp, db) + sum(ladder) * m.vocab_size * db
+        ladder = budget.batch_ladder(gmbs)
+        pool = (layer_live_bytes(m, gmbs, tp, db) + gmbs * m.vocab_size * db
                 + graph_static_bytes(m, gmbs, cfg.context_len, cfg.page_size, db))
         rows.append(Row("decode graph pools", pool, "ESTIMATED", "measured in the probe peak",
-                        f"{len(ladder)} graphs share one pool: the largest ({gmbs} seqs) layer live set, "
-                        f"every graph's captured logits ({sum(ladder)} rows x vocab), static buffers incl. "
-                        f"block tables for {cfg.context_len} tokens"))
+                        f"{len(ladder)} graphs share one pool: the largest ({gmbs} seqs) layer live set, ONE "
+                        f"logits buffer [{gmbs}, vocab] that every graph writes, static buffers incl. block "
+                        f"tables for {cfg.context_len} tokens"))
+    rows.append(decode_scratch(cfg, m, backend))
+    activations = sum(r.bytes for r in rows[3:])  # prefill peak, graph pools, decode scratch
     rows += [
-        decode_scratch(cfg, m, backend),
+        Row("activation margin", int(activations * (ACTIVATION_FACTOR - 1)), "assumed",
+            "measured: the probe peak replaces the estimates",
+            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above: the profiler measured 2.00x these estimates "
+            "(llama-3.1-8b, H100 and H200); plan stays at or below the measurement"),
         Row("canary", cfg.canary_bytes, "input", "allocated through validation",
             f"--canary_mb {cfg.canary_mb}"),
         Row("peers (other processes)", 0, "assumed", "measured: NVML / mem_get_info", "an idle card"),
@@ -240,20 +244,15 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
 def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
     """The Sizing the engine uses: the backend's declared persistent workspace (native AITER's; 0 for the
     others) solved together with T."""
-    m, cls = cfg.model_config, backend_class(backend)
+    m = cfg.model_config
     q_heads = m.num_heads // cfg.tp
 
     def workspace(rows: int, longest: int) -> int:
-        return cls.workspace_bytes(rows, longest, q_heads, m.head_dim)
+        return budget.persistent_workspace_bytes(backend, rows, longest, q_heads, m.head_dim)
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
                          running_reqs=reqs, decode_rows=reqs, workspace=workspace)
-
-
-def min_tokens(cfg: ServerConfig) -> int:
-    """The profiler refuses targets below one full-length request / one prefill batch / one graph batch."""
-    return max(cfg.context_len, cfg.batch_max_tokens, cfg.graph_max_batch_size * cfg.page_size)
 
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
@@ -271,31 +270,100 @@ def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, .
     )
 
 
-def plan_warnings(cfg: ServerConfig, tokens: int, floor: int, backend: str) -> tuple[str, ...]:
-    out = []
-    if tokens < floor:
-        out.append(f"the predicted cache ({tokens} tokens) is below {floor}, the least one request of "
-                   f"--max_req_total_len {cfg.context_len} / one prefill batch needs: the profiler would "
-                   "refuse. "
-                   "Lower --max_req_total_len or --batch_max_tokens, raise --tp, or use a bigger card.")
-    if cfg.max_total_token_num is not None and cfg.max_total_token_num > tokens:
-        out.append(f"--max_total_token_num {cfg.max_total_token_num} is above the predicted {tokens}: "
-                   "expect validation to fail on this card.")
+def plan_warnings(cfg: ServerConfig, backend: str) -> tuple[str, ...]:
     if backend == "torch" and not cfg.disable_cudagraph:
-        out.append("the torch backend is the numerical reference: its decode gathers dense K/V at "
-                   "--max_req_total_len inside the graph pool; use aiter_triton for serving.")
-    return tuple(out)
+        return ("the torch backend is the numerical reference: its decode gathers dense K/V at "
+                "--max_req_total_len inside the graph pool; use aiter_triton for serving.",)
+    return ()
+
+
+def predicted_tokens(cfg: ServerConfig, card: Card) -> int:
+    """The solver's T for cfg on card (what make_plan predicts), nothing else."""
+    backend = resolve_backend(cfg.attention_backend, card.vendor)
+    available = card.total - sum(r.bytes for r in fixed_rows(cfg, backend))
+    return budget.solve_target_tokens(available, sizing_for(cfg, backend), cfg.mem_fraction)
+
+
+def _fits(cfg: ServerConfig, card: Card, **change) -> bool:
+    try:
+        c = validate(cfg.replace(**change), serving=False)
+    except ConfigError:
+        return False
+    return predicted_tokens(c, card) >= c.min_usable_tokens
+
+
+def _halvings(value: int, lowest: int) -> list[int]:
+    out = []
+    while value // 2 >= lowest:
+        value //= 2
+        out.append(value)
+    return out
+
+
+def _context_that_fits(cfg: ServerConfig, card: Card) -> int | None:
+    """The longest --max_req_total_len (a page multiple) whose smallest usable cache fits."""
+    lo, hi = 1, cfg.context_len // cfg.page_size - 1  # in pages
+    if hi < lo or not _fits(cfg, card, max_req_total_len=lo * cfg.page_size):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _fits(cfg, card, max_req_total_len=mid * cfg.page_size) else (lo, mid - 1)
+    return lo * cfg.page_size
+
+
+def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) -> tuple[str, str] | None:
+    """(flag, message with a value of that flag that works) when the model cannot be served as
+    configured on this card; None when it can. The flag blamed is the first one whose change fixes it."""
+    m = cfg.model_config
+    if not m.runnable:
+        ok = ", ".join(n for n in builtin_models() if load_model_config(n).runnable)
+        return "model", (f"architecture {m.architecture} can be planned but not served; choose a dense "
+                         f"Llama/Qwen model such as {ok}")
+    if backend == "aiter" and card.vendor == "nvidia":
+        return "attention_backend", (f"'aiter' is AITER's native ROCm kernel set and does not run on {card.name} "
+                                     "(NVIDIA); try --attention_backend aiter_triton")
+    if backend == "aiter_triton" and DTYPE_BYTES[cfg.dtype] == 4:
+        return "dtype", "aiter_triton runs bfloat16/float16; try --dtype bfloat16"
+    floor = cfg.min_usable_tokens
+    if cfg.max_total_token_num is not None and cfg.max_total_token_num > tokens:
+        fix = (f"try --max_total_token_num {tokens}" if tokens >= floor else
+               "no pinned size fits: leave it unset and see the other messages")
+        return "max_total_token_num", (f"{cfg.max_total_token_num} tokens are above the {tokens} predicted on "
+                                       f"{card.name}: validation would fail; {fix}")
+    if tokens >= floor:
+        return None
+    why = (f"the predicted cache on {card.name} is {tokens} tokens, below the smallest usable cache of {floor} "
+           f"(one request of --max_req_total_len {cfg.context_len}, one prefill batch of --batch_max_tokens "
+           f"{cfg.batch_max_tokens}, a page per decode row, plus the pad page)")
+    if cfg.mem_fraction < 1 and _fits(cfg, card, mem_fraction=1.0):
+        return "mem_fraction", f"{cfg.mem_fraction} scales the budget down: {why}; try --mem_fraction 1.0"
+    if cfg.canary_mb > 256 and _fits(cfg, card, canary_mb=256):
+        return "canary_mb", f"a {cfg.canary_mb} MiB canary leaves too little: {why}; try --canary_mb 256"
+    for n in _halvings(cfg.batch_max_tokens, 256):
+        if _fits(cfg, card, batch_max_tokens=n):
+            return "batch_max_tokens", f"its prefill activations are too large: {why}; try --batch_max_tokens {n}"
+    for n in _halvings(cfg.graph_max_batch_size, 1):
+        if _fits(cfg, card, graph_max_batch_size=n):
+            return "graph_max_batch_size", f"{why}; try --graph_max_batch_size {n}"
+    ctx = _context_that_fits(cfg, card)
+    if ctx is not None:
+        return "max_req_total_len", f"{why}; try --max_req_total_len {ctx}"
+    for tp in (2, 4, 8):
+        if tp > cfg.tp and _fits(cfg, card, tp=tp):
+            return "tp", f"{why}; try --tp {tp} (one GPU per rank)"
+    return "model", f"{m.name} does not fit on {card.name} with any single flag changed: {why}; use a bigger card"
 
 
 def make_plan(cfg: ServerConfig, card: Card) -> Plan:
-    """Pure: the budget breakdown and the predicted max_total_token_num for `cfg` on `card` (per TP rank)."""
+    """Pure: the budget breakdown and the predicted max_total_token_num for `cfg` on `card` (per TP rank),
+    and, when it cannot be served so, the flag to change (Plan.problem_flag / Plan.problem)."""
     backend = resolve_backend(cfg.attention_backend, card.vendor)
     fixed = fixed_rows(cfg, backend)
     available = card.total - sum(r.bytes for r in fixed)
     sizing = sizing_for(cfg, backend)
     tokens = budget.solve_target_tokens(available, sizing, cfg.mem_fraction)
     sized = sized_rows(sizing, tokens, backend)
-    floor = min_tokens(cfg)
+    problem = serving_problem(cfg, card, backend, tokens)
     gpu = card.name if card.vendor != "unknown" or cfg.attention_backend != "auto" else \
         f"{card.name} (vendor unknown: auto = aiter_triton; pass --attention_backend aiter for ROCm)"
     return Plan(
@@ -306,8 +374,9 @@ def make_plan(cfg: ServerConfig, card: Card) -> Plan:
         graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
         cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,
         max_num_reqs=sizing.running_reqs, sized=sized, slack=available - sum(r.bytes for r in sized),
-        min_tokens=floor, pinned_tokens=cfg.max_total_token_num,
-        warnings=plan_warnings(cfg, tokens, floor, backend),
+        min_tokens=cfg.min_usable_tokens, pinned_tokens=cfg.max_total_token_num,
+        warnings=plan_warnings(cfg, backend),
+        problem_flag=problem[0] if problem else None, problem=problem[1] if problem else None,
     )
 
 
@@ -344,4 +413,5 @@ def format_plan(p: Plan) -> str:
     ]
     notes = ["", "  notes:"] + [f"    {r.term}: {r.note}" for r in (*p.fixed, *p.sized) if r.note]
     warns = [""] + [f"  WARNING: {w}" for w in p.warnings] if p.warnings else []
-    return "\n".join(head + body + tail + notes + warns)
+    problem = ["", f"  CANNOT SERVE AS CONFIGURED: --{p.problem_flag}: {p.problem}"] if p.problem else []
+    return "\n".join(head + body + tail + notes + warns + problem)

@@ -138,9 +138,17 @@ class Profiler:
         self.sizing: budget.Sizing = runner.sizing
         self.canary: torch.Tensor | None = None
         self.errors: list[str] = []
+        # the KV buffer of the current build as last seen at a checkpoint: a build that fails after
+        # allocating it drops it itself, and it must still be gone after release()
+        self.kv_seen: weakref.ref | None = None
 
     def checkpoint(self, point: str) -> None:
-        """Timeline sample + test-only fault injection at a named point."""
+        """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
+        far, so that a build that fails after allocating it is still leak-checked."""
+        kv = self.runner.kv_buffer
+        if kv is not None:
+            self.kv_seen = weakref.ref(kv)
+        del kv
         self.rec.sample(point)
         self.fault(point)
 
@@ -153,7 +161,8 @@ class Profiler:
         with self.rec.phase("measure"):
             m = self.measure(probe)
         self.checkpoint("after_measure")
-        sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries, self.cfg.page_size)
+        sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries, self.cfg.page_size,
+                                       floor=self.min_tokens())
         tokens, attempts = self.fit(sizes, m)
         return self.result(tokens, attempts, sizes[0], m, pinned=False)
 
@@ -165,12 +174,16 @@ class Profiler:
         if memory.all_ok(err is None, self.group):
             return self.result(tokens, 1, tokens, None, pinned=True)
         errors = _gather_errors(err, self.group)
-        self.release(check_leak=False)
+        self.release()
         fits = self.what_fits()
-        raise ProfileError(
-            f"--max_total_token_num {tokens} does not survive the worst-case stress ({'; '.join(errors)}). "
-            f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it unset "
-            "to auto-profile.")
+        floor = self.min_tokens()
+        hint = (f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it unset "
+                "to auto-profile." if fits >= floor else
+                f"The measured budget does not fit the smallest usable cache ({floor} tokens) either: leave "
+                "--max_total_token_num unset and see the knobs `autoprofile profile` names, or lower "
+                "--max_req_total_len / --batch_max_tokens / --graph_max_batch_size.")
+        raise ProfileError(f"--max_total_token_num {tokens} does not survive the worst-case stress "
+                           f"({'; '.join(errors)}). {hint}")
 
     def probe(self) -> int:
         tokens = budget.probe_tokens(self.cfg.batch_max_tokens, self.cfg.graph_max_batch_size, self.cfg.page_size)
@@ -187,8 +200,8 @@ class Profiler:
             log.error("probe at %d tokens failed: %s", tokens, err)
         if not memory.all_ok(err is None, self.group):
             errors = _gather_errors(err, self.group)
-            self.release(check_leak=False)
-            raise ProfileError(self.diagnostic(tokens, tokens, 0, "; ".join(errors), probe_failed=True))
+            raise ProfileError(self.diagnostic(tokens, tokens, 0, "; ".join(errors), stage="probe")
+                               + self.release_after_give_up())
         log.info("probe: %d tokens (%.2f GiB KV), stresses passed", tokens, gib(self.runner.kv_bytes))
         return tokens
 
@@ -208,28 +221,31 @@ class Profiler:
                  gib(s.peak_reserved), gib(non_kv), gib(own_nt), gib(peers), target,
                  gib(target * self.sizing.cell_bytes), local)
         if target < self.min_tokens():
-            self.release(check_leak=False)
             raise ProfileError(self.diagnostic(target, target, 0,
                                                f"the measured budget fits {target} tokens, fewer than the "
-                                               f"{self.min_tokens()} one request of --max_req_total_len / one "
-                                               "prefill batch needs", m=m))
+                                               f"{self.min_tokens()} of the smallest usable cache", m=m,
+                                               stage="measure") + self.release_after_give_up())
         return m
 
     def fit(self, sizes: list[int], m: Measurement) -> tuple[int, int]:
-        """Rebuild + validate at each size until every rank passes; collective give-up at the end."""
+        """Rebuild + validate at each size until every rank passes; collective give-up at the end. Every
+        teardown (the probe's, and each failed attempt's) is leak-checked: a leak is never retried."""
+        self.release()
         for attempt, tokens in enumerate(sizes, 1):
-            self.release(check_leak=True)  # a leak raises here, outside any retry
             with self.rec.phase(f"rebuild+validate#{attempt}"):
                 err = self.attempt(tokens)
             if memory.all_ok(err is None, self.group):
                 return tokens, attempt
             self.errors.extend(_gather_errors(err, self.group))
             log.warning("attempt %d at %d tokens failed on some rank: %s", attempt, tokens, self.errors[-1])
-        self.release(check_leak=False)
-        raise ProfileError(self.diagnostic(sizes[0], sizes[-1], len(sizes), self.errors[-1], m=m))
+            self.release()  # a leak raises here, outside any retry
+        last = self.errors[-1] if self.errors else "no size at or above the smallest usable cache to try"
+        raise ProfileError(self.diagnostic(sizes[0] if sizes else m.target, sizes[-1] if sizes else m.target,
+                                           len(sizes), last, m=m))
 
     def attempt(self, tokens: int) -> str | None:
-        """Build at `tokens`, hold the canary, run both stresses. Returns this rank's error or None."""
+        """Build at `tokens`, hold the canary, run both stresses. Returns this rank's error or None; what a
+        failed attempt built is torn down by the caller's release(), leak-checked, on every rank."""
         try:
             self.runner.build(tokens, self.checkpoint)
             self.checkpoint("canary")
@@ -242,40 +258,66 @@ class Profiler:
         except Exception as e:  # noqa: BLE001 - OOM or not, every failure is retried collectively
             log.warning("build/validate at %d tokens failed: %s", tokens, _describe(e))
             self.canary = None
-            self.runner.teardown()
             return _describe(e)
         self.canary = None  # released into this process's cache: headroom for serving
         return None
 
-    def release(self, check_leak: bool) -> None:
-        """One teardown: canary, graphs, attention state, request table, KV; then empty_cache.
+    def release(self) -> None:
+        """One teardown: canary, graphs, attention state, request table, KV; then empty_cache. Collective.
 
-        With check_leak, reserved memory must fall by at least the KV that was built, else LeakError
-        naming what still references the KV buffer (collective, never retried)."""
+        Afterwards the KV buffer (the live one, or the one a failed build dropped itself) must be
+        unreachable, and reserved memory must have fallen by the KV that was live; else LeakError naming
+        what still holds it. A teardown that raises ends in a ProfileError with the
+        same text on every rank (never a traceback on one rank and a closed connection on the other)."""
+        leak, broken = self._teardown_and_check()
+        if not memory.all_ok(leak is None and broken is None, self.group):
+            broken_all = _gather_errors(broken, self.group)
+            leaks = _gather_errors(leak, self.group)
+            if broken_all:
+                raise ProfileError(self.diagnostic(0, 0, len(self.errors), "; ".join(broken_all + leaks),
+                                                   stage="teardown"))
+            raise LeakError("teardown leak: " + "; ".join(leaks))
+
+    def release_after_give_up(self) -> str:
+        """release() on a path that already gives up: a leak or teardown error is appended, not raised."""
+        try:
+            self.release()
+        except ProfileError as e:
+            return f"\nAlso, while releasing: {str(e).splitlines()[0]}"
+        return ""
+
+    def _teardown_and_check(self) -> tuple[str | None, str | None]:
+        """(leak, teardown error) of this rank."""
         kv = self.runner.kv_buffer
-        kv_ref = weakref.ref(kv) if kv is not None else None
+        refs = [r for r in (weakref.ref(kv) if kv is not None else None, self.kv_seen) if r is not None]
         kv_bytes = self.runner.kv_bytes if kv is not None else 0
         del kv
         before, before_alloc = memory.reserved(self.device), memory.allocated(self.device)
-        self.canary = None
-        self.runner.teardown()
+        self.canary, self.kv_seen = None, None
+        broken = None
+        try:
+            self.runner.teardown()
+        except Exception as e:  # noqa: BLE001 - becomes the collective diagnostic
+            broken = f"teardown raised {_describe(e)}"
+            log.error("%s", broken)
         gc.collect()
-        memory.release_cached(self.device)
+        try:
+            memory.release_cached(self.device)
+        except Exception as e:  # noqa: BLE001
+            broken = broken or f"releasing cached memory raised {_describe(e)}"
         after, after_alloc = memory.reserved(self.device), memory.allocated(self.device)
         self.rec.sample("teardown")
         leak = None
-        if check_leak and kv_ref is not None:
-            alive = kv_ref()
-            if alive is not None:
-                leak = f"the KV buffer ({gib(kv_bytes):.2f} GiB) is still referenced by {_holders(alive)}"
-            elif min(before - after, before_alloc - after_alloc) < kv_bytes:
-                leak = (f"reserved memory fell by {gib(before - after):.2f} GiB and allocated memory by "
-                        f"{gib(before_alloc - after_alloc):.2f} GiB after teardown, less than the "
-                        f"{gib(kv_bytes):.2f} GiB KV buffer: something outside Python (a CUDA graph or "
-                        "a C++ holder) still holds it")
-            del alive
-        if not memory.all_ok(leak is None, self.group):
-            raise LeakError("teardown leak: " + "; ".join(_gather_errors(leak, self.group)))
+        alive = next((o for o in (r() for r in refs) if o is not None), None)
+        if alive is not None:
+            leak = f"the KV buffer ({gib(alive.nbytes):.2f} GiB) is still referenced by {_holders(alive)}"
+        elif kv_bytes and min(before - after, before_alloc - after_alloc) < kv_bytes:
+            leak = (f"reserved memory fell by {gib(before - after):.2f} GiB and allocated memory by "
+                    f"{gib(before_alloc - after_alloc):.2f} GiB after teardown, less than the "
+                    f"{gib(kv_bytes):.2f} GiB KV buffer: something outside Python (a CUDA graph or "
+                    "a C++ holder) still holds it")
+        del alive
+        return leak, broken
 
     def what_fits(self) -> int:
         """After a pinned size failed: probe and measure once to say what would fit (0 if nothing)."""
@@ -285,28 +327,23 @@ class Profiler:
         except ProfileError:
             return 0
         finally:
-            self.release(check_leak=False)
+            self.release_after_give_up()
         return m.target
 
     # ------------------------------------------------------------ results and diagnostics
     def min_tokens(self) -> int:
-        return max(self.cfg.context_len, self.cfg.batch_max_tokens,
-                   self.cfg.graph_max_batch_size * self.cfg.page_size)
+        return self.cfg.min_usable_tokens
 
     def diagnostic(self, initial: int, last: int, attempts: int, last_error: str, m: Measurement | None = None,
-                   probe_failed: bool = False) -> str:
+                   stage: str = "validate") -> str:
         s = memory.snapshot(self.device) if m is None else None
         g = budget.GiveUp(
             initial_tokens=initial, last_tokens=last, attempts=attempts, cell_bytes=self.sizing.cell_bytes,
             peak_reserved=m.peak_reserved if m else (s.peak_reserved if s else 0),
             total=m.total if m else (s.total if s else 0), canary=self.cfg.canary_bytes,
-            peers=m.peers if m else 0, last_error=last_error, flags=_flags(self.cfg))
-        text = budget.give_up_diagnostic(g)
-        if probe_failed:
-            text = (f"autoprofile: the worst-case stress failed even with the small probe cache of {initial} "
-                    "tokens: the model, its activations or its graphs do not fit beside what is on the GPU.\n"
-                    + text)
-        return text
+            peers=m.peers if m else 0, last_error=last_error, flags=_flags(self.cfg),
+            min_tokens=self.min_tokens(), stage=stage)
+        return budget.give_up_diagnostic(g)
 
     def result(self, tokens: int, attempts: int, initial: int, m: Measurement | None, pinned: bool) -> ProfileResult:
         after = memory.snapshot(self.device)
@@ -381,7 +418,10 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
     try:
         result = Profiler(cfg, runner, group=cpu_group, checkpoint=checkpoint).run()
     except BaseException:
-        runner.teardown()
+        try:
+            runner.teardown()
+        except Exception as e:  # noqa: BLE001 - the profiler's own error is the one to report
+            log.error("teardown after a failed profile also failed: %s", _describe(e))
         raise
     result.phases.insert(0, ("load_weights", load_s))
     if rank == 0:

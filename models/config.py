@@ -80,50 +80,156 @@ def resolve_model_dir(name_or_path: str) -> Path | None:
     return builtin if (builtin / "config.json").is_file() else None
 
 
-def from_hf_dict(d: dict, name: str = "custom", path: str | None = None) -> ModelConfig:
-    arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
-    heads = d["num_attention_heads"]
-    model_type = d.get("model_type", "llama")
-    rope = d.get("rope_parameters") or {}  # transformers v5 nests rope_theta/rope_scaling here
+class ModelConfigError(ValueError):
+    """A config.json that cannot be used: names the file and the key."""
+
+
+_MISSING = object()
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class _Fields:
+    """Reads config.json keys with their type and range checked; every error names the file and the key."""
+
+    def __init__(self, d: dict, source: str):
+        self.d, self.source = d, source
+
+    def fail(self, key: str, why: str):
+        raise ModelConfigError(f"{self.source}: key '{key}' {why}")
+
+    def get(self, key: str, default=_MISSING):
+        value = self.d.get(key)
+        if value is None:
+            if default is _MISSING:
+                self.fail(key, "is missing (an HF-style config.json needs it)")
+            return default
+        return value
+
+    def int(self, key: str, default=_MISSING, lo: int = 1) -> int:
+        v = self.get(key, default)
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            self.fail(key, f"must be an integer >= {lo}, got {v!r}")
+        return v
+
+    def number(self, key: str, default=_MISSING) -> float:
+        v = self.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            self.fail(key, f"must be a positive number, got {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.get(key, default)
+        if not isinstance(v, bool):
+            self.fail(key, f"must be true or false, got {v!r}")
+        return v
+
+    def str(self, key: str, default=_MISSING) -> str:
+        v = self.get(key, default)
+        if not isinstance(v, str) or not v:
+            self.fail(key, f"must be a non-empty string, got {v!r}")
+        return v
+
+    def dict(self, key: str) -> dict | None:
+        v = self.d.get(key)
+        if v is not None and not isinstance(v, dict):
+            self.fail(key, f"must be an object or null, got {v!r}")
+        return v
+
+
+def _rope_scaling(f: _Fields) -> dict | None:
+    rope = f.dict("rope_parameters") or {}  # transformers v5 nests rope_theta/rope_scaling here
+    key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
+    scaling = f.dict("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        f.fail(key, f"has rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    sub = _Fields(scaling, f"{f.source}: key '{key}'")
+    if kind != "default":
+        sub.number("factor")
+    if kind == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            sub.number(k, 1.0)
+        sub.number("original_max_position_embeddings")
+    return scaling
+
+
+def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source: str = "config.json") -> ModelConfig:
+    """Every key the runtime reads is checked here; a bad one raises ModelConfigError naming source and key."""
+    if not isinstance(d, dict):
+        raise ModelConfigError(f"{source}: must hold a JSON object, got {type(d).__name__}")
+    f = _Fields(d, source)
+    archs = f.get("architectures", ["LlamaForCausalLM"])
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) and a for a in archs):
+        f.fail("architectures", f"must be a non-empty list of names, got {archs!r}")
+    model_type = f.str("model_type", "llama")
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        f.fail("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
+    if f.d.get("head_dim") is None and hidden % heads:
+        f.fail("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads}); give 'head_dim'")
+    rope = f.dict("rope_parameters") or {}
+    theta_default = rope.get("rope_theta", 10000.0)
+    theta = f.number("rope_theta", None) if f.d.get("rope_theta") is not None else \
+        _Fields(rope, f"{source}: key 'rope_parameters'").number("rope_theta", theta_default)
+    num_experts = f.int("num_experts", 0, lo=0) or f.int("n_routed_experts", 0, lo=0)
+    per_tok = f.int("num_experts_per_tok", 0, lo=0)
+    moe_inter = f.int("moe_intermediate_size", 0, lo=0)
+    if num_experts and not 1 <= per_tok <= num_experts:
+        f.fail("num_experts_per_tok", f"must be in [1, {num_experts}] for a model with {num_experts} experts, "
+                                      f"got {per_tok}")
+    if num_experts and not moe_inter:
+        f.fail("moe_intermediate_size", f"must be >= 1 for a model with {num_experts} experts")
     return ModelConfig(
         name=name,
-        architecture=arch,
+        architecture=archs[0],
         model_type=model_type,
-        hidden_size=d["hidden_size"],
-        intermediate_size=d.get("intermediate_size", 0),
-        num_layers=d["num_hidden_layers"],
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", 0, lo=0 if num_experts else 1),
+        num_layers=f.int("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-        vocab_size=d["vocab_size"],
-        max_position_embeddings=d.get("max_position_embeddings", 4096),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta") or rope.get("rope_theta", 10000.0),
-        rope_scaling=d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
-        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        num_kv_heads=kv_heads,
+        head_dim=f.int("head_dim", hidden // heads),
+        vocab_size=f.int("vocab_size"),
+        max_position_embeddings=f.int("max_position_embeddings", 4096, lo=2),
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
-        attention_bias=d.get("attention_bias", model_type == "qwen2"),
+        attention_bias=f.bool("attention_bias", model_type == "qwen2"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        torch_dtype=d.get("torch_dtype") or d.get("dtype") or "bfloat16",
-        num_experts=d.get("num_experts", 0) or d.get("n_routed_experts", 0) or 0,
-        num_experts_per_tok=d.get("num_experts_per_tok", 0) or 0,
-        moe_intermediate_size=d.get("moe_intermediate_size", 0) or 0,
-        kv_lora_rank=d.get("kv_lora_rank", 0) or 0,
-        qk_rope_head_dim=d.get("qk_rope_head_dim", 0) or 0,
+        torch_dtype=f.str("torch_dtype", None) if d.get("torch_dtype") is not None else f.str("dtype", "bfloat16"),
+        num_experts=num_experts,
+        num_experts_per_tok=per_tok,
+        moe_intermediate_size=moe_inter,
+        kv_lora_rank=f.int("kv_lora_rank", 0, lo=0),
+        qk_rope_head_dim=f.int("qk_rope_head_dim", 0, lo=0),
         path=path,
         raw=d,
     )
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:
-    """Load a built-in config by name or an HF-style folder; ValueError naming the choices otherwise."""
+    """Load a built-in config by name or an HF-style folder; ModelConfigError (a ValueError) naming the file
+    and the key, or the choices, otherwise."""
     folder = resolve_model_dir(name_or_path)
     if folder is None:
-        raise ValueError(
+        raise ModelConfigError(
             f"no config.json at '{name_or_path}'; use a folder holding an HF-style config.json "
             f"or a built-in name: {', '.join(builtin_models())}"
         )
-    with open(folder / "config.json") as f:
-        d = json.load(f)
+    file = folder / "config.json"
+    try:
+        d = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{file}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{file}: cannot be read: {e}") from None
     is_builtin = folder.parent == CONFIG_DIR
-    return from_hf_dict(d, name=folder.name, path=None if is_builtin else str(folder))
+    return from_hf_dict(d, name=folder.name, path=None if is_builtin else str(folder), source=str(file))

@@ -8,6 +8,8 @@ import torch
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.cuda_graph import batch_ladder
 from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import GREEDY
+from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random
 from tests.conftest import require_backend
 
@@ -34,28 +36,30 @@ def runner(request):
 @torch.no_grad()
 def decode(runner: ModelRunner, prompts: list[list[int]], graphs: bool, forced: torch.Tensor | None = None):
     """(logits [STEPS, b, vocab] fp32, inputs [STEPS, b]) of greedy decode after one prefill; with
-    `forced`, step i feeds forced[i] instead of the previous argmax (teacher forcing)."""
-    held = [runner._admit(len(p) + STEPS) for p in prompts]
+    `forced`, step i feeds forced[i] instead of the previous argmax (teacher forcing). Request i sits in
+    slot i on pages of its own (the runner is otherwise idle)."""
+    ps, nxt, writes = runner.cfg.page_size, 1, []
+    for slot, p in enumerate(prompts):
+        count = -(-(len(p) + STEPS) // ps)
+        writes.append((slot, 0, list(range(nxt, nxt + count))))
+        nxt += count
+    runner.req_table.write(writes)
+    tok = runner._prefill([StepRow(slot, 0, p, True, GREEDY) for slot, p in enumerate(prompts)]).argmax(-1)
     saved = runner.graphs
+    runner.graphs = saved if graphs else None
     try:
-        rt = runner.req_table
-        slots = torch.tensor([s for s, _ in held], device="cuda")
-        lens = [len(p) for p in prompts]
-        tok = runner._prefill(prompts, runner._request_slots(slots, lens)).argmax(-1)
-        rt.seq_lens[slots] = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        runner.graphs = saved if graphs else None
         logits, inputs = [], []
         for i in range(STEPS):
             step_in = forced[i] if forced is not None else tok
-            rt.last_tokens[slots] = step_in.to(torch.int32)
-            out = runner._decode(slots).float().clone()
+            ids = step_in.tolist()
+            rows = [StepRow(slot, len(p) + i, [ids[slot]], True, GREEDY) for slot, p in enumerate(prompts)]
+            out = runner._decode(rows).float().clone()
             logits.append(out)
             inputs.append(step_in)
             tok = out.argmax(-1)
         return torch.stack(logits), torch.stack(inputs)
     finally:
         runner.graphs = saved
-        runner._release(held)
 
 
 def prompts_for(b: int) -> list[list[int]]:
@@ -74,7 +78,7 @@ def test_one_capture_per_ladder_size_sharing_one_pool(runner):
     assert runner.graphs.max_seq_len == CONTEXT
 
 
-# 16 first: the padded batches that follow must not see its rows; 20 > GMBS runs as 16 + 4
+# 16 first: the padded batches that follow must not see its rows; 20 > GMBS runs eagerly
 @pytest.mark.parametrize("b", [16, 13, 1, 3, 8, 20])
 def test_graph_replay_equals_eager_decode(runner, b):
     prompts = prompts_for(b)

@@ -208,3 +208,40 @@ def test_rms_norm(name, shape, nan_empty):
     out = be.rms_norm(x, w, 1e-6)
     assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
     assert rel_err(out, ref_rms_norm(x, w, 1e-6)) < BF16_TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("chunks", [[(0, 300), (1000, 24), (4000, 1)], [(131071 - 8192, 8192)]])
+def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
+    """(prefix, new) rows: the new tokens' K/V are in the paged cache beside their prefix; the backend
+    attends through gather_kv + the varlen kernel with cu_seqlens_k (causal aligned bottom-right),
+    against the float64 reference over the whole sequence. The last case is the stress corner at
+    llama-3.1's context: an 8192-token chunk over a 122,879-token prefix."""
+    gen = torch.Generator(device="cuda").manual_seed(len(chunks))
+    be = make(name)
+    kv_lens = [p + n for p, n in chunks]
+    kc, vc, meta = paged(kv_lens, max(kv_lens), gen)
+    tables, starts = meta.block_tables.long(), [0, *torch.tensor(kv_lens).cumsum(0).tolist()]
+    slots = torch.cat([tables[i, torch.arange(n, device="cuda") // PAGE] * PAGE + torch.arange(n, device="cuda") % PAGE
+                       for i, n in enumerate(kv_lens)])
+    q = torch.randn(sum(n for _, n in chunks), HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+    pmeta = AttentionMetadata(is_prefill=True, cu_seqlens=cu_q, max_seqlen=max(n for _, n in chunks),
+                              slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device="cuda"),
+                              kv_slots=slots, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                              max_seqlen_k=max(kv_lens))
+    k, v = be.gather_kv(kc, vc, slots)
+    out = be.prefill(q, k, v, pmeta)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    qb = cu_q.tolist()
+    for i, (p, n) in enumerate(chunks):
+        ks, ke = starts[i], starts[i + 1]
+        last = min(n, 64)  # the float64 reference of the last rows (a full 8192 x 131071 map is 275 GB)
+        want = ref_attention(q[qb[i + 1] - last:qb[i + 1]], k[ks:ke], v[ks:ke], True)
+        err = rel_err(out[qb[i + 1] - last:qb[i + 1]], want)
+        assert err < BF16_TOL, f"{name} row {i} (prefix {p}, new {n}): rel err {err:.2e}"
+        if n > last:  # and the first rows, which see the shortest keys
+            want = ref_attention(q[qb[i]:qb[i] + 32], k[ks:ks + p + 32], v[ks:ks + p + 32], True)
+            assert rel_err(out[qb[i]:qb[i] + 32], want) < BF16_TOL

@@ -14,6 +14,7 @@ import torch
 
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from models.config import load_model_config
 from models.llama import rope_inv_freq
@@ -83,17 +84,14 @@ def make_runner(folder, backend: str, dtype: str) -> ModelRunner:
 def all_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Our prefill logits at every position [L, vocab] (fp32)."""
     ps = runner.cfg.page_size
-    pages = runner.allocator.alloc(math.ceil(len(tokens) / ps))
-    try:
-        tok = torch.arange(len(tokens), device="cuda")
-        slots = torch.tensor(pages, device="cuda")[tok // ps] * ps + tok % ps
-        cu = torch.tensor([0, len(tokens)], dtype=torch.int32, device="cuda")
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, cu_seqlens=cu, max_seqlen=len(tokens))
-        with torch.no_grad():
-            hidden = runner.model(torch.tensor(tokens, device="cuda"), tok, meta, runner.kv.layers)
-            return runner.model.compute_logits(hidden).float()
-    finally:
-        runner.allocator.free(pages)
+    pages = list(range(1, 1 + math.ceil(len(tokens) / ps)))  # the runner is idle: every page is free
+    tok = torch.arange(len(tokens), device="cuda")
+    slots = torch.tensor(pages, device="cuda")[tok // ps] * ps + tok % ps
+    cu = torch.tensor([0, len(tokens)], dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, cu_seqlens=cu, max_seqlen=len(tokens))
+    with torch.no_grad():
+        hidden = runner.model(torch.tensor(tokens, device="cuda"), tok, meta, runner.kv.layers)
+        return runner.model.compute_logits(hidden).float()
 
 
 @torch.no_grad()
@@ -119,7 +117,7 @@ def test_prefill_and_greedy_decode_match_hf(checkpoint, backend, dtype):
     runner = make_runner(folder, backend, dtype)
     try:
         errs = [rel_err(all_logits(runner, p), hf_logits(hf, p)) for p in PROMPTS]
-        ours = runner.generate(PROMPTS, max_new_tokens=STEPS)  # batched prefill, graph decode
+        ours = LLMEngine(runner).generate(PROMPTS, max_tokens=STEPS)  # batched prefill, graph decode
         print(f"\n{folder.name} {backend} {dtype}: prefill logits rel err {max(errs):.2e}")
         if dtype == "float32":
             assert max(errs) < 1e-4, errs

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from tests.conftest import release_gpu, require_backend
 
@@ -40,7 +41,7 @@ def test_teardown_returns_reserved_memory_to_its_pre_build_level(backend, graphs
         runner.build(KV_TOKENS)
         runner.stress_prefill()
         runner.stress_decode()
-        outputs.append(runner.generate([[1, 2, 3], [4] * 50], max_new_tokens=8))
+        outputs.append(LLMEngine(runner).generate([[1, 2, 3], [4] * 50], max_tokens=8))
         kv = weakref.ref(runner.kv_buffer)
         built = torch.cuda.memory_reserved()
         runner.teardown()
@@ -82,12 +83,15 @@ def test_real_oom_during_graph_capture_tears_everything_down():
     ballast.chunks.clear()
     gc.collect()
     assert runner.kv is None and runner.graphs is None and runner.built_tokens is None
+    # the failed capture was ended cleanly: no capture underway, the default stream is current again
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
     after = reserved_after_release()
     print(f"\nafter a real OOM in capture: reserved {before / MiB:.1f} -> {after / MiB:.1f} MiB")
     assert abs(after - before) <= 0.01 * before, (before, after)
     runner.build(KV_TOKENS)  # the capture stream and the allocator are usable again
     try:
         runner.stress_decode()
-        assert len(runner.generate([[5, 6, 7]], max_new_tokens=4)[0]) == 4
+        assert len(LLMEngine(runner).generate([[5, 6, 7]], max_tokens=4)[0]) == 4
     finally:
         runner.teardown()

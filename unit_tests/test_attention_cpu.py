@@ -117,6 +117,31 @@ def test_prefill_is_per_request_not_across_requests():
     assert not torch.allclose(before[:9], after[:9])
 
 
+def test_prefill_chunks_over_cached_prefixes_match_float64():
+    """(prefix, new) rows read prefix + new K/V from the paged cache (gather_kv) and attend causally,
+    aligned bottom-right: equal to the last rows of the whole sequence's causal attention."""
+    chunks = [(0, 5), (13, 4), (40, 1), (7, 9)]
+    kv_lens = [p + n for p, n in chunks]
+    q_all, kc, vc, meta = paged_case(kv_lens, 8, 2, 16, 4, torch.float32, seed=3)
+    be = TorchBackend(8, 2, 16, 4, torch.float32, torch.device("cpu"))
+    tables = meta.block_tables.long()
+    slots = torch.cat([tables[i, torch.arange(n) // 4] * 4 + torch.arange(n) % 4 for i, n in enumerate(kv_lens)])
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(sum(n for _, n in chunks), 8, 16, generator=g)
+    cu_q = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
+    pmeta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
+                              cu_seqlens=cu_q, max_seqlen=9, kv_slots=slots, cu_seqlens_k=cu_k, max_seqlen_k=40)
+    k, v = be.gather_kv(kc, vc, slots)
+    out = be.prefill(q, k, v, pmeta)
+    for i in range(len(chunks)):
+        want = ref_attention(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]], True)
+        assert rel_err(out[cu_q[i]:cu_q[i + 1]], want) < 1e-5
+    # the gathered keys are the cache's tokens in order
+    page, off = slots[cu_k[1] + 3] // 4, slots[cu_k[1] + 3] % 4
+    assert torch.equal(k[cu_k[1] + 3], kc[page, :, off])
+
+
 def test_prefill_bf16_within_bf16_tolerance():
     q, k, v, meta = prefill_case([3, 64, 100], 8, 2, 32, torch.bfloat16)
     out = torch_backend(8, 2, 32, dtype=torch.bfloat16).prefill(q, k, v, meta)

@@ -31,39 +31,45 @@ BAD = [
     (["--tp", "3"], "tp", "--tp 8", ["--tp", "8"]),
     (["--tp", "16"], "tp", "--tp 8", ["--tp", "8"]),
     (["--tp", "abc"], "tp", "--tp 1", ["--tp", "1"]),
-    (["--mem_fraction", "0"], "mem_fraction", "try 1.0", ["--mem_fraction", "1.0"]),
-    (["--mem_fraction", "1.5"], "mem_fraction", "try 1.0", ["--mem_fraction", "1.0"]),
+    (["--mem_fraction", "0"], "mem_fraction", "try --mem_fraction 1.0", ["--mem_fraction", "1.0"]),
+    (["--mem_fraction", "1.5"], "mem_fraction", "try --mem_fraction 1.0", ["--mem_fraction", "1.0"]),
     (["--mem_fraction", "x"], "mem_fraction", "--mem_fraction 1.0", ["--mem_fraction", "1.0"]),
-    (["--batch_max_tokens", "0"], "batch_max_tokens", "try 8192", ["--batch_max_tokens", "8192"]),
-    (["--graph_max_batch_size", "0"], "graph_max_batch_size", "try 256", ["--graph_max_batch_size", "256"]),
-    (["--graph_max_batch_size", "2048"], "graph_max_batch_size", "try 256",
+    (["--batch_max_tokens", "0"], "batch_max_tokens", "try --batch_max_tokens 8192",
+     ["--batch_max_tokens", "8192"]),
+    (["--graph_max_batch_size", "0"], "graph_max_batch_size", "try --graph_max_batch_size 256",
      ["--graph_max_batch_size", "256"]),
-    (["--running_max_req_size", "0"], "running_max_req_size", "try 1000", ["--running_max_req_size", "1000"]),
+    (["--graph_max_batch_size", "2048"], "graph_max_batch_size", "try --graph_max_batch_size 256",
+     ["--graph_max_batch_size", "256"]),
+    (["--running_max_req_size", "0"], "running_max_req_size", "try --running_max_req_size 1000",
+     ["--running_max_req_size", "1000"]),
     (["--running_max_req_size", "100"], "graph_max_batch_size", "--graph_max_batch_size 100",
      ["--running_max_req_size", "100", "--graph_max_batch_size", "100"]),
     (["--max_total_token_num", "0"], "max_total_token_num", "leave it unset", []),
-    (["--max_total_token_num", "1000"], "max_total_token_num", "--max_total_token_num 131072",
-     ["--max_total_token_num", "131072"]),
+    (["--max_total_token_num", "1000"], "max_total_token_num", "--max_total_token_num 131088",
+     ["--max_total_token_num", "131088"]),
     (["--max_total_token_num", "5000", "--max_req_total_len", "4096"], "max_total_token_num",
-     "--max_total_token_num 8192", ["--max_total_token_num", "8192", "--max_req_total_len", "4096"]),
-    (["--max_req_total_len", "1"], "max_req_total_len", "try 4096", ["--max_req_total_len", "4096"]),
-    (["--max_req_total_len", "200000"], "max_req_total_len", "try 131072", ["--max_req_total_len", "131072"]),
+     "--max_total_token_num 8208", ["--max_total_token_num", "8208", "--max_req_total_len", "4096"]),
+    (["--max_req_total_len", "1"], "max_req_total_len", "try --max_req_total_len 4096",
+     ["--max_req_total_len", "4096"]),
+    (["--max_req_total_len", "200000"], "max_req_total_len", "try --max_req_total_len 131072",
+     ["--max_req_total_len", "131072"]),
     (["--attention_backend", "flash"], "attention_backend", "aiter_triton",
      ["--attention_backend", "aiter_triton"]),
     (["--kv_dtype", "fp8"], "kv_dtype", "bfloat16", ["--kv_dtype", "bfloat16"]),
     (["--kv_dtype", "float32"], "kv_dtype", "--kv_dtype auto", ["--kv_dtype", "auto"]),
     (["--dtype", "int8"], "dtype", "bfloat16", ["--dtype", "bfloat16"]),
-    (["--page_size", "24"], "page_size", "try 16", ["--page_size", "16"]),
-    (["--page_size", "8"], "page_size", "try 16", ["--page_size", "16"]),
-    (["--page_size", "512"], "page_size", "try 16", ["--page_size", "16"]),
-    (["--canary_mb", "-1"], "canary_mb", "try 256", ["--canary_mb", "256"]),
-    (["--shrink_ratio", "1.0"], "shrink_ratio", "try 0.95", ["--shrink_ratio", "0.95"]),
-    (["--shrink_ratio", "0.1"], "shrink_ratio", "try 0.95", ["--shrink_ratio", "0.95"]),
-    (["--max_retries", "-1"], "max_retries", "try 3", ["--max_retries", "3"]),
-    (["--max_retries", "50"], "max_retries", "try 3", ["--max_retries", "3"]),
-    (["--port", "70000"], "port", "try 8000", ["--port", "8000"]),
-    (["--host", " "], "host", "try 127.0.0.1", ["--host", "127.0.0.1"]),
-    (["--max_waiting_requests", "-1"], "max_waiting_requests", "try 1024", ["--max_waiting_requests", "1024"]),
+    (["--page_size", "24"], "page_size", "try --page_size 16", ["--page_size", "16"]),
+    (["--page_size", "8"], "page_size", "try --page_size 16", ["--page_size", "16"]),
+    (["--page_size", "512"], "page_size", "try --page_size 16", ["--page_size", "16"]),
+    (["--canary_mb", "-1"], "canary_mb", "try --canary_mb 256", ["--canary_mb", "256"]),
+    (["--shrink_ratio", "1.0"], "shrink_ratio", "try --shrink_ratio 0.95", ["--shrink_ratio", "0.95"]),
+    (["--shrink_ratio", "0.1"], "shrink_ratio", "try --shrink_ratio 0.95", ["--shrink_ratio", "0.95"]),
+    (["--max_retries", "-1"], "max_retries", "try --max_retries 3", ["--max_retries", "3"]),
+    (["--max_retries", "50"], "max_retries", "try --max_retries 3", ["--max_retries", "3"]),
+    (["--port", "70000"], "port", "try --port 8000", ["--port", "8000"]),
+    (["--host", " "], "host", "try --host 127.0.0.1", ["--host", "127.0.0.1"]),
+    (["--max_waiting_requests", "-1"], "max_waiting_requests", "try --max_waiting_requests 1024",
+     ["--max_waiting_requests", "1024"]),
     (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
     (["--model", "qwen3-30b-a3b"], "model", "qwen3-8b", ["--model", "qwen3-8b"]),
 ]
@@ -92,11 +98,39 @@ def test_suggested_value_really_works(argv, flag, suggestion, fixed, cuda_spy, c
     assert "autoprofile plan" in capsys.readouterr().err
 
 
-def test_unknown_flag_exits_2(cuda_spy, capsys):
-    assert cli.main(["serve", "--mem-fraction", "0.9"]) == 2
+@pytest.mark.parametrize("typed, meant", [("--mem-fractoin", "--mem_fraction"), ("--mem", "--mem_fraction"),
+                                           ("--max_total_tokens", "--max_total_token_num"),
+                                           ("--graph-max-bs", "--graph_max_batch_size")])
+def test_unknown_flag_exits_2_with_did_you_mean(typed, meant, cuda_spy, capsys):
+    assert cli.main(["serve", typed, "0.9"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --mem-fraction: unknown flag"), err
+    assert err.startswith(f"error: {typed}: unknown flag; did you mean {meant}?"), err
     assert_cuda_untouched(cuda_spy)
+
+
+def test_hyphen_spelling_of_every_flag_works(cuda_spy):
+    """--mem-fraction (vLLM/SGLang spelling) means --mem_fraction, for every flag."""
+    parser = cli.build_parser()
+    ns = parser.parse_args(["plan", "--mem-fraction", "0.9", "--max-req-total-len", "4096", "--gpu-memory-gib",
+                            "80", "--graph-max-batch-size", "64", "--disable-cudagraph", "--report-dir", ""])
+    assert (ns.mem_fraction, ns.max_req_total_len, ns.gpu_memory_gib, ns.graph_max_batch_size,
+            ns.disable_cudagraph, ns.report_dir) == (0.9, 4096, 80.0, 64, True, "")
+    sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
+    for action in sub._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if any("_" in o for o in longs):
+            assert {"--" + o[2:].replace("-", "_") for o in longs} == {f"--{action.dest}"} and len(longs) == 2
+    assert_cuda_untouched(cuda_spy)
+
+
+def test_bad_value_through_the_hyphen_spelling_names_the_flag(cuda_spy, capsys):
+    assert cli.main(["serve", "--mem-fraction", "x"]) == 2
+    assert capsys.readouterr().err.startswith("error: --mem_fraction: invalid float value")
+
+
+def test_unknown_command_did_you_mean(capsys):
+    assert cli.main(["serv"]) == 2
+    assert "did you mean serve?" in capsys.readouterr().err
 
 
 def test_missing_command_exits_2(cuda_spy, capsys):
@@ -114,11 +148,11 @@ VALID = [
     [],
     ["--tp", "8"],
     ["--tp", "2", "--mem_fraction", "0.9", "--port", "0"],
-    ["--max_total_token_num", "131072"],
+    ["--max_total_token_num", "131088"],
     ["--attention_backend", "torch", "--page_size", "1", "--kv_dtype", "float32"],
     ["--attention_backend", "aiter", "--page_size", "256", "--dtype", "float16"],
     ["--model", "tiny", "--max_req_total_len", "2048", "--batch_max_tokens", "1024",
-     "--max_total_token_num", "4096"],
+     "--max_total_token_num", "4112"],
     ["--model", "qwen2.5-7b", "--tp", "4", "--running_max_req_size", "4096",
      "--graph_max_batch_size", "1024"],
     ["--model", "qwen3-8b", "--disable_cudagraph", "--report_dir", "", "--canary_mb", "0",

@@ -164,7 +164,7 @@ def test_target_below_one_request_is_a_clear_error():
     gpu = FakeGPU(total=32 * GiB)
     with gpu.patched():
         runner, prof = make(gpu, CFG.replace(max_req_total_len=131072))
-        with pytest.raises(ProfileError, match="fewer than the 131072"):
+        with pytest.raises(ProfileError, match="fewer than the 131088"):
             prof.run()
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE
 
@@ -20,12 +21,6 @@ log = logging.getLogger(__name__)
 
 # (input_ids, positions, metadata) -> logits
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-
-
-def batch_ladder(max_bs: int) -> list[int]:
-    """Captured batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
-    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
-    return sorted(sizes)
 
 
 class DecodeGraphs:
@@ -51,7 +46,9 @@ class DecodeGraphs:
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:
-        """Largest batch first, so smaller graphs reuse the pool's blocks. `step` is not kept."""
+        """Largest batch first, so smaller graphs reuse the pool's blocks. `step` is not kept. A failure
+        inside a capture (a real OOM: a peer grew after measure) ends that capture cleanly and propagates
+        like any other build failure."""
         ladder = tqdm(self.sizes[::-1], desc="capturing decode graphs", unit="graph",
                       disable=not show_progress)
         for bs in ladder:
@@ -62,12 +59,16 @@ class DecodeGraphs:
             if before_first is not None:
                 before_first()
                 before_first = None
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()  # our own id: a failed capture can give it back
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+
+            def body(bs=bs, args=args):
                 # NOTE: a graph's own output would stay allocated in the pool for good (one logits tensor
                 # per ladder size, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
                 self.logits[:bs].copy_(step(*args))
-            self.pool = graph.pool() if self.pool is None else self.pool
+
+            capture_graph(graph, self.pool, body)
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
@@ -98,6 +99,60 @@ class DecodeGraphs:
         self.logits = self.pool = None
         self.input_ids = self.positions = self.slot_mapping = self.block_tables = self.seq_lens = None
         release_cublas_workspaces()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+# NOTE: graphs whose capture failed are kept (reset, so they hold no GPU memory): the CUDA host allocator may
+# still hold a filter pointing at the C++ graph object, and a freed one would be a dangling pointer
+_ABANDONED: list = []
+
+
+def capture_graph(graph, pool, body: Callable[[], None]) -> None:
+    """torch.cuda.graph(graph, pool) around body(), but a body that raises (a real OOM inside the capture)
+    leaves no capture behind. torch.cuda.graph's __exit__ calls capture_end(), which raises on an
+    invalidated capture BEFORE it tells the caching allocator that the capture is over and BEFORE it
+    restores the current stream: the allocator then believes a capture is underway forever (the next
+    empty_cache trips TORCH_INTERNAL_ASSERT(captures_underway.empty())), its filter points at the graph
+    being freed, and later work runs on the capture stream. The process aborted in teardown (H100,
+    torch 2.11). Here the capture is ended, the allocator's bookkeeping undone, the graph reset and the
+    device synchronised before the error propagates; nothing is freed before that."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:  # one side stream per device, as torch.cuda.graph keeps one
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    stream = _CAPTURE_STREAMS[device]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool)
+        try:
+            body()
+        except BaseException:
+            abandon_capture(graph, pool, device)
+            raise
+        graph.capture_end()
+
+
+def abandon_capture(graph, pool, device: int) -> None:
+    """End a capture whose body raised, as if it had never begun (see capture_graph)."""
+    try:
+        graph.capture_end()  # a still-valid capture ends normally (and instantiates the partial graph)
+    except Exception as e:  # noqa: BLE001 - invalidated: CUDA ended it, torch's bookkeeping did not
+        log.warning("ending a failed CUDA graph capture: %s", str(e).splitlines()[0] if str(e) else e)
+    try:
+        graph.pool()  # only a capture that ended has a pool: its reset() gives the pool back
+        ended = True
+    except RuntimeError:
+        ended = False
+    if not ended:
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+        try:
+            end(device, pool)
+        except RuntimeError:
+            pass  # capture_end got that far already
+        torch._C._cuda_releasePool(device, pool)  # the use count capture_begin took
+    graph.reset()
+    _ABANDONED.append(graph)
+    torch.cuda.synchronize()
 
 
 def release_cublas_workspaces() -> None:

@@ -71,10 +71,11 @@ class LLMEngine:
             raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                                              f"the {context}-token request limit (--max_req_total_len); "
                                              f"try max_tokens <= {context - len(prompt)}")
-        request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
         if request_id in self._requests:
             raise RequestError("request_id", f"'{request_id}' is already in use")
-        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), next(self._arrivals))
+        arrival = next(self._arrivals)
+        request_id = request_id if request_id is not None else f"req-{arrival}"
+        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival)
         pages = math.ceil(req.max_len / self.envelope.page_size)
         if pages > self.scheduler.allocator.capacity:
             capacity = self.scheduler.allocator.capacity * self.envelope.page_size

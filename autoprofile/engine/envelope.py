@@ -52,7 +52,7 @@ class Envelope:
     max_req_total_len: int  # longest request, prompt + output (--max_req_total_len)
     decode_rows: int
     graph_rows: int  # 0: no graphs (eager decode only)
-    prefill_tokens: int  # --batch_max_tokens
+    prefill_tokens: int  # --batch_max_tokens (or fewer, when no step could hold that many)
     prefill_rows: int
     prefill_kv_tokens: int
     max_prefix_len: int
@@ -66,6 +66,7 @@ class Envelope:
         # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
         longest_kv = context_len - 1
         prefill_rows = min(reqs, batch_max_tokens)
+        prefill_tokens = min(batch_max_tokens, prefill_rows * longest_kv)  # no row computes more than a request
         return cls(
             page_size=page_size,
             pages=min(kv_pages - 1, reqs * math.ceil(longest_kv / page_size)),
@@ -73,10 +74,10 @@ class Envelope:
             max_req_total_len=context_len,
             decode_rows=reqs,
             graph_rows=min(graph_max_batch_size, reqs) if use_graphs else 0,
-            prefill_tokens=batch_max_tokens,
+            prefill_tokens=prefill_tokens,
             prefill_rows=prefill_rows,
             # one chunk at the end of the longest prompt, or a full batch of fresh prompts
-            prefill_kv_tokens=max(longest_kv, batch_max_tokens),
+            prefill_kv_tokens=max(longest_kv, prefill_tokens),
             max_prefix_len=longest_kv - 1,
             sampled_rows=max(reqs, prefill_rows),
         )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -21,7 +20,8 @@ from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspace
 from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.kv_cache import KVCache, ReqTable
 from autoprofile.engine.parallel import TP
-from autoprofile.engine.sampling import STRESS, SamplingBatch, make_generator, sample
+from autoprofile.engine import stress
+from autoprofile.engine.sampling import SamplingBatch, make_generator, sample
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.weights import load_weights
 from models.llama import LlamaForCausalLM
@@ -29,7 +29,6 @@ from models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-STRESS_DECODE_STEPS = 2
 
 
 def runner_device(rank: int) -> torch.device:
@@ -202,68 +201,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------ the stress: the envelope's corners
     def stress_prefill(self) -> list[StepShape]:
-        """Prefill corners, every row sampled with the full sampler:
-        (a) the most rows sharing the most new tokens; (b) one request of as many new tokens as a step
-        takes; (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens; (d) one
-        token over the longest prefix any chunk can have. Prefixes need no real cache: rows reuse the
-        cache's pages cyclically (the memory a step needs does not depend on what the pages hold)."""
-        env = self.envelope
-        longest = env.max_req_total_len - 1
-        rows = min(env.prefill_rows, env.prefill_tokens)
-        share, extra = divmod(env.prefill_tokens, rows)
-        corners = [[(0, share + (i < extra)) for i in range(rows)],
-                   [(0, min(env.prefill_tokens, longest))],
-                   prefix_corner(env),
-                   [(env.max_prefix_len, 1)]]
-        return [self._run_corner(True, corner, seed) for seed, corner in enumerate(corners)]
+        """The prefill corners (autoprofile.engine.stress), executed as serving executes steps."""
+        return self._stress(True, stress.prefill_corners(self.envelope))
 
     def stress_decode(self) -> list[StepShape]:
-        """Decode corners: the most decode rows (eager above the graph size), and the largest graph if
-        smaller; every row sampled with the full sampler, the cache's pages spread over the rows (the
-        longest contexts the cache allows), STRESS_DECODE_STEPS steps each."""
-        env, ps = self.envelope, self.cfg.page_size
-        sizes = [env.decode_rows] + ([env.graph_rows] if 0 < env.graph_rows < env.decode_rows else [])
-        shapes = []
-        for n in sizes:
-            base, extra = divmod(env.pages, n)
-            lens = [min(max(base + (i < extra), 1) * ps, env.max_req_total_len - 1) for i in range(n)]
-            for back in range(STRESS_DECODE_STEPS - 1, -1, -1):
-                shapes.append(self._run_corner(False, [(max(length - 1 - back, 0), 1) for length in lens], back))
-        return shapes
+        """The decode corners (autoprofile.engine.stress), executed as serving executes steps."""
+        return self._stress(False, stress.decode_corners(self.envelope))
 
-    def _run_corner(self, is_prefill: bool, rows: list[tuple[int, int]], seed: int) -> StepShape:
-        """One step of fake requests (start, new tokens) in slots 0.., pages taken cyclically."""
+    def _stress(self, is_prefill: bool, corners: list[stress.Rows]) -> list[StepShape]:
         self._require_built()
-        env, ps, vocab = self.envelope, self.cfg.page_size, self.model_config.vocab_size
-        gen = make_generator(self.cfg.seed + 1 + seed, torch.device("cpu"))
-        usable, nxt, step = self.kv.num_pages - 1, 0, Step(is_prefill=is_prefill, rows=[], running=len(rows))
-        for slot, (start, n) in enumerate(rows):
-            count = math.ceil((start + n) / ps)
-            step.page_writes.append((slot, 0, [(nxt + j) % usable + 1 for j in range(count)]))
-            nxt += count
-            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            step.rows.append(StepRow(slot, start, ids, True, STRESS))
-        step.pages_used = min(nxt, env.pages)
-        self.execute(step)
-        self._sync()
-        return step.shape(env.graph_rows)
+        shapes = []
+        for i, rows in enumerate(corners):
+            step = stress.corner_step(self.envelope, is_prefill, rows, self.kv.num_pages - 1,
+                                      self.model_config.vocab_size, self.cfg.seed + i)
+            self.execute(step)
+            self._sync()
+            shapes.append(step.shape(self.envelope.graph_rows))
+        return shapes
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-
-def prefix_corner(env: Envelope) -> list[tuple[int, int]]:
-    """(start, new) rows whose prefix + new tokens fill prefill_kv_tokens, each at most the longest
-    request's K/V, with as many new tokens as the step takes (at least one each)."""
-    longest = env.max_req_total_len - 1
-    kv, left = [], env.prefill_kv_tokens
-    while left > 0 and len(kv) < env.prefill_rows:
-        kv.append(min(left, longest))
-        left -= kv[-1]
-    rows, new_left = [], env.prefill_tokens
-    for i, k in enumerate(kv):
-        n = max(1, min(k - 1, new_left - (len(kv) - i - 1)))
-        rows.append((k - n, n))
-        new_left -= n
-    return rows

@@ -15,9 +15,9 @@ from autoprofile import budget
 from autoprofile.engine.aiter_loader import load_aiter_triton
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
-SEQ_PARTITION = 1024  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked when the kernels load)
-V1_MAX_SEQ_LEN = 8192
-V1_MIN_ROWS = 512  # num_seqs * q_heads above which v1 runs even with several partitions
+SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
+V1_MAX_SEQ_LEN = budget.TRITON_V1_MAX_SEQ_LEN
+V1_MIN_ROWS = budget.TRITON_V1_MIN_ROWS
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
 # No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
@@ -29,10 +29,8 @@ def decode_partitions(max_seq_len: int, partition: int = SEQ_PARTITION) -> int:
 
 
 def use_v1(num_seqs: int, num_q_heads: int, max_seq_len: int, partition: int = SEQ_PARTITION) -> bool:
-    """AITER's rule: one pass (v1) up to 8192 tokens when there is one partition or enough rows to fill
-    the GPU; otherwise split into partitions (v2) and reduce."""
-    return max_seq_len <= V1_MAX_SEQ_LEN and (
-        decode_partitions(max_seq_len, partition) == 1 or num_seqs * num_q_heads > V1_MIN_ROWS)
+    """AITER's rule (budget.triton_decode_uses_v1: plan needs it without torch)."""
+    return budget.triton_decode_uses_v1(num_seqs, num_q_heads, max_seq_len, partition)
 
 
 class AiterTritonBackend(AttentionBackend):
@@ -60,10 +58,7 @@ class AiterTritonBackend(AttentionBackend):
         """Scratch one decode call allocates (v2 only: partial outputs, exp-sums and max-logits);
         inside a CUDA graph it stays in the graph's pool. Not declared to the solver: the probe
         captures graphs at the serving max_seq_len and measures it."""
-        if use_v1(num_seqs, q_heads, max_seq_len):
-            return 0
-        return budget.triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
-                                                    SEQ_PARTITION)
+        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

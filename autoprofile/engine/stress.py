@@ -1,0 +1,75 @@
+"""The stress: the envelope's corners as steps (pure: no torch). The runner executes them through the
+same `execute` as serving, in the probe and in every validation attempt.
+
+Prefill corners, every row sampled with the full sampler:
+  (a) the most rows sharing the most new tokens;
+  (b) one request of as many new tokens as a step takes;
+  (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens;
+  (d) one token over the longest prefix any chunk can have.
+Decode corners: the most decode rows (eager above the graph size), and the largest graph when it is
+smaller; every row sampled with the full sampler; the envelope's pages spread over the rows (the
+longest contexts the cache allows); DECODE_STEPS steps each.
+Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
+needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.sampling import STRESS
+from autoprofile.engine.scheduler import Step, StepRow
+
+DECODE_STEPS = 2
+Rows = list[tuple[int, int]]  # (start, new tokens) per row
+
+
+def prefill_corners(env: Envelope) -> list[Rows]:
+    longest = env.max_req_total_len - 1
+    rows = min(env.prefill_rows, env.prefill_tokens)
+    share, extra = divmod(env.prefill_tokens, rows)
+    return [[(0, share + (i < extra)) for i in range(rows)],
+            [(0, min(env.prefill_tokens, longest))],
+            prefix_corner(env),
+            [(env.max_prefix_len, 1)]]
+
+
+def prefix_corner(env: Envelope) -> Rows:
+    """Rows whose prefix + new tokens fill prefill_kv_tokens, each at most the longest request's K/V,
+    with as many new tokens as the step takes (at least one each)."""
+    longest = env.max_req_total_len - 1
+    kv, left = [], env.prefill_kv_tokens
+    while left > 0 and len(kv) < env.prefill_rows:
+        kv.append(min(left, longest))
+        left -= kv[-1]
+    rows, new_left = [], env.prefill_tokens
+    for i, k in enumerate(kv):
+        n = max(1, min(k - 1, new_left - (len(kv) - i - 1)))
+        rows.append((k - n, n))
+        new_left -= n
+    return rows
+
+
+def decode_corners(env: Envelope) -> list[Rows]:
+    sizes = [env.decode_rows] + ([env.graph_rows] if 0 < env.graph_rows < env.decode_rows else [])
+    out = []
+    for n in sizes:
+        base, extra = divmod(env.pages, n)
+        lens = [min(max(base + (i < extra), 1) * env.page_size, env.max_req_total_len - 1) for i in range(n)]
+        out += [[(max(length - 1 - back, 0), 1) for length in lens] for back in range(DECODE_STEPS - 1, -1, -1)]
+    return out
+
+
+def corner_step(env: Envelope, is_prefill: bool, rows: Rows, usable_pages: int, vocab_size: int,
+                seed: int) -> Step:
+    """One step of fake requests in slots 0.., pages 1..usable_pages taken cyclically, random ids."""
+    rng = random.Random(seed)
+    step, nxt = Step(is_prefill=is_prefill, rows=[], running=len(rows)), 0
+    for slot, (start, n) in enumerate(rows):
+        count = math.ceil((start + n) / env.page_size)
+        step.page_writes.append((slot, 0, [(nxt + j) % usable_pages + 1 for j in range(count)]))
+        nxt += count
+        step.rows.append(StepRow(slot, start, [rng.randrange(vocab_size) for _ in range(n)], True, STRESS))
+    step.pages_used = min(nxt, env.pages)
+    return step

@@ -1,0 +1,471 @@
+"""Issue 11: every failure ends in a clear message and a suggestion that works (CPU, mocked CUDA)."""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+from autoprofile.engine import cuda_graph
+
+DEV, POOL = 0, (0, 7)
+
+
+# ---------------------------------------------------------------- an OOM inside CUDA graph capture
+class FakeGraph:
+    """torch.cuda.CUDAGraph's contract as CUDAGraph.cpp implements it: capture_end() on an invalidated
+    capture raises before the allocator hears the capture ended; pool() needs an ended capture."""
+
+    def __init__(self, log: list, invalidated: bool = True):
+        self.log, self.invalidated, self.ended = log, invalidated, False
+
+    def capture_begin(self, pool):
+        self.log.append(("begin", pool))
+
+    def capture_end(self):
+        self.log.append(("capture_end",))
+        if self.invalidated:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        self.ended = True
+
+    def pool(self):
+        if not self.ended:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return POOL
+
+    def reset(self):
+        self.log.append(("reset",))
+
+
+@pytest.fixture
+def cuda_log():
+    """The CUDA calls capture_graph makes, recorded in order."""
+    log: list = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        log.append(("stream_enter",))
+        try:
+            yield
+        finally:
+            log.append(("stream_exit",))
+
+    with contextlib.ExitStack() as st:
+        p = lambda target, **kw: st.enter_context(mock.patch(target, **kw))  # noqa: E731
+        p("torch.cuda.current_device", return_value=DEV)
+        p("torch.cuda.Stream", return_value="side-stream")
+        p("torch.cuda.stream", side_effect=stream)
+        p("torch.cuda.synchronize", side_effect=lambda *a: log.append(("synchronize",)))
+        p("torch.cuda.empty_cache", side_effect=lambda: log.append(("empty_cache",)))
+        p("torch._C._cuda_endAllocateToPool", create=True,
+          side_effect=lambda dev, pool: log.append(("endAllocateToPool", dev, pool)))
+        p("torch._C._cuda_releasePool", create=True,
+          side_effect=lambda dev, pool: log.append(("releasePool", dev, pool)))
+        st.enter_context(mock.patch.object(cuda_graph, "_ABANDONED", []))
+        st.enter_context(mock.patch.object(cuda_graph, "_CAPTURE_STREAMS", {}))
+        yield log
+
+
+def oom():
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_oom_in_an_invalidated_capture_is_undone_before_it_propagates(cuda_log):
+    graph = FakeGraph(cuda_log, invalidated=True)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):  # the OOM, not capture_end's error
+        cuda_graph.capture_graph(graph, POOL, oom)
+    i = cuda_log.index(("begin", POOL))
+    assert cuda_log[i + 1:] == [("capture_end",), ("endAllocateToPool", DEV, POOL), ("releasePool", DEV, POOL),
+                                ("reset",), ("synchronize",), ("stream_exit",)]
+    assert cuda_graph._ABANDONED == [graph]  # kept: the host allocator may still point at it
+
+
+def test_oom_in_a_still_valid_capture_ends_it_normally(cuda_log):
+    graph = FakeGraph(cuda_log, invalidated=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        cuda_graph.capture_graph(graph, POOL, oom)
+    tail = cuda_log[cuda_log.index(("begin", POOL)) + 1:]
+    assert tail == [("capture_end",), ("reset",), ("synchronize",), ("stream_exit",)]  # reset gives the pool back
+
+
+def test_successful_capture_is_plain(cuda_log):
+    graph = FakeGraph(cuda_log, invalidated=False)
+    ran = []
+    cuda_graph.capture_graph(graph, POOL, lambda: ran.append(1))
+    assert ran == [1]
+    assert cuda_log == [("synchronize",), ("empty_cache",), ("stream_enter",), ("begin", POOL), ("capture_end",),
+                        ("stream_exit",)]
+
+
+def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cuda_log):
+    """The ladder's second capture OOMs: the error reaches the runner's build (which tears down), the
+    first graph stays owned by DecodeGraphs (its teardown resets it), the failed one is not kept there."""
+    g = cuda_graph.DecodeGraphs.__new__(cuda_graph.DecodeGraphs)
+    g.sizes, g.max_bs, g.max_seq_len, g.page_size = [1, 2], 2, 64, 16
+    g.input_ids = g.positions = g.slot_mapping = torch.zeros(2, dtype=torch.int64)
+    g.block_tables, g.seq_lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    g.graphs, g.logits, g.pool = {}, None, None
+    made = iter([FakeGraph(cuda_log, invalidated=False), FakeGraph(cuda_log, invalidated=True)])
+    calls = []
+
+    def step(ids, pos, meta):
+        calls.append(ids.shape[0])
+        if len(calls) == 4:  # warm 2, capture 2, warm 1, capture 1 <- OOM inside the capture
+            oom()
+        return torch.zeros(ids.shape[0], 8)
+
+    with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: next(made)), \
+            mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
+        with pytest.raises(torch.OutOfMemoryError):
+            g.capture(step, show_progress=False)
+    assert list(g.graphs) == [2] and g.pool == POOL
+    assert ("releasePool", DEV, POOL) in cuda_log
+
+
+# ---------------------------------------------------------------- the smallest usable cache
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from autoprofile import budget, cli  # noqa: E402
+from autoprofile.config import ServerConfig, validate  # noqa: E402
+from autoprofile.engine.kv_cache import KVCacheFull, PageAllocator  # noqa: E402
+from autoprofile.profiler import LeakError, Profiler, ProfileError  # noqa: E402
+from models.config import CONFIG_DIR  # noqa: E402
+from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_min_usable_tokens_is_whole_pages_for_one_request_plus_the_pad_page():
+    assert budget.min_usable_tokens(131072, 16) == 131072 + 16
+    assert budget.min_usable_tokens(1000, 16) == (63 + 1) * 16  # 1000 tokens need 63 pages
+    assert budget.min_usable_tokens(4096, 16, batch_max_tokens=8192) == 8192 + 16  # prefill batch dominates
+    assert budget.min_usable_tokens(64, 16, decode_rows=256) == 257 * 16  # a page per decode row
+    # real behaviour: a cache of exactly context_len tokens cannot hold one full-length request ...
+    with pytest.raises(KVCacheFull):
+        PageAllocator(131072 // 16).alloc(131072 // 16)
+    # ... the smallest usable one can
+    assert len(PageAllocator(budget.min_usable_tokens(131072, 16) // 16).alloc(131072 // 16)) == 8192
+
+
+def test_config_recommends_the_smallest_usable_cache_and_the_cli_accepts_it(mocker, capsys):
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    assert cli.main(["serve", "--max_total_token_num", "131072"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max_total_token_num: 131072 tokens is below the smallest usable cache")
+    assert "try --max_total_token_num 131088" in err
+    assert cli.main(["serve", "--max_total_token_num", "131088"]) == 1  # validation passed; no GPU here
+    assert ServerConfig().min_usable_tokens == 131088
+
+
+def test_pinned_size_that_is_not_a_page_multiple_is_rejected_with_one_that_works(mocker, capsys):
+    """Pick: reject (what is built is always what is reported)."""
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    argv = ["serve", "--model", "tiny", "--max_req_total_len", "512", "--batch_max_tokens", "256",
+            "--graph_max_batch_size", "8"]
+    assert cli.main([*argv, "--max_total_token_num", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max_total_token_num: 1000 is not a multiple of --page_size 16")
+    assert "try --max_total_token_num 1008" in err
+    assert cli.main([*argv, "--max_total_token_num", "1008"]) == 1
+
+
+@pytest.fixture
+def gpu():
+    g = FakeGPU()
+    with g.patched():
+        yield g
+
+
+CFG = ServerConfig(model="llama-3.1-8b", max_req_total_len=131072, canary_mb=1, report_dir=None)
+
+
+def make(gpu, cfg=CFG, fault=None, **kw):
+    runner = FakeRunner(gpu, llama8b_sizing(cfg.page_size, cfg.context_len), **kw)
+    return runner, Profiler(cfg, runner, checkpoint=fault)
+
+
+def builds(runner):
+    return [e[1] for e in runner.events if e[0] == "build"]
+
+
+def test_shrink_schedule_stops_at_the_smallest_usable_cache():
+    floor = budget.min_usable_tokens(131072, 16, 8192, 256)
+    assert budget.shrink_schedule(134_928, 0.95, 3, 16, floor=floor) == [134_928, floor]
+    assert budget.shrink_schedule(floor, 0.95, 3, 16, floor=floor) == [floor]
+    assert budget.shrink_schedule(floor - 16, 0.95, 3, 16, floor=floor) == []
+    assert budget.shrink_schedule(500_000, 0.95, 3, 16, floor=floor) == budget.shrink_schedule(500_000, 0.95, 3, 16)
+
+
+def test_retries_never_build_below_one_request():
+    """Initial 134,928 with --max_req_total_len 131072: the retry tries the floor and stops there."""
+    sizing = llama8b_sizing(16, 131072)
+    probe_runner = FakeRunner(FakeGPU(), sizing)
+    non_kv = probe_runner.weight_bytes + probe_runner.graph_pool + probe_runner.prefill_act
+    gpu = FakeGPU()
+    gpu.total = (gpu.non_torch + non_kv + CFG.canary_bytes + budget.DRIVER_RESERVE + sizing.overhead(134_928)
+                 + 134_928 * sizing.cell_bytes + 8 * sizing.cell_bytes)
+    with gpu.patched():
+        def fault(point):
+            if point == "validate_decode":
+                raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+        runner, prof = make(gpu, fault=fault)
+        with pytest.raises(ProfileError) as ei:
+            prof.run()
+    attempts = builds(runner)[1:]
+    assert attempts[0] == 134_928 and attempts[-1] == CFG.min_usable_tokens == 131088
+    assert min(attempts) >= CFG.min_usable_tokens and len(attempts) == 2
+    text = str(ei.value)
+    assert "after 2 attempt(s)" in text and "--max_total_token_num" not in text.split("Turn one")[1]
+
+
+def hint_of(text: str, flag: str) -> str:
+    return text.split(f"{flag} ")[1].split()[0]
+
+
+def test_measure_stage_diagnostic_suggests_only_what_helps_and_values_the_cli_accepts(mocker, capsys):
+    gpu = FakeGPU(total=32 * GiB)
+    with gpu.patched():
+        runner, prof = make(gpu, CFG.replace(mem_fraction=0.9))
+        with pytest.raises(ProfileError) as ei:
+            prof.run()
+    text = str(ei.value)
+    head, knobs = text.split("Turn one of these knobs:")
+    assert "0 attempt(s)" not in text and "fewer than the 131088" in head
+    assert "--max_total_token_num" not in knobs  # nothing fits: no pin to recommend
+    assert "--mem_fraction 1.0 (now 0.9)" in knobs  # raise it, never lower it, when the budget is too small
+    ctx = int(hint_of(knobs, "--max_req_total_len"))
+    assert budget.min_usable_tokens(ctx, 16, 8192, 256) <= int(head.split("fits ")[1].split()[0])
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    assert cli.main(["serve", "--max_req_total_len", str(ctx), "--mem_fraction", "1.0"]) == 1  # accepted
+
+
+def test_validate_stage_pin_hint_is_usable_and_accepted(mocker, capsys):
+    g = budget.GiveUp(initial_tokens=400_000, last_tokens=150_000, attempts=4, cell_bytes=131072,
+                      peak_reserved=70 * GiB, total=80 * GiB, canary=256 << 20, peers=0, last_error="OOM",
+                      flags={"page_size": 16, "mem_fraction": 1.0, "max_req_total_len": 131072,
+                             "batch_max_tokens": 8192, "graph_max_batch_size": 256},
+                      min_tokens=131088)
+    text = budget.give_up_diagnostic(g)
+    hint = int(hint_of(text, "--max_total_token_num"))
+    assert hint == 131088  # 0.8 x 150,000 would be below one request
+    assert "--mem_fraction 0.9 (now 1.0)" in text and "after 4 attempt(s)" in text
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    assert cli.main(["serve", "--max_total_token_num", str(hint), "--mem_fraction", "0.9"]) == 1
+
+
+def test_pinned_failure_never_recommends_a_size_below_one_request():
+    gpu = FakeGPU(total=32 * GiB)
+    with gpu.patched():
+        runner, prof = make(gpu, CFG.replace(max_total_token_num=131088))
+        with pytest.raises(ProfileError) as ei:
+            prof.run()
+    text = str(ei.value)
+    assert "does not fit the smallest usable cache (131088 tokens)" in text
+    assert "try --max_total_token_num" not in text
+
+
+# ---------------------------------------------------------------- leaks and teardown errors
+def test_kv_kept_across_a_failed_validation_is_a_leak_error_not_a_retry(gpu):
+    held = []
+
+    def fault(point):
+        if point == "validate_decode":
+            held.append(runner.kv_buffer)  # e.g. an error handler that kept the cache alive
+            raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+    runner, prof = make(gpu, CFG.replace(max_req_total_len=8192), fault=fault)
+    with pytest.raises(LeakError, match="still referenced by a list"):
+        prof.run()
+    assert len(builds(runner)) == 2  # the probe and the failed attempt: never retried on top of the leak
+
+
+def test_kv_kept_by_a_build_that_failed_after_allocating_it_is_a_leak_error(gpu):
+    held = []
+    seen = {"n": 0}
+
+    def fault(point):
+        if point == "graph_capture":
+            seen["n"] += 1
+            if seen["n"] == 2:  # the rebuild: the KV exists, then the capture fails
+                held.append(runner.kv_buffer)
+                raise torch.OutOfMemoryError("CUDA out of memory. injected in capture")
+
+    runner, prof = make(gpu, CFG.replace(max_req_total_len=8192), fault=fault)
+    with pytest.raises(LeakError, match="still referenced by a list"):
+        prof.run()
+
+
+def test_teardown_that_raises_ends_in_the_diagnostic_not_a_traceback(gpu):
+    def fault(point):
+        if point == "validate_prefill":
+            raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+    runner, prof = make(gpu, CFG.replace(max_req_total_len=8192), fault=fault)
+    real = runner.teardown
+    calls = {"n": 0}
+
+    def bad_teardown():
+        calls["n"] += 1
+        real()
+        if calls["n"] == 2:  # the failed attempt's teardown
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    runner.teardown = bad_teardown
+    with pytest.raises(ProfileError) as ei:
+        prof.run()
+    assert type(ei.value) is ProfileError
+    text = str(ei.value)
+    assert text.startswith("autoprofile: tearing the engine down failed")
+    assert "teardown raised RuntimeError: CUDA error: an illegal memory access" in text
+
+
+# ---------------------------------------------------------------- config.json
+TINY = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"num_attention_heads": None}, "num_attention_heads"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_attention_heads": "8"}, "num_attention_heads"),
+    ({"num_attention_heads": True}, "num_attention_heads"),
+    ({"hidden_size": 250.5}, "hidden_size"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"head_dim": None, "hidden_size": 260}, "hidden_size"),
+    ({"vocab_size": "4096"}, "vocab_size"),
+    ({"max_position_embeddings": 1}, "max_position_embeddings"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),
+    ({"rope_theta": 0}, "rope_theta"),
+    ({"rope_scaling": "llama3"}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "8"}}, "factor"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures"),
+    ({"intermediate_size": 0}, "intermediate_size"),
+    ({"num_experts": 8, "num_experts_per_tok": 0, "moe_intermediate_size": 64}, "num_experts_per_tok"),
+])
+def test_bad_config_json_exits_2_naming_file_and_key(tmp_path, change, key, mocker, capsys):
+    d = {k: v for k, v in (TINY | change).items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    mocker.patch("torch.cuda.is_available", return_value=False)
+    for command in ("serve", "plan"):
+        extra = ["--gpu", "h100"] if command == "plan" else []
+        assert cli.main([command, "--model", str(tmp_path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --model: {tmp_path / 'config.json'}"), err
+        assert f"'{key}'" in err, err
+
+
+@pytest.mark.parametrize("text, why", [("{", "not valid JSON"), ('{"a": 1,}', "not valid JSON"),
+                                       ("[1, 2]", "must hold a JSON object"), ("", "not valid JSON")])
+def test_unparsable_config_json_names_the_file(tmp_path, text, why, capsys):
+    (tmp_path / "config.json").write_text(text)
+    assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model: {tmp_path / 'config.json'}: {why}"), err
+
+
+def test_config_json_that_is_a_folder_names_it(tmp_path, capsys):
+    (tmp_path / "config.json").mkdir()
+    assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 2
+    assert "error: --model: no config.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- plan
+@pytest.mark.parametrize("argv, flag, fixed", [
+    (["--gpu_memory_gib", "inf"], "--gpu_memory_gib", ["--gpu_memory_gib", "80"]),
+    (["--gpu_memory_gib", "nan"], "--gpu_memory_gib", ["--gpu_memory_gib", "80"]),
+    (["--gpu_memory_gib", "1e30"], "--gpu_memory_gib", ["--gpu_memory_gib", "80"]),
+    (["--gpu_memory_gib", "-5"], "--gpu_memory_gib", ["--gpu_memory_gib", "80"]),
+    (["--gpu", "h100", "--batch_max_tokens", "999999999999"], "--batch_max_tokens",
+     ["--gpu", "h100", "--batch_max_tokens", "8192"]),
+    (["--gpu", "h100", "--canary_mb", "999999999"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
+    (["--gpu", "h100", "--canary_mb", "60000"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
+    (["--gpu", "h100", "--mem_fraction", "0.000001"], "--mem_fraction", ["--gpu", "h100", "--mem_fraction", "1.0"]),
+    (["--gpu", "h100", "--batch_max_tokens", "1000000"], "--batch_max_tokens", None),
+    (["--gpu", "h100", "--attention_backend", "aiter"], "--attention_backend",
+     ["--gpu", "h100", "--attention_backend", "aiter_triton"]),
+    (["--gpu", "h100", "--max_total_token_num", "600000"], "--max_total_token_num", None),
+    (["--gpu_memory_gib", "24"], "--max_req_total_len", None),
+    (["--gpu_memory_gib", "20"], "--tp", None),
+])
+def test_plan_bad_input_exits_2_naming_the_flag_and_its_fix_works(argv, flag, fixed, capsys):
+    assert cli.main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: "), err
+    if fixed is None:  # the suggestion is printed as `try --flag VALUE`: apply it
+        value = err.split(f"try {flag} ")[1].split()[0].rstrip(";,")
+        fixed = [*argv, flag, value]
+    assert cli.main(["plan", *fixed]) == 0, capsys.readouterr().err
+
+
+def test_plan_imports_no_torch():
+    code = ("import sys; from autoprofile.cli import main; rc = main(['plan', '--gpu', 'h100', '--json']); "
+            "assert rc == 0; assert 'torch' not in sys.modules, 'plan imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_plan_never_predicts_above_the_profiler_measurement(card):
+    from autoprofile.plan import GPUS, make_plan
+    measured = json.loads((ROOT / "docs" / f"budget_report_llama-3.1-8b_{card}.json").read_text())
+    p = make_plan(validate(ServerConfig()), GPUS[card])
+    assert 0.98 * measured["max_total_token_num"] <= p.tokens <= measured["max_total_token_num"]
+    # one shared logits buffer, not one per ladder size: the pool estimate is near the measured pool
+    pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
+    scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")
+    assert measured["terms_bytes"]["graph_pools"] <= pool + scratch <= 1.5 * measured["terms_bytes"]["graph_pools"]
+
+
+# ---------------------------------------------------------------- a teardown error on one TP rank
+def _tp_teardown_worker(rank: int, init: str, queue) -> None:
+    import traceback
+
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        gpu = FakeGPU()
+        with gpu.patched():
+            cfg = CFG.replace(max_req_total_len=8192, tp=2)
+            runner = FakeRunner(gpu, llama8b_sizing(16, 8192))
+            real, calls = runner.teardown, {"n": 0}
+
+            def teardown():
+                calls["n"] += 1
+                real()
+                if rank == 1 and calls["n"] == 1:  # the probe's teardown on rank 1
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            runner.teardown = teardown
+            try:
+                Profiler(cfg, runner, group=dist.group.WORLD).run()
+                queue.put((rank, "ok", None))
+            except ProfileError as e:
+                queue.put((rank, type(e).__name__, str(e)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - report to the parent instead of hanging it
+        queue.put((rank, "crash", traceback.format_exc()))
+
+
+@pytest.mark.slow
+def test_teardown_error_on_one_rank_is_the_same_diagnostic_on_every_rank(tmp_path):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_teardown_worker, args=(r, f"file://{tmp_path / 'rdv'}", queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    out = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert out[0][0] == out[1][0] == "ProfileError", out
+    assert out[0][1] == out[1][1]  # the very same text, no "Connection closed by peer" on rank 0
+    assert "rank 1: teardown raised RuntimeError: CUDA error: an illegal memory access" in out[0][1]

@@ -1,0 +1,334 @@
+"""The envelope, the scheduler and the engine loop.
+
+Scheduler-only tests drive the real Scheduler and LLMEngine with a step runner that has no model (it
+checks every step against the envelope exactly as ModelRunner.execute does, checks the rows' pages
+and token ids against the requests, and answers each sampled row with a token derived from the
+request's whole history, so a recomputed request must rebuild the same history to get the same
+answer). The model tests run the real tiny model on the torch backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine import stress
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.envelope import STEP_FIELDS, Envelope, EnvelopeError, StepShape
+from autoprofile.engine.request import RequestStatus
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import SamplingParams
+from autoprofile.engine.weights import init_random
+
+VOCAB = 1000
+
+
+def envelope(kv_pages=32, page_size=4, context=64, batch=16, running=4, graph=4, graphs=False) -> Envelope:
+    return Envelope.build(kv_pages=kv_pages, page_size=page_size, context_len=context, batch_max_tokens=batch,
+                          running_max_req_size=running, graph_max_batch_size=graph, use_graphs=graphs)
+
+
+def history_token(req, end: int) -> int:
+    """A deterministic 'model': the next token is a hash of every token before position `end`."""
+    h = 17
+    for t in req.tokens(0, end):
+        h = (h * 31 + t) % 1_000_003
+    return h % VOCAB
+
+
+class StepRunner:
+    """ModelRunner's step contract without a model."""
+
+    def __init__(self, env: Envelope, kv_pages: int):
+        self.envelope, self.kv = env, SimpleNamespace(num_pages=kv_pages)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.shapes: list[StepShape] = []
+        self.steps: list = []
+        self.page_table: dict[tuple[int, int], int] = {}
+
+    def execute(self, step) -> list[int]:
+        shape = step.shape(self.envelope.graph_rows)
+        self.envelope.check(shape)
+        self.shapes.append(shape)
+        self.steps.append(step)
+        for slot, first, pages in step.page_writes:
+            for i, p in enumerate(pages):
+                self.page_table[slot, first + i] = p
+        ps = self.envelope.page_size
+        for row in step.rows:
+            req, end = row.request, row.start + len(row.ids)
+            assert row.ids == req.tokens(row.start, end) and row.start == req.num_computed
+            assert len(req.pages) * ps >= end, "a row computes tokens its pages cannot hold"
+            assert [self.page_table[row.slot, i] for i in range(len(req.pages))] == req.pages
+        return [history_token(row.request, row.start + len(row.ids)) for row in step.rows if row.sample]
+
+
+def fake_engine(**kw) -> tuple[LLMEngine, StepRunner]:
+    kv_pages = kw.pop("kv_pages", 32)
+    env = envelope(kv_pages=kv_pages, **kw)
+    runner = StepRunner(env, kv_pages)
+    runner.envelope = env
+    return LLMEngine(runner), runner
+
+
+def run_all(engine: LLMEngine, check=None) -> dict[str, tuple[list[int], str]]:
+    out: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, _ = out.get(o.request_id, ([], None))
+            out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+        if check:
+            check(engine)
+    return out
+
+
+def invariants(engine: LLMEngine) -> None:
+    s = engine.scheduler
+    held = [p for r in s.running for p in r.pages]
+    assert len(held) == len(set(held)) == s.pages_used, "pages are held once, and counted"
+    assert all(not r.pages and r.slot is None for r in s.waiting), "waiting requests hold nothing"
+    slots = [r.slot for r in s.running]
+    assert len(slots) == len(set(slots)) and len(slots) + len(s.free_slots) == s.env.running_reqs
+    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+
+
+# ---------------------------------------------------------------- the envelope and the stress corners
+def test_every_envelope_limit_is_a_step_field():
+    """A limit added to the envelope without a step field (so no stress corner could be checked against
+    it) fails here."""
+    fields = {f.name for f in dataclasses.fields(Envelope)} - {"page_size"}
+    assert fields == set(STEP_FIELDS)
+
+
+envelopes = st.builds(
+    envelope, kv_pages=st.integers(2, 400), page_size=st.sampled_from([1, 4, 16]),
+    context=st.integers(2, 300), batch=st.integers(1, 200), running=st.integers(1, 40),
+    graph=st.integers(1, 40), graphs=st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(envelopes)
+def test_stress_corners_reach_every_limit_and_stay_inside(env):
+    """Each field of the envelope is at its maximum in some corner step, and no corner step exceeds
+    any limit (Envelope.check would refuse it in the runner)."""
+    steps = [stress.corner_step(env, True, rows, max(env.pages, 1), VOCAB, i)
+             for i, rows in enumerate(stress.prefill_corners(env))]
+    steps += [stress.corner_step(env, False, rows, max(env.pages, 1), VOCAB, i)
+              for i, rows in enumerate(stress.decode_corners(env))]
+    shapes = [s.shape(env.graph_rows) for s in steps]
+    for shape in shapes:
+        env.check(shape)
+    for name, limit in env.limits().items():
+        assert max(getattr(s, name) for s in shapes) == limit, f"no stress corner reaches {name} = {limit}"
+
+
+def test_check_refuses_a_step_outside_and_names_the_limit():
+    env = envelope(running=4)
+    with pytest.raises(EnvelopeError, match="decode_rows 5 > 4"):
+        env.check(StepShape(decode_rows=5, sampled_rows=4))
+    with pytest.raises(EnvelopeError, match="prefill_tokens 17 > 16"):
+        env.check(StepShape(prefill_tokens=17, prefill_rows=1))
+    with pytest.raises(EnvelopeError, match="either prefill or decode"):
+        env.check(StepShape(decode_rows=1, prefill_rows=1))
+
+
+def test_default_running_requests_are_the_graph_size_and_above_it_decode_is_eager_and_stressed():
+    graphs = envelope(running=None, graph=8, graphs=True)
+    assert graphs.running_reqs == graphs.decode_rows == graphs.graph_rows == 8
+    wide = envelope(running=32, graph=8, graphs=True)
+    assert (wide.decode_rows, wide.graph_rows) == (32, 8)
+    sizes = {len(rows) for rows in stress.decode_corners(wide)}
+    assert sizes == {32, 8}  # the eager corner and the largest graph
+
+
+# ---------------------------------------------------------------- scheduling
+def test_admission_fills_the_slots_in_arrival_order():
+    engine, runner = fake_engine(running=2)
+    ids = [engine.add_request([i + 1] * 3, max_tokens=2) for i in range(5)]
+    first_tokens = {o.request_id: o.new_token_ids for o in engine.step()}
+    first = runner.steps[0]
+    assert first.is_prefill and [r.request.request_id for r in first.rows] == ids[:2]
+    assert engine.stats.running == 2 and engine.stats.waiting == 3
+    out = run_all(engine)
+    assert sorted(first_tokens) == ids[:2]
+    assert all(out[i][1] == "length" and len(first_tokens.get(i, []) + out[i][0]) == 2 for i in ids)
+
+
+def test_a_prompt_of_max_req_total_len_minus_one_is_served_in_chunks():
+    engine, runner = fake_engine(context=64, batch=16, kv_pages=40)
+    rid = engine.add_request(list(range(1, 64)), max_tokens=1)
+    out = run_all(engine)
+    chunks = [(r.start, len(r.ids), r.sample) for s in runner.steps for r in s.rows]
+    assert chunks == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 15, True)]
+    assert out[rid] == ([history_token(SimpleNamespace(tokens=lambda a, b: list(range(1, 64))[a:b]), 63)], "length")
+
+
+def test_pages_are_allocated_as_requests_grow():
+    engine, runner = fake_engine(page_size=4, kv_pages=40)
+    engine.add_request([5] * 5, max_tokens=9)
+    used = []
+    while engine.has_unfinished():
+        engine.step()
+        s = engine.scheduler
+        used.append(s.pages_used)
+        if s.running:
+            assert s.pages_used == math.ceil(s.running[0].num_computed / 4)
+    # 5 prompt tokens: 2 pages; each decode adds one K/V, a page every 4 tokens; freed at the end
+    assert used == [2, 2, 2, 2, 3, 3, 3, 3, 0]
+
+
+def test_decodes_and_chunks_alternate_so_a_long_prompt_never_stalls_decoding():
+    engine, runner = fake_engine(context=64, batch=8, kv_pages=60)
+    engine.add_request([1, 2], max_tokens=20)
+    engine.step()  # its prefill
+    engine.add_request(list(range(1, 60)), max_tokens=2)  # 8 chunks
+    run_all(engine)
+    kinds = "".join("p" if s.is_prefill else "d" for s in runner.steps[1:])
+    assert "pp" not in kinds[:kinds.rfind("d")], kinds
+
+
+def test_abort_frees_every_page_and_slot_at_once_and_is_reported_once():
+    engine, runner = fake_engine(running=2, kv_pages=32)
+    a = engine.add_request([1] * 10, max_tokens=30)
+    b = engine.add_request([2] * 10, max_tokens=30)
+    c = engine.add_request([3] * 10, max_tokens=30)  # waits for a slot
+    for _ in range(4):
+        engine.step()
+    assert engine.stats.pages_used > 0 and engine.stats.running == 2
+    assert engine.abort(a) and engine.abort(c) and not engine.abort("nope")
+    invariants(engine)
+    assert engine.stats.waiting == 0 and engine.stats.running == 1
+    assert engine.stats.pages_used == len(engine.scheduler.running[0].pages)
+    assert engine.abort(b) and engine.stats.pages_used == 0 and engine.stats.running == 0
+    reports = engine.step()
+    assert sorted((o.request_id, o.finish_reason, o.finished) for o in reports) == [
+        (a, "abort", True), (b, "abort", True), (c, "abort", True)]
+    assert not engine.has_unfinished() and engine.step() == [] and not engine.abort(a)
+
+
+def test_stop_token_ends_a_request_with_stop():
+    engine, _ = fake_engine()
+    probe = engine.add_request([4, 5, 6], max_tokens=5)
+    first = run_all(engine)[probe][0]
+    engine2, _ = fake_engine()
+    rid = engine2.add_request([4, 5, 6], max_tokens=5, stop_token_ids={first[2]})
+    assert run_all(engine2)[rid] == (first[:3], "stop")
+
+
+def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output():
+    prompts = [[i + 1] * (6 + 3 * i) for i in range(6)]
+    roomy, _ = fake_engine(kv_pages=200, running=6)
+    want = [run_all_one for run_all_one in _serve(roomy, prompts)]
+    tight, runner = fake_engine(kv_pages=14, running=6)  # 13 usable pages for 6 requests of up to 10 pages
+    got = _serve(tight, prompts, check=invariants)
+    assert tight.stats.preemptions > 0
+    assert got == want
+    assert tight.stats.pages_used == 0 and len(tight.scheduler.free_slots) == 6
+
+
+def _serve(engine, prompts, check=None):
+    ids = [engine.add_request(p, max_tokens=20) for p in prompts]
+    out = run_all(engine, check)
+    return [out[i] for i in ids]
+
+
+traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
+                            st.integers(1, 80),  # prompt length
+                            st.integers(1, 40),  # max_tokens
+                            st.one_of(st.none(), st.integers(0, 30))),  # abort after this many steps
+                  min_size=1, max_size=25)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, kv_pages=st.integers(25, 120), batch=st.integers(1, 48), running=st.integers(1, 8))
+def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running):
+    """Every step passes Envelope.check (StepRunner raises otherwise), every request ends (length,
+    stop or abort), and at the end every page and slot is free."""
+    engine, runner = fake_engine(context=96, page_size=4, kv_pages=kv_pages, batch=batch, running=running)
+    arrivals = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
+    pending, added, ended, aborts, clock = list(arrivals), {}, {}, {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= clock:
+            _, i = pending.pop(0)
+            _, n, max_tokens, abort_after = trace[i]
+            max_tokens = min(max_tokens, 96 - n) if n < 96 else None
+            if max_tokens is None or max_tokens < 1:
+                continue
+            added[i] = engine.add_request([(i * 7 + j) % VOCAB for j in range(n)], max_tokens=max_tokens)
+            if abort_after is not None:
+                aborts[clock + abort_after] = aborts.get(clock + abort_after, []) + [added[i]]
+        for rid in aborts.pop(clock, []):
+            engine.abort(rid)
+        for o in engine.step():
+            assert o.request_id not in ended, "reported after it finished"
+            if o.finished:
+                ended[o.request_id] = o.finish_reason
+        invariants(engine)
+        clock += 1
+        assert clock < 5000, "no progress"
+    assert set(ended) == set(added.values())
+    assert set(ended.values()) <= {"length", "abort", "stop"}
+    assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
+
+
+# ---------------------------------------------------------------- the real tiny model
+TINY = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=128,
+            batch_max_tokens=32, graph_max_batch_size=4, running_max_req_size=4, report_dir=None)
+
+
+def tiny_runner(tokens: int, **kw) -> ModelRunner:
+    r = ModelRunner(validate(ServerConfig(**{**TINY, **kw})))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(tokens)
+    return r
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    return tiny_runner(2048)
+
+
+def test_model_preempted_then_resumed_gives_the_same_greedy_tokens(roomy):
+    prompts = [[(11 * i + j) % 4000 + 1 for j in range(15 + 4 * i)] for i in range(4)]
+    want = LLMEngine(roomy).generate(prompts, max_tokens=40)
+    tight = LLMEngine(tiny_runner(160))  # 9 pages besides the pad page; the four need up to 4 each
+    got = tight.generate(prompts, max_tokens=40)
+    assert tight.stats.preemptions > 0
+    assert got == want
+    assert tight.stats.pages_used == 0
+
+
+def test_model_chunked_prefill_equals_one_chunk(roomy):
+    prompt = [(7 * j) % 4000 + 3 for j in range(100)]
+    want = LLMEngine(tiny_runner(2048, batch_max_tokens=128)).generate([prompt], max_tokens=8)
+    chunked = LLMEngine(roomy)  # 32-token chunks over cached prefixes
+    log = roomy.step_log = []
+    try:
+        assert chunked.generate([prompt], max_tokens=8) == want
+    finally:
+        roomy.step_log = None
+    assert [s.prefill_tokens for s in log[:4]] == [32, 32, 32, 4] and log[3].max_prefix_len == 96
+
+
+def test_model_serves_many_short_beside_one_of_max_req_total_len(roomy):
+    engine = LLMEngine(roomy)
+    log = roomy.step_log = []
+    try:
+        long_id = engine.add_request([9] * 126, max_tokens=2)
+        short = [engine.add_request([i + 1, i + 2], SamplingParams(temperature=0.9, top_p=0.8), max_tokens=5)
+                 for i in range(10)]
+        out = run_all(engine)
+    finally:
+        roomy.step_log = None
+    assert len(out[long_id][0]) == 2 and all(len(out[s][0]) == 5 for s in short)
+    assert max(s.max_req_total_len for s in log) == 128
+    env = roomy.envelope
+    for s in log:
+        env.check(s)
+    assert torch.equal(roomy.kv.buffer.isnan().any(), torch.tensor(False))
