@@ -377,7 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
     p.add_argument("--launch", default=None, help='start this server command first, e.g. "autoprofile serve --port 0"')
-    p.add_argument("--launch-timeout", type=float, default=1800, help="seconds to wait for /health (the profile)")
+    p.add_argument("--ready-timeout", type=float, default=1800,
+                   help="seconds to wait for the server's /health to be 200 (its profile)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
@@ -415,14 +416,14 @@ def main(argv=None) -> int:
     server = Launched(args.launch) if args.launch else None
     try:
         if server is not None:
-            server.bound.wait(args.launch_timeout)
+            server.bound.wait(args.ready_timeout)
             if server.url is None:
                 raise SystemExit("error: the launched server never logged 'serving on http://...'")
             url = server.url
         else:
             url = args.base_url.rstrip("/")
         check_loopback(url)
-        health = asyncio.run(wait_ready(url, args.launch_timeout if server else 30, server and server.proc))
+        health = asyncio.run(wait_ready(url, args.ready_timeout, server and server.proc))
         summary = asyncio.run(bench(args, url, health))
     finally:
         code = server.stop(timeout=600) if server is not None else None
