@@ -168,19 +168,13 @@ def _cmd_profile(cfg) -> int:
 
 
 def _cmd_serve(cfg) -> int:
-    from autoprofile.profiler import ProfileError, boot
+    from autoprofile.profiler import boot
     from autoprofile.server import run_server
     if cfg.tp > 1:
         print("error: --tp: `serve` runs one rank for now; try --tp 1 "
               "(`autoprofile profile --tp N` sizes a TP deployment)", file=sys.stderr)
         return EXIT_FAILED
-    try:
-        runner, result = boot(cfg)  # load, probe, measure, rebuild, validate; logs the report
-    except ProfileError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_FAILED
-    run_server(cfg, runner, result)
-    return EXIT_OK
+    return run_server(cfg, boot)  # binds, boots (load, probe, measure, rebuild, validate), serves, drains
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ class ServerConfig:
     max_retries: int = 3
     host: str = "127.0.0.1"
     port: int = 8000
+    max_waiting_requests: int = 1024
     seed: int = 0
     report_dir: str | None = "autoprofile_report"
 
@@ -136,6 +137,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(cfg.report_dir is None or not os.path.exists(cfg.report_dir) or os.path.isdir(cfg.report_dir),
            "report_dir", f"'{cfg.report_dir}' exists and is not a folder; try --report_dir autoprofile_report "
            "(or '' for no report)")
+    _check(cfg.max_waiting_requests >= 0, "max_waiting_requests",
+           f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; "
+           "try --max_waiting_requests 1024")
     _check(cfg.dtype != "float32" or cfg.attention_backend == "torch", "dtype",
            "float32 weights are only supported by --attention_backend torch; try --dtype bfloat16")
     _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
@@ -207,6 +211,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
     add_flag(p, "host", default=d.host)
     add_flag(p, "port", type=int, default=d.port, help="0 picks a free port")
+    add_flag(p, "max_waiting_requests", type=int, default=d.max_waiting_requests,
+             help="requests queued beyond the running ones; past it the server answers 429")
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
 

@@ -1,154 +1,352 @@
-"""Minimal HTTP server: /health, /metrics (Prometheus), /generate (token ids in, token ids out).
+"""The HTTP server: the OpenAI wire format over the engine loop, LightLLM's /generate, health, metrics.
 
-`make_app(runner, result)` holds everything per app (registry, lock): two servers in one process or on
-one host never share state; the only port is cfg.port (0 = a free one, logged once bound).
+    GET  /health               200 once the profile is validated; 503 while starting and while draining
+    GET  /metrics              Prometheus text (this app's own registry)
+    GET  /v1/models            the served model
+    POST /v1/completions       prompt (text or token ids) -> text; stream: true sends server-sent events
+    POST /v1/chat/completions  messages (the model's chat template) -> text; stream as above
+    POST /generate             LightLLM parity: {"input_ids": [[ids]], "max_new_tokens"} -> {"output_ids"}
+
+Handlers only translate HTTP to engine requests and stream tokens back; the engine runs on its own
+thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
+naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
+request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from dataclasses import dataclass
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
+from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
+from autoprofile.serving.metrics import ServerMetrics
+from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, parse_chat, parse_completion,
+                                          parse_generate)
+from autoprofile.serving.protocol import request_id as new_request_id
+from autoprofile.serving.protocol import response
+from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 << 20  # JSON token ids of long prompts outgrow aiohttp's 1 MiB default
-
-
-class BadRequest(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    input_ids: list[list[int]]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-
-
-def _number(body: dict, key: str, default, kind: type, ok, rule: str):
-    value = body.get(key, default)
-    allowed = (int, float) if kind is float else int
-    if isinstance(value, bool) or not isinstance(value, allowed) or not ok(value):
-        raise BadRequest(f"'{key}' {rule}, got {value!r}")
-    return kind(value)
-
-
-def parse_generate(body: object, vocab_size: int, context_len: int, batch_max_tokens: int) -> GenerateRequest:
-    """Validate a /generate body against the served limits; BadRequest names the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    ids = body.get("input_ids")
-    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)):
-        raise BadRequest("'input_ids' must be a non-empty list of non-empty lists of token ids")
-    for p in ids:
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
-            raise BadRequest(f"'input_ids' must hold integers in [0, {vocab_size})")
-    n = _number(body, "max_new_tokens", 16, int, lambda v: v >= 1, "must be an integer >= 1")
-    longest = max(len(p) for p in ids)
-    if longest > batch_max_tokens:
-        raise BadRequest(f"'input_ids' holds a prompt of {longest} tokens, more than one prefill batch "
-                         f"(--batch_max_tokens {batch_max_tokens})")
-    if longest + n > context_len:
-        raise BadRequest(f"prompt ({longest} tokens) + 'max_new_tokens' ({n}) exceeds the "
-                         f"{context_len}-token request limit (--max_req_total_len)")
-    return GenerateRequest(
-        input_ids=ids, max_new_tokens=n,
-        temperature=_number(body, "temperature", 0.0, float, lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
-        top_p=_number(body, "top_p", 1.0, float, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-        top_k=_number(body, "top_k", 0, int, lambda v: v >= 0, "must be an integer >= 0 (0 = off)"),
-    )
+RETRY_AFTER_S = 1
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 @dataclass
-class Metrics:
-    registry: CollectorRegistry
-    requests: Counter
-    generated_tokens: Counter
+class ServerState:
+    """Everything one app holds. phase: "starting" until the profile is validated, "ready", "draining"."""
+
+    cfg: object
+    phase: str = "starting"
+    engine: AsyncEngine | None = None
+    tokenizer: object = None
+    limits: Limits | None = None
+    result: object = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None)
 
 
-def make_metrics(result) -> Metrics:
-    """A registry of this app's own: KV size and profile phase durations from `result`, request counters."""
-    reg = CollectorRegistry()
-    Gauge("autoprofile_kv_cache_tokens", "KV cache size in tokens", registry=reg).set(result.tokens)
-    Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)",
-          registry=reg).set(result.kv_bytes)
-    phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase",
-                   ["phase"], registry=reg)
-    for name, seconds in result.phases:
-        phases.labels(phase=name).set(seconds)
-    return Metrics(
-        registry=reg,
-        requests=Counter("autoprofile_generate_requests", "/generate requests by outcome", ["status"],
-                         registry=reg),
-        generated_tokens=Counter("autoprofile_generated_tokens", "tokens generated", registry=reg),
-    )
+STATE = web.AppKey("state", ServerState)
 
 
-# Typed app keys: per-app state, no module-level mutable objects.
-RUNNER = web.AppKey("runner", object)
-RESULT = web.AppKey("result", object)
-METRICS = web.AppKey("metrics", Metrics)
-LOCK = web.AppKey("lock", asyncio.Lock)
+def sampling_params(args) -> SamplingParams:
+    kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    # NOTE: SamplingParams.seed lands with the sampler work; until then a seed is validated, not honoured
+    if args.seed is not None and "seed" in SamplingParams.__dataclass_fields__:
+        kw["seed"] = args.seed
+    return SamplingParams(**kw)
 
 
+# ---------------------------------------------------------------- errors
+def _error_response(e: APIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=e.headers)
+
+
+HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    """APIError -> its body; aiohttp's own 4xx (unknown path, method, too large) -> the same shape;
+    anything else -> a 500 without internal text (logged here)."""
+    m = request.app[STATE].metrics
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    try:
+        resp = await handler(request)
+    except APIError as e:
+        resp = _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        msg = (f"the body is larger than {MAX_BODY >> 20} MiB" if e.status == 413 else
+               f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
+        resp = _error_response(APIError(e.status, msg, type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
+                                        code=e.reason.lower().replace(" ", "_")))
+    except ConnectionResetError:  # the client went away: nobody to answer
+        raise
+    except Exception:  # noqa: BLE001 - the client gets no internal text; the log gets the traceback
+        log.exception("%s %s failed", request.method, request.path)
+        resp = _error_response(APIError(500, "internal server error (see the server log)", type="server_error",
+                                        code="internal_error"))
+    m.requests.labels(endpoint=endpoint, status=str(resp.status)).inc()
+    return resp
+
+
+def _engine_failure(e: EngineFailure) -> APIError:
+    if e.code == "oom":
+        return APIError(500, "the engine ran out of GPU memory in a step that held this request; the server is "
+                        "still up: retry", type="server_error", code="engine_oom")
+    return APIError(500, "the engine failed this request (see the server log); the server is still up",
+                    type="server_error", code="engine_error")
+
+
+def _accepting(app: web.Application) -> ServerState:
+    st = app[STATE]
+    if st.phase == "starting":
+        raise APIError(503, "the server is starting: the memory profile is not validated yet",
+                       type="service_unavailable", code="starting", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if st.phase == "draining":
+        raise APIError(503, "the server is shutting down and accepts no new requests", type="service_unavailable",
+                       code="draining")
+    return st
+
+
+async def _json_body(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _queue_full(e: QueueFull) -> APIError:
+    return APIError(429, f"the server is at capacity ({e}); retry later", type="rate_limit_error",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _submit(st: ServerState, args: GenerateArgs):
+    stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    try:
+        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids)
+    except QueueFull as e:
+        raise _queue_full(e) from None
+    except RequestError as e:
+        param = args.prompt_param if e.field == "prompt" else e.field
+        raise bad(param, str(e)) from None
+    except EngineFailure as e:
+        raise _engine_failure(e) from None
+    st.metrics.prompt_tokens.inc(len(args.prompt_ids))
+    return handle
+
+
+# ---------------------------------------------------------------- endpoints
 async def health(request: web.Request) -> web.Response:
-    result = request.app[RESULT]
-    return web.json_response({"status": "ok", "kv_tokens": result.tokens, "kv_bytes": result.kv_bytes})
+    st = request.app[STATE]
+    if st.phase != "ready":
+        return web.json_response({"status": st.phase}, status=503)
+    return web.json_response({"status": "ok", "kv_tokens": st.result.tokens, "kv_bytes": st.result.kv_bytes,
+                              "max_running_requests": st.engine.max_running,
+                              "max_waiting_requests": st.engine.max_waiting,
+                              "max_req_total_len": st.limits.context_len,
+                              "outstanding_requests": st.engine.outstanding})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
+    body = generate_latest(request.app[STATE].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    name = st.cfg.model
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": st.created, "owned_by": "autoprofile", "root": name,
+         "max_model_len": st.cfg.context_len}]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _openai(request, parse_chat)
+
+
+async def _openai(request: web.Request, parse) -> web.StreamResponse:
+    st = _accepting(request.app)
+    args = parse(await _json_body(request), st.limits, st.tokenizer)
+    handle = await _submit(st, args)
+    try:
+        if args.stream:
+            return await _stream(request, st, args, handle)
+        return await _complete(st, args, handle)
+    finally:
+        handle.close()
+
+
+def _finish_reason(out) -> str:
+    if out.finish_reason in ("stop", "length"):
+        return out.finish_reason
+    raise EngineFailure("internal")  # the engine dropped a request the server did not abort
+
+
+async def _complete(st: ServerState, args: GenerateArgs, handle) -> web.Response:
+    text = TextStream(st.tokenizer, args.prompt_ids, args.stop)
+    parts, reason, tokens = [], None, 0
+    try:
+        async for out in handle:
+            parts.append(text.push(out.new_token_ids))
+            tokens = out.completion_tokens
+            if text.stopped:
+                reason = "stop"
+                handle.close(completed=True)
+                break
+            if out.finished:
+                parts.append(text.finish())
+                reason = "stop" if text.stopped else _finish_reason(out)
+    except EngineFailure as e:
+        raise _engine_failure(e) from None
+    rid = new_request_id(args.chat)
+    return web.json_response(response(args, rid, "".join(parts), reason, len(args.prompt_ids), tokens))
+
+
+async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, handle) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    rid, created = new_request_id(args.chat), int(time.time())
+    text = TextStream(st.tokenizer, args.prompt_ids, args.stop)
+
+    async def send(body: dict) -> None:
+        await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
+
+    tokens = 0
+    try:
+        if args.chat:
+            await send(chunk(args, rid, created, None, role=True))
+        async for out in handle:
+            delta, tokens = text.push(out.new_token_ids), out.completion_tokens
+            reason = None
+            if text.stopped:
+                reason = "stop"
+                handle.close(completed=True)
+            elif out.finished:
+                delta += text.finish()
+                reason = "stop" if text.stopped else _finish_reason(out)
+            if delta:
+                await send(chunk(args, rid, created, delta))
+            if reason is not None:
+                await send(chunk(args, rid, created, None, finish_reason=reason))
+                break
+        if args.include_usage:
+            await send(chunk(args, rid, created, None, usage_body={
+                "prompt_tokens": len(args.prompt_ids), "completion_tokens": tokens,
+                "total_tokens": len(args.prompt_ids) + tokens}))
+    except EngineFailure as e:
+        await send(_engine_failure(e).body())
+    except ConnectionResetError:  # the client went away: close() aborts the request
+        return resp
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
 async def generate(request: web.Request) -> web.Response:
-    app = request.app
-    m, cfg = app[METRICS], app[RESULT].cfg
+    """LightLLM parity: token ids in, token ids out, exactly max_new_tokens each (no EOS stop);
+    each prompt is one engine request, admitted all together or not at all."""
+    st = _accepting(request.app)
+    prompts, max_new, params = parse_generate(await _json_body(request), st.limits)
+    if not st.engine.has_room(len(prompts)):
+        raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
+                                        f"limit {st.engine.capacity}"))
+    handles = []
     try:
-        req = parse_generate(await request.json(), cfg.model_config.vocab_size, cfg.context_len,
-                             cfg.batch_max_tokens)
-    except (BadRequest, ValueError) as e:  # ValueError: the body is not JSON
-        m.requests.labels(status="bad_request").inc()
-        return web.json_response({"error": str(e)}, status=400)
-    try:
-        # NOTE: the runner is not thread-safe; one generate at a time, off the event loop.
-        async with app[LOCK]:
-            out = await asyncio.to_thread(app[RUNNER].generate, req.input_ids, req.max_new_tokens,
-                                          sampling=req.sampling)
-    except Exception as e:  # noqa: BLE001 - the server stays up and says what failed
-        log.exception("generate failed")
-        m.requests.labels(status="error").inc()
-        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500)
-    m.requests.labels(status="ok").inc()
-    m.generated_tokens.inc(sum(len(o) for o in out))
-    return web.json_response({"output_ids": out})
+        for p in prompts:
+            args = GenerateArgs(prompt_ids=p, max_tokens=max_new, ignore_eos=True, prompt_param="input_ids",
+                                **params)
+            handles.append(await _submit(st, args))
+        outs = await asyncio.gather(*[_collect(h) for h in handles])
+    except EngineFailure as e:
+        raise _engine_failure(e) from None
+    finally:
+        for h in handles:
+            h.close()
+    return web.json_response({"output_ids": outs})
 
 
-def make_app(runner, result) -> web.Application:
-    """runner: .generate(prompts, max_new_tokens, sampling=...) -> list[list[int]];
-    result: a ProfileResult (.cfg, .tokens, .kv_bytes, .phases as (name, seconds) pairs)."""
-    app = web.Application(client_max_size=MAX_BODY)
-    app[RUNNER], app[RESULT], app[METRICS] = runner, result, make_metrics(result)
-    app[LOCK] = asyncio.Lock()
+async def _collect(handle) -> list[int]:
+    ids = []
+    async for out in handle:
+        ids += out.new_token_ids
+    return ids
+
+
+# ---------------------------------------------------------------- the app
+def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
+    """An app in the "starting" phase; with an engine (an LLMEngine) and its ProfileResult it becomes
+    ready when it starts (else call `activate` once the profile is validated)."""
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[errors])
+    app[STATE] = ServerState(cfg)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
+    if engine is not None:
+        async def on_startup(app):
+            activate(app, engine, result, tokenizer)
+        app.on_startup.append(on_startup)
+    app.on_cleanup.append(_stop_engine)
     return app
+
+
+def activate(app: web.Application, engine, result, tokenizer=None) -> None:
+    """Start the engine loop (call on the app's event loop) and accept requests."""
+    st = app[STATE]
+    cfg = st.cfg
+    st.tokenizer = tokenizer or load_tokenizer(cfg.model_config)
+    names = tuple(dict.fromkeys((cfg.model, cfg.model_config.name)))
+    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size)
+    st.result = result
+    st.metrics.add_profile(result)
+    st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics)
+    st.engine.start()
+    st.phase = "ready"
+    log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens, st.engine.max_running,
+             st.engine.max_waiting)
+
+
+async def _stop_engine(app: web.Application) -> None:
+    if app[STATE].engine is not None:
+        await app[STATE].engine.stop()
+
+
+async def drain(app: web.Application) -> None:
+    """Stop accepting (503), then wait for every accepted request to finish."""
+    st = app[STATE]
+    st.phase = "draining"
+    if st.engine is not None:
+        log.info("draining: %d requests to finish", st.engine.outstanding)
+        await st.engine.wait_idle()
+    log.info("drained")
 
 
 async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Bind and start serving; port 0 takes a free port (see the returned runner's .addresses)."""
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, handler_cancellation=True)  # a client that disconnects cancels its handler
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -159,16 +357,65 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
     return runner
 
 
-async def serve_forever(app: web.Application, host: str, port: int) -> None:
-    runner = await start(app, host, port)
+# ---------------------------------------------------------------- the process
+async def serve(cfg, boot) -> int:
+    """Bind first (/health says 503 "starting"), boot (load + profile) on a thread, serve until SIGTERM or
+    SIGINT, drain, exit 0. boot(cfg) -> (runner, result); ProfileError ends with its diagnostic, exit 1."""
+    from autoprofile.engine.engine import LLMEngine
+    from autoprofile.profiler import ProfileError
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(EXIT_FAILED)
+        log.info("%s: stopping", sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    app = make_app(cfg)
+    site = await start(app, cfg.host, cfg.port)
+    booted: asyncio.Future = loop.create_future()
+
+    def run_boot() -> None:
+        try:
+            outcome = (None, boot(cfg))
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop
+            outcome = (e, None)
+        loop.call_soon_threadsafe(settle, booted, *outcome)
+
+    # NOTE: a daemon thread: a signal during the profile must not wait for it
+    threading.Thread(target=run_boot, name="boot", daemon=True).start()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not booted.done():
+        log.info("stopped during startup: nothing was being served")
+        await site.cleanup()
+        logging.shutdown()
+        os._exit(EXIT_OK)  # NOTE: the boot thread holds the GPU mid-profile; only the process exit frees it
     try:
-        await asyncio.Event().wait()
+        runner, result = booted.result()
+    except BaseException as e:
+        await site.cleanup()
+        if isinstance(e, ProfileError):
+            print(str(e), file=sys.stderr)
+            return EXIT_FAILED
+        raise
+    try:
+        activate(app, LLMEngine(runner), result)
+        await stopping
+        await drain(app)
     finally:
-        await runner.cleanup()
+        await site.cleanup()  # stops the engine loop (on_cleanup)
+        runner.teardown()
+    return EXIT_OK
 
 
-def run_server(cfg, runner, result) -> None:
-    try:
-        asyncio.run(serve_forever(make_app(runner, result), cfg.host, cfg.port))
-    except KeyboardInterrupt:
-        log.info("stopped")
+def run_server(cfg, boot) -> int:
+    return asyncio.run(serve(cfg, boot))

@@ -68,6 +68,8 @@ BAD = [
     (["--max_retries", "50"], "max_retries", "try --max_retries 3", ["--max_retries", "3"]),
     (["--port", "70000"], "port", "try --port 8000", ["--port", "8000"]),
     (["--host", " "], "host", "try --host 127.0.0.1", ["--host", "127.0.0.1"]),
+    (["--max_waiting_requests", "-1"], "max_waiting_requests", "try --max_waiting_requests 1024",
+     ["--max_waiting_requests", "1024"]),
     (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
     (["--model", "qwen3-30b-a3b"], "model", "qwen3-8b", ["--model", "qwen3-8b"]),
 ]

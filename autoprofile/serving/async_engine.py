@@ -1,0 +1,311 @@
+"""The engine loop on its own thread, and the asyncio side that HTTP handlers talk to.
+
+    one thread owns the LLMEngine (and the GPU):  drain the inbox (add / abort), step() while there is
+    work, block on the inbox when idle; each step's outputs go to the event loop in one call_soon_threadsafe
+    event loop: submit() -> RequestHandle (an asyncio queue of RequestOutputs); close() aborts if unfinished
+
+Backpressure: at most `max_running + max_waiting` requests are outstanding (submitted, not finished);
+`max_running` is the engine's running-request limit, so `max_waiting` bounds the requests beyond what the
+engine can run at once. submit() past the bound raises QueueFull (HTTP 429) before anything is queued.
+
+A step that raises (torch.OutOfMemoryError included) ends its requests with finish_reason "error"
+inside the engine, which counts it (EngineStats.ooms, .failed_steps); those requests fail here with
+EngineFailure ("oom" or "internal": HTTP 500 without internal text) and the loop goes on. An error
+that escapes step() itself fails every request the engine holds, counted the same way.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autoprofile.engine.request import RequestError, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests outstanding than the running limit plus --max_waiting_requests."""
+
+
+class EngineFailure(Exception):
+    """The engine failed this request (code: "oom" or "internal"); the server stays up."""
+
+    def __init__(self, code: str):
+        self.code = code
+        super().__init__(code)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state as of the loop's last iteration (published by the engine thread)."""
+
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    pages_used: int = 0
+    pages_total: int = 0
+    steps: int = 0
+    ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
+    errors: int = 0  # failed steps, OOMs included
+
+
+@dataclass
+class Timing:
+    """Per-request latencies, measured on the event loop when outputs arrive."""
+
+    submitted: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    tokens: int = 0
+
+
+_STOP = object()
+
+
+class _NoMetrics:
+    def first_token(self, timing: Timing) -> None:
+        pass
+
+    def request_finished(self, timing: Timing, completion_tokens: int, finish_reason: str) -> None:
+        pass
+
+
+class RequestHandle:
+    """One submitted request: iterate its RequestOutputs; close() (always) aborts it if unfinished."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int):
+        self.owner, self.request_id, self.prompt_tokens = owner, request_id, prompt_tokens
+        self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.timing = Timing()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, EngineFailure):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self, completed: bool = False) -> None:
+        """Abort in the engine if it is still running there (a disconnect, a stop string, an error).
+        completed: the server ended it on purpose (a stop string): it counts in the latency metrics."""
+        self.owner._close(self, completed)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_running: int, max_waiting: int, metrics=None):
+        """metrics: .first_token(timing) and .request_finished(timing, completion_tokens, finish_reason),
+        called on the event loop (ServerMetrics)."""
+        self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
+        self.metrics = metrics or _NoMetrics()
+        self.snapshot = Snapshot()
+        self.handles: dict[str, RequestHandle] = {}  # event-loop side only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: set[str] = set()  # engine-thread side only: ids the engine holds
+        self._ooms = self._errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._idle: asyncio.Event | None = None
+
+    # ------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the loop thread (requests still held are failed first)."""
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    @property
+    def capacity(self) -> int:
+        return self.max_running + self.max_waiting
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.handles)
+
+    def has_room(self, n: int = 1) -> bool:
+        return self.outstanding + n <= self.capacity
+
+    async def submit(self, prompt_ids: Sequence[int], params, max_tokens: int,
+                     stop_token_ids: Sequence[int] = ()) -> RequestHandle:
+        """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it."""
+        if not self.has_room():
+            raise QueueFull(f"{self.outstanding} requests outstanding: {self.max_running} running + "
+                            f"{self.max_waiting} waiting (--max_waiting_requests) is the limit")
+        handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids))
+        self.handles[handle.request_id] = handle
+        self._idle.clear()
+        added = self._loop.create_future()
+        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids)),
+                         added))
+        try:
+            await added
+        except BaseException:  # refused, or the client went away while it was being queued
+            handle.close()
+            raise
+        return handle
+
+    async def wait_idle(self) -> None:
+        """Until no request is outstanding."""
+        while self.handles:
+            await self._idle.wait()
+
+    def _close(self, handle: RequestHandle, completed: bool) -> None:
+        if self.handles.pop(handle.request_id, None) is None:
+            return
+        self._inbox.put(("abort", handle.request_id))
+        if completed:
+            self.metrics.request_finished(handle.timing, handle.timing.tokens, "stop")
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self.handles:
+            self._idle.set()
+
+    def _dispatch(self, outputs: list[RequestOutput], error_code: str) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            handle = self.handles.get(out.request_id)
+            if handle is None:  # closed by the server side already
+                continue
+            if out.finish_reason == "error":
+                del self.handles[out.request_id]
+                handle.queue.put_nowait(EngineFailure(error_code))
+                continue
+            if out.new_token_ids and handle.timing.first is None:
+                handle.timing.first = now
+                self.metrics.first_token(handle.timing)
+            handle.timing.tokens = out.completion_tokens
+            handle.queue.put_nowait(out)
+            if out.finished:
+                del self.handles[out.request_id]
+                if out.finish_reason in ("stop", "length"):
+                    self.metrics.request_finished(handle.timing, out.completion_tokens, out.finish_reason)
+        self._check_idle()
+
+    def _fail(self, request_ids: list[str], code: str) -> None:
+        for rid in request_ids:
+            handle = self.handles.pop(rid, None)
+            if handle is not None:
+                handle.queue.put_nowait(EngineFailure(code))
+        self._check_idle()
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------ engine-thread side
+    def _run(self) -> None:
+        device = getattr(getattr(self.engine, "runner", None), "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)  # NOTE: the current device is per thread
+        while True:
+            cmd = self._inbox.get() if not self.engine.has_unfinished() else self._next_nowait()
+            while cmd is not None:
+                if cmd is _STOP:
+                    self._abort_live("internal")
+                    return
+                self._apply(cmd)
+                cmd = self._next_nowait()
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _next_nowait(self):
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _apply(self, cmd) -> None:
+        if cmd[0] == "abort":
+            if cmd[1] in self._live:
+                self._live.discard(cmd[1])
+                self.engine.abort(cmd[1])
+            return
+        _, rid, (prompt, params, max_tokens, stop_ids), added = cmd
+        try:
+            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid)
+        except RequestError as e:
+            self._post(settle, added, e)
+            return
+        except Exception:  # noqa: BLE001 - the server answers 500 and stays up
+            log.exception("add_request failed")
+            self._post(settle, added, EngineFailure("internal"))
+            return
+        self._live.add(rid)
+        self._post(settle, added, None)
+
+    def _step(self) -> None:
+        ooms = self.engine.stats.ooms
+        try:
+            outputs = self.engine.step()
+        except torch.OutOfMemoryError:
+            self._ooms += 1
+            self._errors += 1
+            log.error("out of memory in an engine step (%d since start): failing %d requests",
+                      self._ooms, len(self._live), exc_info=True)
+            self._abort_live("oom")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return
+        except Exception:  # noqa: BLE001 - fail the requests, keep serving
+            self._errors += 1
+            log.exception("engine step failed: failing %d requests", len(self._live))
+            self._abort_live("internal")
+            return
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        self._publish()  # before the outputs: what a client has seen, the snapshot already shows
+        if outputs:
+            self._post(self._dispatch, outputs, "oom" if self.engine.stats.ooms > ooms else "internal")
+
+    def _abort_live(self, code: str) -> None:
+        failed = list(self._live)
+        for rid in failed:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine may be inconsistent after a failed step
+                log.exception("abort of %s failed", rid)
+        self._live.clear()
+        if failed:
+            self._post(self._fail, failed, code)
+
+    def _publish(self) -> None:
+        s = self.engine.stats
+        self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
+                                 s.ooms + self._ooms, s.failed_steps + self._errors)
+
+
+def settle(fut: asyncio.Future, error: BaseException | None, value=None) -> None:
+    """Resolve a future from call_soon_threadsafe (a no-op if it was cancelled meanwhile)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(error)

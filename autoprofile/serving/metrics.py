@@ -1,0 +1,81 @@
+"""Prometheus metrics of one app: its own CollectorRegistry (two servers in a process never share one).
+
+Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting, preemptions, KV
+pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from autoprofile.serving.async_engine import Snapshot, Timing
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineCollector:
+    """Engine gauges and counters from the loop's latest Snapshot (None before the engine starts)."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        s = self.snapshot() or Snapshot()
+        for name, doc, value in (
+                ("autoprofile_num_requests_running", "requests running in the engine", s.running),
+                ("autoprofile_num_requests_waiting", "requests waiting for the engine (incl. preempted)", s.waiting),
+                ("autoprofile_kv_pages_used", "KV cache pages held by requests", s.pages_used),
+                ("autoprofile_kv_pages_total", "KV cache pages that requests can hold", s.pages_total)):
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)", s.preemptions),
+                ("autoprofile_serving_oom", "torch.OutOfMemoryError caught in the engine loop (must stay 0)", s.ooms),
+                ("autoprofile_engine_failed_steps", "engine steps that raised (their requests failed)", s.errors),
+                ("autoprofile_engine_steps", "engine steps run", s.steps)):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+        reg = self.registry = CollectorRegistry()
+        reg.register(EngineCollector(snapshot))
+        self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("autoprofile_time_per_output_token_seconds",
+                              "(end - first token) / (output tokens - 1), per request", buckets=TPOT_BUCKETS,
+                              registry=reg)
+        self.e2e = Histogram("autoprofile_e2e_request_latency_seconds", "submit to last token",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.requests = Counter("autoprofile_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=reg)
+        self.finished = Counter("autoprofile_requests_finished", "completed requests by finish reason",
+                                ["finish_reason"], registry=reg)
+        self.prompt_tokens = Counter("autoprofile_prompt_tokens", "prompt tokens of accepted requests", registry=reg)
+        self.generated_tokens = Counter("autoprofile_generated_tokens", "tokens generated", registry=reg)
+
+    def add_profile(self, result) -> None:
+        """KV size and startup phase durations of the validated profile."""
+        reg = self.registry
+        Gauge("autoprofile_kv_cache_tokens", "KV cache size in tokens", registry=reg).set(result.tokens)
+        Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)", registry=reg).set(result.kv_bytes)
+        phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase", ["phase"],
+                       registry=reg)
+        for name, seconds in result.phases:
+            phases.labels(phase=name).set(seconds)
+
+    def first_token(self, timing: Timing) -> None:
+        self.ttft.observe(timing.first - timing.submitted)
+
+    def request_finished(self, timing: Timing, completion_tokens: int, finish_reason: str) -> None:
+        now = time.perf_counter()
+        self.e2e.observe(now - timing.submitted)
+        if timing.first is not None and completion_tokens > 1:
+            self.tpot.observe((now - timing.first) / (completion_tokens - 1))
+        self.finished.labels(finish_reason=finish_reason).inc()
+        self.generated_tokens.inc(completion_tokens)

@@ -1,0 +1,273 @@
+"""The OpenAI wire format: request validation (every client mistake is an APIError naming the field)
+and the response / stream-chunk bodies."""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+INT64 = 1 << 63
+MAX_STOP = 16  # stop strings per request
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _get(body: dict, key: str, default, ok: Callable[[object], bool], rule: str):
+    """body[key] (null -> default) if ok(value), else a 400 naming key."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not ok(value):
+        raise bad(key, f"'{key}' {rule}, got {value!r:.80}")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served engine accepts; given by the server."""
+
+    model_names: tuple[str, ...]  # the first is the served name
+    context_len: int
+    vocab_size: int
+
+
+@dataclass
+class GenerateArgs:
+    """One engine request: what a validated body asks for."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    chat: bool = False
+    model: str = ""
+    prompt_param: str = "prompt"
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- request bodies
+def _common(body: object, limits: Limits) -> dict:
+    if not isinstance(body, dict):
+        raise bad(None, "the body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {model!r:.80}")
+    if model is not None and model not in limits.model_names:
+        raise APIError(404, f"the model '{model:.200}' does not exist; this server serves '{limits.model_names[0]}' "
+                       "(GET /v1/models)", param="model", code="model_not_found")
+    if _get(body, "n", 1, _is_int, "must be an integer") != 1:
+        raise bad("n", "only n=1 is supported (send n requests instead)", code="unsupported_value")
+    if _get(body, "best_of", 1, _is_int, "must be an integer") != 1:
+        raise bad("best_of", "only best_of=1 is supported", code="unsupported_value")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _get(body, key, 0, _is_num, "must be a number") != 0:
+            raise bad(key, f"'{key}' is not supported (leave it 0)", code="unsupported_value")
+    if _get(body, "logit_bias", {}, lambda v: isinstance(v, dict), "must be an object"):
+        raise bad("logit_bias", "'logit_bias' is not supported", code="unsupported_value")
+    stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "must be true or false")
+    opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "must be an object")
+    if opts and not stream:
+        raise bad("stream_options", "'stream_options' is only allowed with stream: true")
+    include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "must be true or false")
+    stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)), "must be a string or a list of strings")
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop", f"'stop' must hold at most {MAX_STOP} non-empty strings, got {stop!r:.120}")
+    seed = _get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer")
+    return dict(
+        temperature=float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and v >= 0,
+                               "must be a number >= 0 (0 = greedy)")),
+        top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be a number in (0, 1]")),
+        top_k=max(_get(body, "top_k", 0, lambda v: _is_int(v) and v >= -1,
+                       "must be an integer >= -1 (-1 or 0 = off)"), 0),
+        seed=seed, stop=tuple(stop), stream=stream, include_usage=include_usage,
+        ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
+        model=limits.model_names[0],
+    )
+
+
+def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None, param: str) -> int:
+    n = _get(body, key, default, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+    room = limits.context_len - prompt_len
+    if room < 1:
+        raise bad(param, f"the prompt is {prompt_len} tokens; the longest request is {limits.context_len} tokens "
+                  "(prompt + output, --max_req_total_len), leaving no room for output",
+                  code="context_length_exceeded")
+    if n is None:
+        return room
+    if n > room:
+        raise bad(key, f"the prompt ({prompt_len} tokens) + '{key}' ({n}) exceed the {limits.context_len}-token "
+                  f"request limit (--max_req_total_len): ask for at most {room}", code="context_length_exceeded")
+    return n
+
+
+def _token_ids(v, vocab: int) -> bool:
+    return isinstance(v, list) and bool(v) and all(_is_int(t) and 0 <= t < vocab for t in v)
+
+
+def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
+    """POST /v1/completions: prompt is a string or a list of token ids (or a list holding one of those)."""
+    args = _common(body, limits)
+    if body.get("echo"):
+        raise bad("echo", "'echo' is not supported", code="unsupported_value")
+    if body.get("logprobs") is not None:
+        raise bad("logprobs", "'logprobs' is not supported", code="unsupported_value")
+    if body.get("suffix"):
+        raise bad("suffix", "'suffix' is not supported", code="unsupported_value")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}", code="unsupported_value")
+    if isinstance(prompt, str) and prompt:
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif _token_ids(prompt, limits.vocab_size):
+        ids = prompt
+    else:
+        raise bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids in "
+                  f"[0, {limits.vocab_size}), got {prompt!r:.80}")
+    if not ids:
+        raise bad("prompt", "the prompt encodes to no tokens")
+    n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+    return GenerateArgs(prompt_ids=ids, max_tokens=n, **args)
+
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _message(i: int, m) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
+    if m.get("role") not in ROLES:
+        raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {m.get('role')!r:.40}")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad(f"{where}.content", f"'{where}.content' parts must be text parts "
+                      '({"type": "text", "text": ...}); images and audio are not supported',
+                      code="unsupported_value")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
+    return {"role": m["role"], "content": content}
+
+
+def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
+    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+    from autoprofile.serving.tokenizer import ChatTemplateError
+    args = _common(body, limits)
+    if body.get("logprobs"):
+        raise bad("logprobs", "'logprobs' is not supported", code="unsupported_value")
+    if body.get("tools"):
+        raise bad("tools", "'tools' (function calling) is not supported", code="unsupported_value")
+    fmt = _get(body, "response_format", {}, lambda v: isinstance(v, dict), "must be an object")
+    if fmt.get("type", "text") != "text":
+        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported",
+                  code="unsupported_value")
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages):
+        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    try:
+        text = tokenizer.apply_chat_template([_message(i, m) for i, m in enumerate(messages)])
+    except ChatTemplateError as e:
+        raise bad("messages", str(e)) from None
+    ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds BOS (as transformers does)
+    if not ids:
+        raise bad("messages", "the messages encode to no tokens")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _max_tokens(body, key, len(ids), limits, None, "messages")
+    return GenerateArgs(prompt_ids=ids, max_tokens=n, chat=True, prompt_param="messages", **args)
+
+
+def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, dict]:
+    """POST /generate (LightLLM parity): input_ids (a list of prompts), max_new_tokens, sampling (greedy by default)."""
+    if not isinstance(body, dict):
+        raise bad(None, "the body must be a JSON object", code="invalid_json")
+    ids = body.get("input_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)):
+        raise bad("input_ids", "'input_ids' must be a non-empty list of non-empty lists of token ids")
+    if not all(_is_int(t) and 0 <= t < limits.vocab_size for p in ids for t in p):
+        raise bad("input_ids", f"'input_ids' must hold integers in [0, {limits.vocab_size})")
+    n = _get(body, "max_new_tokens", 16, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+    longest = max(len(p) for p in ids)
+    if longest + n > limits.context_len:
+        raise bad("max_new_tokens", f"prompt ({longest} tokens) + 'max_new_tokens' ({n}) exceeds the "
+                  f"{limits.context_len}-token request limit (--max_req_total_len)", code="context_length_exceeded")
+    params = dict(
+        temperature=float(_get(body, "temperature", 0.0, lambda v: _is_num(v) and v >= 0, "must be >= 0 (0 = greedy)")),
+        top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]")),
+        top_k=_get(body, "top_k", 0, lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
+        seed=_get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer"))
+    return ids, n, params
+
+
+# ---------------------------------------------------------------- response bodies
+def request_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(args: GenerateArgs, rid: str, text: str, finish_reason: str, prompt_tokens: int,
+             completion_tokens: int) -> dict:
+    if args.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion" if args.chat else "text_completion", "created": int(time.time()),
+            "model": args.model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chunk(args: GenerateArgs, rid: str, created: int, text: str | None, finish_reason: str | None = None,
+          role: bool = False, usage_body: dict | None = None) -> dict:
+    """One stream chunk: a text delta, the closing finish_reason, or (choices empty) the usage."""
+    if usage_body is not None:
+        choices = []
+    elif args.chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    body = {"id": rid, "object": "chat.completion.chunk" if args.chat else "text_completion", "created": created,
+            "model": args.model, "choices": choices}
+    if args.include_usage:
+        body["usage"] = usage_body
+    return body

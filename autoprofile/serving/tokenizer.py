@@ -1,0 +1,236 @@
+"""Text <-> token ids for the OpenAI endpoints: the model folder's tokenizer, or a byte-level one.
+
+- A model folder with `tokenizer.json` is read with `tokenizers`; its chat template comes from
+  `tokenizer_config.json` (or `chat_template.jinja`) and is rendered with jinja2 in a sandbox, as
+  transformers does. EOS ids: `config.json` and `generation_config.json` `eos_token_id`, plus the
+  `eos_token` of `tokenizer_config.json`.
+- Built-in (random-weight) models and folders without `tokenizer.json` get `ByteTokenizer`: UTF-8
+  bytes, one id each (byte b is id b + 3); ids 0..2 and the config's BOS/EOS ids are specials and decode
+  to nothing; every other id (>= 259: random weights emit any id of the vocabulary) decodes to one
+  printable ASCII character, chr(32 + (id - 259) % 95). Text round-trips; any id decodes.
+
+`TextStream` turns a request's output ids into text deltas: incremental detokenization (a window of
+the previous tokens gives each new one its context; text ending in an incomplete character is held)
+and stop strings (the first stop string to complete ends the text and is not part of it; text that could
+be the start of a stop string is held back until it is known not to be).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+
+from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+BYTE_OFFSET = 3  # ids 0, 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's)
+FIRST_FOLDED = BYTE_OFFSET + 256
+PRINTABLE = 95  # ' ' .. '~'
+# Built-in models have no chat template of their own; this one names each role and ends ready for the reply.
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CONTEXT_TOKENS = 5  # prompt tokens that give the first output token its detokenization context (as vLLM)
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the messages (e.g. roles that do not alternate): the client's mistake."""
+
+
+def _ids(value) -> set[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    return {v for v in value if isinstance(v, int)} if isinstance(value, list) else set()
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.policies["json.dumps_kwargs"] = {"ensure_ascii": False}
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        self.template = env.from_string(source)
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateError
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                        eos_token=self.eos_token, tools=None)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids (see the module docstring for every id's text)."""
+
+    kind = "byte-level"
+
+    def __init__(self, vocab_size: int, eos_token_ids: Iterable[int] = (), specials: Iterable[int] = ()):
+        if vocab_size < FIRST_FOLDED:
+            raise ValueError(f"a byte-level tokenizer needs a vocabulary of >= {FIRST_FOLDED} ids, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.specials = frozenset(range(BYTE_OFFSET)) | self.eos_token_ids | frozenset(specials)
+        self.chat = ChatTemplate(BYTE_CHAT_TEMPLATE)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, raw = [], bytearray()
+        for i in ids:
+            if i in self.specials:
+                continue
+            if i < FIRST_FOLDED:
+                raw.append(i - BYTE_OFFSET)
+                continue
+            out.append(raw.decode("utf-8", errors="replace"))
+            raw.clear()
+            out.append(chr(32 + (i - FIRST_FOLDED) % PRINTABLE))
+        out.append(raw.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.chat.render(messages)
+
+
+class HFTokenizer:
+    """A model folder's tokenizer.json (+ tokenizer_config.json's chat template and EOS)."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, folder: Path, config: dict):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tc = _read_json(folder / "tokenizer_config.json")
+        gen = _read_json(folder / "generation_config.json")
+        bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        eos_ids = _ids(config.get("eos_token_id")) | _ids(gen.get("eos_token_id"))
+        if eos is not None and self.tok.token_to_id(eos) is not None:
+            eos_ids.add(self.tok.token_to_id(eos))
+        self.eos_token_ids = frozenset(eos_ids)
+        source = tc.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        if source is None and (folder / "chat_template.jinja").is_file():
+            source = (folder / "chat_template.jinja").read_text()
+        self.chat = ChatTemplate(source, bos or "", eos or "") if isinstance(source, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat is None:
+            raise ChatTemplateError("this model has no chat template (tokenizer_config.json has no "
+                                    "chat_template): use /v1/completions")
+        return self.chat.render(messages)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def load_tokenizer(mc: ModelConfig) -> ByteTokenizer | HFTokenizer:
+    """The model folder's tokenizer.json when there is one, else the byte-level tokenizer."""
+    folder = Path(mc.path) if mc.path else None
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        tok = HFTokenizer(folder, mc.raw)
+    else:
+        gen = _read_json(folder / "generation_config.json") if folder else {}
+        eos = _ids(mc.raw.get("eos_token_id")) | _ids(gen.get("eos_token_id"))
+        tok = ByteTokenizer(mc.vocab_size, eos, _ids(mc.raw.get("bos_token_id")))
+        if folder is not None:
+            log.warning("%s has no tokenizer.json: serving text with the byte-level tokenizer", folder)
+    log.info("tokenizer: %s, EOS ids %s", tok.kind, sorted(tok.eos_token_ids))
+    return tok
+
+
+# ---------------------------------------------------------------- streaming text out
+class Detokenizer:
+    """Incremental detokenization: decode a window from the last emitted boundary, emit the new text
+    once it does not end in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        self.ids += new_ids
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]
+
+
+class TextStream:
+    """Output ids in, text deltas out; stop strings end the text (excluded from it)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+        self.detok = Detokenizer(tokenizer, prompt_ids)
+        self.stop = tuple(stop)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The text that can be sent now; sets .stopped when a stop string appeared (text ends before it)."""
+        return self._extend(self.detok.add(ids), final=False)
+
+    def finish(self) -> str:
+        """Everything still held (the request ended)."""
+        return self._extend(self.detok.flush(), final=True)
+
+    def _extend(self, delta: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        start = max(len(self.text) - self.longest + 1, 0)
+        self.text += delta
+        # the stop string that completes first wins (then the one that starts first)
+        hits = [(i + len(s), i) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text, self.stopped = self.text[:min(hits)[1]], True
+            final = True
+        end = len(self.text) if final else len(self.text) - self._partial_stop()
+        out, self.sent = self.text[self.sent:end], max(end, self.sent)
+        return out
+
+    def _partial_stop(self) -> int:
+        """Length of the longest end of the text that is the start of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

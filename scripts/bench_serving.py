@@ -1,0 +1,449 @@
+"""OpenAI-API load generator for `autoprofile serve` (or any OpenAI-compatible server on this host).
+
+Reports what vLLM's benchmarks/benchmark_serving.py reports, under the same names (table and JSON):
+request and token throughput; TTFT, TPOT (excluding the first token), ITL and end-to-end latency as
+mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their errors.
+
+    # a running server: fixed concurrency, or a Poisson request rate
+    python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --max-concurrency 64 --num-prompts 512
+    python3 scripts/bench_serving.py --request-rate 20 --num-prompts 1000 --random-input-len 512
+    # start the server, wait for /health (the validated profile), run, then SIGTERM it (it must exit 0)
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --max-concurrency 256
+    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 10
+
+Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
+as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
+Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import aiohttp
+
+MAX_PROMPTS = 1_000_000
+TOKEN_IDS = (3, 259)  # ids every tokenizer has (the byte-level tokenizer's bytes)
+SERVING_ON = re.compile(r"serving on (http://\S+?)(?:,|\s|$)")
+
+
+# ---------------------------------------------------------------- one request
+@dataclass
+class Result:
+    kind: str = "random"
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+    status: int = 0
+    disconnected: bool = False  # the client hung up on purpose (soak)
+    lost: bool = False  # no answer within --request-timeout
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    kind: str = "random"
+    sampling: dict = field(default_factory=lambda: {"temperature": 0.0})
+    disconnect_after: int | None = None  # chunks read before hanging up
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, ignore_eos: bool,
+               timeout: float) -> Result:
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **job.sampling}
+    r = Result(kind=job.kind, prompt_len=len(job.prompt))
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    r.success = not r.error
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    r.error = f"stream error: {msg['error'].get('code')}: {msg['error'].get('message', '')[:120]}"
+                    continue
+                if msg.get("usage"):
+                    r.output_tokens = msg["usage"]["completion_tokens"]
+                if msg.get("choices") and msg["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+                    if job.disconnect_after is not None and chunks >= job.disconnect_after:
+                        r.disconnected = True
+                        return r
+        r.latency = time.perf_counter() - start
+        if not r.success and not r.error:
+            r.error = "the stream ended without [DONE]"
+    except asyncio.TimeoutError:
+        r.lost, r.error = True, f"no answer within {timeout:.0f} s"
+    except aiohttp.ClientError as e:
+        r.error = f"{type(e).__name__}: {e}"[:200]
+    return r
+
+
+# ---------------------------------------------------------------- workloads
+def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random) -> list[Job]:
+    """vLLM's random dataset: lengths uniform in [len * (1 - ratio), len * (1 + ratio)]."""
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+    return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len)) for _ in range(n)]
+
+
+def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
+    """One request of the hostile mix: context-filling prompts, many short ones, top-p, disconnects."""
+    kind = rng.choices(["long", "short", "top_p", "disconnect"], weights=[0.05, 0.55, 0.25, 0.15])[0]
+    out = max(min(output_len, context_len // 4), 1)
+    ids = lambda n: [rng.randrange(*TOKEN_IDS) for _ in range(n)]  # noqa: E731
+    medium = lambda: ids(rng.randint(1, max(min(1024, context_len - out - 1), 1)))  # noqa: E731
+    if kind == "long":
+        return Job(ids(context_len - out), out, kind)
+    if kind == "short":
+        return Job(ids(rng.randint(4, 64)), rng.randint(1, min(32, out)), kind)
+    if kind == "top_p":
+        return Job(medium(), out, kind, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": rng.randrange(1 << 31)})
+    return Job(medium(), out, kind, disconnect_after=rng.randint(1, 8))
+
+
+async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[list[Result], float]:
+    """Send jobs (a list, or a callable making one) at --request-rate (Poisson) and/or --max-concurrency."""
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = random.Random(args.seed + 1)
+    results: list[Result] = []
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=False)
+
+    async def one(job: Job) -> None:
+        try:
+            results.append(await send(session, url, model, job, args.ignore_eos, args.request_timeout))
+        finally:
+            if limit:
+                limit.release()
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        tasks = []
+        i = 0
+        while time.monotonic() < deadline and (callable(jobs) or i < len(jobs)):
+            if limit:
+                await limit.acquire()
+            job = jobs() if callable(jobs) else jobs[i]
+            tasks.append(asyncio.create_task(one(job)))
+            i += 1
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        left = max(deadline - time.monotonic(), 0) + (args.request_timeout if callable(jobs) else 0)
+        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+            results += [Result(error="cancelled at --max-duration", lost=False)] * len(pending)
+    return results, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- report (vLLM's names)
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], duration: float, percentiles: list[float]) -> dict:
+    ok = [r for r in results if r.success]
+    out = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": sum(not r.success and not r.disconnected for r in results),
+        "disconnected": sum(r.disconnected for r in results),
+        "lost": sum(r.lost for r in results),
+        "total_input_tokens": sum(r.prompt_len for r in ok),
+        "total_output_tokens": sum(r.output_tokens for r in ok),
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "errors": dict(Counter(r.error for r in results if r.error and not r.disconnected).most_common(10)),
+    }
+    out["output_throughput"] = out["total_output_tokens"] / duration if duration else 0.0
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration \
+        if duration else 0.0
+    series = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [x for r in ok for x in r.itl],
+        "e2el": [r.latency for r in ok],
+    }
+    for name, values in series.items():
+        ms = [v * 1000 for v in values]
+        out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
+        out[f"median_{name}_ms"] = statistics.median(ms) if ms else 0.0
+        out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
+        for p in percentiles:
+            out[f"p{p:g}_{name}_ms"] = _pct(ms, p)
+    return out
+
+
+TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+          "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+
+
+def format_table(s: dict, percentiles: list[float], title: str = "Serving Benchmark Result") -> str:
+    row = lambda k, v: f"{k:<40}{v:<10}"  # noqa: E731
+    lines = [f"{' ' + title + ' ':=^50}",
+             row("Successful requests:", s["completed"]),
+             row("Failed requests:", s["failed"]),
+             row("Benchmark duration (s):", f"{s['duration']:.2f}"),
+             row("Total input tokens:", s["total_input_tokens"]),
+             row("Total generated tokens:", s["total_output_tokens"]),
+             row("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+             row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+             row("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    for name, t in TITLES.items():
+        lines.append(f"{t:-^50}")
+        lines.append(row(f"Mean {name.upper()} (ms):", f"{s[f'mean_{name}_ms']:.2f}"))
+        lines.append(row(f"Median {name.upper()} (ms):", f"{s[f'median_{name}_ms']:.2f}"))
+        lines += [row(f"P{p:g} {name.upper()} (ms):", f"{s[f'p{p:g}_{name}_ms']:.2f}") for p in percentiles]
+    for err, n in s["errors"].items():
+        lines.append(f"error x{n}: {err}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the server
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise SystemExit(f"error: --base-url: cannot resolve '{host}': {e}") from None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise SystemExit(f"error: --base-url: {url} is not this host; this benchmark only sends to loopback "
+                         "(127.0.0.1, ::1, localhost)")
+
+
+class Launched:
+    """`--launch CMD`: the server as a child process; its log goes to stderr (prefixed) and is scanned for
+    the address it bound."""
+
+    def __init__(self, command: str):
+        self.proc = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1)
+        self.url: str | None = None
+        self.bound = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if "aiohttp.access" not in line:  # one line per request: too many to echo
+                sys.stderr.write(f"[server] {line}")
+            m = SERVING_ON.search(line)
+            if m and self.url is None:
+                self.url = m.group(1).rstrip("/")
+                self.bound.set()
+        self.bound.set()
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM (the server drains), then the exit code; SIGKILL after timeout (code -9)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) -> dict:
+    """Poll /health until 200 (the profile is validated); its body (capacity) is returned."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise SystemExit(f"error: the launched server exited with code {proc.returncode} before it was ready")
+            try:
+                async with s.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return await r.json()
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"error: {url}/health was not 200 within {timeout:.0f} s")
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of the server's /metrics (autoprofile_serving_oom_total, kv pages, ...)."""
+    out = {}
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+                out[parts[0]] = float(parts[1])
+    return out
+
+
+async def model_name(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/models") as r:
+        return (await r.json())["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- main
+async def bench(args, url: str, health: dict) -> dict:
+    model = args.model or await model_name(url)
+    endpoint = f"{url}/v1/completions"
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    rng = random.Random(args.seed)
+    before = await scrape(url)
+    if args.soak_minutes:
+        context = health.get("max_req_total_len", args.random_input_len + args.random_output_len)
+        args.max_concurrency = args.max_concurrency or health.get("max_running_requests", 64)
+        deadline = time.monotonic() + args.soak_minutes * 60
+        results, duration = await run_jobs(endpoint, model, lambda: soak_job(rng, context, args.random_output_len),
+                                           args, deadline)
+    else:
+        jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                           rng)
+        results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
+    summary = summarize(results, duration, percentiles)
+    summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
+        args.request_rate
+    await asyncio.sleep(1.0)  # aborted (disconnected) requests are freed by the next engine step
+    after = await scrape(url)
+    summary["server"] = {
+        "oom_while_serving": after.get("autoprofile_serving_oom_total", 0.0)
+        - before.get("autoprofile_serving_oom_total", 0.0),
+        "kv_pages_used_after": after.get("autoprofile_kv_pages_used"),
+        "kv_pages_total": after.get("autoprofile_kv_pages_total"),
+        "preemptions": after.get("autoprofile_num_preemptions_total", 0.0)
+        - before.get("autoprofile_num_preemptions_total", 0.0),
+        "requests_running_after": after.get("autoprofile_num_requests_running"),
+    }
+    if args.soak_minutes:
+        summary["by_kind"] = {k: {"sent": sum(r.kind == k for r in results),
+                                  "ok": sum(r.kind == k and r.success for r in results),
+                                  "failed": sum(r.kind == k and not r.success and not r.disconnected for r in results),
+                                  "disconnected": sum(r.kind == k and r.disconnected for r in results),
+                                  "lost": sum(r.kind == k and r.lost for r in results)}
+                              for k in ("long", "short", "top_p", "disconnect")}
+    return summary
+
+
+def soak_verdict(s: dict) -> list[str]:
+    problems = []
+    if s["failed"]:
+        problems.append(f"{s['failed']} failed requests")
+    if s["lost"]:
+        problems.append(f"{s['lost']} lost requests (no answer in time)")
+    if s["server"]["oom_while_serving"]:
+        problems.append(f"{s['server']['oom_while_serving']:.0f} OOMs while serving")
+    if s["server"]["kv_pages_used_after"]:
+        problems.append(f"{s['server']['kv_pages_used_after']:.0f} KV pages still held after the soak")
+    return problems
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--launch", default=None, help='start this server command first, e.g. "autoprofile serve --port 0"')
+    p.add_argument("--ready-timeout", type=float, default=1800,
+                   help="seconds to wait for the server's /health to be 200 (its profile)")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="exact output lengths (default on)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metric-percentiles", default="50,90,99")
+    p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
+    p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
+    p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
+    p.add_argument("--result-file", default=None, help="write the JSON result here")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    args = p.parse_args(argv)
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        p.error(f"--num-prompts must be in [1, {MAX_PROMPTS}]")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if not args.request_rate > 0:
+        p.error("--request-rate must be > 0")
+    if not 0 <= args.random_range_ratio < 1:
+        p.error("--random-range-ratio must be in [0, 1)")
+    if not 0 <= args.soak_minutes <= 24 * 60:
+        p.error("--soak-minutes must be in [0, 1440]")
+    if args.random_input_len < 1 or args.random_output_len < 1:
+        p.error("--random-input-len and --random-output-len must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    server = Launched(args.launch) if args.launch else None
+    try:
+        if server is not None:
+            server.bound.wait(args.ready_timeout)
+            if server.url is None:
+                raise SystemExit("error: the launched server never logged 'serving on http://...'")
+            url = server.url
+        else:
+            url = args.base_url.rstrip("/")
+        check_loopback(url)
+        health = asyncio.run(wait_ready(url, args.ready_timeout, server and server.proc))
+        summary = asyncio.run(bench(args, url, health))
+    finally:
+        code = server.stop(timeout=600) if server is not None else None
+    if server is not None:
+        summary["server"]["exit_code"] = code
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    title = f"Soak ({args.soak_minutes:g} min)" if args.soak_minutes else "Serving Benchmark Result"
+    print(json.dumps(summary, indent=2) if args.json else format_table(summary, percentiles, title))
+    if not args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind")}, indent=2))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
+    problems = soak_verdict(summary) if args.soak_minutes else []
+    if server is not None and code != 0:
+        problems.append(f"the server exited with code {code} after SIGTERM")
+    for msg in problems:
+        print(f"FAIL: {msg}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

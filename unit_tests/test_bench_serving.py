@@ -1,0 +1,100 @@
+"""scripts/bench_serving.py: its statistics, its limits (loopback, bounds), and short runs (benchmark and
+soak) against the real server on the CPU."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from autoprofile import server
+from autoprofile.engine.engine import LLMEngine
+from unit_tests.test_server import CFG, booted  # noqa: F401 - the module's booted runner fixture
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_serving.py"
+spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+bench_serving = importlib.util.module_from_spec(spec)
+sys.modules["bench_serving"] = bench_serving  # dataclasses look their module up
+spec.loader.exec_module(bench_serving)
+
+
+def test_summary_uses_vllms_names_and_percentiles():
+    rs = [bench_serving.Result(success=True, prompt_len=10, output_tokens=5, ttft=0.1 * i, latency=1.0 + i,
+                               itl=[0.01 * i, 0.02]) for i in range(1, 11)]
+    rs.append(bench_serving.Result(error="HTTP 429: full", status=429))
+    s = bench_serving.summarize(rs, duration=4.0, percentiles=[50, 90, 99])
+    assert s["completed"] == 10 and s["failed"] == 1 and s["errors"] == {"HTTP 429: full": 1}
+    assert s["total_input_tokens"] == 100 and s["total_output_tokens"] == 50
+    assert s["request_throughput"] == 2.5 and s["output_throughput"] == 12.5 and s["total_token_throughput"] == 37.5
+    ttft = [100.0 * i for i in range(1, 11)]
+    cuts = statistics.quantiles(ttft, n=100, method="inclusive")  # numpy's default (linear) percentiles
+    for p in (50, 90, 99):
+        assert s[f"p{p}_ttft_ms"] == pytest.approx(cuts[p - 1])
+    assert s["median_ttft_ms"] == pytest.approx(550) and s["mean_e2el_ms"] == pytest.approx(6500)
+    tpot = [(1.0 + i - 0.1 * i) / 4 * 1000 for i in range(1, 11)]
+    assert s["mean_tpot_ms"] == pytest.approx(statistics.fmean(tpot))
+    table = bench_serving.format_table(s, [50, 90, 99])
+    for line in ("Successful requests:", "Request throughput (req/s):", "Output token throughput (tok/s):",
+                 "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P90 E2EL (ms):"):
+        assert line in table, line
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://8.8.8.8"])
+def test_only_loopback_urls(url):
+    with pytest.raises(SystemExit, match="loopback"):
+        bench_serving.check_loopback(url)
+
+
+def test_loopback_urls_pass():
+    for url in ("http://127.0.0.1:8000", "http://localhost:1234", "http://[::1]:80"):
+        bench_serving.check_loopback(url)
+
+
+@pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--num-prompts", "2000000"], ["--max-concurrency", "0"],
+                                  ["--request-rate", "0"], ["--soak-minutes", "5000"], ["--random-range-ratio", "1"]])
+def test_bounds(argv):
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(argv)
+
+
+def test_soak_requests_fit_the_context():
+    import random
+    rng = random.Random(0)
+    jobs = [bench_serving.soak_job(rng, 256, 128) for _ in range(500)]
+    assert {j.kind for j in jobs} == {"long", "short", "top_p", "disconnect"}
+    assert all(len(j.prompt) + j.max_tokens <= 256 for j in jobs)
+    assert max(len(j.prompt) for j in jobs if j.kind == "long") + 64 == 256
+
+
+def _run_bench(booted, argv):  # noqa: F811
+    runner, result = booted
+    engine = LLMEngine(runner)
+
+    async def go():
+        async with TestClient(TestServer(server.make_app(CFG, engine, result))) as c:
+            url = str(c.make_url("")).rstrip("/")
+            health = await bench_serving.wait_ready(url, 10, None)
+            return await bench_serving.bench(bench_serving.parse_args(argv), url, health)
+    summary = asyncio.run(go())
+    assert engine.stats.pages_used == 0
+    return summary
+
+
+def test_a_short_benchmark_against_the_server(booted):  # noqa: F811
+    s = _run_bench(booted, ["--num-prompts", "8", "--max-concurrency", "4", "--random-input-len", "16",
+                            "--random-output-len", "8"])
+    assert s["completed"] == 8 and s["failed"] == 0 and s["total_output_tokens"] == 64
+    assert s["total_input_tokens"] == 128 and s["mean_ttft_ms"] > 0 and s["p99_itl_ms"] > 0
+    assert s["server"]["oom_while_serving"] == 0 and s["server"]["kv_pages_used_after"] == 0
+
+
+def test_a_short_soak_loses_nothing(booted):  # noqa: F811
+    s = _run_bench(booted, ["--soak-minutes", "0.04", "--random-output-len", "16", "--request-timeout", "60"])
+    assert s["max_concurrency"] == 8  # the server's running capacity, from /health
+    assert s["completed"] > 0 and s["failed"] == 0 and s["lost"] == 0, s["errors"]
+    assert bench_serving.soak_verdict(s) == []
+    assert sum(k["sent"] for k in s["by_kind"].values()) == s["completed"] + s["disconnected"]

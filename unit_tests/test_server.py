@@ -1,0 +1,495 @@
+"""The HTTP server against the real engine: the tiny model with random weights on the CPU (torch backend).
+
+Every endpoint, SSE streams, stop strings and EOS, 4xx error objects, 429 past the queue bound, a
+disconnect that frees its pages, an OOM in a step, SIGTERM draining a subprocess server, the `openai`
+client end to end."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from autoprofile import server
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving.tokenizer import ByteTokenizer
+from unit_tests.cpu_server import boot_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256, batch_max_tokens=64,
+             graph_max_batch_size=4, running_max_req_size=8, report_dir=None)
+CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=2))
+RUNNING = 8  # running_max_req_size: the engine's running-request limit
+
+
+@pytest.fixture(scope="module")
+def booted():
+    runner, result = boot_cpu(CFG)
+    yield runner, result
+    runner.teardown()
+
+
+@pytest.fixture
+def engine(booted):
+    """A fresh engine over the module's runner; every test must leave no page held."""
+    eng = LLMEngine(booted[0])
+    yield eng
+    assert eng.stats.pages_used == 0 and not eng.has_unfinished()
+
+
+def serve(engine, result, body, cfg=CFG, tokenizer=None):
+    """body(client, app) against a server over `engine`, in a fresh event loop."""
+    async def go():
+        app = server.make_app(cfg, engine, result, tokenizer)
+        async with TestClient(TestServer(app)) as client:
+            return await body(client, app)
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def run(engine, booted):
+    return lambda body, **kw: serve(engine, booted[1], body, **kw)
+
+
+async def post(c, path: str, body) -> tuple[int, dict]:
+    r = await c.post(path, json=body)
+    return r.status, await r.json()
+
+
+async def sse(c, path: str, body) -> list:
+    """The data: payloads of a stream (json-decoded; the final "[DONE]" as a string)."""
+    r = await c.post(path, json=body)
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def metric_samples(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def greedy(prompt="Hello", n=32, **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, **kw}
+
+
+async def idle(app, timeout=5.0) -> None:
+    """Until the engine loop holds no request and has published it."""
+    eng = app[server.STATE].engine
+    deadline = time.monotonic() + timeout
+    while eng.outstanding or eng.snapshot.pages_used or eng.snapshot.running:
+        assert time.monotonic() < deadline, eng.snapshot
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- endpoints
+def test_health_models_and_metrics(run):
+    async def body(c, app):
+        h, m = await c.get("/health"), await c.get("/v1/models")
+        await post(c, "/v1/completions", greedy(n=4))
+        await idle(app)
+        return h.status, await h.json(), await m.json(), await (await c.get("/metrics")).text()
+    status, health, models, text = run(body)
+    assert status == 200 and health["status"] == "ok"
+    assert health["max_running_requests"] == RUNNING and health["max_waiting_requests"] == 2
+    assert health["max_req_total_len"] == 256 and health["kv_tokens"] > 0
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    s = metric_samples(text)
+    assert s[("autoprofile_time_to_first_token_seconds_count", ())] == 1
+    assert s[("autoprofile_time_per_output_token_seconds_count", ())] == 1
+    assert s[("autoprofile_e2e_request_latency_seconds_count", ())] == 1
+    assert s[("autoprofile_serving_oom_total", ())] == 0
+    assert s[("autoprofile_kv_pages_used", ())] == 0 and s[("autoprofile_kv_pages_total", ())] > 0
+    for name in ("autoprofile_num_requests_running", "autoprofile_num_requests_waiting",
+                 "autoprofile_num_preemptions_total", "autoprofile_kv_cache_tokens"):
+        assert (name, ()) in s, name
+    assert ("autoprofile_profile_phase_seconds", (("phase", "load_weights"),)) in s
+    assert s[("autoprofile_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
+
+
+def test_health_is_503_until_the_profile_is_validated():
+    async def go():
+        app = server.make_app(CFG)  # no engine yet: the profile is running
+        async with TestClient(TestServer(app)) as c:
+            h = await c.get("/health")
+            status, err = await post(c, "/v1/completions", greedy())
+            return h.status, await h.json(), status, err, h.headers
+    status, health, gen_status, err, _ = asyncio.run(go())
+    assert status == 503 and health == {"status": "starting"}
+    assert gen_status == 503 and err["error"]["code"] == "starting"
+
+
+def test_completion_matches_generate_and_chat_uses_the_template(run):
+    tok = ByteTokenizer(4096, {2}, {1})
+
+    async def body(c, app):
+        s1, comp = await post(c, "/v1/completions", greedy())
+        s2, gen = await post(c, "/generate", {"input_ids": [tok.encode("Hello"), [5, 6]], "max_new_tokens": 32})
+        s3, ids = await post(c, "/v1/completions", greedy(tok.encode("Hello")))
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        s4, chat = await post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "temperature": 0})
+        s5, plain = await post(c, "/v1/completions", greedy(tok.apply_chat_template(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]), 8))
+        return (s1, s2, s3, s4, s5), comp, gen, ids, chat, plain
+    statuses, comp, gen, ids, chat, plain = run(body)
+    assert statuses == (200,) * 5
+    choice = comp["choices"][0]
+    assert comp["object"] == "text_completion" and choice["finish_reason"] == "length"
+    assert comp["usage"] == {"prompt_tokens": 5, "completion_tokens": 32, "total_tokens": 37}
+    assert len(gen["output_ids"]) == 2 and all(len(o) == 32 for o in gen["output_ids"])
+    assert choice["text"] == tok.decode(gen["output_ids"][0]) == ids["choices"][0]["text"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def test_streams_are_sse_chunks_ending_in_done(run):
+    async def body(c, app):
+        _, whole = await post(c, "/v1/completions", greedy())
+        comp = await sse(c, "/v1/completions", greedy(stream=True, stream_options={"include_usage": True}))
+        chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0}
+        _, chat_whole = await post(c, "/v1/chat/completions", chat_body)
+        chat = await sse(c, "/v1/chat/completions", {**chat_body, "stream": True})
+        return whole, comp, chat_whole, chat
+    whole, comp, chat_whole, chat = run(body)
+    assert comp[-1] == "[DONE]" and chat[-1] == "[DONE]"
+    assert comp[-2]["choices"] == [] and comp[-2]["usage"]["completion_tokens"] == 32
+    assert comp[-3]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in comp[:-2])
+    assert len(comp) > 5  # token by token, not one blob
+    assert "".join(c["choices"][0]["text"] for c in comp[:-2]) == whole["choices"][0]["text"]
+    assert chat[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat[-2]["choices"][0]["finish_reason"] == "length" and chat[-2]["choices"][0]["delta"] == {}
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chat[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chat[1:-1])
+    assert text == chat_whole["choices"][0]["message"]["content"]
+
+
+def _stop_for(text: str, size: int = 3) -> str:
+    """A substring of `text` whose first occurrence is not at its start (spans `size` tokens)."""
+    for i in range(1, len(text) - size):
+        s = text[i:i + size]
+        if text.find(s) == i and "\ufffd" not in s:
+            return s
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings_end_the_text_streamed_or_not(run, engine):
+    async def body(c, app):
+        _, ref = await post(c, "/v1/completions", greedy(n=48))
+        text = ref["choices"][0]["text"]
+        stop = _stop_for(text)
+        _, whole = await post(c, "/v1/completions", greedy(n=48, stop=["never-appears", stop]))
+        chunks = await sse(c, "/v1/completions", greedy(n=48, stop=stop, stream=True,
+                                                        stream_options={"include_usage": True}))
+        await idle(app)
+        return text, stop, whole, chunks
+    text, stop, whole, chunks = run(body)
+    expected = text[:text.index(stop)]
+    assert whole["choices"][0]["text"] == expected and whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] < 48  # the engine request was aborted, not run to the end
+    streamed = "".join(c["choices"][0]["text"] for c in chunks[:-2])
+    assert streamed == expected and chunks[-3]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-2]["usage"]["completion_tokens"] < 48
+
+
+def test_eos_ends_a_request_unless_ignore_eos(booted, engine):
+    runner, result = booted
+    first = engine.generate([ByteTokenizer(4096).encode("Hello")], max_tokens=8)[0]
+    eos = first[4]  # the model's 5th greedy token serves as this tokenizer's EOS
+    tok = ByteTokenizer(4096, {eos}, {1})
+
+    async def body(c, app):
+        _, stopped = await post(c, "/v1/completions", greedy(n=8))
+        _, ignored = await post(c, "/v1/completions", greedy(n=8, ignore_eos=True))
+        return stopped, ignored
+    stopped, ignored = serve(engine, result, body, tokenizer=tok)
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == first.index(eos) + 1
+    assert stopped["choices"][0]["text"] == tok.decode(first[:first.index(eos)])
+    assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 8
+
+
+def test_seed_and_sampling_fields_are_accepted(run):
+    async def body(c, app):
+        return await post(c, "/v1/completions", greedy(n=4, temperature=0.8, top_p=0.9, top_k=-1, seed=7))
+    status, data = run(body)
+    assert status == 200 and data["usage"]["completion_tokens"] == 4
+
+
+# ---------------------------------------------------------------- client mistakes: 4xx, never 500
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2.5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),  # > --max_req_total_len
+    ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),  # the prompt alone is too long
+    ("/v1/completions", {"prompt": [1, 4096]}, 400, "prompt"),  # outside tiny's vocabulary
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),  # one prompt per request
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": 3}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "seed": "abc"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 1 << 70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", ["prompt", "hi"], 400, None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/generate", {"input_ids": [[1, 2]], "max_new_tokens": 0}, 400, "max_new_tokens"),
+    ("/generate", {"input_ids": [[1] * 200], "max_new_tokens": 100}, 400, "max_new_tokens"),
+    ("/generate", {"input_ids": [[4096]]}, 400, "input_ids"),
+    ("/generate", {"input_ids": [1, 2]}, 400, "input_ids"),
+    ("/generate", {"input_ids": [[1]], "top_k": True}, 400, "top_k"),
+]
+
+
+def test_at_least_15_distinct_4xx_cases():
+    assert len({(p, json.dumps(b, sort_keys=True)) for p, b, _, _ in BAD}) >= 15
+
+
+def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
+    async def body(c, app):
+        out = [(await c.post(path, json=b), path) for path, b, _, _ in BAD]
+        out += [(await c.post("/v1/completions", data=b"{not json"), "json"),
+                (await c.post("/v1/chat/completions", data=b"\xff\xfe"), "bytes"),
+                (await c.get("/v1/nothing"), "unknown path"),
+                (await c.get("/v1/completions"), "wrong method")]
+        return [(r.status, await r.json()) for r, _ in out], await (await c.get("/metrics")).text()
+    results, metrics = run(body)
+    expected = [(s, p) for _, _, s, p in BAD] + [(400, None), (400, None), (404, None), (405, None)]
+    assert len(results) == len(expected)
+    for (status, data), (want_status, param), case in zip(results, expected, BAD + [None] * 4):
+        assert status == want_status, (case, data)
+        err = data["error"]
+        assert set(err) == {"message", "type", "param", "code"}, data
+        assert err["param"] == param, (case, data)
+        assert err["message"] and "Traceback" not in err["message"]
+    assert 'status="500"' not in metrics
+
+
+def test_a_body_over_the_limit_is_413(run, monkeypatch):
+    monkeypatch.setattr(server, "MAX_BODY", 4096)
+
+    async def body(c, app):
+        return await post(c, "/generate", {"input_ids": [[1] * 3000]})
+    status, data = run(body)
+    assert status == 413 and data["error"]["code"] == "request_entity_too_large"
+
+
+# ---------------------------------------------------------------- backpressure, disconnects, failures
+def test_past_the_waiting_bound_requests_get_429_with_retry_after(run):
+    async def body(c, app):
+        rs = await asyncio.gather(*[c.post("/v1/completions", json=greedy(n=64)) for _ in range(RUNNING + 2 + 3)])
+        statuses = [r.status for r in rs]
+        rejected = [r for r in rs if r.status == 429]
+        after, _ = await post(c, "/v1/completions", greedy(n=2))
+        return statuses, rejected[0].headers.get("Retry-After"), await rejected[0].json(), after
+    statuses, retry_after, err, after = run(body)
+    assert statuses.count(200) == RUNNING + 2 and statuses.count(429) == 3
+    assert retry_after == "1" and err["error"]["code"] == "queue_full"
+    assert after == 200
+
+
+def test_a_client_that_disconnects_frees_its_pages_at_once(run, engine):
+    async def body(c, app):
+        eng = app[server.STATE].engine
+        r = await c.post("/v1/completions", json=greedy(n=200, stream=True))
+        await r.content.readline()  # the first chunk: the request is running and holds pages
+        held = eng.snapshot.pages_used
+        r.close()  # hang up mid-stream
+        await idle(app)
+        task = asyncio.ensure_future(c.post("/v1/completions", json=greedy(n=200)))
+        while not eng.snapshot.running:
+            await asyncio.sleep(0.01)
+        task.cancel()  # a non-streaming client that gives up
+        await idle(app)
+        return held, eng.snapshot.pages_used
+    held, after = run(body)
+    assert held > 0 and after == 0
+    assert engine.stats.pages_used == 0
+
+
+def test_an_oom_in_a_step_fails_its_requests_counts_and_serving_goes_on(run, engine):
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute_once_oom(step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 752.00 MiB")
+        return real_execute(step)
+
+    engine.runner.execute = execute_once_oom
+    try:
+        async def body(c, app):
+            failed = await post(c, "/v1/completions", greedy(n=16))
+            ok = await post(c, "/v1/completions", greedy(n=4))
+            return failed, ok, await (await c.get("/metrics")).text()
+        (status, err), (ok_status, _), metrics = run(body)
+    finally:
+        del engine.runner.execute
+    assert status == 500 and err["error"]["code"] == "engine_oom" and "752" not in err["error"]["message"]
+    assert ok_status == 200
+    assert metric_samples(metrics)[("autoprofile_serving_oom_total", ())] == 1
+
+
+def test_two_apps_keep_their_own_metrics():
+    a, b = server.make_app(CFG), server.make_app(CFG)
+    assert a[server.STATE].metrics.registry is not b[server.STATE].metrics.registry
+
+
+def test_a_failed_profile_exits_1_with_its_diagnostic(capsys):
+    from autoprofile.profiler import ProfileError
+
+    def boot(cfg):
+        raise ProfileError("no size survived: lower --graph_max_batch_size")
+    assert asyncio.run(server.serve(CFG.replace(port=0), boot)) == 1
+    assert "no size survived" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the openai client, end to end
+def test_the_openai_client_end_to_end(run):
+    async def body(c, app):
+        url = str(c.make_url("/v1"))
+        assert url.startswith("http://127.0.0.1:")
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            models = await client.models.list()
+            comp = await client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+            chat = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0,
+                                                        seed=3)
+            parts, reasons = [], []
+            stream = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0,
+                                                          stream=True)
+            async for ch in stream:
+                parts.append(ch.choices[0].delta.content or "")
+                reasons.append(ch.choices[0].finish_reason)
+            with pytest.raises(openai.BadRequestError) as bad:
+                await client.completions.create(model="tiny", prompt="Hello", max_tokens=8, top_p=2.0)
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.completions.create(model="nope", prompt="Hello")
+        return models, comp, chat, parts, reasons, bad.value, missing.value
+    models, comp, chat, parts, reasons, bad, missing = run(body)
+    assert [m.id for m in models.data] == ["tiny"]
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 8
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 6
+    assert "".join(parts) == chat.choices[0].message.content and reasons[-1] == "length"
+    assert bad.param == "top_p" and bad.code == "invalid_value"
+    assert missing.code == "model_not_found"
+
+
+# ---------------------------------------------------------------- SIGTERM: drain, lose nothing, exit 0
+def _cli_flags(**extra) -> list[str]:
+    flags = {**FLAGS, "report_dir": "", "port": 0, **extra}
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+
+def test_sigterm_drains_every_accepted_request_then_exits_0():
+    N = 4
+    proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags()], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        url = None
+        for line in proc.stdout:
+            if "serving on" in line:
+                url = line.split("serving on ")[1].split(",")[0].strip()
+                break
+        assert url, "the server never bound"
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                while True:
+                    async with s.get(f"{url}/health") as h:
+                        if h.status == 200:
+                            break
+                        assert h.status == 503
+                    await asyncio.sleep(0.05)
+
+                async def one(i: int):
+                    async with s.post(f"{url}/v1/completions", json=greedy(f"p{i}", 200, stream=i % 2 == 0)) as r:
+                        return r.status, await r.text()
+                tasks = [asyncio.ensure_future(one(i)) for i in range(N)]
+                while True:  # every request is in the engine
+                    async with s.get(f"{url}/health") as h:
+                        if (await h.json())["outstanding_requests"] == N:
+                            break
+                    await asyncio.sleep(0.01)
+                proc.send_signal(signal.SIGTERM)
+                while True:  # until the signal is handled; the requests run on
+                    async with s.get(f"{url}/health") as h:
+                        draining = h.status, await h.json()
+                    if h.status == 503:
+                        break
+                    await asyncio.sleep(0.01)
+                async with s.post(f"{url}/v1/completions", json=greedy()) as r:
+                    refused = r.status, await r.json()
+                return draining, refused, await asyncio.gather(*tasks)
+        draining, refused, done = asyncio.run(go())
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert draining == (503, {"status": "draining"})
+    assert refused[0] == 503 and refused[1]["error"]["code"] == "draining"
+    for i, (status, text) in enumerate(done):
+        assert status == 200, text
+        if i % 2 == 0:
+            assert text.endswith("data: [DONE]\n\n") and '"finish_reason": "length"' in text
+        else:
+            assert json.loads(text)["usage"]["completion_tokens"] == 200
+    assert code == 0
+
+
+def test_sigterm_during_the_profile_exits_0_at_once():
+    proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags()], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if "serving on" in line:  # bound; the boot (the profile) runs now
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped during startup" in rest
