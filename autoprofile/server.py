@@ -63,11 +63,7 @@ STATE = web.AppKey("state", ServerState)
 
 
 def sampling_params(args) -> SamplingParams:
-    kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    # NOTE: SamplingParams.seed lands with the sampler work; until then a seed is validated, not honoured
-    if args.seed is not None and "seed" in SamplingParams.__dataclass_fields__:
-        kw["seed"] = args.seed
-    return SamplingParams(**kw)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
 # ---------------------------------------------------------------- errors

@@ -223,11 +223,14 @@ def test_eos_ends_a_request_unless_ignore_eos(booted, engine):
     assert ignored["choices"][0]["finish_reason"] == "length" and ignored["usage"]["completion_tokens"] == 8
 
 
-def test_seed_and_sampling_fields_are_accepted(run):
+def test_seed_is_honoured_and_sampling_fields_are_accepted(run):
     async def body(c, app):
-        return await post(c, "/v1/completions", greedy(n=4, temperature=0.8, top_p=0.9, top_k=-1, seed=7))
-    status, data = run(body)
-    assert status == 200 and data["usage"]["completion_tokens"] == 4
+        seeded = greedy(n=12, temperature=1.0, top_p=0.95, top_k=-1)
+        return [await post(c, "/v1/completions", {**seeded, "seed": s}) for s in (7, 7, 8)]
+    (s1, a), (s2, b), (s3, other) = run(body)
+    assert s1 == s2 == s3 == 200 and a["usage"]["completion_tokens"] == 12
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # same seed, same text
+    assert other["choices"][0]["text"] != a["choices"][0]["text"]
 
 
 # ---------------------------------------------------------------- client mistakes: 4xx, never 500
