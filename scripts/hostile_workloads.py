@@ -71,11 +71,12 @@ def run(name: str, engine: LLMEngine, cfg: ServerConfig, minutes: float, seed: i
                                           max_tokens=rng.randint(16, min(64, ctx - n))))
         w.drain()
     elif name == "fill":
+        # decode_rows requests whose prompts + outputs total 1.5x the cache; outputs long enough that
+        # every request is still decoding when the last one is admitted: the pages run out (preemption)
         capacity = env.pages * env.page_size
-        each = min(max(capacity // env.decode_rows * 2, 64), ctx - 1)
-        n = max(env.decode_rows, capacity * 3 // (2 * each))  # 1.5x the cache in prompts + outputs
-        for _ in range(n):
-            m = rng.randint(min(16, each // 2), min(128, each // 2))
+        each = min(max(capacity * 3 // (2 * env.decode_rows), 64), ctx - 1)
+        for _ in range(env.decode_rows):
+            m = rng.randint(max(each // 8, 1), max(min(each // 4, 768), 1))
             ids.append(engine.add_request(prompt(rng, each - m, vocab), rng.choice(SAMPLERS[1:]), max_tokens=m))
         w.drain()
     elif name == "long":
