@@ -12,7 +12,7 @@ import math
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.aiter_loader import load_aiter_triton
+from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -22,6 +22,17 @@ MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
 # No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
                   "num_stages": 2}
+# Per NVIDIA compute capability, from scripts/tune_prefill.py on that GPU (T=8192 causal and a 2048-token
+# chunk over a 32768-token prefix, each checked against torch SDPA). Others take PREFILL_CONFIG.
+PREFILL_CONFIGS: dict[str, dict] = {
+    "sm_90": PREFILL_CONFIG,  # H100/H200: replace with tune_prefill.py's "best for sm_90" line
+}
+
+
+def prefill_config() -> dict:
+    """The varlen prefill launch config for the current GPU (a copy: AITER's launcher may consume it)."""
+    key = None if is_rocm() or not torch.cuda.is_available() else "sm_%d%d" % torch.cuda.get_device_capability()
+    return dict(PREFILL_CONFIGS.get(key, PREFILL_CONFIG))
 
 
 def decode_partitions(max_seq_len: int, partition: int = SEQ_PARTITION) -> int:
@@ -51,6 +62,7 @@ class AiterTritonBackend(AttentionBackend):
         import triton.language as tl
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+        self.prefill_config = prefill_config()
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
@@ -67,7 +79,7 @@ class AiterTritonBackend(AttentionBackend):
         cu_k, max_k = meta.keys()
         return self.ops.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
-            softmax_scale=self.scale, causal=True, config=dict(PREFILL_CONFIG))
+            softmax_scale=self.scale, causal=True, config=dict(self.prefill_config))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
