@@ -63,6 +63,17 @@ class AiterTritonBackend(AttentionBackend):
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
         self.prefill_config = prefill_config()
+        from autoprofile.engine.attention import triton_rope
+
+        self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One fused Triton kernel (triton_rope) instead of ~15 torch ops per layer."""
+        if self.triton_rope is None:
+            return super().rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping)
+        return self.triton_rope.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
@@ -87,7 +98,8 @@ class AiterTritonBackend(AttentionBackend):
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
-        q = q.contiguous()
+        # q may be a view of the packed projection: the kernels take its row and head strides (unit dim stride)
+        q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
