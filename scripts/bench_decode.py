@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--prefill_tokens", type=int, default=8192)
     p.add_argument("--copy_bytes", type=int, default=2 << 30)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the JSON here (else it follows the table)")
     return p.parse_args(argv)
 
 
@@ -174,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     r["context_ratio"] = {b: r["steps"][f"{first}/b{b}/greedy"]["ms"] / r["steps"][f"{last}/b{b}/greedy"]["ms"]
                           for b in args.batches}
     print(table(r))
-    print(json.dumps(r, indent=2))
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
+    else:
+        print(json.dumps(r, indent=2))
 
 
 if __name__ == "__main__":
