@@ -102,6 +102,45 @@ def batch_ladder(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+# Decode graphs are captured per (batch size, max_seq_len bucket): AITER's Triton decode launches its
+# partitions and sizes its reduction from max_seq_len, so a batch at ~1k tokens replayed at 131072
+# costs 5x the same batch at 4096 (H100). The first bucket, then x DECODE_BUCKET_GROWTH up to the context.
+DECODE_FIRST_BUCKET = 4096
+DECODE_BUCKET_GROWTH = 4
+
+
+def decode_buckets(context_len: int) -> list[int]:
+    """max_seq_len values a decode step is launched with, ascending; the last is context_len (a bucket
+    within 2x of it is dropped: context_len serves those rows at little extra cost)."""
+    b, out = DECODE_FIRST_BUCKET, []
+    while 2 * b <= context_len:
+        out.append(b)
+        b *= DECODE_BUCKET_GROWTH
+    return out + [context_len]
+
+
+def decode_bucket(buckets: list[int], longest: int) -> int:
+    """The smallest bucket that holds the batch's longest seq_len (tokens incl. the one decoded)."""
+    for b in buckets:
+        if b >= longest:
+            return b
+    raise ValueError(f"a decode row of {longest} tokens is longer than the largest bucket {buckets[-1]}")
+
+
+def coarse_ladder(max_bs: int) -> list[int]:
+    """Powers of two below max_bs, and max_bs: the batch sizes captured for the longer buckets."""
+    return sorted({1 << i for i in range(max_bs.bit_length()) if 1 << i < max_bs} | {max_bs})
+
+
+def decode_graph_keys(max_bs: int, context_len: int) -> list[tuple[int, int]]:
+    """(batch size, bucket) of every decode graph, in capture order: the largest scratch first (longest
+    bucket, largest batch), so later captures reuse the shared pool's blocks. The first bucket takes the
+    full batch ladder, the longer ones (rarer, and dominated by attention) the coarse one."""
+    buckets = decode_buckets(context_len)
+    return [(bs, bucket) for i, bucket in reversed(list(enumerate(buckets)))
+            for bs in reversed(batch_ladder(max_bs) if i == 0 else coarse_ladder(max_bs))]
+
+
 def req_table_bytes(max_reqs: int, context_len: int, page_size: int) -> int:
     """Request table: one int32 page id per page of the longest request, per request slot."""
     return max_reqs * math.ceil(context_len / page_size) * 4

@@ -217,11 +217,12 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     if cfg.disable_cudagraph:
         rows.append(Row("decode graph pools", 0, "exact", "none", "--disable_cudagraph"))
     else:
-        ladder = budget.batch_ladder(gmbs)
+        graphs = budget.decode_graph_keys(gmbs, cfg.context_len)
         pool = (layer_live_bytes(m, gmbs, tp, db) + gmbs * m.vocab_size * db
                 + graph_static_bytes(m, gmbs, cfg.context_len, cfg.page_size, db))
         rows.append(Row("decode graph pools", pool, "ESTIMATED", "measured in the probe peak",
-                        f"{len(ladder)} graphs share one pool: the largest ({gmbs} seqs) layer live set, ONE "
+                        f"{len(graphs)} graphs (batch x max_seq_len bucket) share one pool: the largest "
+                        f"({gmbs} seqs) layer live set, ONE "
                         f"logits buffer [{gmbs}, vocab] that every graph writes, static buffers incl. block "
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))

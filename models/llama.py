@@ -95,14 +95,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: KVLayer) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
-        q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim).contiguous()
         k_cache, v_cache = kv
-        self.backend.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:  # RoPE in place on the packed projection, K/V to the cache: q, k, v are views
+            q, k, v = self.backend.rope_store(qkv, *rope, k_cache, v_cache, meta.slot_mapping)
+        else:  # Qwen3: per-head RMSNorm before RoPE
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
+            q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
+            k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            self.backend.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
                 k, v = self.backend.gather_kv(k_cache, v_cache, meta.kv_slots)

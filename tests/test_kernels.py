@@ -245,3 +245,25 @@ def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
         if n > last:  # and the first rows, which see the shortest keys
             want = ref_attention(q[qb[i]:qb[i] + 32], k[ks:ks + p + 32], v[ks:ks + p + 32], True)
             assert rel_err(out[qb[i]:qb[i] + 32], want) < BF16_TOL
+
+
+@pytest.mark.parametrize("t", [1, 256, 8192])
+def test_fused_rope_store_equals_the_torch_ops(t):
+    """aiter_triton's one-kernel RoPE + KV store against the base class's torch ops (bf16: within one
+    rounding), on a packed projection and shuffled cache slots; the q/k/v it returns are views."""
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    be, ref = make("aiter_triton"), make("torch")
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    table = torch.randn(16384, D, generator=gen, device="cuda")
+    cos, sin = (x.unsqueeze(1) for x in table[torch.randint(0, 16384, (t,), generator=gen, device="cuda")]
+                .chunk(2, dim=-1))
+    pages = -(-t // PAGE) + 1
+    slots = torch.randperm((pages - 1) * PAGE, generator=gen, device="cuda")[:t] + PAGE
+    caches = [torch.zeros(pages, HKV, PAGE, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    got_qkv, want_qkv = qkv.clone(), qkv.clone()
+    got = be.rope_store(got_qkv, cos, sin, caches[0], caches[1], slots)
+    want = ref.rope_store(want_qkv, cos, sin, caches[2], caches[3], slots)
+    assert got[0].data_ptr() == got_qkv.data_ptr()
+    for a, b in zip([*got, got_qkv, caches[0]], [*want, want_qkv, caches[2]]):
+        assert rel_err(a, b) < 1e-2
+    assert torch.equal(caches[1], caches[3])  # V is copied

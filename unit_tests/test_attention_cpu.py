@@ -356,3 +356,20 @@ def test_v1_v2_rule_is_the_wrappers(monkeypatch):
             kc = torch.empty(1, 8, 16, 8)
             pa.paged_attention_decode(q, q, kc, kc, None, None, 1.0, max_seq_len, None, one, one)
             assert picked.pop() is aiter_triton.use_v1(num_seqs, 32, max_seq_len), (num_seqs, max_seq_len)
+
+
+def test_prefill_config_per_compute_capability(monkeypatch):
+    """NVIDIA GPUs take their tuned entry (scripts/tune_prefill.py), others PREFILL_CONFIG; never the
+    AMD-only `waves_per_eu`; a copy, so a launcher that consumes it cannot change the table."""
+    monkeypatch.setattr(aiter_triton, "PREFILL_CONFIGS", {"sm_90": {"BLOCK_M": 64}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    got = aiter_triton.prefill_config()
+    assert got == {"BLOCK_M": 64} and got is not aiter_triton.PREFILL_CONFIGS["sm_90"]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert aiter_triton.prefill_config() == aiter_triton.PREFILL_CONFIG
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # gfx90a reports (9, 0) too
+    assert aiter_triton.prefill_config() == aiter_triton.PREFILL_CONFIG
+    assert "waves_per_eu" not in aiter_triton.PREFILL_CONFIG

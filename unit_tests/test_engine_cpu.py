@@ -98,6 +98,48 @@ def test_batch_ladder():
     assert batch_ladder(256)[-2:] == [248, 256] and len(batch_ladder(256)) == 35
 
 
+def test_decode_buckets_grow_by_four_up_to_the_context():
+    assert budget.decode_buckets(131072) == [4096, 16384, 65536, 131072]
+    assert budget.decode_buckets(32768) == [4096, 16384, 32768]
+    assert budget.decode_buckets(20000) == [4096, 20000]  # 16384 is within 2x of the context: dropped
+    assert budget.decode_buckets(4096) == [4096] and budget.decode_buckets(256) == [256]
+
+
+def test_decode_bucket_is_the_smallest_that_holds_the_longest_row():
+    buckets = [4096, 16384, 65536, 131072]
+    assert [budget.decode_bucket(buckets, n) for n in (1, 4096, 4097, 16384, 70000, 131072)] == [
+        4096, 4096, 16384, 16384, 131072, 131072]
+    with pytest.raises(ValueError, match="longer than the largest bucket"):
+        budget.decode_bucket(buckets, 131073)
+
+
+def test_decode_graph_keys_capture_the_largest_scratch_first():
+    keys = budget.decode_graph_keys(256, 131072)
+    assert keys[0] == (256, 131072) and keys[-1] == (1, 4096)
+    assert len(keys) == len(set(keys)) == 35 + 3 * 9  # full ladder at 4096, powers of two (+256) above
+    scratch = [budget.triton_decode_workspace_bytes(bs, 32, 128, bucket, 2) for bs, bucket in keys]
+    assert scratch[0] == max(scratch)
+    buckets = [bucket for _, bucket in keys]
+    assert buckets == sorted(buckets, reverse=True)  # bucket-major, each bucket's batches descending
+    assert budget.decode_graph_keys(4, 256) == [(4, 256), (2, 256), (1, 256)]
+    assert budget.coarse_ladder(24) == [1, 2, 4, 8, 16, 24] and budget.coarse_ladder(1) == [1]
+
+
+def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():
+    from autoprofile.engine.cuda_graph import DecodeGraphs
+
+    g = DecodeGraphs(256, 131072 // 16, 131072, 16, CPU)
+    assert g.sizes == batch_ladder(256) and set(g.buckets) == {4096, 16384, 65536, 131072}
+    assert g.pick(1, 1) == (1, 4096)
+    assert g.pick(200, 1025) == (200, 4096)
+    assert g.pick(17, 4097) == (32, 16384)  # the coarse ladder above the first bucket
+    assert g.pick(129, 131072) == (256, 131072)
+    assert g.columns(4096) == 256 and g.columns(131072) == 8192
+    meta = g.meta(32, 16384)
+    assert meta.max_seq_len == 16384 and meta.block_tables.shape == (32, 1024)
+    assert meta.block_tables.stride(0) == 8192  # a view of the static table: graphs read it in place
+
+
 # ---------------------------------------------------------------- the decoder
 def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -102,7 +102,8 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
     """The ladder's second capture OOMs: the error reaches the runner's build (which tears down), the
     first graph stays owned by DecodeGraphs (its teardown resets it), the failed one is not kept there."""
     g = cuda_graph.DecodeGraphs.__new__(cuda_graph.DecodeGraphs)
-    g.sizes, g.max_bs, g.max_seq_len, g.page_size = [1, 2], 2, 64, 16
+    g.keys, g.buckets, g.ladders = [(2, 64), (1, 64)], [64], {64: [1, 2]}
+    g.max_bs, g.max_seq_len, g.page_size = 2, 64, 16
     g.input_ids = g.positions = g.slot_mapping = torch.zeros(2, dtype=torch.int64)
     g.block_tables, g.seq_lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     g.graphs, g.logits, g.pool = {}, None, None
@@ -119,7 +120,7 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
             mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
         with pytest.raises(torch.OutOfMemoryError):
             g.capture(step, show_progress=False)
-    assert list(g.graphs) == [2] and g.pool == POOL
+    assert list(g.graphs) == [(2, 64)] and g.pool == POOL
     assert ("releasePool", DEV, POOL) in cuda_log
 
 

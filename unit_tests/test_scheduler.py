@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autoprofile import budget
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine import stress
 from autoprofile.engine.engine import LLMEngine
@@ -126,6 +127,24 @@ def test_stress_corners_reach_every_limit_and_stay_inside(env):
         env.check(shape)
     for name, limit in env.limits().items():
         assert max(getattr(s, name) for s in shapes) == limit, f"no stress corner reaches {name} = {limit}"
+
+
+@settings(max_examples=100, deadline=None)
+@given(envelopes, st.sampled_from([None, 8192, 131072]))
+def test_every_decode_corner_runs_the_largest_max_seq_len_bucket(env, context):
+    """The runner launches decode attention at the smallest bucket that holds the longest row; the
+    decode kernels' scratch grows with that bucket, so each decode corner (eager and graph alike) must
+    reach the largest one, which is --max_req_total_len."""
+    if context is not None:
+        env = dataclasses.replace(env, max_req_total_len=context, max_prefix_len=context - 2)
+    buckets = budget.decode_buckets(env.max_req_total_len)
+    last_steps = stress.decode_corners(env)[stress.DECODE_STEPS - 1::stress.DECODE_STEPS]
+    assert last_steps
+    for rows in last_steps:
+        longest = max(start + n for start, n in rows)
+        assert budget.decode_bucket(buckets, longest) == buckets[-1] == env.max_req_total_len
+        step = stress.corner_step(env, False, rows, max(env.pages, 1), VOCAB, 0)
+        env.check(step.shape(env.graph_rows))
 
 
 def test_check_refuses_a_step_outside_and_names_the_limit():

@@ -1,19 +1,28 @@
-"""Decode CUDA graphs: one capture loop over a batch ladder, one memory pool, static buffers.
+"""Decode CUDA graphs: one capture loop over (batch size, max_seq_len bucket), one memory pool, static buffers.
 
-The static AttentionMetadata is sized for the worst case: block_tables [max_bs, ceil(context_len/page)]
-and max_seq_len = context_len, so kernels that pick a code path or a scratch size from them capture the
-serving worst case, and the probe measures the pool that serving uses. Logits are captured too;
-sampling runs outside the graph.
+AITER's Triton decode launches one program per 1024-token partition of max_seq_len and reduces over a
+power-of-two tile of them, so its cost follows max_seq_len, not the rows' real lengths (H100, batch 256
+at ~150 tokens: 67.4 ms per step at max_seq_len 131072, 12.4 ms at 4096). So each batch size of the
+ladder is captured at a few max_seq_len buckets (budget.decode_buckets: 4096, x4 ..., context_len), and
+a step replays the smallest bucket that holds its longest row (known on the host: start + 1).
+
+Memory: every graph shares ONE pool, captured largest scratch first (longest bucket, largest batch), so
+later captures reuse its blocks; the static block tables are sized for context_len and a bucket's graph
+reads its first ceil(bucket/page) columns. The build is the same in the probe and at the target, so the
+probe captures (and measures) every graph serving replays, and replaying one allocates nothing.
+Logits are captured too; sampling runs outside the graph.
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
+from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE
 
@@ -28,31 +37,46 @@ class DecodeGraphs:
 
     def __init__(self, max_bs: int, pages_per_req: int, max_seq_len: int, page_size: int,
                  device: torch.device):
-        self.sizes = batch_ladder(max_bs)
+        self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
+        self.buckets = decode_buckets(max_seq_len)
+        self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}
         self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab]: the one static output of every graph
         self.pool = None
 
-    def meta(self, bs: int) -> AttentionMetadata:
+    @property
+    def sizes(self) -> list[int]:
+        """The full batch ladder (the first bucket's)."""
+        return self.ladders[self.buckets[0]]
+
+    def columns(self, bucket: int) -> int:
+        """Block-table columns a row of at most `bucket` tokens can use."""
+        return min(math.ceil(bucket / self.page_size), self.block_tables.shape[1])
+
+    def pick(self, b: int, longest: int) -> tuple[int, int]:
+        """(batch size, bucket) of the graph that replays b rows whose longest seq_len is `longest`."""
+        bucket = decode_bucket(self.buckets, longest)
+        return next(s for s in self.ladders[bucket] if s >= b), bucket
+
+    def meta(self, bs: int, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                                 block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
-                                 max_seq_len=self.max_seq_len)
+                                 block_tables=self.block_tables[:bs, :self.columns(bucket)],
+                                 seq_lens=self.seq_lens[:bs], max_seq_len=bucket)
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:
-        """Largest batch first, so smaller graphs reuse the pool's blocks. `step` is not kept. A failure
-        inside a capture (a real OOM: a peer grew after measure) ends that capture cleanly and propagates
-        like any other build failure."""
-        ladder = tqdm(self.sizes[::-1], desc="capturing decode graphs", unit="graph",
-                      disable=not show_progress)
-        for bs in ladder:
-            args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs))
+        """In self.keys order (largest scratch first), so later graphs reuse the pool's blocks. `step` is
+        not kept. A failure inside a capture (a real OOM: a peer grew after measure) ends that capture
+        cleanly and propagates like any other build failure."""
+        order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
+        for bs, bucket in order:
+            args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs, bucket))
             warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
             self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
             del warm
@@ -65,30 +89,33 @@ class DecodeGraphs:
 
             def body(bs=bs, args=args):
                 # NOTE: a graph's own output would stay allocated in the pool for good (one logits tensor
-                # per ladder size, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
+                # per graph, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
                 self.logits[:bs].copy_(step(*args))
 
             capture_graph(graph, self.pool, body)
-            self.graphs[bs] = graph
+            self.graphs[bs, bucket] = graph
         torch.cuda.synchronize()
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step for b <= max_bs requests; pad rows write to PAD_PAGE."""
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, longest: int) -> torch.Tensor:
+        """Logits [b, vocab] of one decode step for b <= max_bs requests whose longest seq_len is
+        `longest`; block_tables [b, >= columns(bucket)] (extra columns are not copied); pad rows write
+        to PAD_PAGE."""
         b = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= b)
+        bs, bucket = self.pick(b, longest)
+        cols = self.columns(bucket)
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
         self.slot_mapping[:b].copy_(slot_mapping)
         self.seq_lens[:b].copy_(seq_lens)
-        self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables)
+        self.block_tables[:b, :cols].copy_(block_tables[:, :cols])
         if bs > b:  # rows of an earlier, larger batch must not leak into the padding
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.slot_mapping[b:bs].fill_(PAD_PAGE * self.page_size)
             self.seq_lens[b:bs].fill_(1)
-            self.block_tables[b:bs].fill_(PAD_PAGE)
-        self.graphs[bs].replay()
+            self.block_tables[b:bs, :cols].fill_(PAD_PAGE)
+        self.graphs[bs, bucket].replay()
         return self.logits[:b]
 
     def teardown(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,7 @@ class ModelRunner:
         load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         self.use_graphs = self.device.type == "cuda" and not cfg.disable_cudagraph
+        self.buckets = budget.decode_buckets(cfg.context_len)  # max_seq_len of decode steps (eager and graphs)
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
         # built by build(), dropped by teardown()
         self.kv: KVCache | None = None
@@ -118,7 +120,7 @@ class ModelRunner:
             self.teardown()
             raise
         self.built_tokens = pages * cfg.page_size
-        decode = f"{len(self.graphs.sizes)} decode graphs" if self.graphs else "eager decode"
+        decode = f"{len(self.graphs.graphs)} decode graphs" if self.graphs else "eager decode"
         log.info("built: %d KV tokens (%.2f GiB), %d request slots, %s", self.built_tokens,
                  gib(self.kv_bytes), env.running_reqs, decode)
 
@@ -197,17 +199,22 @@ class ModelRunner:
         return self.req_table.page_table[rows, pos // ps].long() * ps + pos % ps
 
     def _decode(self, rows: list[StepRow]) -> torch.Tensor:
-        """One token per row at position start; logits [rows, vocab]."""
+        """One token per row at position start; logits [rows, vocab]. Attention runs at the smallest
+        max_seq_len bucket that holds the longest row (graphs and eager alike: the eager stress corner
+        holds a row at --max_req_total_len, so it runs the largest bucket, the largest scratch)."""
         dev = self.device
-        slots = torch.tensor([r.slot for r in rows], device=dev)
-        pos = torch.tensor([r.start for r in rows], device=dev)
-        ids = torch.tensor([r.ids[0] for r in rows], device=dev)
+        longest = max(r.start for r in rows) + 1
+        bucket = budget.decode_bucket(self.buckets, longest)
+        # one host buffer (pinned on CUDA) and one copy for the step's ids, positions and request slots
+        host = torch.tensor([[r.ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows]],
+                            dtype=torch.int64, pin_memory=dev.type == "cuda")
+        ids, pos, slots = host.to(dev, non_blocking=True).unbind(0)
         slot_mapping, seq_lens = self._slot_of(slots, pos), (pos + 1).to(torch.int32)
-        tables = self.req_table.page_table[slots]
+        tables = self.req_table.page_table[slots, :math.ceil(bucket / self.cfg.page_size)]
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
-            return self.graphs.replay(ids, pos, slot_mapping, tables, seq_lens)
+            return self.graphs.replay(ids, pos, slot_mapping, tables, seq_lens, longest)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                 seq_lens=seq_lens, max_seq_len=self.cfg.context_len)
+                                 seq_lens=seq_lens, max_seq_len=bucket)
         return self._decode_logits(ids, pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners

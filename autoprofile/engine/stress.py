@@ -8,7 +8,13 @@ Prefill corners, every row sampled with the full sampler:
   (d) one token over the longest prefix any chunk can have.
 Decode corners: the most decode rows (eager above the graph size), and the largest graph when it is
 smaller; every row sampled with the full sampler; the envelope's pages spread over the rows (the
-longest contexts the cache allows); DECODE_STEPS steps each.
+longest contexts the cache allows), the first row at --max_req_total_len; DECODE_STEPS steps each.
+The first row makes every decode corner run attention at the largest max_seq_len bucket (the runner
+picks the bucket from the longest row): the decode kernels' scratch grows with max_seq_len at a given
+row count (AITER Triton's v2 partials: rows x heads x ceil(max_seq_len/1024); its v1 path, taken at
+<= 8192, allocates none), so the eager corner at the most rows and the largest bucket holds the most
+any eager decode step holds. Graphs allocate nothing at replay: every (batch, bucket) graph is captured
+at build, in the probe and the target alike, into one pool that the probe measures.
 Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
 needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
 """
@@ -57,6 +63,7 @@ def decode_corners(env: Envelope) -> list[Rows]:
     for n in sizes:
         base, extra = divmod(env.pages, n)
         lens = [min(max(base + (i < extra), 1) * env.page_size, env.max_req_total_len - 1) for i in range(n)]
+        lens[0] = env.max_req_total_len - 1  # the largest bucket (pages are taken cyclically: any cache holds it)
         out += [[(max(length - 1 - back, 0), 1) for length in lens] for back in range(DECODE_STEPS - 1, -1, -1)]
     return out
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.aiter_loader import load_aiter_triton
+from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -22,6 +22,17 @@ MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
 # No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
                   "num_stages": 2}
+# Per NVIDIA compute capability, from scripts/tune_prefill.py on that GPU (T=8192 causal and a 2048-token
+# chunk over a 32768-token prefix, each checked against torch SDPA). Others take PREFILL_CONFIG.
+PREFILL_CONFIGS: dict[str, dict] = {
+    "sm_90": PREFILL_CONFIG,  # H100/H200: replace with tune_prefill.py's "best for sm_90" line
+}
+
+
+def prefill_config() -> dict:
+    """The varlen prefill launch config for the current GPU (a copy: AITER's launcher may consume it)."""
+    key = None if is_rocm() or not torch.cuda.is_available() else "sm_%d%d" % torch.cuda.get_device_capability()
+    return dict(PREFILL_CONFIGS.get(key, PREFILL_CONFIG))
 
 
 def decode_partitions(max_seq_len: int, partition: int = SEQ_PARTITION) -> int:
@@ -51,6 +62,18 @@ class AiterTritonBackend(AttentionBackend):
         import triton.language as tl
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+        self.prefill_config = prefill_config()
+        from autoprofile.engine.attention import triton_rope
+
+        self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One fused Triton kernel (triton_rope) instead of ~15 torch ops per layer."""
+        if self.triton_rope is None:
+            return super().rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping)
+        return self.triton_rope.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
@@ -67,7 +90,7 @@ class AiterTritonBackend(AttentionBackend):
         cu_k, max_k = meta.keys()
         return self.ops.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
-            softmax_scale=self.scale, causal=True, config=dict(PREFILL_CONFIG))
+            softmax_scale=self.scale, causal=True, config=dict(self.prefill_config))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
@@ -75,7 +98,8 @@ class AiterTritonBackend(AttentionBackend):
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
-        q = q.contiguous()
+        # q may be a view of the packed projection: the kernels take its row and head strides (unit dim stride)
+        q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)

@@ -72,6 +72,19 @@ class AttentionBackend(ABC):
         k_cache[pages, :, offs] = k
         v_cache[pages, :, offs] = v
 
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The packed projection qkv [T, (Hq + 2*Hkv) * D]: RoPE (neox halves, fp32, cos/sin [T, 1, D/2])
+        applied IN PLACE to its q and k heads, K/V written to the cache at slot_mapping. Returns q
+        [T, Hq, D], k, v [T, Hkv, D]: views of qkv (no split copies)."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
+        rope_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+        q = qkv[:, :hq * d].view(t, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        self.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+        return q, k, v
+
     def gather_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens): materialised per layer;
@@ -93,3 +106,13 @@ class AttentionBackend(ABC):
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] attending to seq_lens[b] cached tokens of block_tables[b]."""
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Neox-style rotation of x [T, H, D] in place (halves, as HF's rotate_half), computed in fp32: the
+    same operations as models.llama.apply_rope, so the result is bit for bit the same."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # NOTE: both before either write (x may be fp32: no copy)
+    half = x.shape[-1] // 2
+    x[..., :half].copy_(r1)
+    x[..., half:].copy_(r2)

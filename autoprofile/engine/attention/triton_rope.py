@@ -1,0 +1,70 @@
+"""One Triton kernel for what each attention layer does between the QKV projection and attention: RoPE
+in place on the packed projection's q and k heads, and K/V written to the paged cache. In torch ops that
+is ~15 small kernels per layer (rotation in fp32, casts, index arithmetic, two index_puts), which
+dominate a batch-1 decode step's launch count.
+
+Same contract as AttentionBackend.rope_store (neox halves, rotation in fp32, then the model dtype; the
+compiler may contract a multiply-add into an FMA, so results can differ from the torch ops by one bf16
+rounding). Imported when the aiter_triton backend is built (triton is imported here).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+                       stride_t, stride_cos, stride_sin,
+                       stride_cp, stride_ch, stride_co,  # cache strides: page, head, offset (dim: 1)
+                       NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                       NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = qkv_ptr + t * stride_t
+    j = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + t * stride_cos + j).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_sin + j).to(tl.float32)
+    h = tl.arange(0, NQK_POW2)
+    mask = (h < NQ + NKV)[:, None]
+    first = row + h[:, None] * (2 * HALF) + j[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    r1 = x1 * c[None, :] - x2 * s[None, :]
+    r2 = x2 * c[None, :] + x1 * s[None, :]
+    tl.store(first, r1.to(qkv_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, r2.to(qkv_ptr.dtype.element_ty), mask=mask)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page, off = slot // PAGE, slot % PAGE
+    kh = h - NQ
+    is_k = ((h >= NQ) & (h < NQ + NKV))[:, None]
+    k_dst = k_cache_ptr + page * stride_cp + kh[:, None] * stride_ch + off * stride_co + j[None, :]
+    tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    vh = tl.arange(0, NKV_POW2)
+    d = tl.arange(0, 2 * HALF)
+    v_mask = (vh < NKV)[:, None]
+    v = tl.load(row + (NQ + NKV) * 2 * HALF + vh[:, None] * (2 * HALF) + d[None, :], mask=v_mask, other=0.0)
+    v_dst = v_cache_ptr + page * stride_cp + vh[:, None] * stride_ch + off * stride_co + d[None, :]
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+               head_dim: int) -> tuple[torch.Tensor, ...]:
+    """qkv [T, (Hq + 2*Hkv) * D] with unit stride in its last dim; cos, sin [T, 1, D/2] (any row stride);
+    caches [pages, Hkv, page, D] with unit stride in D. Returns q, k, v views of qkv."""
+    t, d = qkv.shape[0], head_dim
+    if t:
+        assert qkv.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        _rope_store_kernel[(t,)](
+            qkv, cos, sin, slot_mapping, k_cache, v_cache,
+            qkv.stride(0), cos.stride(0), sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NQ=num_q_heads, NKV=num_kv_heads, HALF=d // 2, PAGE=k_cache.shape[2],
+            NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            NKV_POW2=triton.next_power_of_2(num_kv_heads), num_warps=4)
+    q = qkv[:, :num_q_heads * d].view(t, num_q_heads, d)
+    k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
+    v = qkv[:, (num_q_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+    return q, k, v

@@ -1,0 +1,184 @@
+"""A decode step against the hardware floor, side by side in one run (issue 9).
+
+    PYTHONPATH=. python3 scripts/bench_decode.py [--backend aiter_triton] [--json out.json]
+
+llama-3.1-8b with random weights (no download), built through ModelRunner as serving builds it (CUDA
+graphs per batch x max_seq_len bucket); each decode step is a real Step through `runner.execute`
+(graph replay + sampling + the tokens back on the host), timed on the host over --iters steps.
+  floor      = (weights + the batch's K/V bytes) / the device-to-device copy bandwidth of this run
+  step       : batch 1 and 256 at --ctx tokens, greedy (targets: >= 0.75 and >= 0.6 of the floor)
+  context    : the same steps built with --max_req_total_len 131072 and 4096 (target: within 1.15x)
+  sampling   : sample() alone on [256, vocab] bf16 logits, greedy and top-p 0.9 (<= 0.1 ms, <= 1 ms)
+  prefill    : attention alone, one causal request of --prefill_tokens, each backend vs torch SDPA
+               (target >= 0.8x; amd-aiter's Triton kernel with autoprofile's PREFILL_CONFIG)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention  # noqa: E402 - the copy-bandwidth and prefill timers
+
+from autoprofile.config import ServerConfig, validate  # noqa: E402
+from autoprofile.engine import stress  # noqa: E402
+from autoprofile.engine.runner import ModelRunner  # noqa: E402
+from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, make_generator, sample  # noqa: E402
+from autoprofile.engine.scheduler import Step  # noqa: E402
+
+TOP_P = SamplingParams(temperature=0.8, top_p=0.9)
+TARGETS = {"floor_b1": 0.75, "floor_b256": 0.6, "context_ratio": 1.15, "greedy_ms": 0.1, "top_p_ms": 1.0,
+           "prefill_vs_sdpa": 0.8}
+
+
+def decode_step(runner: ModelRunner, b: int, ctx: int, params: SamplingParams) -> Step:
+    """b rows whose next token sits at position ctx - 1 (ctx tokens of K/V read), on distinct pages."""
+    step = stress.corner_step(runner.envelope, False, [(ctx - 1, 1)] * b, runner.kv.num_pages - 1,
+                              runner.model_config.vocab_size, seed=b)
+    step.rows = [dataclasses.replace(r, params=params) for r in step.rows]
+    return step
+
+
+def time_steps(runner: ModelRunner, step: Step, iters: int) -> float:
+    """Median host wall time of runner.execute(step) (each returns the tokens: a full serving step)."""
+    runner.execute(step)
+    step.page_writes = []  # serving writes a request's pages once, when it gets them
+    for _ in range(3):
+        runner.execute(step)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        runner.execute(step)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def cuda_ms(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def build(args: argparse.Namespace, context: int) -> ModelRunner:
+    cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", attention_backend=args.backend,
+                                max_req_total_len=context, graph_max_batch_size=max(args.batches),
+                                report_dir=None))
+    runner = ModelRunner(cfg)
+    tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
+    t = time.perf_counter()
+    runner.build(tokens)
+    print(f"context {context}: built {len(runner.graphs.graphs) if runner.graphs else 0} graphs in "
+          f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+    return runner
+
+
+def run(args: argparse.Namespace) -> dict:
+    copy = bench_attention.copy_bandwidth(args.copy_bytes)
+    bw = copy["GB_per_s"] * 1e9
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
+                 "copy_GB_per_s": copy["GB_per_s"], "ctx": args.ctx, "steps": {}, "targets": TARGETS}
+    for context in args.contexts:
+        runner = build(args, context)
+        weights = sum(p.nbytes for p in runner.model.parameters())
+        cell = runner.kv.nbytes // (runner.kv.num_pages * runner.cfg.page_size)  # K+V bytes per token, all layers
+        for b in args.batches:
+            for name, params in (("greedy", GREEDY), ("top_p", TOP_P)):
+                if name == "top_p" and context != args.contexts[0]:
+                    continue
+                ms = time_steps(runner, decode_step(runner, b, args.ctx, params), args.iters)
+                floor = (weights + b * args.ctx * cell) / bw * 1e3
+                out["steps"][f"{context}/b{b}/{name}"] = {"context": context, "batch": b, "sampling": name,
+                                                         "ms": ms, "floor_ms": floor, "of_floor": floor / ms}
+        if context == args.contexts[0]:
+            logits = torch.randn(max(args.batches), runner.model_config.vocab_size, device="cuda",
+                                 dtype=torch.bfloat16) * 5
+            gen = make_generator(0, runner.device)
+            for name, params in (("greedy", GREEDY), ("top_p", TOP_P)):
+                batch = SamplingBatch.from_params([params] * logits.shape[0], runner.device)
+                out[f"sample_{name}_ms"] = cuda_ms(lambda: sample(logits, batch, gen), args.iters)
+            del logits
+        runner.teardown()
+        runner = None  # the next build needs the weights' memory back
+        gc.collect()
+        torch.cuda.empty_cache()
+    hq, hkv, d, t = 32, 8, 128, args.prefill_tokens
+    psets = bench_attention.prefill_inputs(t, hq, hkv, d, 2)
+    sdpa = bench_attention.bench_sdpa_prefill(psets, hq, hkv)
+    out["prefill"] = {"tokens": t, "sdpa_ms": sdpa}
+    for name in bench_attention.available(["torch", args.backend]):
+        be = bench_attention.BACKENDS[name](hq, hkv, d, 16, torch.bfloat16, torch.device("cuda"))
+        ms = bench_attention.bench_prefill(be, psets)
+        out["prefill"][name] = {"ms": ms, "vs_sdpa": sdpa / ms}
+    return out
+
+
+def table(r: dict) -> str:
+    first, last = r["ctx_list"][0], r["ctx_list"][-1]
+    lines = [f"{r['device']}  torch {r['torch']}  backend {r['backend']}  copy {r['copy_GB_per_s']:.0f} GB/s",
+             f"decode step at {r['ctx']} tokens of context per row (runner.execute: graph replay + sampling)",
+             f"{'max_req_total_len':>18}{'batch':>7}{'sampling':>9}{'step ms':>10}{'floor ms':>10}{'of floor':>10}"]
+    for s in r["steps"].values():
+        lines.append(f"{s['context']:>18}{s['batch']:>7}{s['sampling']:>9}{s['ms']:>10.2f}{s['floor_ms']:>10.2f}"
+                     f"{s['of_floor']:>10.2f}")
+    for key, ratio in r["context_ratio"].items():
+        lines.append(f"context {first} / {last}, batch {key}: {ratio:.2f}x  (target <= {TARGETS['context_ratio']})")
+    lines.append(f"sample() on [{r['batches'][-1]}, vocab]: greedy {r['sample_greedy_ms']:.3f} ms "
+                 f"(target <= {TARGETS['greedy_ms']}), top-p {r['sample_top_p_ms']:.3f} ms "
+                 f"(target <= {TARGETS['top_p_ms']})")
+    p = r["prefill"]
+    lines.append(f"prefill attention T={p['tokens']} causal: torch SDPA {p['sdpa_ms']:.2f} ms; " + ", ".join(
+        f"{k} {v['ms']:.2f} ms ({v['vs_sdpa']:.2f}x SDPA)" for k, v in p.items() if isinstance(v, dict)))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--backend", default="aiter_triton")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
+    p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],
+                   help="--max_req_total_len of each build (first: the serving default)")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--prefill_tokens", type=int, default=8192)
+    p.add_argument("--copy_bytes", type=int, default=2 << 30)
+    p.add_argument("--json", type=Path, default=None, help="write the JSON here (else it follows the table)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode needs a CUDA GPU")
+    with torch.inference_mode():
+        r = run(args)
+    r["ctx_list"], r["batches"] = args.contexts, args.batches
+    first, last = args.contexts[0], args.contexts[-1]
+    r["context_ratio"] = {b: r["steps"][f"{first}/b{b}/greedy"]["ms"] / r["steps"][f"{last}/b{b}/greedy"]["ms"]
+                          for b in args.batches}
+    print(table(r))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+    else:
+        print(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()

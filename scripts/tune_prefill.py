@@ -1,0 +1,154 @@
+"""Sweep AITER's Triton varlen prefill launch configs on this GPU against torch SDPA (issue 9).
+
+    PYTHONPATH=. python3 scripts/tune_prefill.py [--full] [--json out.json]
+
+Two shapes, bf16, 32 query / 8 KV heads, head_dim 128 (llama-3.1-8b per rank):
+  full   one causal request of --tokens (8192) new tokens
+  chunk  --chunk (2048) new tokens over a cached prefix, --chunk_kv (32768) keys in all (causal
+         aligned bottom-right: what a prefill chunk over its prefix runs)
+Each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages, PRELOAD_V; never `waves_per_eu`, an AMD-only
+launch option) is checked against SDPA's output (relative error < 2e-2, bf16) and timed
+(triton.testing.do_bench median, inputs cycled so nothing stays in L2). The best is the lowest mean
+of time / SDPA time over the two shapes among the correct ones; paste the printed line into
+autoprofile/engine/attention/aiter_triton.py (PREFILL_CONFIGS) for this compute capability.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import median_ms, rotating  # noqa: E402
+
+from autoprofile.engine.aiter_loader import load_aiter_triton  # noqa: E402
+from autoprofile.engine.attention.aiter_triton import prefill_config  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+TOL = 2e-2
+
+
+def candidates(full: bool) -> list[dict]:
+    if full:
+        grid = itertools.product([64, 128, 256], [32, 64, 128], [4, 8], [1, 2, 3, 4], [False, True])
+    else:
+        grid = itertools.chain(itertools.product([64, 128], [64, 128], [4, 8], [2, 3, 4], [False]),
+                               itertools.product([128], [64, 128], [8], [2, 3], [True]),
+                               itertools.product([256], [64], [8], [2, 3], [False, True]))
+    out = [{"BLOCK_M": m, "BLOCK_N": n, "PRELOAD_V": pv, "num_warps": w, "num_ctas": 1, "num_stages": s}
+           for m, n, w, s, pv in grid]
+    current = prefill_config()
+    return [current] + [c for c in out if c != current]
+
+
+def shape_inputs(new: int, kv: int, sets: int) -> list[tuple]:
+    """(q, k, v, cu_q, cu_k) sets; q/k/v as the model hands them over (k/v gathered: contiguous)."""
+    out = []
+    for _ in range(sets):
+        q = torch.randn(new, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, kv], dtype=torch.int32, device="cuda")
+        out.append((q, k, v, cu_q, cu_k))
+    return out
+
+
+def sdpa(q, k, v, cu_q, cu_k) -> torch.Tensor:
+    g = HQ // HKV
+    qh = q.transpose(0, 1)[None]
+    kh, vh = (t.transpose(0, 1).repeat_interleave(g, 0)[None] for t in (k, v))
+    if q.shape[0] == k.shape[0]:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(q.shape[0], k.shape[0]))
+    return o[0].transpose(0, 1)
+
+
+def sdpa_ms(sets: list[tuple]) -> float:
+    """SDPA on pre-expanded K/V (the expansion is not timed: the fairest baseline)."""
+    g = HQ // HKV
+    expanded = [(q.transpose(0, 1)[None], *(t.transpose(0, 1).repeat_interleave(g, 0)[None] for t in (k, v)))
+                for q, k, v, _, _ in sets]
+    new, kv = sets[0][0].shape[0], sets[0][1].shape[0]
+    mask = None if new == kv else causal_lower_right(new, kv)
+    return median_ms(rotating(expanded, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=mask is None, attn_mask=mask)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def run(args: argparse.Namespace) -> dict:
+    ops = load_aiter_triton()
+    shapes = {"full": shape_inputs(args.tokens, args.tokens, 2), "chunk": shape_inputs(args.chunk, args.chunk_kv, 2)}
+    refs = {name: sdpa(*sets[0]) for name, sets in shapes.items()}
+    base = {name: sdpa_ms(sets) for name, sets in shapes.items()}
+    rows = []
+    for cfg in candidates(args.full):
+        row = {"config": cfg}
+        try:
+            for name, sets in shapes.items():
+                def call(q, k, v, cu_q, cu_k):
+                    return ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
+                                                      softmax_scale=D ** -0.5, causal=True, config=dict(cfg))
+                err = rel_err(call(*sets[0]), refs[name])
+                row[name] = {"err": err, "ms": median_ms(rotating(sets, call)) if err < TOL else None}
+                if err >= TOL:
+                    raise ValueError(f"{name}: rel err {err:.2e} vs SDPA")
+            row["score"] = sum(row[n]["ms"] / base[n] for n in shapes) / len(shapes)
+        except Exception as e:  # noqa: BLE001 - out of shared memory, unsupported tile, wrong result
+            row["error"] = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+        rows.append(row)
+        print(line(row, base), file=sys.stderr, flush=True)
+    ok = [r for r in rows if "score" in r]
+    best = min(ok, key=lambda r: r["score"]) if ok else None
+    return {"device": torch.cuda.get_device_name(), "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
+            "shapes": {"full": [args.tokens, args.tokens], "chunk": [args.chunk, args.chunk_kv]},
+            "sdpa_ms": base, "rows": rows, "current": rows[0], "best": best}
+
+
+def line(row: dict, base: dict) -> str:
+    c = row["config"]
+    head = f"M{c['BLOCK_M']:<4}N{c['BLOCK_N']:<4}w{c['num_warps']} s{c['num_stages']} pv{int(c['PRELOAD_V'])}"
+    if "error" in row:
+        return f"{head}  failed: {row['error']}"
+    cells = "  ".join(f"{n} {row[n]['ms']:.3f} ms ({base[n] / row[n]['ms']:.2f}x SDPA, err {row[n]['err']:.1e})"
+                      for n in base)
+    return f"{head}  {cells}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk_kv", type=int, default=32768)
+    p.add_argument("--full", action="store_true", help="the whole grid (slow: every config compiles)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_prefill needs a CUDA GPU")
+    with torch.inference_mode():
+        r = run(args)
+    ranked = sorted((x for x in r["rows"] if "score" in x), key=lambda x: x["score"])
+    print(f"{r['device']} ({r['capability']}): torch SDPA full {r['sdpa_ms']['full']:.3f} ms, "
+          f"chunk {r['sdpa_ms']['chunk']:.3f} ms; configs by mean time / SDPA (lower is better)")
+    for x in ranked:
+        print(f"{x['score']:6.2f}  {line(x, r['sdpa_ms'])}")
+    print(f"current: {line(r['current'], r['sdpa_ms'])}")
+    if r["best"]:
+        print(f'best for {r["capability"]}: "{r["capability"]}": {json.dumps(r["best"]["config"])}'
+              .replace("false", "False").replace("true", "True"))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()
