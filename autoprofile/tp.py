@@ -512,14 +512,15 @@ def _unresolved_since(failures: FailureLog, world: int, since: float | None) -> 
 
 
 def _end(procs, pipes, outcomes: dict[int, Outcome], failures: FailureLog, bound_s: float) -> None:
-    text = diagnostic(failures.read()) or "interrupted"
+    text = diagnostic(failures.read()) or "no rank reported a failure"
     for rank, p in enumerate(procs):
         if rank not in outcomes and p.is_alive():
             log.error("rank %d has not ended %.0f s after a failure: killed", rank, bound_s)
             p.kill()
             p.join()
-            outcomes[rank] = Outcome(rank, False, f"{text} (rank {rank} killed by the launcher after "
-                                                  f"{bound_s:.0f} s)", time.time())
+            outcomes[rank] = Outcome(rank, False, f"{text} (rank {rank} killed by the launcher: no end "
+                                                  f"{bound_s:.0f} s after a failure, or past its deadline)",
+                                     time.time())
 
 
 def _client(addr: tuple[str, int]):

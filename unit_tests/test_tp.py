@@ -17,11 +17,10 @@ from autoprofile.config import ServerConfig
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.parallel import TP
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.profiler import Profiler, ProfileError, _describe, _gather_errors
+from autoprofile.profiler import Profiler, _describe, _gather_errors
 from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
 from unit_tests.test_engine_cpu import QWEN_SMALL, small_cfg, write_checkpoint
 
-pytestmark = pytest.mark.slow
 TIMEOUT = 90  # per launch, spawn and imports included
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 12, list(range(30, 70))]
 
@@ -47,6 +46,7 @@ def _fails_between(guard):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_a_rank_failing_between_two_collectives_ends_every_rank_with_its_text():
     out, t0 = run(_fails_between, 3)
     texts = {o.value for o in out}
@@ -74,6 +74,7 @@ def _fails_inside(guard):
     return text, x.tolist(), time.time()
 
 
+@pytest.mark.slow
 def test_a_rank_failing_inside_a_collective_frees_the_waiting_rank_and_both_agree_then_recover():
     out, t0 = run(_fails_inside, 2)
     assert all(o.ok for o in out), out
@@ -93,6 +94,7 @@ def _killed_inside(guard):
     return "unreachable"
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_reported_by_the_parent_and_frees_its_peer():
     out, t0 = run(_killed_inside, 2)
     assert not out[0].ok and not out[1].ok
@@ -126,6 +128,7 @@ def _profile_with_abort(guard):
     return res.tokens, res.attempts, res.errors, guard.data is not first_group, b"x" * (4 << 20)
 
 
+@pytest.mark.slow
 def test_profiler_retries_on_every_rank_after_one_rank_failed_inside_a_collective():
     out, _ = run(_profile_with_abort, 2)
     assert all(o.ok for o in out), out
@@ -134,15 +137,6 @@ def test_profiler_retries_on_every_rank_after_one_rank_failed_inside_a_collectiv
     assert "rank 1: OutOfMemoryError: injected" in err0[0] and "rank 0: PeerFailed" in err0[0]
     assert new0 and new1  # the aborted data group was replaced before the retry
     assert len(big) == 4 << 20  # a result larger than a pipe's buffer came back (read before joining)
-
-
-def _profile_gives_up(guard):
-    raise ProfileError("the same diagnostic on every rank")
-
-
-def test_launch_passes_a_collective_diagnostic_through():
-    out, _ = run(_profile_gives_up, 2)
-    assert [o.value for o in out] == ["the same diagnostic on every rank"] * 2
 
 
 # ---------------------------------------------------------------- serving over the step broadcast
@@ -181,6 +175,7 @@ def _serve(guard, model_dir: str):
     return out
 
 
+@pytest.mark.slow
 def test_tp2_serving_on_cpu_equals_tp1_and_a_failure_inside_a_forward_stops_every_rank_with_one_text(tmp_path):
     write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
     one = ModelRunner(small_cfg(model=str(tmp_path / "qwen")))
@@ -193,3 +188,25 @@ def test_tp2_serving_on_cpu_equals_tp1_and_a_failure_inside_a_forward_stops_ever
     assert failed_after == 1 and fatal.startswith("tensor-parallel serving stopped")
     assert "rank 1: RuntimeError: rank 1 raised inside layer 1's forward" in fatal
     assert not out[1].ok and out[1].value == fatal  # the worker ends with the very same text
+
+
+def test_serve_with_tp_spawns_the_ranks_and_returns_their_exit_code(mocker):
+    from autoprofile import cli
+    mocker.patch("autoprofile.cli._gpu_present", return_value=True)
+    serve_tp = mocker.patch("autoprofile.tp.serve_tp", return_value=1)
+    assert cli.main(["serve", "--model", "tiny", "--tp", "2"]) == 1
+    (cfg,), _ = serve_tp.call_args
+    assert cfg.tp == 2
+
+
+def test_a_step_survives_the_broadcast_encoding():
+    from autoprofile.engine.sampling import SamplingParams
+    from autoprofile.engine.scheduler import Step, StepRow
+    step = Step(True, [StepRow(3, 16, [5, 6, 7], True, SamplingParams(temperature=0.5, seed=9), request=object()),
+                       StepRow(0, 0, [1], False, SamplingParams())], [(3, 1, [4, 8])], running=2, pages_used=5)
+    import pickle
+    back = tp.decode(pickle.loads(pickle.dumps(tp.encode(step))))
+    assert back.rows[0].request is None and back.rows[0].params == step.rows[0].params
+    assert [(r.slot, r.start, r.ids, r.sample) for r in back.rows] == [(r.slot, r.start, r.ids, r.sample)
+                                                                       for r in step.rows]
+    assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2, 5)
