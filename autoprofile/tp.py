@@ -440,7 +440,8 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
 
     Reads every result as it comes (a large one never blocks a rank), never waits on a dead rank (its exit
     is posted as its failure), and kills ranks that have not ended `bound_s` after an unresolved failure.
-    A KeyboardInterrupt here gives the ranks 30 s to end on their own (rank 0 serves and handles it);
+    The ranks run in their own process group: a Ctrl-C reaches this parent, which forwards it to rank 0
+    (it serves, and stops the others) and gives the ranks 30 s to end;
     timeout_s (tests) ends every rank that far from the start, failure or not."""
     import torch.multiprocessing as mp
 
@@ -473,7 +474,9 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
                     _end(procs, pipes, outcomes, failures, bound_s)
             except KeyboardInterrupt:
                 deadline = time.monotonic() + 30.0
-                log.warning("interrupted: waiting up to 30 s for the ranks to stop")
+                log.warning("interrupted: rank 0 stops the others; waiting up to 30 s")
+                if procs[0].is_alive():
+                    os.kill(procs[0].pid, signal.SIGINT)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -530,6 +533,7 @@ def _client(addr: tuple[str, int]):
 def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, target: Callable, args: tuple,
                conn, env: dict[str, str]) -> None:
     os.environ.update({**RANK_ENV, **env})
+    os.setpgrp()  # NOTE: a terminal's Ctrl-C goes to the parent only; it forwards it to rank 0
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     guard = None
     try:
