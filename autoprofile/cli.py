@@ -170,10 +170,9 @@ def _cmd_profile(cfg) -> int:
 def _cmd_serve(cfg) -> int:
     from autoprofile.profiler import boot
     from autoprofile.server import run_server
-    if cfg.tp > 1:
-        print("error: --tp: `serve` runs one rank for now; try --tp 1 "
-              "(`autoprofile profile --tp N` sizes a TP deployment)", file=sys.stderr)
-        return EXIT_FAILED
+    if cfg.tp > 1:  # one process per GPU: rank 0 serves HTTP and ships each step to the others
+        from autoprofile.tp import serve_tp
+        return serve_tp(cfg)
     return run_server(cfg, boot)  # binds, boots (load, probe, measure, rebuild, validate), serves, drains
 
 

@@ -25,6 +25,10 @@ CUDA_CONTEXT_ESTIMATE = 1670 * MiB  # non-torch memory of one process, measured 
 # the estimates do not model). Plan charges 2.25x, so that it stays at or below what the profiler measures
 # (0.5% below on both cards); without the margin it predicted 0.55% ABOVE (a pinned plan failed validation).
 ACTIVATION_FACTOR = 2.25
+# NCCL's communicator buffers (non-torch, per rank): measured 0.84 GiB per rank on 2xH200 at --tp 2 (NVLink
+# multicast off). Larger TP degrees were not measured: a ring/tree all-reduce keeps two neighbours per channel,
+# so the same figure is assumed.
+NCCL_ESTIMATE = 860 * MiB
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,14 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
                "native AITER decode uses its persistent workspace (solved with T below)")
 
 
+def nccl_row(tp: int) -> Row:
+    if tp == 1:
+        return Row("NCCL buffers", 0, "exact", "none", "")
+    return Row("NCCL buffers", NCCL_ESTIMATE, "ESTIMATED", "measured: NVML per-process use - reserved",
+               f"NCCL communicator buffers per rank: {gib(NCCL_ESTIMATE):.2f} GiB measured on 2xH200 at --tp 2; "
+               "assumed the same at larger --tp (not measured)")
+
+
 def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     m, tp, db = cfg.model_config, cfg.tp, DTYPE_BYTES[cfg.dtype]
     gmbs, bmt = cfg.graph_max_batch_size, cfg.batch_max_tokens
@@ -206,7 +218,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     rows = [
         Row("CUDA context, non-torch", CUDA_CONTEXT_ESTIMATE, "ESTIMATED",
             "measured: NVML per-process use - reserved",
-            "~1.6 GiB per process as measured on H100/H200 (torch 2.11, CUDA 13); NCCL buffers with --tp > 1 come on top"),
+            "~1.6 GiB per process as measured on H100/H200 (torch 2.11, CUDA 13); NCCL's buffers are the next row"),
+        nccl_row(tp),
         Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
             f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"),
@@ -226,7 +239,7 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
                         f"logits buffer [{gmbs}, vocab] that every graph writes, static buffers incl. block "
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))
-    activations = sum(r.bytes for r in rows[3:])  # prefill peak, graph pools, decode scratch
+    activations = sum(r.bytes for r in rows[4:])  # prefill peak, graph pools, decode scratch
     rows += [
         Row("activation margin", int(activations * (ACTIVATION_FACTOR - 1)), "assumed",
             "measured: the probe peak replaces the estimates",

@@ -130,10 +130,14 @@ def _describe(e: BaseException) -> str:
 class Profiler:
     """Owns the canary; drives a ModelRunner through the four phases."""
 
-    def __init__(self, cfg: ServerConfig, runner, group=None, checkpoint: Checkpoint | None = None):
+    def __init__(self, cfg: ServerConfig, runner, group=None, checkpoint: Checkpoint | None = None,
+                 on_error: Callable[[str], None] | None = None):
         self.cfg, self.runner, self.group = cfg, runner, group
         self.device = getattr(runner, "device", torch.device("cuda"))
         self.fault = checkpoint or (lambda point: None)
+        # TP: posts this rank's failure at once, before it votes, so that peers waiting for it in a
+        # collective are freed (autoprofile.tp)
+        self.on_error = on_error or (lambda text: None)
         self.rec = Recorder(self.device)
         self.sizing: budget.Sizing = runner.sizing
         self.canary: torch.Tensor | None = None
@@ -197,6 +201,7 @@ class Profiler:
             self.runner.stress_decode()
         except Exception as e:  # noqa: BLE001 - any failure ends in the collective diagnostic
             err = _describe(e)
+            self.on_error(err)
             log.error("probe at %d tokens failed: %s", tokens, err)
         if not memory.all_ok(err is None, self.group):
             errors = _gather_errors(err, self.group)
@@ -257,6 +262,7 @@ class Profiler:
             self.checkpoint("validated")
         except Exception as e:  # noqa: BLE001 - OOM or not, every failure is retried collectively
             log.warning("build/validate at %d tokens failed: %s", tokens, _describe(e))
+            self.on_error(_describe(e))
             self.canary = None
             return _describe(e)
         self.canary = None  # released into this process's cache: headroom for serving
@@ -404,19 +410,24 @@ def _graph_pool_bytes(samples: list[Sample]) -> int:
 
 # ---------------------------------------------------------------- entry points
 def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_group=None,
-         checkpoint: Checkpoint | None = None, log_report: bool = True):
+         checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
 
-    Returns (runner, result); the runner is built at the validated size and ready to serve."""
+    guard: this rank's autoprofile.tp.RankGuard under TP (its data group replaces `group`; the returned
+    runner runs its data-plane work in the guard's sections). Returns (runner, result); the runner is
+    built at the validated size and ready to serve."""
     from autoprofile.engine.runner import ModelRunner
     from autoprofile.report import write_report
 
     t0 = time.perf_counter()
-    runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=group)
+    runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=guard.data if guard else group)
+    if guard is not None:
+        runner = guard.bind(runner)
     load_s = time.perf_counter() - t0
     log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
     try:
-        result = Profiler(cfg, runner, group=cpu_group, checkpoint=checkpoint).run()
+        result = Profiler(cfg, runner, group=cpu_group, checkpoint=checkpoint,
+                          on_error=guard.post if guard else None).run()
     except BaseException:
         try:
             runner.teardown()
@@ -435,43 +446,13 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
     """`autoprofile profile`: run the profiler alone and return its report (the runner is dropped)."""
     if cfg.tp > 1:
-        return _profile_tp(cfg)
+        return _profile_tp(cfg, checkpoint)
     runner, result = boot(cfg, checkpoint=checkpoint, log_report=False)  # the caller prints it
     runner.teardown()
     return result
 
 
-def _profile_tp(cfg: ServerConfig) -> ProfileResult:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:  # a free port, never a hard-coded one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_tp_worker, args=(cfg, port, queue), nprocs=cfg.tp, start_method="spawn", join=True)
-    ok, payload = queue.get()
-    if not ok:
-        raise ProfileError(payload)
-    return payload
-
-
-def _tp_worker(rank: int, cfg: ServerConfig, port: int, queue) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.tp,
-                            device_id=torch.device("cuda", rank))
-    cpu_group = dist.new_group(backend="gloo")  # decisions go over gloo, never through a GPU collective
-    try:
-        runner, result = boot(cfg, rank, cfg.tp, group=dist.group.WORLD, cpu_group=cpu_group, log_report=False)
-        runner.teardown()
-        if rank == 0:
-            result.cfg = cfg
-            queue.put((True, result))
-    except ProfileError as e:
-        if rank == 0:
-            queue.put((False, str(e)))
-    finally:
-        dist.destroy_process_group()
+def _profile_tp(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
+    """One process per GPU; any failure on any rank ends as one ProfileError (autoprofile.tp)."""
+    from autoprofile.tp import profile_tp
+    return profile_tp(cfg, checkpoint)

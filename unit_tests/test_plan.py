@@ -171,7 +171,7 @@ def test_printed_terms_satisfy_the_inequality(gpu, flags):
     cell = number(r"KV per token: ([\d,]+) B")
     fixed = [k for k in b if k not in ("GPU total", "available for T-sized terms", "KV cache",
                                        "attention workspace", "request table", "slack (mem_fraction, pages)")]
-    assert len(fixed) == 10  # incl. the activation margin and the driver reserve
+    assert len(fixed) == 11  # incl. NCCL buffers, the activation margin and the driver reserve
     available = b["GPU total"] - sum(b[k] for k in fixed)
     assert available == b["available for T-sized terms"]
     assert b["KV cache"] == tokens * cell
@@ -239,3 +239,12 @@ def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
 def make_plan_sized(cfg, tokens):
     from autoprofile.plan import sized_rows, sizing_for
     return sized_rows(sizing_for(cfg, "torch"), tokens, "torch")
+
+
+def test_tp_counts_nccl_buffers():
+    one, two = plan_for(tp=1), plan_for(tp=2)
+    assert row(one.fixed, "NCCL buffers").bytes == 0
+    nccl = row(two.fixed, "NCCL buffers")
+    assert nccl.bytes == plan_module.NCCL_ESTIMATE and nccl.how == "ESTIMATED"
+    acts = sum(row(two.fixed, t).bytes for t in ("prefill activation peak", "decode graph pools", "decode attention scratch"))
+    assert row(two.fixed, "activation margin").bytes == int(acts * (plan_module.ACTIVATION_FACTOR - 1))

@@ -7,6 +7,7 @@ so a checkpoint is read shard by shard, never whole.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,17 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass
 class TP:
-    """This rank's place in the tensor-parallel group (group None = the default group)."""
+    """This rank's place in the tensor-parallel group (group None = the default group).
+
+    One TP object is shared by every layer of a model, so `autoprofile.tp` can replace `group` after it
+    aborted a communicator, and set `wait`: a wait for a gloo collective that gives up when a peer failed
+    (None: the collective blocks until it completes)."""
 
     rank: int = 0
     size: int = 1
     group: object = None
+    wait: Callable[[dist.Work], None] | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self._done(dist.all_reduce(x, group=self.group, async_op=self.wait is not None))
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,8 +40,12 @@ class TP:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self._done(dist.all_gather(parts, x.contiguous(), group=self.group, async_op=self.wait is not None))
         return torch.cat(parts, dim=-1)
+
+    def _done(self, work: dist.Work | None) -> None:
+        if work is not None:
+            self.wait(work)
 
 
 def source_shape(src) -> tuple[int, ...]:

@@ -1,0 +1,212 @@
+"""Tensor parallelism on CPU with real gloo ranks (spawned by autoprofile.tp.launch): a failure on any
+rank, between two collectives or inside one, ends every rank with the same text within the bound; the
+profiler retries after an abort; TP=2 serving through the engine equals TP=1.
+
+Every launch has a timeout: a hang fails the test instead of blocking CI."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from autoprofile import memory, tp
+from autoprofile.config import ServerConfig
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.parallel import TP
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.profiler import Profiler, _describe, _gather_errors
+from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
+from unit_tests.test_engine_cpu import QWEN_SMALL, small_cfg, write_checkpoint
+
+TIMEOUT = 90  # per launch, spawn and imports included
+PROMPTS = [[1, 2, 3, 4, 5], [9] * 12, list(range(30, 70))]
+
+
+def run(target, world, *args, **kw) -> tuple[list[tp.Outcome], float]:
+    t0 = time.time()
+    out = tp.launch(target, world, args, device="cpu", timeout_s=TIMEOUT, **kw)
+    return out, t0
+
+
+def vote_and_raise(guard, err: str | None) -> None:
+    """What the profiler and run_step do after a section: the vote, then the gathered errors."""
+    if not memory.all_ok(err is None, guard.control):
+        raise tp.TPError("; ".join(_gather_errors(err, guard.control)))
+
+
+# ---------------------------------------------------------------- between two collectives
+def _fails_between(guard):
+    memory.all_ok(True, guard.control)
+    if guard.rank == 1:
+        raise ValueError("rank 1 broke between two votes")
+    memory.all_ok(True, guard.control)  # rank 1 never comes: its exit frees this wait
+    return "unreachable"
+
+
+@pytest.mark.slow
+def test_a_rank_failing_between_two_collectives_ends_every_rank_with_its_text():
+    out, t0 = run(_fails_between, 3)
+    texts = {o.value for o in out}
+    assert not any(o.ok for o in out) and texts == {"rank 1: ValueError: rank 1 broke between two votes"}, out
+    assert max(o.ended for o in out) - out[1].ended < 10
+
+
+# ---------------------------------------------------------------- inside a collective
+def _fails_inside(guard):
+    err = None
+    try:
+        with guard.section("test"):
+            if guard.rank == 1:
+                raise RuntimeError("rank 1 raised before its all-reduce")
+            TP(guard.rank, guard.world, guard.data, guard.wait).all_reduce(torch.ones(4))  # waits for rank 1
+    except Exception as e:  # noqa: BLE001
+        err = _describe(e)
+    try:
+        vote_and_raise(guard, err)
+    except tp.TPError as e:
+        text = str(e)
+    guard.heal()  # the aborted data group is replaced on every rank: collectives work again
+    x = torch.full((2,), float(guard.rank + 1))
+    TP(guard.rank, guard.world, guard.data, guard.wait).all_reduce(x)
+    return text, x.tolist(), time.time()
+
+
+@pytest.mark.slow
+def test_a_rank_failing_inside_a_collective_frees_the_waiting_rank_and_both_agree_then_recover():
+    out, t0 = run(_fails_inside, 2)
+    assert all(o.ok for o in out), out
+    (t_0, x_0, end_0), (t_1, x_1, end_1) = out[0].value, out[1].value
+    assert t_0 == t_1
+    assert "rank 1: RuntimeError: rank 1 raised before its all-reduce" in t_0
+    assert "rank 0: PeerFailed" in t_0
+    assert x_0 == x_1 == [3.0, 3.0]
+    assert abs(end_0 - end_1) < 10 and max(end_0, end_1) - t0 < TIMEOUT
+
+
+def _killed_inside(guard):
+    with guard.section("test"):
+        if guard.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        TP(guard.rank, guard.world, guard.data, guard.wait).all_reduce(torch.ones(4))
+    return "unreachable"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_reported_by_the_parent_and_frees_its_peer():
+    out, t0 = run(_killed_inside, 2)
+    assert not out[0].ok and not out[1].ok
+    assert out[0].value == out[1].value == "rank 1: the rank's process died (signal SIGKILL) before reporting"
+    assert out[0].ended - t0 < TIMEOUT
+
+
+# ---------------------------------------------------------------- the profiler: retry after an abort
+CFG = ServerConfig(model="llama-3.1-8b", max_req_total_len=8192, canary_mb=1, report_dir=None, tp=2)
+
+
+class CollectiveFakeRunner(FakeRunner):
+    """The FakeGPU engine double whose decode stress all-reduces over the data group; rank 1 raises in
+    its first decode stress after the probe, before that all-reduce (as an OOM inside a layer would)."""
+
+    def stress_decode(self) -> None:
+        super().stress_decode()
+        self.decodes = getattr(self, "decodes", 0) + 1
+        if self.tp.rank == 1 and self.decodes == 2:
+            raise torch.OutOfMemoryError("injected inside rank 1's decode forward")
+        self.tp.all_reduce(torch.ones(1))
+
+
+def _profile_with_abort(guard):
+    gpu = FakeGPU(peers=guard.rank * 3 * GiB)
+    with gpu.patched():
+        fake = CollectiveFakeRunner(gpu, llama8b_sizing(CFG.page_size, CFG.context_len))
+        fake.tp = TP(guard.rank, guard.world)
+        first_group = guard.data
+        res = Profiler(CFG, guard.bind(fake), group=guard.control, on_error=guard.post).run()
+    return res.tokens, res.attempts, res.errors, guard.data is not first_group, b"x" * (4 << 20)
+
+
+@pytest.mark.slow
+def test_profiler_retries_on_every_rank_after_one_rank_failed_inside_a_collective():
+    out, _ = run(_profile_with_abort, 2)
+    assert all(o.ok for o in out), out
+    (tok0, att0, err0, new0, big), (tok1, att1, err1, new1, _) = out[0].value, out[1].value
+    assert tok0 == tok1 and att0 == att1 == 2 and err0 == err1
+    assert "rank 1: OutOfMemoryError: injected" in err0[0] and "rank 0: PeerFailed" in err0[0]
+    assert new0 and new1  # the aborted data group was replaced before the retry
+    assert len(big) == 4 << 20  # a result larger than a pipe's buffer came back (read before joining)
+
+
+# ---------------------------------------------------------------- serving over the step broadcast
+class FailingLayer:
+    """A forward pre-hook raising on one rank at its n-th call (inside the model forward)."""
+
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("rank 1 raised inside layer 1's forward")
+
+
+def _serve(guard, model_dir: str):
+    runner = ModelRunner(small_cfg(model=model_dir, tp=2), rank=guard.rank, world_size=2, group=guard.data)
+    guarded = guard.bind(runner)
+    guarded.build(512)
+    if guard.rank:
+        hook = FailingLayer(n=10 ** 9)
+        runner.model.model.layers[1].register_forward_pre_hook(hook)
+        tp.worker_loop(guarded)  # until rank 0's stop
+        hook.n = hook.calls + 3  # the third forward of the next serving run fails
+        tp.worker_loop(guarded)  # raises the fatal TPError
+        return "unreachable"
+    out = []
+    for _ in range(2):
+        broadcaster = tp.StepBroadcaster(guarded)
+        engine = LLMEngine(broadcaster)
+        out.append(engine.generate(PROMPTS, max_tokens=8))
+        out.append(engine.stats.failed_steps)
+        if broadcaster.fatal is None:
+            broadcaster.close()
+        out.append(broadcaster.fatal)
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_serving_on_cpu_equals_tp1_and_a_failure_inside_a_forward_stops_every_rank_with_one_text(tmp_path):
+    write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
+    one = ModelRunner(small_cfg(model=str(tmp_path / "qwen")))
+    one.build(512)
+    want = LLMEngine(one).generate(PROMPTS, max_tokens=8)
+    out, t0 = run(_serve, 2, str(tmp_path / "qwen"))
+    assert out[0].ok, out
+    tokens, failed, closed, _, failed_after, fatal = out[0].value
+    assert tokens == want and failed == 0 and closed == "closed"
+    assert failed_after == 1 and fatal.startswith("tensor-parallel serving stopped")
+    assert "rank 1: RuntimeError: rank 1 raised inside layer 1's forward" in fatal
+    assert not out[1].ok and out[1].value == fatal  # the worker ends with the very same text
+
+
+def test_serve_with_tp_spawns_the_ranks_and_returns_their_exit_code(mocker):
+    from autoprofile import cli
+    mocker.patch("autoprofile.cli._gpu_present", return_value=True)
+    serve_tp = mocker.patch("autoprofile.tp.serve_tp", return_value=1)
+    assert cli.main(["serve", "--model", "tiny", "--tp", "2"]) == 1
+    (cfg,), _ = serve_tp.call_args
+    assert cfg.tp == 2
+
+
+def test_a_step_survives_the_broadcast_encoding():
+    from autoprofile.engine.sampling import SamplingParams
+    from autoprofile.engine.scheduler import Step, StepRow
+    step = Step(True, [StepRow(3, 16, [5, 6, 7], True, SamplingParams(temperature=0.5, seed=9), request=object()),
+                       StepRow(0, 0, [1], False, SamplingParams())], [(3, 1, [4, 8])], running=2, pages_used=5)
+    import pickle
+    back = tp.decode(pickle.loads(pickle.dumps(tp.encode(step))))
+    assert back.rows[0].request is None and back.rows[0].params == step.rows[0].params
+    assert [(r.slot, r.start, r.ids, r.sample) for r in back.rows] == [(r.slot, r.start, r.ids, r.sample)
+                                                                       for r in step.rows]
+    assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2, 5)
