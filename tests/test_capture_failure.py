@@ -111,7 +111,8 @@ def test_runner_build_with_oom_in_capture_then_rebuild_in_a_child():
         torch.cuda.empty_cache()
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
         runner.build(262144)
-        assert len(runner.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
+        from autoprofile.engine.engine import LLMEngine
+        assert len(LLMEngine(runner).generate([[1, 2, 3]], max_tokens=4)[0]) == 4
         runner.teardown()
         print("clean exit", flush=True)
     """

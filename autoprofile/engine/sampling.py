@@ -51,6 +51,11 @@ class SamplingParams:
 GREEDY = SamplingParams()
 # The sampler's memory worst case (top_k above PREFILTER: the full sort, SORT_ROWS rows at a time)
 STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1)
+# The other memory-heavy path: top-p without top-k whose nucleus outgrows the prefilter (a temperature
+# of 10 flattens any logits), so every row is prefiltered and then sorted. On an H200 it peaked 0.1% above
+# STRESS (330.9 vs 330.6 MB at 256 rows): the stress samples with both (autoprofile.engine.stress).
+STRESS_WIDE = SamplingParams(temperature=10.0, top_p=0.99)
+STRESS_PARAMS = (STRESS, STRESS_WIDE)
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,10 @@ def request_generator(params: SamplingParams, device: torch.device) -> torch.Gen
 # ---------------------------------------------------------------- declared memory
 def sort_bytes_per_row(vocab_size: int, dtype_bytes: int) -> int:
     """Sort path, per row: the gathered row, the sorted copy and torch's sort scratch (keys: 2 * dtype,
-    int64 ids: 3 * 8, the output included), then fp32 logits / T, softmax/cumsum, noise; + 8/logit margin."""
-    return vocab_size * (3 * dtype_bytes + 32)
+    int64 ids: 3 * 8, the output included), then fp32 logits / T, softmax/cumsum, noise; + a margin.
+    Measured on an H200 (bf16, vocab 128,256, 64 rows sorted at a time): 40.3 bytes per logit at the
+    worst (prefilter + fallback sort); 38 were declared and fell short, so 46 (3 * 2 + 40)."""
+    return vocab_size * (3 * dtype_bytes + 40)
 
 
 def fast_bytes_per_row(vocab_size: int) -> int:

@@ -24,7 +24,7 @@ import math
 import random
 
 from autoprofile.engine.envelope import Envelope
-from autoprofile.engine.sampling import STRESS
+from autoprofile.engine.sampling import STRESS_PARAMS
 from autoprofile.engine.scheduler import Step, StepRow
 
 DECODE_STEPS = 2
@@ -77,6 +77,7 @@ def corner_step(env: Envelope, is_prefill: bool, rows: Rows, usable_pages: int, 
         count = math.ceil((start + n) / env.page_size)
         step.page_writes.append((slot, 0, [(nxt + j) % usable_pages + 1 for j in range(count)]))
         nxt += count
-        step.rows.append(StepRow(slot, start, [rng.randrange(vocab_size) for _ in range(n)], True, STRESS))
+        params = STRESS_PARAMS[seed % len(STRESS_PARAMS)]  # consecutive corners: both worst sampler paths
+        step.rows.append(StepRow(slot, start, [rng.randrange(vocab_size) for _ in range(n)], True, params))
     step.pages_used = min(nxt, env.pages)
     return step
