@@ -266,7 +266,7 @@ async def generate(request: web.Request) -> web.Response:
     prompts, max_new, params = parse_generate(await _json_body(request), st.limits)
     if not st.engine.has_room(len(prompts)):
         raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
-                                        f"limit {st.engine.capacity}"))
+                                    f"limit {st.engine.capacity}"))
     handles = []
     try:
         for p in prompts:

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
                 ms = time_steps(runner, decode_step(runner, b, args.ctx, params), args.iters)
                 floor = (weights + b * args.ctx * cell) / bw * 1e3
                 out["steps"][f"{context}/b{b}/{name}"] = {"context": context, "batch": b, "sampling": name,
-                                                         "ms": ms, "floor_ms": floor, "of_floor": floor / ms}
+                                                          "ms": ms, "floor_ms": floor, "of_floor": floor / ms}
         if context == args.contexts[0]:
             logits = torch.randn(max(args.batches), runner.model_config.vocab_size, device="cuda",
                                  dtype=torch.bfloat16) * 5

@@ -99,8 +99,8 @@ def test_suggested_value_really_works(argv, flag, suggestion, fixed, cuda_spy, c
 
 
 @pytest.mark.parametrize("typed, meant", [("--mem-fractoin", "--mem_fraction"), ("--mem", "--mem_fraction"),
-                                           ("--max_total_tokens", "--max_total_token_num"),
-                                           ("--graph-max-bs", "--graph_max_batch_size")])
+                                          ("--max_total_tokens", "--max_total_token_num"),
+                                          ("--graph-max-bs", "--graph_max_batch_size")])
 def test_unknown_flag_exits_2_with_did_you_mean(typed, meant, cuda_spy, capsys):
     assert cli.main(["serve", typed, "0.9"]) == 2
     err = capsys.readouterr().err

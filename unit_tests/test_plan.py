@@ -9,7 +9,7 @@ import pytest
 
 from autoprofile import budget, cli
 from autoprofile import plan as plan_module
-from autoprofile.budget import GiB, MiB
+from autoprofile.budget import GiB
 from autoprofile.config import ServerConfig, validate
 from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, weight_split
 
@@ -165,6 +165,7 @@ def test_printed_terms_satisfy_the_inequality(gpu, flags):
     cfg = validate(ServerConfig(**flags))
     text = format_plan(make_plan(cfg, GPUS[gpu]))
     b = printed_bytes(text)
+
     def number(pattern: str) -> int:
         return int(re.search(pattern, text).group(1).replace(",", ""))
     tokens = number(r"predicted --max_total_token_num: ([\d,]+) tokens")

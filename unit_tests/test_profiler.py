@@ -7,7 +7,7 @@ import torch
 from autoprofile import budget
 from autoprofile.config import ServerConfig
 from autoprofile.profiler import LeakError, Profiler, ProfileError
-from unit_tests.fakes import GiB, MiB, FakeGPU, FakeRunner, llama8b_sizing
+from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
 
 CFG = ServerConfig(model="llama-3.1-8b", max_req_total_len=8192, canary_mb=1, batch_max_tokens=8192,
                    graph_max_batch_size=256, report_dir=None)

@@ -138,7 +138,7 @@ def test_held_text_is_released_when_the_request_ends_without_a_stop():
 
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(alphabet="abcdé🙂 ", max_size=40), stops=st.lists(st.text(alphabet="abé🙂", min_size=1,
-                                                                            max_size=4), max_size=3),
+                                                                             max_size=4), max_size=3),
        step=st.integers(1, 5))
 def test_streamed_text_is_the_whole_text_cut_at_the_first_completed_stop(text, stops, step):
     """Any chunking (step tokens at a time, multi-byte characters split) gives the same text."""

@@ -240,4 +240,3 @@ class ModelRunner:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-

@@ -113,4 +113,3 @@ class AiterTritonBackend(AttentionBackend):
         """NOTE: the kernel's program count is a constexpr min(rows, SMs): each row count below the SM
         count compiles once (decode batch sizes of the graph ladder, at capture)."""
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
-
