@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy-bandwidth and prefill timers
+from cuda_timing import cuda_median_ms  # noqa: E402
 
 from autoprofile.config import ServerConfig, validate  # noqa: E402
 from autoprofile.engine import stress  # noqa: E402
@@ -59,21 +60,6 @@ def time_steps(runner: ModelRunner, step: Step, iters: int) -> float:
         runner.execute(step)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
-
-
-def cuda_ms(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def build(args: argparse.Namespace, context: int) -> ModelRunner:
@@ -112,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             gen = make_generator(0, runner.device)
             for name, params in (("greedy", GREEDY), ("top_p", TOP_P)):
                 batch = SamplingBatch.from_params([params] * logits.shape[0], runner.device)
-                out[f"sample_{name}_ms"] = cuda_ms(lambda: sample(logits, batch, gen), args.iters)
+                out[f"sample_{name}_ms"] = cuda_median_ms(lambda: sample(logits, batch, gen), args.iters)
             del logits
         runner.teardown()
         runner = None  # the next build needs the weights' memory back

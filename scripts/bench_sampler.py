@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
+
+from cuda_timing import cuda_median_ms
 
 from autoprofile.engine import sampling
 from autoprofile.engine.sampling import (
@@ -34,21 +35,6 @@ CASES = {  # name: (logits scale, params)
     "stress": (1.0, STRESS),
 }
 TARGETS_MS = {("greedy", 256): 0.1, ("top_p0.9", 256): 1.0}  # issue 9, H100, vocab 128256
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def peak_bytes(fn) -> int:
@@ -85,7 +71,7 @@ def bench_case(rows: int, vocab: int, scale: float, params: SamplingParams, iter
     def new():
         return sample(logits, batch, gen)
 
-    r = {"rows": rows, "vocab": vocab, "old_ms": median_ms(old, iters), "new_ms": median_ms(new, iters),
+    r = {"rows": rows, "vocab": vocab, "old_ms": cuda_median_ms(old, iters), "new_ms": cuda_median_ms(new, iters),
          "old_peak_bytes": peak_bytes(old), "new_peak_bytes": peak_bytes(new),
          "declared_bytes": sampler_workspace_bytes(rows, vocab, 2), "wider_rows": wider_rows(logits, batch)}
     r["speedup"] = r["old_ms"] / r["new_ms"]

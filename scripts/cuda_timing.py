@@ -1,0 +1,22 @@
+"""The benchmarks' one timer: CUDA events around each call, the median of `iters` calls after a warm-up."""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_median_ms(fn: Callable[[], object], iters: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
