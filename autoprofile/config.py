@@ -43,6 +43,7 @@ class ServerConfig:
     max_req_total_len: int | None = None
     graph_max_batch_size: int = 256
     disable_cudagraph: bool = False
+    disable_prefix_caching: bool = False
     attention_backend: str = "auto"
     kv_dtype: str = "auto"
     dtype: str = "bfloat16"
@@ -202,6 +203,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
              help="largest decode batch captured as a CUDA graph")
     add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
+    add_flag(p, "disable_prefix_caching", action="store_true",
+             help="never reuse the K/V of full pages that an earlier request with the same prefix computed")
     add_flag(p, "attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
     add_flag(p, "kv_dtype", default=d.kv_dtype, help=f"one of {', '.join(KV_DTYPES)} (auto = --dtype)")
     add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")

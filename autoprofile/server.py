@@ -404,7 +404,7 @@ async def serve(cfg, boot) -> int:
             return EXIT_FAILED
         raise
     try:
-        activate(app, LLMEngine(runner), result)
+        activate(app, LLMEngine(runner, prefix_caching=not cfg.disable_prefix_caching), result)
         await stopping
         await drain(app)
     finally:

@@ -92,7 +92,8 @@ def run_all(engine: LLMEngine, check=None) -> dict[str, tuple[list[int], str]]:
 def invariants(engine: LLMEngine) -> None:
     s = engine.scheduler
     held = [p for r in s.running for p in r.pages]
-    assert len(held) == len(set(held)) == s.pages_used, "pages are held once, and counted"
+    assert all(len(r.pages) == len(set(r.pages)) for r in s.running), "a request holds a page once"
+    assert len(set(held)) == s.pages_used, "every held page is counted (shared prefix pages once)"
     assert all(not r.pages and r.slot is None for r in s.waiting), "waiting requests hold nothing"
     slots = [r.slot for r in s.running]
     assert len(slots) == len(set(slots)) and len(slots) + len(s.free_slots) == s.env.running_reqs
@@ -260,26 +261,31 @@ def _serve(engine, prompts, check=None):
 traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
                             st.integers(1, 80),  # prompt length
                             st.integers(1, 40),  # max_tokens
-                            st.one_of(st.none(), st.integers(0, 30))),  # abort after this many steps
+                            st.one_of(st.none(), st.integers(0, 30)),  # abort after this many steps
+                            st.integers(0, 60)),  # leading tokens shared with the other requests
                   min_size=1, max_size=25)
+SHARED = [(5 * j + 1) % VOCAB for j in range(60)]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=traces, kv_pages=st.integers(25, 120), batch=st.integers(1, 48), running=st.integers(1, 8))
-def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running):
+@given(trace=traces, kv_pages=st.integers(25, 120), batch=st.integers(1, 48), running=st.integers(1, 8),
+       caching=st.booleans())
+def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running, caching):
     """Every step passes Envelope.check (StepRunner raises otherwise), every request ends (length,
-    stop or abort), and at the end every page and slot is free."""
+    stop or abort), and at the end every page and slot is free; with prefix caching on or off."""
     engine, runner = fake_engine(context=96, page_size=4, kv_pages=kv_pages, batch=batch, running=running)
+    engine.scheduler.prefix_caching = caching
     arrivals = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
     pending, added, ended, aborts, clock = list(arrivals), {}, {}, {}, 0
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= clock:
             _, i = pending.pop(0)
-            _, n, max_tokens, abort_after = trace[i]
+            _, n, max_tokens, abort_after, shared = trace[i]
             max_tokens = min(max_tokens, 96 - n) if n < 96 else None
             if max_tokens is None or max_tokens < 1:
                 continue
-            added[i] = engine.add_request([(i * 7 + j) % VOCAB for j in range(n)], max_tokens=max_tokens)
+            prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+            added[i] = engine.add_request(prompt, max_tokens=max_tokens)
             if abort_after is not None:
                 aborts[clock + abort_after] = aborts.get(clock + abort_after, []) + [added[i]]
         for rid in aborts.pop(clock, []):
@@ -293,6 +299,7 @@ def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, 
         assert clock < 5000, "no progress"
     assert set(ended) == set(added.values())
     assert set(ended.values()) <= {"length", "abort", "stop"}
+    assert caching or engine.stats.prefix_hit_tokens == 0
     assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
 
 
@@ -366,3 +373,65 @@ def test_model_seeded_requests_are_batch_and_preemption_invariant(roomy):
     assert alone == crowded == preempted
     assert LLMEngine(roomy).generate([[5, 6, 7]], SamplingParams(temperature=1.0, top_p=0.95, seed=1235),
                                      max_tokens=12)[0] != alone
+
+
+# ---------------------------------------------------------------- prefix caching
+def test_page_allocator_caches_registered_pages_until_it_needs_them():
+    from autoprofile.engine.kv_cache import PageAllocator
+    a = PageAllocator(5)  # pages 1..4
+    p1, p2 = a.alloc(2)
+    c1 = a.register(p1, 0, (1, 2))
+    c2 = a.register(p2, c1, (3, 4))
+    assert a.lookup(0, (1, 2)) == (p1, c1) and a.lookup(c1, (3, 4)) == (p2, c2)
+    assert a.lookup(0, (3, 4)) is None  # the same tokens after another prefix are another key
+    q = a.alloc(1)[0]
+    assert a.register(q, 0, (1, 2)) == c1 and a.lookup(0, (1, 2)) == (p1, c1)  # the first copy stays
+    a.free([p1, p2, q])
+    assert a.num_free == 4 and a.lookup(0, (1, 2)) == (p1, c1)  # freed, still cached
+    a.share(p1)
+    assert a.num_free == 3 and not a.is_free(p1)
+    a.free([p1])
+    evicted = a.alloc(3)  # least recently freed first: the untouched page 4, then p2, then q
+    assert evicted == [4, p2, q] and a.lookup(c1, (3, 4)) is None and a.lookup(0, (1, 2)) == (p1, c1)
+    with pytest.raises(ValueError, match="double free"):
+        a.free([p1])
+
+
+def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens():
+    system = [(3 * j + 2) % VOCAB for j in range(40)]
+    prompts = [system + [7, 8, 9], system + [4, 5], system]
+    plain, _ = fake_engine(kv_pages=60)
+    plain.scheduler.prefix_caching = False
+    want = _serve_each(plain, prompts)
+    cached, runner = fake_engine(kv_pages=60)
+    got = _serve_each(cached, prompts)
+    assert got == want and plain.stats.prefix_hit_tokens == 0
+    # 40 shared tokens = 10 full pages of 4; the prompt that is the system prompt alone keeps its last
+    # token to compute (9 pages)
+    assert cached.stats.prefix_hit_tokens == 40 + 36
+    first_start: dict[str, int] = {}
+    for step in runner.steps:
+        for r in step.rows:
+            first_start.setdefault(r.request.request_id, r.start)
+    assert list(first_start.values()) == [0, 40, 36]  # each later request's first chunk starts after the hit
+    assert cached.stats.pages_used == 0
+
+
+def _serve_each(engine, prompts):
+    """One after the other, so each finds what the earlier ones left in the cache."""
+    out = []
+    for p in prompts:
+        rid = engine.add_request(p, max_tokens=6)
+        out.append(run_all(engine)[rid])
+    return out
+
+
+def test_model_prefix_cache_gives_the_same_greedy_tokens(roomy):
+    system = [(29 * j) % 4000 + 5 for j in range(70)]
+    prompts = [system + [11, 12, 13], system + [14], system + [15, 16, 17, 18, 19]]
+    want = LLMEngine(roomy, prefix_caching=False).generate(prompts, max_tokens=8)
+    cached = LLMEngine(roomy)
+    first = cached.generate(prompts[:1], max_tokens=8)
+    rest = cached.generate(prompts[1:], max_tokens=8)
+    assert first + rest == want
+    assert cached.stats.prefix_hit_tokens >= 2 * 64  # four full 16-token pages of the system prompt, twice

@@ -37,14 +37,15 @@ class EngineStats:
     steps: int
     failed_steps: int  # steps that raised: their requests finished with finish_reason "error"
     ooms: int  # of those, out-of-memory errors (a validated envelope keeps this 0)
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class LLMEngine:
-    def __init__(self, runner):
+    def __init__(self, runner, prefix_caching: bool = True):
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
         self.runner, self.envelope = runner, runner.envelope
-        self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages)
+        self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching)
         self.vocab_size = runner.model_config.vocab_size
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()
@@ -133,7 +134,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used, s.allocator.capacity,
-                           self._steps, self._failed_steps, self._ooms)
+                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = GREEDY,
                  max_tokens: int = 16) -> list[list[int]]:

@@ -1,7 +1,9 @@
 """The paged KV pool (one tensor), its page allocator, and the request table (slots -> pages)."""
 from __future__ import annotations
 
+import itertools
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -33,12 +35,21 @@ class KVCache:
 
 
 class PageAllocator:
-    """Free list of page ids (PAD_PAGE excluded). Host-side: allocation never touches the GPU."""
+    """Pages with reference counts (PAD_PAGE is never handed out). Host-side: never touches the GPU.
+
+    Prefix caching: a full page of computed K/V is registered under the key (chain id of the page before it,
+    its tokens). A page whose last holder frees it stays in the free list, least recently freed first, still
+    registered: a request with the same prefix takes it back (`share`) until `alloc` hands it out again (and
+    forgets its key). Chain ids are never reused, so a key can only match the exact same prefix."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, PAD_PAGE, -1))  # pop() hands out low ids first
-        self._used = bytearray(num_pages)
+        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(PAD_PAGE + 1, num_pages))
+        self._ref = [0] * num_pages
+        self._key: dict[int, tuple] = {}  # registered page -> (parent chain id, tokens)
+        self._page: dict[tuple, int] = {}  # key -> registered page
+        self._chain: dict[int, int] = {}  # registered page -> its chain id (the parent of the next page's key)
+        self._ids = itertools.count(1)  # 0: the empty prefix
 
     @property
     def capacity(self) -> int:
@@ -47,23 +58,56 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
+        """Pages nobody holds (cached ones included: alloc may evict them)."""
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KVCacheFull(f"KV cache full: {n} pages requested, "
                               f"{len(self._free)} of {self.capacity} free")
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [self._free.popitem(last=False)[0] for _ in range(n)]
         for p in pages:
-            self._used[p] = 1
+            self._forget(p)
+            self._ref[p] = 1
         return pages
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
-            if not 0 < p < self.num_pages or not self._used[p]:
+            if not PAD_PAGE < p < self.num_pages or not self._ref[p]:
                 raise ValueError(f"page {p} is not allocated (double free?)")
-            self._used[p] = 0
-            self._free.append(p)
+            self._ref[p] -= 1
+            if not self._ref[p]:
+                self._free[p] = None
+
+    # ------------------------------------------------------------ prefix caching
+    def lookup(self, parent: int, tokens: tuple[int, ...]) -> tuple[int, int] | None:
+        """(page, its chain id) holding `tokens` after the prefix `parent`, or None."""
+        page = self._page.get((parent, tokens))
+        return None if page is None else (page, self._chain[page])
+
+    def is_free(self, page: int) -> bool:
+        return not self._ref[page]
+
+    def share(self, page: int) -> None:
+        """One more holder of a registered page (taken back from the free list if nobody held it)."""
+        if not self._ref[page]:
+            del self._free[page]
+        self._ref[page] += 1
+
+    def register(self, page: int, parent: int, tokens: tuple[int, ...]) -> int:
+        """Cache a held, full page; returns the chain id its successor's key uses. If the same prefix is
+        cached in another page already, that one stays the cached copy and its chain id is returned."""
+        key = (parent, tokens)
+        if key in self._page:
+            return self._chain[self._page[key]]
+        self._forget(page)
+        self._key[page], self._page[key], self._chain[page] = key, page, next(self._ids)
+        return self._chain[page]
+
+    def _forget(self, page: int) -> None:
+        key = self._key.pop(page, None)
+        if key is not None:
+            del self._page[key], self._chain[page]
 
 
 class ReqTable:

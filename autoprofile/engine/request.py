@@ -38,6 +38,8 @@ class Request:
     num_preemptions: int = 0
     num_sent: int = 0  # output tokens already reported by step()
     generator: object | None = None  # a seeded request's own torch.Generator, made on its first sample
+    cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
+    chain: int = 0  # chain id of the last of them (0: the empty prefix)
 
     @property
     def num_tokens(self) -> int:

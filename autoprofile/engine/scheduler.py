@@ -8,6 +8,11 @@ one step. Pages are allocated as requests grow; when a running request needs a p
 free, the youngest running requests are preempted (pages and slot freed, recomputed later from
 prompt + output so far). A request is admitted only when its first chunk's pages are free, so
 admission never preempts.
+
+Prefix caching (on full pages): every full page of computed K/V is registered in the page allocator;
+a request being admitted takes back the longest run of cached pages matching its tokens (never its
+last token: that one must be computed to be sampled), so its first chunk starts after them and attends
+to them like any later chunk (prefill_kv_tokens and max_prefix_len bound it: inside the envelope).
 """
 from __future__ import annotations
 
@@ -53,14 +58,15 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, envelope: Envelope, kv_pages: int):
+    def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True):
         """kv_pages: pages of the built cache, the pad page included (never handed out)."""
-        self.env = envelope
+        self.env, self.prefix_caching = envelope, prefix_caching
         self.allocator = PageAllocator(kv_pages)
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: preemption takes from the tail
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # tokens whose K/V admission found in the prefix cache
         self._last_was_prefill = False
 
     # ------------------------------------------------------------ queue
@@ -111,24 +117,26 @@ class Scheduler:
             admit = req.status is RequestStatus.WAITING
             if admit and not self.free_slots:
                 break
-            n = min(req.num_tokens - req.num_computed, tokens_left, kv_left - req.num_computed)
+            hit, chain = self._cached_prefix(req) if admit else ([], 0)
+            start = len(hit) * ps if admit else req.num_computed
+            n = min(req.num_tokens - start, tokens_left, kv_left - start)
             if n < 1:
                 break
-            need = math.ceil((req.num_computed + n) / ps) - len(req.pages)
-            if need > self.allocator.num_free:
+            held = hit if admit else req.pages
+            need = math.ceil((start + n) / ps) - len(held)
+            free = self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit)
+            if need > free:
                 if admit:
                     break  # admission never preempts: wait for pages
                 if not self._make_room(need, req):
                     continue  # req itself was preempted
             if admit:
-                self.waiting.remove(req)
-                req.slot, req.status = self.free_slots.pop(), RequestStatus.RUNNING
-                self.running.append(req)
+                self._admit(req, hit, chain, step)
             self._grow(req, need, step)
-            step.rows.append(StepRow(req.slot, req.num_computed, req.tokens(req.num_computed, req.num_computed + n),
-                                     req.num_computed + n == req.num_tokens, req.params, req))
+            step.rows.append(StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
+                                     req.params, req))
             tokens_left -= n
-            kv_left -= req.num_computed + n
+            kv_left -= start + n
         return step if step.rows else None
 
     def _schedule_decode(self) -> Step | None:
@@ -143,7 +151,38 @@ class Scheduler:
             step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True, req.params, req))
         return step if step.rows else None
 
-    # ------------------------------------------------------------ pages and preemption
+    # ------------------------------------------------------------ pages, prefix cache, preemption
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """The cached pages holding req's leading tokens (all but its last token), and the chain id after them."""
+        pages, chain, ps = [], 0, self.env.page_size
+        if self.prefix_caching:
+            for i in range((req.num_tokens - 1) // ps):
+                found = self.allocator.lookup(chain, tuple(req.tokens(i * ps, (i + 1) * ps)))
+                if found is None:
+                    break
+                pages.append(found[0])
+                chain = found[1]
+        return pages, chain
+
+    def _admit(self, req: Request, hit: list[int], chain: int, step: Step) -> None:
+        self.waiting.remove(req)
+        req.slot, req.status = self.free_slots.pop(), RequestStatus.RUNNING
+        self.running.append(req)
+        for p in hit:
+            self.allocator.share(p)
+        req.pages, req.num_computed, req.cached_pages, req.chain = list(hit), len(hit) * self.env.page_size, len(hit), chain
+        if hit:
+            step.page_writes.append((req.slot, 0, list(hit)))
+            self.prefix_hit_tokens += req.num_computed
+
+    def _register(self, req: Request) -> None:
+        """Put req's newly full pages of computed K/V in the prefix cache."""
+        ps = self.env.page_size
+        while self.prefix_caching and req.cached_pages < req.num_computed // ps:
+            i = req.cached_pages
+            req.chain = self.allocator.register(req.pages[i], req.chain, tuple(req.tokens(i * ps, (i + 1) * ps)))
+            req.cached_pages += 1
+
     def _grow(self, req: Request, n: int, step: Step) -> None:
         if n > 0:
             pages = self.allocator.alloc(n)
@@ -168,9 +207,9 @@ class Scheduler:
         self.waiting.appendleft(req)  # youngest preempted first, so older ones end up ahead of it
 
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
+        self.allocator.free(req.pages)  # cached pages stay cached until alloc needs them
         self.free_slots.append(req.slot)
-        req.pages, req.slot = [], None
+        req.pages, req.slot, req.cached_pages, req.chain = [], None, 0, 0
 
     # ------------------------------------------------------------ after the step ran
     def update(self, step: Step, sampled: list[int]) -> list[Request]:
@@ -183,6 +222,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted after the step was built
             req.num_computed = row.start + len(row.ids)
+            self._register(req)
             if token is None:
                 continue
             req.output_ids.append(token)
