@@ -120,6 +120,20 @@ def test_health_models_and_metrics(run):
     assert s[("autoprofile_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(run):
+    prompt = "You are a helpful assistant. Answer briefly and precisely, in plain words. " * 2  # > 8 pages
+    async def body(c, app):
+        first = await post(c, "/v1/completions", greedy(prompt, n=6))
+        await idle(app)
+        second = await post(c, "/v1/completions", greedy(prompt, n=6))
+        await idle(app)
+        return first, second, await (await c.get("/metrics")).text()
+    (s1, a), (s2, b), text = run(body)
+    assert s1 == s2 == 200 and a["choices"][0]["text"] == b["choices"][0]["text"]
+    hits = metric_samples(text)[("autoprofile_prefix_cache_hit_tokens_total", ())]
+    assert hits >= 16 * (a["usage"]["prompt_tokens"] // 16 - 1) > 0  # every full page but the last
+
+
 def test_health_is_503_until_the_profile_is_validated():
     async def go():
         app = server.make_app(CFG)  # no engine yet: the profile is running

@@ -55,6 +55,7 @@ class Snapshot:
     steps: int = 0
     ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
     errors: int = 0  # failed steps, OOMs included
+    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -298,7 +299,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         s = self.engine.stats
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
-                                 s.ooms + self._ooms, s.failed_steps + self._errors)
+                                 s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens)
 
 
 def settle(fut: asyncio.Future, error: BaseException | None, value=None) -> None:

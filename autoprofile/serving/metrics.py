@@ -37,7 +37,9 @@ class EngineCollector:
                 ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)", s.preemptions),
                 ("autoprofile_serving_oom", "torch.OutOfMemoryError caught in the engine loop (must stay 0)", s.ooms),
                 ("autoprofile_engine_failed_steps", "engine steps that raised (their requests failed)", s.errors),
-                ("autoprofile_engine_steps", "engine steps run", s.steps)):
+                ("autoprofile_engine_steps", "engine steps run", s.steps),
+                ("autoprofile_prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix cache",
+                 s.prefix_hit_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
 
 
