@@ -122,6 +122,7 @@ def test_health_models_and_metrics(run):
 
 def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(run):
     prompt = "You are a helpful assistant. Answer briefly and precisely, in plain words. " * 2  # > 8 pages
+
     async def body(c, app):
         first = await post(c, "/v1/completions", greedy(prompt, n=6))
         await idle(app)
