@@ -76,7 +76,7 @@ def test_workspace_is_the_declared_formula_and_build_allocates_exactly_it(fake_a
 
 def test_decode_calls_paged_attention_ragged_with_the_contract(fake_aiter):
     be = backend()
-    be.build(max_num_reqs=4, max_context_len=1000)
+    be.build(max_decode_rows=4, max_context_len=1000)
     seq_lens = [1, 16, 17, 40]
     q, kc, vc, meta = decode_inputs(seq_lens, cols=5, max_seq_len=1000)
     out = be.decode(q, kc, vc, meta)
@@ -108,7 +108,7 @@ def test_decode_refuses_what_the_workspace_cannot_hold(fake_aiter):
     be = backend()
     with pytest.raises(RuntimeError, match="build"):
         be.decode(*decode_inputs([3], 1, 16))
-    be.build(max_num_reqs=2, max_context_len=512)
+    be.build(max_decode_rows=2, max_context_len=512)
     with pytest.raises(ValueError, match="batch 3"):
         be.decode(*decode_inputs([3, 3, 3], 1, 16))
     with pytest.raises(ValueError, match="max_seq_len 513"):

@@ -33,26 +33,26 @@ class AiterNativeBackend(AttentionBackend):
         self.k_scale = torch.ones(1, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(1, dtype=torch.float32, device=device)
         self.workspace: torch.Tensor | None = None
-        self.max_num_reqs = 0
+        self.max_decode_rows = 0
         self.num_partitions = 0
 
     @classmethod
-    def workspace_bytes(cls, max_num_reqs: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
+    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
         """fp32 partial outputs plus exp-sums and max-logits for every request, head and 256-token
         partition of the longest sequence (callers pass min(context_len, T): seed 001)."""
-        return budget.aiter_workspace_bytes(max_num_reqs, num_q_heads, head_dim,
+        return budget.aiter_workspace_bytes(max_decode_rows, num_q_heads, head_dim,
                                             budget.aiter_num_partitions(max_context_len, partition=PARTITION))
 
-    def build(self, max_num_reqs: int, max_context_len: int) -> None:
+    def build(self, max_decode_rows: int, max_context_len: int) -> None:
         self.teardown()
-        nbytes = self.workspace_bytes(max_num_reqs, max_context_len, self.num_q_heads, self.head_dim)
+        nbytes = self.workspace_bytes(max_decode_rows, max_context_len, self.num_q_heads, self.head_dim)
         self.workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.max_num_reqs = max_num_reqs
+        self.max_decode_rows = max_decode_rows
         self.num_partitions = budget.aiter_num_partitions(max_context_len, partition=PARTITION)
 
     def teardown(self) -> None:
         self.workspace = None
-        self.max_num_reqs = self.num_partitions = 0
+        self.max_decode_rows = self.num_partitions = 0
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -65,8 +65,8 @@ class AiterNativeBackend(AttentionBackend):
         """Requires seq_lens >= 1. The partition count is the built one (static: graph-safe)."""
         if self.workspace is None:
             raise RuntimeError("AiterNativeBackend.decode before build()")
-        if q.shape[0] > self.max_num_reqs:
-            raise ValueError(f"decode batch {q.shape[0]} exceeds the {self.max_num_reqs} requests the "
+        if q.shape[0] > self.max_decode_rows:
+            raise ValueError(f"decode batch {q.shape[0]} exceeds the {self.max_decode_rows} decode rows the "
                              "workspace was built for")
         if budget.aiter_num_partitions(meta.max_seq_len, partition=PARTITION) > self.num_partitions:
             raise ValueError(f"max_seq_len {meta.max_seq_len} is longer than the workspace was built for")

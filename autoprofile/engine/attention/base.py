@@ -53,13 +53,13 @@ class AttentionBackend(ABC):
         self.scale = head_dim ** -0.5
 
     @classmethod
-    def workspace_bytes(cls, max_num_reqs: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
-        """Persistent bytes build() allocates for this backend; scales with the token count through
-        max_num_reqs and max_context_len, so the budget solver subtracts it. Per-call allocations
-        are not declared: the probe measures them (inside graphs they live in the graph pool)."""
+    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
+        """Persistent bytes build() allocates for this backend: sized from the envelope's decode rows and
+        from max_context_len = min(context, T), so the budget solver subtracts it. Per-call allocations
+        are not declared: the stress measures them (inside graphs they live in the graph pool)."""
         return 0
 
-    def build(self, max_num_reqs: int, max_context_len: int) -> None:
+    def build(self, max_decode_rows: int, max_context_len: int) -> None:
         """Allocate persistent state (e.g. a workspace) for a cache of this size."""
 
     def teardown(self) -> None:
