@@ -16,8 +16,6 @@ from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
-V1_MAX_SEQ_LEN = budget.TRITON_V1_MAX_SEQ_LEN
-V1_MIN_ROWS = budget.TRITON_V1_MIN_ROWS
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
 # No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
