@@ -244,7 +244,12 @@ class RankGuard:
                 new = self._watch_log.read(seen + 1, n) if n > seen else []
                 seen = n
             except Exception as e:  # noqa: BLE001 - the store lives in the parent: it is gone
-                log.error("the failure channel is gone (%s); the watchdog stops", _describe(e))
+                if self._closed.is_set():
+                    return
+                # NOTE: nobody collects this rank any more: end it as the parent's SIGTERM would (rank 0
+                # of a server drains; the others end), never an orphan holding its GPU
+                log.error("the launcher is gone (%s): this rank stops", _describe(e))
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
             now = time.monotonic()
             with self._lock:
@@ -440,8 +445,8 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
 
     Reads every result as it comes (a large one never blocks a rank), never waits on a dead rank (its exit
     is posted as its failure), and kills ranks that have not ended `bound_s` after an unresolved failure.
-    The ranks run in their own process group: a Ctrl-C reaches this parent, which forwards it to rank 0
-    (it serves, and stops the others) and gives the ranks 30 s to end;
+    The ranks run in their own process group: a Ctrl-C or a SIGTERM reaches this parent, which forwards
+    it to rank 0 (it serves: it drains and stops the others) and gives the ranks 30 s to end;
     timeout_s (tests) ends every rank that far from the start, failure or not."""
     import torch.multiprocessing as mp
 
@@ -461,6 +466,7 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
     outcomes: dict[int, Outcome] = {}
     unresolved_since: float | None = None
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    restore = _forward_sigterm()
     try:
         while len(outcomes) < world:
             try:
@@ -472,18 +478,38 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
                 if (unresolved_since is not None and now - unresolved_since > bound_s) or \
                         (deadline is not None and now > deadline):
                     _end(procs, pipes, outcomes, failures, bound_s)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, _Terminated) as e:
+                sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
                 deadline = time.monotonic() + 30.0
-                log.warning("interrupted: rank 0 stops the others; waiting up to 30 s")
+                log.warning("%s: rank 0 stops the others; waiting up to 30 s", sig.name)
                 if procs[0].is_alive():
-                    os.kill(procs[0].pid, signal.SIGINT)
+                    os.kill(procs[0].pid, sig)
     finally:
+        restore()
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
     return [outcomes[r] for r in range(world)]
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the parent (raised in its main thread, handled like a Ctrl-C)."""
+
+
+def _forward_sigterm() -> Callable[[], None]:
+    """While the parent waits for its ranks, SIGTERM raises _Terminated in it (the default action would
+    kill the parent alone and leave the ranks, in their own process group, serving as orphans).
+    Returns what restores the previous handler; a no-op off the main thread (no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _collect(procs, pipes, outcomes: dict[int, Outcome], failures: FailureLog) -> None:

@@ -85,7 +85,7 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
     one.teardown()
     del one
     torch.cuda.empty_cache()
-    out = tp.launch(_tp_generate, 2, (model,), timeout_s=600)
+    out = tp.launch(_tp_generate, 2, (model,), timeout_s=300)
     assert all(o.ok for o in out), out
     logits, tokens = out[0].value
     torch.testing.assert_close(logits, want_logits, rtol=5e-2, atol=5e-2)  # bf16, another reduction order
@@ -124,7 +124,7 @@ def fault_for(point: str):
                                    "validate_decode"])
 def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tmp_path, point):
     t0 = time.time()
-    out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=600)
+    out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=300)
     assert abs(out[0].ended - out[1].ended) < BOUND
     if point.startswith("probe"):  # the probe is not retried: the same diagnostic on both ranks
         assert not out[0].ok and out[0].value == out[1].value, out
@@ -146,7 +146,7 @@ def test_a_peer_on_gpu1_only_sizes_both_ranks_to_the_smaller(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "ready"
-        out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path),), timeout_s=600)
+        out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path),), timeout_s=300)
     finally:
         peer.kill()
         peer.wait()

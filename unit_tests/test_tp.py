@@ -210,3 +210,69 @@ def test_a_step_survives_the_broadcast_encoding():
     assert [(r.slot, r.start, r.ids, r.sample) for r in back.rows] == [(r.slot, r.start, r.ids, r.sample)
                                                                        for r in step.rows]
     assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2, 5)
+
+
+# ---------------------------------------------------------------- SIGTERM to the launcher; the launcher gone
+def _serves_until_sigterm(guard):
+    """Rank 0 stands in for the server: SIGTERM makes it stop the worker and return; rank 1 waits for it."""
+    if guard.rank:
+        memory.all_ok(True, guard.control)
+        return "worker stopped"
+    import threading
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("serving", flush=True)
+    assert stop.wait(60), "no SIGTERM reached rank 0"
+    memory.all_ok(True, guard.control)
+    return "rank 0 drained"
+
+
+LAUNCHER = """
+import sys
+from autoprofile import tp
+from unit_tests.test_tp import _serves_until_sigterm
+out = tp.launch(_serves_until_sigterm, 2, (), device="cpu", timeout_s=80)
+print([(o.rank, o.ok, o.value) for o in out], flush=True)
+sys.exit(0 if all(o.ok for o in out) else 1)
+"""
+
+
+def _launcher(tmp_path):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=root, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_reaches_rank_0_which_stops_every_rank(tmp_path):
+    import psutil
+    proc = _launcher(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "serving"  # rank 0 inherits the launcher's stdout
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "'rank 0 drained'" in rest and "'worker stopped'" in rest
+    assert not psutil.wait_procs(ranks, timeout=10)[1]  # the launcher joined every rank
+
+
+@pytest.mark.slow
+def test_ranks_whose_launcher_was_killed_end_instead_of_serving_as_orphans(tmp_path):
+    import psutil
+    proc = _launcher(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)]
+        proc.kill()  # SIGKILL: the launcher (and the store it hosts) is gone without a word
+        proc.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+    finally:
+        for c in psutil.Process().children(recursive=True):
+            c.kill()
+    assert not alive, [p.pid for p in alive]
+    assert len(gone) >= 2
