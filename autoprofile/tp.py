@@ -23,6 +23,15 @@ Bounded failure, in three parts:
    free a pending operation (measured, torch 2.13), so the TP layers wait on gloo work in WAIT_SLICE
    slices and raise PeerFailed once the watchdog marked the data plane aborted. The section then raises
    PeerFailed (an aborted step's numbers are garbage and are never returned) and the rank votes.
+2b. When the abort does not free it. Measured on 2xH200 (torch 2.11, NCCL of its wheel): an abort
+   during graph capture freed the rank (it voted, every rank rebuilt and the retry succeeded), but a
+   rank waiting on a *running* all-reduce kernel was never freed (killed by the backstop 60 s later);
+   ncclCommAbort is known to hang in such states. So the abort runs on its own thread (a hanging
+   abort cannot stop the watchdog), and a rank still in its section STUCK_S after the abort gives up:
+   it reports its peers' diagnostic as its outcome and exits (only a process exit reclaims a GPU
+   with a wedged kernel). Its peers, waiting at the vote, see it gone and end with the same text.
+   Retrying after such a failure would need a rank that can still run, so it is a diagnostic, not a
+   retry: the text names the rank and the error that started it.
 3. The vote. Every section is followed by an all_ok on the control group (the profiler's votes; the
    serving step's error vote) and the errors are gathered from every rank, so every rank ends with the
    same text. If any rank aborted its data plane, the next build replaces it on every rank (`heal`,
@@ -62,6 +71,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # the watchdog reads the store this often
 GRACE_S = 1.0  # a rank still in its section this long after a peer failed is waiting for that peer
+STUCK_S = 5.0  # still in its section this long after the abort: the abort did not free it (see 2b)
 WAIT_SLICE = datetime.timedelta(milliseconds=100)  # gloo data-plane waits check for a peer failure this often
 BOUND_S = 60.0  # the parent ends ranks that have not agreed this long after a failure
 HEARTBEAT_S = 60.0  # rank 0 pings idle workers: gloo ops fail after the group's 30-minute timeout
@@ -146,8 +156,10 @@ class RankGuard:
     """This rank's side of the failure channel: the data group, its sections, the watchdog thread."""
 
     def __init__(self, store_addr: tuple[str, int], rank: int, world: int, device: torch.device,
-                 grace_s: float = GRACE_S):
-        self.rank, self.world, self.device, self.grace_s = rank, world, device, grace_s
+                 grace_s: float = GRACE_S, stuck_s: float = STUCK_S,
+                 on_stuck: Callable[[str], None] | None = None):
+        self.rank, self.world, self.device, self.grace_s, self.stuck_s = rank, world, device, grace_s, stuck_s
+        self.on_stuck = on_stuck or _exit_stuck  # ends this process with the text (2b)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.failures = FailureLog(_client(store_addr))
         self.control = dist.group.WORLD
@@ -159,6 +171,7 @@ class RankGuard:
         self._busy = False
         self._peers: list[tuple[float, Record]] = []  # (seen at, record) of other ranks
         self._posted = -1  # the epoch of this rank's last posted failure
+        self._aborted_at: float | None = None
         self._closed = threading.Event()
         self._watch_log = FailureLog(_client(store_addr))  # NOTE: one store client per thread
         self._thread = threading.Thread(target=self._watch, name=f"tp-watchdog-{rank}", daemon=True)
@@ -252,21 +265,23 @@ class RankGuard:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             now = time.monotonic()
+            abort = stuck = None
             with self._lock:
                 self._peers += [(now, r) for r in new if r.rank != self.rank]
                 relevant = [t for t, r in self._peers if r.fatal or r.epoch >= self.epoch]
                 if relevant and self._busy and not self.aborted and now - min(relevant) >= self.grace_s:
-                    self._abort_data()
-
-    def _abort_data(self) -> None:
-        """Under the lock: end this rank's wait in the data group (see the module docstring)."""
-        self.aborted = True
-        log.error("rank %d: a peer failed while this rank waits in the data group: aborting it", self.rank)
-        if self.backend == "nccl":
-            try:
-                dist.distributed_c10d._abort_process_group(self.data)
-            except Exception as e:  # noqa: BLE001 - the parent's backstop still bounds this rank
-                log.error("aborting the NCCL communicator failed: %s", _describe(e))
+                    self.aborted, self._aborted_at, abort = True, now, self.data
+                elif self.aborted and self._busy and now - self._aborted_at >= self.stuck_s:
+                    stuck = diagnostic([r for _, r in self._peers])
+            if abort is not None:
+                log.error("rank %d: a peer failed while this rank waits in the data group: aborting it", self.rank)
+                if self.backend == "nccl":  # NOTE: its own thread: ncclCommAbort can hang (2b)
+                    threading.Thread(target=_abort_nccl, args=(abort,), name="tp-abort", daemon=True).start()
+            if stuck is not None:
+                log.error("rank %d: still waiting in the data group %.0f s after aborting it: ending this rank",
+                          self.rank, self.stuck_s)
+                self.on_stuck(stuck)
+                return
 
     def heal(self) -> None:
         """Collective, where every rank arrives together (each build, a failed serving step): if any rank
@@ -300,6 +315,19 @@ class RankGuard:
 
     def close(self) -> None:
         self._closed.set()
+
+
+def _abort_nccl(group) -> None:
+    try:
+        dist.distributed_c10d._abort_process_group(group)
+    except Exception as e:  # noqa: BLE001 - the stuck timer (2b) still bounds this rank
+        log.error("aborting the NCCL communicator failed: %s", _describe(e))
+
+
+def _exit_stuck(text: str) -> None:
+    log.error("%s", text)
+    logging.shutdown()
+    os._exit(1)
 
 
 class GuardedRunner:
@@ -567,7 +595,13 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", _client(addr)), rank=rank, world_size=world)
-        guard = RankGuard(addr, rank, world, device)
+
+        def give_up(text: str) -> None:  # the watchdog thread: the main thread is wedged in the data plane
+            conn.send(Outcome(rank, False, text, time.time()))
+            conn.close()
+            _exit_stuck(text)
+
+        guard = RankGuard(addr, rank, world, device, on_stuck=give_up)
         outcome = Outcome(rank, True, target(guard, *args), time.time())
     except (ProfileError, TPError) as e:  # a collective diagnostic: every rank has this same text
         outcome = Outcome(rank, False, str(e), time.time())

@@ -88,7 +88,13 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
     out = tp.launch(_tp_generate, 2, (model,), timeout_s=300)
     assert all(o.ok for o in out), out
     logits, tokens = out[0].value
-    torch.testing.assert_close(logits, want_logits, rtol=5e-2, atol=5e-2)  # bf16, another reduction order
+    diff = (logits - want_logits).abs()
+    print(f"TP=2 vs TP=1 logits: max |diff| {diff.max():.4f}, mean {diff.mean():.5f}, "
+          f"max |logit| {want_logits.abs().max():.2f}")
+    # bf16 partial sums are rounded before the all-reduce: a few ulps on a few logits (H200: 6 of 4096
+    # beyond 0.05, at most 0.079 = ~1 ulp at |logit| 8-16); a wrong shard moves every logit
+    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=0.1)
+    assert diff.mean() < 0.01
     assert logits.argmax(-1).tolist() == want_logits.argmax(-1).tolist()
     assert tokens == want
 
@@ -123,20 +129,26 @@ def fault_for(point: str):
 @pytest.mark.parametrize("point", ["probe_decode", "kv_alloc", "graph_capture", "validate_prefill",
                                    "validate_decode"])
 def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tmp_path, point):
+    """Rank 1's GPU is filled at `point`; its next allocation is a real OOM. Either every rank votes, shrinks
+    and succeeds (the OOM outside a running collective: the abort freed rank 0), or every rank ends with the
+    same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: tp.py 2b). Within BOUND."""
     t0 = time.time()
     out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=300)
-    assert abs(out[0].ended - out[1].ended) < BOUND
-    if point.startswith("probe"):  # the probe is not retried: the same diagnostic on both ranks
-        assert not out[0].ok and out[0].value == out[1].value, out
-        assert "rank 1: OutOfMemoryError" in out[0].value
+    ends = [o.ended - t0 for o in out]
+    if all(o.ok for o in out):
+        r0, r1 = out[0].value, out[1].value
+        took = dict(r0.phases)["rebuild+validate#1"]
+        print(f"{point}: both ranks retried: attempts {r0.attempts}, {r0.tokens} tokens; the failed attempt "
+              f"took {took:.1f} s; ranks ended at {ends[0]:.1f} / {ends[1]:.1f} s")
+        assert not point.startswith("probe"), "the probe is never retried"
+        assert r0.attempts == r1.attempts == 2 and r0.tokens == r1.tokens and r0.errors == r1.errors
+        assert "rank 1: OutOfMemoryError" in r0.errors[0]
+        assert took < BOUND
         return
-    assert out[0].ok and out[1].ok, out
-    r0, r1 = out[0].value, out[1].value
-    assert r0.attempts == r1.attempts == 2 and r0.tokens == r1.tokens and r0.errors == r1.errors
-    assert "rank 1: OutOfMemoryError" in r0.errors[0]
-    took = dict(r0.phases)["rebuild+validate#1"]
-    print(f"{point}: first attempt failed and was voted on in {took:.1f} s; total {time.time() - t0:.1f} s")
-    assert took < BOUND
+    print(f"{point}: both ranks ended with one diagnostic at {ends[0]:.1f} / {ends[1]:.1f} s: {out[0].value[:160]}")
+    assert not out[0].ok and not out[1].ok and out[0].value == out[1].value, out
+    assert out[0].value.startswith("rank 1: OutOfMemoryError") and "killed by the launcher" not in out[0].value
+    assert abs(out[0].ended - out[1].ended) < BOUND
 
 
 # ---------------------------------------------------------------- a peer on GPU 1 only

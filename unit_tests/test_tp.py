@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -84,6 +85,30 @@ def test_a_rank_failing_inside_a_collective_frees_the_waiting_rank_and_both_agre
     assert "rank 0: PeerFailed" in t_0
     assert x_0 == x_1 == [3.0, 3.0]
     assert abs(end_0 - end_1) < 10 and max(end_0, end_1) - t0 < TIMEOUT
+
+
+def _wedged_inside(guard):
+    """Rank 0 waits where no abort reaches (as on an NCCL kernel whose abort hangs: the H200 run);
+    rank 1 fails inside the same section and goes to the vote."""
+    err = None
+    try:
+        with guard.section("test"):
+            if guard.rank == 1:
+                raise RuntimeError("rank 1 ran out of memory inside its forward")
+            threading.Event().wait(120)  # deaf to PeerFailed: only the stuck timer ends this rank
+    except Exception as e:  # noqa: BLE001
+        err = _describe(e)
+    vote_and_raise(guard, err)
+    return "unreachable"
+
+
+@pytest.mark.slow
+def test_a_rank_the_abort_cannot_free_ends_itself_and_every_rank_ends_with_the_same_text():
+    out, t0 = run(_wedged_inside, 2)
+    assert not out[0].ok and not out[1].ok, out
+    assert out[0].value == out[1].value == "rank 1: RuntimeError: rank 1 ran out of memory inside its forward"
+    # rank 1 failed at once; rank 0 gives up GRACE_S + STUCK_S later; rank 1 sees it gone at the vote
+    assert max(o.ended for o in out) - t0 < tp.GRACE_S + tp.STUCK_S + 30, out
 
 
 def _killed_inside(guard):

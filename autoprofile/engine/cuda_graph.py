@@ -129,9 +129,18 @@ class DecodeGraphs:
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-# NOTE: graphs whose capture failed are kept (reset, so they hold no GPU memory): the CUDA host allocator may
-# still hold a filter pointing at the C++ graph object, and a freed one would be a dangling pointer
+# NOTE: graphs whose capture failed are never freed: the CUDA host allocator may still hold a filter pointing
+# at the C++ graph object, and ~CUDAGraph of a failed capture can throw from a destructor ("The graph should
+# be registered to the state", std::terminate: a rank died so on 2xH200). Each one is a small host object
+# (reset: it holds no GPU memory); its Python reference count is raised once, so not even the interpreter's
+# exit frees it.
 _ABANDONED: list = []
+
+
+def _keep_forever(graph) -> None:
+    import ctypes
+    _ABANDONED.append(graph)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(graph))
 
 
 def capture_graph(graph, pool, body: Callable[[], None]) -> None:
@@ -160,26 +169,33 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
 
 
 def abandon_capture(graph, pool, device: int) -> None:
-    """End a capture whose body raised, as if it had never begun (see capture_graph)."""
+    """End a capture whose body raised, as if it had never begun (see capture_graph). Never raises: the
+    body's error is the one that propagates."""
+    _keep_forever(graph)  # NOTE: first: whatever fails below, the graph's destructor never runs
     try:
         graph.capture_end()  # a still-valid capture ends normally (and instantiates the partial graph)
     except Exception as e:  # noqa: BLE001 - invalidated: CUDA ended it, torch's bookkeeping did not
-        log.warning("ending a failed CUDA graph capture: %s", str(e).splitlines()[0] if str(e) else e)
+        log.warning("ending a failed CUDA graph capture: %s", _first_line(e))
     try:
         graph.pool()  # only a capture that ended has a pool: its reset() gives the pool back
         ended = True
     except RuntimeError:
         ended = False
+    steps = []
     if not ended:
         end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+        steps += [lambda: end(device, pool),  # raises if capture_end got that far already
+                  lambda: torch._C._cuda_releasePool(device, pool)]  # the use count capture_begin took
+    steps += [graph.reset, torch.cuda.synchronize]
+    for step in steps:
         try:
-            end(device, pool)
-        except RuntimeError:
-            pass  # capture_end got that far already
-        torch._C._cuda_releasePool(device, pool)  # the use count capture_begin took
-    graph.reset()
-    _ABANDONED.append(graph)
-    torch.cuda.synchronize()
+            step()
+        except Exception as e:  # noqa: BLE001 - logged; the body's error propagates
+            log.warning("cleaning up a failed CUDA graph capture: %s", _first_line(e))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def release_cublas_workspaces() -> None:
