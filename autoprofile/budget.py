@@ -285,6 +285,7 @@ class GiveUp:
     flags: dict  # current values of the knobs, by flag name
     min_tokens: int = 0  # min_usable_tokens: no suggestion goes below it
     stage: str = "validate"  # probe | measure | validate | teardown
+    ranks: tuple = ()  # TP: every rank's (peak_reserved, total, peers), so every rank prints one text
 
 
 def _headline(g: GiveUp) -> str:
@@ -347,16 +348,28 @@ def _fitting_context(g: GiveUp) -> int | None:
     return ctx
 
 
+def _gpu_lines(g: GiveUp) -> list[str]:
+    if len(g.ranks) < 2:
+        return [f"  measured peak       : {gib(g.peak_reserved):.2f} GiB reserved by this process",
+                f"  GPU total           : {gib(g.total):.2f} GiB",
+                f"  canary              : {gib(g.canary):.2f} GiB",
+                f"  peers on this GPU   : {gib(g.peers):.2f} GiB"]
+
+    def per_rank(i: int) -> str:
+        return ", ".join(f"rank {r} {gib(v[i]):.2f}" for r, v in enumerate(g.ranks)) + " GiB"
+    return [f"  measured peak       : {per_rank(0)} reserved by each rank's process",
+            f"  GPU total           : {per_rank(1)}",
+            f"  canary              : {gib(g.canary):.2f} GiB per rank",
+            f"  peers on the GPU    : {per_rank(2)}"]
+
+
 def give_up_diagnostic(g: GiveUp) -> str:
     return "\n".join([
         _headline(g),
         f"  initial target      : {g.initial_tokens} tokens ({gib(g.initial_tokens * g.cell_bytes):.2f} GiB KV)",
         f"  last attempt        : {g.last_tokens} tokens ({gib(g.last_tokens * g.cell_bytes):.2f} GiB KV)",
         f"  smallest usable     : {g.min_tokens} tokens ({gib(g.min_tokens * g.cell_bytes):.2f} GiB KV)",
-        f"  measured peak       : {gib(g.peak_reserved):.2f} GiB reserved by this process",
-        f"  GPU total           : {gib(g.total):.2f} GiB",
-        f"  canary              : {gib(g.canary):.2f} GiB",
-        f"  peers on this GPU   : {gib(g.peers):.2f} GiB",
+        *_gpu_lines(g),
         f"  last error          : {g.last_error}",
         "Turn one of these knobs:",
     ] + _knobs(g))

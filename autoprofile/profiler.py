@@ -119,7 +119,24 @@ def _gather_errors(err: str | None, group) -> list[str]:
         return [err] if err else []
     out: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, err, group=group)
-    return [f"rank {r}: {e}" for r, e in enumerate(out) if e]
+    errors = [(r, e) for r, e in enumerate(out) if e]
+    causes = [(r, e) for r, e in errors if not _is_consequence(e)]
+    return [f"rank {r}: {e}" for r, e in (causes or errors)]  # a peer's PeerFailed only repeats the cause
+
+
+def _is_consequence(err: str) -> bool:
+    """A rank's error that only reports another rank's failure (autoprofile.tp's PeerFailed, a peer's
+    closed connection)."""
+    return err.startswith("PeerFailed:") or "Connection closed by peer" in err or "Connection reset by peer" in err
+
+
+def _gather(value, group) -> list:
+    """Every rank's value in rank order (this rank's alone without a group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def _describe(e: BaseException) -> str:
@@ -342,13 +359,20 @@ class Profiler:
 
     def diagnostic(self, initial: int, last: int, attempts: int, last_error: str, m: Measurement | None = None,
                    stage: str = "validate") -> str:
+        """The give-up text. Collective under TP (every rank calls it at the same point): the figures of
+        every rank are gathered, so every rank raises the very same text."""
         s = memory.snapshot(self.device) if m is None else None
+        if m is not None:
+            mine = (m.peak_reserved, m.total, m.peers)
+        else:  # before (or without) a measurement: what the GPU shows now
+            own_nt = budget.own_non_torch(s.process_used, s.reserved, s.total, s.free)
+            mine = (s.peak_reserved, s.total, budget.peer_bytes(s.total, s.free, s.reserved, own_nt))
+        ranks = _gather(mine, self.group)
         g = budget.GiveUp(
             initial_tokens=initial, last_tokens=last, attempts=attempts, cell_bytes=self.sizing.cell_bytes,
-            peak_reserved=m.peak_reserved if m else (s.peak_reserved if s else 0),
-            total=m.total if m else (s.total if s else 0), canary=self.cfg.canary_bytes,
-            peers=m.peers if m else 0, last_error=last_error, flags=_flags(self.cfg),
-            min_tokens=self.min_tokens(), stage=stage)
+            peak_reserved=max(r[0] for r in ranks), total=min(r[1] for r in ranks), canary=self.cfg.canary_bytes,
+            peers=max(r[2] for r in ranks), last_error=last_error, flags=_flags(self.cfg),
+            min_tokens=self.min_tokens(), stage=stage, ranks=tuple(ranks) if len(ranks) > 1 else ())
         return budget.give_up_diagnostic(g)
 
     def result(self, tokens: int, attempts: int, initial: int, m: Measurement | None, pinned: bool) -> ProfileResult:

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from autoprofile import memory
-from autoprofile.profiler import ProfileError, _describe, _gather_errors
+from autoprofile.profiler import ProfileError, _describe, _gather_errors, _is_consequence
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,7 @@ def diagnostic(records: list[Record]) -> str:
 
 def is_consequence(e: BaseException) -> bool:
     """An error a rank gets because a peer failed (not a failure of its own)."""
-    text = str(e)
-    return isinstance(e, PeerFailed) or "Connection closed by peer" in text or "Connection reset by peer" in text
+    return isinstance(e, PeerFailed) or _is_consequence(str(e))
 
 
 # ---------------------------------------------------------------- one rank's guard

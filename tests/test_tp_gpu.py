@@ -50,10 +50,20 @@ def tiny_checkpoint(folder: Path) -> str:
     return str(folder)
 
 
-def equal_cfg(model: str, tp_size: int) -> ServerConfig:
-    return validate(ServerConfig(model=model, dtype="bfloat16", attention_backend="torch", max_req_total_len=256,
+def equal_cfg(model: str, tp_size: int, dtype: str = "bfloat16") -> ServerConfig:
+    return validate(ServerConfig(model=model, dtype=dtype, attention_backend="torch", max_req_total_len=256,
                                  batch_max_tokens=256, graph_max_batch_size=4, running_max_req_size=16,
                                  report_dir=None, tp=tp_size))
+
+
+def tp1_logits(model: str, dtype: str) -> tuple[torch.Tensor, list[list[int]]]:
+    one = ModelRunner(equal_cfg(model, 1, dtype))
+    one.build(4096)
+    out = last_logits(one), LLMEngine(one).generate(PROMPTS, max_tokens=32)
+    one.teardown()
+    del one
+    torch.cuda.empty_cache()
+    return out
 
 
 def last_logits(r) -> torch.Tensor:
@@ -78,23 +88,21 @@ def _tp_generate(guard, model: str):
 
 
 def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
+    """bf16 tolerance is what bf16 itself costs at TP=1: TP=2 (partial sums rounded to bf16 before the
+    all-reduce) may differ from an fp32 run of the same weights by about as much as TP=1 bf16 does."""
     model = tiny_checkpoint(tmp_path / "tiny")
-    one = ModelRunner(equal_cfg(model, 1))
-    one.build(4096)
-    want_logits, want = last_logits(one), LLMEngine(one).generate(PROMPTS, max_tokens=32)
-    one.teardown()
-    del one
-    torch.cuda.empty_cache()
+    ref, _ = tp1_logits(model, "float32")
+    want_logits, want = tp1_logits(model, "bfloat16")
     out = tp.launch(_tp_generate, 2, (model,), timeout_s=300)
     assert all(o.ok for o in out), out
     logits, tokens = out[0].value
-    diff = (logits - want_logits).abs()
-    print(f"TP=2 vs TP=1 logits: max |diff| {diff.max():.4f}, mean {diff.mean():.5f}, "
-          f"max |logit| {want_logits.abs().max():.2f}")
-    # bf16 partial sums are rounded before the all-reduce: a few ulps on a few logits (H200: 6 of 4096
-    # beyond 0.05, at most 0.079 = ~1 ulp at |logit| 8-16); a wrong shard moves every logit
-    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=0.1)
-    assert diff.mean() < 0.01
+    e1, e2 = (want_logits - ref).abs(), (logits - ref).abs()
+    print(f"|logits - fp32|: TP=1 bf16 mean {e1.mean():.5f} max {e1.max():.4f}; TP=2 bf16 mean {e2.mean():.5f} "
+          f"max {e2.max():.4f}; |TP=2 - TP=1| max {(logits - want_logits).abs().max():.4f}; "
+          f"max |logit| {ref.abs().max():.2f}")
+    same = [next((i for i, (a, b) in enumerate(zip(t, w)) if a != b), len(w)) for t, w in zip(tokens, want)]
+    print(f"greedy tokens equal for the first {same} of 32 steps")
+    assert e2.mean() <= 1.5 * e1.mean() + 1e-3 and e2.max() <= 2 * e1.max() + 1e-2
     assert logits.argmax(-1).tolist() == want_logits.argmax(-1).tolist()
     assert tokens == want
 
@@ -147,7 +155,7 @@ def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tm
         return
     print(f"{point}: both ranks ended with one diagnostic at {ends[0]:.1f} / {ends[1]:.1f} s: {out[0].value[:160]}")
     assert not out[0].ok and not out[1].ok and out[0].value == out[1].value, out
-    assert out[0].value.startswith("rank 1: OutOfMemoryError") and "killed by the launcher" not in out[0].value
+    assert "rank 1: OutOfMemoryError" in out[0].value and "killed by the launcher" not in out[0].value
     assert abs(out[0].ended - out[1].ended) < BOUND
 
 

@@ -15,7 +15,7 @@ from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
 CFG = ServerConfig(model="llama-3.1-8b", max_req_total_len=8192, canary_mb=1, report_dir=None, tp=2)
 
 
-def _worker(rank: int, init: str, fail_attempts: int, queue) -> None:
+def _worker(rank: int, init: str, fail_attempts: int, queue, point: str = "validate_decode") -> None:
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
         gpu = FakeGPU(peers=rank * 3 * GiB)  # rank 1 shares its GPU with a peer: smaller local target
@@ -23,8 +23,8 @@ def _worker(rank: int, init: str, fail_attempts: int, queue) -> None:
             runner = FakeRunner(gpu, llama8b_sizing(CFG.page_size, CFG.context_len))
             seen = {"n": 0}
 
-            def fault(point):
-                if point == "validate_decode" and rank == 1:
+            def fault(where):
+                if where == point and rank == 1:
                     seen["n"] += 1
                     if seen["n"] <= fail_attempts:
                         raise torch.OutOfMemoryError(f"injected on rank 1, attempt {seen['n']}")
@@ -40,11 +40,11 @@ def _worker(rank: int, init: str, fail_attempts: int, queue) -> None:
         queue.put((rank, "crash", traceback.format_exc(), None, None, None))
 
 
-def _run_two(tmp_path, fail_attempts: int) -> dict:
+def _run_two(tmp_path, fail_attempts: int, point: str = "validate_decode") -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_worker, args=(r, init, fail_attempts, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, init, fail_attempts, queue, point)) for r in range(2)]
     for p in procs:
         p.start()
     out = {}
@@ -75,3 +75,13 @@ def test_one_rank_always_fails_both_raise_the_same_error(tmp_path):
     assert out[0][1] == out[1][1]  # the very same diagnostic on every rank
     assert "rank 1: OutOfMemoryError: injected on rank 1" in out[0][1]
     assert len(out[0][3]) == len(out[1][3]) == 1 + 1 + CFG.max_retries
+
+
+@pytest.mark.slow
+def test_a_probe_failure_on_one_rank_gives_every_rank_the_same_text_with_every_ranks_figures(tmp_path):
+    out = _run_two(tmp_path, fail_attempts=1, point="probe_decode")
+    assert out[0][0] == out[1][0] == "error"
+    text = out[0][1]
+    assert out[1][1] == text  # gathered figures, one text
+    assert "rank 1: OutOfMemoryError: injected on rank 1" in text
+    assert "measured peak       : rank 0 " in text and "peers on the GPU    : rank 0 " in text  # every rank's

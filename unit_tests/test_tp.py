@@ -82,7 +82,7 @@ def test_a_rank_failing_inside_a_collective_frees_the_waiting_rank_and_both_agre
     (t_0, x_0, end_0), (t_1, x_1, end_1) = out[0].value, out[1].value
     assert t_0 == t_1
     assert "rank 1: RuntimeError: rank 1 raised before its all-reduce" in t_0
-    assert "rank 0: PeerFailed" in t_0
+    assert "PeerFailed" not in t_0  # rank 0's wait is a consequence: the text names the cause only
     assert x_0 == x_1 == [3.0, 3.0]
     assert abs(end_0 - end_1) < 10 and max(end_0, end_1) - t0 < TIMEOUT
 
@@ -159,7 +159,7 @@ def test_profiler_retries_on_every_rank_after_one_rank_failed_inside_a_collectiv
     assert all(o.ok for o in out), out
     (tok0, att0, err0, new0, big), (tok1, att1, err1, new1, _) = out[0].value, out[1].value
     assert tok0 == tok1 and att0 == att1 == 2 and err0 == err1
-    assert "rank 1: OutOfMemoryError: injected" in err0[0] and "rank 0: PeerFailed" in err0[0]
+    assert "rank 1: OutOfMemoryError: injected" in err0[0] and "PeerFailed" not in err0[0]
     assert new0 and new1  # the aborted data group was replaced before the retry
     assert len(big) == 4 << 20  # a result larger than a pipe's buffer came back (read before joining)
 
