@@ -1,0 +1,83 @@
+"""Where one decode step's GPU time goes: the kernels of an eager llama-3.1-8b decode step under
+torch.profiler (the graphs replay the same kernels), and the sampler's pieces at [256, vocab].
+
+    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20]
+
+Random weights; prints the kernels by total CUDA time (name, calls, total and mean us) and the step's
+kernel count, then torch.topk / sort / logsumexp timings on bf16 logits (what sample() is made of).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import decode_step  # noqa: E402
+from cuda_timing import cuda_median_ms  # noqa: E402
+
+from autoprofile.config import ServerConfig, validate  # noqa: E402
+from autoprofile.engine.runner import ModelRunner  # noqa: E402
+from autoprofile.engine.sampling import GREEDY  # noqa: E402
+
+
+def kernel_table(prof, steps: int, top: int) -> str:
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            calls[e.name] += 1
+    step_us = sum(total.values()) / steps
+    lines = [f"GPU time per step {step_us / 1e3:.3f} ms in {sum(calls.values()) // steps} kernels",
+             f"{'us/step':>9}{'share':>7}{'calls':>7}{'us/call':>9}  kernel"]
+    for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{t / steps:>9.1f}{t / steps / step_us:>7.1%}{calls[name] // steps:>7}"
+                     f"{t / calls[name]:>9.1f}  {name[:110]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args(argv)
+    cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
+                                graph_max_batch_size=max(args.batch, 1), disable_cudagraph=True, report_dir=None))
+    runner = ModelRunner(cfg)
+    runner.build(args.batch * (args.ctx + cfg.page_size) + 4 * cfg.page_size)
+    step = decode_step(runner, args.batch, args.ctx, GREEDY)
+    runner.execute(step)
+    step.page_writes = []
+    for _ in range(3):
+        runner.execute(step)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            runner.execute(step)
+        torch.cuda.synchronize()
+    print(f"{torch.cuda.get_device_name()}: eager decode step, batch {args.batch}, {args.ctx} tokens of context")
+    print(kernel_table(prof, args.steps, args.top))
+    vocab = runner.model_config.vocab_size
+    runner.teardown()
+    x = torch.randn(256, vocab, device="cuda").mul_(5).to(torch.bfloat16)
+    pieces = {"argmax": lambda: x.argmax(-1), "topk 1024": lambda: x.topk(1024, -1),
+              "topk 256": lambda: x.topk(256, -1), "topk 64": lambda: x.topk(64, -1),
+              "topk 1024 unsorted": lambda: x.topk(1024, -1, sorted=False),
+              "sort 64 rows": lambda: x[:64].sort(-1, descending=True),
+              "logsumexp fp32": lambda: x.float().logsumexp(-1),
+              "exponential_ fp32": lambda: torch.empty(256, vocab, device="cuda").exponential_()}
+    print(f"sampler pieces on [256, {vocab}] bf16 logits (ms, CUDA events, median of 20):")
+    for name, fn in pieces.items():
+        print(f"  {name:<20}{cuda_median_ms(fn, 20):>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
