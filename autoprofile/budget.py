@@ -82,11 +82,32 @@ def triton_decode_uses_v1(num_seqs: int, q_heads: int, max_seq_len: int, partiti
         math.ceil(max_seq_len / partition) == 1 or num_seqs * q_heads > TRITON_V1_MIN_ROWS)
 
 
-def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int, out_bytes: int) -> int:
+TRITON_MIN_PARTITION = 128  # tokens: the smallest v2 partition autoprofile launches
+TRITON_MAX_PARTITIONS = 256  # partitions per row at most (the reduce kernel holds them all in registers)
+
+
+def triton_decode_partition(num_seqs: int, q_heads: int, max_seq_len: int, page_size: int = 16) -> int:
+    """Tokens per v2 partition for this call. AITER fixes 1024: a batch of 1 at ~1k tokens then runs on
+    num_kv_heads programs (8 of 132 SMs) and its attention took 74 us per layer, 28% of the step (H100,
+    scripts/profile_decode.py). Smaller partitions for fewer rows, in proportion: partition =
+    1024 * num_seqs * q_heads / TRITON_V1_MIN_ROWS (rounded up to a power of two), so num_seqs *
+    partitions never exceeds what AITER's rule allocates at the v1 threshold; the scratch stays within
+    the default's worst case at any batch. At least TRITON_MIN_PARTITION and a page, at most
+    TRITON_MAX_PARTITIONS partitions per row; AITER's 1024 where a page does not divide it."""
+    share = -(-TRITON_PARTITION * num_seqs * q_heads // TRITON_V1_MIN_ROWS)
+    longest = -(-max_seq_len // TRITON_MAX_PARTITIONS)
+    p = 1 << (max(share, longest, TRITON_MIN_PARTITION, page_size) - 1).bit_length()
+    p = min(p, TRITON_PARTITION)
+    return p if p % page_size == 0 else TRITON_PARTITION
+
+
+def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int, out_bytes: int,
+                                page_size: int = 16) -> int:
     """What one AITER Triton decode call allocates: v2 partials, nothing on the v1 path."""
     if triton_decode_uses_v1(num_seqs, q_heads, max_seq_len):
         return 0
-    return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, TRITON_PARTITION)
+    return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
+                                         triton_decode_partition(num_seqs, q_heads, max_seq_len, page_size))
 
 
 def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_heads: int, head_dim: int) -> int:

@@ -326,10 +326,10 @@ def test_v1_v2_rule(num_seqs, max_seq_len, v1):
 def test_per_call_workspace_is_the_v2_scratch():
     # v2 GQA allocates exp_sums + max_logits fp32 [B, Hkv, P, G] and tmp_out [B, Hkv, P, G, D] (out dtype)
     b, hq, d, L = 4, 32, 128, 16384
-    parts = 16
+    parts = 64  # 4 rows: partitions of 256 tokens (budget.triton_decode_partition)
     expected = 2 * (b * hq * parts * 4) + b * hq * parts * d * 2
     assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2) == expected
-    assert expected == budget.triton_decode_workspace_bytes(b, hq, d, L, 2)
+    assert expected == budget.triton_decode_workspace_bytes(b, hq, d, L, 2, partition=256)
     assert AiterTritonBackend.per_call_workspace_bytes(256, hq, d, 2048, 2) == 0  # v1: no scratch
 
 
@@ -373,3 +373,21 @@ def test_prefill_config_per_compute_capability(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")  # gfx90a reports (9, 0) too
     assert aiter_triton.prefill_config() == aiter_triton.PREFILL_CONFIG
     assert "waves_per_eu" not in aiter_triton.PREFILL_CONFIG
+
+
+@pytest.mark.parametrize("hq", [8, 16, 32, 64])
+@pytest.mark.parametrize("page", [16, 32, 64])
+def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, page):
+    """Fewer rows, smaller partitions (more programs for a batch of 1); the scratch never exceeds what
+    AITER's fixed 1024 allocates at its largest v2 batch, partitions divide into pages, and a row never
+    has more than TRITON_MAX_PARTITIONS of them."""
+    largest_v2 = budget.TRITON_V1_MIN_ROWS // hq
+    for L in (4096, 16384, 65536, 131072):
+        worst = budget.triton_decode_workspace_bytes(largest_v2, hq, 128, L, 2, budget.TRITON_PARTITION)
+        parts = [budget.triton_decode_partition(n, hq, L, page) for n in range(1, largest_v2 + 1)]
+        assert parts == sorted(parts) and parts[-1] == budget.TRITON_PARTITION
+        for n, p in enumerate(parts, 1):
+            assert p % page == 0 and -(-L // p) <= budget.TRITON_MAX_PARTITIONS
+            assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, page) <= worst
+    assert budget.triton_decode_partition(1, 32, 4096) == budget.TRITON_MIN_PARTITION
+    assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION  # 48 divides no power of 2

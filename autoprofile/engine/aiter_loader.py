@@ -40,8 +40,20 @@ class AiterTriton:
     paged_attn_decode_v1: Callable
     paged_attn_decode_v2: Callable
     seq_partition_size: int  # tokens per partition of the v2 decode (1024)
+    pa_decode: types.ModuleType  # its v2 launcher reads _SEQ_PARTITION_SIZE when called (decode_v2)
     flash_attn_varlen_func: Callable
     rms_norm: Callable
+
+    def decode_v2(self, *args, partition: int, max_seq_len: int) -> None:
+        """paged_attn_decode_v2 in partitions of `partition` tokens (budget.triton_decode_partition). AITER's
+        launcher passes its module's _SEQ_PARTITION_SIZE to both kernels as a constexpr, read at the call:
+        it is set for this call only (decode runs on one thread per process)."""
+        pa = self.pa_decode
+        default, pa._SEQ_PARTITION_SIZE = pa._SEQ_PARTITION_SIZE, partition
+        try:
+            self.paged_attn_decode_v2(*args, -(-max_seq_len // partition))
+        finally:
+            pa._SEQ_PARTITION_SIZE = default
 
 
 def _register_bare_package() -> None:
@@ -102,6 +114,7 @@ def load_aiter_triton() -> AiterTriton:
         paged_attn_decode_v1=pa.paged_attn_decode_v1,
         paged_attn_decode_v2=pa.paged_attn_decode_v2,
         seq_partition_size=pa._SEQ_PARTITION_SIZE,
+        pa_decode=pa,
         flash_attn_varlen_func=mha.flash_attn_varlen_func,
         rms_norm=rmsnorm.rms_norm,
     )
