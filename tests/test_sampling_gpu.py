@@ -58,6 +58,11 @@ def _case_peak(rows: int, scale: float, params: SamplingParams) -> int:
 @pytest.mark.parametrize("rows", [256, 1024])
 def test_declared_workspace_bounds_the_measured_peak_and_stress_is_the_worst(rows):
     declared = sampler_workspace_bytes(rows, VOCAB, 2)
+    # NOTE: every path once first: the first sort-path call of a process leaves a small allocation behind
+    # (H100: the first case through it, top_p_wide, peaked 303,616 bytes above the later stress_wide). The
+    # profiler's stress runs first in its process, so it pays that itself; here each case is compared warm.
+    for scale, p in CASES.values():
+        _case_peak(rows, scale, p)
     peaks = {name: _case_peak(rows, scale, p) for name, (scale, p) in CASES.items()}
     mixed = [p for name, (_, p) in CASES.items() if not name.startswith("stress")]
     logits = _logits(rows, 1.0)

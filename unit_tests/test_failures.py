@@ -22,6 +22,8 @@ class FakeGraph:
 
     def capture_begin(self, pool):
         self.log.append(("begin", pool))
+        if getattr(self, "begin_error", None):
+            raise self.begin_error
 
     def capture_end(self):
         self.log.append(("capture_end",))
@@ -62,8 +64,11 @@ def cuda_log():
           side_effect=lambda dev, pool: log.append(("endAllocateToPool", dev, pool)))
         p("torch._C._cuda_releasePool", create=True,
           side_effect=lambda dev, pool: log.append(("releasePool", dev, pool)))
+        p("torch.cuda.is_current_stream_capturing", return_value=False)
         st.enter_context(mock.patch.object(cuda_graph, "_ABANDONED", []))
         st.enter_context(mock.patch.object(cuda_graph, "_CAPTURE_STREAMS", {}))
+        st.enter_context(mock.patch.object(cuda_graph, "_ANCHORS", {DEV: "registered"}))
+        st.enter_context(mock.patch.object(cuda_graph, "_keep_forever", side_effect=cuda_graph._ABANDONED.append))
         yield log
 
 
@@ -79,6 +84,33 @@ def test_oom_in_an_invalidated_capture_is_undone_before_it_propagates(cuda_log):
     assert cuda_log[i + 1:] == [("capture_end",), ("endAllocateToPool", DEV, POOL), ("releasePool", DEV, POOL),
                                 ("reset",), ("synchronize",), ("stream_exit",)]
     assert cuda_graph._ABANDONED == [graph]  # kept: the host allocator may still point at it
+
+
+def test_oom_inside_capture_begin_keeps_the_half_registered_graph_and_propagates(cuda_log):
+    """capture_begin allocates the generator's graph-safe seed and offset when no graph is registered; an OOM
+    there leaves the graph half-registered, and its destructor would throw (std::terminate on H100/H200)."""
+    graph = FakeGraph(cuda_log)
+    graph.begin_error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    with pytest.raises(torch.OutOfMemoryError, match="2.00 MiB"):
+        cuda_graph.capture_graph(graph, POOL, lambda: pytest.fail("no body without a capture"))
+    assert cuda_graph._ABANDONED == [graph]  # never destroyed
+    assert cuda_log[cuda_log.index(("begin", POOL)) + 1:] == [("stream_exit",)]  # nothing to end or release
+
+
+def test_the_generator_anchor_registers_once_per_device_and_is_never_freed():
+    registered = []
+
+    class Graph:
+        def register_generator_state(self, gen):
+            registered.append((self, gen))
+
+    with mock.patch.object(cuda_graph, "_ANCHORS", {}), mock.patch("torch.cuda.CUDAGraph", Graph), \
+            mock.patch("torch.cuda.default_generators", ("gen0", "gen1"), create=True), \
+            mock.patch.object(cuda_graph, "_keep_forever") as keep:
+        cuda_graph._anchor_generator(1)
+        cuda_graph._anchor_generator(1)
+        assert [g for _, g in registered] == ["gen1"] and keep.call_count == 1
+        assert keep.call_args.args[0] is registered[0][0] is cuda_graph._ANCHORS[1]
 
 
 def test_oom_in_a_still_valid_capture_ends_it_normally(cuda_log):

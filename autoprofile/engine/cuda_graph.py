@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -156,16 +157,49 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
     if device not in _CAPTURE_STREAMS:  # one side stream per device, as torch.cuda.graph keeps one
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     stream = _CAPTURE_STREAMS[device]
+    _anchor_generator(device)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool)
+        try:
+            graph.capture_begin(pool)
+        except BaseException:
+            _keep_forever(graph)  # half-registered with the generator: its destructor would throw
+            if torch.cuda.is_current_stream_capturing():
+                abandon_capture(graph, pool, device)
+            raise
         try:
             body()
-        except BaseException:
+        except BaseException as e:
+            # NOTE: the frames of the failed forward still hold tensors allocated in the pool: free them
+            # now, inside the capture, before abandon_capture releases the pool (freeing them after
+            # aborted the process in the profiler's retry: H100, torch 2.11)
+            traceback.clear_frames(e.__traceback__)
             abandon_capture(graph, pool, device)
             raise
         graph.capture_end()
+
+
+_ANCHORS: dict[int, object] = {}
+
+
+def _anchor_generator(device: int) -> None:
+    """Register one never-captured graph with the device's default CUDA generator, for good.
+
+    capture_begin registers each graph with the generator, and the generator allocates two 8-byte tensors
+    when its first graph registers. With the card full (a peer grew after measure) that allocation fails
+    INSIDE capture_begin, after the graph recorded the generator and before the generator recorded the
+    graph; ~CUDAGraph then throws from a destructor ("The graph should be registered to the state"):
+    std::terminate, measured on H100 and H200 (torch 2.11) in the rebuild's first capture, where no graph
+    was registered. The anchor makes that allocation happen once, here, before any capture."""
+    if device in _ANCHORS:
+        return
+    anchor = torch.cuda.CUDAGraph()
+    _keep_forever(anchor)
+    _ANCHORS[device] = anchor
+    register = getattr(anchor, "register_generator_state", None)
+    if register is not None:
+        register(torch.cuda.default_generators[device])
 
 
 def abandon_capture(graph, pool, device: int) -> None:
