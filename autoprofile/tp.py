@@ -413,13 +413,23 @@ class StepBroadcaster:
         with self._lock:
             if self.fatal is not None:
                 raise TPError(self.fatal)
-            self._send(("step", encode(step)))
             try:
+                self._send(("step", encode(step)))
                 return run_step(self.runner, step)
             except TPError as e:
-                self.fatal = str(e)
-                self.on_fatal(self.fatal)
+                self._fail(str(e))
                 raise
+            except Exception as e:
+                if not is_consequence(e):
+                    raise
+                # a peer is gone (killed, or ended itself: 2b): no step can run any more, on any rank
+                text = f"tensor-parallel serving stopped: {self.guard.diagnose(e)}"
+                self._fail(text)
+                raise TPError(text) from e
+
+    def _fail(self, text: str) -> None:
+        self.fatal = text
+        self.on_fatal(text)
 
     def close(self) -> None:
         self._stop.set()

@@ -237,6 +237,42 @@ def test_a_step_survives_the_broadcast_encoding():
     assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2, 5)
 
 
+def _worker_dies_while_serving(guard, model_dir: str):
+    runner = ModelRunner(small_cfg(model=model_dir, tp=2), rank=guard.rank, world_size=2, group=guard.data)
+    guarded = guard.bind(runner)
+    guarded.build(512)
+    if guard.rank:
+        calls = {"n": 0}
+
+        def die(module, args):  # the OOM killer, mid-serving, inside the second decode's forward
+            calls["n"] += 1
+            if calls["n"] == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        runner.model.model.layers[0].register_forward_pre_hook(die)
+        tp.worker_loop(guarded)
+        return "unreachable"
+    broadcaster = tp.StepBroadcaster(guarded)
+    engine = LLMEngine(broadcaster)
+    t = time.time()
+    first = engine.generate(PROMPTS, max_tokens=8)
+    failed = engine.stats.failed_steps
+    again = engine.generate(PROMPTS, max_tokens=8)  # the broadcaster is fatal now: every step refuses
+    return first, failed, broadcaster.fatal, time.time() - t, (again, engine.stats.failed_steps - failed)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_serving_stops_rank_0_at_once_with_the_launchers_record(tmp_path):
+    write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
+    out, t0 = run(_worker_dies_while_serving, 2, str(tmp_path / "qwen"))
+    assert out[0].ok and not out[1].ok, out
+    first, failed, fatal, took, again = out[0].value
+    assert fatal.startswith("tensor-parallel serving stopped: rank 1: the rank's process died (signal SIGKILL)")
+    assert failed >= 1 and any(len(o) < 8 for o in first)  # the in-flight requests ended with an error
+    assert took < 10  # not the launcher's 60-s backstop: rank 0 stops itself
+    outputs, refused = again  # nothing runs any more: the requests end at once, their steps refused
+    assert refused >= 1 and all(len(o) == 0 for o in outputs), again
+
+
 # ---------------------------------------------------------------- SIGTERM to the launcher; the launcher gone
 def _serves_until_sigterm(guard):
     """Rank 0 stands in for the server: SIGTERM makes it stop the worker and return; rank 1 waits for it."""
