@@ -20,6 +20,7 @@ its tokens depend only on its logits, its parameters and its generator, never on
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -216,10 +217,12 @@ def _plan(params: tuple[SamplingParams, ...] | None, vocab: int) -> _Plan:
 
 
 def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
-    greedy = x.argmax(dim=-1)
     if b.all_greedy:
-        return greedy
-    tok = greedy.clone()
+        return x.argmax(dim=-1)
+    # every row sampled (known on the host): no argmax pass over the vocabulary; the pieces cover every row
+    none_greedy = b.params is not None and all(p.temperature > 0 for p in b.params)
+    greedy = None if none_greedy else x.argmax(dim=-1)
+    tok = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device) if none_greedy else greedy.clone()
     for rows, z, ids in _pieces(x, b):
         col = _race(z, generator)
         drawn = col if ids is None else ids.gather(1, col.unsqueeze(1)).squeeze(1)
@@ -230,7 +233,7 @@ def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator 
             tok = torch.where(rows, drawn, tok)
         else:
             tok.index_copy_(0, rows, drawn)
-    return torch.where(b.temperatures > 0, tok, greedy)
+    return tok if greedy is None else torch.where(b.temperatures > 0, tok, greedy)
 
 
 def _pieces(x: torch.Tensor, b: SamplingBatch):
@@ -288,10 +291,24 @@ def _prefilter(x: torch.Tensor, b: SamplingBatch, width: int, whole_mass: bool):
 
 
 def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """log sum exp(x / T) per row: max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in place."""
+    """log sum exp(x / T) per row. CUDA: one Triton pass, no scratch (autoprofile.engine.triton_lse); else
+    the max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in place."""
     inv = temps.reciprocal()
+    if x.is_cuda and x.stride(-1) == 1:
+        lse = _triton_lse()
+        if lse is not None:
+            return lse(x, inv.squeeze(1))
     shift = x.amax(dim=-1, keepdim=True).float() * inv
     return torch.addcmul(-shift, x, inv).exp_().sum(dim=-1).log_().add_(shift.squeeze(1))
+
+
+@functools.cache
+def _triton_lse():
+    try:
+        from autoprofile.engine.triton_lse import scaled_logsumexp
+    except ImportError:  # no triton: the torch ops
+        return None
+    return scaled_logsumexp
 
 
 def _sorted(x: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
