@@ -112,6 +112,14 @@ def test_the_generator_anchor_registers_once_per_device_and_is_never_freed():
         assert [g for _, g in registered] == ["gen1"] and keep.call_count == 1
         assert keep.call_args.args[0] is registered[0][0] is cuda_graph._ANCHORS[1]
 
+    class Old:  # a torch without register_generator_state: captures go on, without the anchor
+        pass
+    with mock.patch.object(cuda_graph, "_ANCHORS", {}), mock.patch("torch.cuda.CUDAGraph", Old), \
+            mock.patch("torch.cuda.default_generators", ("gen0",), create=True), \
+            mock.patch.object(cuda_graph, "_keep_forever"):
+        cuda_graph._anchor_generator(0)
+        assert isinstance(cuda_graph._ANCHORS[0], Old)
+
 
 def test_oom_in_a_still_valid_capture_ends_it_normally(cuda_log):
     graph = FakeGraph(cuda_log, invalidated=False)

@@ -197,9 +197,10 @@ def _anchor_generator(device: int) -> None:
     anchor = torch.cuda.CUDAGraph()
     _keep_forever(anchor)
     _ANCHORS[device] = anchor
-    register = getattr(anchor, "register_generator_state", None)
-    if register is not None:
-        register(torch.cuda.default_generators[device])
+    try:
+        anchor.register_generator_state(torch.cuda.default_generators[device])
+    except Exception as e:  # noqa: BLE001 - an older torch: captures work as before, without the anchor
+        log.warning("could not anchor the CUDA generator (%s): an OOM inside capture_begin may abort", _first_line(e))
 
 
 def abandon_capture(graph, pool, device: int) -> None:
