@@ -127,7 +127,8 @@ def _gather_errors(err: str | None, group) -> list[str]:
 def _is_consequence(err: str) -> bool:
     """A rank's error that only reports another rank's failure (autoprofile.tp's PeerFailed, a peer's
     closed connection)."""
-    return err.startswith("PeerFailed:") or "Connection closed by peer" in err or "Connection reset by peer" in err
+    return (err.startswith("PeerFailed:") or "Connection closed by peer" in err
+            or "Connection reset by peer" in err)
 
 
 def _gather(value, group) -> list:

@@ -200,7 +200,8 @@ def _anchor_generator(device: int) -> None:
     try:
         anchor.register_generator_state(torch.cuda.default_generators[device])
     except Exception as e:  # noqa: BLE001 - an older torch: captures work as before, without the anchor
-        log.warning("could not anchor the CUDA generator (%s): an OOM inside capture_begin may abort", _first_line(e))
+        log.warning("could not anchor the CUDA generator (%s): an OOM inside capture_begin may abort",
+                    _first_line(e))
 
 
 def abandon_capture(graph, pool, device: int) -> None:

@@ -23,7 +23,8 @@ PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps"
 PREFILL_CONFIGS: dict[str, dict] = {
     # scripts/tune_prefill.py on an H100 (torch 2.11, triton 3.6, amd-aiter 0.1.7.post2.dev18): T=8192 causal
     # 1.238 ms = 0.76x SDPA (PREFILL_CONFIG: 0.60x), 2048-token chunk over 32768 keys 2.166 ms = 1.40x SDPA
-    "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "PRELOAD_V": True, "num_warps": 8, "num_ctas": 1, "num_stages": 3},
+    "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "PRELOAD_V": True, "num_warps": 8, "num_ctas": 1,
+              "num_stages": 3},
 }
 
 
@@ -75,7 +76,8 @@ class AiterTritonBackend(AttentionBackend):
         """Scratch one decode call allocates (v2 only: partial outputs, exp-sums and max-logits);
         inside a CUDA graph it stays in the graph's pool. Not declared to the solver: the probe
         captures graphs at the serving max_seq_len and measures it."""
-        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, page_size)
+        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
+                                                  page_size)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
