@@ -67,7 +67,6 @@ def cuda_log():
         p("torch.cuda.is_current_stream_capturing", return_value=False)
         st.enter_context(mock.patch.object(cuda_graph, "_ABANDONED", []))
         st.enter_context(mock.patch.object(cuda_graph, "_CAPTURE_STREAMS", {}))
-        st.enter_context(mock.patch.object(cuda_graph, "_ANCHORS", {DEV: "registered"}))
         st.enter_context(mock.patch.object(cuda_graph, "_keep_forever", side_effect=cuda_graph._ABANDONED.append))
         yield log
 
@@ -95,30 +94,6 @@ def test_oom_inside_capture_begin_keeps_the_half_registered_graph_and_propagates
         cuda_graph.capture_graph(graph, POOL, lambda: pytest.fail("no body without a capture"))
     assert cuda_graph._ABANDONED == [graph]  # never destroyed
     assert cuda_log[cuda_log.index(("begin", POOL)) + 1:] == [("stream_exit",)]  # nothing to end or release
-
-
-def test_the_generator_anchor_registers_once_per_device_and_is_never_freed():
-    registered = []
-
-    class Graph:
-        def register_generator_state(self, gen):
-            registered.append((self, gen))
-
-    with mock.patch.object(cuda_graph, "_ANCHORS", {}), mock.patch("torch.cuda.CUDAGraph", Graph), \
-            mock.patch("torch.cuda.default_generators", ("gen0", "gen1"), create=True), \
-            mock.patch.object(cuda_graph, "_keep_forever") as keep:
-        cuda_graph._anchor_generator(1)
-        cuda_graph._anchor_generator(1)
-        assert [g for _, g in registered] == ["gen1"] and keep.call_count == 1
-        assert keep.call_args.args[0] is registered[0][0] is cuda_graph._ANCHORS[1]
-
-    class Old:  # a torch without register_generator_state: captures go on, without the anchor
-        pass
-    with mock.patch.object(cuda_graph, "_ANCHORS", {}), mock.patch("torch.cuda.CUDAGraph", Old), \
-            mock.patch("torch.cuda.default_generators", ("gen0",), create=True), \
-            mock.patch.object(cuda_graph, "_keep_forever"):
-        cuda_graph._anchor_generator(0)
-        assert isinstance(cuda_graph._ANCHORS[0], Old)
 
 
 def test_oom_in_a_still_valid_capture_ends_it_normally(cuda_log):

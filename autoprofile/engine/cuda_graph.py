@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import traceback
 from collections.abc import Callable
 
 import torch
@@ -131,10 +130,9 @@ class DecodeGraphs:
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 # NOTE: graphs whose capture failed are never freed: the CUDA host allocator may still hold a filter pointing
-# at the C++ graph object, and ~CUDAGraph of a failed capture can throw from a destructor ("The graph should
-# be registered to the state", std::terminate: a rank died so on 2xH200). Each one is a small host object
-# (reset: it holds no GPU memory); its Python reference count is raised once, so not even the interpreter's
-# exit frees it.
+# at the C++ graph object, and ~CUDAGraph of a failed capture_begin throws from a destructor (capture_graph).
+# Each one is a small host object (reset: it holds no GPU memory); its Python reference count is raised
+# once, so not even the interpreter's exit frees it.
 _ABANDONED: list = []
 
 
@@ -157,51 +155,27 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
     if device not in _CAPTURE_STREAMS:  # one side stream per device, as torch.cuda.graph keeps one
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     stream = _CAPTURE_STREAMS[device]
-    _anchor_generator(device)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
     with torch.cuda.stream(stream):
         try:
             graph.capture_begin(pool)
         except BaseException:
-            _keep_forever(graph)  # half-registered with the generator: its destructor would throw
+            # NOTE: the generator allocates two 8-byte tensors when its first graph registers, inside
+            # capture_begin, after the graph recorded the generator and before the generator recorded the
+            # graph. With the card full (the rebuild's first capture, no graph registered) that allocation
+            # fails and ~CUDAGraph throws from a destructor ("The graph should be registered to the
+            # state": std::terminate, H100 and H200, torch 2.11). The graph is never freed.
+            _keep_forever(graph)
             if torch.cuda.is_current_stream_capturing():
                 abandon_capture(graph, pool, device)
             raise
         try:
             body()
-        except BaseException as e:
-            # NOTE: the frames of the failed forward still hold tensors allocated in the pool: free them
-            # now, inside the capture, before abandon_capture releases the pool (freeing them after
-            # aborted the process in the profiler's retry: H100, torch 2.11)
-            traceback.clear_frames(e.__traceback__)
+        except BaseException:
             abandon_capture(graph, pool, device)
             raise
         graph.capture_end()
-
-
-_ANCHORS: dict[int, object] = {}
-
-
-def _anchor_generator(device: int) -> None:
-    """Register one never-captured graph with the device's default CUDA generator, for good.
-
-    capture_begin registers each graph with the generator, and the generator allocates two 8-byte tensors
-    when its first graph registers. With the card full (a peer grew after measure) that allocation fails
-    INSIDE capture_begin, after the graph recorded the generator and before the generator recorded the
-    graph; ~CUDAGraph then throws from a destructor ("The graph should be registered to the state"):
-    std::terminate, measured on H100 and H200 (torch 2.11) in the rebuild's first capture, where no graph
-    was registered. The anchor makes that allocation happen once, here, before any capture."""
-    if device in _ANCHORS:
-        return
-    anchor = torch.cuda.CUDAGraph()
-    _keep_forever(anchor)
-    _ANCHORS[device] = anchor
-    try:
-        anchor.register_generator_state(torch.cuda.default_generators[device])
-    except Exception as e:  # noqa: BLE001 - an older torch: captures work as before, without the anchor
-        log.warning("could not anchor the CUDA generator (%s): an OOM inside capture_begin may abort",
-                    _first_line(e))
 
 
 def abandon_capture(graph, pool, device: int) -> None:
