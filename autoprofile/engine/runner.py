@@ -150,17 +150,12 @@ class ModelRunner:
             self.step_log.append(shape)
         # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            rows = [r for r in step.rows if r.sample]
-            greedy = all(r.params.temperature == 0 for r in rows)
-            # NOTE: before the forward: from_params' host-to-device copies wait for the stream, which is
-            # idle now and busy after the launch; an all-greedy step needs no device parameters at all
-            batch = None if greedy else SamplingBatch.from_params([r.params for r in rows], self.device)
             self.req_table.write(step.page_writes)
             logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
+            rows = [r for r in step.rows if r.sample]
             if not rows:
                 return []
-            if greedy:
-                return logits.argmax(dim=-1).tolist()  # sample()'s greedy path, without its batch
+            batch = SamplingBatch.from_params([r.params for r in rows], self.device)
             return sample(logits, batch, self.generator, self._row_generators(rows)).tolist()
 
     def _row_generators(self, rows: list[StepRow]) -> list | None:
