@@ -115,10 +115,9 @@ class ProfileResult:
 # ---------------------------------------------------------------- collective helpers
 def _gather_errors(err: str | None, group) -> list[str]:
     """Every rank's error (None dropped), identical on all ranks."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    out = _gather(err, group)
+    if len(out) == 1:
         return [err] if err else []
-    out: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, err, group=group)
     errors = [(r, e) for r, e in enumerate(out) if e]
     causes = [(r, e) for r, e in errors if not _is_consequence(e)]
     return [f"rank {r}: {e}" for r, e in (causes or errors)]  # a peer's PeerFailed only repeats the cause
