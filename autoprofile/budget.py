@@ -93,7 +93,9 @@ def triton_decode_partition(num_seqs: int, q_heads: int, max_seq_len: int, page_
     1024 * num_seqs * q_heads / TRITON_V1_MIN_ROWS (rounded up to a power of two), so num_seqs *
     partitions never exceeds what AITER's rule allocates at the v1 threshold; the scratch stays within
     the default's worst case at any batch. At least TRITON_MIN_PARTITION and a page, at most
-    TRITON_MAX_PARTITIONS partitions per row; AITER's 1024 where a page does not divide it."""
+    TRITON_MAX_PARTITIONS partitions per row; AITER's 1024 where a page does not divide it. Only inside
+    CUDA graphs (AttentionMetadata.captured): each captured shape is measured at build, while eager decode
+    keeps AITER's 1024, whose scratch grows with the rows as the stress's eager corner assumes."""
     share = -(-TRITON_PARTITION * num_seqs * q_heads // TRITON_V1_MIN_ROWS)
     longest = -(-max_seq_len // TRITON_MAX_PARTITIONS)
     p = 1 << (max(share, longest, TRITON_MIN_PARTITION, page_size) - 1).bit_length()
@@ -102,12 +104,12 @@ def triton_decode_partition(num_seqs: int, q_heads: int, max_seq_len: int, page_
 
 
 def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int, out_bytes: int,
-                                page_size: int = 16) -> int:
-    """What one AITER Triton decode call allocates: v2 partials, nothing on the v1 path."""
+                                partition: int = TRITON_PARTITION) -> int:
+    """What one AITER Triton decode call allocates: v2 partials, nothing on the v1 path. Eager decode runs
+    in AITER's partitions; a captured graph in triton_decode_partition's."""
     if triton_decode_uses_v1(num_seqs, q_heads, max_seq_len):
         return 0
-    return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
-                                         triton_decode_partition(num_seqs, q_heads, max_seq_len, page_size))
+    return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, partition)
 
 
 def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_heads: int, head_dim: int) -> int:

@@ -190,9 +190,9 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     q_heads = m.num_heads // tp
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
     if backend == "aiter_triton":
-        n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype],
-                                               cfg.page_size)
-        part = budget.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
+        part = budget.TRITON_PARTITION if cfg.disable_cudagraph else \
+            budget.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
+        n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})", note)

@@ -1,7 +1,11 @@
-"""Where one decode step's GPU time goes: the kernels of an eager llama-3.1-8b decode step under
-torch.profiler (the graphs replay the same kernels), and the sampler's pieces at [256, vocab].
+"""Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler,
+and the sampler's pieces at [256, vocab].
 
-    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20]
+    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager]
+
+By default the step replays its CUDA graph, as serving does (CUPTI reports the kernels of a graph launch);
+--eager runs it eagerly, where the decode attention keeps AITER's own partitions
+(AttentionMetadata.captured).
 
 Random weights; prints the kernels by total CUDA time (name, calls, total and mean us) and the step's
 kernel count, then torch.topk / sort / logsumexp timings on bf16 logits (what sample() is made of).
@@ -47,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--eager", action="store_true", help="run the step without its CUDA graph")
     args = p.parse_args(argv)
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
-                                graph_max_batch_size=max(args.batch, 1), disable_cudagraph=True, report_dir=None))
+                                graph_max_batch_size=max(args.batch, 1), disable_cudagraph=args.eager,
+                                report_dir=None))
     runner = ModelRunner(cfg)
     runner.build(args.batch * (args.ctx + cfg.page_size) + 4 * cfg.page_size)
     step = decode_step(runner, args.batch, args.ctx, GREEDY)
@@ -62,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.steps):
             runner.execute(step)
         torch.cuda.synchronize()
-    print(f"{torch.cuda.get_device_name()}: eager decode step, batch {args.batch}, {args.ctx} tokens of context")
+    how = "eager" if args.eager else "graph replay of the"
+    print(f"{torch.cuda.get_device_name()}: {how} decode step, batch {args.batch}, {args.ctx} tokens of context")
     print(kernel_table(prof, args.steps, args.top))
     vocab = runner.model_config.vocab_size
     runner.teardown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprofile import budget
 from autoprofile.engine.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
@@ -111,13 +112,15 @@ DECODE_CASES = [  # (batch, longest seq_len, static max_seq_len)
 ]
 
 
+@pytest.mark.parametrize("captured", [False, True])  # aiter_triton: AITER's partitions, or a graph's finer ones
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("b,longest,max_seq_len", DECODE_CASES)
-def test_paged_decode(name, b, longest, max_seq_len, nan_empty):
+def test_paged_decode(name, b, longest, max_seq_len, captured, nan_empty):
     gen = torch.Generator(device="cuda").manual_seed(b * longest)
     be = make(name)
     lens = mixed_lens(b, longest, gen)
     kc, vc, meta = paged(lens, max_seq_len, gen)
+    meta.captured = captured
     q = packed_qkv(b, gen)[0]  # strided, like the model's
     out = be.decode(q, kc, vc, meta)
     torch.cuda.synchronize()
@@ -161,12 +164,15 @@ def test_decode_graph_replay_equals_eager(name, b, max_seq_len):
         assert rel_err(out[i], ref_decode_one(q[i], kc, vc, meta.block_tables[i], n)) < BF16_TOL
 
 
+@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (8, 4096), (32, 16384), (4, 131072)])
-def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len):
+def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len, captured):
     """What one aiter_triton decode allocates besides its output is per_call_workspace_bytes (v2: the
-    budget's triton_decode_workspace_bytes; v1: nothing), up to the allocator's 512-byte rounding."""
+    budget's triton_decode_workspace_bytes, in AITER's partitions eager and in triton_decode_partition's
+    inside a graph; v1: nothing), up to the allocator's 512-byte rounding."""
     be = make("aiter_triton")
     kc, vc, meta = paged([17] * b, max_seq_len, torch.Generator(device="cuda").manual_seed(b))
+    meta.captured = captured
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     be.decode(q, kc, vc, meta)  # compile first
     torch.cuda.synchronize()
@@ -175,7 +181,8 @@ def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len):
     be.decode(q, kc, vc, meta)
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
-    expected = AiterTritonBackend.per_call_workspace_bytes(b, HQ, D, max_seq_len, 2)
+    partition = be.decode_partition(b, max_seq_len) if captured else budget.TRITON_PARTITION
+    expected = AiterTritonBackend.per_call_workspace_bytes(b, HQ, D, max_seq_len, 2, partition)
     assert (expected == 0) is use_v1(b, HQ, max_seq_len)
     assert expected <= scratch <= expected + 3 * 512, (scratch, expected)
 

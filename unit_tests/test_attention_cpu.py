@@ -327,10 +327,12 @@ def test_v1_v2_rule(num_seqs, max_seq_len, v1):
 def test_per_call_workspace_is_the_v2_scratch():
     # v2 GQA allocates exp_sums + max_logits fp32 [B, Hkv, P, G] and tmp_out [B, Hkv, P, G, D] (out dtype)
     b, hq, d, L = 4, 32, 128, 16384
-    parts = 64  # 4 rows: partitions of 256 tokens (budget.triton_decode_partition)
-    expected = 2 * (b * hq * parts * 4) + b * hq * parts * d * 2
-    assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2) == expected
-    assert expected == budget.triton_decode_workspace_bytes(b, hq, d, L, 2, partition=256)
+    for partition in (budget.TRITON_PARTITION, budget.triton_decode_partition(b, hq, L)):  # eager, captured
+        parts = L // partition  # 16 eager; 64 in a graph (4 rows: partitions of 256 tokens)
+        expected = 2 * (b * hq * parts * 4) + b * hq * parts * d * 2
+        assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2, partition) == expected
+        assert expected == budget.triton_decode_workspace_bytes(b, hq, d, L, 2, partition)
+    assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2) == 2 * (b * hq * 16 * 4) + b * hq * 16 * d * 2
     assert AiterTritonBackend.per_call_workspace_bytes(256, hq, d, 2048, 2) == 0  # v1: no scratch
 
 
@@ -389,7 +391,7 @@ def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, pa
         assert parts == sorted(parts) and parts[-1] == budget.TRITON_PARTITION
         for n, p in enumerate(parts, 1):
             assert p % page == 0 and -(-L // p) <= budget.TRITON_MAX_PARTITIONS
-            assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, page) <= worst
+            assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, p) <= worst
     assert budget.triton_decode_partition(1, 32, 4096) == budget.TRITON_MIN_PARTITION
     assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION  # 48 divides no power of 2
 

@@ -67,7 +67,7 @@ class DecodeGraphs:
     def meta(self, bs: int, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs, :self.columns(bucket)],
-                                 seq_lens=self.seq_lens[:bs], max_seq_len=bucket)
+                                 seq_lens=self.seq_lens[:bs], max_seq_len=bucket, captured=True)
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:

@@ -72,12 +72,11 @@ class AiterTritonBackend(AttentionBackend):
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
-                                 out_bytes: int, page_size: int = 16) -> int:
+                                 out_bytes: int, partition: int = SEQ_PARTITION) -> int:
         """Scratch one decode call allocates (v2 only: partial outputs, exp-sums and max-logits);
         inside a CUDA graph it stays in the graph's pool. Not declared to the solver: the probe
         captures graphs at the serving max_seq_len and measures it."""
-        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
-                                                  page_size)
+        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, partition)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -102,8 +101,8 @@ class AiterTritonBackend(AttentionBackend):
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
             self.ops.paged_attn_decode_v1(*args)
         else:
-            self.ops.decode_v2(*args, partition=self.decode_partition(q.shape[0], meta.max_seq_len),
-                               max_seq_len=meta.max_seq_len)
+            partition = self.decode_partition(q.shape[0], meta.max_seq_len) if meta.captured else SEQ_PARTITION
+            self.ops.decode_v2(*args, partition=partition, max_seq_len=meta.max_seq_len)
         return out
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:

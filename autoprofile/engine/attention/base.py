@@ -19,6 +19,9 @@ class AttentionMetadata:
     Decode (one new token per request, reading the paged cache):
         block_tables [B, pages_per_req] int32 page ids, seq_lens [B] int32 (incl. the new token),
         max_seq_len (python int, static: --max_req_total_len so graphs and the probe see the worst case).
+      captured: the decode runs inside a CUDA graph. Every such shape is captured, and so measured, at
+        build: a kernel may pick its launch shape per batch (aiter_triton's v2 partitions). Eager decode
+        keeps scratch that grows with the rows, so the stress's corner at the most rows holds the most.
     Both: slot_mapping [num_tokens] int64, slot = page * page_size + offset, where new K/V are written.
     """
 
@@ -32,6 +35,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
+    captured: bool = False
 
     def keys(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens_k, max_seqlen_k) of what a prefill attends to: the gathered prefix + new tokens,
