@@ -23,11 +23,11 @@ Bounded failure, in three parts:
    free a pending operation (measured, torch 2.13), so the TP layers wait on gloo work in WAIT_SLICE
    slices and raise PeerFailed once the watchdog marked the data plane aborted. The section then raises
    PeerFailed (an aborted step's numbers are garbage and are never returned) and the rank votes.
-2b. When the abort does not free it. Measured on 2xH200 (torch 2.11, NCCL of its wheel): an abort
-   during graph capture freed the rank (it voted, every rank rebuilt and the retry succeeded), but a
-   rank waiting on a *running* all-reduce kernel was never freed (killed by the backstop 60 s later);
-   ncclCommAbort is known to hang in such states. So the abort runs on its own thread (a hanging
-   abort cannot stop the watchdog), and a rank still in its section STUCK_S after the abort gives up:
+2b. When the abort does not free it. Measured on 2xH200 (torch 2.11, NCCL of its wheel): with the abort
+   called under the guard's lock, no rank waiting on a running all-reduce was freed (killed by the
+   backstop 60 s later). On its own thread, the abort freed ranks waiting in decode (back in 80 ms: every
+   rank retried) and in graph capture, but not one waiting in a prefill; ncclCommAbort is known to hang
+   in such states. So a rank still in its section STUCK_S after the abort gives up:
    it reports its peers' diagnostic as its outcome and exits (only a process exit reclaims a GPU
    with a wedged kernel). Its peers, waiting at the vote, see it gone and end with the same text.
    Retrying after such a failure would need a rank that can still run, so it is a diagnostic, not a
@@ -155,9 +155,8 @@ class RankGuard:
     """This rank's side of the failure channel: the data group, its sections, the watchdog thread."""
 
     def __init__(self, store_addr: tuple[str, int], rank: int, world: int, device: torch.device,
-                 grace_s: float = GRACE_S, stuck_s: float = STUCK_S,
-                 on_stuck: Callable[[str], None] | None = None):
-        self.rank, self.world, self.device, self.grace_s, self.stuck_s = rank, world, device, grace_s, stuck_s
+                 grace_s: float = GRACE_S, on_stuck: Callable[[str], None] | None = None):
+        self.rank, self.world, self.device, self.grace_s = rank, world, device, grace_s
         self.on_stuck = on_stuck or _exit_stuck  # ends this process with the text (2b)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.failures = FailureLog(_client(store_addr))
@@ -270,7 +269,7 @@ class RankGuard:
                 relevant = [t for t, r in self._peers if r.fatal or r.epoch >= self.epoch]
                 if relevant and self._busy and not self.aborted and now - min(relevant) >= self.grace_s:
                     self.aborted, self._aborted_at, abort = True, now, self.data
-                elif self.aborted and self._busy and now - self._aborted_at >= self.stuck_s:
+                elif self.aborted and self._busy and now - self._aborted_at >= STUCK_S:
                     stuck = diagnostic([r for _, r in self._peers])
             if abort is not None:
                 log.error("rank %d: a peer failed while this rank waits in the data group: aborting it", self.rank)
@@ -278,7 +277,7 @@ class RankGuard:
                     threading.Thread(target=_abort_nccl, args=(abort,), name="tp-abort", daemon=True).start()
             if stuck is not None:
                 log.error("rank %d: still waiting in the data group %.0f s after aborting it: ending this rank",
-                          self.rank, self.stuck_s)
+                          self.rank, STUCK_S)
                 self.on_stuck(stuck)
                 return
 
@@ -599,17 +598,25 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
     os.setpgrp()  # NOTE: a terminal's Ctrl-C goes to the parent only; it forwards it to rank 0
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     guard = None
+    replied = threading.Lock()
+
+    def reply(outcome: Outcome) -> bool:
+        """The rank's one outcome (the main thread's, or the watchdog's when the main thread is wedged)."""
+        if not replied.acquire(blocking=False):
+            return False
+        conn.send(outcome)
+        conn.close()
+        return True
+
+    def give_up(text: str) -> None:  # the watchdog thread: the main thread is wedged in the data plane
+        if reply(Outcome(rank, False, text, time.time())):
+            _exit_stuck(text)
+
     try:
         device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", _client(addr)), rank=rank, world_size=world)
-
-        def give_up(text: str) -> None:  # the watchdog thread: the main thread is wedged in the data plane
-            conn.send(Outcome(rank, False, text, time.time()))
-            conn.close()
-            _exit_stuck(text)
-
         guard = RankGuard(addr, rank, world, device, on_stuck=give_up)
         outcome = Outcome(rank, True, target(guard, *args), time.time())
     except (ProfileError, TPError) as e:  # a collective diagnostic: every rank has this same text
@@ -622,8 +629,8 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
             text = f"rank {rank}: {_describe(e)}"
             FailureLog(_client(addr)).post(-1, rank, _describe(e), fatal=True)
         outcome = Outcome(rank, False, text, time.time())
-    conn.send(outcome)
-    conn.close()
+    if not reply(outcome):
+        return  # the watchdog answered for this rank and is ending the process
     if guard is not None:
         guard.close()
     logging.shutdown()
