@@ -22,6 +22,11 @@ from tests.conftest import require_backend
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 GMBS, CONTEXT, STEPS = 16, 4096, 8
+# bf16 graph vs eager: in the v2 buckets a graph splits the keys into finer partitions than eager decode
+# (AttentionMetadata.captured), so the two round their partial outputs to bf16 differently; over STEPS
+# teacher-forced steps of the tiny model that is 1.3-1.5% relative (H100), bf16's own noise (each path
+# matches the fp64 reference in test_kernels). A wrong graph (stale buffers, another row's pages) is O(1).
+BF16_REL_ERR = 3e-2
 FIRST_BUCKET = 256
 BUCKETS = [256, 1024, 4096]
 CASES = [("torch", "float32"), ("aiter_triton", "bfloat16")]
@@ -113,7 +118,7 @@ def test_graph_replay_equals_eager_decode(runner, b, longest):
         err = ((e_logits - g_logits).norm() / g_logits.norm()).item()
         agree = (e_logits.argmax(-1) == g_logits.argmax(-1)).float().mean().item()
         print(f"\nb={b}: graph vs eager rel err {err:.2e}, argmax agreement {agree:.3f}")
-        assert err < 1e-2 and agree >= 0.95
+        assert err < BF16_REL_ERR and agree >= 0.95
     assert g_logits.std() > 0.1 and not g_logits.isnan().any()
 
 
@@ -127,7 +132,7 @@ def test_each_bucket_replays_its_own_graph_and_equals_eager(runner, bucket):
     g_logits, g_inputs = decode(runner, prompts, graphs=True)
     e_logits, _ = decode(runner, prompts, graphs=False, forced=g_inputs)
     err = ((e_logits - g_logits).norm() / g_logits.norm()).item()
-    assert err < (1e-4 if runner.cfg.dtype == "float32" else 1e-2), err
+    assert err < (1e-4 if runner.cfg.dtype == "float32" else BF16_REL_ERR), err
     assert not g_logits.isnan().any()
 
 
