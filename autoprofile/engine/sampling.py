@@ -1,10 +1,13 @@
 """Sampling: greedy, temperature, top-k, top-p, per request, batched, without sorting the vocabulary.
 
-The path is chosen on the host from the batch's parameters (no device read):
+CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
+included (autoprofile.engine.triton_sample: a search over the logits' bit patterns, no sort, no scratch
+beyond a seed and a token per row, no host sync); an all-greedy batch is argmax.
+Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
 - top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
 - top-p without a top-k: the same prefilter of PREFILTER tokens, exact when its mass reaches top_p; the rows
-  whose nucleus is wider are sorted (the sampler's one host read: see `_pieces`).
+  whose nucleus is wider are sorted (the path's one host read: see `_pieces`).
 - temperature only (no top-k, top_p 1): a race over the whole vocabulary, no sort.
 - top_k > PREFILTER, or a batch built without its host parameters: the full sort (the old sampler).
 Semantics (all paths, and `top_k_top_p_probs`, the full-sort reference): logits / temperature, top-k, then the
@@ -13,10 +16,12 @@ smallest prefix by descending probability whose mass reaches top_p (a token is k
 tokens with equal logits is kept at a top-k/top-p boundary is unspecified (as with torch.sort); how many are
 kept and their probabilities are exact. Draws: exponential race, argmax over kept tokens of logit/T - log(E),
 E ~ Exp(1) (= argmax p/E). Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
-Memory: rows are sampled CHUNK_ROWS at a time and sorted SORT_ROWS at a time, so the transient bytes are
-bounded whatever the rows (`sampler_workspace_bytes`); STRESS takes the sort path, the worst case.
-Seeds: a row with its own generator is sampled alone (a per-row loop, ~15 small kernels per seeded row), so
-its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
+Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient bytes
+are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel needs 16
+bytes per row); the profiler's stress samples with STRESS_PARAMS, the torch paths' worst cases.
+Seeds: a row with its own generator draws only from it: the fused kernel takes one Philox seed per row, drawn
+from the row's generator; the torch paths sample the row alone (~15 small kernels per seeded row). Either
+way its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -166,6 +171,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if row_generators is not None and len(row_generators) != rows:
         raise ValueError(f"{len(row_generators)} row generators for {rows} rows")
     seeded = [i for i, g in enumerate(row_generators or ()) if g is not None]
+    fused = _fused(logits)
+    if fused is not None:
+        return fused(logits, batch.temperatures, batch.top_ps, batch.top_ks,
+                     _seeds(rows, logits.device, generator, [(i, row_generators[i]) for i in seeded]))
     if len(seeded) == rows:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif rows <= CHUNK_ROWS:
@@ -181,6 +190,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
 def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [B, V] fp32, kept [B, V] bool): the distribution sample() draws each row from and its kept set,
     through the same path (greedy rows: unspecified, sample() gives their argmax). For tests: [B, V] dense."""
+    fused = _fused(logits)
+    if fused is not None:
+        zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        _, bounds = fused(logits, batch.temperatures, batch.top_ps, batch.top_ks, zeros, bounds=True)
+        x = logits.float()
+        n, least = bounds[:, 0].long(), bounds[:, 1].unsqueeze(1)
+        above, at = x > least, x == least
+        kept = above | (at & (at.cumsum(dim=-1) <= (n - above.sum(dim=-1)).unsqueeze(1)))  # the first ties
+        z = (x / batch.temperatures.clamp_min(1e-5).unsqueeze(1)).masked_fill_(~kept, float("-inf"))
+        return z.softmax(dim=-1), kept
     assert logits.shape[0] <= CHUNK_ROWS
     dense = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     kept = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
@@ -294,24 +313,44 @@ def _prefilter(x: torch.Tensor, b: SamplingBatch, width: int, whole_mass: bool):
 
 
 def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """log sum exp(x / T) per row. CUDA: one Triton pass, no scratch (autoprofile.engine.triton_lse); else
-    the max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in place."""
+    """log sum exp(x / T) per row: the max of the raw logits, then one fp32 tensor x/T - max/T, exp'd in
+    place."""
     inv = temps.reciprocal()
-    if x.is_cuda and x.stride(-1) == 1:
-        lse = _triton_lse()
-        if lse is not None:
-            return lse(x, inv.squeeze(1))
     shift = x.amax(dim=-1, keepdim=True).float() * inv
     return torch.addcmul(-shift, x, inv).exp_().sum(dim=-1).log_().add_(shift.squeeze(1))
 
 
-@functools.cache
-def _triton_lse():
-    try:
-        from autoprofile.engine.triton_lse import scaled_logsumexp
-    except ImportError:  # no triton: the torch ops
+def _fused(logits: torch.Tensor):
+    """The one-kernel sampler (autoprofile.engine.triton_sample) where it applies: CUDA logits of a float
+    dtype, unit stride in the vocabulary, triton importable; else None (the torch paths)."""
+    if not logits.is_cuda or logits.stride(-1) != 1 or logits.dtype not in _FUSED_DTYPES:
         return None
-    return scaled_logsumexp
+    return _triton_sampler()
+
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _triton_sampler():
+    try:
+        from autoprofile.engine.triton_sample import sample_batch
+    except ImportError:  # no triton: the torch paths
+        return None
+    return sample_batch
+
+
+def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,
+           seeded: Sequence[tuple[int, torch.Generator]]) -> torch.Tensor:
+    """One Philox seed per row, drawn on the device: from `generator` (None: torch's default), and for a
+    seeded row from its own generator only (its tokens never depend on the rest of the batch)."""
+    seeds = torch.randint(SEED_HIGH, (rows,), generator=generator, device=device)
+    for i, g in seeded:
+        seeds[i:i + 1] = torch.randint(SEED_HIGH, (1,), generator=g, device=device)
+    return seeds
+
+
+SEED_HIGH = 2**63 - 1
 
 
 def _sorted(x: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

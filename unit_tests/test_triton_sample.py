@@ -1,0 +1,118 @@
+"""The one-kernel sampler (triton_sample) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a
+subprocess: the flag is read when the kernel module is imported). The interpreter has no bfloat16: float16
+and float32 here; bf16 on the GPU (tests/test_sampling_gpu.py, which also runs it through sample())."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+COMMON = r'''
+import math
+import torch
+from autoprofile.engine import triton_sample as ts
+from autoprofile.engine.sampling import SamplingBatch, SamplingParams
+
+def run(x, params, seeds=None, bounds=False):
+    b = SamplingBatch.from_params(params, torch.device("cpu"))
+    seeds = torch.arange(len(params)) * 7919 + 1 if seeds is None else seeds
+    return ts.sample_batch(x, b.temperatures, b.top_ps, b.top_ks, seeds, bounds=bounds)
+
+def rule(x, params):
+    """(kept count, smallest kept logit) per row by the sampler's rule, through a full sort in fp64."""
+    ns, least = [], []
+    for row, p in zip(x.double(), params):
+        v = row.sort(descending=True).values
+        k = p.top_k if 0 < p.top_k < len(v) else len(v)
+        probs = (v[:k] / max(p.temperature, 1e-5)).softmax(-1)
+        before = probs.cumsum(-1) - probs
+        n = int((before <= p.top_p).sum()) if p.top_p < 1 else k
+        ns.append(n)
+        least.append(float(v[n - 1]))
+    return ns, least
+'''
+
+BOUNDS = COMMON + r'''
+torch.manual_seed(0)
+params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.5, 1.0, 2.0) for p in (1.0, 0.95, 0.6, 0.1)
+          for k in (0, 1, 7, 300)] + [SamplingParams()]
+for dtype, vocab, scale in [(torch.float32, 3000, 1.0), (torch.float16, 2500, 4.0), (torch.float32, 700, 12.0)]:
+    wide = (torch.randn(len(params), vocab + 40) * scale).to(dtype)
+    x = wide[:, 3:vocab + 3]  # rows of a wider buffer
+    x[:, 10:30] = x[:, 9:10]  # a tie group at the top-k/top-p boundary of some rows
+    x[::5, 100:130] = float("-inf")  # masked logits
+    x[1, 200:206] = x[1].max()  # ties at the max: greedy takes the first
+    tok, got = run(x, params, bounds=True)
+    ns, least = rule(x.float(), params)
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            assert tok[i] == x[i].float().argmax() and got[i, 0] == 1, (i, tok[i])
+            continue
+        n = int(got[i, 0])
+        assert n == ns[i], (dtype, i, p, n, ns[i])
+        cut = n < vocab
+        assert (float(got[i, 1]) == least[i]) if cut else got[i, 1] == float("-inf"), (i, p, got[i], least[i])
+        assert x[i, tok[i]].float() >= least[i], (i, p)  # the draw is a kept token
+print("ok")
+'''
+
+DRAWS = COMMON + r'''
+ts.BLOCK = 8  # two blocks per row (the interpreter takes ~40 ms a row: few draws here, many on the GPU)
+# 12 tokens: 3.0, 2.0, four at 1.0, six at 0.0. top_k 3 keeps 3.0, 2.0 and one of the four 1.0s;
+# top_p 0.8 at T=1 keeps 3.0 and 2.0 (mass 0.66 before the 1.0s), then 1.0s while the mass before <= 0.8.
+logits = torch.tensor([0.0, 3.0, 1.0, 0.0, 2.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float16)
+VALUES = (3.0, 2.0, 1.0, 0.0)
+def expected(params):
+    v, order = logits.float().sort(descending=True)
+    k = params.top_k if params.top_k else len(v)
+    probs = (v[:k] / params.temperature).softmax(-1)
+    before = probs.cumsum(-1) - probs
+    n = int((before <= params.top_p).sum())
+    return {value: float(probs[:n][v[:n] == value].sum() / probs[:n].sum()) for value in VALUES}
+for params, rows in [(SamplingParams(temperature=1.0, top_k=3), 400), (SamplingParams(temperature=1.0, top_p=0.8), 150)]:
+    tok = run(logits.expand(rows, -1).contiguous(), [params] * rows)
+    drawn = logits[tok].float()
+    # by logit value: which tied tokens are kept is unspecified, their total is not
+    got, want = {v: float((drawn == v).float().mean()) for v in VALUES}, expected(params)
+    for v in VALUES:  # 4.5 standard deviations; a class of probability 0 never drawn
+        sd = (want[v] * (1 - want[v]) / rows) ** 0.5
+        assert abs(got[v] - want[v]) <= 4.5 * sd, (params, got, want)
+    ones = torch.bincount(tok, minlength=12)[logits == 1.0].float()
+    assert float(((ones - ones.mean()) ** 2 / ones.mean()).sum()) < 16.3, ones  # tied tokens alike (chi2 3 dof)
+# keeping the whole tie group (top_k 6) would be the wrong distribution: 4.5 sd of either side apart
+right, wrong = expected(SamplingParams(temperature=1.0, top_k=3))[1.0], expected(SamplingParams(temperature=1.0, top_k=6))[1.0]
+assert wrong - right > 4.5 * ((right * (1 - right) / 400) ** 0.5 + (wrong * (1 - wrong) / 400) ** 0.5)
+ts.BLOCK = 1024
+# seeds: the same seed, the same token, whatever else is in the batch
+x = torch.randn(6, 500)
+params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=k) for k in (0, 50, 3, 0, 0, 9)]
+seeds = torch.tensor([5, 6, 7, 8, 9, 10])
+batch = run(x, params, seeds)
+assert all(int(run(x[i:i + 1], params[i:i + 1], seeds[i:i + 1])) == int(batch[i]) for i in range(6))
+assert not torch.equal(run(x, params, seeds + 1000), batch)
+print("ok")
+'''
+
+
+def _interpret(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_kept_count_and_boundary_follow_the_sampler_rule():
+    """Against a full fp64 sort: top-k, top-p and both, ties at the boundary, masked logits, rows of a wider
+    buffer, greedy rows (first index of the max); every draw a kept token."""
+    _interpret(BOUNDS)
+
+
+def test_draws_follow_the_distribution_and_seeds_fix_them():
+    """Draws against the exact kept distribution, per logit value (tied tokens alike; keeping the whole
+    tie group would fail it); a row's token depends on its logits, parameters and seed only."""
+    _interpret(DRAWS)
