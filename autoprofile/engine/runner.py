@@ -155,6 +155,8 @@ class ModelRunner:
             rows = [r for r in step.rows if r.sample]
             if not rows:
                 return []
+            if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
+                return logits.argmax(dim=-1).tolist()
             batch = SamplingBatch.from_params([r.params for r in rows], self.device)
             return sample(logits, batch, self.generator, self._row_generators(rows)).tolist()
 
@@ -205,16 +207,19 @@ class ModelRunner:
         dev = self.device
         longest = max(r.start for r in rows) + 1
         bucket = budget.decode_bucket(self.buckets, longest)
-        # one host buffer (pinned on CUDA) and one copy for the step's ids, positions and request slots
-        host = torch.tensor([[r.ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows]],
+        # one host buffer (pinned on CUDA) and one copy for everything the step derives from the rows: ids,
+        # positions, request slots, seq_lens, and each position's page column and offset (fewer launches)
+        ps = self.cfg.page_size
+        host = torch.tensor([[r.ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows],
+                             [r.start + 1 for r in rows], [r.start // ps for r in rows], [r.start % ps for r in rows]],
                             dtype=torch.int64, pin_memory=dev.type == "cuda")
-        ids, pos, slots = host.to(dev, non_blocking=True).unbind(0)
-        slot_mapping, seq_lens = self._slot_of(slots, pos), (pos + 1).to(torch.int32)
-        tables = self.req_table.page_table[slots, :math.ceil(bucket / self.cfg.page_size)]
+        ids, pos, slots, seq_lens, col, offset = host.to(dev, non_blocking=True).unbind(0)
+        slot_mapping = torch.add(offset, self.req_table.page_table[slots, col], alpha=ps)
+        tables = self.req_table.page_table[slots, :math.ceil(bucket / ps)]
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(ids, pos, slot_mapping, tables, seq_lens, longest)
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                 seq_lens=seq_lens, max_seq_len=bucket)
+                                 seq_lens=seq_lens.to(torch.int32), max_seq_len=bucket)
         return self._decode_logits(ids, pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners

@@ -28,6 +28,7 @@ import triton.language as tl
 
 BLOCK = 1024
 WAYS = 16  # candidates per search pass
+NUM_WARPS = 8
 SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bits of the fp32 pattern
 INT32_MIN = -2**31
 
@@ -205,5 +206,5 @@ def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tens
         _sample_kernel[(rows,)](
             x, x.stride(0), vocab, temperatures.float().contiguous(), top_ps.float().contiguous(),
             top_ks.long().contiguous(), seeds.contiguous(), out, kept,
-            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, BOUNDS=bounds, num_warps=8)
+            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, BOUNDS=bounds, num_warps=NUM_WARPS)
     return (out, kept) if bounds else out
