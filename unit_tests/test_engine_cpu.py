@@ -128,7 +128,7 @@ def test_decode_graph_keys_capture_the_largest_scratch_first():
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():
     from autoprofile.engine.cuda_graph import DecodeGraphs
 
-    g = DecodeGraphs(256, 131072 // 16, 131072, 16, CPU)
+    g = DecodeGraphs(256, torch.zeros(4, 131072 // 16, dtype=torch.int32), 131072, 16)
     assert g.sizes == batch_ladder(256) and set(g.buckets) == {4096, 16384, 65536, 131072}
     assert g.pick(1, 1) == (1, 4096)
     assert g.pick(200, 1025) == (200, 4096)

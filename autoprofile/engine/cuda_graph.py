@@ -11,6 +11,11 @@ later captures reuse its blocks; the static block tables are sized for context_l
 reads its first ceil(bucket/page) columns. The build is the same in the probe and at the target, so the
 probe captures (and measures) every graph serving replays, and replaying one allocates nothing.
 Logits are captured too; sampling runs outside the graph.
+
+Inputs: a step's rows come as one host tensor [b, 4] (token id, position, request slot, 1), copied into the
+static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and block
+tables, gathered from the request table's page table, which it reads in place), so a replay is two or three
+launches. Padding rows carry 0 in the last column: they write to PAD_PAGE and read one token of it.
 """
 from __future__ import annotations
 
@@ -35,14 +40,17 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Ten
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
-    def __init__(self, max_bs: int, pages_per_req: int, max_seq_len: int, page_size: int,
-                 device: torch.device):
+    def __init__(self, max_bs: int, page_table: torch.Tensor, max_seq_len: int, page_size: int):
+        """page_table [slots, pages_per_req] int32: the request table's (read by every replay: drop the
+        graphs before it)."""
+        device, pages_per_req = page_table.device, page_table.shape[1]
         self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
         self.buckets = decode_buckets(max_seq_len)
         self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}
         self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.page_table = page_table
+        self.inputs = torch.zeros(max_bs, 4, dtype=torch.int64, device=device)  # id, position, slot, real row
+        self.input_ids, self.positions = self.inputs[:, 0], self.inputs[:, 1]
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
@@ -77,6 +85,7 @@ class DecodeGraphs:
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs, bucket))
+            self._derive(bs, bucket)
             warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
             self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
             del warm
@@ -90,31 +99,31 @@ class DecodeGraphs:
             def body(bs=bs, args=args):
                 # NOTE: a graph's own output would stay allocated in the pool for good (one logits tensor
                 # per graph, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
+                self._derive(bs, bucket)
                 self.logits[:bs].copy_(step(*args))
 
             capture_graph(graph, self.pool, body)
             self.graphs[bs, bucket] = graph
         torch.cuda.synchronize()
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, longest: int) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step for b <= max_bs requests whose longest seq_len is
-        `longest`; block_tables [b, >= columns(bucket)] (extra columns are not copied); pad rows write
-        to PAD_PAGE."""
-        b = input_ids.shape[0]
+    def _derive(self, bs: int, bucket: int) -> None:
+        """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""
+        cols, ps = self.columns(bucket), self.page_size
+        pos, slots, real = self.positions[:bs], self.inputs[:bs, 2], self.inputs[:bs, 3] != 0
+        tables = torch.where(real.unsqueeze(1), self.page_table[slots, :cols], PAD_PAGE)
+        self.block_tables[:bs, :cols].copy_(tables)
+        page = tables.gather(1, (pos // ps).clamp_(max=cols - 1).unsqueeze(1)).squeeze(1)
+        self.slot_mapping[:bs].copy_(page * ps + pos % ps)  # pads: PAD_PAGE's first slot
+        self.seq_lens[:bs].copy_(torch.where(real, pos + 1, 1))
+
+    def replay(self, rows: torch.Tensor, longest: int) -> torch.Tensor:
+        """Logits [b, vocab] of one decode step for rows [b, 4] int64 (token id, position, request slot, 1;
+        pinned host memory: one non-blocking copy), b <= max_bs, whose longest seq_len is `longest`."""
+        b = rows.shape[0]
         bs, bucket = self.pick(b, longest)
-        cols = self.columns(bucket)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(slot_mapping)
-        self.seq_lens[:b].copy_(seq_lens)
-        self.block_tables[:b, :cols].copy_(block_tables[:, :cols])
+        self.inputs[:b].copy_(rows, non_blocking=True)
         if bs > b:  # rows of an earlier, larger batch must not leak into the padding
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.slot_mapping[b:bs].fill_(PAD_PAGE * self.page_size)
-            self.seq_lens[b:bs].fill_(1)
-            self.block_tables[b:bs, :cols].fill_(PAD_PAGE)
+            self.inputs[b:bs].zero_()
         self.graphs[bs, bucket].replay()
         return self.logits[:b]
 
@@ -124,7 +133,8 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         self.graphs.clear()
         self.logits = self.pool = None
-        self.input_ids = self.positions = self.slot_mapping = self.block_tables = self.seq_lens = None
+        self.inputs = self.input_ids = self.positions = self.page_table = None
+        self.slot_mapping = self.block_tables = self.seq_lens = None
         release_cublas_workspaces()
 
 

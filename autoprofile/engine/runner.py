@@ -112,8 +112,8 @@ class ModelRunner:
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size))
             if env.graph_rows:
-                self.graphs = DecodeGraphs(env.graph_rows, self.req_table.pages_per_req,
-                                           cfg.context_len, cfg.page_size, self.device)
+                self.graphs = DecodeGraphs(env.graph_rows, self.req_table.page_table, cfg.context_len,
+                                           cfg.page_size)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
         except BaseException:
@@ -207,19 +207,15 @@ class ModelRunner:
         dev = self.device
         longest = max(r.start for r in rows) + 1
         bucket = budget.decode_bucket(self.buckets, longest)
-        # one host buffer (pinned on CUDA) and one copy for everything the step derives from the rows: ids,
-        # positions, request slots, seq_lens, and each position's page column and offset (fewer launches)
-        ps = self.cfg.page_size
-        host = torch.tensor([[r.ids[0] for r in rows], [r.start for r in rows], [r.slot for r in rows],
-                             [r.start + 1 for r in rows], [r.start // ps for r in rows], [r.start % ps for r in rows]],
-                            dtype=torch.int64, pin_memory=dev.type == "cuda")
-        ids, pos, slots, seq_lens, col, offset = host.to(dev, non_blocking=True).unbind(0)
-        slot_mapping = torch.add(offset, self.req_table.page_table[slots, col], alpha=ps)
-        tables = self.req_table.page_table[slots, :math.ceil(bucket / ps)]
+        # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs)
+        host = torch.tensor([[r.ids[0], r.start, r.slot, 1] for r in rows], dtype=torch.int64,
+                            pin_memory=dev.type == "cuda")
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
-            return self.graphs.replay(ids, pos, slot_mapping, tables, seq_lens, longest)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                 seq_lens=seq_lens.to(torch.int32), max_seq_len=bucket)
+            return self.graphs.replay(host, longest)
+        ids, pos, slots, _ = host.to(dev, non_blocking=True).unbind(1)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=self._slot_of(slots, pos),
+                                 block_tables=self.req_table.page_table[slots, :math.ceil(bucket / self.cfg.page_size)],
+                                 seq_lens=(pos + 1).to(torch.int32), max_seq_len=bucket)
         return self._decode_logits(ids, pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners

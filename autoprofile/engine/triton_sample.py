@@ -16,7 +16,8 @@ One program per row; the row is read a few times (it stays in L2 at decode batch
    score shifted by log(kept / g): the max of g i.i.d. Gumbels is one Gumbel + log g, so the group wins
    with probability kept * p(b_p) / S_kept and, when it does, each of its tokens alike: exactly the
    distribution of any `kept` of them (which tied tokens are kept is unspecified, as with a sort).
-Passes: bf16 keys have 16 bits (WAYS = 16: 4 search passes), fp16 19, fp32 32 (8 passes).
+Passes: a search takes log_WAYS of the key range between the row's min and max (bf16: at most 16 bits,
+6 passes at WAYS = 8; fp16 19 bits; fp32 32).
 Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference).
 Imported by the sampler for CUDA tensors only (triton is imported here).
 """
@@ -26,9 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
-WAYS = 16  # candidates per search pass
-NUM_WARPS = 8
+# BLOCK/WAYS/warps on an H100, [256, 128256] bf16 logits, top-p 0.9 (median of 20 calls): 4096/8/16
+# 0.78 ms; 2048/8/8 0.97; 1024/16/8 1.31; 1024/32/8 1.66. Fewer, longer loops win; extra passes cost little.
+BLOCK = 4096
+WAYS = 8  # candidates per search pass
+NUM_WARPS = 16
 SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bits of the fp32 pattern
 INT32_MIN = -2**31
 
