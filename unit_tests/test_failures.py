@@ -115,17 +115,15 @@ def test_successful_capture_is_plain(cuda_log):
 
 def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cuda_log):
     """The ladder's second capture OOMs: the error reaches the runner's build (which tears down), the
-    first graph stays owned by DecodeGraphs (its teardown resets it), the failed one is not kept there."""
-    g = cuda_graph.DecodeGraphs.__new__(cuda_graph.DecodeGraphs)
-    g.keys, g.buckets, g.ladders = [(2, 64), (1, 64)], [64], {64: [1, 2]}
-    g.max_bs, g.max_seq_len, g.page_size = 2, 64, 16
-    g.input_ids = g.positions = g.slot_mapping = torch.zeros(2, dtype=torch.int64)
-    g.block_tables, g.seq_lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    g.graphs, g.logits, g.pool = {}, None, None
+    first graph stays owned by DecodeGraphs (its teardown resets it), the failed one is not kept there.
+    The capture stream exists before the first step (made on a full card it would be a CUDA error, no OOM)."""
+    g = cuda_graph.DecodeGraphs(2, torch.zeros(3, 4, dtype=torch.int32), 64, 16)
+    assert g.keys == [(2, 64), (1, 64)]
     made = iter([FakeGraph(cuda_log, invalidated=False), FakeGraph(cuda_log, invalidated=True)])
     calls = []
 
     def step(ids, pos, meta):
+        assert DEV in cuda_graph._CAPTURE_STREAMS
         calls.append(ids.shape[0])
         if len(calls) == 4:  # warm 2, capture 2, warm 1, capture 1 <- OOM inside the capture
             oom()

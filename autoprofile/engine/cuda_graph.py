@@ -82,6 +82,7 @@ class DecodeGraphs:
         """In self.keys order (largest scratch first), so later graphs reuse the pool's blocks. `step` is
         not kept. A failure inside a capture (a real OOM: a peer grew after measure) ends that capture
         cleanly and propagates like any other build failure."""
+        capture_stream(torch.cuda.current_device())
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs, bucket))
@@ -152,6 +153,15 @@ def _keep_forever(graph) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(graph))
 
 
+def capture_stream(device: int) -> torch.cuda.Stream:
+    """The side stream graphs are captured on, one per device (as torch.cuda.graph keeps one). NOTE: made
+    before anything fills the card: creating a stream on a full GPU fails with a CUDA error that is not an
+    OutOfMemoryError (H100), which no retry would catch."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 def capture_graph(graph, pool, body: Callable[[], None]) -> None:
     """torch.cuda.graph(graph, pool) around body(), but a body that raises (a real OOM inside the capture)
     leaves no capture behind. torch.cuda.graph's __exit__ calls capture_end(), which raises on an
@@ -162,9 +172,7 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
     torch 2.11). Here the capture is ended, the allocator's bookkeeping undone, the graph reset and the
     device synchronised before the error propagates; nothing is freed before that."""
     device = torch.cuda.current_device()
-    if device not in _CAPTURE_STREAMS:  # one side stream per device, as torch.cuda.graph keeps one
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    stream = _CAPTURE_STREAMS[device]
+    stream = capture_stream(device)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
     with torch.cuda.stream(stream):
