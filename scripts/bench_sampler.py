@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
         [--json out.json]
 
-Logits are bf16 [rows, vocab]. "peaked" = randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few
-to a few hundred tokens, like a trained model's; the rows whose nucleus outgrows the prefilter are counted
-in `wider`) and "flat" = randn (every nucleus is wider than the prefilter: the sort fallback, the worst case).
+On CUDA sample() is one Triton kernel per batch (autoprofile.engine.triton_sample) whatever the case; the
+torch paths (CPU, no triton) prefilter and fall back to a sort. Logits are bf16 [rows, vocab]. "peaked" =
+randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few to a few hundred tokens, like a trained
+model's; `wider` counts the rows whose nucleus outgrows the torch path's prefilter) and "flat" = randn
+(every nucleus wider than the prefilter: the torch path's sort fallback, its worst case).
 Times: CUDA events around each call after 10 warm-up calls, median of --iters (the logits stay in L2 at small
 rows). Memory: peak allocated above what was allocated before one call, per row, next to the declared bound
 sampler_workspace_bytes(rows) / rows. Ratios old/new come from the same run.
