@@ -116,11 +116,25 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
 
 
 # ---------------------------------------------------------------- workloads
-def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random) -> list[Job]:
-    """vLLM's random dataset: lengths uniform in [len * (1 - ratio), len * (1 + ratio)]."""
+def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random,
+                sampling: dict | None = None) -> list[Job]:
+    """vLLM's random dataset: lengths uniform in [len * (1 - ratio), len * (1 + ratio)]; every request with
+    the `sampling` fields (default: greedy)."""
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
-    return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len)) for _ in range(n)]
+    fields = sampling or {"temperature": 0.0}
+    return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len), "random",
+                dict(fields)) for _ in range(n)]
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """--temperature / --top-p / --top-k as the request's fields (vLLM's benchmark flags)."""
+    fields = {"temperature": args.temperature}
+    if args.top_p is not None:
+        fields["top_p"] = args.top_p
+    if args.top_k is not None:
+        fields["top_k"] = args.top_k
+    return fields
 
 
 def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
@@ -334,7 +348,7 @@ async def bench(args, url: str, health: dict) -> dict:
                                            args, deadline)
     else:
         jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                           rng)
+                           rng, sampling_fields(args))
         results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
     summary = summarize(results, duration, percentiles)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
@@ -389,6 +403,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="exact output lengths (default on)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p")
+    p.add_argument("--top-k", type=int, default=None, help="every request's top_k")
     p.add_argument("--metric-percentiles", default="50,90,99")
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
     p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
@@ -408,6 +425,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--soak-minutes must be in [0, 1440]")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
+            (args.top_k is not None and args.top_k < 0):
+        p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p 0.9)")
     return args
 
 

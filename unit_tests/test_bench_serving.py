@@ -55,7 +55,8 @@ def test_loopback_urls_pass():
 
 
 @pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--num-prompts", "2000000"], ["--max-concurrency", "0"],
-                                  ["--request-rate", "0"], ["--soak-minutes", "5000"], ["--random-range-ratio", "1"]])
+                                  ["--request-rate", "0"], ["--soak-minutes", "5000"], ["--random-range-ratio", "1"],
+                                  ["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-2"]])
 def test_bounds(argv):
     with pytest.raises(SystemExit):
         bench_serving.parse_args(argv)
@@ -98,3 +99,13 @@ def test_a_short_soak_loses_nothing(booted):  # noqa: F811
     assert s["completed"] > 0 and s["failed"] == 0 and s["lost"] == 0, s["errors"]
     assert bench_serving.soak_verdict(s) == []
     assert sum(k["sent"] for k in s["by_kind"].values()) == s["completed"] + s["disconnected"]
+
+
+def test_sampled_requests_carry_the_flags_and_complete(booted):  # noqa: F811
+    args = bench_serving.parse_args(["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"])
+    import random
+    jobs = bench_serving.random_jobs(3, 8, 4, 0.0, random.Random(0), bench_serving.sampling_fields(args))
+    assert [j.sampling for j in jobs] == [{"temperature": 0.8, "top_p": 0.9, "top_k": 20}] * 3
+    s = _run_bench(booted, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "16",
+                            "--random-output-len", "8", "--temperature", "0.8", "--top-p", "0.9"])
+    assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 48
