@@ -274,3 +274,41 @@ def test_fused_rope_store_equals_the_torch_ops(t):
     for a, b in zip([*got, got_qkv, caches[0]], [*want, want_qkv, caches[2]]):
         assert rel_err(a, b) < 1e-2
     assert torch.equal(caches[1], caches[3])  # V is copied
+
+
+def compiled(kernel) -> int:
+    """Kernels Triton compiled for this JIT function in this process (its per-device kernel caches)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_no_compile_for_a_new_step_shape_once_warm():
+    """aiter_loader.UNSPECIALIZED: prefill over any tokens, longest request and request count reuses one
+    _attn_fwd; a sealed backend's rms_norm takes the torch ops for a new row count below the SM count."""
+    be = make("aiter_triton")
+    from aiter.ops.triton._triton_kernels.mha import _attn_fwd
+    from aiter.ops.triton._triton_kernels.rmsnorm import _rms_norm_kernel
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def prefill(lens):
+        q, k, v = packed_qkv(sum(lens), gen)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        out = be.prefill(q, k, v, AttentionMetadata(is_prefill=True, cu_seqlens=cu, max_seqlen=max(lens)))
+        b = cu.tolist()
+        for s, e in zip(b[:-1], b[1:]):
+            assert rel_err(out[s:e], ref_causal(q[s:e], k[s:e], v[s:e])) < BF16_TOL, lens
+
+    prefill([1024, 1024])
+    before = compiled(_attn_fwd)
+    for lens in ([1], [16], [17, 33], [1000], [16] * 16, [7] * 3, [2048, 5], [3000]):
+        prefill(lens)
+    assert compiled(_attn_fwd) == before, "a prefill shape compiled _attn_fwd again"
+    w = torch.randn(4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+    be.rms_norm(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), w, 1e-6)  # the build's row counts
+    be.rms_norm(torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16), w, 1e-6)
+    be.seal()
+    before = compiled(_rms_norm_kernel)
+    for rows in (1, 5, 77, 300, 1001):
+        x = torch.randn(rows, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) * 4
+        assert rel_err(be.rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6)) < BF16_TOL
+    assert compiled(_rms_norm_kernel) == before, "a sealed rms_norm compiled again"
+    assert be.rms_rows == {1}

@@ -101,6 +101,33 @@ def load_pa_decode() -> types.ModuleType:
     return importlib.import_module("aiter.ops.triton.pa_decode")
 
 
+# NOTE: Triton compiles a kernel once per specialization of its integer arguments (== 1, divisible by 16).
+# These follow a step's shape (tokens, longest request, requests), so a step of a new class compiled while
+# serving: an H100 server's first traffic stalled ~5 s on one _attn_fwd compile (p99 TTFT 5.8 s, against
+# 0.34 s once warm), and the module it loaded was never in the profile. Unspecialized, one compile in the
+# probe serves every shape. Q/K/V/O strides stay specialized: they are the model's, fixed.
+UNSPECIALIZED = (
+    ("aiter.ops.triton._triton_kernels.mha", "_attn_fwd",
+     ("SEQLEN_Q", "SEQLEN_K", "BATCH", "stride_lse_z_in", "stride_lse_h_in", "stride_lse_m_in")),
+    ("aiter.ops.triton._triton_kernels.rmsnorm", "_rms_norm_kernel", ("n_rows",)),
+)
+
+
+def unspecialize(kernel, names: tuple[str, ...]) -> None:
+    """Mark integer parameters of a Triton kernel as not specialized, before its first launch builds its
+    argument binder. A parameter this AITER does not have is an error naming it (the pinned version moved)."""
+    params = {p.name: p for p in kernel.params}
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise RuntimeError(f"AITER's Triton kernel {kernel.__name__} has no parameter {missing}: "
+                           f"this amd-aiter is not the one autoprofile pins")
+    for n in names:
+        params[n].do_not_specialize = True
+    caches = getattr(kernel, "device_caches", None)
+    if caches:  # launched already: rebuild the binder (its compiled kernels are dropped)
+        caches.clear()
+
+
 @functools.cache
 def load_aiter_triton() -> AiterTriton:
     """Import the Triton kernels (paged decode, varlen flash attention, RMSNorm); needs a GPU.
@@ -110,6 +137,8 @@ def load_aiter_triton() -> AiterTriton:
     pa = load_pa_decode()
     mha = importlib.import_module("aiter.ops.triton.mha")
     rmsnorm = importlib.import_module("aiter.ops.triton.rmsnorm")
+    for module, kernel, names in UNSPECIALIZED:
+        unspecialize(getattr(importlib.import_module(module), kernel), names)
     return AiterTriton(
         paged_attn_decode_v1=pa.paged_attn_decode_v1,
         paged_attn_decode_v2=pa.paged_attn_decode_v2,

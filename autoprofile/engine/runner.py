@@ -116,6 +116,7 @@ class ModelRunner:
                                            cfg.page_size)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
+            self.backend.seal()
         except BaseException:
             self.teardown()
             raise

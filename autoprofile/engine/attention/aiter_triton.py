@@ -58,6 +58,9 @@ class AiterTritonBackend(AttentionBackend):
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
         self.prefill_config = prefill_config()
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.rms_rows: set[int] = set()  # row counts below the SM count AITER's rms_norm has compiled for
+        self.sealed = False
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
@@ -110,5 +113,19 @@ class AiterTritonBackend(AttentionBackend):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """NOTE: the kernel's program count is a constexpr min(rows, SMs): each row count below the SM
-        count compiles once (decode batch sizes of the graph ladder, at capture)."""
+        count is a compile of its own (seconds, and a module the profile never measured). The build compiles
+        the graph ladder's; once sealed, a step with another count below the SM count (a short prefill, an
+        eager decode) takes the torch ops instead of compiling while serving."""
+        rows = x.numel() // x.shape[-1]
+        if rows < self.num_sms:
+            if self.sealed and rows not in self.rms_rows:
+                return super().rms_norm(x, weight, eps)
+            self.rms_rows.add(rows)
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.sealed = False

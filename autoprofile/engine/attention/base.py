@@ -66,6 +66,10 @@ class AttentionBackend(ABC):
     def build(self, max_decode_rows: int, max_context_len: int) -> None:
         """Allocate persistent state (e.g. a workspace) for a cache of this size."""
 
+    def seal(self) -> None:
+        """The build is done: the kernels compiled so far are the ones steps may launch (aiter_triton: a
+        kernel a step would compile while serving takes the torch ops instead). Teardown unseals."""
+
     def teardown(self) -> None:
         """Drop everything build() allocated."""
 
