@@ -292,7 +292,9 @@ def test_no_compile_for_a_new_step_shape_once_warm():
     def prefill(lens):
         q, k, v = packed_qkv(sum(lens), gen)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        out = be.prefill(q, k, v, AttentionMetadata(is_prefill=True, cu_seqlens=cu, max_seqlen=max(lens)))
+        meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu, max_seqlen=max(lens),
+                                 slot_mapping=torch.zeros(sum(lens), dtype=torch.int64, device="cuda"))
+        out = be.prefill(q, k, v, meta)
         b = cu.tolist()
         for s, e in zip(b[:-1], b[1:]):
             assert rel_err(out[s:e], ref_causal(q[s:e], k[s:e], v[s:e])) < BF16_TOL, lens
