@@ -117,14 +117,13 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
 
 # ---------------------------------------------------------------- workloads
 def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random,
-                sampling: dict | None = None) -> list[Job]:
+                sampling: dict) -> list[Job]:
     """vLLM's random dataset: lengths uniform in [len * (1 - ratio), len * (1 + ratio)]; every request with
-    the `sampling` fields (default: greedy)."""
+    the `sampling` fields (sampling_fields)."""
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
-    fields = sampling or {"temperature": 0.0}
     return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len), "random",
-                dict(fields)) for _ in range(n)]
+                dict(sampling)) for _ in range(n)]
 
 
 def sampling_fields(args: argparse.Namespace) -> dict:

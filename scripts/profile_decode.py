@@ -1,5 +1,4 @@
-"""Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler,
-and the sampler's pieces at [256, vocab].
+"""Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler.
 
     PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager]
 
@@ -8,7 +7,7 @@ By default the step replays its CUDA graph, as serving does (CUPTI reports the k
 (AttentionMetadata.captured).
 
 Random weights; prints the kernels by total CUDA time (name, calls, total and mean us) and the step's
-kernel count, then torch.topk / sort / logsumexp timings on bf16 logits (what sample() is made of).
+kernel count. The sampler is timed by scripts/bench_sampler.py.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import decode_step  # noqa: E402
-from cuda_timing import cuda_median_ms  # noqa: E402
 
 from autoprofile.config import ServerConfig, validate  # noqa: E402
 from autoprofile.engine.runner import ModelRunner  # noqa: E402
@@ -71,18 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     how = "eager" if args.eager else "graph replay of the"
     print(f"{torch.cuda.get_device_name()}: {how} decode step, batch {args.batch}, {args.ctx} tokens of context")
     print(kernel_table(prof, args.steps, args.top))
-    vocab = runner.model_config.vocab_size
     runner.teardown()
-    x = torch.randn(256, vocab, device="cuda").mul_(5).to(torch.bfloat16)
-    pieces = {"argmax": lambda: x.argmax(-1), "topk 1024": lambda: x.topk(1024, -1),
-              "topk 256": lambda: x.topk(256, -1), "topk 64": lambda: x.topk(64, -1),
-              "topk 1024 unsorted": lambda: x.topk(1024, -1, sorted=False),
-              "sort 64 rows": lambda: x[:64].sort(-1, descending=True),
-              "logsumexp fp32": lambda: x.float().logsumexp(-1),
-              "exponential_ fp32": lambda: torch.empty(256, vocab, device="cuda").exponential_()}
-    print(f"sampler pieces on [256, {vocab}] bf16 logits (ms, CUDA events, median of 20):")
-    for name, fn in pieces.items():
-        print(f"  {name:<20}{cuda_median_ms(fn, 20):>8.3f}")
     return 0
 
 

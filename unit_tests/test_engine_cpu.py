@@ -78,6 +78,21 @@ def test_req_table_mirrors_page_writes_and_refuses_out_of_range():
         t.write([(2, 0, [1])])
 
 
+def test_decode_metadata_of_real_and_padding_rows():
+    """Graphs and eager decode derive slot mapping, seq_lens and block tables with ReqTable.decode_metadata."""
+    t = ReqTable(3, 64, 16, torch.device("cpu"))
+    t.write([(1, 0, [5, 6, 7]), (2, 0, [9])])
+    pos, slots = torch.tensor([33, 0, 20]), torch.tensor([1, 2, 2])
+    tables, slot_mapping, seq_lens = t.decode_metadata(pos, slots, 3)
+    assert tables.tolist() == [[5, 6, 7], [9, 0, 0], [9, 0, 0]]
+    assert slot_mapping.tolist() == [7 * 16 + 1, 9 * 16, 0 * 16 + 4]  # position 20 of slot 2: its 2nd page
+    assert seq_lens.tolist() == [34, 1, 21] and seq_lens.dtype == torch.int32
+    real = torch.tensor([True, False, True])
+    tables, slot_mapping, seq_lens = t.decode_metadata(pos, slots, 3, real)
+    assert tables[1].tolist() == [PAD_PAGE] * 3 and slot_mapping[1] == PAD_PAGE * 16 and seq_lens[1] == 1
+    assert slot_mapping[0] == 7 * 16 + 1 and seq_lens[0] == 34
+
+
 def test_kv_cache_is_one_tensor_with_per_layer_views():
     kv = KVCache(3, 5, 2, 16, 8, torch.float32, torch.device("cpu"))
     assert kv.buffer.shape == (2, 3, 5, 2, 16, 8) and kv.buffer.is_contiguous()
@@ -128,7 +143,7 @@ def test_decode_graph_keys_capture_the_largest_scratch_first():
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():
     from autoprofile.engine.cuda_graph import DecodeGraphs
 
-    g = DecodeGraphs(256, torch.zeros(4, 131072 // 16, dtype=torch.int32), 131072, 16)
+    g = DecodeGraphs(256, ReqTable(4, 131072, 16, CPU), 131072)
     assert g.sizes == batch_ladder(256) and set(g.buckets) == {4096, 16384, 65536, 131072}
     assert g.pick(1, 1) == (1, 4096)
     assert g.pick(200, 1025) == (200, 4096)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autoprofile.engine import cuda_graph
+from autoprofile.engine.kv_cache import ReqTable
 
 DEV, POOL = 0, (0, 7)
 
@@ -117,7 +118,7 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
     """The ladder's second capture OOMs: the error reaches the runner's build (which tears down), the
     first graph stays owned by DecodeGraphs (its teardown resets it), the failed one is not kept there.
     The capture stream exists before the first step (made on a full card it would be a CUDA error, no OOM)."""
-    g = cuda_graph.DecodeGraphs(2, torch.zeros(3, 4, dtype=torch.int32), 64, 16)
+    g = cuda_graph.DecodeGraphs(2, ReqTable(3, 64, 16, torch.device("cpu")), 64)
     assert g.keys == [(2, 64), (1, 64)]
     made = iter([FakeGraph(cuda_log, invalidated=False), FakeGraph(cuda_log, invalidated=True)])
     calls = []

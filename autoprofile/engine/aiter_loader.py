@@ -23,6 +23,7 @@ import torch
 MISSING_HINT = ("amd-aiter is not installed: `pip install amd-aiter`, or run the torch reference "
                 "backend with --attention_backend torch")
 FALLBACK_DEVICE = "MI300X"  # config-file name for archs AITER does not know
+PINNED_AITER = "0.1.7.post2.dev18"  # pyproject.toml's pin
 
 
 def is_rocm() -> bool:
@@ -119,8 +120,9 @@ def unspecialize(kernel, names: tuple[str, ...]) -> None:
     params = {p.name: p for p in kernel.params}
     missing = [n for n in names if n not in params]
     if missing:
-        raise RuntimeError(f"AITER's Triton kernel {kernel.__name__} has no parameter {missing}: "
-                           f"this amd-aiter is not the one autoprofile pins")
+        raise RuntimeError(f"AITER's Triton kernel {kernel.__name__} has no parameter {missing}: this amd-aiter "
+                           f"is not the one autoprofile pins (pip install amd-aiter=={PINNED_AITER}), or run "
+                           f"--attention_backend torch")
     for n in names:
         params[n].do_not_specialize = True
     caches = getattr(kernel, "device_caches", None)

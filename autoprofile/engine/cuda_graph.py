@@ -14,7 +14,7 @@ Logits are captured too; sampling runs outside the graph.
 
 Inputs: a step's rows come as one host tensor [b, 4] (token id, position, request slot, 1), copied into the
 static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and block
-tables, gathered from the request table's page table, which it reads in place), so a replay is two or three
+tables, from the request table: ReqTable.decode_metadata, which eager decode uses too), so a replay is two or three
 launches. Padding rows carry 0 in the last column: they write to PAD_PAGE and read one token of it.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tqdm import tqdm
 from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.engine.attention.base import AttentionMetadata
-from autoprofile.engine.kv_cache import PAD_PAGE
+from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,14 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Ten
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
-    def __init__(self, max_bs: int, page_table: torch.Tensor, max_seq_len: int, page_size: int):
-        """page_table [slots, pages_per_req] int32: the request table's (read by every replay: drop the
-        graphs before it)."""
-        device, pages_per_req = page_table.device, page_table.shape[1]
+    def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int):
+        """req_table: the runner's; every replay reads its page table (drop the graphs before it)."""
+        device, pages_per_req, page_size = req_table.page_table.device, req_table.pages_per_req, req_table.page_size
         self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
         self.buckets = decode_buckets(max_seq_len)
         self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}
         self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
-        self.page_table = page_table
+        self.req_table = req_table
         self.inputs = torch.zeros(max_bs, 4, dtype=torch.int64, device=device)  # id, position, slot, real row
         self.input_ids, self.positions = self.inputs[:, 0], self.inputs[:, 1]
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -109,13 +108,12 @@ class DecodeGraphs:
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""
-        cols, ps = self.columns(bucket), self.page_size
-        pos, slots, real = self.positions[:bs], self.inputs[:bs, 2], self.inputs[:bs, 3] != 0
-        tables = torch.where(real.unsqueeze(1), self.page_table[slots, :cols], PAD_PAGE)
+        cols = self.columns(bucket)
+        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(
+            self.positions[:bs], self.inputs[:bs, 2], cols, real=self.inputs[:bs, 3] != 0)
         self.block_tables[:bs, :cols].copy_(tables)
-        page = tables.gather(1, (pos // ps).clamp_(max=cols - 1).unsqueeze(1)).squeeze(1)
-        self.slot_mapping[:bs].copy_(page * ps + pos % ps)  # pads: PAD_PAGE's first slot
-        self.seq_lens[:bs].copy_(torch.where(real, pos + 1, 1))
+        self.slot_mapping[:bs].copy_(slot_mapping)
+        self.seq_lens[:bs].copy_(seq_lens)
 
     def replay(self, rows: torch.Tensor, longest: int) -> torch.Tensor:
         """Logits [b, vocab] of one decode step for rows [b, 4] int64 (token id, position, request slot, 1;
@@ -134,7 +132,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         self.graphs.clear()
         self.logits = self.pool = None
-        self.inputs = self.input_ids = self.positions = self.page_table = None
+        self.inputs = self.input_ids = self.positions = self.req_table = None
         self.slot_mapping = self.block_tables = self.seq_lens = None
         release_cublas_workspaces()
 

@@ -124,6 +124,20 @@ class ReqTable:
     def nbytes(self) -> int:
         return self.page_table.nbytes
 
+    def decode_metadata(self, pos: torch.Tensor, slots: torch.Tensor, cols: int,
+                        real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_tables [b, cols] int32, slot_mapping [b] int64, seq_lens [b] int32) of decode rows at
+        positions `pos` of request slots `slots`, on the device, no host read (CUDA-graph capturable). `real`
+        [b] bool: rows where it is False are padding, they write to PAD_PAGE and read one token of it."""
+        ps = self.page_size
+        tables = self.page_table[slots, :cols]
+        if real is not None:
+            tables = torch.where(real.unsqueeze(1), tables, PAD_PAGE)
+        page = tables.gather(1, (pos // ps).clamp_(max=cols - 1).unsqueeze(1)).squeeze(1)
+        slot_mapping = page * ps + pos % ps
+        seq_lens = pos + 1 if real is None else torch.where(real, pos + 1, 1)
+        return tables, slot_mapping, seq_lens.to(torch.int32)
+
     def write(self, writes: list[tuple[int, int, list[int]]]) -> None:
         """(slot, first column, page ids) triples, in one indexed copy."""
         if not writes:

@@ -112,8 +112,7 @@ class ModelRunner:
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size))
             if env.graph_rows:
-                self.graphs = DecodeGraphs(env.graph_rows, self.req_table.page_table, cfg.context_len,
-                                           cfg.page_size)
+                self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
             self.backend.seal()
@@ -214,9 +213,10 @@ class ModelRunner:
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest)
         ids, pos, slots, _ = host.to(dev, non_blocking=True).unbind(1)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=self._slot_of(slots, pos),
-                                 block_tables=self.req_table.page_table[slots, :math.ceil(bucket / self.cfg.page_size)],
-                                 seq_lens=(pos + 1).to(torch.int32), max_seq_len=bucket)
+        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(
+            pos, slots, math.ceil(bucket / self.cfg.page_size))
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
+                                 seq_lens=seq_lens, max_seq_len=bucket)
         return self._decode_logits(ids, pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners

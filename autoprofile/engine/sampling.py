@@ -34,6 +34,8 @@ import torch
 PREFILTER = 1024  # top-k via torch.topk up to this k; top-p searched in this many tokens first
 CHUNK_ROWS = 128  # rows sampled at a time
 SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # logits the one-kernel sampler takes
+SEED_HIGH = 2**63 - 1  # Philox seeds are drawn in [0, SEED_HIGH)
 
 
 @dataclass(frozen=True)
@@ -328,9 +330,6 @@ def _fused(logits: torch.Tensor):
     return _triton_sampler()
 
 
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 @functools.cache
 def _triton_sampler():
     try:
@@ -348,9 +347,6 @@ def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,
     for i, g in seeded:
         seeds[i:i + 1] = torch.randint(SEED_HIGH, (1,), generator=g, device=device)
     return seeds
-
-
-SEED_HIGH = 2**63 - 1
 
 
 def _sorted(x: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,6 @@ BLOCK = 4096
 WAYS = 8  # candidates per search pass
 NUM_WARPS = 16
 SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bits of the fp32 pattern
-INT32_MIN = -2**31
 
 
 @triton.jit
