@@ -41,6 +41,7 @@ class ModelConfig:
     # MLA (planner only): per-token latent cache is kv_lora_rank + qk_rope_head_dim
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    vision: object = None  # a vision-language model's vision tower config (None: text only)
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
