@@ -44,7 +44,8 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     def num_params(self) -> int:
-        d, i, merged = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size ** 2
+        d, i = self.hidden_size, self.intermediate_size
+        merged = d * self.spatial_merge_size ** 2
         block = 3 * d * d + 3 * d + d * d + d + 2 * d * i + 2 * i + i * d + d + 2 * d
         merger = d + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
         return self.patch_dim * d + self.depth * block + merger
@@ -287,20 +288,23 @@ def _vision_fields(f: _Fields, heads: int, hidden: int) -> dict:
         depth=depth, hidden_size=vf.int("hidden_size"), intermediate_size=vf.int("intermediate_size"),
         num_heads=vf.int("num_heads"), out_hidden_size=vf.int("out_hidden_size", hidden),
         fullatt_block_indexes=tuple(full), patch_size=vf.int("patch_size", 14),
-        temporal_patch_size=vf.int("temporal_patch_size", 2), spatial_merge_size=vf.int("spatial_merge_size", 2),
+        temporal_patch_size=vf.int("temporal_patch_size", 2),
+        spatial_merge_size=vf.int("spatial_merge_size", 2),
         window_size=vf.int("window_size", 112), in_channels=vf.int("in_channels", vf.int("in_chans", 3)),
         rope_theta=float(vrope.get("rope_theta", 10000.0)), tokens_per_second=vf.int("tokens_per_second", 2))
     if vision.hidden_size % vision.num_heads or vision.head_dim % 4:
         vf.fail("num_heads", f"({vision.num_heads}) must split hidden_size ({vision.hidden_size}) into heads "
                              "of a multiple of 4 (2-D rotary)")
     if vision.out_hidden_size != hidden:
-        vf.fail("out_hidden_size", f"({vision.out_hidden_size}) must equal the decoder's hidden_size ({hidden})")
-    rope = f.dict("rope_scaling") or f.dict("rope_parameters") or {}
-    section = rope.get("mrope_section")
+        vf.fail("out_hidden_size", f"({vision.out_hidden_size}) must equal the decoder's hidden_size "
+                                   f"({hidden})")
+    key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
+    section = (f.dict(key) or {}).get("mrope_section")
     head_dim = f.int("head_dim", hidden // heads)
     if not isinstance(section, list) or len(section) != 3 or sum(section) != head_dim // 2:
-        f.fail("rope_scaling", f"needs 'mrope_section': 3 integers summing to head_dim / 2 ({head_dim // 2}), "
-                               f"e.g. {[head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]}; got {section!r}")
+        example = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+        f.fail(key, f"needs 'mrope_section': 3 integers summing to head_dim / 2 ({head_dim // 2}), "
+                    f"e.g. {example}; got {section!r}")
     return {"vision": vision, "mrope_section": tuple(section), **{k: f.int(k, lo=0) for k in VL_TOKEN_IDS}}
 
 

@@ -77,8 +77,8 @@ def patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
     """(h, w) of each patch [t*h*w, 2], merge-block-major (the processor's patch order)."""
     hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
     blocks = (h // merge, merge, w // merge, merge)
-    pos = torch.stack([hh.reshape(blocks).transpose(1, 2).flatten(), ww.reshape(blocks).transpose(1, 2).flatten()], -1)
-    return pos.repeat(t, 1)
+    hh, ww = (x.reshape(blocks).transpose(1, 2).flatten() for x in (hh, ww))
+    return torch.stack([hh, ww], -1).repeat(t, 1)
 
 
 def window_order(t: int, h: int, w: int, units_per_side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +107,7 @@ def vision_layout(grids: Sequence[Grid], v: VisionConfig) -> VisionLayout:
         units.append(order + offset)
         counts.append(n)
         positions.append(patch_positions(t, h, w, v.spatial_merge_size))
-        bounds.extend(bounds[-1] + h * w * (f + 1) for f in range(t))
+        bounds += [bounds[-1] + h * w * (f + 1) for f in range(t)]
         offset += t * h * w // m2
     unit_order, window_units = torch.cat(units), torch.cat(counts)
     patch_order = (unit_order[:, None] * m2 + torch.arange(m2)).flatten()  # units move as whole m x m blocks
@@ -128,7 +128,8 @@ class VisionRotary(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.int64, device="cpu").float() / (head_dim // 2)
-        self.register_buffer("inv_freq", (1.0 / theta ** quarter).to(torch.get_default_device()), persistent=False)
+        inv_freq = (1.0 / theta ** quarter).to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, rot_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = (rot_pos.float()[:, :, None] * self.inv_freq).flatten(1)  # [S, (h freqs, w freqs)]
@@ -220,7 +221,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged = v.hidden_size * v.spatial_merge_size ** 2
         self.ln_q = RMSNorm(v.hidden_size, VISION_NORM_EPS, backend, dtype)
-        self.mlp = nn.Sequential(ColumnParallelLinear(self.merged, [self.merged], True, TP(), dtype), nn.GELU(),
+        self.mlp = nn.Sequential(ColumnParallelLinear(self.merged, [self.merged], True, TP(), dtype),
+                                 nn.GELU(),
                                  ColumnParallelLinear(self.merged, [v.out_hidden_size], True, TP(), dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +230,8 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
-    """pixel_values [sum patches, C*T*P*P] (HF's processor layout) + grid_thw [n_images, 3] (CPU tensor or list)
-    -> merged embeddings [sum t*h*w / m^2, out_hidden] in image order. Replicated on every TP rank."""
+    """pixel_values [sum patches, C*T*P*P] (HF's processor layout) + grid_thw [n_images, 3] (a CPU tensor or
+    a list) -> merged embeddings [sum t*h*w / m^2, out_hidden] in image order. Replicated on every TP rank."""
 
     def __init__(self, v: VisionConfig, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
@@ -240,7 +242,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(v, backend, dtype, i in full) for i in range(v.depth))
         self.merger = PatchMerger(v, backend, dtype)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor,
+                grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         grids = as_grids(grid_thw)
         patches = sum(t * h * w for t, h, w in grids)
         if pixel_values.shape != (patches, self.config.patch_dim):
@@ -276,7 +279,8 @@ class MRotaryEmbedding(nn.Module):
 
 
 class Qwen2_5_VLTextModel(LlamaModel):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype, max_positions: int):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 max_positions: int):
         super().__init__(mc, backend, tp, dtype, max_positions)
         self.rotary_emb = MRotaryEmbedding(self.rotary_emb, mc.mrope_section)
 
@@ -293,8 +297,8 @@ class Qwen2_5_VLTextModel(LlamaModel):
 
 
 def merge_embeds(x: torch.Tensor, mm_embeds: torch.Tensor, mm_mask: torch.Tensor) -> torch.Tensor:
-    """x [T, hidden] with its mm_mask rows replaced, in order, by mm_embeds [mask.sum(), hidden] (no host sync:
-    the caller guarantees the count)."""
+    """x [T, hidden] with its mm_mask rows replaced, in order, by mm_embeds [mask.sum(), hidden] (no host
+    sync: the caller guarantees the count)."""
     row = (torch.cumsum(mm_mask, 0) - 1).clamp_(min=0)
     return torch.where(mm_mask[:, None], mm_embeds.to(x.dtype)[row], x)
 
@@ -334,14 +338,15 @@ def mrope_positions(input_ids: Sequence[int], image_grid_thw: Sequence[Grid], cf
     """A prompt's rope positions [3, L] (int64, CPU) and its delta: text runs on from the last position in
     all three sections; image k's t*h*w/m^2 tokens (the k-th run of image_token_id tokens in order) take
     (start + frame, start + row, start + column) and the text after it starts at start + max(h, w) / m
-    (HF's get_rope_index for images, t = 1). A token at sequence position p >= L has rope position p + delta."""
+    (HF's get_rope_index for images, t = 1). A token at sequence position p >= L has rope position
+    p + delta."""
     merge = cfg.vision.spatial_merge_size
     ids = torch.as_tensor(list(input_ids), dtype=torch.int64)
     image_at = torch.nonzero(ids == cfg.image_token_id).flatten().tolist()
     sizes = [t * h * w // merge ** 2 for t, h, w in image_grid_thw]
     if len(image_at) != sum(sizes):
-        raise ValueError(f"the prompt has {len(image_at)} image tokens; image_grid_thw {list(image_grid_thw)} "
-                         f"needs {sum(sizes)}")
+        raise ValueError(f"the prompt has {len(image_at)} image tokens; image_grid_thw "
+                         f"{list(image_grid_thw)} needs {sum(sizes)}")
     parts, pos, prev, first = [], 0, 0, 0
     for (t, h, w), n in zip(image_grid_thw, sizes):
         start = image_at[first]
@@ -349,7 +354,8 @@ def mrope_positions(input_ids: Sequence[int], image_grid_thw: Sequence[Grid], cf
             raise ValueError(f"image tokens of image {len(parts) // 2} are not contiguous at {start}")
         parts.append(torch.arange(pos, pos + start - prev).expand(3, -1))
         pos += start - prev
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge), indexing="ij")
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h // merge), torch.arange(w // merge),
+                                    indexing="ij")
         parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
         pos += max(h, w) // merge
         prev, first = start + n, first + n

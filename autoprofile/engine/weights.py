@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 INIT_STD = 0.02
 IGNORED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")  # buffers in some HF checkpoints; computed
-NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 at random init
+NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 when random
 
 
 def load_weights(model: nn.Module, checkpoint_files: list[Path], seed: int,
