@@ -83,14 +83,13 @@ def patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
 
 def window_order(t: int, h: int, w: int, units_per_side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Merged units of one image in window order [t*h*w] and each non-empty window's unit count; h, w are
-    the merged grid. Windows tile each frame row-major; edge windows are partial."""
+    the merged grid. Windows tile each frame row-major; edge windows are partial, none is empty."""
     nh, nw = -(-h // units_per_side), -(-w // units_per_side)
     index = torch.arange(t * h * w).reshape(t, h, w)
     padded = F.pad(index, (0, nw * units_per_side - w, 0, nh * units_per_side - h), value=-1)
     windows = padded.reshape(t, nh, units_per_side, nw, units_per_side).permute(0, 1, 3, 2, 4)
     windows = windows.reshape(t * nh * nw, units_per_side ** 2)
-    counts = (windows >= 0).sum(-1)
-    return windows[windows >= 0], counts[counts > 0]
+    return windows[windows >= 0], (windows >= 0).sum(-1)
 
 
 def vision_layout(grids: Sequence[Grid], v: VisionConfig) -> VisionLayout:

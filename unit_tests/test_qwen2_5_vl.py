@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.kv_cache import KVCache
-from autoprofile.engine.weights import load_weights
+from autoprofile.engine.weights import init_random, load_weights
 from models import qwen2_5_vl
 from models.config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model_config
+from models.llama import RMSNorm
 from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_positions, vision_layout
 
 transformers = pytest.importorskip("transformers")
@@ -258,3 +259,16 @@ def test_a_bad_mrope_section_names_the_key_and_a_value_that_works():
         from_hf_dict(bad)
     with pytest.raises(ModelConfigError, match=r"'vision_config'.*'fullatt_block_indexes'"):
         from_hf_dict({**TINY, "vision_config": {**TINY["vision_config"], "fullatt_block_indexes": [4]}})
+
+
+def test_random_init_sets_every_norm_scale_to_one():
+    """--model tiny-vl / qwen2.5-vl-7b run on random weights: the tower's norms (norm1, norm2, ln_q) too."""
+    mc = load_model_config("tiny-vl")
+    backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, torch.float32,
+                                         torch.device("cpu"))
+    model = Qwen2_5_VLForConditionalGeneration(mc, backend, dtype=torch.float32)
+    init_random(model, seed=0)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * mc.num_layers + 1 + 2 * mc.vision.depth + 1
+    assert all(bool((m.weight == 1).all()) for m in norms)
+    assert model.visual.blocks[0].attn.qkv.weight.std() > 0
