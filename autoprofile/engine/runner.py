@@ -249,7 +249,7 @@ class ModelRunner:
         known = mm.positions.shape[1] if mm is not None and mm.positions is not None else start
         delta = mm.delta if mm is not None else 0
         head = mm.positions[:, start:min(end, known)] if start < known else torch.empty(3, 0, dtype=torch.int64)
-        tail = torch.arange(max(start, known), end).add(delta).expand(3, -1)
+        tail = torch.arange(min(max(start, known), end), end).add(delta).expand(3, -1)
         return torch.cat([head, tail], dim=1)
 
     def _slot_of(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
