@@ -128,7 +128,8 @@ def test_random_mm_requests_are_chat_completions_the_server_can_read():
     hashes = set()
     for job in jobs:
         body = bench_serving.request_body("m", job, ignore_eos=True)
-        assert "prompt" not in body and body["stream"] and body["temperature"] == 0.5 and body["max_tokens"] == 5
+        assert "prompt" not in body and body["stream"] and body["temperature"] == 0.5
+        assert body["max_tokens"] == 5
         [message] = body["messages"]
         assert message["role"] == "user"
         parts = images.parse_content(message["content"], 0)  # what the server parses
@@ -151,7 +152,8 @@ def test_random_mm_is_reproducible_from_the_seed():
 
 
 @pytest.mark.parametrize("argv", [["--random-mm-image-size", "0x5"], ["--random-mm-image-size", "12x"],
-                                  ["--random-mm-image-size", "axb"], ["--random-mm-base-items-per-request", "-1"],
+                                  ["--random-mm-image-size", "axb"],
+                                  ["--random-mm-base-items-per-request", "-1"],
                                   ["--random-mm-base-items-per-request", "65"],
                                   ["--num-prompts", "100000", "--random-mm-image-size", "4000x3000"]])
 def test_random_mm_bounds(argv, capsys):
@@ -161,7 +163,8 @@ def test_random_mm_bounds(argv, capsys):
 
 
 def test_random_mm_without_images_runs_as_chat_against_the_server(booted):  # noqa: F811
-    """The request path (chat endpoint, delta parsing, the server's prompt count) on the text-only tiny server."""
+    """The request path (chat endpoint, delta parsing, the server's prompt count) on the text-only tiny
+    server."""
     s = _run_bench(booted, ["--dataset-name", "random-mm", "--random-mm-base-items-per-request", "0",
                             "--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "6",
                             "--random-output-len", "8"])
