@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import math
 import struct
 import subprocess
 import sys
@@ -133,6 +134,24 @@ def test_smart_resize_equals_transformers(h, w, lo, hi):
             images.smart_resize(h, w, 28, lo, hi)
         return
     assert images.smart_resize(h, w, 28, lo, hi) == expected
+
+
+@pytest.mark.parametrize("lo,hi", [(4, 1280), (1, 4), (4, 16), (4, 64), (16, 20), (1, 200), (100, 100)])
+def test_max_resized_pixels_bounds_every_image(lo, hi):
+    """Every accepted size up to ~3000 pixels, and the thinnest (200:1) beyond: none resizes past the bound,
+    and the bound is within a few percent of the largest (exact where a thin image's short side clamps)."""
+    lo, hi = lo * 784, hi * 784
+    sizes = {(h, w) for w in range(1, 300, 3) for h in range(w, min(200 * w, 3000) + 1, 1 if w < 30 else 11)}
+    sizes |= {(200 * w, w) for w in range(1, 300)} | {(200 * w - 1, w) for w in range(1, 300)}
+    largest = max(math.prod(images.smart_resize(h, w, 28, lo, hi)) for h, w in sizes)
+    bound = images.max_resized_pixels(lo, hi)
+    assert largest <= bound <= largest * 1.25
+    if hi < 200 * 784 and lo <= 4 * 784:
+        assert bound == largest > hi  # the short-side clamp: past max_pixels
+
+
+def test_max_resized_pixels_is_max_pixels_for_qwens_defaults():
+    assert images.max_resized_pixels() == images.MAX_PIXELS == math.prod(images.smart_resize(1120, 896))
 
 
 @pytest.mark.parametrize("h,w,match", [(0, 10, "zero size"), (10, 0, "zero size"),

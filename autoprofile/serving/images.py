@@ -71,6 +71,18 @@ def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE,
     return h_bar, w_bar
 
 
+def max_resized_pixels(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                       factor: int = PATCH_SIZE * MERGE_SIZE) -> int:
+    """At least the most pixels smart_resize returns for any image it accepts (the encoder's worst case).
+    NOTE: over max_pixels when max_pixels < 200 * factor^2: a thin image keeps a short side of `factor`
+    (7x max_pixels at max_pixels = 4 * 28^2), and a thin image upscaled to min_pixels rounds both sides up."""
+    unit = factor * factor
+    long_side = max(factor, math.floor(math.sqrt(MAX_RATIO * max_pixels) / factor * (1 + 1e-9)) * factor)
+    thin_up = min_pixels + factor * math.sqrt(min_pixels) * (math.sqrt(MAX_RATIO) + 1 / math.sqrt(MAX_RATIO))
+    thin_up = math.ceil((thin_up + unit) / unit * (1 + 1e-9)) * unit
+    return max(max_pixels // unit * unit, factor * long_side, thin_up)
+
+
 def normalized(image: Image.Image, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """[3, H, W] float32: x / 255, then (x - mean) / std, in transformers' order of casts."""
     x = (np.asarray(image, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
