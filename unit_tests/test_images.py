@@ -353,6 +353,8 @@ def test_no_allowed_domains_refuses_every_remote_url_without_a_request():
             await load(origin.url("img.png"), allowed_domains=[])
         with pytest.raises(ImageError, match=r"'localhost' is not in --allowed_media_domains \(127.0.0.1\)"):
             await load(origin.url("img.png", host="localhost"))
+        with pytest.raises(ImageError, match="'localhost' is not in"):  # user info is not the host
+            await load(f"http://127.0.0.1@localhost:{origin.server.port}/img.png")
         assert origin.hits == []
     fetch(body)
 
