@@ -14,12 +14,19 @@ mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their erro
 
 Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
 as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
+`--dataset-name random-mm` (vLLM's random-mm) sends chat completions instead: random words and
+--random-mm-base-items-per-request random-pixel PNG images of --random-mm-image-size each, as data: URLs:
+
+    python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-base-items-per-request 2 \
+        --random-mm-image-size 1280x720 --random-input-len 256 --max-concurrency 64 --num-prompts 256
 Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import ipaddress
 import json
 import random
@@ -37,10 +44,15 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import aiohttp
+from PIL import Image
 
 MAX_PROMPTS = 1_000_000
 TOKEN_IDS = (3, 259)  # ids every tokenizer has (the byte-level tokenizer's bytes)
 SERVING_ON = re.compile(r"serving on (http://\S+?)(?:,|\s|$)")
+WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
+         "it", "an", "are", "this", "be", "or", "which", "one", "all", "were", "her", "there", "been", "more")
+IMAGE_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+MAX_DATASET_BYTES = 8 << 30  # the random-mm requests are built before sending: their images, base64
 
 
 # ---------------------------------------------------------------- one request
@@ -66,12 +78,27 @@ class Job:
     kind: str = "random"
     sampling: dict = field(default_factory=lambda: {"temperature": 0.0})
     disconnect_after: int | None = None  # chunks read before hanging up
+    messages: list | None = None  # a chat completion (random-mm) instead of `prompt`
+
+
+def request_body(model: str, job: Job, ignore_eos: bool) -> dict:
+    """The streamed request: a completion of token ids, or a chat completion of job.messages."""
+    prompt = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
+    return {"model": model, **prompt, "max_tokens": job.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **job.sampling}
+
+
+def chunk_text(msg: dict) -> str:
+    """A stream chunk's text: a completion's `text` or a chat completion's `delta.content`."""
+    if not msg.get("choices"):
+        return ""
+    choice = msg["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, ignore_eos: bool,
                timeout: float) -> Result:
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **job.sampling}
+    body = request_body(model, job, ignore_eos)
     r = Result(kind=job.kind, prompt_len=len(job.prompt))
     start = last = time.perf_counter()
     chunks = 0
@@ -95,7 +122,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
                     continue
                 if msg.get("usage"):
                     r.output_tokens = msg["usage"]["completion_tokens"]
-                if msg.get("choices") and msg["choices"][0].get("text"):
+                    if job.messages is not None:  # the server counts the chat prompt's tokens (images too)
+                        r.prompt_len = msg["usage"]["prompt_tokens"]
+                if chunk_text(msg):
                     now = time.perf_counter()
                     if chunks == 0:
                         r.ttft = now - start
@@ -124,6 +153,38 @@ def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
     return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len), "random",
                 dict(sampling)) for _ in range(n)]
+
+
+def random_png(width: int, height: int, rng: random.Random) -> bytes:
+    """A PNG of random pixels (stored, not compressed: random pixels do not compress)."""
+    buf = io.BytesIO()
+    pixels = rng.randbytes(width * height * 3)
+    Image.frombytes("RGB", (width, height), pixels).save(buf, "PNG", compress_level=0)
+    return buf.getvalue()
+
+
+def random_mm_jobs(n: int, input_len: int, output_len: int, range_ratio: float, num_images: int,
+                   size: tuple[int, int], rng: random.Random, sampling: dict) -> list[Job]:
+    """vLLM's random-mm dataset: each request one user message of about input_len random words and
+    num_images random-pixel PNGs of size (width, height) as data: URLs, no two images alike."""
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    def message() -> list[dict]:
+        text = " ".join(rng.choice(WORDS) for _ in range(length(input_len)))
+        images = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(random_png(*size, rng)).decode()}}
+                  for _ in range(num_images)]
+        return [{"role": "user", "content": [*images, {"type": "text", "text": text}]}]
+    return [Job([], length(output_len), "random-mm", dict(sampling), messages=message()) for _ in range(n)]
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """--random-mm-image-size WxH -> (width, height)."""
+    m = IMAGE_SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT in pixels, e.g. 1280x720, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def sampling_fields(args: argparse.Namespace) -> dict:
@@ -335,7 +396,7 @@ async def model_name(url: str) -> str:
 # ---------------------------------------------------------------- main
 async def bench(args, url: str, health: dict) -> dict:
     model = args.model or await model_name(url)
-    endpoint = f"{url}/v1/completions"
+    endpoint = f"{url}/v1/chat/completions" if args.dataset_name == "random-mm" else f"{url}/v1/completions"
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     rng = random.Random(args.seed)
     before = await scrape(url)
@@ -346,8 +407,7 @@ async def bench(args, url: str, health: dict) -> dict:
         results, duration = await run_jobs(endpoint, model, lambda: soak_job(rng, context, args.random_output_len),
                                            args, deadline)
     else:
-        jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                           rng, sampling_fields(args))
+        jobs = dataset_jobs(args, rng)
         results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
     summary = summarize(results, duration, percentiles)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
@@ -373,6 +433,16 @@ async def bench(args, url: str, health: dict) -> dict:
     return summary
 
 
+def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
+    """--num-prompts requests of --dataset-name."""
+    if args.dataset_name == "random-mm":
+        return random_mm_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, args.random_mm_base_items_per_request,
+                              args.random_mm_image_size, rng, sampling_fields(args))
+    return random_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
+                       args.random_range_ratio, rng, sampling_fields(args))
+
+
 def soak_verdict(s: dict) -> list[str]:
     problems = []
     if s["failed"]:
@@ -394,6 +464,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for the server's /health to be 200 (its profile)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--dataset-name", choices=("random", "random-mm"), default="random",
+                   help="random: token-id completions; random-mm: chat completions with random images")
+    p.add_argument("--random-mm-base-items-per-request", "--random-mm-num-images", type=int, default=1,
+                   help="random-mm: images per request")
+    p.add_argument("--random-mm-image-size", type=image_size, default=(512, 512),
+                   help="random-mm: WIDTHxHEIGHT of every image (vLLM: --random-mm-bucket-config)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -422,6 +498,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--random-range-ratio must be in [0, 1)")
     if not 0 <= args.soak_minutes <= 24 * 60:
         p.error("--soak-minutes must be in [0, 1440]")
+    w, h = args.random_mm_image_size
+    if args.dataset_name == "random-mm" and not 0 <= args.random_mm_base_items_per_request <= 64:
+        p.error("--random-mm-base-items-per-request must be in [0, 64]")
+    if args.dataset_name == "random-mm" and \
+            args.num_prompts * args.random_mm_base_items_per_request * w * h * 4 > MAX_DATASET_BYTES:
+        p.error(f"--num-prompts x --random-mm-base-items-per-request x --random-mm-image-size is over "
+                f"{MAX_DATASET_BYTES >> 30} GiB of base64 images, built before sending: fewer prompts or "
+                "smaller images (e.g. --num-prompts 256 --random-mm-image-size 1280x720)")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
