@@ -44,11 +44,10 @@ def as_grids(grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[Grid]:
 class VisionLayout:
     """Where each patch goes, from grid_thw alone (CPU tensors; `to` moves them).
 
-    Tokens are in window order: patch_order [S] is the processor's index of each. rot_pos [S, 2] (h, w) of
-    each patch; window_dst [S] its slot in the padded
-    [num_windows * window_len] layout, window_mask [num_windows, window_len] True on real patches;
-    frame_bounds: host ints [S0, S1, ...] of each frame (full attention); unmerge [S / m^2] puts the merged
-    tokens back in image order."""
+    Tokens are in window order: patch_order [S] is the processor's index of each, rot_pos [S, 2] its (h, w),
+    window_dst [S] its slot in the padded [num_windows * window_len] layout; window_mask [num_windows,
+    window_len] is True on real patches; frame_bounds (host ints) bound each frame (full attention);
+    unmerge [S / m^2] puts the merged tokens back in image order."""
 
     patch_order: torch.Tensor
     rot_pos: torch.Tensor
@@ -82,7 +81,7 @@ def patch_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
 
 
 def window_order(t: int, h: int, w: int, units_per_side: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merged units of one image in window order [t*h*w] and each non-empty window's unit count; h, w are
+    """Merged units of one image in window order [t*h*w] and each window's unit count; h, w are
     the merged grid. Windows tile each frame row-major; edge windows are partial, none is empty."""
     nh, nw = -(-h // units_per_side), -(-w // units_per_side)
     index = torch.arange(t * h * w).reshape(t, h, w)
@@ -244,6 +243,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor,
                 grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> torch.Tensor:
         grids = as_grids(grid_thw)
+        if not grids:
+            raise ValueError("grid_thw is empty: the vision tower needs at least one image")
         patches = sum(t * h * w for t, h, w in grids)
         if pixel_values.shape != (patches, self.config.patch_dim):
             raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; grid_thw {grids} needs "

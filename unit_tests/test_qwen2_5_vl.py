@@ -21,7 +21,8 @@ from models.config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model
 from models.llama import RMSNorm
 from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_positions, vision_layout
 
-transformers = pytest.importorskip("transformers")
+# 5.x: get_rope_index takes mm_token_type_ids and save_pretrained nests the decoder keys under text_config
+transformers = pytest.importorskip("transformers", minversion="5.0")
 
 PAGE = 16
 TINY = json.loads((CONFIG_DIR / "tiny-vl" / "config.json").read_text())
