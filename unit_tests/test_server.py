@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving.protocol import max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu
 
@@ -321,13 +322,25 @@ def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
     assert 'status="500"' not in metrics
 
 
-def test_a_body_over_the_limit_is_413(run, monkeypatch):
-    monkeypatch.setattr(server, "MAX_BODY", 4096)
+@pytest.mark.parametrize("context_len,vocab", [(256, 4096), (8192, 128256), (131072, 128256), (32768, 151936)])
+def test_the_body_bound_holds_the_longest_valid_token_list_pretty_printed(context_len, vocab):
+    longest = {"model": "m", "prompt": [vocab - 1] * (context_len - 1), "max_tokens": 1, "stop": ["x" * 60] * 16}
+    assert len(json.dumps(longest, indent=2).encode()) <= max_body_bytes(context_len, vocab)
+    assert max_body_bytes(context_len, vocab) < 8 * context_len * 32 + (2 << 20)  # a bound, not a formality
 
+
+def test_a_body_past_the_bound_is_413_and_the_longest_valid_one_is_not(run):
     async def body(c, app):
-        return await post(c, "/generate", {"input_ids": [[1] * 3000]})
-    status, data = run(body)
-    assert status == 413 and data["error"]["code"] == "request_entity_too_large"
+        limit = app[server.STATE].max_body
+        longest = json.dumps(greedy([4095] * 255, n=1), indent=4) + " " * 1000
+        ok = await c.post("/v1/completions", data=longest, headers={"Content-Type": "application/json"})
+        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * limit)
+        return limit, ok.status, over.status, await over.json()
+    limit, ok, status, data = run(body)
+    assert limit == max_body_bytes(256, 4096)
+    assert ok == 200
+    assert status == 413 and data["error"]["code"] == "request_entity_too_large" and str(limit) in \
+        data["error"]["message"]
 
 
 # ---------------------------------------------------------------- backpressure, disconnects, failures
