@@ -9,8 +9,10 @@ mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their erro
     python3 scripts/bench_serving.py --request-rate 20 --num-prompts 1000 --random-input-len 512
     # start the server, wait for /health (the validated profile), run, then SIGTERM it (it must exit 0)
     python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --max-concurrency 256
-    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure
-    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 10
+    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure. It samples
+    # the CUDA caching allocator (/metrics: reserved bytes, segments) every --soak-sample-seconds into the
+    # result's "memory_timeline" and plots reserved memory and segments against the profile's peak (--soak-plot)
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 20 --result-file soak.json
 
 Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
 as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
@@ -41,6 +43,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
@@ -210,6 +213,65 @@ def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
     if kind == "top_p":
         return Job(medium(), out, kind, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": rng.randrange(1 << 31)})
     return Job(medium(), out, kind, disconnect_after=rng.randint(1, 8))
+
+
+MEMORY_GAUGES = {"reserved": "autoprofile_cuda_memory_reserved_bytes", "segments": "autoprofile_cuda_memory_segments",
+                 "kv_pages_used": "autoprofile_kv_pages_used", "running": "autoprofile_num_requests_running"}
+PEAK_GAUGE = "autoprofile_profile_peak_reserved_bytes"
+
+
+async def sample_memory(url: str, period: float, stop: asyncio.Event) -> list[dict]:
+    """Scrape the allocator gauges every `period` s until stop is set (one last sample then)."""
+    samples, t0 = [], time.monotonic()
+    while True:
+        m = await scrape(url)
+        samples.append({"t": time.monotonic() - t0, "profile_peak": m.get(PEAK_GAUGE, 0.0),
+                        **{k: m.get(name, 0.0) for k, name in MEMORY_GAUGES.items()}})
+        if stop.is_set():
+            return samples
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+
+
+def memory_summary(timeline: list[dict]) -> dict:
+    """Reserved memory and segments over the soak against the profile's peak (growth past it: fragmentation)."""
+    peak = max((s["profile_peak"] for s in timeline), default=0.0)
+    most = max((s["reserved"] for s in timeline), default=0.0)
+    return {"samples": len(timeline), "profile_peak_reserved": peak, "max_reserved": most,
+            "first_reserved": timeline[0]["reserved"] if timeline else 0.0,
+            "max_segments": max((s["segments"] for s in timeline), default=0.0),
+            "reserved_past_profile_peak": max(most - peak, 0.0) if peak else None}
+
+
+def plot_soak_memory(timeline: list[dict], path: str | Path, title: str = "") -> Path:
+    """Reserved memory (GiB) and segments over the soak, against the profile's peak (autoprofile/report.py's
+    style)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = lambda b: b / (1 << 30)  # noqa: E731
+    t = [s["t"] / 60 for s in timeline]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.step(t, [gib(s["reserved"]) for s in timeline], where="post", label="reserved by the server", lw=2)
+    peak = memory_summary(timeline)["profile_peak_reserved"]
+    if peak:
+        ax.axhline(gib(peak), color="grey", lw=1.2, ls="--", label="profile's reserved peak")
+    ax.set_xlabel("minutes since the soak started")
+    ax.set_ylabel("GiB")
+    seg = ax.twinx()
+    seg.step(t, [s["segments"] for s in timeline], where="post", color="C1", lw=1.2, label="allocator segments")
+    seg.set_ylabel("segments")
+    lines = ax.get_legend_handles_labels(), seg.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="lower right", fontsize=8)
+    ax.set_title(title or "autoprofile soak: reserved memory against the profile's peak")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[list[Result], float]:
@@ -404,8 +466,14 @@ async def bench(args, url: str, health: dict) -> dict:
         context = health.get("max_req_total_len", args.random_input_len + args.random_output_len)
         args.max_concurrency = args.max_concurrency or health.get("max_running_requests", 64)
         deadline = time.monotonic() + args.soak_minutes * 60
-        results, duration = await run_jobs(endpoint, model, lambda: soak_job(rng, context, args.random_output_len),
-                                           args, deadline)
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_memory(url, args.soak_sample_seconds, stop))
+        try:
+            results, duration = await run_jobs(endpoint, model,
+                                               lambda: soak_job(rng, context, args.random_output_len), args, deadline)
+        finally:
+            stop.set()
+            timeline = await sampler
     else:
         jobs = dataset_jobs(args, rng)
         results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
@@ -430,6 +498,11 @@ async def bench(args, url: str, health: dict) -> dict:
                                   "disconnected": sum(r.kind == k and r.disconnected for r in results),
                                   "lost": sum(r.kind == k and r.lost for r in results)}
                               for k in ("long", "short", "top_p", "disconnect")}
+        summary["memory"], summary["memory_timeline"] = memory_summary(timeline), timeline
+        plot = args.soak_plot or (args.result_file and str(Path(args.result_file).with_suffix("")) + "_memory.png")
+        if plot:
+            summary["memory_plot"] = str(plot_soak_memory(timeline, plot, f"autoprofile soak: {model}, "
+                                                          f"{args.soak_minutes:g} min at {args.max_concurrency} running"))
     return summary
 
 
@@ -485,6 +558,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
     p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
     p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
+    p.add_argument("--soak-sample-seconds", type=float, default=5.0, help="soak: seconds between allocator samples")
+    p.add_argument("--soak-plot", default=None,
+                   help="soak: the PNG of reserved memory over time (default: beside --result-file, *_memory.png)")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     args = p.parse_args(argv)
@@ -506,6 +582,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--num-prompts x --random-mm-base-items-per-request x --random-mm-image-size is over "
                 f"{MAX_DATASET_BYTES >> 30} GiB of base64 images, built before sending: fewer prompts or "
                 "smaller images (e.g. --num-prompts 256 --random-mm-image-size 1280x720)")
+    if not 0.1 <= args.soak_sample_seconds <= 600:
+        p.error("--soak-sample-seconds must be in [0.1, 600], e.g. 5")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
@@ -536,7 +614,7 @@ def main(argv=None) -> int:
     title = f"Soak ({args.soak_minutes:g} min)" if args.soak_minutes else "Serving Benchmark Result"
     print(json.dumps(summary, indent=2) if args.json else format_table(summary, percentiles, title))
     if not args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind")}, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind", "memory")}, indent=2))
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)

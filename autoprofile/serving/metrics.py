@@ -1,7 +1,9 @@
 """Prometheus metrics of one app: its own CollectorRegistry (two servers in a process never share one).
 
 Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting, preemptions, KV
-pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time.
+pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time, and so is the CUDA caching
+allocator (reserved bytes and segments, against the validated profile's reserved bytes: fragmentation shows as
+reserved memory growing past it; 0 on a CPU).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+import torch
 
 from autoprofile.serving.async_engine import Snapshot, Timing
 
@@ -43,10 +47,44 @@ class EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+def allocator_reading(device: torch.device | None) -> tuple[int, int]:
+    """(reserved bytes, segments) of the CUDA caching allocator on device; (0, 0) without CUDA in use."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return torch.cuda.memory_reserved(device), stats.get("segment.all.current", 0)
+
+
+def profile_reserved(result) -> int:
+    """The validated profile's reserved bytes (read after its last stress: the caching allocator keeps its
+    peak); 0 without a profile (the CPU test server, --max_total_token_num without terms)."""
+    return (getattr(result, "terms", None) or {}).get("reserved_after", 0)
+
+
+class AllocatorCollector:
+    """The caching allocator, read at scrape time."""
+
+    def __init__(self, device: Callable[[], torch.device | None], profile_peak: Callable[[], int]):
+        self.device, self.profile_peak = device, profile_peak
+
+    def collect(self):
+        reserved, segments = allocator_reading(self.device())
+        for name, doc, value in (
+                ("autoprofile_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved now", reserved),
+                ("autoprofile_cuda_memory_segments", "caching-allocator segments now (segment.all.current)",
+                 segments),
+                ("autoprofile_profile_peak_reserved_bytes", "reserved bytes of the validated profile after its "
+                 "last stress (serving should stay at or below it)", self.profile_peak())):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+    def __init__(self, snapshot: Callable[[], Snapshot | None],
+                 device: Callable[[], torch.device | None] = lambda: None):
         reg = self.registry = CollectorRegistry()
+        self.profile_peak = 0
         reg.register(EngineCollector(snapshot))
+        reg.register(AllocatorCollector(device, lambda: self.profile_peak))
         self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("autoprofile_time_per_output_token_seconds",
@@ -64,6 +102,7 @@ class ServerMetrics:
     def add_profile(self, result) -> None:
         """KV size and startup phase durations of the validated profile."""
         reg = self.registry
+        self.profile_peak = profile_reserved(result)
         Gauge("autoprofile_kv_cache_tokens", "KV cache size in tokens", registry=reg).set(result.tokens)
         Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)", registry=reg).set(result.kv_bytes)
         phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase", ["phase"],
