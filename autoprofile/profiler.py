@@ -413,8 +413,9 @@ def local_memory_after_stress(device) -> tuple[int | None, int | None]:
     log.info("local memory: per-thread stack limit %d B after the stress, %.2f GiB reserved by the driver",
              stack, gib(local))
     if stack > memory.STACK_BOUND:
-        log.warning("a kernel of the serving path spills: the stack limit grew to %d B (> %d B), %.2f GiB of "
-                    "local memory are reserved for the life of the process", stack, memory.STACK_BOUND, gib(local))
+        log.warning("a kernel of the serving path spills: the stack limit grew to %d B (> %d B), %.2f GiB "
+                    "of local memory are reserved for the life of the process", stack, memory.STACK_BOUND,
+                    gib(local))
     return stack, local
 
 

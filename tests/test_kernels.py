@@ -323,15 +323,17 @@ def test_partition_reduce_compiles_once_for_every_v2_shape():
     be = make("aiter_triton")
     gen = torch.Generator(device="cuda").manual_seed(11)
     counts = []
-    for b, max_seq_len, captured in [(1, 131072, True), (4, 131072, False), (3, 16384, True), (8, 4096, False),
-                                     (2, 40000, True), (16, 9000, False)]:
+    shapes = [(1, 131072, True), (4, 131072, False), (3, 16384, True), (8, 4096, False), (2, 40000, True),
+              (16, 9000, False)]
+    for b, max_seq_len, captured in shapes:
         assert not use_v1(b, HQ, max_seq_len)
         kc, vc, meta = paged(mixed_lens(b, max_seq_len, gen), max_seq_len, gen)
         meta.captured = captured
         q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
         out = be.decode(q, kc, vc, meta)
         i = int(meta.seq_lens.argmax())
-        assert rel_err(out[i], ref_decode_one(q[i], kc, vc, meta.block_tables[i], int(meta.seq_lens[i]))) < BF16_TOL
+        want = ref_decode_one(q[i], kc, vc, meta.block_tables[i], int(meta.seq_lens[i]))
+        assert rel_err(out[i], want) < BF16_TOL
         counts.append(compiled(_reduce_partitions_kernel))
     assert len(set(counts)) == 1, f"the reduce compiled again for a new shape: {counts}"
 

@@ -2,11 +2,11 @@
 memory per thread (spills) makes the driver raise the context's stack limit and reserve limit x every resident
 thread for the life of the process (2.5-4.5 GiB on an H100 with AITER's v2 reduce).
 
-Each check runs in a fresh process (a fresh CUDA context, stack limit at its 1 KiB default): a profile of a
-small model whose attention has the served models' decode shapes (32/8 heads of 128, llama-3.1's context), then
-every Triton kernel compiled in that process (the serving set) is read: its local memory from the driver
-(cuFuncGetAttribute LOCAL_SIZE_BYTES, which Triton reports as n_spills x 4) and its stack frame from Triton's
-bundled cuobjdump -res-usage on its cubin."""
+Each check runs in a fresh process (a fresh CUDA context, stack limit at its 1 KiB default): a profile of
+a small model whose attention has the served models' decode shapes (32/8 heads of 128, llama-3.1's
+context), then every Triton kernel compiled in that process (the serving set) is read: its local memory
+from the driver (cuFuncGetAttribute LOCAL_SIZE_BYTES, which Triton reports as n_spills x 4) and its stack
+frame from Triton's bundled cuobjdump -res-usage on its cubin."""
 from __future__ import annotations
 
 import json
@@ -24,8 +24,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_MODEL = {  # the served models' attention (GQA 32/8, head_dim 128, 131072 context), 2 small layers
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
-    "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128,
     "vocab_size": 4096, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -36,7 +37,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 def cuobjdump_stack(kernel) -> int | None:
-    """Stack frame + local bytes per thread from cuobjdump -res-usage on the kernel's cubin (None if absent)."""
+    """Stack or local bytes per thread, cuobjdump -res-usage on the kernel's cubin (None if absent)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     cubin = kernel.asm.get("cubin") if hasattr(kernel, "asm") else None
     if cubin is None or not os.path.exists(tool):
@@ -66,8 +67,9 @@ def compiled_kernels() -> list[dict]:
             for cache in attr.device_caches.values():
                 for kernel in cache[0].values():
                     kernel._init_handles()
-                    rows.append({"kernel": attr.__name__, "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
-                                 "local": local_size(kernel.function), "stack": cuobjdump_stack(kernel)})
+                    rows.append({"kernel": attr.__name__, "n_regs": kernel.n_regs,
+                                 "n_spills": kernel.n_spills, "local": local_size(kernel.function),
+                                 "stack": cuobjdump_stack(kernel)})
     return rows
 '''
 
@@ -84,9 +86,10 @@ before = memory.stack_limit_bytes()
 cfg = validate(ServerConfig(model=sys.argv[1], attention_backend="aiter_triton", max_req_total_len=131072,
                             batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None))
 result = profile(cfg)
-print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_bytes(), "profiled": result.stack_limit,
-                              "local_memory": result.local_memory, "tokens": result.tokens,
-                              "non_torch": result.terms["cuda_context_non_torch"], "kernels": compiled_kernels()}))
+print("RESULT " + json.dumps({
+    "before": before, "after": memory.stack_limit_bytes(), "profiled": result.stack_limit,
+    "local_memory": result.local_memory, "tokens": result.tokens,
+    "non_torch": result.terms["cuda_context_non_torch"], "kernels": compiled_kernels()}))
 '''
 
 AITER_REDUCE = KERNELS + r'''
@@ -106,16 +109,17 @@ tables = torch.arange(L // page, device="cuda", dtype=torch.int32)[None]
 seq_lens = torch.tensor([L], device="cuda", dtype=torch.int32)
 out = torch.empty_like(q)
 pa._SEQ_PARTITION_SIZE = 512  # 256 partitions: the largest specialization the backend captured
-pa.paged_attn_decode_v2(out, q, kc, kc, tables, seq_lens, L, tl.bfloat16, hkv, 1 / math.sqrt(d), None, 1.0, 1.0,
-                        L // 512)
+pa.paged_attn_decode_v2(out, q, kc, kc, tables, seq_lens, L, tl.bfloat16, hkv, 1 / math.sqrt(d), None,
+                        1.0, 1.0, L // 512)
 torch.cuda.synchronize()
-print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_bytes(), "kernels": compiled_kernels()}))
+print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_bytes(),
+                              "kernels": compiled_kernels()}))
 '''
 
 
 def run_fresh(code: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-4000:] + out.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
@@ -136,9 +140,9 @@ def test_the_check_sees_aiters_spilling_reduce():
 
 
 def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path):
-    """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a small
-    model with the served attention shapes: no compiled kernel needs more than 1 KiB of local memory per thread,
-    the stack limit stays at 1 KiB, and the profile recorded it."""
+    """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a
+    small model with the served attention shapes: no compiled kernel needs more than 1 KiB of local memory
+    per thread, the stack limit stays at 1 KiB, and the profile recorded it."""
     folder = tmp_path / "small"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(SMALL_MODEL))

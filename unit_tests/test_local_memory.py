@@ -142,7 +142,8 @@ def test_metrics_export_the_stack_limit_and_warn_once_when_serving_grows_it(mock
     assert caplog.text.count("grew while serving") == 1
     now.return_value = None  # no reading: no current gauge, the profiled one stays
     got = gauges(m)
-    assert "autoprofile_cuda_stack_limit_bytes" not in got and got["autoprofile_cuda_stack_limit_profiled_bytes"] == 1024
+    assert "autoprofile_cuda_stack_limit_bytes" not in got
+    assert got["autoprofile_cuda_stack_limit_profiled_bytes"] == 1024
 
 
 def test_metrics_without_a_stack_reading_have_no_stack_gauges():

@@ -46,18 +46,19 @@ def partials(q, k, v, lens, partition, max_parts, group, dtype, keep=None):
                 e = torch.exp(x - m) if m > float("-inf") else torch.zeros_like(x)
                 ml[r, h // group, p, h % group] = m
                 es[r, h // group, p, h % group] = e.sum()
-                out[r, h // group, p, h % group] = (e @ v[r, p * partition:p * partition + len(x), h // group].double()) / e.sum()
+                vp = v[r, p * partition:p * partition + len(x), h // group].double()
+                out[r, h // group, p, h % group] = (e @ vp) / e.sum()
     if group == 1:
         ml, es, out = ml[..., 0], es[..., 0], out[..., 0, :]
     return es.contiguous(), ml.contiguous(), out.to(dtype).contiguous()
 
-def check(lens, partition, group, d, dtype, tol, keep=None, extra_parts=0):
+def check(lens, partition, group, d, dtype, tol, keep=None, extra_parts=0, kscale=2.0):
     torch.manual_seed(sum(lens) + partition + group + d)
     rows, hkv = len(lens), 2
     hq = hkv * group
     longest = max(lens)
     q = torch.randn(rows, hq, d)
-    k = torch.randn(rows, longest, hkv, d) * 2
+    k = torch.randn(rows, longest, hkv, d) * kscale
     v = torch.randn(rows, longest, hkv, d)
     max_parts = -(-longest // partition) + extra_parts
     es, ml, part = partials(q, k, v, lens, partition, max_parts, group, dtype, keep)
@@ -68,7 +69,8 @@ def check(lens, partition, group, d, dtype, tol, keep=None, extra_parts=0):
             if n == 0:
                 assert torch.equal(out[r, h].float(), torch.zeros(d)), (r, h, out[r, h])
                 continue
-            want = attention(q[r, h], k[r, :n, h // group], v[r, :n, h // group], None if keep is None else keep[r, :n])
+            live = None if keep is None else keep[r, :n]
+            want = attention(q[r, h], k[r, :n, h // group], v[r, :n, h // group], live)
             err = float((out[r, h].double() - want).abs().max() / want.abs().max())
             assert err < tol, (lens, partition, group, d, dtype, r, h, n, err)
 '''
@@ -78,7 +80,7 @@ P = 16
 B = triton_reduce.BLOCK_P
 cases = [  # (seq lens, group): one partition, odd counts, lengths off the partition size, past one BLOCK_P
     ([1, 16, 17, 5 * P + 3, 3 * P], 4),
-    ([B * P, B * P + 1, 2 * B * P + 5 * P + 7], 4),        # exactly one block, one past it, three blocks (odd)
+    ([B * P, B * P + 1, 2 * B * P + 5 * P + 7], 4),  # one block exactly, one past it, three (odd count)
     ([1, 33, 7 * P, 40 * P + 1], 1),                       # MHA layout
     ([9, 2 * P + 1], 8),
 ]
@@ -88,7 +90,8 @@ for lens, group in cases:
 check([3, 50, 100], 32, 4, 80, torch.float32, 1e-5)        # head_dim not a power of two
 check([40, 130], 16, 4, 32, torch.float32, 1e-5, extra_parts=5)  # scratch wider than the longest row
 check([0, 20, 0], 16, 4, 32, torch.float32, 1e-5)          # empty rows: 0, not NaN
-# a partition with no live key (max -inf, exp-sum 0, NaN partials) among live ones, and a row whose keys are all dead
+check([40 * P + 3], P, 4, 64, torch.float32, 1e-5, kscale=80.0)  # maxima hundreds apart: no exp overflow
+# a partition with no live key (max -inf, exp-sum 0, NaN partials) among live ones; a row with one live key
 keep = torch.ones(3, 8 * P, dtype=torch.bool)
 keep[0, P:2 * P] = False
 keep[1, :] = False
@@ -100,8 +103,8 @@ print("ok")
 
 DEAD_ROW = COMMON + r'''
 keep = torch.zeros(1, 40, dtype=torch.bool)
-es, ml, part = partials(torch.randn(1, 4, 32), torch.randn(1, 40, 1, 32), torch.randn(1, 40, 1, 32), [40], 16, 3, 4,
-                        torch.float32, keep)
+q, k, v = torch.randn(1, 4, 32), torch.randn(1, 40, 1, 32), torch.randn(1, 40, 1, 32)
+es, ml, part = partials(q, k, v, [40], 16, 3, 4, torch.float32, keep)
 out = torch.full((1, 4, 32), float("nan"))
 triton_reduce.reduce_partitions(out, es, ml, part, torch.tensor([40], dtype=torch.int32), 16)
 assert torch.equal(out, torch.zeros_like(out)), out
@@ -115,8 +118,9 @@ from autoprofile.engine.attention.aiter_triton import decode_v2
 
 PAGE, D, HKV = 16, 32, 2
 pa = aiter_loader.load_pa_kernels()
-# GQA only: AITER's MHA partition kernel (_paged_attn_decode_v2_wo_dot_kernel) does not run in the interpreter
-for group, lens, max_seq_len, partition in [(4, [1, 16, 100, 300], 320, 32), (2, [5, 64, 129], 160, 32),
+# 300 tokens: not whole partitions. GQA only: AITER's MHA partition kernel
+# (_paged_attn_decode_v2_wo_dot_kernel) does not run in the interpreter
+for group, lens, max_seq_len, partition in [(4, [1, 16, 100, 300], 300, 32), (2, [5, 64, 129], 160, 32),
                                            (4, [200, 17], 256, 128)]:
     torch.manual_seed(group * max_seq_len)
     hq, rows, cols = HKV * group, len(lens), -(-max_seq_len // PAGE)
@@ -173,5 +177,6 @@ def test_partition_kernels_are_checked_against_the_pinned_signature(monkeypatch)
     moved = dict(aiter_loader.PARTITION_KERNEL_PARAMS)
     moved["_paged_attn_decode_v2_w_dot_kernel"] = moved["_paged_attn_decode_v2_w_dot_kernel"][1:]
     monkeypatch.setattr(aiter_loader, "PARTITION_KERNEL_PARAMS", moved)
-    with pytest.raises(RuntimeError, match=f"amd-aiter=={aiter_loader.PINNED_AITER}.*--attention_backend torch"):
+    pin = f"amd-aiter=={aiter_loader.PINNED_AITER}"
+    with pytest.raises(RuntimeError, match=f"{pin}.*--attention_backend torch"):
         aiter_loader.load_pa_kernels()

@@ -93,20 +93,20 @@ def load_pa_decode() -> types.ModuleType:
 
 # aiter_triton.decode_v2 launches these two positionally, as AITER's paged_attn_decode_v2 does.
 PARTITION_KERNEL_PARAMS = {
-    "_paged_attn_decode_v2_w_dot_kernel": (
-        "exp_sums_ptr", "max_logits_ptr", "logits_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "blk_tables_ptrs",
-        "seq_lens_ptr", "scale", "k_scale", "v_scale", "alibi_slopes", "stride_max_logits_s",
-        "stride_max_logits_nh", "stride_max_logits_p", "stride_logits_s", "stride_logits_nh", "stride_logits_p",
-        "stride_logits_g", "stride_q_s", "stride_q_nh", "stride_k_b", "stride_k_nh", "stride_k_kb", "stride_bt_s",
-        "compute_type", "HEAD_SZ", "HEAD_SZ_POW2", "QUERY_GRP_SZ", "QUERY_GRP_SZ_POW2", "KV_BLK_SZ",
-        "KV_BLK_SZ_POW2", "SEQ_PARTITION_SZ"),
-    "_paged_attn_decode_v2_wo_dot_kernel": (
-        "exp_sums_ptr", "max_logits_ptr", "logits_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "blk_tables_ptr",
-        "seq_lens_ptr", "scale", "k_scale", "v_scale", "alibi_slopes", "stride_exp_s", "stride_exp_h",
-        "stride_logits_s", "stride_logits_h", "stride_logits_p", "stride_q_s",
-        "stride_q_h", "stride_k_b", "stride_k_nh", "stride_k_kb", "stride_bt_s", "stride_bt_nb", "compute_type",
-        "KV_BLK_SZ", "KV_BLK_SZ_POW2", "HEAD_SZ", "HEAD_SZ_POW2", "QUERY_GRP_SZ", "SEQ_PARTITION_SZ",
-        "MAX_NUM_BLKS_PER_SEQ", "MAX_SEQ_LEN_POW2"),
+    "_paged_attn_decode_v2_w_dot_kernel": tuple("""
+        exp_sums_ptr max_logits_ptr logits_ptr q_ptr k_cache_ptr v_cache_ptr blk_tables_ptrs seq_lens_ptr
+        scale k_scale v_scale alibi_slopes stride_max_logits_s stride_max_logits_nh stride_max_logits_p
+        stride_logits_s stride_logits_nh stride_logits_p stride_logits_g stride_q_s stride_q_nh stride_k_b
+        stride_k_nh stride_k_kb stride_bt_s compute_type HEAD_SZ HEAD_SZ_POW2 QUERY_GRP_SZ QUERY_GRP_SZ_POW2
+        KV_BLK_SZ KV_BLK_SZ_POW2 SEQ_PARTITION_SZ
+    """.split()),
+    "_paged_attn_decode_v2_wo_dot_kernel": tuple("""
+        exp_sums_ptr max_logits_ptr logits_ptr q_ptr k_cache_ptr v_cache_ptr blk_tables_ptr seq_lens_ptr
+        scale k_scale v_scale alibi_slopes stride_exp_s stride_exp_h stride_logits_s stride_logits_h
+        stride_logits_p stride_q_s stride_q_h stride_k_b stride_k_nh stride_k_kb stride_bt_s stride_bt_nb
+        compute_type KV_BLK_SZ KV_BLK_SZ_POW2 HEAD_SZ HEAD_SZ_POW2 QUERY_GRP_SZ SEQ_PARTITION_SZ
+        MAX_NUM_BLKS_PER_SEQ MAX_SEQ_LEN_POW2
+    """.split()),
 }
 
 
@@ -117,8 +117,8 @@ def load_pa_kernels() -> types.ModuleType:
     for name, expected in PARTITION_KERNEL_PARAMS.items():
         got = tuple(inspect.signature(getattr(module, name).fn).parameters)  # .fn: JIT and interpreted alike
         if got != expected:
-            raise RuntimeError(f"AITER's Triton kernel {name} takes {got}, autoprofile launches it with {expected}: "
-                               f"this amd-aiter is not the one autoprofile pins (pip install "
+            raise RuntimeError(f"AITER's Triton kernel {name} takes {got}, autoprofile launches it with "
+                               f"{expected}: this amd-aiter is not the one autoprofile pins (pip install "
                                f"amd-aiter=={PINNED_AITER}), or run --attention_backend torch")
     return module
 

@@ -59,12 +59,11 @@ class LocalMemoryCollector:
         now = memory.stack_limit_bytes()
         if now is not None and now > self.profiled and not self.warned:
             self.warned = True
-            log.warning("the CUDA stack limit grew while serving: %d B/thread, %d B after the profile's stress",
-                        now, self.profiled)
+            log.warning("the CUDA stack limit grew while serving: %d B/thread, %d B after the profile's "
+                        "stress", now, self.profiled)
         if now is not None:
-            yield GaugeMetricFamily("autoprofile_cuda_stack_limit_bytes",
-                                    "per-thread CUDA stack limit now (local memory; must not grow while serving)",
-                                    value=now)
+            yield GaugeMetricFamily("autoprofile_cuda_stack_limit_bytes", "per-thread CUDA stack limit "
+                                    "now (local memory; must not grow while serving)", value=now)
         yield GaugeMetricFamily("autoprofile_cuda_stack_limit_profiled_bytes",
                                 "per-thread CUDA stack limit after the profile's stress", value=self.profiled)
 

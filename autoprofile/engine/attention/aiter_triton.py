@@ -62,14 +62,14 @@ def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
                   SEQ_PARTITION_SZ=partition)
     if group > 1:
         pa._paged_attn_decode_v2_w_dot_kernel[(rows, num_kv_heads, parts)](
-            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0, None,
-            *exp_sums.stride()[:3], *partials.stride()[:4], *q.stride()[:2], *k_cache.stride()[:3],
+            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0,
+            None, *exp_sums.stride()[:3], *partials.stride()[:4], *q.stride()[:2], *k_cache.stride()[:3],
             block_tables.stride(0),
             QUERY_GRP_SZ_POW2=max(16, triton.next_power_of_2(group)), **common)  # tl.dot needs >= 16 rows
     else:
         pa._paged_attn_decode_v2_wo_dot_kernel[(q_heads, rows, parts)](
-            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0, None,
-            *exp_sums.stride()[:2], *partials.stride()[:3], *q.stride()[:2], *k_cache.stride()[:3],
+            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0,
+            None, *exp_sums.stride()[:2], *partials.stride()[:3], *q.stride()[:2], *k_cache.stride()[:3],
             *block_tables.stride()[:2],
             MAX_NUM_BLKS_PER_SEQ=block_tables.shape[1], MAX_SEQ_LEN_POW2=max_seq_len, **common)
     triton_reduce.reduce_partitions(out, exp_sums, max_logits, partials, seq_lens, partition)

@@ -66,12 +66,14 @@ def _reduce_partitions_kernel(out_ptr, exp_sums_ptr, max_logits_ptr, partials_pt
              mask=offs_d < HEAD)
 
 
-def reduce_partitions(out: torch.Tensor, exp_sums: torch.Tensor, max_logits: torch.Tensor, partials: torch.Tensor,
-                      seq_lens: torch.Tensor, partition: int) -> None:
-    """out[row, head] = the partitions' partial outputs weighted by exp_sum * exp(max_logit - max), normalized.
+def reduce_partitions(out: torch.Tensor, exp_sums: torch.Tensor, max_logits: torch.Tensor,
+                      partials: torch.Tensor, seq_lens: torch.Tensor, partition: int) -> None:
+    """out[row, head] = the partitions' partial outputs weighted by exp_sum * exp(max_logit - max),
+    normalized.
 
-    out: [rows, q_heads, head_dim] (heads contiguous); exp_sums, max_logits: [rows, kv_heads, max_parts(, group)]
-    fp32; partials: [rows, kv_heads, max_parts(, group), head_dim]; all contiguous. A row with seq_len 0 gets 0."""
+    out: [rows, q_heads, head_dim] (heads contiguous); exp_sums, max_logits: [rows, kv_heads, max_parts
+    (, group)] fp32; partials: [rows, kv_heads, max_parts(, group), head_dim]; all contiguous. A row with
+    seq_len 0 gets 0."""
     rows, q_heads, head_dim = out.shape
     max_parts = exp_sums.shape[2]
     group = q_heads // exp_sums.shape[1]
@@ -80,8 +82,8 @@ def reduce_partitions(out: torch.Tensor, exp_sums: torch.Tensor, max_logits: tor
     for name, t in (("exp_sums", exp_sums), ("max_logits", max_logits), ("partials", partials)):
         if not t.is_contiguous():
             raise ValueError(f"reduce_partitions reads a contiguous {name}")
-    expected = (rows, q_heads // group, max_parts, group, head_dim) if group > 1 else (rows, q_heads, max_parts,
-                                                                                        head_dim)
+    expected = ((rows, q_heads // group, max_parts, group, head_dim) if group > 1
+                else (rows, q_heads, max_parts, head_dim))
     if tuple(partials.shape) != expected:
         raise ValueError(f"partials shape {tuple(partials.shape)} != {expected}")
     _reduce_partitions_kernel[(rows, q_heads)](
