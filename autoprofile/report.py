@@ -45,6 +45,8 @@ def to_dict(result) -> dict:
         "phases_s": dict(result.phases),
         "timeline": [asdict(s) for s in result.samples],
         "errors": result.errors,
+        "stack_limit_bytes": result.stack_limit,
+        "local_memory_bytes": result.local_memory,
     }
 
 
@@ -58,6 +60,9 @@ def format_report(result) -> str:
     lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
                  f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
+    if result.stack_limit is not None:
+        lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "
+                     f"{gib(result.local_memory):.2f} GiB reserved by the driver (inside non-torch)")
     if result.errors:
         lines.append("  retried after: " + " | ".join(result.errors))
     return "\n".join(lines)

@@ -7,6 +7,7 @@ reserved memory growing past it; 0 on a CPU).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 import torch
 
 from autoprofile.serving.async_engine import Snapshot, Timing
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0)
@@ -78,6 +81,28 @@ class AllocatorCollector:
             yield GaugeMetricFamily(name, doc, value=value)
 
 
+class LocalMemoryCollector:
+    """The CUDA stack limit now (read at scrape) and after the profile's stress: serving must never grow it
+    (a kernel the stress never ran that spills; the driver keeps its reservation for good)."""
+
+    def __init__(self, profiled: int):
+        self.profiled, self.warned = profiled, False
+
+    def collect(self):
+        from autoprofile import memory
+
+        now = memory.stack_limit_bytes()
+        if now is not None and now > self.profiled and not self.warned:
+            self.warned = True
+            log.warning("the CUDA stack limit grew while serving: %d B/thread, %d B after the profile's "
+                        "stress", now, self.profiled)
+        if now is not None:
+            yield GaugeMetricFamily("autoprofile_cuda_stack_limit_bytes", "per-thread CUDA stack limit "
+                                    "now (local memory; must not grow while serving)", value=now)
+        yield GaugeMetricFamily("autoprofile_cuda_stack_limit_profiled_bytes",
+                                "per-thread CUDA stack limit after the profile's stress", value=self.profiled)
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], Snapshot | None],
                  device: Callable[[], torch.device | None] = lambda: None):
@@ -109,6 +134,8 @@ class ServerMetrics:
                        registry=reg)
         for name, seconds in result.phases:
             phases.labels(phase=name).set(seconds)
+        if getattr(result, "stack_limit", None) is not None:
+            reg.register(LocalMemoryCollector(result.stack_limit))
 
     def first_token(self, timing: Timing) -> None:
         self.ttft.observe(timing.first - timing.submitted)
