@@ -31,17 +31,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
+from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
 from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json, max_body_bytes,
-                                          parse_chat, parse_completion, parse_generate)
+                                          parse_chat, parse_completion, parse_generate, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
+from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +74,9 @@ class ServerState:
     def __post_init__(self):
         self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device)
         self.max_body = max_body_bytes(self.cfg.context_len, self.cfg.model_config.vocab_size)
+        if self.cfg.model_config.vision is not None:  # data: URLs: base64 is 4/3 of the image's bytes
+            self.max_body += self.cfg.max_images_per_request * (MAX_IMAGE_BYTES * 4 // 3 + 1024)
+        self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")
         self.died = asyncio.Event()
 
@@ -170,14 +176,29 @@ def _queue_full(e: QueueFull) -> APIError:
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
+    """Load, resize and patch a chat request's images (off the loop), then its prompt ids and engine images."""
+    cfg, mc = st.cfg, st.cfg.model_config
+    opts = ImageOptions(cfg.min_image_pixels, cfg.max_image_pixels, cfg.allowed_media_domains, MAX_IMAGE_BYTES,
+                        FETCH_TIMEOUT_S)
+    images = await load_prepared(args.images, opts, st.parser, st.http)
+    ids = encode_with_images(st.tokenizer, args.chat_text, images, mc)
+    args = with_image_ids(args, ids, st.limits)
+    args.mm = multimodal_input(ids, images, mc)
+    return args
+
+
 async def _submit(st: ServerState, args: GenerateArgs):
     stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    if args.images:
+        args = await _with_images(st, args)
     try:
-        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids)
+        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids,
+                                        mm=args.mm)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
-        param = args.prompt_param if e.field == "prompt" else e.field
+        param = args.prompt_param if e.field in ("prompt", "images") else e.field
         raise bad(param, str(e)) from None
     except EngineFailure as e:
         raise _engine_failure(e) from None
@@ -360,7 +381,10 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg.model_config)
     names = tuple(dict.fromkeys((cfg.model, cfg.model_config.name)))
-    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size)
+    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size,
+                       cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
+    if cfg.model_config.vision is not None and cfg.allowed_media_domains:
+        st.http = aiohttp.ClientSession()
     st.result = result
     st.metrics.add_profile(result)
     st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics,
@@ -381,6 +405,8 @@ async def _stop_engine(app: web.Application) -> None:
     if st.engine is not None:
         await st.engine.stop()
     st.parser.shutdown(wait=False, cancel_futures=True)
+    if st.http is not None:
+        await st.http.close()
 
 
 async def drain(app: web.Application) -> None:

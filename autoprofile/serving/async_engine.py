@@ -193,7 +193,7 @@ class AsyncEngine:
         return self.outstanding + n <= self.capacity
 
     async def submit(self, prompt_ids: Sequence[int], params, max_tokens: int,
-                     stop_token_ids: Sequence[int] = ()) -> RequestHandle:
+                     stop_token_ids: Sequence[int] = (), mm=None) -> RequestHandle:
         """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it,
         EngineFailure("dead") once the loop is dead."""
         if self.dead is not None:
@@ -205,7 +205,7 @@ class AsyncEngine:
         self.handles[handle.request_id] = handle
         self._idle.clear()
         added = handle.added = self._loop.create_future()
-        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids)),
+        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm),
                          added))
         try:
             await added
@@ -306,9 +306,9 @@ class AsyncEngine:
                 self._live.discard(cmd[1])
                 self.engine.abort(cmd[1])
             return
-        _, rid, (prompt, params, max_tokens, stop_ids), added = cmd
+        _, rid, (prompt, params, max_tokens, stop_ids, mm), added = cmd
         try:
-            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid)
+            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid, mm=mm)
         except RequestError as e:
             self._post(settle, added, e)
             return

@@ -112,6 +112,7 @@ class Limits:
     model_names: tuple[str, ...]  # the first is the served name
     context_len: int
     vocab_size: int
+    max_images: int = 0  # images per request (--max_images_per_request); 0: the model takes no images
 
 
 @dataclass
@@ -132,6 +133,11 @@ class GenerateArgs:
     model: str = ""
     prompt_param: str = "prompt"
     extra: dict = field(default_factory=dict)
+    # a chat request with images: its ids, max_tokens and engine images are made once the images are loaded
+    images: list = field(default_factory=list)  # serving.images.ImagePart, in order
+    chat_text: str | None = None  # the rendered template, an IMAGE_MARK per image
+    max_tokens_body: dict | None = None  # {key: value} of the request's max_tokens / max_completion_tokens
+    mm: object = None  # engine.multimodal.MultiModalInput
 
 
 # ---------------------------------------------------------------- request bodies
@@ -225,14 +231,21 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def _message(i: int, m) -> dict:
+def _message(i: int, m, limits: Limits, images: list) -> dict:
+    """One message for the chat template; a vision model's image parts become IMAGE_MARK and go to `images`."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
     if m.get("role") not in ROLES:
         raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
+    if isinstance(content, list) and limits.max_images:
+        from autoprofile.serving.images import ImagePart, parse_content
+        from autoprofile.serving.vision import IMAGE_MARK
+        parts = parse_content(content, i)
+        images += [p for p in parts if isinstance(p, ImagePart)]
+        content = "".join(IMAGE_MARK if isinstance(p, ImagePart) else p.text for p in parts)
+    elif isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
             raise bad(f"{where}.content", f"'{where}.content' parts must be text parts "
@@ -259,16 +272,31 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    images = []
     try:
-        text = tokenizer.apply_chat_template([_message(i, m) for i, m in enumerate(messages)])
+        text = tokenizer.apply_chat_template([_message(i, m, limits, images) for i, m in enumerate(messages)])
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if images:
+        if len(images) > limits.max_images:
+            raise bad("messages", f"the request has {len(images)} images; this server takes at most "
+                      f"{limits.max_images} per request (--max_images_per_request)")
+        _get(body, key, None, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+        return GenerateArgs(prompt_ids=[], max_tokens=0, chat=True, prompt_param="messages", images=images,
+                            chat_text=text, max_tokens_body={key: body.get(key)}, **args)
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds BOS (as transformers does)
     if not ids:
         raise bad("messages", "the messages encode to no tokens")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     n = _max_tokens(body, key, len(ids), limits, None, "messages")
     return GenerateArgs(prompt_ids=ids, max_tokens=n, chat=True, prompt_param="messages", **args)
+
+
+def with_image_ids(args: GenerateArgs, ids: list[int], limits: Limits) -> GenerateArgs:
+    """A chat request with images, its prompt ids made: max_tokens against the request limit."""
+    (key, value), = args.max_tokens_body.items()
+    args.prompt_ids, args.max_tokens = ids, _max_tokens({key: value}, key, len(ids), limits, None, "messages")
+    return args
 
 
 def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, dict]:
