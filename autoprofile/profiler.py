@@ -388,6 +388,8 @@ class Profiler:
             "graph_pools": _graph_pool_bytes(self.rec.samples),
             "workspace_declared": self.sizing.workspace_reserved(tokens),
             "request_table": self.sizing.table_reserved(tokens),
+            "vision_weights": self.runner.vision_weight_bytes,
+            "encoder_buffer": self.runner.mm_buffer.nbytes if self.runner.mm_buffer is not None else 0,
             "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
             "canary": self.cfg.canary_bytes,
             "driver_reserve": budget.DRIVER_RESERVE,

@@ -54,6 +54,8 @@ class ModelRunner:
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
         load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+        visual = getattr(self.model, "visual", None)
+        self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
         self.use_graphs = self.device.type == "cuda" and not cfg.disable_cudagraph
         self.buckets = budget.decode_buckets(cfg.context_len)  # max_seq_len of decode steps (eager and graphs)
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
