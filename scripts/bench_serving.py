@@ -102,6 +102,8 @@ def chunk_text(msg: dict) -> str:
 async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, ignore_eos: bool,
                timeout: float) -> Result:
     body = request_body(model, job, ignore_eos)
+    if job.messages is not None:  # a chat request (images) in a completions run (the soak's mix)
+        url = url.replace("/v1/completions", "/v1/chat/completions")
     r = Result(kind=job.kind, prompt_len=len(job.prompt))
     start = last = time.perf_counter()
     chunks = 0
@@ -200,10 +202,31 @@ def sampling_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
-def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
-    """One request of the hostile mix: context-filling prompts, many short ones, top-p, disconnects."""
-    kind = rng.choices(["long", "short", "top_p", "disconnect"], weights=[0.05, 0.55, 0.25, 0.15])[0]
+SOAK_IMAGE_SIZES = ((1400, 1000), (1280, 720), (640, 480), (300, 2000), (2000, 60), (56, 56))
+SOAK_KINDS = ("long", "short", "top_p", "disconnect", "image", "image_disconnect")
+
+
+def soak_image_pool(rng: random.Random, per_size: int = 2) -> list[dict]:
+    """Image content parts for the soak (random pixels, assorted sizes and shapes; reused across requests,
+    so the same image also comes back through the prefix cache)."""
+    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                + base64.b64encode(random_png(w, h, rng)).decode()}}
+            for w, h in SOAK_IMAGE_SIZES for _ in range(per_size)]
+
+
+def soak_job(rng: random.Random, context_len: int, output_len: int, images: list[dict] = (),
+             max_images: int = 0) -> Job:
+    """One request of the hostile mix: context-filling prompts, many short ones, top-p, disconnects; with
+    `images`, also chat requests of 1..max_images images (some disconnecting)."""
+    weights = [0.05, 0.55, 0.25, 0.15] + ([0.3, 0.1] if images and max_images else [0, 0])
+    kind = rng.choices(SOAK_KINDS, weights=weights)[0]
     out = max(min(output_len, context_len // 4), 1)
+    if kind.startswith("image"):
+        parts = [rng.choice(images) for _ in range(rng.randint(1, max_images))]
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 64)))
+        return Job([], rng.randint(1, out), kind, {"temperature": 0.7, "top_p": 0.95},
+                   messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                   disconnect_after=rng.randint(1, 8) if kind == "image_disconnect" else None)
     ids = lambda n: [rng.randrange(*TOKEN_IDS) for _ in range(n)]  # noqa: E731
     medium = lambda: ids(rng.randint(1, max(min(1024, context_len - out - 1), 1)))  # noqa: E731
     if kind == "long":
@@ -467,10 +490,11 @@ async def bench(args, url: str, health: dict) -> dict:
         args.max_concurrency = args.max_concurrency or health.get("max_running_requests", 64)
         deadline = time.monotonic() + args.soak_minutes * 60
         stop = asyncio.Event()
+        pool = soak_image_pool(rng) if args.soak_images else []
         sampler = asyncio.create_task(sample_memory(url, args.soak_sample_seconds, stop))
         try:
-            results, duration = await run_jobs(endpoint, model,
-                                               lambda: soak_job(rng, context, args.random_output_len), args, deadline)
+            results, duration = await run_jobs(endpoint, model, lambda: soak_job(
+                rng, context, args.random_output_len, pool, args.soak_images), args, deadline)
         finally:
             stop.set()
             timeline = await sampler
@@ -497,7 +521,7 @@ async def bench(args, url: str, health: dict) -> dict:
                                   "failed": sum(r.kind == k and not r.success and not r.disconnected for r in results),
                                   "disconnected": sum(r.kind == k and r.disconnected for r in results),
                                   "lost": sum(r.kind == k and r.lost for r in results)}
-                              for k in ("long", "short", "top_p", "disconnect")}
+                              for k in SOAK_KINDS}
         summary["memory"], summary["memory_timeline"] = memory_summary(timeline), timeline
         plot = args.soak_plot or (args.result_file and str(Path(args.result_file).with_suffix("")) + "_memory.png")
         if plot:
@@ -558,6 +582,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
     p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
     p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
+    p.add_argument("--soak-images", type=int, default=0,
+                   help="soak: also chat requests of 1..N images of assorted sizes (a vision-language model)")
     p.add_argument("--soak-sample-seconds", type=float, default=5.0, help="soak: seconds between allocator samples")
     p.add_argument("--soak-plot", default=None,
                    help="soak: the PNG of reserved memory over time (default: beside --result-file, *_memory.png)")
