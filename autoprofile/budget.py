@@ -45,6 +45,15 @@ def cell_bytes_for(model, dtype_bytes: int, tp: int = 1) -> int:
 
 
 # ---------------------------------------------------------------- sizes derived from T
+INDEX_LIMIT = (1 << 31) - 1  # attention kernels index one layer's K (or V) view with 32-bit offsets
+
+
+def max_indexable_tokens(kv_heads: int, head_dim: int, page_size: int) -> int:
+    """The most KV tokens whose per-layer K view, [pages, kv_heads, page, head_dim], stays addressable with
+    32-bit offsets (a small model on a large card reaches it: past it decode reads out of bounds)."""
+    return round_down(INDEX_LIMIT // (kv_heads * head_dim), page_size)
+
+
 def round_down(tokens: int, page_size: int) -> int:
     return max(tokens, 0) // page_size * page_size
 
@@ -236,6 +245,7 @@ class Sizing:
     running_reqs: int  # request slots (envelope.running_reqs)
     decode_rows: int  # rows of one decode step (envelope.decode_rows)
     workspace: Callable[[int, int], int] | None = None  # (decode_rows, longest_seq) -> declared bytes
+    max_tokens: int | None = None  # the kernels' 32-bit offset bound (max_indexable_tokens)
 
     def workspace_reserved(self, tokens: int) -> int:
         """The backend's declared persistent workspace at T, as the caching allocator reserves it."""
@@ -269,7 +279,7 @@ def solve_target_tokens(available: int, sizing: Sizing, mem_fraction: float = 1.
     while lo < hi:  # largest pages in [0, hi) that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo * sizing.page_size
+    return min(lo * sizing.page_size, sizing.max_tokens or lo * sizing.page_size)
 
 
 # ---------------------------------------------------------------- retries and diagnostics

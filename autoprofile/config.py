@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from autoprofile.budget import min_usable_tokens, round_up
+from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up
 from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig, builtin_models, load_model_config
 
@@ -174,6 +174,10 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
                f"--graph_max_batch_size {cfg.graph_max_batch_size} decode rows, plus the pad page; "
                f"try --max_total_token_num {floor} or lower --max_req_total_len")
+        bound = max_indexable_tokens(m.num_kv_heads // cfg.tp, m.head_dim, cfg.page_size)
+        _check(n <= bound, "max_total_token_num",
+               f"{n} tokens is past what the attention kernels' 32-bit offsets address in one layer's K view "
+               f"({m.num_kv_heads // cfg.tp} KV heads x {m.head_dim}); try --max_total_token_num {bound}")
         # NOTE: pinned sizes are whole pages, so what is built is what is reported
         _check(n % cfg.page_size == 0, "max_total_token_num",
                f"{n} is not a multiple of --page_size {cfg.page_size}; "

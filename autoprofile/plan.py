@@ -268,7 +268,9 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
-                         running_reqs=reqs, decode_rows=reqs, workspace=workspace)
+                         running_reqs=reqs, decode_rows=reqs, workspace=workspace,
+                         max_tokens=None if m.is_mla else budget.max_indexable_tokens(m.num_kv_heads // cfg.tp,
+                                                                                     m.head_dim, cfg.page_size))
 
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:

@@ -244,6 +244,9 @@ class Profiler:
                  "peers %.2f GiB -> target %d tokens (%.2f GiB KV; this rank %d)", gib(s.total),
                  gib(s.peak_reserved), gib(non_kv), gib(own_nt), gib(peers), target,
                  gib(target * self.sizing.cell_bytes), local)
+        if local == self.sizing.max_tokens:
+            log.warning("the KV cache is capped at %d tokens: one layer's K view past it is beyond the attention "
+                        "kernels' 32-bit offsets (the memory would fit more)", local)
         if target < self.min_tokens():
             raise ProfileError(self.diagnostic(target, target, 0,
                                                f"the measured budget fits {target} tokens, fewer than the "

@@ -223,3 +223,14 @@ def test_reserved_bytes_follows_the_caching_allocator_segments():
     assert budget.reserved_bytes(MiB + 1) == budget.reserved_bytes(10 * MiB - 1) == 20 * MiB
     assert budget.reserved_bytes(10 * MiB) == 10 * MiB
     assert budget.reserved_bytes(10 * MiB + 1) == 12 * MiB
+
+
+def test_the_target_never_passes_the_kernels_32_bit_offsets():
+    """A small model on a large card: the budget fits more tokens than one layer's K view can address with
+    32-bit offsets (an H100 decoded out of bounds at 10.1M tokens of 8 x 128); the solver stops at the bound."""
+    bound = budget.max_indexable_tokens(8, 128, 16)
+    assert bound * 8 * 128 <= budget.INDEX_LIMIT < (bound + 16) * 8 * 128
+    small = Sizing(cell_bytes=2 * 2 * 8 * 128 * 2, context_len=131072, page_size=16, running_reqs=16, decode_rows=16,
+                   max_tokens=bound)
+    assert budget.solve_target_tokens(78 << 30, small) == bound
+    assert budget.solve_target_tokens(1 << 30, small) < bound  # below the bound the memory decides

@@ -192,3 +192,11 @@ def test_report_dir_empty_means_none():
     ns = cli.build_parser().parse_args(["profile", "--report_dir", ""])
     from autoprofile.config import config_from_args
     assert config_from_args(ns).report_dir is None
+
+
+def test_a_pinned_size_past_the_kernels_32_bit_offsets_is_refused_naming_the_bound():
+    from autoprofile.budget import max_indexable_tokens
+    bound = max_indexable_tokens(8, 128, 16)
+    with pytest.raises(ConfigError, match=f"try --max_total_token_num {bound}"):
+        validate(ServerConfig(max_total_token_num=bound + 16))
+    validate(ServerConfig(max_total_token_num=bound))

@@ -146,7 +146,7 @@ def test_too_small_card_names_the_flag_to_change():
 
 
 def test_pinned_size_above_prediction_is_a_problem():
-    p = plan_for("a100-40g", max_req_total_len=4096, max_total_token_num=10_000_000)
+    p = plan_for("a100-40g", max_req_total_len=4096, max_total_token_num=2_000_000)
     assert p.problem_flag == "max_total_token_num" and f"try --max_total_token_num {p.tokens}" in p.problem
 
 

@@ -92,7 +92,8 @@ class ModelRunner:
                                             self.tp.size),
             context_len=cfg.context_len, page_size=cfg.page_size,
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
-            workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim))
+            workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
+            max_tokens=budget.max_indexable_tokens(self.num_kv_heads, head_dim, cfg.page_size))
 
     @property
     def kv_bytes(self) -> int:
