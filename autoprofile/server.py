@@ -38,8 +38,8 @@ from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
 from autoprofile.serving.metrics import ServerMetrics
-from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json, max_body_bytes,
-                                          parse_chat, parse_completion, parse_generate)
+from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json,
+                                          max_body_bytes, parse_chat, parse_completion, parse_generate)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
@@ -133,8 +133,8 @@ def _engine_failure(e: EngineFailure) -> APIError:
 
 
 def _dead() -> APIError:
-    return APIError(503, "the engine loop died; the server is going down to be restarted (see the server log)",
-                    type="service_unavailable", code="engine_dead")
+    return APIError(503, "the engine loop died; the server is going down to be restarted (see the server "
+                    "log)", type="service_unavailable", code="engine_dead")
 
 
 def _accepting(app: web.Application) -> ServerState:
@@ -306,7 +306,8 @@ async def generate(request: web.Request) -> web.Response:
     if len(prompts) > st.engine.capacity:
         raise bad("input_ids", f"{len(prompts)} prompts can never be admitted together: at most "
                   f"{st.engine.capacity} requests are outstanding ({st.engine.max_running} running + "
-                  f"{st.engine.max_waiting} waiting, --max_waiting_requests); send at most {st.engine.capacity}",
+                  f"{st.engine.max_waiting} waiting, --max_waiting_requests); send at most "
+                  f"{st.engine.capacity}",
                   code="too_many_prompts")
     if not st.engine.has_room(len(prompts)):
         raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
