@@ -40,8 +40,9 @@ from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
 from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
-from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json, max_body_bytes,
-                                          parse_chat, parse_completion, parse_generate, with_image_ids)
+from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json,
+                                          max_body_bytes, parse_chat, parse_completion, parse_generate,
+                                          with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
@@ -139,8 +140,8 @@ def _engine_failure(e: EngineFailure) -> APIError:
 
 
 def _dead() -> APIError:
-    return APIError(503, "the engine loop died; the server is going down to be restarted (see the server log)",
-                    type="service_unavailable", code="engine_dead")
+    return APIError(503, "the engine loop died; the server is going down to be restarted (see the server "
+                    "log)", type="service_unavailable", code="engine_dead")
 
 
 def _accepting(app: web.Application) -> ServerState:
@@ -327,7 +328,8 @@ async def generate(request: web.Request) -> web.Response:
     if len(prompts) > st.engine.capacity:
         raise bad("input_ids", f"{len(prompts)} prompts can never be admitted together: at most "
                   f"{st.engine.capacity} requests are outstanding ({st.engine.max_running} running + "
-                  f"{st.engine.max_waiting} waiting, --max_waiting_requests); send at most {st.engine.capacity}",
+                  f"{st.engine.max_waiting} waiting, --max_waiting_requests); send at most "
+                  f"{st.engine.capacity}",
                   code="too_many_prompts")
     if not st.engine.has_room(len(prompts)):
         raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "

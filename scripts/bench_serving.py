@@ -9,10 +9,11 @@ mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their erro
     python3 scripts/bench_serving.py --request-rate 20 --num-prompts 1000 --random-input-len 512
     # start the server, wait for /health (the validated profile), run, then SIGTERM it (it must exit 0)
     python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --max-concurrency 256
-    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure. It samples
-    # the CUDA caching allocator (/metrics: reserved bytes, segments) every --soak-sample-seconds into the
-    # result's "memory_timeline" and plots reserved memory and segments against the profile's peak (--soak-plot)
-    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 20 --result-file soak.json
+    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure. It
+    # samples the CUDA caching allocator (/metrics: reserved bytes, segments) every --soak-sample-seconds
+    # into the result's "memory_timeline" and plots them against the profile's peak (--soak-plot)
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 20 \
+        --result-file soak.json
 
 Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
 as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
@@ -238,8 +239,9 @@ def soak_job(rng: random.Random, context_len: int, output_len: int, images: list
     return Job(medium(), out, kind, disconnect_after=rng.randint(1, 8))
 
 
-MEMORY_GAUGES = {"reserved": "autoprofile_cuda_memory_reserved_bytes", "segments": "autoprofile_cuda_memory_segments",
-                 "kv_pages_used": "autoprofile_kv_pages_used", "running": "autoprofile_num_requests_running"}
+MEMORY_GAUGES = {"reserved": "autoprofile_cuda_memory_reserved_bytes",
+                 "segments": "autoprofile_cuda_memory_segments", "kv_pages_used": "autoprofile_kv_pages_used",
+                 "running": "autoprofile_num_requests_running"}
 PEAK_GAUGE = "autoprofile_profile_peak_reserved_bytes"
 
 
@@ -259,7 +261,7 @@ async def sample_memory(url: str, period: float, stop: asyncio.Event) -> list[di
 
 
 def memory_summary(timeline: list[dict]) -> dict:
-    """Reserved memory and segments over the soak against the profile's peak (growth past it: fragmentation)."""
+    """Reserved memory and segments over the soak against the profile's peak (growth past it: fragments)."""
     peak = max((s["profile_peak"] for s in timeline), default=0.0)
     most = max((s["reserved"] for s in timeline), default=0.0)
     return {"samples": len(timeline), "profile_peak_reserved": peak, "max_reserved": most,
@@ -285,7 +287,8 @@ def plot_soak_memory(timeline: list[dict], path: str | Path, title: str = "") ->
     ax.set_xlabel("minutes since the soak started")
     ax.set_ylabel("GiB")
     seg = ax.twinx()
-    seg.step(t, [s["segments"] for s in timeline], where="post", color="C1", lw=1.2, label="allocator segments")
+    seg.step(t, [s["segments"] for s in timeline], where="post", color="C1", lw=1.2,
+             label="allocator segments")
     seg.set_ylabel("segments")
     lines = ax.get_legend_handles_labels(), seg.get_legend_handles_labels()
     ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="lower right", fontsize=8)
@@ -523,10 +526,10 @@ async def bench(args, url: str, health: dict) -> dict:
                                   "lost": sum(r.kind == k and r.lost for r in results)}
                               for k in SOAK_KINDS}
         summary["memory"], summary["memory_timeline"] = memory_summary(timeline), timeline
-        plot = args.soak_plot or (args.result_file and str(Path(args.result_file).with_suffix("")) + "_memory.png")
+        plot = args.soak_plot or (args.result_file and f"{Path(args.result_file).with_suffix('')}_memory.png")
         if plot:
-            summary["memory_plot"] = str(plot_soak_memory(timeline, plot, f"autoprofile soak: {model}, "
-                                                          f"{args.soak_minutes:g} min at {args.max_concurrency} running"))
+            title = f"autoprofile soak: {model}, {args.soak_minutes:g} min at {args.max_concurrency} running"
+            summary["memory_plot"] = str(plot_soak_memory(timeline, plot, title))
     return summary
 
 
@@ -584,9 +587,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
     p.add_argument("--soak-images", type=int, default=0,
                    help="soak: also chat requests of 1..N images of assorted sizes (a vision-language model)")
-    p.add_argument("--soak-sample-seconds", type=float, default=5.0, help="soak: seconds between allocator samples")
+    p.add_argument("--soak-sample-seconds", type=float, default=5.0,
+                   help="soak: seconds between allocator samples")
     p.add_argument("--soak-plot", default=None,
-                   help="soak: the PNG of reserved memory over time (default: beside --result-file, *_memory.png)")
+                   help="soak: the PNG of reserved memory over time (default: --result-file's *_memory.png)")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     args = p.parse_args(argv)
@@ -640,7 +644,8 @@ def main(argv=None) -> int:
     title = f"Soak ({args.soak_minutes:g} min)" if args.soak_minutes else "Serving Benchmark Result"
     print(json.dumps(summary, indent=2) if args.json else format_table(summary, percentiles, title))
     if not args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind", "memory")}, indent=2))
+        shown = ("server", "by_kind", "memory")
+        print(json.dumps({k: v for k, v in summary.items() if k in shown}, indent=2))
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)

@@ -330,7 +330,7 @@ def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
         assert set(err) == {"message", "type", "param", "code"}, data
         assert err["param"] == param, (case, data)
         assert err["message"] and "Traceback" not in err["message"]
-        if case and case[1].get("prompt") == [[[1, 2]]]:
+        if case and isinstance(case[1], dict) and case[1].get("prompt") == [[[1, 2]]]:
             assert "list of token ids" in err["message"] and "got 1" not in err["message"], err
     assert 'status="500"' not in metrics
 

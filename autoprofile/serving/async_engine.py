@@ -165,9 +165,14 @@ class AsyncEngine:
             await asyncio.sleep(period)
             if not self._thread.is_alive():
                 self._died("the engine loop thread ended")
-            elif self.handles and (beat := self._beat) is not None and time.monotonic() - beat > self.wedged_after_s:
+            elif self.handles and self._stalled() > self.wedged_after_s:
                 self._died(f"the engine loop made no progress for {self.wedged_after_s:g} s with "
                            f"{len(self.handles)} requests outstanding (wedged)")
+
+    def _stalled(self) -> float:
+        """Seconds since the loop thread's last iteration (0 while it waits for input)."""
+        beat = self._beat
+        return 0.0 if beat is None else time.monotonic() - beat
 
     def _died(self, reason: str) -> None:
         """The loop thread is gone or wedged: fail every outstanding request (503) and tell the server."""

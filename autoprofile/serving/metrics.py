@@ -1,9 +1,9 @@
 """Prometheus metrics of one app: its own CollectorRegistry (two servers in a process never share one).
 
 Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting, preemptions, KV
-pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time, and so is the CUDA caching
-allocator (reserved bytes and segments, against the validated profile's reserved bytes: fragmentation shows as
-reserved memory growing past it; 0 on a CPU).
+pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time, and so is the CUDA
+caching allocator (reserved bytes and segments, against the validated profile's reserved bytes: fragmentation
+shows as reserved memory growing past it; 0 on a CPU).
 """
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ class AllocatorCollector:
                 ("autoprofile_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved now", reserved),
                 ("autoprofile_cuda_memory_segments", "caching-allocator segments now (segment.all.current)",
                  segments),
-                ("autoprofile_profile_peak_reserved_bytes", "reserved bytes of the validated profile after its "
-                 "last stress (serving should stay at or below it)", self.profile_peak())):
+                ("autoprofile_profile_peak_reserved_bytes",
+                 "reserved bytes of the validated profile after its last stress (serving stays below it)",
+                 self.profile_peak())):
             yield GaugeMetricFamily(name, doc, value=value)
 
 

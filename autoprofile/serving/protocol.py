@@ -76,8 +76,8 @@ def text(value: str, param: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise bad(param, f"'{param}' holds a lone surrogate {show(value[e.start:e.end])} at character {e.start}: "
-                  "send valid Unicode text (a surrogate pair, or the character itself)") from None
+        raise bad(param, f"'{param}' holds a lone surrogate {show(value[e.start:e.end])} at character "
+                  f"{e.start}: send valid Unicode text (a surrogate pair, or the character itself)") from None
     return value
 
 
@@ -212,7 +212,8 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
         raise bad("suffix", "'suffix' is not supported", code="unsupported_value")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}", code="unsupported_value")
+        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}",
+                  code="unsupported_value")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
@@ -237,7 +238,8 @@ def _message(i: int, m, limits: Limits, images: list) -> dict:
     if not isinstance(m, dict):
         raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
     if m.get("role") not in ROLES:
-        raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
+        raise bad(f"{where}.role",
+                  f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
     content = m.get("content")
     if isinstance(content, list) and limits.max_images:
         from autoprofile.serving.images import ImagePart, parse_content
