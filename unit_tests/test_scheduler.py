@@ -252,6 +252,36 @@ def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output():
     assert tight.stats.pages_used == 0 and len(tight.scheduler.free_slots) == 6
 
 
+def _record_preemptions(engine) -> list[tuple[str, list[tuple[str, bool]], list[str]]]:
+    """Each preemption as (victim, running before it as (id, still in chunked prefill), waiting after it)."""
+    s, seen = engine.scheduler, []
+    preempt = s._preempt
+
+    def spy(req):
+        running = [(r.request_id, r.num_tokens - r.num_computed > 1) for r in s.running]
+        preempt(req)
+        seen.append((req.request_id, running, [r.request_id for r in s.waiting]))
+    s._preempt = spy
+    return seen
+
+
+def test_preemption_in_chunked_prefill_takes_the_youngest_and_puts_it_at_the_front_of_the_queue():
+    prompts = [[1] * 6, [2] * 6, [3] * 30, [4] * 6, [5] * 6]  # the third is prefilled in chunks of 16
+    def serve(engine, check=None):
+        ids = [engine.add_request(p, max_tokens=4) for p in prompts]
+        out = run_all(engine, check)
+        return [out[i] for i in ids]
+    want = serve(fake_engine(kv_pages=200, running=3, batch=16)[0])
+    tight, _ = fake_engine(kv_pages=10, running=3, batch=16)  # 9 usable pages of 4 tokens
+    seen = _record_preemptions(tight)
+    assert serve(tight, check=invariants) == want
+    victim, running, waiting = seen[0]
+    # the youngest running request, still in its chunked prefill; the two older ones decode and stay
+    assert running == [("req-0", False), ("req-1", False), ("req-2", True)] and victim == "req-2"
+    assert waiting == ["req-2", "req-3", "req-4"]  # ahead of the requests that never ran
+    assert all(v == r[-1][0] for v, r, _ in seen)  # every preemption takes the youngest running request
+
+
 def _serve(engine, prompts, check=None):
     ids = [engine.add_request(p, max_tokens=20) for p in prompts]
     out = run_all(engine, check)
