@@ -160,9 +160,9 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> 
 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
-    """Sampling over the full vocab for `rows` requests: lm_head logits (dtype), fp32 logits, softmax
-    probabilities, sorted values (fp32) + indices (int64), cumulative sum (fp32)."""
-    return rows * vocab * (dtype_bytes + 4 + 4 + 4 + 8 + 4)
+    """Sampling `rows` requests on a GPU: the lm_head logits (dtype) and the one Triton kernel's 16 bytes per
+    row (autoprofile.engine.triton_sample: no scratch over the vocabulary, whatever the parameters)."""
+    return rows * (vocab * dtype_bytes + 16)
 
 
 def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: int) -> Row:
@@ -174,8 +174,7 @@ def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: i
                f"max of one layer's live set for --batch_max_tokens {tokens} ({gib(layers):.2f} GiB: "
                "residual, normed input, fp32 norm temp, then qkv + attention output or gate_up + activation "
                f"+ down output) and sampling {rows} rows over vocab {m.vocab_size} ({gib(sample):.2f} GiB: "
-               "logits in dtype and fp32, softmax, sorted values + int64 indices, cumsum, final hidden "
-               "states)")
+               "logits in dtype, the fused Triton sampler's 16 bytes per row, final hidden states)")
 
 
 def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:
