@@ -147,17 +147,20 @@ def _describe(e: BaseException) -> str:
 MEMORY_FAILURES = ("OutOfMemoryError:", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
+def _unranked(err: str) -> str:
+    return re.sub(r"^rank \d+: ", "", err)
+
+
 def is_memory_failure(err: str) -> bool:
     """An error text (this rank's, or a gathered "rank N: ...") that a smaller cache or a memory knob can
     fix: torch's OutOfMemoryError, or a CUDA/cuBLAS allocation failure raised as another type."""
-    text = re.sub(r"^rank \d+: ", "", err)
-    return any(m in text for m in MEMORY_FAILURES)
+    return any(m in _unranked(err) for m in MEMORY_FAILURES)
 
 
 def not_memory_failures(errors: list[str]) -> list[str]:
     """The gathered errors that are not memory failures (a peer's consequence of another rank's failure
     aside): non-empty means the memory diagnostic does not apply and no retry can help."""
-    return [e for e in errors if not is_memory_failure(e) and not _is_consequence(re.sub(r"^rank \d+: ", "", e))]
+    return [e for e in errors if not is_memory_failure(e) and not _is_consequence(_unranked(e))]
 
 
 def failure_text(stage: str, tokens: int, errors: list[str]) -> str:

@@ -683,24 +683,20 @@ def serve_rank(guard: RankGuard, cfg, boot: Callable = profile_boot) -> None:
     def boot_rank0(_cfg):  # run_server runs it on its boot thread, after binding
         try:
             booted["runner"], result = boot(cfg, guard)
-        except BaseException as e:
-            booted["error"] = e
-            raise
+        except ProfileError as e:  # every rank's same text: the launcher prints it, once (not run_server)
+            raise TPError(str(e)) from None
         booted["broadcaster"] = StepBroadcaster(booted["runner"], on_fatal=_stop_serving)
         return booted["broadcaster"], result
 
     try:
-        code = run_server(cfg, boot_rank0)
+        run_server(cfg, boot_rank0)
     finally:
         if "broadcaster" in booted:
             booted["broadcaster"].close()
         if "runner" in booted:
             booted["runner"].teardown()
-    if "error" in booted:  # the profile's collective text (run_server printed it): the launcher's outcome
-        raise booted["error"]
-    fatal = booted["broadcaster"].fatal if "broadcaster" in booted else "stopped during startup"
-    if fatal != "closed" or code:
-        raise TPError(fatal if fatal not in (None, "closed") else f"rank 0's server ended with exit code {code}")
+    if booted["broadcaster"].fatal != "closed":
+        raise TPError(booted["broadcaster"].fatal)
 
 
 def _stop_serving(text: str) -> None:

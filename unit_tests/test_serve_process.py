@@ -117,6 +117,18 @@ def test_serve_tp_with_its_port_taken_fails_at_once_not_after_the_boot(tmp_path)
     assert took < SPAWN_S, took
 
 
+@pytest.mark.slow
+def test_serve_tp_whose_profile_gives_up_exits_1_printing_the_ranks_text_once():
+    text = "autoprofile: no KV cache size survived the worst-case stress (injected)"
+    proc, lines = _start(["unit_tests.tp_cpu_boot", "0"], {"AUTOPROFILE_TEST_BOOT_FAILS": text})
+    try:
+        code = proc.wait(timeout=SPAWN_S)
+    finally:
+        _stop(proc)
+    out = "".join(lines)
+    assert code == 1 and out.count(text) == 1, out[-3000:]
+
+
 # ---------------------------------------------------------------- --disable_prefix_caching
 def _prefix_hits(url: str) -> float:
     status, text = _get(f"{url}/metrics")

@@ -16,6 +16,7 @@ from autoprofile.config import ServerConfig, validate
 from unit_tests.cpu_server import KV_TOKENS, CPUResult
 
 RELEASE_ENV = "AUTOPROFILE_TEST_RELEASE"
+FAIL_ENV = "AUTOPROFILE_TEST_BOOT_FAILS"  # set: every rank's profile gives up with this text, as a ProfileError
 BOOT_WAIT_S = 120.0
 FLAGS = dict(model="tiny", tp=2, dtype="float32", attention_backend="torch", max_req_total_len=256,
              batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=8, report_dir=None)
@@ -29,6 +30,9 @@ def boot_cpu_tp(cfg: ServerConfig, guard):
     while guard.rank == 0 and release and not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.05)
     memory.all_ok(True, guard.control)  # the profile's collectives: every rank waits for rank 0
+    if os.environ.get(FAIL_ENV):
+        from autoprofile.profiler import ProfileError
+        raise ProfileError(os.environ[FAIL_ENV])
     runner = guard.bind(ModelRunner(cfg, rank=guard.rank, world_size=guard.world, group=guard.data))
     runner.build(KV_TOKENS)
     return runner, CPUResult(cfg, runner.built_tokens, runner.sizing.cell_bytes)
