@@ -126,7 +126,8 @@ def test_serve_tp_whose_profile_gives_up_exits_1_printing_the_ranks_text_once():
     finally:
         _stop(proc)
     out = "".join(lines)
-    assert code == 1 and out.count(text) == 1, out[-3000:]
+    assert code == 1 and out.count(text) == 1 and out.rstrip().endswith(text), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
 
 
 # ---------------------------------------------------------------- --disable_prefix_caching
