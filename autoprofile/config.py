@@ -139,8 +139,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(0 <= cfg.seed <= MAX_SEED, "seed",
            f"must be an integer in [0, 2**62] (a torch generator's seed), got {cfg.seed}; try --seed 0")
     problem = None if cfg.report_dir is None else report_dir_problem(cfg.report_dir)
-    _check(problem is None, "report_dir", f"'{cfg.report_dir}' {problem}; try --report_dir autoprofile_report "
-           "in a writable folder (or --report_dir '' for no report)")
+    _check(problem is None, "report_dir", f"'{cfg.report_dir}' {problem}; try --report_dir "
+           "autoprofile_report in a writable folder (or --report_dir '' for no report)")
     _check(cfg.max_waiting_requests >= 0, "max_waiting_requests",
            f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; "
            "try --max_waiting_requests 1024")
@@ -163,8 +163,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     if serving:
         need, why = tokenizer_ids(m)
         _check(m.vocab_size >= need, "model",
-               f"{os.path.join(m.path or m.name, 'config.json')}: key 'vocab_size' ({m.vocab_size}) is below the {need} ids {why}; "
-               f"set 'vocab_size' to {need} or more")
+               f"{os.path.join(m.path or m.name, 'config.json')}: key 'vocab_size' ({m.vocab_size}) is below "
+               f"the {need} ids {why}; set 'vocab_size' to {need} or more")
     _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
            f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; "
            f"try --max_req_total_len {m.max_position_embeddings}")
@@ -197,9 +197,9 @@ def floor_flag(cfg: ServerConfig) -> str:
     """The flag whose term sets the smallest usable cache (budget.min_usable_tokens): lowering it lowers
     the floor."""
     rows = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)
+    rows_flag = "--graph_max_batch_size" if cfg.running_max_req_size is None else "--running_max_req_size"
     terms = {"--max_req_total_len": -(-cfg.context_len // cfg.page_size),
-             "--batch_max_tokens": -(-cfg.batch_max_tokens // cfg.page_size),
-             "--running_max_req_size" if cfg.running_max_req_size is not None else "--graph_max_batch_size": rows}
+             "--batch_max_tokens": -(-cfg.batch_max_tokens // cfg.page_size), rows_flag: rows}
     return max(terms, key=terms.get)
 
 

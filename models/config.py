@@ -163,9 +163,9 @@ def _check_head_dim(f: _Fields, head_dim: int) -> None:
     """RoPE rotates pairs of channels: an odd head_dim cannot be served."""
     if head_dim % 2:
         given = f.d.get("head_dim") is not None
-        f.fail("head_dim", f"({head_dim}{'' if given else ' = hidden_size / num_attention_heads'}) must be even "
-                           "(RoPE rotates pairs of channels); try 'head_dim': "
-                           f"{head_dim + 1 if head_dim > 1 else 2}")
+        derived = "" if given else " = hidden_size / num_attention_heads"
+        f.fail("head_dim", f"({head_dim}{derived}) must be even (RoPE rotates pairs of channels); "
+                           f"try 'head_dim': {head_dim + 1}")
 
 
 def _check_special_ids(f: _Fields, vocab_size: int) -> None:

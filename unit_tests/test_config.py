@@ -257,7 +257,8 @@ def test_a_value_given_to_a_switch_gets_a_suggestion_that_parses(typed, cuda_spy
 def test_a_pinned_size_below_the_floor_blames_the_flag_that_set_the_floor(argv, blamed, cuda_spy, capsys):
     assert cli.main(["serve", *argv, "--max_total_token_num", "1024"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --max_total_token_num: ") and err.rstrip().endswith(f"or lower {blamed}"), err
+    assert err.startswith("error: --max_total_token_num: "), err
+    assert err.rstrip().endswith(f"or lower {blamed}"), err
     rows = "--running_max_req_size 4000 decode rows" if "--running_max_req_size" in argv else "decode rows ("
     assert rows in err, err
 

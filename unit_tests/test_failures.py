@@ -429,16 +429,16 @@ def test_plan_imports_no_torch():
 
 
 def measured_kv_tokens() -> list[dict]:
-    """docs/measured_kv_tokens.csv: what `autoprofile profile` measured (defaults), one dated row per model and
-    card, with the command that measured it (refresh a row from a GPU run of that command)."""
+    """docs/measured_kv_tokens.csv: what `autoprofile profile` measured (defaults), one dated row per model
+    and card, with the command that measured it (refresh a row from a GPU run of that command)."""
     import csv
     with open(ROOT / "docs" / "measured_kv_tokens.csv", newline="") as f:
         return list(csv.DictReader(f))
 
 
 # plan is known to predict above these measurements; strict: the day it does not, drop the entry
-KNOWN_ABOVE = {("llama-3.1-8b", "h100"): "issue 18: plan assumes ~1.6 GiB non-torch, a spilling kernel's local "
-                                         "memory makes it 3.31 GiB (485,024 predicted vs 480,272 measured)"}
+KNOWN_ABOVE = {("llama-3.1-8b", "h100"): "issue 18: plan assumes ~1.6 GiB non-torch, a spilling kernel's "
+                                         "local memory makes it 3.31 GiB (485,024 vs 480,272 measured)"}
 
 
 @pytest.mark.parametrize("row", measured_kv_tokens(), ids=lambda r: f"{r['model']}-{r['card']}-{r['date']}")

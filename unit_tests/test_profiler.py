@@ -108,16 +108,17 @@ def _shape_error(at: str):
     return fault
 
 
-@pytest.mark.parametrize("at, stage, attempts", [("probe_prefill", "probe", 1), ("validate_decode", "validation", 2)])
-def test_an_error_that_is_not_a_memory_failure_is_reported_as_itself_with_its_traceback(gpu, caplog, at, stage,
-                                                                                        attempts):
+@pytest.mark.parametrize("at, stage, attempts", [("probe_prefill", "probe", 1),
+                                                 ("validate_decode", "validation", 2)])
+def test_an_error_that_is_not_a_memory_failure_is_reported_as_itself_with_its_traceback(
+        gpu, caplog, at, stage, attempts):
     runner, prof = make(gpu, fault=_shape_error(at))
     with pytest.raises(ProfileError) as ei:
         prof.run()
     text = str(ei.value)
     assert text.startswith(f"autoprofile: the {stage} at ") and "not a memory failure" in text, text
     assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in text
-    assert "Turn one of these knobs" not in text and "--mem_fraction" not in text and "does not fit" not in text
+    assert not any(s in text for s in ("Turn one of these knobs", "--mem_fraction", "does not fit"))
     assert len(builds(runner)) == attempts  # never retried: a smaller cache cannot fix a shape error
     assert "Traceback (most recent call last)" in caplog.text and "in fault" in caplog.text
     assert gpu.allocated == runner.weight_bytes  # still torn down

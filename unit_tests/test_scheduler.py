@@ -142,7 +142,7 @@ def test_every_stress_row_is_sampled_and_each_worst_sampler_path_samples_the_mos
         assert all(r.sample for s in steps for r in s.rows)
         most = max(len(s.rows) for s in steps)
         paths = {r.params for s in steps if len(s.rows) == most for r in s.rows}
-        assert paths == set(STRESS_PARAMS), f"{'prefill' if is_prefill else 'decode'} at {most} rows ran {paths}"
+        assert paths == set(STRESS_PARAMS), (is_prefill, most, paths)
         if not is_prefill:  # each decode row (slot) runs both paths
             for slot in range(most):
                 assert {r.params for s in steps for r in s.rows if r.slot == slot} == set(STRESS_PARAMS)

@@ -140,9 +140,10 @@ def _prefix_hits(url: str) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, hits", [([], True), (["--disable_prefix_caching"], False)])
 def test_disable_prefix_caching_reaches_the_engine(flags, hits):
-    proc, lines = _start(["unit_tests.cpu_server", "--model", "tiny", "--dtype", "float32", "--attention_backend",
-                          "torch", "--port", "0", "--max_req_total_len", "256", "--batch_max_tokens", "64",
-                          "--graph_max_batch_size", "4", "--report_dir", "", *flags])
+    proc, lines = _start(["unit_tests.cpu_server", "--model", "tiny", "--dtype", "float32",
+                          "--attention_backend", "torch", "--port", "0", "--max_req_total_len", "256",
+                          "--batch_max_tokens", "64", "--graph_max_batch_size", "4", "--report_dir", "",
+                          *flags])
     try:
         url = _url(proc, lines)
         _wait_ready(url)

@@ -16,7 +16,7 @@ from autoprofile.config import ServerConfig, validate
 from unit_tests.cpu_server import KV_TOKENS, CPUResult
 
 RELEASE_ENV = "AUTOPROFILE_TEST_RELEASE"
-FAIL_ENV = "AUTOPROFILE_TEST_BOOT_FAILS"  # set: every rank's profile gives up with this text, as a ProfileError
+FAIL_ENV = "AUTOPROFILE_TEST_BOOT_FAILS"  # set: every rank's profile gives up (ProfileError) with this text
 BOOT_WAIT_S = 120.0
 FLAGS = dict(model="tiny", tp=2, dtype="float32", attention_backend="torch", max_req_total_len=256,
              batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=8, report_dir=None)
