@@ -57,6 +57,12 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     seed: int = 0
     report_dir: str | None = "autoprofile_report"
+    # images (vision-language models)
+    visual_batch_size: int = 4
+    min_image_pixels: int = 56 * 56
+    max_image_pixels: int = 1280 * 28 * 28
+    max_images_per_request: int = 4
+    allowed_media_domains: tuple[str, ...] = ()
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -180,6 +186,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
         _check(n % cfg.page_size == 0, "max_total_token_num",
                f"{n} is not a multiple of --page_size {cfg.page_size}; "
                f"try --max_total_token_num {round_up(n, cfg.page_size)}")
+    if m.vision is not None:
+        _validate_images(cfg)
     if cfg.running_max_req_size is not None:
         _check(cfg.graph_max_batch_size <= cfg.running_max_req_size, "graph_max_batch_size",
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
@@ -231,6 +239,24 @@ def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
     return FIRST_FOLDED, "the byte-level tokenizer needs (3 specials + 256 bytes; no tokenizer.json)"
 
 
+def _validate_images(cfg: ServerConfig) -> None:
+    side = 28 * 28  # Qwen's resize keeps sides multiples of 28 pixels: one LLM token per 28 x 28
+    _check(1 <= cfg.visual_batch_size <= 64, "visual_batch_size",
+           f"must be in [1, 64], got {cfg.visual_batch_size}; try --visual_batch_size 4")
+    _check(1 <= cfg.max_images_per_request <= 64, "max_images_per_request",
+           f"must be in [1, 64], got {cfg.max_images_per_request}; try --max_images_per_request 4")
+    _check(side <= cfg.min_image_pixels, "min_image_pixels",
+           f"must be >= {side} (one 28 x 28 block), got {cfg.min_image_pixels}; try --min_image_pixels 3136")
+    _check(cfg.min_image_pixels <= cfg.max_image_pixels, "max_image_pixels",
+           f"{cfg.max_image_pixels} is below --min_image_pixels {cfg.min_image_pixels}; "
+           f"try --max_image_pixels {max(cfg.min_image_pixels, 1003520)}")
+    longest = (cfg.context_len - 2) * side  # an image's tokens plus a token of text and one of output
+    _check(cfg.max_image_pixels <= longest, "max_image_pixels",
+           f"an image of {cfg.max_image_pixels} pixels is {cfg.max_image_pixels // side} tokens, more than a "
+           f"{cfg.context_len}-token request (--max_req_total_len) holds; try --max_image_pixels "
+           f"{max(side, min(1003520, longest))}")
+
+
 # ---------------------------------------------------------------- CLI flags
 def add_flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
     """--name, plus --name-with-hyphens (the spelling vLLM and SGLang users type): one dest."""
@@ -271,6 +297,22 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
              help="requests queued beyond the running ones; past it the server answers 429")
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
+    add_flag(p, "visual_batch_size", type=int, default=d.visual_batch_size,
+             help="images the vision encoder runs in one step (vision-language models; the stress runs this many "
+                  "at --max_image_pixels)")
+    add_flag(p, "min_image_pixels", type=int, default=d.min_image_pixels,
+             help="smaller images are scaled up to this many pixels (Qwen's min_pixels; sides multiples of 28)")
+    add_flag(p, "max_image_pixels", type=int, default=d.max_image_pixels,
+             help="larger images are scaled down to this many pixels (Qwen's max_pixels): 28 x 28 pixels per token")
+    add_flag(p, "max_images_per_request", type=int, default=d.max_images_per_request,
+             help="most images in one request; more is a 400")
+    add_flag(p, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
+             help="comma-separated hosts whose http(s) image URLs the server may fetch (default: none; data: URLs "
+                  "always work)")
+
+
+def _domains(text: str) -> tuple[str, ...]:
+    return tuple(d.strip().lower() for d in text.split(",") if d.strip())
 
 
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:

@@ -4,6 +4,8 @@ Everything the profiler reads about GPU memory goes through this module, so unit
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -99,6 +101,67 @@ def release_cached(device: torch.device | int | None = None) -> None:
     """Return the caching allocator's unused blocks to the driver."""
     torch.cuda.synchronize(device_index(device))
     torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- local memory
+CU_LIMIT_STACK_SIZE = 0x00
+STACK_BOUND = 1024  # bytes per thread: the CUDA default; a serving kernel needing more spills
+
+
+@functools.cache
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def _driver(lib, name: str):
+    """A driver entry point by its exported name (the _v2 one where the header renames it)."""
+    return getattr(lib, name + "_v2", None) or getattr(lib, name)
+
+
+def stack_limit_bytes(device: torch.device | int | None = None) -> int | None:
+    """The per-thread stack limit of this process's (primary) CUDA context on `device`: cuCtxGetLimit(
+    CU_LIMIT_STACK_SIZE). The driver raises it when a kernel needs more local memory than it allows and
+    reserves limit x every resident thread for good (local_memory_bytes). None without CUDA (CPU, ROCm).
+
+    Read through the primary context pushed on this thread, so any thread (HTTP, engine) may ask."""
+    if torch.version.hip is not None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    lib = _libcuda()
+    if lib is None:
+        return None
+    dev, ctx, value = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+    if lib.cuDeviceGet(ctypes.byref(dev), device_index(device)) != 0:
+        return None
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+        return None
+    try:
+        if _driver(lib, "cuCtxPushCurrent")(ctx) != 0:
+            return None
+        try:
+            err = lib.cuCtxGetLimit(ctypes.byref(value), CU_LIMIT_STACK_SIZE)
+        finally:
+            _driver(lib, "cuCtxPopCurrent")(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        _driver(lib, "cuDevicePrimaryCtxRelease")(dev)
+    return value.value if err == 0 else None
+
+
+def local_memory_bytes(stack_limit: int, sms: int, threads_per_sm: int) -> int:
+    """What the driver holds for a stack limit: limit x every thread that can be resident (H100: 132 x 2048
+    threads, 264 MiB per KiB)."""
+    return stack_limit * sms * threads_per_sm
+
+
+def local_memory_reserved(device: torch.device | int | None = None) -> tuple[int, int] | None:
+    """(stack limit per thread, bytes the driver reserves for it) on `device`; None without CUDA."""
+    limit = stack_limit_bytes(device)
+    if limit is None:
+        return None
+    p = torch.cuda.get_device_properties(device_index(device))
+    return limit, local_memory_bytes(limit, p.multi_processor_count, p.max_threads_per_multi_processor)
 
 
 # ---------------------------------------------------------------- collective decisions

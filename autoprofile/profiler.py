@@ -103,6 +103,8 @@ class ProfileResult:
     phases: list[tuple[str, float]]
     samples: list[Sample]
     errors: list[str]
+    stack_limit: int | None = None  # per-thread CUDA stack limit after the stress (None without CUDA)
+    local_memory: int | None = None  # what the driver reserves for it (memory.local_memory_bytes)
 
     @property
     def kv_bytes(self) -> int:
@@ -430,6 +432,8 @@ class Profiler:
             "graph_pools": _graph_pool_bytes(self.rec.samples),
             "workspace_declared": self.sizing.workspace_reserved(tokens),
             "request_table": self.sizing.table_reserved(tokens),
+            "vision_weights": self.runner.vision_weight_bytes,
+            "encoder_buffer": self.runner.mm_buffer.nbytes if self.runner.mm_buffer is not None else 0,
             "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
             "canary": self.cfg.canary_bytes,
             "driver_reserve": budget.DRIVER_RESERVE,
@@ -439,9 +443,26 @@ class Profiler:
         }
         log.info("KV cache: %d tokens, %.2f GiB after %d attempt(s)%s", tokens, gib(self.runner.kv_bytes), attempts,
                  " (pinned by --max_total_token_num)" if pinned else "")
+        stack, local = local_memory_after_stress(self.device)
         return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
                              m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
-                             list(self.errors))
+                             list(self.errors), stack, local)
+
+
+def local_memory_after_stress(device) -> tuple[int | None, int | None]:
+    """The stack limit the stress left and the local memory the driver holds for it, logged; a warning past
+    memory.STACK_BOUND: a kernel that ran spills, and its reservation is lost to the KV cache."""
+    got = memory.local_memory_reserved(device)
+    if got is None:
+        return None, None
+    stack, local = got
+    log.info("local memory: per-thread stack limit %d B after the stress, %.2f GiB reserved by the driver",
+             stack, gib(local))
+    if stack > memory.STACK_BOUND:
+        log.warning("a kernel of the serving path spills: the stack limit grew to %d B (> %d B), %.2f GiB "
+                    "of local memory are reserved for the life of the process", stack, memory.STACK_BOUND,
+                    gib(local))
+    return stack, local
 
 
 def _flags(cfg: ServerConfig) -> dict:

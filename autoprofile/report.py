@@ -10,6 +10,7 @@ from autoprofile.budget import gib
 
 log = logging.getLogger(__name__)
 
+VISION_TERMS = ("vision_weights", "encoder_buffer")  # shown for vision-language models only
 ROWS = (  # (term key, label, how it was obtained)
     ("total", "GPU total", "driver"),
     ("weights", "weights", "measured"),
@@ -18,6 +19,8 @@ ROWS = (  # (term key, label, how it was obtained)
     ("graph_pools", "decode graph pools (incl. warmup)", "measured"),
     ("workspace_declared", "attention workspace (declared)", "declared"),
     ("request_table", "request table", "declared"),
+    ("vision_weights", "vision encoder weights (in weights)", "measured"),
+    ("encoder_buffer", "encoder output buffer (in non-KV peak)", "declared"),
     ("peers", "peers on this GPU", "measured"),
     ("canary", "canary (held through validation)", "config"),
     ("driver_reserve", "driver reserve (never planned)", "config"),
@@ -45,6 +48,8 @@ def to_dict(result) -> dict:
         "phases_s": dict(result.phases),
         "timeline": [asdict(s) for s in result.samples],
         "errors": result.errors,
+        "stack_limit_bytes": result.stack_limit,
+        "local_memory_bytes": result.local_memory,
     }
 
 
@@ -52,12 +57,16 @@ def format_report(result) -> str:
     lines = [f"autoprofile budget report: {result.cfg.model}, tp={result.cfg.tp}, "
              f"backend={result.cfg.attention_backend}",
              f"  {'term':<44}{'GiB':>10}  source"]
-    lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS]
+    lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS
+              if key not in VISION_TERMS or result.terms.get(key)]
     how = "pinned by --max_total_token_num" if result.pinned else (
         f"probe {result.probe_tokens} tokens, initial target {result.initial_target}")
     lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
                  f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
+    if result.stack_limit is not None:
+        lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "
+                     f"{gib(result.local_memory):.2f} GiB reserved by the driver (inside non-torch)")
     if result.errors:
         lines.append("  retried after: " + " | ".join(result.errors))
     return "\n".join(lines)

@@ -11,10 +11,16 @@ Handlers only translate HTTP to engine requests and stream tokens back; the engi
 thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
+
+Bodies are bounded in bytes before they are parsed (client_max_size: the longest token list a valid request
+carries, with margin; protocol.max_body_bytes), and one larger than PARSE_ON_LOOP_BYTES is parsed and
+validated on a worker thread. An engine loop that dies or wedges turns /health to 503 "dead", fails every
+outstanding request with a 503, and `serve` ends the process with exit code 1 (a supervisor restarts it).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -22,30 +28,39 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
+from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
-from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, parse_chat, parse_completion,
-                                          parse_generate)
+from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json, max_body_bytes,
+                                          parse_chat, parse_completion, parse_generate, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
+from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
 log = logging.getLogger(__name__)
-MAX_BODY = 64 << 20  # JSON token ids of long prompts outgrow aiohttp's 1 MiB default
+PARSE_ON_LOOP_BYTES = 64 << 10  # larger bodies are parsed and validated on a worker thread
 RETRY_AFTER_S = 1
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
+class EngineDead(RuntimeError):
+    """The engine loop died or wedged while serving: the process must end (exit 1)."""
+
+
 @dataclass
 class ServerState:
-    """Everything one app holds. phase: "starting" until the profile is validated, "ready", "draining"."""
+    """Everything one app holds. phase: "starting" until the profile is validated, "ready", "draining",
+    or "dead" (the engine loop died or wedged: `dead` says how; `died` is set)."""
 
     cfg: object
     phase: str = "starting"
@@ -53,10 +68,21 @@ class ServerState:
     tokenizer: object = None
     limits: Limits | None = None
     result: object = None
+    dead: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None)
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device)
+        self.max_body = max_body_bytes(self.cfg.context_len, self.cfg.model_config.vocab_size)
+        if self.cfg.model_config.vision is not None:  # data: URLs: base64 is 4/3 of the image's bytes
+            self.max_body += self.cfg.max_images_per_request * (MAX_IMAGE_BYTES * 4 // 3 + 1024)
+        self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
+        self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")
+        self.died = asyncio.Event()
+
+    def _device(self):
+        runner = getattr(self.engine.engine, "runner", None) if self.engine is not None else None
+        return getattr(runner, "device", None)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -87,7 +113,8 @@ async def errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = (f"the body is larger than {MAX_BODY >> 20} MiB" if e.status == 413 else
+        msg = (f"the body is larger than {request.app[STATE].max_body} bytes, more than the longest valid "
+               "request needs" if e.status == 413 else
                f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
         resp = _error_response(APIError(e.status, msg, type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
                                         code=e.reason.lower().replace(" ", "_")))
@@ -102,6 +129,8 @@ async def errors(request: web.Request, handler):
 
 
 def _engine_failure(e: EngineFailure) -> APIError:
+    if e.code == "dead":
+        return _dead()
     if e.code == "oom":
         return APIError(500, "the engine ran out of GPU memory in a step that held this request; the server is "
                         "still up: retry", type="server_error", code="engine_oom")
@@ -109,8 +138,15 @@ def _engine_failure(e: EngineFailure) -> APIError:
                     type="server_error", code="engine_error")
 
 
+def _dead() -> APIError:
+    return APIError(503, "the engine loop died; the server is going down to be restarted (see the server log)",
+                    type="service_unavailable", code="engine_dead")
+
+
 def _accepting(app: web.Application) -> ServerState:
     st = app[STATE]
+    if st.phase == "dead":
+        raise _dead()
     if st.phase == "starting":
         raise APIError(503, "the server is starting: the memory profile is not validated yet",
                        type="service_unavailable", code="starting", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -120,12 +156,19 @@ def _accepting(app: web.Application) -> ServerState:
     return st
 
 
-async def _json_body(request: web.Request):
+async def _parsed(request: web.Request, parse, *args):
+    """parse(json body, *args), bounded in bytes (client_max_size: a 413 past it); a large body is decoded
+    and validated on a worker thread so that streams keep flowing."""
     raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    work = functools.partial(_decode_and_parse, raw, parse, args)
+    if len(raw) <= PARSE_ON_LOOP_BYTES:
+        return work()
+    # NOTE: json.loads holds the GIL for its whole call (~14 ms/MiB): the byte bound is what caps that stall
+    return await asyncio.get_running_loop().run_in_executor(request.app[STATE].parser, work)
+
+
+def _decode_and_parse(raw: bytes, parse, args: tuple):
+    return parse(decode_json(raw), *args)
 
 
 def _queue_full(e: QueueFull) -> APIError:
@@ -133,14 +176,29 @@ def _queue_full(e: QueueFull) -> APIError:
                     code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
+    """Load, resize and patch a chat request's images (off the loop), then its prompt ids and engine images."""
+    cfg, mc = st.cfg, st.cfg.model_config
+    opts = ImageOptions(cfg.min_image_pixels, cfg.max_image_pixels, cfg.allowed_media_domains, MAX_IMAGE_BYTES,
+                        FETCH_TIMEOUT_S)
+    images = await load_prepared(args.images, opts, st.parser, st.http)
+    ids = encode_with_images(st.tokenizer, args.chat_text, images, mc)
+    args = with_image_ids(args, ids, st.limits)
+    args.mm = multimodal_input(ids, images, mc)
+    return args
+
+
 async def _submit(st: ServerState, args: GenerateArgs):
     stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    if args.images:
+        args = await _with_images(st, args)
     try:
-        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids)
+        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids,
+                                        mm=args.mm)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
-        param = args.prompt_param if e.field == "prompt" else e.field
+        param = args.prompt_param if e.field in ("prompt", "images") else e.field
         raise bad(param, str(e)) from None
     except EngineFailure as e:
         raise _engine_failure(e) from None
@@ -151,6 +209,8 @@ async def _submit(st: ServerState, args: GenerateArgs):
 # ---------------------------------------------------------------- endpoints
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    if st.phase == "dead":
+        return web.json_response({"status": "dead", "reason": st.dead}, status=503)
     if st.phase != "ready":
         return web.json_response({"status": st.phase}, status=503)
     return web.json_response({"status": "ok", "kv_tokens": st.result.tokens, "kv_bytes": st.result.kv_bytes,
@@ -183,7 +243,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _openai(request: web.Request, parse) -> web.StreamResponse:
     st = _accepting(request.app)
-    args = parse(await _json_body(request), st.limits, st.tokenizer)
+    args = await _parsed(request, parse, st.limits, st.tokenizer)
     handle = await _submit(st, args)
     try:
         if args.stream:
@@ -263,7 +323,12 @@ async def generate(request: web.Request) -> web.Response:
     """LightLLM parity: token ids in, token ids out, exactly max_new_tokens each (no EOS stop);
     each prompt is one engine request, admitted all together or not at all."""
     st = _accepting(request.app)
-    prompts, max_new, params = parse_generate(await _json_body(request), st.limits)
+    prompts, max_new, params = await _parsed(request, parse_generate, st.limits)
+    if len(prompts) > st.engine.capacity:
+        raise bad("input_ids", f"{len(prompts)} prompts can never be admitted together: at most "
+                  f"{st.engine.capacity} requests are outstanding ({st.engine.max_running} running + "
+                  f"{st.engine.max_waiting} waiting, --max_waiting_requests); send at most {st.engine.capacity}",
+                  code="too_many_prompts")
     if not st.engine.has_room(len(prompts)):
         raise _queue_full(QueueFull(f"{len(prompts)} prompts, {st.engine.outstanding} requests outstanding, "
                                     f"limit {st.engine.capacity}"))
@@ -293,8 +358,9 @@ async def _collect(handle) -> list[int]:
 def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     """An app in the "starting" phase; with an engine (an LLMEngine) and its ProfileResult it becomes
     ready when it starts (else call `activate` once the profile is validated)."""
-    app = web.Application(client_max_size=MAX_BODY, middlewares=[errors])
-    app[STATE] = ServerState(cfg)
+    state = ServerState(cfg)
+    app = web.Application(client_max_size=state.max_body, middlewares=[errors])
+    app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
@@ -315,19 +381,32 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg.model_config)
     names = tuple(dict.fromkeys((cfg.model, cfg.model_config.name)))
-    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size)
+    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size,
+                       cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
+    if cfg.model_config.vision is not None and cfg.allowed_media_domains:
+        st.http = aiohttp.ClientSession()
     st.result = result
     st.metrics.add_profile(result)
-    st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics)
+    st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics,
+                            on_dead=functools.partial(_on_dead, st))
     st.engine.start()
     st.phase = "ready"
     log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens, st.engine.max_running,
              st.engine.max_waiting)
 
 
+def _on_dead(st: ServerState, reason: str) -> None:
+    st.phase, st.dead = "dead", reason
+    st.died.set()
+
+
 async def _stop_engine(app: web.Application) -> None:
-    if app[STATE].engine is not None:
-        await app[STATE].engine.stop()
+    st = app[STATE]
+    if st.engine is not None:
+        await st.engine.stop()
+    st.parser.shutdown(wait=False, cancel_futures=True)
+    if st.http is not None:
+        await st.http.close()
 
 
 async def drain(app: web.Application) -> None:
@@ -356,7 +435,8 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
 # ---------------------------------------------------------------- the process
 async def serve(cfg, boot) -> int:
     """Bind first (/health says 503 "starting"), boot (load + profile) on a thread, serve until SIGTERM or
-    SIGINT, drain, exit 0. boot(cfg) -> (runner, result); ProfileError ends with its diagnostic, exit 1."""
+    SIGINT, drain, exit 0. boot(cfg) -> (runner, result); ProfileError ends with its diagnostic, exit 1.
+    An engine loop that dies or wedges raises EngineDead once the failed requests are answered."""
     from autoprofile.engine.engine import LLMEngine
     from autoprofile.profiler import ProfileError
 
@@ -403,15 +483,27 @@ async def serve(cfg, boot) -> int:
             print(str(e), file=sys.stderr)
             return EXIT_FAILED
         raise
+    st = app[STATE]
     try:
         activate(app, LLMEngine(runner, prefix_caching=not cfg.disable_prefix_caching), result)
-        await stopping
-        await drain(app)
+        died = asyncio.ensure_future(st.died.wait())
+        await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
+        if not st.died.is_set():
+            await drain(app)
     finally:
-        await site.cleanup()  # stops the engine loop (on_cleanup)
-        runner.teardown()
+        await site.cleanup()  # stops the engine loop (on_cleanup); the failed requests get their 503 first
+        if st.dead is None:
+            runner.teardown()  # NOTE: a dead loop's thread may still hold the runner: only the exit frees it
+    if st.dead is not None:
+        raise EngineDead(f"error: the engine loop died while serving: {st.dead}; exiting with code "
+                         f"{EXIT_FAILED} so that a supervisor restarts the server")
     return EXIT_OK
 
 
 def run_server(cfg, boot) -> int:
-    return asyncio.run(serve(cfg, boot))
+    try:
+        return asyncio.run(serve(cfg, boot))
+    except EngineDead as e:
+        print(str(e), file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(EXIT_FAILED)  # NOTE: a wedged engine thread may never return: no interpreter teardown

@@ -7,11 +7,48 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Architectures the engine can run; others (MoE) are known to the budget planner only.
-RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "Qwen2_5_VLForConditionalGeneration")
 
 
 def builtin_models() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file())
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A Qwen2.5-VL vision tower (HF `vision_config`): ViT over 14-px patches of 2 frames, window attention
+    except in `fullatt_block_indexes`, a 2x2 patch merger into the decoder's hidden size."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+    tokens_per_second: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one patch in pixel_values: channels x frames x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def num_params(self) -> int:
+        d, i = self.hidden_size, self.intermediate_size
+        merged = d * self.spatial_merge_size ** 2
+        block = 3 * d * d + 3 * d + d * d + d + 2 * d * i + 2 * i + i * d + d + 2 * d
+        merger = d + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        return self.patch_dim * d + self.depth * block + merger
 
 
 @dataclass(frozen=True)
@@ -41,6 +78,13 @@ class ModelConfig:
     # MLA (planner only): per-token latent cache is kv_lora_rank + qk_rope_head_dim
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    # vision-language (Qwen2.5-VL): the tower, M-RoPE sections (t, h, w) and the special token ids
+    vision: VisionConfig | None = None
+    mrope_section: tuple[int, ...] | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -86,6 +130,7 @@ class ModelConfigError(ValueError):
 
 _MISSING = object()
 ROPE_TYPES = ("default", "linear", "llama3")
+VL_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 class _Fields:
@@ -145,6 +190,8 @@ def _rope_scaling(f: _Fields) -> dict | None:
     if scaling is None:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "mrope" or (kind == "default" and "mrope_section" in scaling):  # Qwen2.5-VL: unscaled
+        return None
     if kind not in ROPE_TYPES:
         f.fail(key, f"has rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
     sub = _Fields(scaling, f"{f.source}: key '{key}'")
@@ -183,6 +230,7 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
     """Every key the runtime reads is checked here; a bad one raises ModelConfigError naming source and key."""
     if not isinstance(d, dict):
         raise ModelConfigError(f"{source}: must hold a JSON object, got {type(d).__name__}")
+    d = _with_text_config(d)
     f = _Fields(d, source)
     archs = f.get("architectures", ["LlamaForCausalLM"])
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) and a for a in archs):
@@ -226,7 +274,7 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
         rope_scaling=_rope_scaling(f),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
-        attention_bias=f.bool("attention_bias", model_type == "qwen2"),
+        attention_bias=f.bool("attention_bias", model_type in ("qwen2", "qwen2_5_vl")),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         torch_dtype=f.str("torch_dtype", None) if d.get("torch_dtype") is not None else f.str("dtype", "bfloat16"),
         num_experts=num_experts,
@@ -234,9 +282,54 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
         moe_intermediate_size=moe_inter,
         kv_lora_rank=f.int("kv_lora_rank", 0, lo=0),
         qk_rope_head_dim=f.int("qk_rope_head_dim", 0, lo=0),
+        **_vision_fields(f, heads, hidden),
         path=path,
         raw=d,
     )
+
+
+def _with_text_config(d: dict) -> dict:
+    """transformers 5.x writes a VL model's decoder keys under `text_config`: read them as top-level keys
+    (the top level wins: it holds the saved dtype and the token ids)."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        return d
+    return {**text, **{k: v for k, v in d.items() if k != "text_config"}}
+
+
+def _vision_fields(f: _Fields, heads: int, hidden: int) -> dict:
+    """ModelConfig's vision-language fields from `vision_config`, the M-RoPE sections and the token ids;
+    {} for a text-only config."""
+    if f.d.get("vision_config") is None:
+        return {}
+    vf = _Fields(f.dict("vision_config"), f"{f.source}: key 'vision_config'")
+    depth = vf.int("depth")
+    full = vf.get("fullatt_block_indexes", [])
+    if not isinstance(full, (list, tuple)) or not all(isinstance(i, int) and 0 <= i < depth for i in full):
+        vf.fail("fullatt_block_indexes", f"must be a list of block indexes in [0, {depth}), got {full!r}")
+    vrope = vf.dict("rope_parameters") or {}
+    vision = VisionConfig(
+        depth=depth, hidden_size=vf.int("hidden_size"), intermediate_size=vf.int("intermediate_size"),
+        num_heads=vf.int("num_heads"), out_hidden_size=vf.int("out_hidden_size", hidden),
+        fullatt_block_indexes=tuple(full), patch_size=vf.int("patch_size", 14),
+        temporal_patch_size=vf.int("temporal_patch_size", 2),
+        spatial_merge_size=vf.int("spatial_merge_size", 2),
+        window_size=vf.int("window_size", 112), in_channels=vf.int("in_channels", vf.int("in_chans", 3)),
+        rope_theta=float(vrope.get("rope_theta", 10000.0)), tokens_per_second=vf.int("tokens_per_second", 2))
+    if vision.hidden_size % vision.num_heads or vision.head_dim % 4:
+        vf.fail("num_heads", f"({vision.num_heads}) must split hidden_size ({vision.hidden_size}) into heads "
+                             "of a multiple of 4 (2-D rotary)")
+    if vision.out_hidden_size != hidden:
+        vf.fail("out_hidden_size", f"({vision.out_hidden_size}) must equal the decoder's hidden_size "
+                                   f"({hidden})")
+    key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
+    section = (f.dict(key) or {}).get("mrope_section")
+    head_dim = f.int("head_dim", hidden // heads)
+    if not isinstance(section, list) or len(section) != 3 or sum(section) != head_dim // 2:
+        example = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]
+        f.fail(key, f"needs 'mrope_section': 3 integers summing to head_dim / 2 ({head_dim // 2}), "
+                    f"e.g. {example}; got {section!r}")
+    return {"vision": vision, "mrope_section": tuple(section), **{k: f.int(k, lo=0) for k in VL_TOKEN_IDS}}
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:

@@ -9,17 +9,26 @@ mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their erro
     python3 scripts/bench_serving.py --request-rate 20 --num-prompts 1000 --random-input-len 512
     # start the server, wait for /health (the validated profile), run, then SIGTERM it (it must exit 0)
     python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --max-concurrency 256
-    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure
-    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 10
+    # soak: N minutes at the server's running capacity with a hostile mix; exits 1 on any failure. It samples
+    # the CUDA caching allocator (/metrics: reserved bytes, segments) every --soak-sample-seconds into the
+    # result's "memory_timeline" and plots reserved memory and segments against the profile's peak (--soak-plot)
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 20 --result-file soak.json
 
 Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
 as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
+`--dataset-name random-mm` (vLLM's random-mm) sends chat completions instead: random words and
+--random-mm-base-items-per-request random-pixel PNG images of --random-mm-image-size each, as data: URLs:
+
+    python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-base-items-per-request 2 \
+        --random-mm-image-size 1280x720 --random-input-len 256 --max-concurrency 64 --num-prompts 256
 Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import ipaddress
 import json
 import random
@@ -34,13 +43,19 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import aiohttp
+from PIL import Image
 
 MAX_PROMPTS = 1_000_000
 TOKEN_IDS = (3, 259)  # ids every tokenizer has (the byte-level tokenizer's bytes)
 SERVING_ON = re.compile(r"serving on (http://\S+?)(?:,|\s|$)")
+WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from",
+         "it", "an", "are", "this", "be", "or", "which", "one", "all", "were", "her", "there", "been", "more")
+IMAGE_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+MAX_DATASET_BYTES = 8 << 30  # the random-mm requests are built before sending: their images, base64
 
 
 # ---------------------------------------------------------------- one request
@@ -66,12 +81,29 @@ class Job:
     kind: str = "random"
     sampling: dict = field(default_factory=lambda: {"temperature": 0.0})
     disconnect_after: int | None = None  # chunks read before hanging up
+    messages: list | None = None  # a chat completion (random-mm) instead of `prompt`
+
+
+def request_body(model: str, job: Job, ignore_eos: bool) -> dict:
+    """The streamed request: a completion of token ids, or a chat completion of job.messages."""
+    prompt = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
+    return {"model": model, **prompt, "max_tokens": job.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **job.sampling}
+
+
+def chunk_text(msg: dict) -> str:
+    """A stream chunk's text: a completion's `text` or a chat completion's `delta.content`."""
+    if not msg.get("choices"):
+        return ""
+    choice = msg["choices"][0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, ignore_eos: bool,
                timeout: float) -> Result:
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, **job.sampling}
+    body = request_body(model, job, ignore_eos)
+    if job.messages is not None:  # a chat request (images) in a completions run (the soak's mix)
+        url = url.replace("/v1/completions", "/v1/chat/completions")
     r = Result(kind=job.kind, prompt_len=len(job.prompt))
     start = last = time.perf_counter()
     chunks = 0
@@ -95,7 +127,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
                     continue
                 if msg.get("usage"):
                     r.output_tokens = msg["usage"]["completion_tokens"]
-                if msg.get("choices") and msg["choices"][0].get("text"):
+                    if job.messages is not None:  # the server counts the chat prompt's tokens (images too)
+                        r.prompt_len = msg["usage"]["prompt_tokens"]
+                if chunk_text(msg):
                     now = time.perf_counter()
                     if chunks == 0:
                         r.ttft = now - start
@@ -126,6 +160,38 @@ def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng
                 dict(sampling)) for _ in range(n)]
 
 
+def random_png(width: int, height: int, rng: random.Random) -> bytes:
+    """A PNG of random pixels (stored, not compressed: random pixels do not compress)."""
+    buf = io.BytesIO()
+    pixels = rng.randbytes(width * height * 3)
+    Image.frombytes("RGB", (width, height), pixels).save(buf, "PNG", compress_level=0)
+    return buf.getvalue()
+
+
+def random_mm_jobs(n: int, input_len: int, output_len: int, range_ratio: float, num_images: int,
+                   size: tuple[int, int], rng: random.Random, sampling: dict) -> list[Job]:
+    """vLLM's random-mm dataset: each request one user message of about input_len random words and
+    num_images random-pixel PNGs of size (width, height) as data: URLs, no two images alike."""
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    def message() -> list[dict]:
+        text = " ".join(rng.choice(WORDS) for _ in range(length(input_len)))
+        images = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(random_png(*size, rng)).decode()}}
+                  for _ in range(num_images)]
+        return [{"role": "user", "content": [*images, {"type": "text", "text": text}]}]
+    return [Job([], length(output_len), "random-mm", dict(sampling), messages=message()) for _ in range(n)]
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """--random-mm-image-size WxH -> (width, height)."""
+    m = IMAGE_SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT in pixels, e.g. 1280x720, got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def sampling_fields(args: argparse.Namespace) -> dict:
     """--temperature / --top-p / --top-k as the request's fields (vLLM's benchmark flags)."""
     fields = {"temperature": args.temperature}
@@ -136,10 +202,31 @@ def sampling_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
-def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
-    """One request of the hostile mix: context-filling prompts, many short ones, top-p, disconnects."""
-    kind = rng.choices(["long", "short", "top_p", "disconnect"], weights=[0.05, 0.55, 0.25, 0.15])[0]
+SOAK_IMAGE_SIZES = ((1400, 1000), (1280, 720), (640, 480), (300, 2000), (2000, 60), (56, 56))
+SOAK_KINDS = ("long", "short", "top_p", "disconnect", "image", "image_disconnect")
+
+
+def soak_image_pool(rng: random.Random, per_size: int = 2) -> list[dict]:
+    """Image content parts for the soak (random pixels, assorted sizes and shapes; reused across requests,
+    so the same image also comes back through the prefix cache)."""
+    return [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                + base64.b64encode(random_png(w, h, rng)).decode()}}
+            for w, h in SOAK_IMAGE_SIZES for _ in range(per_size)]
+
+
+def soak_job(rng: random.Random, context_len: int, output_len: int, images: list[dict] = (),
+             max_images: int = 0) -> Job:
+    """One request of the hostile mix: context-filling prompts, many short ones, top-p, disconnects; with
+    `images`, also chat requests of 1..max_images images (some disconnecting)."""
+    weights = [0.05, 0.55, 0.25, 0.15] + ([0.3, 0.1] if images and max_images else [0, 0])
+    kind = rng.choices(SOAK_KINDS, weights=weights)[0]
     out = max(min(output_len, context_len // 4), 1)
+    if kind.startswith("image"):
+        parts = [rng.choice(images) for _ in range(rng.randint(1, max_images))]
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 64)))
+        return Job([], rng.randint(1, out), kind, {"temperature": 0.7, "top_p": 0.95},
+                   messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                   disconnect_after=rng.randint(1, 8) if kind == "image_disconnect" else None)
     ids = lambda n: [rng.randrange(*TOKEN_IDS) for _ in range(n)]  # noqa: E731
     medium = lambda: ids(rng.randint(1, max(min(1024, context_len - out - 1), 1)))  # noqa: E731
     if kind == "long":
@@ -149,6 +236,65 @@ def soak_job(rng: random.Random, context_len: int, output_len: int) -> Job:
     if kind == "top_p":
         return Job(medium(), out, kind, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": rng.randrange(1 << 31)})
     return Job(medium(), out, kind, disconnect_after=rng.randint(1, 8))
+
+
+MEMORY_GAUGES = {"reserved": "autoprofile_cuda_memory_reserved_bytes", "segments": "autoprofile_cuda_memory_segments",
+                 "kv_pages_used": "autoprofile_kv_pages_used", "running": "autoprofile_num_requests_running"}
+PEAK_GAUGE = "autoprofile_profile_peak_reserved_bytes"
+
+
+async def sample_memory(url: str, period: float, stop: asyncio.Event) -> list[dict]:
+    """Scrape the allocator gauges every `period` s until stop is set (one last sample then)."""
+    samples, t0 = [], time.monotonic()
+    while True:
+        m = await scrape(url)
+        samples.append({"t": time.monotonic() - t0, "profile_peak": m.get(PEAK_GAUGE, 0.0),
+                        **{k: m.get(name, 0.0) for k, name in MEMORY_GAUGES.items()}})
+        if stop.is_set():
+            return samples
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+
+
+def memory_summary(timeline: list[dict]) -> dict:
+    """Reserved memory and segments over the soak against the profile's peak (growth past it: fragmentation)."""
+    peak = max((s["profile_peak"] for s in timeline), default=0.0)
+    most = max((s["reserved"] for s in timeline), default=0.0)
+    return {"samples": len(timeline), "profile_peak_reserved": peak, "max_reserved": most,
+            "first_reserved": timeline[0]["reserved"] if timeline else 0.0,
+            "max_segments": max((s["segments"] for s in timeline), default=0.0),
+            "reserved_past_profile_peak": max(most - peak, 0.0) if peak else None}
+
+
+def plot_soak_memory(timeline: list[dict], path: str | Path, title: str = "") -> Path:
+    """Reserved memory (GiB) and segments over the soak, against the profile's peak (autoprofile/report.py's
+    style)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gib = lambda b: b / (1 << 30)  # noqa: E731
+    t = [s["t"] / 60 for s in timeline]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.step(t, [gib(s["reserved"]) for s in timeline], where="post", label="reserved by the server", lw=2)
+    peak = memory_summary(timeline)["profile_peak_reserved"]
+    if peak:
+        ax.axhline(gib(peak), color="grey", lw=1.2, ls="--", label="profile's reserved peak")
+    ax.set_xlabel("minutes since the soak started")
+    ax.set_ylabel("GiB")
+    seg = ax.twinx()
+    seg.step(t, [s["segments"] for s in timeline], where="post", color="C1", lw=1.2, label="allocator segments")
+    seg.set_ylabel("segments")
+    lines = ax.get_legend_handles_labels(), seg.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="lower right", fontsize=8)
+    ax.set_title(title or "autoprofile soak: reserved memory against the profile's peak")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[list[Result], float]:
@@ -335,7 +481,7 @@ async def model_name(url: str) -> str:
 # ---------------------------------------------------------------- main
 async def bench(args, url: str, health: dict) -> dict:
     model = args.model or await model_name(url)
-    endpoint = f"{url}/v1/completions"
+    endpoint = f"{url}/v1/chat/completions" if args.dataset_name == "random-mm" else f"{url}/v1/completions"
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     rng = random.Random(args.seed)
     before = await scrape(url)
@@ -343,11 +489,17 @@ async def bench(args, url: str, health: dict) -> dict:
         context = health.get("max_req_total_len", args.random_input_len + args.random_output_len)
         args.max_concurrency = args.max_concurrency or health.get("max_running_requests", 64)
         deadline = time.monotonic() + args.soak_minutes * 60
-        results, duration = await run_jobs(endpoint, model, lambda: soak_job(rng, context, args.random_output_len),
-                                           args, deadline)
+        stop = asyncio.Event()
+        pool = soak_image_pool(rng) if args.soak_images else []
+        sampler = asyncio.create_task(sample_memory(url, args.soak_sample_seconds, stop))
+        try:
+            results, duration = await run_jobs(endpoint, model, lambda: soak_job(
+                rng, context, args.random_output_len, pool, args.soak_images), args, deadline)
+        finally:
+            stop.set()
+            timeline = await sampler
     else:
-        jobs = random_jobs(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                           rng, sampling_fields(args))
+        jobs = dataset_jobs(args, rng)
         results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
     summary = summarize(results, duration, percentiles)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
@@ -369,8 +521,23 @@ async def bench(args, url: str, health: dict) -> dict:
                                   "failed": sum(r.kind == k and not r.success and not r.disconnected for r in results),
                                   "disconnected": sum(r.kind == k and r.disconnected for r in results),
                                   "lost": sum(r.kind == k and r.lost for r in results)}
-                              for k in ("long", "short", "top_p", "disconnect")}
+                              for k in SOAK_KINDS}
+        summary["memory"], summary["memory_timeline"] = memory_summary(timeline), timeline
+        plot = args.soak_plot or (args.result_file and str(Path(args.result_file).with_suffix("")) + "_memory.png")
+        if plot:
+            summary["memory_plot"] = str(plot_soak_memory(timeline, plot, f"autoprofile soak: {model}, "
+                                                          f"{args.soak_minutes:g} min at {args.max_concurrency} running"))
     return summary
+
+
+def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
+    """--num-prompts requests of --dataset-name."""
+    if args.dataset_name == "random-mm":
+        return random_mm_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_range_ratio, args.random_mm_base_items_per_request,
+                              args.random_mm_image_size, rng, sampling_fields(args))
+    return random_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
+                       args.random_range_ratio, rng, sampling_fields(args))
 
 
 def soak_verdict(s: dict) -> list[str]:
@@ -394,6 +561,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds to wait for the server's /health to be 200 (its profile)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--dataset-name", choices=("random", "random-mm"), default="random",
+                   help="random: token-id completions; random-mm: chat completions with random images")
+    p.add_argument("--random-mm-base-items-per-request", "--random-mm-num-images", type=int, default=1,
+                   help="random-mm: images per request")
+    p.add_argument("--random-mm-image-size", type=image_size, default=(512, 512),
+                   help="random-mm: WIDTHxHEIGHT of every image (vLLM: --random-mm-bucket-config)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -409,6 +582,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
     p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
     p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
+    p.add_argument("--soak-images", type=int, default=0,
+                   help="soak: also chat requests of 1..N images of assorted sizes (a vision-language model)")
+    p.add_argument("--soak-sample-seconds", type=float, default=5.0, help="soak: seconds between allocator samples")
+    p.add_argument("--soak-plot", default=None,
+                   help="soak: the PNG of reserved memory over time (default: beside --result-file, *_memory.png)")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     args = p.parse_args(argv)
@@ -422,6 +600,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--random-range-ratio must be in [0, 1)")
     if not 0 <= args.soak_minutes <= 24 * 60:
         p.error("--soak-minutes must be in [0, 1440]")
+    w, h = args.random_mm_image_size
+    if args.dataset_name == "random-mm" and not 0 <= args.random_mm_base_items_per_request <= 64:
+        p.error("--random-mm-base-items-per-request must be in [0, 64]")
+    if args.dataset_name == "random-mm" and \
+            args.num_prompts * args.random_mm_base_items_per_request * w * h * 4 > MAX_DATASET_BYTES:
+        p.error(f"--num-prompts x --random-mm-base-items-per-request x --random-mm-image-size is over "
+                f"{MAX_DATASET_BYTES >> 30} GiB of base64 images, built before sending: fewer prompts or "
+                "smaller images (e.g. --num-prompts 256 --random-mm-image-size 1280x720)")
+    if not 0.1 <= args.soak_sample_seconds <= 600:
+        p.error("--soak-sample-seconds must be in [0.1, 600], e.g. 5")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
@@ -452,7 +640,7 @@ def main(argv=None) -> int:
     title = f"Soak ({args.soak_minutes:g} min)" if args.soak_minutes else "Serving Benchmark Result"
     print(json.dumps(summary, indent=2) if args.json else format_table(summary, percentiles, title))
     if not args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind")}, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k in ("server", "by_kind", "memory")}, indent=2))
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)

@@ -314,3 +314,52 @@ def test_no_compile_for_a_new_step_shape_once_warm():
         assert rel_err(be.rms_norm(x, w, 1e-6), ref_rms_norm(x, w, 1e-6)) < BF16_TOL
     assert compiled(_rms_norm_kernel) == before, "a sealed rms_norm compiled again"
     assert be.rms_rows == {1}
+
+
+def test_partition_reduce_compiles_once_for_every_v2_shape():
+    """triton_reduce: rows, max_seq_len and the partition size follow the step; one compile serves them all
+    (max_parts and partition unspecialized), eager and captured partitions alike."""
+    from autoprofile.engine.attention.triton_reduce import _reduce_partitions_kernel
+    be = make("aiter_triton")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    counts = []
+    shapes = [(1, 131072, True), (4, 131072, False), (3, 16384, True), (8, 4096, False), (2, 40000, True),
+              (16, 9000, False)]
+    for b, max_seq_len, captured in shapes:
+        assert not use_v1(b, HQ, max_seq_len)
+        kc, vc, meta = paged(mixed_lens(b, max_seq_len, gen), max_seq_len, gen)
+        meta.captured = captured
+        q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        out = be.decode(q, kc, vc, meta)
+        i = int(meta.seq_lens.argmax())
+        want = ref_decode_one(q[i], kc, vc, meta.block_tables[i], int(meta.seq_lens[i]))
+        assert rel_err(out[i], want) < BF16_TOL
+        counts.append(compiled(_reduce_partitions_kernel))
+    assert len(set(counts)) == 1, f"the reduce compiled again for a new shape: {counts}"
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_paged_decode_v2_mha(captured, nan_empty):
+    """One query head per KV head: AITER's wo_dot partition kernel, then the same reduce (its [rows, heads,
+    partitions] scratch layout)."""
+    h, b, max_seq_len = 8, 3, 20000
+    gen = torch.Generator(device="cuda").manual_seed(h)
+    be = make("aiter_triton", hq=h, hkv=h)
+    lens = [1, 5000, 20000]
+    cols = -(-max_seq_len // PAGE)
+    tables = torch.randperm(b * cols, generator=gen, device="cuda").to(torch.int32).view(b, cols)
+    kc = torch.randn(b * cols, h, PAGE, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(b, dtype=torch.int64, device="cuda"),
+                             block_tables=tables, max_seq_len=max_seq_len,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"))
+    meta.captured = captured
+    q = torch.randn(b, h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    assert not use_v1(b, h, max_seq_len)
+    out = be.decode(q, kc, vc, meta)
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        pages = tables[i, : -(-n // PAGE)].long()
+        k = kc[pages].permute(0, 2, 1, 3).reshape(-1, h, D)[:n]
+        v = vc[pages].permute(0, 2, 1, 3).reshape(-1, h, D)[:n]
+        assert rel_err(out[i], ref_attention(q[i][None], k, v, False)[0]) < BF16_TOL, (i, n)

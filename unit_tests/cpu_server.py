@@ -2,6 +2,10 @@
 server; the profiler is skipped (it reads CUDA memory), the KV cache is built at a fixed size.
 
     python3 -m unit_tests.cpu_server --model tiny --dtype float32 --attention_backend torch --port 0 ...
+
+--inject_fault abort: the engine's abort raises (the engine loop thread dies on the first disconnect);
+--inject_fault wedge: a step never returns once a request has run 8 steps (the loop wedges), with
+--wedged_after_s S as the watchdog's limit.
 """
 from __future__ import annotations
 
@@ -39,11 +43,39 @@ def boot_cpu(cfg: ServerConfig, kv_tokens: int = KV_TOKENS):
     return runner, CPUResult(cfg, runner.built_tokens, runner.sizing.cell_bytes)
 
 
+FAULTS = ("abort", "wedge")
+
+
+def inject_fault(kind: str, wedged_after_s: float) -> None:
+    """For this process only: make the engine loop die (abort raises) or wedge (a step never returns)."""
+    import threading
+    from autoprofile.engine.engine import LLMEngine
+    from autoprofile.serving import async_engine
+    async_engine.WEDGED_AFTER_S = wedged_after_s
+    if kind == "abort":
+        def abort(self, request_id):
+            raise RuntimeError(f"injected fault: abort of {request_id}")
+        LLMEngine.abort = abort
+        return
+    real_step, never = LLMEngine.step, threading.Event()
+
+    def step(self):
+        if self.stats.steps >= 8:
+            never.wait()
+        return real_step(self)
+    LLMEngine.step = step
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     add_server_args(p)
-    cfg = config_from_args(p.parse_args(argv))
+    p.add_argument("--inject_fault", choices=FAULTS, default=None)
+    p.add_argument("--wedged_after_s", type=float, default=60.0)
+    ns = p.parse_args(argv)
+    cfg = config_from_args(ns)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.inject_fault:
+        inject_fault(ns.inject_fault, ns.wedged_after_s)
     from autoprofile.server import run_server
     return run_server(cfg, boot_cpu)
 

@@ -63,6 +63,8 @@ class FakeRunner:
     gpu: FakeGPU
     sizing: budget.Sizing
     weight_bytes: int = 16 * GiB
+    vision_weight_bytes: int = 0  # a text model
+    mm_buffer: torch.Tensor | None = None
     prefill_act: int = 3 * GiB
     decode_act: int = 1 * GiB
     graph_pool: int = 512 * MiB

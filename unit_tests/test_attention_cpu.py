@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -394,22 +393,3 @@ def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, pa
             assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, p) <= worst
     assert budget.triton_decode_partition(1, 32, 4096) == budget.TRITON_MIN_PARTITION
     assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION  # 48 divides no power of 2
-
-
-def test_decode_v2_launches_in_the_chosen_partitions_and_restores_aiters():
-    """AITER's v2 launcher reads its module's _SEQ_PARTITION_SIZE at the call: set for the call only, the
-    partition count passed along, the default back afterwards (after a failing launch too)."""
-    seen = []
-    pa = types.SimpleNamespace(_SEQ_PARTITION_SIZE=1024)
-
-    def v2(*args):
-        seen.append((pa._SEQ_PARTITION_SIZE, args[-1]))
-        if len(seen) == 2:
-            raise RuntimeError("launch failed")
-    ops = aiter_loader.AiterTriton(paged_attn_decode_v1=None, paged_attn_decode_v2=v2, seq_partition_size=1024,
-                                   pa_decode=pa, flash_attn_varlen_func=None, rms_norm=None)
-    ops.decode_v2("out", "q", partition=128, max_seq_len=4096)
-    assert seen == [(128, 32)] and pa._SEQ_PARTITION_SIZE == 1024
-    with pytest.raises(RuntimeError, match="launch failed"):
-        ops.decode_v2("out", "q", partition=512, max_seq_len=131072 + 1)
-    assert seen[1] == (512, 257) and pa._SEQ_PARTITION_SIZE == 1024

@@ -109,3 +109,65 @@ def test_sampled_requests_carry_the_flags_and_complete(booted):  # noqa: F811
     s = _run_bench(booted, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "16",
                             "--random-output-len", "8", "--temperature", "0.8", "--top-p", "0.9"])
     assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 48
+
+
+# ---------------------------------------------------------------- random-mm (vLLM's dataset)
+def mm_args(*extra: str):
+    return bench_serving.parse_args(["--dataset-name", "random-mm", "--random-mm-base-items-per-request", "2",
+                                     "--random-mm-image-size", "60x30", "--num-prompts", "3",
+                                     "--random-input-len", "10", "--random-output-len", "5", *extra])
+
+
+def test_random_mm_requests_are_chat_completions_the_server_can_read():
+    import random
+
+    from autoprofile.serving import images
+    args = mm_args("--temperature", "0.5")
+    jobs = bench_serving.dataset_jobs(args, random.Random(0))
+    assert len(jobs) == 3 and all(j.max_tokens == 5 and j.kind == "random-mm" for j in jobs)
+    hashes = set()
+    for job in jobs:
+        body = bench_serving.request_body("m", job, ignore_eos=True)
+        assert "prompt" not in body and body["stream"] and body["temperature"] == 0.5
+        assert body["max_tokens"] == 5
+        [message] = body["messages"]
+        assert message["role"] == "user"
+        parts = images.parse_content(message["content"], 0)  # what the server parses
+        pics = [p for p in parts if isinstance(p, images.ImagePart)]
+        [text] = [p.text for p in parts if isinstance(p, images.TextPart)]
+        assert len(pics) == 2 and len(text.split()) == 10
+        assert all(p.url.startswith("data:image/png;base64,") for p in pics)
+        loaded = asyncio.run(images.load_images(pics))
+        assert [im.size for im in loaded] == [(60, 30)] * 2
+        hashes |= {images.content_hash(im.tobytes()) for im in loaded}
+    assert len(hashes) == 6  # no two images alike: no prefix-cache hits between requests
+
+
+def test_random_mm_is_reproducible_from_the_seed():
+    import random
+    a = bench_serving.dataset_jobs(mm_args(), random.Random(1))
+    b = bench_serving.dataset_jobs(mm_args(), random.Random(1))
+    c = bench_serving.dataset_jobs(mm_args(), random.Random(2))
+    assert [j.messages for j in a] == [j.messages for j in b] != [j.messages for j in c]
+
+
+@pytest.mark.parametrize("argv", [["--random-mm-image-size", "0x5"], ["--random-mm-image-size", "12x"],
+                                  ["--random-mm-image-size", "axb"],
+                                  ["--random-mm-base-items-per-request", "-1"],
+                                  ["--random-mm-base-items-per-request", "65"],
+                                  ["--num-prompts", "100000", "--random-mm-image-size", "4000x3000"]])
+def test_random_mm_bounds(argv, capsys):
+    with pytest.raises(SystemExit):
+        mm_args(*argv)
+    assert "--random-mm" in capsys.readouterr().err
+
+
+def test_random_mm_without_images_runs_as_chat_against_the_server(booted):  # noqa: F811
+    """The request path (chat endpoint, delta parsing, the server's prompt count) on the text-only tiny
+    server."""
+    s = _run_bench(booted, ["--dataset-name", "random-mm", "--random-mm-base-items-per-request", "0",
+                            "--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "6",
+                            "--random-output-len", "8"])
+    assert s["completed"] == 4 and s["failed"] == 0, s["errors"]
+    assert s["total_output_tokens"] == 32 and s["mean_ttft_ms"] > 0 and s["p99_itl_ms"] > 0
+    assert s["total_input_tokens"] > 4 * 6  # the server's count of the templated chat prompt

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving.protocol import max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu
 
@@ -294,7 +295,15 @@ BAD = [  # (path, body, status, param)
     ("/generate", {"input_ids": [[4096]]}, 400, "input_ids"),
     ("/generate", {"input_ids": [1, 2]}, 400, "input_ids"),
     ("/generate", {"input_ids": [[1]], "top_k": True}, 400, "top_k"),
+    ("/v1/completions", {"prompt": [[[1, 2]]]}, 400, "prompt"),  # nested one level too deep
+    ("/v1/completions", {"prompt": "ab\ud800"}, 400, "prompt"),  # a lone surrogate
+    ("/v1/completions", {"prompt": "hi", "stop": ["\udc00"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [MSG[0], {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     400, "messages[1].content"),
+    ("/generate", {"input_ids": [[1]] * (RUNNING + 2 + 1)}, 400, "input_ids"),  # more than running + waiting
 ]
+DEEP = 100_000  # levels of nesting: past the JSON parser's recursion limit
 
 
 def test_at_least_15_distinct_4xx_cases():
@@ -306,28 +315,45 @@ def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
         out = [(await c.post(path, json=b), path) for path, b, _, _ in BAD]
         out += [(await c.post("/v1/completions", data=b"{not json"), "json"),
                 (await c.post("/v1/chat/completions", data=b"\xff\xfe"), "bytes"),
+                (await c.post("/v1/completions", data=b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"), "deep"),
+                (await c.post("/generate", data=b"[" * DEEP + b"]" * DEEP), "deep body"),
                 (await c.get("/v1/nothing"), "unknown path"),
                 (await c.get("/v1/completions"), "wrong method")]
         return [(r.status, await r.json()) for r, _ in out], await (await c.get("/metrics")).text()
     results, metrics = run(body)
-    expected = [(s, p) for _, _, s, p in BAD] + [(400, None), (400, None), (404, None), (405, None)]
+    expected = [(s, p) for _, _, s, p in BAD] + [(400, None), (400, None), (400, "prompt"), (400, None), (404, None),
+                                                 (405, None)]
     assert len(results) == len(expected)
-    for (status, data), (want_status, param), case in zip(results, expected, BAD + [None] * 4):
+    for (status, data), (want_status, param), case in zip(results, expected, BAD + [None] * 6):
         assert status == want_status, (case, data)
         err = data["error"]
         assert set(err) == {"message", "type", "param", "code"}, data
         assert err["param"] == param, (case, data)
         assert err["message"] and "Traceback" not in err["message"]
+        if case and case[1].get("prompt") == [[[1, 2]]]:
+            assert "list of token ids" in err["message"] and "got 1" not in err["message"], err
     assert 'status="500"' not in metrics
 
 
-def test_a_body_over_the_limit_is_413(run, monkeypatch):
-    monkeypatch.setattr(server, "MAX_BODY", 4096)
+@pytest.mark.parametrize("context_len,vocab", [(256, 4096), (8192, 128256), (131072, 128256), (32768, 151936)])
+def test_the_body_bound_holds_the_longest_valid_token_list_pretty_printed(context_len, vocab):
+    longest = {"model": "m", "prompt": [vocab - 1] * (context_len - 1), "max_tokens": 1, "stop": ["x" * 60] * 16}
+    assert len(json.dumps(longest, indent=2).encode()) <= max_body_bytes(context_len, vocab)
+    assert max_body_bytes(context_len, vocab) < 8 * context_len * 32 + (2 << 20)  # a bound, not a formality
 
+
+def test_a_body_past_the_bound_is_413_and_the_longest_valid_one_is_not(run):
     async def body(c, app):
-        return await post(c, "/generate", {"input_ids": [[1] * 3000]})
-    status, data = run(body)
-    assert status == 413 and data["error"]["code"] == "request_entity_too_large"
+        limit = app[server.STATE].max_body
+        longest = json.dumps(greedy([4095] * 255, n=1), indent=4) + " " * 1000
+        ok = await c.post("/v1/completions", data=longest, headers={"Content-Type": "application/json"})
+        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * limit)
+        return limit, ok.status, over.status, await over.json()
+    limit, ok, status, data = run(body)
+    assert limit == max_body_bytes(256, 4096)
+    assert ok == 200
+    assert status == 413 and data["error"]["code"] == "request_entity_too_large" and str(limit) in \
+        data["error"]["message"]
 
 
 # ---------------------------------------------------------------- backpressure, disconnects, failures
@@ -344,23 +370,47 @@ def test_past_the_waiting_bound_requests_get_429_with_retry_after(run):
     assert after == 200
 
 
-def test_a_client_that_disconnects_frees_its_pages_at_once(run, engine):
+STEP_DELAY_S = 0.025  # per engine step: 200 tokens take >= 5 s, so a request cannot end by itself in a test's wait
+ABORTED_WITHIN_S = 1.0
+
+
+@pytest.fixture
+def slow_steps(engine):
+    real_execute = engine.runner.execute
+
+    def execute(step):
+        time.sleep(STEP_DELAY_S)
+        return real_execute(step)
+    engine.runner.execute = execute
+    yield
+    del engine.runner.execute
+
+
+async def _freed(app) -> float:
+    """Seconds until the engine holds no request and no page (an assertion past ABORTED_WITHIN_S)."""
+    t0 = time.monotonic()
+    await idle(app, timeout=ABORTED_WITHIN_S)
+    return time.monotonic() - t0
+
+
+def test_a_client_that_disconnects_is_aborted_at_once(run, engine, slow_steps):
     async def body(c, app):
         eng = app[server.STATE].engine
-        r = await c.post("/v1/completions", json=greedy(n=200, stream=True))
+        r = await c.post("/v1/completions", json=greedy(n=200, stream=True, ignore_eos=True))
         await r.content.readline()  # the first chunk: the request is running and holds pages
-        held = eng.snapshot.pages_used
+        held, steps = eng.snapshot.pages_used, eng.snapshot.steps
         r.close()  # hang up mid-stream
-        await idle(app)
-        task = asyncio.ensure_future(c.post("/v1/completions", json=greedy(n=200)))
+        streamed = await _freed(app)
+        task = asyncio.ensure_future(c.post("/v1/completions", json=greedy(n=200, ignore_eos=True)))
         while not eng.snapshot.running:
             await asyncio.sleep(0.01)
         task.cancel()  # a non-streaming client that gives up
-        await idle(app)
-        return held, eng.snapshot.pages_used
-    held, after = run(body)
-    assert held > 0 and after == 0
-    assert engine.stats.pages_used == 0
+        whole = await _freed(app)
+        return held, eng.snapshot.steps - steps, streamed, whole
+    held, steps, streamed, whole = run(body)
+    assert held > 0 and engine.stats.pages_used == 0 and not engine.has_unfinished()
+    assert streamed < ABORTED_WITHIN_S and whole < ABORTED_WITHIN_S
+    assert steps < 100  # both requests together ran far fewer steps than either one alone needs (199)
 
 
 def test_an_oom_in_a_step_fails_its_requests_counts_and_serving_goes_on(run, engine):

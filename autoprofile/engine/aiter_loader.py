@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -39,22 +40,10 @@ class AiterTriton:
     """The AITER Triton entry points the backends use."""
 
     paged_attn_decode_v1: Callable
-    paged_attn_decode_v2: Callable
-    seq_partition_size: int  # tokens per partition of the v2 decode (1024)
-    pa_decode: types.ModuleType  # its v2 launcher reads _SEQ_PARTITION_SIZE when called (decode_v2)
+    seq_partition_size: int  # tokens per partition of AITER's v2 decode (1024)
+    pa_kernels: types.ModuleType  # its partition kernels, launched by aiter_triton.decode_v2 with our reduce
     flash_attn_varlen_func: Callable
     rms_norm: Callable
-
-    def decode_v2(self, *args, partition: int, max_seq_len: int) -> None:
-        """paged_attn_decode_v2 in partitions of `partition` tokens (budget.triton_decode_partition). AITER's
-        launcher passes its module's _SEQ_PARTITION_SIZE to both kernels as a constexpr, read at the call:
-        it is set for this call only (decode runs on one thread per process)."""
-        pa = self.pa_decode
-        default, pa._SEQ_PARTITION_SIZE = pa._SEQ_PARTITION_SIZE, partition
-        try:
-            self.paged_attn_decode_v2(*args, -(-max_seq_len // partition))
-        finally:
-            pa._SEQ_PARTITION_SIZE = default
 
 
 def _register_bare_package() -> None:
@@ -102,6 +91,38 @@ def load_pa_decode() -> types.ModuleType:
     return importlib.import_module("aiter.ops.triton.pa_decode")
 
 
+# aiter_triton.decode_v2 launches these two positionally, as AITER's paged_attn_decode_v2 does.
+PARTITION_KERNEL_PARAMS = {
+    "_paged_attn_decode_v2_w_dot_kernel": tuple("""
+        exp_sums_ptr max_logits_ptr logits_ptr q_ptr k_cache_ptr v_cache_ptr blk_tables_ptrs seq_lens_ptr
+        scale k_scale v_scale alibi_slopes stride_max_logits_s stride_max_logits_nh stride_max_logits_p
+        stride_logits_s stride_logits_nh stride_logits_p stride_logits_g stride_q_s stride_q_nh stride_k_b
+        stride_k_nh stride_k_kb stride_bt_s compute_type HEAD_SZ HEAD_SZ_POW2 QUERY_GRP_SZ QUERY_GRP_SZ_POW2
+        KV_BLK_SZ KV_BLK_SZ_POW2 SEQ_PARTITION_SZ
+    """.split()),
+    "_paged_attn_decode_v2_wo_dot_kernel": tuple("""
+        exp_sums_ptr max_logits_ptr logits_ptr q_ptr k_cache_ptr v_cache_ptr blk_tables_ptr seq_lens_ptr
+        scale k_scale v_scale alibi_slopes stride_exp_s stride_exp_h stride_logits_s stride_logits_h
+        stride_logits_p stride_q_s stride_q_h stride_k_b stride_k_nh stride_k_kb stride_bt_s stride_bt_nb
+        compute_type KV_BLK_SZ KV_BLK_SZ_POW2 HEAD_SZ HEAD_SZ_POW2 QUERY_GRP_SZ SEQ_PARTITION_SZ
+        MAX_NUM_BLKS_PER_SEQ MAX_SEQ_LEN_POW2
+    """.split()),
+}
+
+
+def load_pa_kernels() -> types.ModuleType:
+    """AITER's paged decode kernels (imports without a GPU), their partition kernels' parameters checked."""
+    triton_ops_package()
+    module = importlib.import_module("aiter.ops.triton._triton_kernels.pa_decode")
+    for name, expected in PARTITION_KERNEL_PARAMS.items():
+        got = tuple(inspect.signature(getattr(module, name).fn).parameters)  # .fn: JIT and interpreted alike
+        if got != expected:
+            raise RuntimeError(f"AITER's Triton kernel {name} takes {got}, autoprofile launches it with "
+                               f"{expected}: this amd-aiter is not the one autoprofile pins (pip install "
+                               f"amd-aiter=={PINNED_AITER}), or run --attention_backend torch")
+    return module
+
+
 # NOTE: Triton compiles a kernel once per specialization of its integer arguments (== 1, divisible by 16).
 # These follow a step's shape (tokens, longest request, requests), so a step of a new class compiled while
 # serving: an H100 server's first traffic stalled ~5 s on one _attn_fwd compile (p99 TTFT 5.8 s, against
@@ -143,9 +164,8 @@ def load_aiter_triton() -> AiterTriton:
         unspecialize(getattr(importlib.import_module(module), kernel), names)
     return AiterTriton(
         paged_attn_decode_v1=pa.paged_attn_decode_v1,
-        paged_attn_decode_v2=pa.paged_attn_decode_v2,
         seq_partition_size=pa._SEQ_PARTITION_SIZE,
-        pa_decode=pa,
+        pa_kernels=load_pa_kernels(),
         flash_attn_varlen_func=mha.flash_attn_varlen_func,
         rms_norm=rmsnorm.rms_norm,
     )

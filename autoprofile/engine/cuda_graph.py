@@ -12,7 +12,7 @@ reads its first ceil(bucket/page) columns. The build is the same in the probe an
 probe captures (and measures) every graph serving replays, and replaying one allocates nothing.
 Logits are captured too; sampling runs outside the graph.
 
-Inputs: a step's rows come as one host tensor [b, 4] (token id, position, request slot, 1), copied into the
+Inputs: a step's rows come as one host tensor [b, 5] (token id, position, request slot, 1, rope delta), copied into the
 static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and block
 tables, from the request table: ReqTable.decode_metadata, which eager decode uses too), so a replay is two or three
 launches. Padding rows carry 0 in the last column: they write to PAD_PAGE and read one token of it.
@@ -40,16 +40,19 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Ten
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
-    def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int):
-        """req_table: the runner's; every replay reads its page table (drop the graphs before it)."""
+    def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int, rope_delta: bool = False):
+        """req_table: the runner's; every replay reads its page table (drop the graphs before it).
+        rope_delta: the model's rope positions are position + the rows' delta column (M-RoPE models)."""
         device, pages_per_req, page_size = req_table.page_table.device, req_table.pages_per_req, req_table.page_size
         self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
         self.buckets = decode_buckets(max_seq_len)
         self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}
         self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
         self.req_table = req_table
-        self.inputs = torch.zeros(max_bs, 4, dtype=torch.int64, device=device)  # id, position, slot, real row
+        # id, position, slot, real row, rope delta (M-RoPE: a VL request's later tokens sit at position + delta)
+        self.inputs = torch.zeros(max_bs, 5, dtype=torch.int64, device=device)
         self.input_ids, self.positions = self.inputs[:, 0], self.inputs[:, 1]
+        self.rope_positions = torch.zeros(max_bs, dtype=torch.int64, device=device) if rope_delta else self.positions
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
@@ -84,7 +87,7 @@ class DecodeGraphs:
         capture_stream(torch.cuda.current_device())
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
-            args = (self.input_ids[:bs], self.positions[:bs], self.meta(bs, bucket))
+            args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             self._derive(bs, bucket)
             warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
             self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
@@ -114,9 +117,11 @@ class DecodeGraphs:
         self.block_tables[:bs, :cols].copy_(tables)
         self.slot_mapping[:bs].copy_(slot_mapping)
         self.seq_lens[:bs].copy_(seq_lens)
+        if self.rope_positions is not self.positions:
+            torch.add(self.positions[:bs], self.inputs[:bs, 4], out=self.rope_positions[:bs])
 
     def replay(self, rows: torch.Tensor, longest: int) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step for rows [b, 4] int64 (token id, position, request slot, 1;
+        """Logits [b, vocab] of one decode step for rows [b, 5] int64 (token id, position, request slot, 1, rope delta;
         pinned host memory: one non-blocking copy), b <= max_bs, whose longest seq_len is `longest`."""
         b = rows.shape[0]
         bs, bucket = self.pick(b, longest)
@@ -132,7 +137,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
         self.graphs.clear()
         self.logits = self.pool = None
-        self.inputs = self.input_ids = self.positions = self.req_table = None
+        self.inputs = self.input_ids = self.positions = self.rope_positions = self.req_table = None
         self.slot_mapping = self.block_tables = self.seq_lens = None
         release_cublas_workspaces()
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import Scheduler
@@ -53,7 +54,8 @@ class LLMEngine:
         self._steps = self._failed_steps = self._ooms = 0
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
-                    stop_token_ids: Iterable[int] = (), request_id: str | None = None) -> str:
+                    stop_token_ids: Iterable[int] = (), request_id: str | None = None,
+                    mm: MultiModalInput | None = None) -> str:
         """Queue a request; returns its id. Raises RequestError naming the field ("prompt", "max_tokens",
         "request_id") when it can never be served: empty prompt, ids outside the vocabulary,
         prompt + max_tokens > --max_req_total_len, or more pages than the whole cache holds."""
@@ -76,7 +78,9 @@ class LLMEngine:
             raise RequestError("request_id", f"'{request_id}' is already in use")
         arrival = next(self._arrivals)
         request_id = request_id if request_id is not None else f"req-{arrival}"
-        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival)
+        if mm is not None:
+            self._check_images(mm, len(prompt))
+        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival, mm=mm)
         pages = math.ceil(req.max_len / self.envelope.page_size)
         if pages > self.scheduler.allocator.capacity:
             capacity = self.scheduler.allocator.capacity * self.envelope.page_size
@@ -85,6 +89,24 @@ class LLMEngine:
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _check_images(self, mm: MultiModalInput, prompt_len: int) -> None:
+        """Images inside the envelope (what the encoder's stress ran), each inside the prompt, in order."""
+        env = self.envelope
+        if not env.encoder_images:
+            raise RequestError("images", "this model takes no images (it has no vision encoder)")
+        if len(mm.images) > env.images_per_request:
+            raise RequestError("images", f"{len(mm.images)} images, at most {env.images_per_request} per request "
+                                         f"(--max_images_per_request)")
+        end = 0
+        for im in mm.images:
+            if im.num_tokens > env.image_tokens or window_count(*im.grid[1:]) > window_count(*env.image_grid[1:]):
+                raise RequestError("images", f"an image of {im.num_tokens} tokens ({im.grid[1]} x {im.grid[2]} "
+                                             f"patches) is larger than the encoder's stress ran "
+                                             f"({env.image_tokens} tokens; --max_image_pixels)")
+            if im.offset < end or im.end > prompt_len:
+                raise RequestError("images", "image tokens must lie inside the prompt, in order, without overlap")
+            end = im.end
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request now (its pages and slot are freed before this returns);

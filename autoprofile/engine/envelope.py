@@ -15,6 +15,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from autoprofile.engine.multimodal import MERGE, worst_image_grid
+
 
 class EnvelopeError(RuntimeError):
     """A step outside the validated envelope: a bug in whoever built the step, never run."""
@@ -39,9 +41,39 @@ class StepShape:
     max_req_total_len: int = 0  # longest request after this step's sampled token
     running_reqs: int = 0  # request slots in use
     pages: int = 0  # KV pages in use
+    encoder_images: int = 0  # images the vision encoder runs in this step
+    encoder_patches: int = 0  # their patches
+    mm_tokens: int = 0  # image tokens of this prefill step (embeddings read from the encoder buffer)
+    images_per_request: int = 0  # most images of one request in the step
+    image_tokens_per_request: int = 0  # most image tokens of one request in the step
 
 
 STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
+
+
+@dataclass(frozen=True)
+class VisionLimits:
+    """The flags that bound the vision encoder: --visual_batch_size, --max_image_pixels,
+    --max_images_per_request (each image at most max_pixels pixels, sides multiples of 28)."""
+
+    visual_batch_size: int
+    min_pixels: int
+    max_pixels: int
+    max_images_per_request: int
+
+    @property
+    def worst_grid(self) -> tuple[int, int, int]:
+        return worst_image_grid(self.min_pixels, self.max_pixels)
+
+    def limits(self, prefill_rows: int, prefill_tokens: int) -> dict[str, int]:
+        t, h, w = self.worst_grid
+        image_tokens = t * h * w // (MERGE * MERGE)
+        # a step encodes at most one image per row (the scheduler's rule), each with a token in its chunk
+        images = min(self.visual_batch_size, prefill_rows, prefill_tokens)
+        return dict(encoder_images=images, encoder_patches=images * t * h * w,
+                    mm_tokens=min(prefill_tokens, images * image_tokens),
+                    images_per_request=self.max_images_per_request,
+                    image_tokens_per_request=self.max_images_per_request * image_tokens)
 
 
 @dataclass(frozen=True)
@@ -57,11 +89,17 @@ class Envelope:
     prefill_kv_tokens: int
     max_prefix_len: int
     sampled_rows: int
+    encoder_images: int = 0  # 0: a text model (no encoder)
+    encoder_patches: int = 0
+    mm_tokens: int = 0
+    images_per_request: int = 0
+    image_tokens_per_request: int = 0
 
     @classmethod
     def build(cls, *, kv_pages: int, page_size: int, context_len: int, batch_max_tokens: int,
-              running_max_req_size: int | None, graph_max_batch_size: int, use_graphs: bool) -> Envelope:
-        """kv_pages: pages of the built cache, the pad page included."""
+              running_max_req_size: int | None, graph_max_batch_size: int, use_graphs: bool,
+              vision: VisionLimits | None = None) -> Envelope:
+        """kv_pages: pages of the built cache, the pad page included. vision: the encoder's limits (VL models)."""
         reqs = running_reqs(running_max_req_size, graph_max_batch_size)
         # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
         longest_kv = context_len - 1
@@ -80,7 +118,19 @@ class Envelope:
             prefill_kv_tokens=max(longest_kv, prefill_tokens),
             max_prefix_len=longest_kv - 1,
             sampled_rows=max(reqs, prefill_rows),
+            **(vision.limits(prefill_rows, prefill_tokens) if vision else {}),
         )
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens of the largest image: the encoder buffer holds encoder_images of them."""
+        return self.encoder_patches // max(self.encoder_images, 1) // (MERGE * MERGE)
+
+    @property
+    def image_grid(self) -> tuple[int, int, int]:
+        """The largest image's grid (the most patches, then the most windows): what the stress encodes."""
+        side = 28 * 28
+        return worst_image_grid(self.image_tokens * side, self.image_tokens * side)
 
     def limits(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

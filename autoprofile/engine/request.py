@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from autoprofile.engine.multimodal import MultiModalInput, image_key_tokens
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 
 
@@ -40,6 +41,7 @@ class Request:
     generator: object | None = None  # a seeded request's own torch.Generator, made on its first sample
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
+    mm: MultiModalInput | None = None  # images (a vision-language model's request)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +63,11 @@ class Request:
         if end <= n:
             return self.prompt_ids[start:end]
         return (self.prompt_ids[start:] if start < n else []) + self.output_ids[max(start - n, 0):end - n]
+
+    def key(self, start: int, end: int) -> tuple:
+        """The prefix-cache key of tokens [start, end): the ids, with image tokens keyed by their image."""
+        ids = self.tokens(start, end)
+        return image_key_tokens(ids, start, self.mm.images) if self.mm is not None else tuple(ids)
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -18,14 +19,15 @@ from autoprofile.config import ServerConfig
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
-from autoprofile.engine.envelope import Envelope, StepShape
+from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KVCache, ReqTable
 from autoprofile.engine.parallel import TP
 from autoprofile.engine import stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
+from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.weights import load_weights
-from models.llama import LlamaForCausalLM
+from models import model_class
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,13 @@ class ModelRunner:
         self.backend_cls = get_backend_class(cfg.attention_backend)
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device)
+        self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(mc, self.backend, self.tp, self.dtype, cfg.context_len)
+            self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
         load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
+        visual = getattr(self.model, "visual", None)
+        self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
         self.use_graphs = self.device.type == "cuda" and not cfg.disable_cudagraph
         self.buckets = budget.decode_buckets(cfg.context_len)  # max_seq_len of decode steps (eager and graphs)
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
@@ -59,6 +64,7 @@ class ModelRunner:
         self.envelope: Envelope | None = None
         self.req_table: ReqTable | None = None
         self.graphs: DecodeGraphs | None = None
+        self.mm_buffer: torch.Tensor | None = None  # [encoder_images, image_tokens, hidden]: images awaiting prefill
         self.built_tokens: int | None = None
         self.step_log: list[StepShape] | None = None  # tests: set to a list to record every step's shape
 
@@ -67,7 +73,14 @@ class ModelRunner:
         cfg = self.cfg
         return Envelope.build(kv_pages=kv_pages, page_size=cfg.page_size, context_len=cfg.context_len,
                               batch_max_tokens=cfg.batch_max_tokens, running_max_req_size=cfg.running_max_req_size,
-                              graph_max_batch_size=cfg.graph_max_batch_size, use_graphs=self.use_graphs)
+                              graph_max_batch_size=cfg.graph_max_batch_size, use_graphs=self.use_graphs,
+                              vision=self.vision_limits)
+
+    @property
+    def vision_limits(self) -> VisionLimits | None:
+        cfg = self.cfg
+        return VisionLimits(cfg.visual_batch_size, cfg.min_image_pixels, cfg.max_image_pixels,
+                            cfg.max_images_per_request) if self.is_vl else None
 
     @property
     def sizing(self) -> budget.Sizing:
@@ -110,9 +123,12 @@ class ModelRunner:
                               self.kv_dtype, self.device)
             self.envelope = env
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
+            if env.encoder_images:
+                self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size, dtype=self.dtype,
+                                             device=self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size))
             if env.graph_rows:
-                self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len)
+                self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len, rope_delta=self.is_vl)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
             self.backend.seal()
@@ -130,7 +146,7 @@ class ModelRunner:
             self.graphs.teardown()
         self.graphs = None
         self.backend.teardown()
-        self.req_table = self.kv = self.envelope = None
+        self.req_table = self.kv = self.envelope = self.mm_buffer = None
         self.built_tokens = None
         if self.device.type == "cuda":
             release_cublas_workspaces()
@@ -151,6 +167,8 @@ class ModelRunner:
         # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.req_table.write(step.page_writes)
+            if step.encode:
+                self._encode(step.encode)
             logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
             rows = [r for r in step.rows if r.sample]
             if not rows:
@@ -192,9 +210,49 @@ class ModelRunner:
             meta.kv_slots = self._slot_of(kv_rows, kv_pos)
             meta.cu_seqlens_k = torch.tensor([0, *kv_lens]).cumsum(0).to(torch.int32).to(dev)
             meta.max_seqlen_k = max(kv_lens)
-        hidden = self.model(ids, positions, meta, self.kv.layers)
+        if self.is_vl:
+            rope = torch.cat([self._mrope(r) for r in rows], dim=1).to(dev)
+            hidden = self.model(ids, rope, meta, self.kv.layers, *self._image_embeds(rows, lens))
+        else:
+            hidden = self.model(ids, positions, meta, self.kv.layers)
         last = (cu[1:] - 1)[torch.tensor([r.sample for r in rows])]
         return self.model.compute_logits(hidden[last.to(dev)])
+
+    # ------------------------------------------------------------ images
+    def _encode(self, encode: list[tuple[int, ImageInput]]) -> None:
+        """Run the vision encoder on a step's new images (one call) into their encoder buffer slots. Stress
+        images carry no pixels: random patches of their grid (the encoder's memory follows the shape)."""
+        dev, vis = self.device, self.model_config.vision
+        pixels = [im.pixel_values if im.pixel_values is not None else
+                  torch.randn(im.patches, vis.patch_dim, device=dev) for _, im in encode]
+        pixel_values = torch.cat([p.to(dev, non_blocking=True) for p in pixels]).to(self.dtype)
+        grid = torch.tensor([im.grid for _, im in encode], dtype=torch.int64)
+        embeds = self.model.visual(pixel_values, grid)
+        for (slot, im), part in zip(encode, embeds.split([im.num_tokens for _, im in encode])):
+            self.mm_buffer[slot, :im.num_tokens].copy_(part)
+
+    def _image_embeds(self, rows: list[StepRow], lens: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's image-token embeddings (from the encoder buffer) and the mask of their places."""
+        spans = [(base + at, slot, first, n) for r, base in zip(rows, [0, *itertools.accumulate(lens)])
+                 for at, slot, first, n in r.spans]
+        if not spans:
+            return None, None
+        mask = torch.zeros(sum(lens), dtype=torch.bool)
+        for at, _, _, n in spans:
+            mask[at:at + n] = True
+        embeds = torch.cat([self.mm_buffer[slot, first:first + n] for _, slot, first, n in spans])
+        return embeds, mask.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _mrope(row: StepRow) -> torch.Tensor:
+        """M-RoPE positions [3, n] of a row's tokens: the prompt's own (its images' 3-D places), then p + delta."""
+        start, end = row.start, row.start + len(row.ids)
+        mm = row.mm
+        known = mm.positions.shape[1] if mm is not None and mm.positions is not None else start
+        delta = mm.delta if mm is not None else 0
+        head = mm.positions[:, start:min(end, known)] if start < known else torch.empty(3, 0, dtype=torch.int64)
+        tail = torch.arange(min(max(start, known), end), end).add(delta).expand(3, -1)
+        return torch.cat([head, tail], dim=1)
 
     def _slot_of(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ps = self.cfg.page_size
@@ -208,21 +266,26 @@ class ModelRunner:
         longest = max(r.start for r in rows) + 1
         bucket = budget.decode_bucket(self.buckets, longest)
         # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs)
-        host = torch.tensor([[r.ids[0], r.start, r.slot, 1] for r in rows], dtype=torch.int64,
-                            pin_memory=dev.type == "cuda")
+        host = torch.tensor([[r.ids[0], r.start, r.slot, 1, r.mm.delta if r.mm is not None else 0] for r in rows],
+                            dtype=torch.int64, pin_memory=dev.type == "cuda")
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest)
-        ids, pos, slots, _ = host.to(dev, non_blocking=True).unbind(1)
+        ids, pos, slots, _, delta = host.to(dev, non_blocking=True).unbind(1)
         tables, slot_mapping, seq_lens = self.req_table.decode_metadata(
             pos, slots, math.ceil(bucket / self.cfg.page_size))
         meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
                                  seq_lens=seq_lens, max_seq_len=bucket)
-        return self._decode_logits(ids, pos, meta)
+        return self._decode_logits(ids, pos + delta if self.is_vl else pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners
     def stress_prefill(self) -> list[StepShape]:
         """The prefill corners (autoprofile.engine.stress), executed as serving executes steps."""
-        return self._stress(True, stress.prefill_corners(self.envelope))
+        shapes = self._stress(True, stress.prefill_corners(self.envelope))
+        if self.envelope.encoder_images:
+            step = stress.image_corner_step(self.envelope, self.kv.num_pages - 1, self.model_config.vocab_size,
+                                            self.cfg.seed)
+            shapes.append(self._run_corner(step))
+        return shapes
 
     def stress_decode(self) -> list[StepShape]:
         """The decode corners (autoprofile.engine.stress), executed as serving executes steps."""
@@ -234,10 +297,15 @@ class ModelRunner:
         for i, rows in enumerate(corners):
             step = stress.corner_step(self.envelope, is_prefill, rows, self.kv.num_pages - 1,
                                       self.model_config.vocab_size, self.cfg.seed + i)
-            self.execute(step)
-            self._sync()
-            shapes.append(step.shape(self.envelope.graph_rows))
+            if self.envelope.encoder_images and not is_prefill:
+                stress.with_images(self.envelope, step, self.cfg.seed + i)
+            shapes.append(self._run_corner(step))
         return shapes
+
+    def _run_corner(self, step: Step) -> StepShape:
+        self.execute(step)
+        self._sync()
+        return step.shape(self.envelope.graph_rows)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.kv_cache import PageAllocator
+from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.request import Request, RequestStatus
 from autoprofile.engine.sampling import SamplingParams
 
@@ -34,6 +35,9 @@ class StepRow:
     sample: bool  # its last position's logits are sampled (the request's tokens are all computed)
     params: SamplingParams
     request: Request | None = None  # None in the stresses
+    mm: MultiModalInput | None = None  # the request's images (M-RoPE positions, rope delta)
+    # image tokens of this row: (index in ids, encoder buffer slot, first token in the image, count)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -43,18 +47,35 @@ class Step:
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first column, pages)
     running: int = 0  # request slots in use during the step
     pages_used: int = 0
+    encode: list[tuple[int, ImageInput]] = field(default_factory=list)  # (encoder buffer slot, image), run first
 
     def shape(self, graph_rows: int) -> StepShape:
         """graph_rows: the runner's graph limit (a decode step of at most that many rows replays a graph)."""
         rows = self.rows
         common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running, pages=self.pages_used,
                       max_req_total_len=max((r.start + len(r.ids) + 1 for r in rows), default=0))
+        images = [r.mm.images for r in rows if r.mm is not None]
+        common.update(images_per_request=max(map(len, images), default=0),
+                      image_tokens_per_request=max((sum(im.num_tokens for im in ims) for ims in images), default=0))
         if not self.is_prefill:
             return StepShape(decode_rows=len(rows), graph_rows=len(rows) if len(rows) <= graph_rows else 0,
                              **common)
         return StepShape(prefill_tokens=sum(len(r.ids) for r in rows), prefill_rows=len(rows),
                          prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
-                         max_prefix_len=max((r.start for r in rows), default=0), **common)
+                         max_prefix_len=max((r.start for r in rows), default=0),
+                         encoder_images=len(self.encode), encoder_patches=sum(im.patches for _, im in self.encode),
+                         mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
+
+
+def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int, int, int]]:
+    """The image tokens of a chunk [start, start + n) of a request whose images are all resident:
+    (index in the chunk, encoder buffer slot, first token in the image, count) per image."""
+    spans = []
+    for i in mm.overlapping(start, start + n):
+        im = mm.images[i]
+        a, b = max(start, im.offset), min(start + n, im.end)
+        spans.append((a - start, mm.slots[i], a - im.offset, b - a))
+    return spans
 
 
 class Scheduler:
@@ -67,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: preemption takes from the tail
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # tokens whose K/V admission found in the prefix cache
+        self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
         self._last_was_prefill = False
 
     # ------------------------------------------------------------ queue
@@ -120,7 +142,12 @@ class Scheduler:
             hit, chain = self._cached_prefix(req) if admit else ([], 0)
             start = len(hit) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
+            encode = []
+            if req.mm is not None:
+                n, encode = self._fit_images(req.mm, start, n, step)
             if n < 1:
+                if req.mm is not None:
+                    continue  # its next image waits for the encoder: later requests may still fit
                 break
             held = hit if admit else req.pages
             need = math.ceil((start + n) / ps) - len(held)
@@ -133,8 +160,14 @@ class Scheduler:
             if admit:
                 self._admit(req, hit, chain, step)
             self._grow(req, need, step)
-            step.rows.append(StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
-                                     req.params, req))
+            row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
+                          req.params, req, req.mm)
+            if req.mm is not None:
+                for i in encode:
+                    req.mm.slots[i] = self.free_mm_slots.pop()
+                    step.encode.append((req.mm.slots[i], req.mm.images[i]))
+                row.spans = image_spans(req.mm, start, n)
+            step.rows.append(row)
             tokens_left -= n
             kv_left -= start + n
         return step if step.rows else None
@@ -148,8 +181,26 @@ class Scheduler:
             if need and need > self.allocator.num_free and not self._make_room(need, req):
                 continue
             self._grow(req, need, step)
-            step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True, req.params, req))
+            step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True, req.params, req,
+                                     req.mm))
         return step if step.rows else None
+
+    def _fit_images(self, mm: MultiModalInput, start: int, n: int, step: Step) -> tuple[int, list[int]]:
+        """Shorten a chunk [start, start + n) to end before the first of its images that is neither in the
+        encoder buffer nor can be encoded in this step (one new image per row, a free slot, the step's
+        encoder images and patches); return the tokens left and the images to encode."""
+        env, encode = self.env, []
+        images, patches = len(step.encode), sum(im.patches for _, im in step.encode)
+        for i in mm.overlapping(start, start + n):
+            im = mm.images[i]
+            if i in mm.slots:
+                continue
+            if (encode or not self.free_mm_slots or images + 1 > env.encoder_images
+                    or patches + im.patches > env.encoder_patches):  # one new image per row and step
+                return max(im.offset - start, 0), encode
+            encode.append(i)
+            images, patches = images + 1, patches + im.patches
+        return n, encode
 
     # ------------------------------------------------------------ pages, prefix cache, preemption
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
@@ -157,7 +208,7 @@ class Scheduler:
         pages, chain, ps = [], 0, self.env.page_size
         if self.prefix_caching:
             for i in range((req.num_tokens - 1) // ps):
-                found = self.allocator.lookup(chain, tuple(req.tokens(i * ps, (i + 1) * ps)))
+                found = self.allocator.lookup(chain, req.key(i * ps, (i + 1) * ps))
                 if found is None:
                     break
                 pages.append(found[0])
@@ -180,7 +231,7 @@ class Scheduler:
         ps = self.env.page_size
         while self.prefix_caching and req.cached_pages < req.num_computed // ps:
             i = req.cached_pages
-            req.chain = self.allocator.register(req.pages[i], req.chain, tuple(req.tokens(i * ps, (i + 1) * ps)))
+            req.chain = self.allocator.register(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps))
             req.cached_pages += 1
 
     def _grow(self, req: Request, n: int, step: Step) -> None:
@@ -209,7 +260,18 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.allocator.free(req.pages)  # cached pages stay cached until alloc needs them
         self.free_slots.append(req.slot)
+        self._free_images(req, done_before=None)
         req.pages, req.slot, req.cached_pages, req.chain = [], None, 0, 0
+
+    def _free_images(self, req: Request, done_before: int | None) -> None:
+        """Give back the encoder buffer slots of req's images whose tokens all lie before `done_before`
+        (None: every image, the request leaves)."""
+        if req.mm is None:
+            return
+        for i, slot in list(req.mm.slots.items()):
+            if done_before is None or req.mm.images[i].end <= done_before:
+                del req.mm.slots[i]
+                self.free_mm_slots.append(slot)
 
     # ------------------------------------------------------------ after the step ran
     def update(self, step: Step, sampled: list[int]) -> list[Request]:
@@ -223,6 +285,7 @@ class Scheduler:
                 continue  # aborted after the step was built
             req.num_computed = row.start + len(row.ids)
             self._register(req)
+            self._free_images(req, done_before=req.num_computed)
             if token is None:
                 continue
             req.output_ids.append(token)

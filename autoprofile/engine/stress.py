@@ -16,6 +16,10 @@ row count (AITER Triton's v2 partials: rows x heads x ceil(max_seq_len/1024); it
 <= 8192, allocates none), so the eager corner at the most rows and the largest bucket holds the most
 any eager decode step holds. Graphs allocate nothing at replay: every (batch, bucket) graph is captured
 at build, in the probe and the target alike, into one pool that the probe measures.
+Image corners (vision-language models): one prefill step that encodes the most images (encoder_images)
+at the grid with the most patches and then the most window padding (multimodal.worst_image_grid) and
+reads the most image tokens (mm_tokens) from the encoder buffer, each row a request carrying the most
+images; every decode corner's rows carry images too (the M-RoPE decode path, rope delta included).
 Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
 needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
 """
@@ -25,8 +29,9 @@ import math
 import random
 
 from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.sampling import STRESS_PARAMS
-from autoprofile.engine.scheduler import Step, StepRow
+from autoprofile.engine.scheduler import Step, StepRow, image_spans
 
 DECODE_STEPS = 2
 Rows = list[tuple[int, int]]  # (start, new tokens) per row
@@ -83,4 +88,37 @@ def corner_step(env: Envelope, is_prefill: bool, rows: Rows, usable_pages: int, 
         step.rows.append(StepRow(slot, start, [rng.randrange(vocab_size) for _ in range(n)], True, params))
     step.running = len({r.slot for r in step.rows})
     step.pages_used = len({p for _, _, pages in step.page_writes for p in pages})
+    return step
+
+
+# ---------------------------------------------------------------- images
+def stress_images(env: Envelope, count: int, seed: int) -> MultiModalInput:
+    """A fake request's images: `count` images of the envelope's largest grid, back to back from token 0
+    (pixel_values None: the runner encodes random patches of that grid)."""
+    tokens = env.image_tokens
+    return MultiModalInput([ImageInput(None, env.image_grid, i * tokens, hash((seed, i))) for i in range(count)],
+                           positions=None, delta=0)
+
+
+def image_corner_rows(env: Envelope) -> Rows:
+    """One row per encoded image, its chunk inside its first image, the chunks together mm_tokens long."""
+    k = env.encoder_images
+    share, extra = divmod(env.mm_tokens, k)
+    return [(0, share + (i < extra)) for i in range(k)]
+
+
+def image_corner_step(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> Step:
+    step = corner_step(env, True, image_corner_rows(env), usable_pages, vocab_size, seed)
+    for slot, row in enumerate(step.rows):
+        row.mm = stress_images(env, env.images_per_request, seed)
+        row.mm.slots[0] = slot
+        step.encode.append((slot, row.mm.images[0]))
+        row.spans = image_spans(row.mm, row.start, len(row.ids))
+    return step
+
+
+def with_images(env: Envelope, step: Step, seed: int) -> Step:
+    """A decode corner whose rows carry images (their tokens all computed: nothing to encode)."""
+    for row in step.rows:
+        row.mm = stress_images(env, env.images_per_request, seed)
     return step

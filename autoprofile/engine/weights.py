@@ -13,7 +13,8 @@ from tqdm import tqdm
 log = logging.getLogger(__name__)
 
 INIT_STD = 0.02
-IGNORED = ("rotary_emb.inv_freq",)  # buffers some HF checkpoints carry; we compute them
+IGNORED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")  # buffers in some HF checkpoints; computed
+NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 when random
 
 
 def load_weights(model: nn.Module, checkpoint_files: list[Path], seed: int,
@@ -33,14 +34,20 @@ def init_random(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
         return
     gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
     for name, p in params:
-        if name.endswith("norm.weight"):
+        if name.endswith(NORM_WEIGHTS):
             p.fill_(1.0)
         else:
             p.normal_(0.0, std, generator=gen)
 
 
-def checkpoint_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int]:
-    """HF tensor name -> (our parameter name, part): q/k/v_proj -> qkv_proj parts 0/1/2, etc."""
+def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],
+                      renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, int]:
+    """HF tensor name -> (our parameter name, part): a leading prefix renamed (`model.language_model.` ->
+    `model.`), then q/k/v_proj -> qkv_proj parts 0/1/2, etc."""
+    for prefix, ours in renames:
+        if name.startswith(prefix):
+            name = ours + name[len(prefix):]
+            break
     for hf, (ours, part) in packed.items():
         if f".{hf}." in name:
             return name.replace(f".{hf}.", f".{ours}."), part
@@ -54,6 +61,7 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
     Every parameter part must be found once; a missing one is an error naming it."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
+    renames = getattr(model, "checkpoint_renames", ())
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     seen: Counter[str] = Counter()
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress):
@@ -61,7 +69,7 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
             for name in f.keys():
                 if name.endswith(IGNORED) or (tied and name == "lm_head.weight"):
                     continue
-                target, part = checkpoint_target(name, packed)
+                target, part = checkpoint_target(name, packed, renames)
                 param = params.get(target)
                 if param is None:
                     log.warning("checkpoint tensor %s has no parameter in the model; skipped", name)

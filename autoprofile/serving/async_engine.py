@@ -12,6 +12,12 @@ A step that raises (torch.OutOfMemoryError included) ends its requests with fini
 inside the engine, which counts it (EngineStats.ooms, .failed_steps); those requests fail here with
 EngineFailure ("oom" or "internal": HTTP 500 without internal text) and the loop goes on. An error
 that escapes step() itself fails every request the engine holds, counted the same way.
+
+Anything else that ends the loop thread (an exception outside a step, e.g. while applying an abort: the
+engine's state is then unknown) makes the engine dead, and so does a wedged loop: work outstanding and no
+loop iteration for `wedged_after_s` (a watchdog on the event loop). Dead: every outstanding request fails
+with EngineFailure("dead") (HTTP 503), submit() refuses, and `on_dead(reason)` tells the server, which
+ends the process with a non-zero exit so that a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch
 from autoprofile.engine.request import RequestError, RequestOutput
 
 log = logging.getLogger(__name__)
+WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead
 
 
 class QueueFull(Exception):
@@ -36,7 +43,8 @@ class QueueFull(Exception):
 
 
 class EngineFailure(Exception):
-    """The engine failed this request (code: "oom" or "internal"); the server stays up."""
+    """The engine failed this request (code: "oom" or "internal": the server stays up; "dead": the engine
+    loop ended or wedged, the server is going down)."""
 
     def __init__(self, code: str):
         self.code = code
@@ -84,6 +92,7 @@ class RequestHandle:
     def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int):
         self.owner, self.request_id, self.prompt_tokens = owner, request_id, prompt_tokens
         self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.added: asyncio.Future | None = None  # settled once the engine thread has taken it
         self.timing = Timing()
         self.finished = False
 
@@ -107,11 +116,18 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine, max_running: int, max_waiting: int, metrics=None):
+    def __init__(self, engine, max_running: int, max_waiting: int, metrics=None, on_dead=None,
+                 wedged_after_s: float | None = None):
         """metrics: .first_token(timing) and .request_finished(timing, completion_tokens, finish_reason),
-        called on the event loop (ServerMetrics)."""
+        called on the event loop (ServerMetrics). on_dead(reason): called once on the event loop when the
+        loop thread dies or wedges (default wedged_after_s: WEDGED_AFTER_S)."""
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
         self.metrics = metrics or _NoMetrics()
+        self.on_dead = on_dead
+        self.wedged_after_s = WEDGED_AFTER_S if wedged_after_s is None else wedged_after_s
+        self.dead: str | None = None
+        self._beat: float | None = time.monotonic()  # the loop thread's last iteration; None: idle, blocked
+        self._watchdog: asyncio.Task | None = None
         self.snapshot = Snapshot()
         self.handles: dict[str, RequestHandle] = {}  # event-loop side only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -127,15 +143,43 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._publish()
+        self._beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        self._watchdog = asyncio.ensure_future(self._watch())
 
     async def stop(self) -> None:
-        """Stop the loop thread (requests still held are failed first)."""
-        if self._thread is not None:
+        """Stop the loop thread (requests still held are failed first); a dead one is left alone (a wedged
+        thread never returns: only the process exit ends it)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._thread is not None and self.dead is None:
             self._inbox.put(_STOP)
             await asyncio.to_thread(self._thread.join)
-            self._thread = None
+        self._thread = None
+
+    async def _watch(self) -> None:
+        period = min(1.0, self.wedged_after_s / 4)
+        while self.dead is None:
+            await asyncio.sleep(period)
+            if not self._thread.is_alive():
+                self._died("the engine loop thread ended")
+            elif self.handles and (beat := self._beat) is not None and time.monotonic() - beat > self.wedged_after_s:
+                self._died(f"the engine loop made no progress for {self.wedged_after_s:g} s with "
+                           f"{len(self.handles)} requests outstanding (wedged)")
+
+    def _died(self, reason: str) -> None:
+        """The loop thread is gone or wedged: fail every outstanding request (503) and tell the server."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        log.error("engine loop dead: %s; failing %d requests", reason, len(self.handles))
+        for handle in self.handles.values():
+            settle(handle.added, EngineFailure("dead"))
+        self._fail(list(self.handles), "dead")
+        if self.on_dead is not None:
+            self.on_dead(reason)
 
     @property
     def capacity(self) -> int:
@@ -149,16 +193,19 @@ class AsyncEngine:
         return self.outstanding + n <= self.capacity
 
     async def submit(self, prompt_ids: Sequence[int], params, max_tokens: int,
-                     stop_token_ids: Sequence[int] = ()) -> RequestHandle:
-        """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it."""
+                     stop_token_ids: Sequence[int] = (), mm=None) -> RequestHandle:
+        """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it,
+        EngineFailure("dead") once the loop is dead."""
+        if self.dead is not None:
+            raise EngineFailure("dead")
         if not self.has_room():
             raise QueueFull(f"{self.outstanding} requests outstanding: {self.max_running} running + "
                             f"{self.max_waiting} waiting (--max_waiting_requests) is the limit")
         handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids))
         self.handles[handle.request_id] = handle
         self._idle.clear()
-        added = self._loop.create_future()
-        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids)),
+        added = handle.added = self._loop.create_future()
+        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm),
                          added))
         try:
             await added
@@ -220,11 +267,23 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine-thread side
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as e:  # noqa: BLE001 - the engine's state is unknown: the server must go down
+            log.critical("the engine loop thread died", exc_info=True)
+            self._post(self._died, f"the engine loop thread died: {type(e).__name__}: {e}")
+
+    def _loop_forever(self) -> None:
         device = getattr(getattr(self.engine, "runner", None), "device", None)
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)  # NOTE: the current device is per thread
-        while True:
-            cmd = self._inbox.get() if not self.engine.has_unfinished() else self._next_nowait()
+        while self.dead is None:
+            if self.engine.has_unfinished():
+                cmd = self._next_nowait()
+            else:
+                self._beat = None  # blocked for input: not wedged
+                cmd = self._inbox.get()
+            self._beat = time.monotonic()
             while cmd is not None:
                 if cmd is _STOP:
                     self._abort_live("internal")
@@ -247,9 +306,9 @@ class AsyncEngine:
                 self._live.discard(cmd[1])
                 self.engine.abort(cmd[1])
             return
-        _, rid, (prompt, params, max_tokens, stop_ids), added = cmd
+        _, rid, (prompt, params, max_tokens, stop_ids, mm), added = cmd
         try:
-            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid)
+            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid, mm=mm)
         except RequestError as e:
             self._post(settle, added, e)
             return

@@ -1,17 +1,24 @@
 """Prometheus metrics of one app: its own CollectorRegistry (two servers in a process never share one).
 
 Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting, preemptions, KV
-pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time.
+pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time, and so is the CUDA caching
+allocator (reserved bytes and segments, against the validated profile's reserved bytes: fragmentation shows as
+reserved memory growing past it; 0 on a CPU).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+import torch
+
 from autoprofile.serving.async_engine import Snapshot, Timing
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0)
@@ -43,10 +50,66 @@ class EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+def allocator_reading(device: torch.device | None) -> tuple[int, int]:
+    """(reserved bytes, segments) of the CUDA caching allocator on device; (0, 0) without CUDA in use."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return torch.cuda.memory_reserved(device), stats.get("segment.all.current", 0)
+
+
+def profile_reserved(result) -> int:
+    """The validated profile's reserved bytes (read after its last stress: the caching allocator keeps its
+    peak); 0 without a profile (the CPU test server, --max_total_token_num without terms)."""
+    return (getattr(result, "terms", None) or {}).get("reserved_after", 0)
+
+
+class AllocatorCollector:
+    """The caching allocator, read at scrape time."""
+
+    def __init__(self, device: Callable[[], torch.device | None], profile_peak: Callable[[], int]):
+        self.device, self.profile_peak = device, profile_peak
+
+    def collect(self):
+        reserved, segments = allocator_reading(self.device())
+        for name, doc, value in (
+                ("autoprofile_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved now", reserved),
+                ("autoprofile_cuda_memory_segments", "caching-allocator segments now (segment.all.current)",
+                 segments),
+                ("autoprofile_profile_peak_reserved_bytes", "reserved bytes of the validated profile after its "
+                 "last stress (serving should stay at or below it)", self.profile_peak())):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+class LocalMemoryCollector:
+    """The CUDA stack limit now (read at scrape) and after the profile's stress: serving must never grow it
+    (a kernel the stress never ran that spills; the driver keeps its reservation for good)."""
+
+    def __init__(self, profiled: int):
+        self.profiled, self.warned = profiled, False
+
+    def collect(self):
+        from autoprofile import memory
+
+        now = memory.stack_limit_bytes()
+        if now is not None and now > self.profiled and not self.warned:
+            self.warned = True
+            log.warning("the CUDA stack limit grew while serving: %d B/thread, %d B after the profile's "
+                        "stress", now, self.profiled)
+        if now is not None:
+            yield GaugeMetricFamily("autoprofile_cuda_stack_limit_bytes", "per-thread CUDA stack limit "
+                                    "now (local memory; must not grow while serving)", value=now)
+        yield GaugeMetricFamily("autoprofile_cuda_stack_limit_profiled_bytes",
+                                "per-thread CUDA stack limit after the profile's stress", value=self.profiled)
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+    def __init__(self, snapshot: Callable[[], Snapshot | None],
+                 device: Callable[[], torch.device | None] = lambda: None):
         reg = self.registry = CollectorRegistry()
+        self.profile_peak = 0
         reg.register(EngineCollector(snapshot))
+        reg.register(AllocatorCollector(device, lambda: self.profile_peak))
         self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("autoprofile_time_per_output_token_seconds",
@@ -64,12 +127,15 @@ class ServerMetrics:
     def add_profile(self, result) -> None:
         """KV size and startup phase durations of the validated profile."""
         reg = self.registry
+        self.profile_peak = profile_reserved(result)
         Gauge("autoprofile_kv_cache_tokens", "KV cache size in tokens", registry=reg).set(result.tokens)
         Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)", registry=reg).set(result.kv_bytes)
         phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase", ["phase"],
                        registry=reg)
         for name, seconds in result.phases:
             phases.labels(phase=name).set(seconds)
+        if getattr(result, "stack_limit", None) is not None:
+            reg.register(LocalMemoryCollector(result.stack_limit))
 
     def first_token(self, timing: Timing) -> None:
         self.ttft.observe(timing.first - timing.submitted)

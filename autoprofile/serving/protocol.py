@@ -2,7 +2,10 @@
 and the response / stream-chunk bodies."""
 from __future__ import annotations
 
+import json
 import math
+import re
+import reprlib
 import time
 import uuid
 from collections.abc import Callable
@@ -11,6 +14,12 @@ from dataclasses import dataclass, field
 INT64 = 1 << 63
 MAX_STOP = 16  # stop strings per request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Body bytes: the longest token list a valid request carries, each id with ", ", times a margin (whitespace,
+# pretty-printing, a text prompt's JSON escapes), plus room for every other field.
+BODY_MARGIN = 4
+BODY_OVERHEAD = 1 << 20
+_DEEP = re.compile(rb"(?:[\[{]\s*){64}")
+_KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.){1,64})"\s*:\s*$')
 
 
 class APIError(Exception):
@@ -38,14 +47,62 @@ def _is_num(v) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 8, 4, 60, 60
+    return r
+
+
+_SHOW = _short_repr()
+
+
+def show(value) -> str:
+    """A short repr for an error message, bounded in depth and length whatever the value's size."""
+    return _SHOW.repr(value)
+
+
 def _get(body: dict, key: str, default, ok: Callable[[object], bool], rule: str):
     """body[key] (null -> default) if ok(value), else a 400 naming key."""
     value = body.get(key)
     if value is None:
         return default
     if not ok(value):
-        raise bad(key, f"'{key}' {rule}, got {value!r:.80}")
+        raise bad(key, f"'{key}' {rule}, got {show(value)}")
     return value
+
+
+def text(value: str, param: str) -> str:
+    """value if it is encodable Unicode; a lone surrogate ("\\ud800" in JSON) is a 400 naming param."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"'{param}' holds a lone surrogate {show(value[e.start:e.end])} at character {e.start}: "
+                  "send valid Unicode text (a surrogate pair, or the character itself)") from None
+    return value
+
+
+def max_body_bytes(context_len: int, vocab_size: int, prompts: int = 1) -> int:
+    """The largest body a valid request can need: `prompts` token lists of context_len ids, with margin."""
+    per_id = len(str(vocab_size - 1)) + 2
+    return prompts * context_len * per_id * BODY_MARGIN + BODY_OVERHEAD
+
+
+def decode_json(raw: bytes):
+    """The parsed body, or a 400: not JSON, not UTF-8, or nested deeper than the parser goes (naming the
+    key that holds the nesting when one does)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise bad(_deep_key(raw), "the body nests arrays or objects deeper than the JSON parser allows "
+                  "(a prompt is a string or a flat list of token ids)", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def _deep_key(raw: bytes) -> str | None:
+    deep = _DEEP.search(raw)
+    key = deep and _KEY_BEFORE.search(raw[max(deep.start() - 200, 0):deep.start()])
+    return key.group(1).decode("utf-8", "replace") if key else None
 
 
 @dataclass(frozen=True)
@@ -55,6 +112,7 @@ class Limits:
     model_names: tuple[str, ...]  # the first is the served name
     context_len: int
     vocab_size: int
+    max_images: int = 0  # images per request (--max_images_per_request); 0: the model takes no images
 
 
 @dataclass
@@ -75,6 +133,11 @@ class GenerateArgs:
     model: str = ""
     prompt_param: str = "prompt"
     extra: dict = field(default_factory=dict)
+    # a chat request with images: its ids, max_tokens and engine images are made once the images are loaded
+    images: list = field(default_factory=list)  # serving.images.ImagePart, in order
+    chat_text: str | None = None  # the rendered template, an IMAGE_MARK per image
+    max_tokens_body: dict | None = None  # {key: value} of the request's max_tokens / max_completion_tokens
+    mm: object = None  # engine.multimodal.MultiModalInput
 
 
 # ---------------------------------------------------------------- request bodies
@@ -83,7 +146,7 @@ def _common(body: object, limits: Limits) -> dict:
         raise bad(None, "the body must be a JSON object", code="invalid_json")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad("model", f"'model' must be a string, got {model!r:.80}")
+        raise bad("model", f"'model' must be a string, got {show(model)}")
     if model is not None and model not in limits.model_names:
         raise APIError(404, f"the model '{model:.200}' does not exist; this server serves '{limits.model_names[0]}' "
                        "(GET /v1/models)", param="model", code="model_not_found")
@@ -104,7 +167,8 @@ def _common(body: object, limits: Limits) -> dict:
     stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)), "must be a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", f"'stop' must hold at most {MAX_STOP} non-empty strings, got {stop!r:.120}")
+        raise bad("stop", f"'stop' must hold at most {MAX_STOP} non-empty strings, got {show(stop)}")
+    stop = [text(s, "stop") for s in stop]
     seed = _get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer")
     return dict(
         temperature=float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and v >= 0,
@@ -147,17 +211,17 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     if body.get("suffix"):
         raise bad("suffix", "'suffix' is not supported", code="unsupported_value")
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}", code="unsupported_value")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}", code="unsupported_value")
     if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        ids = tokenizer.encode(text(prompt, "prompt"), add_special_tokens=True)
     elif _token_ids(prompt, limits.vocab_size):
         ids = prompt
     else:
         raise bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids in "
-                  f"[0, {limits.vocab_size}), got {prompt!r:.80}")
+                  f"[0, {limits.vocab_size}) (or a list holding one of those), got {show(prompt)}")
     if not ids:
         raise bad("prompt", "the prompt encodes to no tokens")
     n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
@@ -167,14 +231,21 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def _message(i: int, m) -> dict:
+def _message(i: int, m, limits: Limits, images: list) -> dict:
+    """One message for the chat template; a vision model's image parts become IMAGE_MARK and go to `images`."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
     if m.get("role") not in ROLES:
-        raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {m.get('role')!r:.40}")
+        raise bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
     content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
+    if isinstance(content, list) and limits.max_images:
+        from autoprofile.serving.images import ImagePart, parse_content
+        from autoprofile.serving.vision import IMAGE_MARK
+        parts = parse_content(content, i)
+        images += [p for p in parts if isinstance(p, ImagePart)]
+        content = "".join(IMAGE_MARK if isinstance(p, ImagePart) else p.text for p in parts)
+    elif isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
             raise bad(f"{where}.content", f"'{where}.content' parts must be text parts "
@@ -183,7 +254,7 @@ def _message(i: int, m) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
-    return {"role": m["role"], "content": content}
+    return {"role": m["role"], "content": text(content, f"{where}.content")}
 
 
 def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
@@ -201,16 +272,31 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    images = []
     try:
-        text = tokenizer.apply_chat_template([_message(i, m) for i, m in enumerate(messages)])
+        text = tokenizer.apply_chat_template([_message(i, m, limits, images) for i, m in enumerate(messages)])
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if images:
+        if len(images) > limits.max_images:
+            raise bad("messages", f"the request has {len(images)} images; this server takes at most "
+                      f"{limits.max_images} per request (--max_images_per_request)")
+        _get(body, key, None, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
+        return GenerateArgs(prompt_ids=[], max_tokens=0, chat=True, prompt_param="messages", images=images,
+                            chat_text=text, max_tokens_body={key: body.get(key)}, **args)
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds BOS (as transformers does)
     if not ids:
         raise bad("messages", "the messages encode to no tokens")
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     n = _max_tokens(body, key, len(ids), limits, None, "messages")
     return GenerateArgs(prompt_ids=ids, max_tokens=n, chat=True, prompt_param="messages", **args)
+
+
+def with_image_ids(args: GenerateArgs, ids: list[int], limits: Limits) -> GenerateArgs:
+    """A chat request with images, its prompt ids made: max_tokens against the request limit."""
+    (key, value), = args.max_tokens_body.items()
+    args.prompt_ids, args.max_tokens = ids, _max_tokens({key: value}, key, len(ids), limits, None, "messages")
+    return args
 
 
 def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, dict]:

@@ -1,9 +1,10 @@
 """AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill, paged decode, RMSNorm.
 
-The decode calls paged_attn_decode_v1/v2 directly with float scales: AITER's wrapper
+The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
 the wrapper's own rule, from static values only (batch, heads, max_seq_len), so a captured graph
-replays the same kernels.
+replays the same kernels. The v2 path (decode_v2) launches AITER's partition kernel and our reduce
+(triton_reduce): AITER's reduce spills (DESIGN.md, "Local memory is memory").
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
+from autoprofile.engine.attention import triton_reduce
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -37,6 +39,40 @@ def prefill_config() -> dict:
 def use_v1(num_seqs: int, num_q_heads: int, max_seq_len: int, partition: int = SEQ_PARTITION) -> bool:
     """AITER's rule (budget.triton_decode_uses_v1: plan needs it without torch)."""
     return budget.triton_decode_uses_v1(num_seqs, num_q_heads, max_seq_len, partition)
+
+
+def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, compute_type,
+              num_kv_heads: int, scale: float, partition: int) -> None:
+    """AITER's v2 partition kernel (module `pa`: aiter.ops.triton._triton_kernels.pa_decode) in partitions of
+    `partition` tokens, then triton_reduce. Allocates what AITER's paged_attn_decode_v2 allocates
+    (budget.triton_decode_scratch_bytes), in its layout; k/v scales 1.0, no ALiBi."""
+    import triton
+
+    rows, q_heads, head_dim = q.shape
+    group = q_heads // num_kv_heads
+    parts = -(-max_seq_len // partition)
+    page = k_cache.shape[2]
+    shape = (rows, num_kv_heads, parts, group) if group > 1 else (rows, q_heads, parts)
+    max_logits = torch.empty(shape, dtype=torch.float32, device=q.device)
+    exp_sums = torch.empty(shape, dtype=torch.float32, device=q.device)
+    partials = torch.empty((*shape, head_dim), dtype=out.dtype, device=q.device)
+    common = dict(compute_type=compute_type, HEAD_SZ=head_dim, HEAD_SZ_POW2=triton.next_power_of_2(head_dim),
+                  QUERY_GRP_SZ=group, KV_BLK_SZ=page, KV_BLK_SZ_POW2=triton.next_power_of_2(page),
+                  SEQ_PARTITION_SZ=partition)
+    if group > 1:
+        pa._paged_attn_decode_v2_w_dot_kernel[(rows, num_kv_heads, parts)](
+            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0,
+            None, *exp_sums.stride()[:3], *partials.stride()[:4], *q.stride()[:2], *k_cache.stride()[:3],
+            block_tables.stride(0),
+            QUERY_GRP_SZ_POW2=max(16, triton.next_power_of_2(group)), **common)  # tl.dot needs >= 16 rows
+    else:
+        pa._paged_attn_decode_v2_wo_dot_kernel[(q_heads, rows, parts)](
+            exp_sums, max_logits, partials, q, k_cache, v_cache, block_tables, seq_lens, scale, 1.0, 1.0,
+            None, *exp_sums.stride()[:2], *partials.stride()[:3], *q.stride()[:2], *k_cache.stride()[:3],
+            *block_tables.stride()[:2],
+            MAX_NUM_BLKS_PER_SEQ=block_tables.shape[1], MAX_SEQ_LEN_POW2=max_seq_len, **common)
+    triton_reduce.reduce_partitions(out, exp_sums, max_logits, partials, seq_lens, partition)
 
 
 class AiterTritonBackend(AttentionBackend):
@@ -105,7 +141,8 @@ class AiterTritonBackend(AttentionBackend):
             self.ops.paged_attn_decode_v1(*args)
         else:
             partition = self.decode_partition(q.shape[0], meta.max_seq_len) if meta.captured else SEQ_PARTITION
-            self.ops.decode_v2(*args, partition=partition, max_seq_len=meta.max_seq_len)
+            decode_v2(self.ops.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                      meta.max_seq_len, self.compute_type, self.num_kv_heads, self.scale, partition)
         return out
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:

@@ -1,0 +1,158 @@
+"""GPU: local memory is part of the envelope. A kernel that needs more than memory.STACK_BOUND bytes of local
+memory per thread (spills) makes the driver raise the context's stack limit and reserve limit x every resident
+thread for the life of the process (2.5-4.5 GiB on an H100 with AITER's v2 reduce).
+
+Each check runs in a fresh process (a fresh CUDA context, stack limit at its 1 KiB default): a profile of
+a small model whose attention has the served models' decode shapes (32/8 heads of 128, llama-3.1's
+context), then every Triton kernel compiled in that process (the serving set) is read: its local memory
+from the driver (cuFuncGetAttribute LOCAL_SIZE_BYTES, which Triton reports as n_spills x 4) and its stack
+frame from Triton's bundled cuobjdump -res-usage on its cubin."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoprofile import memory
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_MODEL = {  # the served models' attention (GQA 32/8, head_dim 128, 131072 context), 2 small layers
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 4096, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+KERNELS = r'''
+import ctypes, json, os, re, subprocess, sys, tempfile
+import triton
+from triton.runtime.jit import JITFunction
+
+def cuobjdump_stack(kernel) -> int | None:
+    """Stack or local bytes per thread, cuobjdump -res-usage on the kernel's cubin (None if absent)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = kernel.asm.get("cubin") if hasattr(kernel, "asm") else None
+    if cubin is None or not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    sizes = [int(n) for n in re.findall(r"(?:STACK|LOCAL):(\d+)", out)]
+    return max(sizes) if sizes else None
+
+def local_size(function) -> int:
+    lib = ctypes.CDLL("libcuda.so.1")
+    v = ctypes.c_int()
+    assert lib.cuFuncGetAttribute(ctypes.byref(v), 3, ctypes.c_void_p(function)) == 0  # LOCAL_SIZE_BYTES
+    return v.value
+
+def compiled_kernels() -> list[dict]:
+    seen, rows = set(), []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(("autoprofile", "aiter")) or mod is None:
+            continue
+        for attr in list(vars(mod).values()):
+            if not isinstance(attr, JITFunction) or id(attr) in seen:
+                continue
+            seen.add(id(attr))
+            for cache in attr.device_caches.values():
+                for kernel in cache[0].values():
+                    kernel._init_handles()
+                    rows.append({"kernel": attr.__name__, "n_regs": kernel.n_regs,
+                                 "n_spills": kernel.n_spills, "local": local_size(kernel.function),
+                                 "stack": cuobjdump_stack(kernel)})
+    return rows
+'''
+
+PROFILE = KERNELS + r'''
+import logging
+import torch
+from autoprofile import memory
+from autoprofile.config import ServerConfig, validate
+from autoprofile.profiler import profile
+logging.basicConfig(level=logging.INFO)
+torch.cuda.init()
+torch.empty(1, device="cuda")
+before = memory.stack_limit_bytes()
+cfg = validate(ServerConfig(model=sys.argv[1], attention_backend="aiter_triton", max_req_total_len=131072,
+                            batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None))
+result = profile(cfg)
+print("RESULT " + json.dumps({
+    "before": before, "after": memory.stack_limit_bytes(), "profiled": result.stack_limit,
+    "local_memory": result.local_memory, "tokens": result.tokens,
+    "non_torch": result.terms["cuda_context_non_torch"], "kernels": compiled_kernels()}))
+'''
+
+AITER_REDUCE = KERNELS + r'''
+import math
+import torch
+from autoprofile import memory
+from autoprofile.engine.aiter_loader import load_aiter_triton
+import triton.language as tl
+ops = load_aiter_triton()
+import aiter.ops.triton.pa_decode as pa
+torch.empty(1, device="cuda")
+before = memory.stack_limit_bytes()
+rows, hq, hkv, d, page, L = 1, 32, 8, 128, 16, 131072
+q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+kc = torch.randn(L // page, hkv, page, d, device="cuda", dtype=torch.bfloat16)
+tables = torch.arange(L // page, device="cuda", dtype=torch.int32)[None]
+seq_lens = torch.tensor([L], device="cuda", dtype=torch.int32)
+out = torch.empty_like(q)
+pa._SEQ_PARTITION_SIZE = 512  # 256 partitions: the largest specialization the backend captured
+pa.paged_attn_decode_v2(out, q, kc, kc, tables, seq_lens, L, tl.bfloat16, hkv, 1 / math.sqrt(d), None,
+                        1.0, 1.0, L // 512)
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_bytes(),
+                              "kernels": compiled_kernels()}))
+'''
+
+
+def run_fresh(code: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-4000:] + out.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def spilling(kernels: list[dict]) -> list[dict]:
+    return [k for k in kernels if k["local"] > memory.STACK_BOUND or (k["stack"] or 0) > memory.STACK_BOUND]
+
+
+def test_the_check_sees_aiters_spilling_reduce():
+    """The measurement itself: AITER's own v2 reduce at 256 partitions of head_dim 128 needs more than 1 KiB
+    per thread and grows the stack limit (what issue 18 measured); if this stops failing the kernel moved."""
+    got = run_fresh(AITER_REDUCE)
+    assert got["before"] == memory.STACK_BOUND
+    bad = {k["kernel"] for k in spilling(got["kernels"])}
+    assert "_paged_attn_decode_v2_w_dot_reduce_kernel" in bad, got["kernels"]
+    assert got["after"] > memory.STACK_BOUND
+
+
+def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path):
+    """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a
+    small model with the served attention shapes: no compiled kernel needs more than 1 KiB of local memory
+    per thread, the stack limit stays at 1 KiB, and the profile recorded it."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMALL_MODEL))
+    got = run_fresh(PROFILE, str(folder))
+    names = {k["kernel"] for k in got["kernels"]}
+    print(json.dumps({k: v for k, v in got.items() if k != "kernels"}))
+    for k in sorted(got["kernels"], key=lambda k: -k["local"]):
+        print(k)
+    assert "_reduce_partitions_kernel" in names and "_paged_attn_decode_v2_w_dot_kernel" in names, names
+    assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
+    assert spilling(got["kernels"]) == []
+    assert got["before"] == memory.STACK_BOUND
+    assert got["after"] <= memory.STACK_BOUND and got["profiled"] == got["after"], got

@@ -1,0 +1,170 @@
+"""Images through the HTTP server on the tiny Qwen2.5-VL (CPU, torch backend, the real engine): OpenAI image
+content parts with data: URLs, allow-listed http URLs from a local server, every bad image a 400 naming its
+field while the server serves on, the image's tokens in the usage, the same image hitting the prefix cache."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from PIL import Image
+
+from autoprofile import server
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving.images import smart_resize
+from unit_tests.cpu_server import boot_cpu
+
+SIDE = 28 * 28
+FLAGS = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_req_total_len=512, batch_max_tokens=48,
+             graph_max_batch_size=4, running_max_req_size=4, report_dir=None, visual_batch_size=2,
+             max_images_per_request=2, max_image_pixels=64 * SIDE, min_image_pixels=4 * SIDE)
+
+
+@pytest.fixture(scope="module")
+def booted():
+    runner, result = boot_cpu(validate(ServerConfig(**FLAGS)))
+    yield runner, result
+    runner.teardown()
+
+
+def png(w: int, h: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (w, h), bytes(rng.randrange(256) for _ in range(w * h * 3)))
+    out = io.BytesIO()
+    img.save(out, format=fmt)
+    return out.getvalue()
+
+
+def data_url(raw: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(raw).decode()}"
+
+
+def chat(*parts, max_tokens: int = 4, **kw) -> dict:
+    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
+    return {"model": "tiny-vl", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **kw}
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def tokens_of(w: int, h: int) -> int:
+    rh, rw = smart_resize(h, w, 28, 4 * SIDE, 64 * SIDE)
+    return rh * rw // SIDE
+
+
+def serve(booted, body, **flags):
+    cfg = validate(ServerConfig(**{**FLAGS, **flags}))
+    engine = LLMEngine(booted[0])
+
+    async def go():
+        app = server.make_app(cfg, engine, booted[1])
+        async with TestClient(TestServer(app)) as client:
+            return await body(client, app)
+    out = asyncio.run(go())
+    assert engine.stats.pages_used == 0 and not engine.has_unfinished()
+    return out, engine
+
+
+async def post(c, body) -> tuple[int, dict]:
+    r = await c.post("/v1/chat/completions", json=body)
+    return r.status, await r.json()
+
+
+def test_an_image_request_is_answered_and_counts_its_image_tokens(booted, monkeypatch):
+    text_only = chat("describe")
+    one = chat("describe", image(data_url(png(100, 60))))
+    runner, encoded = booted[0], []
+    real = runner._encode
+    monkeypatch.setattr(runner, "_encode", lambda items: (encoded.extend(im.grid for _, im in items), real(items)))
+
+    async def body(c, app):
+        return [await post(c, text_only), await post(c, one), await post(c, one)]
+    (a, b, c), engine = serve(booted, body)
+    rh, rw = smart_resize(60, 100, 28, 4 * SIDE, 64 * SIDE)
+    # the engine encoded the first request's image; the second's image tokens all lie in full pages the first
+    # cached, so its prefill starts after them and the encoder is not run again
+    assert encoded == [(1, rh // 14, rw // 14)]
+    assert a[0] == b[0] == c[0] == 200, (a, b, c)
+    # the same messages with one image: its start, pad x tokens and end ids more than the text alone
+    assert b[1]["usage"]["prompt_tokens"] - a[1]["usage"]["prompt_tokens"] == tokens_of(100, 60) + 2
+    assert b[1]["choices"][0]["message"]["content"] == c[1]["choices"][0]["message"]["content"]
+    assert engine.stats.prefix_hit_tokens > 0  # the second asked for the same image: its full pages were cached
+
+
+def test_two_images_stream_and_formats(booted):
+    two = chat(image(data_url(png(300, 200, 1, "JPEG"), "image/jpeg")), "and",
+               image(data_url(png(80, 500, 2, "WEBP"), "image/webp")), stream=True, max_tokens=3)
+
+    async def body(c, app):
+        r = await c.post("/v1/chat/completions", json=two)
+        return r.status, await r.text()
+    (status, text), _ = serve(booted, body)
+    assert status == 200 and text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.fixture
+def remote():
+    """A local image host: /ok answers a PNG, /slow never answers in time."""
+    async def ok(request):
+        return web.Response(body=png(64, 64, 3), content_type="image/png")
+
+    async def slow(request):
+        await asyncio.sleep(30)
+        return web.Response(body=b"")
+    app = web.Application()
+    app.router.add_get("/ok", ok)
+    app.router.add_get("/slow", slow)
+    return app
+
+
+def test_bad_images_are_400s_naming_the_field_and_the_server_serves_on(booted, remote, monkeypatch):
+    monkeypatch.setattr(server, "FETCH_TIMEOUT_S", 0.5)
+    url0 = "messages[0].content[1].image_url.url"
+
+    async def body(c, app):
+        host = TestServer(remote)
+        await host.start_server()
+        base = f"http://127.0.0.1:{host.port}"
+        cases = [
+            (chat("x", image(data_url(b"not an image"))), url0),
+            (chat("x", image(data_url(png(1, 1)[:20]))), url0),  # truncated
+            (chat("x", image("file:///etc/passwd")), url0),
+            (chat("x", image("http://example.invalid/a.png")), url0),  # host not allowed
+            (chat("x", image(f"{base}/slow")), url0),  # allowed, times out
+            (chat("x", *[image(data_url(png(30, 30, i))) for i in range(3)]), "messages"),  # 3 > 2 images
+            (chat("x", image(data_url(png(500, 500))), max_tokens=500), "max_tokens"),  # no room in 512 tokens
+            (chat("x", image(data_url(png(2, 900)))), url0),  # aspect ratio over 200
+            (chat("x", {"type": "image_url", "image_url": {}}), "messages[0].content[1].image_url.url"),
+        ]
+        out = [(await post(c, b), param) for b, param in cases]
+        ok_remote = await post(c, chat("x", image(f"{base}/ok")))
+        after = await post(c, chat("still", image(data_url(png(64, 64)))))
+        await host.close()
+        return out, ok_remote, after
+    (out, ok_remote, after), _ = serve(booted, body, allowed_media_domains=("127.0.0.1",))
+    for (status, data), param in out:
+        assert status == 400 and data["error"]["param"] == param, data
+    assert "--allowed_media_domains" in out[3][0][1]["error"]["message"]
+    assert ok_remote[0] == 200, ok_remote
+    assert after[0] == 200 and after[1]["usage"]["prompt_tokens"] > tokens_of(64, 64)
+
+
+def test_a_text_model_refuses_image_parts(booted):
+    from unit_tests.test_server import CFG, booted as _  # noqa: F401
+    from unit_tests.cpu_server import boot_cpu as boot
+    runner, result = boot(CFG)
+    engine = LLMEngine(runner)
+
+    async def go():
+        async with TestClient(TestServer(server.make_app(CFG, engine, result))) as c:
+            return await post(c, chat("x", image(data_url(png(8, 8)))) | {"model": "tiny"})
+    status, data = asyncio.run(go())
+    runner.teardown()
+    assert status == 400 and data["error"]["param"] == "messages[0].content"
