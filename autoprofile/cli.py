@@ -38,9 +38,7 @@ class _Parser(argparse.ArgumentParser):
         m = re.match(r"unrecognized arguments: (\S+)", message)
         if m:
             flag = m.group(1).split("=")[0]
-            near = self._near(flag)
-            hint = f"did you mean {near}? " if near else ""
-            raise UsageError(flag, f"unknown flag; {hint}see `{self.prog} --help`")
+            raise UsageError(flag, self._unknown(flag))
         m = re.match(r"argument \S+: invalid choice: '([^']*)'", message)
         if m:
             near = difflib.get_close_matches(m.group(1), COMMANDS, n=1)
@@ -49,15 +47,34 @@ class _Parser(argparse.ArgumentParser):
                                         f"{', '.join(COMMANDS)}")
         raise UsageError("command", f"{message}; try `autoprofile plan --gpu h100` or `autoprofile --help`")
 
-    def _all_flags(self) -> list[str]:
-        """Every long option of this parser and its sub-commands."""
-        parsers = [self] + [sp for a in self._actions if isinstance(a, argparse._SubParsersAction)
-                            for sp in a.choices.values()]
-        return sorted({o for p in parsers for a in p._actions for o in a.option_strings if o.startswith("--")})
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
 
-    def _near(self, flag: str) -> str | None:
+    def _command(self) -> str | None:
+        """The sub-command being parsed (the first word that names one), if any."""
+        return next((a for a in getattr(self, "_argv", []) if a in COMMANDS), None)
+
+    def _flags(self, command: str | None) -> dict[str, list[str]]:
+        """Each sub-command's long options (only `command`'s when given)."""
+        subs = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        return {name: sorted(o for a in p._actions for o in a.option_strings if o.startswith("--"))
+                for name, p in subs.items() if command is None or name == command}
+
+    def _unknown(self, flag: str) -> str:
+        command = self._command()
+        others = [c for c, flags in self._flags(None).items() if flag in flags and c != command]
+        if others and command:
+            return (f"{flag} is a flag of `{self.prog} {others[0]}`, not of `{command}`; "
+                    f"see `{self.prog} {command} --help`")
+        near = self._near(flag, sorted({o for fs in self._flags(command).values() for o in fs}))
+        hint = f"did you mean {near}? " if near else ""
+        return f"unknown flag; {hint}see `{self.prog}{f' {command}' if command else ''} --help`"
+
+    @staticmethod
+    def _near(flag: str, flags: list[str]) -> str | None:
         """A known flag close to a mistyped one (hyphens and underscores alike)."""
-        known = {o.replace("-", "_"): o for o in self._all_flags() if "_" in o or "-" not in o[2:]}
+        known = {o.replace("-", "_"): o for o in flags if "_" in o or "-" not in o[2:]}
         typed = flag.replace("-", "_")
         prefixed = [k for k in known if k.startswith(typed)]
         if len(prefixed) == 1:
@@ -69,6 +86,8 @@ class _Parser(argparse.ArgumentParser):
         action = next((a for a in self._actions if flag in a.option_strings), None)
         if action is not None and action.choices:
             return f"choose one of {', '.join(map(str, action.choices))}"
+        if action is not None and action.nargs == 0:  # a switch (store_true): its presence is the value
+            return f"it is a switch that takes no value: try {flag}"
         if action is not None and action.default is not None:
             return f"try {flag} {action.default}"
         return f"see `{self.prog} --help`"

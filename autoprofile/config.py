@@ -22,6 +22,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_GRAPH_BATCH = 1024
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
+MAX_SEED = 1 << 62  # torch generators take a 64-bit seed; the stresses add small offsets to it
 
 
 class ConfigError(ValueError):
@@ -141,9 +142,11 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(0 <= cfg.port <= 65535, "port",
            f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try --port 8000")
     _check(bool(cfg.host.strip()), "host", "must not be empty; try --host 127.0.0.1")
-    _check(cfg.report_dir is None or not os.path.exists(cfg.report_dir) or os.path.isdir(cfg.report_dir),
-           "report_dir", f"'{cfg.report_dir}' exists and is not a folder; try --report_dir autoprofile_report "
-           "(or '' for no report)")
+    _check(0 <= cfg.seed <= MAX_SEED, "seed",
+           f"must be an integer in [0, 2**62] (a torch generator's seed), got {cfg.seed}; try --seed 0")
+    problem = None if cfg.report_dir is None else report_dir_problem(cfg.report_dir)
+    _check(problem is None, "report_dir", f"'{cfg.report_dir}' {problem}; try --report_dir "
+           "autoprofile_report in a writable folder (or --report_dir '' for no report)")
     _check(cfg.max_waiting_requests >= 0, "max_waiting_requests",
            f"must be >= 0 (0 = no queue beyond the running requests), got {cfg.max_waiting_requests}; "
            "try --max_waiting_requests 1024")
@@ -163,6 +166,11 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
            f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+    if serving:
+        need, why = tokenizer_ids(m)
+        _check(m.vocab_size >= need, "model",
+               f"{os.path.join(m.path or m.name, 'config.json')}: key 'vocab_size' ({m.vocab_size}) is below "
+               f"the {need} ids {why}; set 'vocab_size' to {need} or more")
     _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
            f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; "
            f"try --max_req_total_len {m.max_position_embeddings}")
@@ -172,8 +180,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{n} tokens is below the smallest usable cache, {floor} tokens: one request of "
                f"--max_req_total_len {cfg.context_len} and one prefill batch of --batch_max_tokens "
                f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
-               f"--graph_max_batch_size {cfg.graph_max_batch_size} decode rows, plus the pad page; "
-               f"try --max_total_token_num {floor} or lower --max_req_total_len")
+               f"{decode_rows_text(cfg)}, plus the pad page; try --max_total_token_num {floor} or lower "
+               f"{floor_flag(cfg)}")
         bound = max_indexable_tokens(m.num_kv_heads // cfg.tp, m.head_dim, cfg.page_size)
         _check(n <= bound, "max_total_token_num",
                f"{n} tokens is past what the attention kernels' 32-bit offsets address in one layer's K view "
@@ -189,6 +197,50 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def decode_rows_text(cfg: ServerConfig) -> str:
+    if cfg.running_max_req_size is not None:
+        return f"--running_max_req_size {cfg.running_max_req_size} decode rows"
+    return f"--graph_max_batch_size {cfg.graph_max_batch_size} decode rows (--running_max_req_size unset)"
+
+
+def floor_flag(cfg: ServerConfig) -> str:
+    """The flag whose term sets the smallest usable cache (budget.min_usable_tokens): lowering it lowers
+    the floor."""
+    rows = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)
+    rows_flag = "--graph_max_batch_size" if cfg.running_max_req_size is None else "--running_max_req_size"
+    terms = {"--max_req_total_len": -(-cfg.context_len // cfg.page_size),
+             "--batch_max_tokens": -(-cfg.batch_max_tokens // cfg.page_size), rows_flag: rows}
+    return max(terms, key=terms.get)
+
+
+def report_dir_problem(path: str) -> str | None:
+    """Why the report cannot be written to `path` (a folder, made if missing), or None. Nothing is created."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a folder this user cannot write to"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be made: '{parent}' is a file, not a folder"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be made: '{parent}' is not writable"
+
+
+def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
+    """The fewest vocabulary ids the serving tokenizer needs (autoprofile.serving.tokenizer), and why."""
+    folder = m.path and os.path.join(m.path, "tokenizer.json")
+    if folder and os.path.isfile(folder):
+        from tokenizers import Tokenizer
+        try:
+            n = Tokenizer.from_file(folder).get_vocab_size(with_added_tokens=True)
+        except Exception as e:  # noqa: BLE001 - the tokenizers library's own error text names the problem
+            raise ConfigError("model", f"{folder}: cannot be read by `tokenizers`: {e}") from None
+        return n, "its tokenizer.json holds (special tokens included)"
+    from autoprofile.serving.tokenizer import FIRST_FOLDED
+    return FIRST_FOLDED, "the byte-level tokenizer needs (3 specials + 256 bytes; no tokenizer.json)"
 
 
 def _validate_images(cfg: ServerConfig) -> None:
@@ -227,7 +279,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
              help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
     add_flag(p, "batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
     add_flag(p, "running_max_req_size", type=int, default=None,
-             help="most concurrent requests (default: clamp(T/context*512, 2048, 4096))")
+             help="most concurrent requests, each a request slot and a decode row of the stress "
+                  "(default: --graph_max_batch_size, so every decode step replays a graph)")
     add_flag(p, "max_req_total_len", type=int, default=None,
              help="longest request, prompt + output (default: the model's max_position_embeddings)")
     add_flag(p, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,

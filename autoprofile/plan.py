@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib
-from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, validate
+from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, decode_rows_text, validate
 from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig, builtin_models, load_model_config
 
@@ -160,9 +160,9 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> 
 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
-    """Sampling over the full vocab for `rows` requests: lm_head logits (dtype), fp32 logits, softmax
-    probabilities, sorted values (fp32) + indices (int64), cumulative sum (fp32)."""
-    return rows * vocab * (dtype_bytes + 4 + 4 + 4 + 8 + 4)
+    """Sampling `rows` requests on a GPU: the lm_head logits (dtype) and the one Triton kernel's 16 bytes per
+    row (autoprofile.engine.triton_sample: no scratch over the vocabulary, whatever the parameters)."""
+    return rows * (vocab * dtype_bytes + 16)
 
 
 def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: int) -> Row:
@@ -174,8 +174,7 @@ def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: i
                f"max of one layer's live set for --batch_max_tokens {tokens} ({gib(layers):.2f} GiB: "
                "residual, normed input, fp32 norm temp, then qkv + attention output or gate_up + activation "
                f"+ down output) and sampling {rows} rows over vocab {m.vocab_size} ({gib(sample):.2f} GiB: "
-               "logits in dtype and fp32, softmax, sorted values + int64 indices, cumsum, final hidden "
-               "states)")
+               "logits in dtype, the fused Triton sampler's 16 bytes per row, final hidden states)")
 
 
 def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:
@@ -352,11 +351,15 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
         return None
     why = (f"the predicted cache on {card.name} is {tokens} tokens, below the smallest usable cache of {floor} "
            f"(one request of --max_req_total_len {cfg.context_len}, one prefill batch of --batch_max_tokens "
-           f"{cfg.batch_max_tokens}, a page per decode row, plus the pad page)")
+           f"{cfg.batch_max_tokens}, a page for each of the {decode_rows_text(cfg)}, plus the pad page)")
     if cfg.mem_fraction < 1 and _fits(cfg, card, mem_fraction=1.0):
         return "mem_fraction", f"{cfg.mem_fraction} scales the budget down: {why}; try --mem_fraction 1.0"
     if cfg.canary_mb > 256 and _fits(cfg, card, canary_mb=256):
         return "canary_mb", f"a {cfg.canary_mb} MiB canary leaves too little: {why}; try --canary_mb 256"
+    if cfg.running_max_req_size is not None:  # it sets the decode rows of the floor: blamed before the others
+        for n in _halvings(cfg.running_max_req_size, cfg.graph_max_batch_size):
+            if _fits(cfg, card, running_max_req_size=n):
+                return "running_max_req_size", f"{why}; try --running_max_req_size {n}"
     for n in _halvings(cfg.batch_max_tokens, 256):
         if _fits(cfg, card, batch_max_tokens=n):
             return "batch_max_tokens", f"its prefill activations are too large: {why}; try --batch_max_tokens {n}"

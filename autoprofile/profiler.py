@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -145,6 +146,42 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
 
 
+MEMORY_FAILURES = ("OutOfMemoryError:", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
+def _unranked(err: str) -> str:
+    return re.sub(r"^rank \d+: ", "", err)
+
+
+def is_memory_failure(err: str) -> bool:
+    """An error text (this rank's, or a gathered "rank N: ...") that a smaller cache or a memory knob can
+    fix: torch's OutOfMemoryError, or a CUDA/cuBLAS allocation failure raised as another type."""
+    return any(m in _unranked(err) for m in MEMORY_FAILURES)
+
+
+def not_memory_failures(errors: list[str]) -> list[str]:
+    """The gathered errors that are not memory failures (a peer's consequence of another rank's failure
+    aside): non-empty means the memory diagnostic does not apply and no retry can help."""
+    return [e for e in errors if not is_memory_failure(e) and not _is_consequence(_unranked(e))]
+
+
+def failure_text(stage: str, tokens: int, errors: list[str]) -> str:
+    """The give-up text for an error that is not a memory failure: what it is, not a knob to turn."""
+    return (f"autoprofile: the {stage} at {tokens} KV tokens failed with an error that is not a memory "
+            "failure, so no memory knob or smaller cache can fix it:\n  " + "\n  ".join(errors)
+            + "\nIts traceback is in the log above (under --tp, in that rank's log).")
+
+
+def _log_failure(what: str, e: BaseException) -> str:
+    """Log this rank's failure (with its traceback unless it is a memory failure); return its text."""
+    err = _describe(e)
+    if is_memory_failure(err):
+        log.warning("%s failed: %s", what, err)
+    else:
+        log.error("%s failed with an error that is not a memory failure: %s", what, err, exc_info=e)
+    return err
+
+
 # ---------------------------------------------------------------- the profiler
 class Profiler:
     """Owns the canary; drives a ModelRunner through the four phases."""
@@ -198,6 +235,8 @@ class Profiler:
             return self.result(tokens, 1, tokens, None, pinned=True)
         errors = _gather_errors(err, self.group)
         self.release()
+        if not_memory_failures(errors):
+            raise ProfileError(failure_text("validation", tokens, not_memory_failures(errors)))
         fits = self.what_fits()
         floor = self.min_tokens()
         hint = (f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it unset "
@@ -219,11 +258,13 @@ class Profiler:
             self.checkpoint("probe_decode")
             self.runner.stress_decode()
         except Exception as e:  # noqa: BLE001 - any failure ends in the collective diagnostic
-            err = _describe(e)
+            err = _log_failure(f"probe at {tokens} tokens", e)
             self.on_error(err)
-            log.error("probe at %d tokens failed: %s", tokens, err)
         if not memory.all_ok(err is None, self.group):
             errors = _gather_errors(err, self.group)
+            if not_memory_failures(errors):
+                raise ProfileError(failure_text("probe", tokens, not_memory_failures(errors))
+                                   + self.release_after_give_up())
             raise ProfileError(self.diagnostic(tokens, tokens, 0, "; ".join(errors), stage="probe")
                                + self.release_after_give_up())
         log.info("probe: %d tokens (%.2f GiB KV), stresses passed", tokens, gib(self.runner.kv_bytes))
@@ -263,9 +304,12 @@ class Profiler:
                 err = self.attempt(tokens)
             if memory.all_ok(err is None, self.group):
                 return tokens, attempt
-            self.errors.extend(_gather_errors(err, self.group))
+            errors = _gather_errors(err, self.group)
+            self.errors.extend(errors)
             log.warning("attempt %d at %d tokens failed on some rank: %s", attempt, tokens, self.errors[-1])
             self.release()  # a leak raises here, outside any retry
+            if not_memory_failures(errors):  # a shape error or an assertion: shrinking cannot fix it
+                raise ProfileError(failure_text("validation", tokens, not_memory_failures(errors)))
         last = self.errors[-1] if self.errors else "no size at or above the smallest usable cache to try"
         raise ProfileError(self.diagnostic(sizes[0] if sizes else m.target, sizes[-1] if sizes else m.target,
                                            len(sizes), last, m=m))
@@ -282,11 +326,11 @@ class Profiler:
             self.checkpoint("validate_decode")
             self.runner.stress_decode()
             self.checkpoint("validated")
-        except Exception as e:  # noqa: BLE001 - OOM or not, every failure is retried collectively
-            log.warning("build/validate at %d tokens failed: %s", tokens, _describe(e))
-            self.on_error(_describe(e))
+        except Exception as e:  # noqa: BLE001 - the caller's collective vote decides (retry or not)
+            err = _log_failure(f"build/validate at {tokens} tokens", e)
+            self.on_error(err)
             self.canary = None
-            return _describe(e)
+            return err
         self.canary = None  # released into this process's cache: headroom for serving
         return None
 

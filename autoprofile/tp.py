@@ -658,28 +658,45 @@ def profile_tp(cfg, checkpoint=None):
     raise ProfileError(next(o.value for o in outcomes if not o.ok))
 
 
-def serve_rank(guard: RankGuard, cfg) -> None:
-    """One rank of `autoprofile serve --tp N`: boot, then rank 0 serves HTTP and ships steps; the others
-    run them. Ctrl-C reaches rank 0 (its server stops and sends stop); the workers ignore it."""
+def profile_boot(cfg, guard: RankGuard):
+    """This rank's share of the collective boot: load, probe, measure, rebuild, validate."""
     from autoprofile.profiler import boot
+    return boot(cfg, guard.rank, guard.world, cpu_group=guard.control, guard=guard)
+
+
+def serve_rank(guard: RankGuard, cfg, boot: Callable = profile_boot) -> None:
+    """One rank of `autoprofile serve --tp N`. Rank 0 binds its port first (/health answers 503 "starting"
+    while every rank boots; a port clash ends it at once, and its peers through the failure channel), then
+    serves HTTP and ships steps; the others boot and run them. Ctrl-C reaches rank 0 (its server stops and
+    sends stop); the workers ignore it. boot(cfg, guard) -> (runner, result) (tests: a CPU boot)."""
     if guard.rank:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner, result = boot(cfg, guard.rank, guard.world, cpu_group=guard.control, guard=guard)
-    try:
-        if guard.rank:
-            worker_loop(runner)
-            return
-        from autoprofile.server import run_server
-        tp_runner = StepBroadcaster(runner, on_fatal=_stop_serving)
+        runner, _ = boot(cfg, guard)
         try:
-            run_server(cfg, lambda _: (tp_runner, result))  # booted above, collectively
+            worker_loop(runner)
         finally:
-            fatal = tp_runner.fatal
-            tp_runner.close()
-        if fatal is not None and fatal != "closed":
-            raise TPError(fatal)
+            runner.teardown()
+        return
+    from autoprofile.server import run_server
+    booted: dict = {}
+
+    def boot_rank0(_cfg):  # run_server runs it on its boot thread, after binding
+        try:
+            booted["runner"], result = boot(cfg, guard)
+        except ProfileError as e:  # every rank's same text: the launcher prints it, once (not run_server)
+            raise TPError(str(e)) from None
+        booted["broadcaster"] = StepBroadcaster(booted["runner"], on_fatal=_stop_serving)
+        return booted["broadcaster"], result
+
+    try:
+        run_server(cfg, boot_rank0)
     finally:
-        runner.teardown()
+        if "broadcaster" in booted:
+            booted["broadcaster"].close()
+        if "runner" in booted:
+            booted["runner"].teardown()
+    if booted["broadcaster"].fatal != "closed":
+        raise TPError(booted["broadcaster"].fatal)
 
 
 def _stop_serving(text: str) -> None:
@@ -688,10 +705,10 @@ def _stop_serving(text: str) -> None:
     _thread.interrupt_main()  # the server's loop ends as on Ctrl-C; serve_rank then raises the text
 
 
-def serve_tp(cfg) -> int:
+def serve_tp(cfg, device: str = "cuda", boot: Callable = profile_boot) -> int:
     """`autoprofile serve --tp N`: exit code 0 when rank 0 stopped cleanly, 1 with the diagnostic."""
     import sys
-    outcomes = launch(serve_rank, cfg.tp, (cfg,))
+    outcomes = launch(serve_rank, cfg.tp, (cfg, boot), device=device)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         print(failed[0].value if outcomes[0].ok else outcomes[0].value, file=sys.stderr)

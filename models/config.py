@@ -198,10 +198,32 @@ def _rope_scaling(f: _Fields) -> dict | None:
     if kind != "default":
         sub.number("factor")
     if kind == "llama3":
-        for k in ("low_freq_factor", "high_freq_factor"):
-            sub.number(k, 1.0)
+        low, high = sub.number("low_freq_factor", 1.0), sub.number("high_freq_factor", 1.0)
         sub.number("original_max_position_embeddings")
+        if low >= high:  # the smoothing between the two bands divides by high - low
+            sub.fail("low_freq_factor", f"({low:g}) must be below high_freq_factor ({high:g}); "
+                                        "Llama 3.1's are 1.0 and 4.0")
     return scaling
+
+
+def _check_head_dim(f: _Fields, head_dim: int) -> None:
+    """RoPE rotates pairs of channels: an odd head_dim cannot be served."""
+    if head_dim % 2:
+        given = f.d.get("head_dim") is not None
+        derived = "" if given else " = hidden_size / num_attention_heads"
+        f.fail("head_dim", f"({head_dim}{derived}) must be even (RoPE rotates pairs of channels); "
+                           f"try 'head_dim': {head_dim + 1}")
+
+
+def _check_special_ids(f: _Fields, vocab_size: int) -> None:
+    """bos/eos/pad token ids index the vocabulary."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = f.d.get(key)
+        ids = value if isinstance(value, list) else [value]
+        big = max((i for i in ids if isinstance(i, int) and not isinstance(i, bool)), default=-1)
+        if big >= vocab_size:
+            f.fail("vocab_size", f"({vocab_size}) must exceed every special token id, and {key} is {big}; "
+                                 f"try 'vocab_size': {big + 1} or more")
 
 
 def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source: str = "config.json") -> ModelConfig:
@@ -225,6 +247,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
     theta_default = rope.get("rope_theta", 10000.0)
     theta = f.number("rope_theta", None) if f.d.get("rope_theta") is not None else \
         _Fields(rope, f"{source}: key 'rope_parameters'").number("rope_theta", theta_default)
+    _check_head_dim(f, f.int("head_dim", hidden // heads))
+    _check_special_ids(f, f.int("vocab_size"))
     num_experts = f.int("num_experts", 0, lo=0) or f.int("n_routed_experts", 0, lo=0)
     per_tok = f.int("num_experts_per_tok", 0, lo=0)
     moe_inter = f.int("moe_intermediate_size", 0, lo=0)

@@ -72,6 +72,11 @@ BAD = [
      ["--max_waiting_requests", "1024"]),
     (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
     (["--model", "qwen3-30b-a3b"], "model", "qwen3-8b", ["--model", "qwen3-8b"]),
+    (["--seed", "1e23"], "seed", "try --seed 0", ["--seed", "0"]),
+    (["--seed", str(10 ** 23)], "seed", "try --seed 0", ["--seed", "0"]),
+    (["--seed", "-1"], "seed", "try --seed 0", ["--seed", "0"]),
+    (["--report_dir", f"{__file__}/reports"], "report_dir", "(or --report_dir '' for no report)",
+     ["--report_dir", ""]),
 ]
 
 
@@ -200,3 +205,119 @@ def test_a_pinned_size_past_the_kernels_32_bit_offsets_is_refused_naming_the_bou
     with pytest.raises(ConfigError, match=f"try --max_total_token_num {bound}"):
         validate(ServerConfig(max_total_token_num=bound + 16))
     validate(ServerConfig(max_total_token_num=bound))
+
+
+def test_a_report_dir_this_user_cannot_write_is_refused_before_any_gpu_work(tmp_path, cuda_spy, capsys):
+    import os
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user (root) writes anywhere")
+        for path in (locked, locked / "new" / "reports"):
+            assert cli.main(["serve", "--report_dir", str(path)]) == 2
+            assert capsys.readouterr().err.startswith(f"error: --report_dir: '{path}' ")
+    finally:
+        locked.chmod(0o700)
+    assert_cuda_untouched(cuda_spy)
+
+
+def test_a_report_dir_still_to_be_made_in_a_writable_folder_is_accepted_and_not_made(tmp_path):
+    from autoprofile.config import report_dir_problem
+    assert report_dir_problem(str(tmp_path / "a" / "b")) is None and not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    assert "is a file" in report_dir_problem(str(tmp_path / "file" / "b"))
+    assert report_dir_problem(str(tmp_path / "file")) == "exists and is not a folder"
+
+
+# ---------------------------------------------------------------- suggestions that work
+def test_a_flag_of_another_command_is_named_as_such_not_suggested_as_itself(cuda_spy, capsys):
+    assert cli.main(["serve", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean --json" not in err, err
+    assert err.startswith("error: --json: --json is a flag of `autoprofile plan`, not of `serve`"), err
+    assert cli.main(["plan", "--gpu", "h100", "--jsn"]) == 2
+    assert "did you mean --json?" in capsys.readouterr().err
+    assert cli.main(["serve", "--jsn"]) == 2
+    assert "did you mean" not in capsys.readouterr().err  # serve has no --json to mean
+
+
+@pytest.mark.parametrize("typed", ["--disable-cudagraph=1", "--disable_cudagraph=true",
+                                   "--disable-prefix-caching=0"])
+def test_a_value_given_to_a_switch_gets_a_suggestion_that_parses(typed, cuda_spy, capsys):
+    assert cli.main(["serve", typed]) == 2
+    err = capsys.readouterr().err
+    suggestion = err.split("try ")[1].split()
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    assert cli.main(["serve", *suggestion]) == 1, capsys.readouterr().err  # parsed and validated; no GPU
+
+
+@pytest.mark.parametrize("argv, blamed", [
+    (["--running_max_req_size", "4000", "--graph_max_batch_size", "8", "--max_req_total_len", "4096"],
+     "--running_max_req_size"),
+    (["--graph_max_batch_size", "1024", "--max_req_total_len", "4096", "--batch_max_tokens", "1024"],
+     "--graph_max_batch_size"),
+    (["--max_req_total_len", "65536"], "--max_req_total_len"),
+    (["--batch_max_tokens", "65536", "--max_req_total_len", "4096"], "--batch_max_tokens"),
+])
+def test_a_pinned_size_below_the_floor_blames_the_flag_that_set_the_floor(argv, blamed, cuda_spy, capsys):
+    assert cli.main(["serve", *argv, "--max_total_token_num", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max_total_token_num: "), err
+    assert err.rstrip().endswith(f"or lower {blamed}"), err
+    rows = "--running_max_req_size 4000 decode rows" if "--running_max_req_size" in argv else "decode rows ("
+    assert rows in err, err
+
+
+def test_plan_blames_running_max_req_size_when_its_rows_set_the_floor(capsys):
+    argv = ["plan", "--gpu", "h100", "--running_max_req_size", "200000", "--max_req_total_len", "4096"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --running_max_req_size: "), err
+    value = err.split("try --running_max_req_size ")[1].split()[0]
+    assert cli.main([*argv, "--running_max_req_size", value]) == 0, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- config.json refused before loading
+TINY = json.loads((__import__("models.config", fromlist=["CONFIG_DIR"]).CONFIG_DIR / "tiny/config.json")
+                  .read_text())
+
+
+@pytest.mark.parametrize("change, key, fix", [
+    ({"head_dim": 33}, "head_dim", {"head_dim": 34}),
+    ({"head_dim": None, "hidden_size": 264, "num_attention_heads": 8}, "head_dim", {"head_dim": 34}),
+    ({"vocab_size": 200}, "vocab_size", {"vocab_size": 259}),
+    ({"eos_token_id": 5000}, "vocab_size", {"vocab_size": 5001}),
+    ({"bos_token_id": [1, 4096]}, "vocab_size", {"vocab_size": 4097}),
+    ({"rope_scaling": TINY["rope_scaling"] | {"low_freq_factor": 4.0}}, "low_freq_factor",
+     {"rope_scaling": TINY["rope_scaling"] | {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}),
+    ({"rope_scaling": TINY["rope_scaling"] | {"low_freq_factor": 5.0}}, "low_freq_factor",
+     {"rope_scaling": TINY["rope_scaling"] | {"low_freq_factor": 1.0, "high_freq_factor": 4.0}}),
+])
+@pytest.mark.parametrize("command", ["serve", "profile"])
+def test_a_config_json_the_engine_cannot_run_exits_2_naming_file_key_and_a_value_that_works(
+        tmp_path, change, key, fix, command, cuda_spy, capsys):
+    def write(d):
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in d.items() if v is not None}))
+    write(TINY | change)
+    assert cli.main([command, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model: {tmp_path / 'config.json'}: key ") and f"key '{key}'" in err, err
+    assert_cuda_untouched(cuda_spy)
+    write(TINY | change | fix)
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    assert cli.main([command, "--model", str(tmp_path)]) == 1, capsys.readouterr().err
+
+
+def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys):
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(5000)}, unk_token="w0"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY))  # vocab_size 4096 < 5000
+    assert cli.main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'vocab_size' (4096) is below the 5000 ids its tokenizer.json holds" in err, err
+    assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # plan tokenizes nothing

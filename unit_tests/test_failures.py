@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 from unittest import mock
 
 import pytest
@@ -427,16 +428,34 @@ def test_plan_imports_no_torch():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("card", ["h100", "h200"])
-def test_plan_never_predicts_above_the_profiler_measurement(card):
+def measured_kv_tokens() -> list[dict]:
+    """docs/measured_kv_tokens.csv: what `autoprofile profile` measured (defaults), one dated row per model
+    and card, with the command that measured it (refresh a row from a GPU run of that command)."""
+    import csv
+    with open(ROOT / "docs" / "measured_kv_tokens.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# plan is known to predict above these measurements; strict: the day it does not, drop the entry
+KNOWN_ABOVE = {("llama-3.1-8b", "h100"): "issue 18: plan assumes ~1.6 GiB non-torch, a spilling kernel's "
+                                         "local memory makes it 3.31 GiB (485,024 vs 480,272 measured)"}
+
+
+@pytest.mark.parametrize("row", measured_kv_tokens(), ids=lambda r: f"{r['model']}-{r['card']}-{r['date']}")
+def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     from autoprofile.plan import GPUS, make_plan
-    measured = json.loads((ROOT / "docs" / f"budget_report_llama-3.1-8b_{card}.json").read_text())
-    p = make_plan(validate(ServerConfig()), GPUS[card])
-    assert 0.98 * measured["max_total_token_num"] <= p.tokens <= measured["max_total_token_num"]
-    # one shared logits buffer, not one per ladder size: the pool estimate is near the measured pool
-    pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
-    scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")
-    assert measured["terms_bytes"]["graph_pools"] <= pool + scratch <= 1.5 * measured["terms_bytes"]["graph_pools"]
+    assert set(row) == {"model", "card", "tokens", "graph_pools_bytes", "date", "command"}
+    assert row["command"].startswith(f"autoprofile profile --model {row['model']}")
+    datetime.date.fromisoformat(row["date"])
+    if (row["model"], row["card"]) in KNOWN_ABOVE:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
+    measured = int(row["tokens"])
+    p = make_plan(validate(ServerConfig(model=row["model"])), GPUS[row["card"]])
+    if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
+        pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
+        scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")
+        assert int(row["graph_pools_bytes"]) <= pool + scratch <= 1.5 * int(row["graph_pools_bytes"])
+    assert 0.98 * measured <= p.tokens <= measured, (p.tokens, measured)
 
 
 # ---------------------------------------------------------------- a teardown error on one TP rank

@@ -101,15 +101,67 @@ def test_shrink_schedule_and_attempt_cap(gpu):
     assert gpu.allocated == runner.weight_bytes  # nothing half-built left
 
 
-def test_non_oom_errors_end_in_the_diagnostic(gpu):
+def _shape_error(at: str):
+    def fault(point):
+        if point == at:
+            torch.zeros(2, 3) @ torch.zeros(4, 5)  # a real shape error, raised by torch
+    return fault
+
+
+@pytest.mark.parametrize("at, stage, attempts", [("probe_prefill", "probe", 1),
+                                                 ("validate_decode", "validation", 2)])
+def test_an_error_that_is_not_a_memory_failure_is_reported_as_itself_with_its_traceback(
+        gpu, caplog, at, stage, attempts):
+    runner, prof = make(gpu, fault=_shape_error(at))
+    with pytest.raises(ProfileError) as ei:
+        prof.run()
+    text = str(ei.value)
+    assert text.startswith(f"autoprofile: the {stage} at ") and "not a memory failure" in text, text
+    assert "RuntimeError: mat1 and mat2 shapes cannot be multiplied" in text
+    assert not any(s in text for s in ("Turn one of these knobs", "--mem_fraction", "does not fit"))
+    assert len(builds(runner)) == attempts  # never retried: a smaller cache cannot fix a shape error
+    assert "Traceback (most recent call last)" in caplog.text and "in fault" in caplog.text
+    assert gpu.allocated == runner.weight_bytes  # still torn down
+
+
+def test_an_assertion_in_a_pinned_build_is_reported_as_itself_without_a_probe(gpu):
     def fault(point):
         if point == "validate_decode":
             raise AssertionError("decode produced NaN")
 
-    runner, prof = make(gpu, fault=fault, )
-    with pytest.raises(ProfileError, match="AssertionError: decode produced NaN"):
+    runner, prof = make(gpu, CFG.replace(max_total_token_num=100_000), fault=fault)
+    with pytest.raises(ProfileError, match="AssertionError: decode produced NaN") as ei:
         prof.run()
+    assert "not a memory failure" in str(ei.value) and "try --max_total_token_num" not in str(ei.value)
+    assert builds(runner) == [100_000]  # no probe to say what fits: memory is not the problem
+
+
+def test_a_memory_failure_in_validation_is_retried_and_ends_in_the_memory_diagnostic(gpu, caplog):
+    def fault(point):
+        if point == "validate_decode":
+            raise torch.OutOfMemoryError("CUDA out of memory. injected")
+
+    runner, prof = make(gpu, fault=fault)
+    with pytest.raises(ProfileError) as ei:
+        prof.run()
+    assert "no KV cache size survived" in str(ei.value) and "Turn one of these knobs" in str(ei.value)
     assert len(builds(runner)) == 1 + 1 + CFG.max_retries
+    assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("err, memory", [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
+    ("rank 1: OutOfMemoryError: injected", True),
+    ("RuntimeError: CUDA error: out of memory", True),
+    ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)", True),
+    ("RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", False),
+    ("AssertionError: decode produced NaN", False),
+    ("rank 0: ValueError: bad shape", False),
+])
+def test_memory_failures_are_told_apart_from_other_errors(err, memory):
+    from autoprofile.profiler import is_memory_failure, not_memory_failures
+    assert is_memory_failure(err) is memory
+    assert not_memory_failures([err, "rank 1: PeerFailed: rank 0 failed"]) == ([] if memory else [err])
 
 
 def test_leak_is_a_hard_error_not_retried(gpu):

@@ -130,6 +130,38 @@ def test_stress_corners_reach_every_limit_and_stay_inside(env):
         assert max(getattr(s, name) for s in shapes) == limit, f"no stress corner reaches {name} = {limit}"
 
 
+@settings(max_examples=200, deadline=None)
+@given(envelopes, st.integers(0, 3))
+def test_every_stress_row_is_sampled_and_each_worst_sampler_path_samples_the_most_rows(env, seed):
+    """The sampler's memory grows with the rows it samples on its worst paths (STRESS_PARAMS): every row of
+    every corner is sampled, and each path samples the most prefill rows and every decode row."""
+    from autoprofile.engine.sampling import STRESS_PARAMS
+    for is_prefill, corners in ((True, stress.prefill_corners(env)), (False, stress.decode_corners(env))):
+        steps = [stress.corner_step(env, is_prefill, rows, max(env.pages, 1), VOCAB, seed + i)
+                 for i, rows in enumerate(corners)]
+        assert all(r.sample for s in steps for r in s.rows)
+        most = max(len(s.rows) for s in steps)
+        paths = {r.params for s in steps if len(s.rows) == most for r in s.rows}
+        assert paths == set(STRESS_PARAMS), (is_prefill, most, paths)
+        if not is_prefill:  # each decode row (slot) runs both paths
+            for slot in range(most):
+                assert {r.params for s in steps for r in s.rows if r.slot == slot} == set(STRESS_PARAMS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(envelopes)
+def test_a_stress_step_reports_the_slots_and_pages_it_really_holds(env):
+    """running_reqs and pages of a corner step are counted from its rows and page writes (so the coverage
+    test above can fail for them): each row its own slot, each page it writes once."""
+    for is_prefill, corners in ((True, stress.prefill_corners(env)), (False, stress.decode_corners(env))):
+        for i, rows in enumerate(corners):
+            step = stress.corner_step(env, is_prefill, rows, max(env.pages, 1), VOCAB, i)
+            slots = [r.slot for r in step.rows]
+            pages = [p for _, _, ps in step.page_writes for p in ps]
+            assert step.running == len(set(slots)) == len(rows)
+            assert step.pages_used == len(set(pages)) == min(len(pages), max(env.pages, 1))
+
+
 @settings(max_examples=100, deadline=None)
 @given(envelopes, st.sampled_from([None, 8192, 131072]))
 def test_every_decode_corner_runs_the_largest_max_seq_len_bucket(env, context):
@@ -250,6 +282,36 @@ def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output():
     assert tight.stats.preemptions > 0
     assert got == want
     assert tight.stats.pages_used == 0 and len(tight.scheduler.free_slots) == 6
+
+
+def _record_preemptions(engine) -> list[tuple[str, list[tuple[str, bool]], list[str]]]:
+    """Each preemption as (victim, running before it as (id, still in chunked prefill), waiting after it)."""
+    s, seen = engine.scheduler, []
+    preempt = s._preempt
+
+    def spy(req):
+        running = [(r.request_id, r.num_tokens - r.num_computed > 1) for r in s.running]
+        preempt(req)
+        seen.append((req.request_id, running, [r.request_id for r in s.waiting]))
+    s._preempt = spy
+    return seen
+
+
+def test_preemption_in_chunked_prefill_takes_the_youngest_and_puts_it_at_the_front_of_the_queue():
+    prompts = [[1] * 6, [2] * 6, [3] * 30, [4] * 6, [5] * 6]  # the third is prefilled in chunks of 16
+    def serve(engine, check=None):
+        ids = [engine.add_request(p, max_tokens=4) for p in prompts]
+        out = run_all(engine, check)
+        return [out[i] for i in ids]
+    want = serve(fake_engine(kv_pages=200, running=3, batch=16)[0])
+    tight, _ = fake_engine(kv_pages=10, running=3, batch=16)  # 9 usable pages of 4 tokens
+    seen = _record_preemptions(tight)
+    assert serve(tight, check=invariants) == want
+    victim, running, waiting = seen[0]
+    # the youngest running request, still in its chunked prefill; the two older ones decode and stay
+    assert running == [("req-0", False), ("req-1", False), ("req-2", True)] and victim == "req-2"
+    assert waiting == ["req-2", "req-3", "req-4"]  # ahead of the requests that never ran
+    assert all(v == r[-1][0] for v, r, _ in seen)  # every preemption takes the youngest running request
 
 
 def _serve(engine, prompts, check=None):

@@ -41,18 +41,23 @@ def rule(x, params):
 BOUNDS = COMMON + r'''
 torch.manual_seed(0)
 params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.5, 1.0, 2.0) for p in (1.0, 0.95, 0.6, 0.1)
-          for k in (0, 1, 7, 300)] + [SamplingParams()]
-for dtype, vocab, scale in [(torch.float32, 3000, 1.0), (torch.float16, 2500, 4.0), (torch.float32, 700, 12.0)]:
+          for k in (0, 1, 7, 300)] + [SamplingParams()] * 3
+for ts.BLOCK, dtype, vocab, scale in [(4096, torch.float32, 3000, 1.0), (4096, torch.float16, 2500, 4.0),
+                                      (4096, torch.float32, 700, 12.0), (1024, torch.float32, 3000, 1.0)]:
     wide = (torch.randn(len(params), vocab + 40) * scale).to(dtype)
     x = wide[:, 3:vocab + 3]  # rows of a wider buffer
     x[:, 10:30] = x[:, 9:10]  # a tie group at the top-k/top-p boundary of some rows
     x[::5, 100:130] = float("-inf")  # masked logits
-    x[1, 200:206] = x[1].max()  # ties at the max: greedy takes the first
+    x[1, 200:206] = x[1].max()  # ties at the max of a sampled row
+    x[-3, [40, 41, vocab - 1]] = x[-3].max() + 1  # ties at the max of greedy rows, greedy takes the first:
+    x[-2, [7, 600]] = x[-2].max() + 1  # across lanes (and blocks, above),
+    x[-1, [i for i in (5, 5 + ts.BLOCK, 5 + 2 * ts.BLOCK) if i < vocab]] = x[-1].max() + 1  # in one lane
+    firsts = {len(params) - 3: 40, len(params) - 2: 7, len(params) - 1: 5}
     tok, got = run(x, params, bounds=True)
     ns, least = rule(x.float(), params)
     for i, p in enumerate(params):
         if p.temperature == 0:
-            assert tok[i] == x[i].float().argmax() and got[i, 0] == 1, (i, tok[i])
+            assert tok[i] == x[i].float().argmax() == firsts[i] and got[i, 0] == 1, (i, tok[i])
             continue
         n = int(got[i, 0])
         assert n == ns[i], (dtype, i, p, n, ns[i])
@@ -108,7 +113,8 @@ def _interpret(code: str) -> None:
 
 def test_kept_count_and_boundary_follow_the_sampler_rule():
     """Against a full fp64 sort: top-k, top-p and both, ties at the boundary, masked logits, rows of a wider
-    buffer, greedy rows (first index of the max); every draw a kept token."""
+    buffer, greedy rows (the first index of a tied max, across lanes, blocks and within a lane); every draw a
+    kept token."""
     _interpret(BOUNDS)
 
 

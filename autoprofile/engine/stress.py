@@ -1,8 +1,9 @@
 """The stress: the envelope's corners as steps (pure: no torch). The runner executes them through the
 same `execute` as serving, in the probe and in every validation attempt.
 
-Prefill corners, every row sampled with the full sampler:
-  (a) the most rows sharing the most new tokens;
+Prefill corners, every row sampled with the full sampler (consecutive corners alternate the two worst
+sampler paths, STRESS_PARAMS; corner (a) runs twice, so each path samples the most prefill rows):
+  (a) the most rows sharing the most new tokens, once per sampler path;
   (b) one request of as many new tokens as a step takes;
   (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens;
   (d) one token over the longest prefix any chunk can have.
@@ -40,8 +41,8 @@ def prefill_corners(env: Envelope) -> list[Rows]:
     longest = env.max_req_total_len - 1
     rows = min(env.prefill_rows, env.prefill_tokens)
     share, extra = divmod(env.prefill_tokens, rows)
-    return [[(0, share + (i < extra)) for i in range(rows)],
-            [(0, min(env.prefill_tokens, longest))],
+    most_rows = [(0, share + (i < extra)) for i in range(rows)]
+    return [most_rows] * len(STRESS_PARAMS) + [[(0, min(env.prefill_tokens, longest))],
             prefix_corner(env),
             [(env.max_prefix_len, 1)]]
 
@@ -75,16 +76,18 @@ def decode_corners(env: Envelope) -> list[Rows]:
 
 def corner_step(env: Envelope, is_prefill: bool, rows: Rows, usable_pages: int, vocab_size: int,
                 seed: int) -> Step:
-    """One step of fake requests in slots 0.., pages 1..usable_pages taken cyclically, random ids."""
+    """One step of fake requests in slots 0.., pages 1..usable_pages taken cyclically, random ids. Its
+    `running` and `pages_used` are the slots and distinct pages the step really holds."""
     rng = random.Random(seed)
-    step, nxt = Step(is_prefill=is_prefill, rows=[], running=len(rows)), 0
+    step, nxt = Step(is_prefill=is_prefill, rows=[]), 0
     for slot, (start, n) in enumerate(rows):
         count = math.ceil((start + n) / env.page_size)
         step.page_writes.append((slot, 0, [(nxt + j) % usable_pages + 1 for j in range(count)]))
         nxt += count
         params = STRESS_PARAMS[seed % len(STRESS_PARAMS)]  # consecutive corners: both worst sampler paths
         step.rows.append(StepRow(slot, start, [rng.randrange(vocab_size) for _ in range(n)], True, params))
-    step.pages_used = min(nxt, env.pages)
+    step.running = len({r.slot for r in step.rows})
+    step.pages_used = len({p for _, _, pages in step.page_writes for p in pages})
     return step
 
 
