@@ -437,8 +437,7 @@ def measured_kv_tokens() -> list[dict]:
 
 
 # plan is known to predict above these measurements; strict: the day it does not, drop the entry
-KNOWN_ABOVE = {("llama-3.1-8b", "h200"): "measured 2026-11-21 with the spilling v2 reduce (2.5 GiB of local "
-                                         "memory): stale until re-measured"}
+KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("row", measured_kv_tokens(), ids=lambda r: f"{r['model']}-{r['card']}-{r['date']}")
