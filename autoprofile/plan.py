@@ -216,6 +216,43 @@ def nccl_row(tp: int) -> Row:
                "assumed the same at larger --tp (not measured)")
 
 
+# The vision tower's activation peak in one encoder step (Qwen2.5-VL 7B's tower, bf16), fitted to the H100
+# measurements of tests/test_qwen2_5_vl_gpu.py (2026-11-23: 4 images of 448 / 1036 / 2044 px -> 245 / 4,662 /
+# 64,510 MiB): a part per padded window slot and a part per (patches of the largest image)^2, from the
+# full-attention layers' scores (quadratic: see the closing note of issue 16). At the default stress (4 images of
+# 512 x 10 patches) it estimates 4.2 GiB; the profile measured ~3.1 GiB above qwen2.5-7b's non-KV peak.
+ENCODER_BYTES_PER_SLOT = 21_500
+ENCODER_BYTES_PER_SCORE = 145
+
+
+def encoder_activation_bytes(images: int, grid: tuple[int, int, int], window: int = 8) -> int:
+    """The tower's activation peak for `images` images of `grid` (t, h, w) patches in one encoder step."""
+    t, h, w = grid
+    slots = images * t * -(-h // window) * -(-w // window) * window * window
+    return slots * ENCODER_BYTES_PER_SLOT + (h * w) ** 2 * ENCODER_BYTES_PER_SCORE
+
+
+def vision_rows(cfg: ServerConfig, db: int) -> list[Row]:
+    """A vision-language model's encoder: its weights (replicated on every rank), the declared output buffer
+    (encoder_images slots of the largest image's tokens) and the activation peak of the stress's encoder step."""
+    from autoprofile.engine.envelope import VisionLimits
+    m = cfg.model_config
+    v = VisionLimits(cfg.visual_batch_size, cfg.min_image_pixels, cfg.max_image_pixels, cfg.max_images_per_request)
+    rows_per_step = min(running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size), cfg.batch_max_tokens)
+    lim = v.limits(rows_per_step, cfg.batch_max_tokens)
+    images, grid = lim["encoder_images"], v.worst_grid
+    tokens = grid[0] * grid[1] * grid[2] // 4
+    return [
+        Row("vision encoder weights", m.vision.num_params() * db, "exact", "measured in the probe peak",
+            f"{m.vision.num_params():,} params x {db} B, replicated on every rank"),
+        Row("encoder output buffer", images * tokens * m.hidden_size * db, "declared",
+            "measured in the probe peak", f"{images} images (--visual_batch_size) x {tokens} tokens x hidden"),
+        Row("encoder activation peak", encoder_activation_bytes(images, grid), "ESTIMATED",
+            "measured in the probe peak", f"{images} images of {grid[1]} x {grid[2]} patches (the stress's "
+            "encoder step: the most patches, then the most windows); fitted to H100 measurements"),
+    ]
+
+
 def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     m, tp, db = cfg.model_config, cfg.tp, DTYPE_BYTES[cfg.dtype]
     gmbs, bmt = cfg.graph_max_batch_size, cfg.batch_max_tokens
@@ -246,6 +283,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))
     activations = sum(r.bytes for r in rows[4:])  # prefill peak, graph pools, decode scratch
+    if m.vision is not None:
+        rows += vision_rows(cfg, db)
     rows += [
         Row("activation margin", int(activations * (ACTIVATION_FACTOR - 1)), "assumed",
             "measured: the probe peak replaces the estimates",

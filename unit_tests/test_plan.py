@@ -249,3 +249,32 @@ def test_tp_counts_nccl_buffers():
     assert nccl.bytes == plan_module.NCCL_ESTIMATE and nccl.how == "ESTIMATED"
     acts = sum(row(two.fixed, t).bytes for t in ("prefill activation peak", "decode graph pools", "decode attention scratch"))
     assert row(two.fixed, "activation margin").bytes == int(acts * (plan_module.ACTIVATION_FACTOR - 1))
+
+
+# ---------------------------------------------------------------- the vision encoder
+VL_MEASURED = {"h100": 1_073_216, "h200": 2_208_272}  # autoprofile profile --model qwen2.5-vl-7b, 2026-11-23
+
+
+@pytest.mark.parametrize("card", sorted(VL_MEASURED))
+def test_vl_plan_counts_the_encoder_and_stays_below_the_measurement(card):
+    p = plan_for(card, model="qwen2.5-vl-7b")
+    vision = sum(row(p.fixed, t).bytes for t in ("vision encoder weights", "encoder output buffer",
+                                                  "encoder activation peak"))
+    assert row(p.fixed, "vision encoder weights").bytes == 676_550_144 * 2  # HF's parameter count, bf16
+    assert row(p.fixed, "encoder output buffer").bytes == 4 * 1280 * 3584 * 2
+    assert vision > 5 * GiB
+    assert 0.95 * VL_MEASURED[card] <= p.tokens <= VL_MEASURED[card]
+
+
+def test_encoder_estimate_grows_with_pixels_and_images_and_refuses_bad_pixels():
+    def peak(**flags):
+        return row(plan_for("h100", model="qwen2.5-vl-7b", **flags).fixed, "encoder activation peak").bytes
+    base = peak()
+    assert peak(max_image_pixels=2560 * 28 * 28) > base > peak(max_image_pixels=640 * 28 * 28)
+    assert peak(visual_batch_size=8) > base > peak(visual_batch_size=1)
+    assert plan_module.encoder_activation_bytes(1, (1, 16, 16)) == 4 * 64 * 21_500 + 256 ** 2 * 145
+    assert cli.main(["plan", "--gpu", "h100", "--model", "qwen2.5-vl-7b", "--max_image_pixels", "100"]) == 2
+
+
+def test_a_text_model_plan_has_no_encoder_rows():
+    assert not [r for r in plan_for("h100").fixed if "encoder" in r.term]
