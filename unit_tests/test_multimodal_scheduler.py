@@ -9,12 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoprofile.engine import stress
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import Envelope, VisionLimits
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput, image_key_tokens, window_count, worst_image_grid
 from autoprofile.engine.request import RequestError
-from unit_tests.test_scheduler import VOCAB, StepRunner, invariants
+from unit_tests.test_scheduler import VOCAB, StepRunner, assert_corners_reach_every_limit, invariants
 
 SIDE = 28 * 28
 
@@ -182,17 +181,8 @@ def test_image_stress_reaches_every_encoder_limit_and_stays_inside(kv_pages, pag
     env = Envelope.build(kv_pages=kv_pages, page_size=page_size, context_len=context, batch_max_tokens=batch,
                          running_max_req_size=running, graph_max_batch_size=running, use_graphs=False,
                          vision=VisionLimits(visual, SIDE, max_tokens * SIDE, images))
-    steps = [stress.corner_step(env, True, rows, max(env.pages, 1), VOCAB, i)
-             for i, rows in enumerate(stress.prefill_corners(env))]
-    steps.append(stress.image_corner_step(env, max(env.pages, 1), VOCAB, 0))
-    steps += [stress.with_images(env, stress.corner_step(env, False, rows, max(env.pages, 1), VOCAB, i), i)
-              for i, rows in enumerate(stress.decode_corners(env))]
-    shapes = [s.shape(env.graph_rows) for s in steps]
-    for shape in shapes:
-        env.check(shape)
-    for name, limit in env.limits().items():
-        assert max(getattr(s, name) for s in shapes) == limit, f"no stress corner reaches {name} = {limit}"
     assert env.encoder_images >= 1 and env.mm_tokens >= 1
+    assert_corners_reach_every_limit(env)
 
 
 def test_worst_grid_has_the_most_patches_then_windows():

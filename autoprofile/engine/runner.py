@@ -281,27 +281,16 @@ class ModelRunner:
     # ------------------------------------------------------------ the stress: the envelope's corners
     def stress_prefill(self) -> list[StepShape]:
         """The prefill corners (autoprofile.engine.stress), executed as serving executes steps."""
-        shapes = self._stress(True, stress.prefill_corners(self.envelope))
-        if self.envelope.encoder_images:
-            step = stress.image_corner_step(self.envelope, self.kv.num_pages - 1, self.model_config.vocab_size,
-                                            self.cfg.seed)
-            shapes.append(self._run_corner(step))
-        return shapes
+        return self._stress(stress.prefill_steps)
 
     def stress_decode(self) -> list[StepShape]:
         """The decode corners (autoprofile.engine.stress), executed as serving executes steps."""
-        return self._stress(False, stress.decode_corners(self.envelope))
+        return self._stress(stress.decode_steps)
 
-    def _stress(self, is_prefill: bool, corners: list[stress.Rows]) -> list[StepShape]:
+    def _stress(self, steps) -> list[StepShape]:
         self._require_built()
-        shapes = []
-        for i, rows in enumerate(corners):
-            step = stress.corner_step(self.envelope, is_prefill, rows, self.kv.num_pages - 1,
-                                      self.model_config.vocab_size, self.cfg.seed + i)
-            if self.envelope.encoder_images and not is_prefill:
-                stress.with_images(self.envelope, step, self.cfg.seed + i)
-            shapes.append(self._run_corner(step))
-        return shapes
+        return [self._run_corner(step) for step in steps(self.envelope, self.kv.num_pages - 1,
+                                                         self.model_config.vocab_size, self.cfg.seed)]
 
     def _run_corner(self, step: Step) -> StepShape:
         self.execute(step)

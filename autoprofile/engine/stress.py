@@ -122,3 +122,20 @@ def with_images(env: Envelope, step: Step, seed: int) -> Step:
     for row in step.rows:
         row.mm = stress_images(env, env.images_per_request, seed)
     return step
+
+
+# ---------------------------------------------------------------- the steps the runner executes
+def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
+    """The prefill corners as steps, then the image corner (vision-language models)."""
+    steps = [corner_step(env, True, rows, usable_pages, vocab_size, seed + i)
+             for i, rows in enumerate(prefill_corners(env))]
+    if env.encoder_images:
+        steps.append(image_corner_step(env, usable_pages, vocab_size, seed))
+    return steps
+
+
+def decode_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
+    """The decode corners as steps; a vision-language model's rows carry images."""
+    steps = [corner_step(env, False, rows, usable_pages, vocab_size, seed + i)
+             for i, rows in enumerate(decode_corners(env))]
+    return [with_images(env, step, seed + i) for i, step in enumerate(steps)] if env.encoder_images else steps
