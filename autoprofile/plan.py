@@ -219,8 +219,10 @@ def nccl_row(tp: int) -> Row:
 # The vision tower's activation peak in one encoder step (Qwen2.5-VL 7B's tower, bf16), fitted to the H100
 # measurements of tests/test_qwen2_5_vl_gpu.py (2026-11-23: 4 images of 448 / 1036 / 2044 px -> 245 / 4,662 /
 # 64,510 MiB): a part per padded window slot and a part per (patches of the largest image)^2, from the
-# full-attention layers' scores (quadratic: see the closing note of issue 16). At the default stress (4 images of
-# 512 x 10 patches) it estimates 4.2 GiB; the profile measured ~3.1 GiB above qwen2.5-7b's non-KV peak.
+# full-attention layers' scores. Those measurements ran the full-attention layers through SDPA's math path (3-D
+# calls; now 4-D, so flash or memory-efficient): the quadratic part should be gone, not re-measured yet, so the
+# estimate errs on the safe side. At the default stress (4 images of 512 x 10 patches) it estimates 4.2 GiB; the
+# profile measured ~3.1 GiB above qwen2.5-7b's non-KV peak (math path).
 ENCODER_BYTES_PER_SLOT = 21_500
 ENCODER_BYTES_PER_SCORE = 145
 

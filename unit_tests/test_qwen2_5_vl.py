@@ -204,6 +204,8 @@ def test_window_layers_attend_all_windows_in_one_call(models, monkeypatch):
     windows = sum(math.ceil(h / side) * math.ceil(w / side) for _, h, w in TWO)
     batched = [c for c in calls if c[0] == windows]
     assert batched == [(windows, v.num_heads, side * side, v.head_dim)] * windowed
+    # 4-D everywhere: a 3-D call cannot take torch's flash or memory-efficient kernels (quadratic memory)
+    assert all(len(c) == 4 for c in calls), calls
 
 
 def test_vision_layout_pads_partial_windows_and_keeps_every_patch_once():
