@@ -249,7 +249,9 @@ async def sample_memory(url: str, period: float, stop: asyncio.Event) -> list[di
     """Scrape the allocator gauges every `period` s until stop is set (one last sample then)."""
     samples, t0 = [], time.monotonic()
     while True:
-        m = await scrape(url)
+        m = await scrape_or_none(url)
+        if m is None:  # the server is gone: the requests say so
+            return samples
         samples.append({"t": time.monotonic() - t0, "profile_peak": m.get(PEAK_GAUGE, 0.0),
                         **{k: m.get(name, 0.0) for k, name in MEMORY_GAUGES.items()}})
         if stop.is_set():
@@ -507,17 +509,13 @@ async def bench(args, url: str, health: dict) -> dict:
     summary = summarize(results, duration, percentiles)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
         args.request_rate
+    summary["seed"] = args.seed
     await asyncio.sleep(1.0)  # aborted (disconnected) requests are freed by the next engine step
-    after = await scrape(url)
-    summary["server"] = {
-        "oom_while_serving": after.get("autoprofile_serving_oom_total", 0.0)
-        - before.get("autoprofile_serving_oom_total", 0.0),
-        "kv_pages_used_after": after.get("autoprofile_kv_pages_used"),
-        "kv_pages_total": after.get("autoprofile_kv_pages_total"),
-        "preemptions": after.get("autoprofile_num_preemptions_total", 0.0)
-        - before.get("autoprofile_num_preemptions_total", 0.0),
-        "requests_running_after": after.get("autoprofile_num_requests_running"),
-    }
+    after = await scrape_or_none(url)
+    if after is None:
+        summary["server"] = {"unreachable": f"{url}/metrics did not answer after the run (the server is gone)"}
+    else:
+        summary["server"] = server_figures(before, after)
     if args.soak_minutes:
         summary["by_kind"] = {k: {"sent": sum(r.kind == k for r in results),
                                   "ok": sum(r.kind == k and r.success for r in results),
@@ -531,6 +529,18 @@ async def bench(args, url: str, health: dict) -> dict:
             title = f"autoprofile soak: {model}, {args.soak_minutes:g} min at {args.max_concurrency} running"
             summary["memory_plot"] = str(plot_soak_memory(timeline, plot, title))
     return summary
+
+
+def server_figures(before: dict, after: dict) -> dict:
+    """What the server's /metrics say of the run: OOMs, pages left, preemptions, prefix-cache hits."""
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    return {"oom_while_serving": grew("autoprofile_serving_oom_total"),
+            "kv_pages_used_after": after.get("autoprofile_kv_pages_used"),
+            "kv_pages_total": after.get("autoprofile_kv_pages_total"),
+            "preemptions": grew("autoprofile_num_preemptions_total"),
+            "requests_running_after": after.get("autoprofile_num_requests_running"),
+            "prefix_cache_hit_tokens": grew(PREFIX_HITS)}
 
 
 def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
@@ -549,6 +559,8 @@ def soak_verdict(s: dict) -> list[str]:
         problems.append(f"{s['failed']} failed requests")
     if s["lost"]:
         problems.append(f"{s['lost']} lost requests (no answer in time)")
+    if "unreachable" in s["server"]:
+        return problems + [s["server"]["unreachable"]]
     if s["server"]["oom_while_serving"]:
         problems.append(f"{s['server']['oom_while_serving']:.0f} OOMs while serving")
     if s["server"]["kv_pages_used_after"]:
@@ -577,7 +589,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="exact output lengths (default on)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="prompts and images from this seed (default: a fresh one each run, printed; the same seed "
+                        "twice sends the same prompts, which the server's prefix cache then serves)")
     p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="every request's top_p")
     p.add_argument("--top-k", type=int, default=None, help="every request's top_k")
@@ -619,7 +633,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
             (args.top_k is not None and args.top_k < 0):
         p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p 0.9)")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 31)
     return args
+
+
+PREFIX_HITS = "autoprofile_prefix_cache_hit_tokens_total"
+
+
+def cold_prefill_note(summary: dict) -> str | None:
+    """A random dataset whose prompts the server found in its prefix cache did not measure a cold prefill."""
+    hits = summary["server"].get("prefix_cache_hit_tokens") or 0
+    if hits > 0:
+        return (f"NOTE: {hits:.0f} prompt tokens came from the server's prefix cache: this is not a cold-prefill "
+                f"figure (the same --seed {summary['seed']} as an earlier run, or a server that kept them)")
+    return None
+
+
+async def scrape_or_none(url: str) -> dict[str, float] | None:
+    """/metrics, or None when the server is gone (its requests already failed: a result, not a traceback)."""
+    try:
+        return await scrape(url)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
 
 
 def main(argv=None) -> int:
@@ -640,6 +676,7 @@ def main(argv=None) -> int:
         code = server.stop(timeout=600) if server is not None else None
     if server is not None:
         summary["server"]["exit_code"] = code
+    print(f"seed {args.seed}: --seed {args.seed} sends these prompts again")
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     title = f"Soak ({args.soak_minutes:g} min)" if args.soak_minutes else "Serving Benchmark Result"
     print(json.dumps(summary, indent=2) if args.json else format_table(summary, percentiles, title))
@@ -650,6 +687,11 @@ def main(argv=None) -> int:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
     problems = soak_verdict(summary) if args.soak_minutes else []
+    if not args.soak_minutes and "unreachable" in summary["server"]:
+        problems.append(summary["server"]["unreachable"])
+    note = cold_prefill_note(summary) if not args.soak_minutes and "unreachable" not in summary["server"] else None
+    if note:
+        print(note)
     if server is not None and code != 0:
         problems.append(f"the server exited with code {code} after SIGTERM")
     for msg in problems:

@@ -171,3 +171,52 @@ def test_random_mm_without_images_runs_as_chat_against_the_server(booted):  # no
     assert s["completed"] == 4 and s["failed"] == 0, s["errors"]
     assert s["total_output_tokens"] == 32 and s["mean_ttft_ms"] > 0 and s["p99_itl_ms"] > 0
     assert s["total_input_tokens"] > 4 * 6  # the server's count of the templated chat prompt
+
+
+# ---------------------------------------------------------------- an honest benchmark (issue 19)
+def test_each_run_draws_fresh_prompts_unless_seeded():
+    import random
+    a, b = bench_serving.parse_args([]).seed, bench_serving.parse_args([]).seed
+    assert a != b  # fresh seeds (1 in 2^31 to collide)
+    jobs = [bench_serving.random_jobs(4, 8, 4, 0.0, random.Random(seed), {}) for seed in (a, b)]
+    assert [j.prompt for j in jobs[0]] != [j.prompt for j in jobs[1]]
+    assert bench_serving.parse_args(["--seed", "7"]).seed == 7
+
+
+def test_the_same_seed_twice_is_flagged_as_not_a_cold_prefill(booted):  # noqa: F811
+    argv = ["--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "40", "--random-output-len", "4",
+            "--seed", "11"]
+    runner, result = booted
+    engine = LLMEngine(runner)  # one server for both runs: its prefix cache keeps the first run's pages
+
+    async def go():
+        async with TestClient(TestServer(server.make_app(CFG, engine, result))) as c:
+            url = str(c.make_url("")).rstrip("/")
+            health = await bench_serving.wait_ready(url, 10, None)
+            return [await bench_serving.bench(bench_serving.parse_args(argv), url, health) for _ in range(2)]
+    first, second = asyncio.run(go())
+    assert first["server"]["prefix_cache_hit_tokens"] == 0 and bench_serving.cold_prefill_note(first) is None
+    assert second["server"]["prefix_cache_hit_tokens"] >= 4 * 32  # two full pages of each prompt
+    assert "not a cold-prefill figure" in bench_serving.cold_prefill_note(second)
+    assert "--seed 11" in bench_serving.cold_prefill_note(second)
+
+
+def test_a_server_that_vanishes_mid_run_is_failed_requests_not_a_traceback(booted):  # noqa: F811
+    runner, result = booted
+    engine = LLMEngine(runner)
+    args = bench_serving.parse_args(["--num-prompts", "40", "--max-concurrency", "2", "--random-input-len", "8",
+                                     "--random-output-len", "32", "--request-timeout", "20"])
+
+    async def go():
+        c = TestClient(TestServer(server.make_app(CFG, engine, result)))
+        await c.start_server()
+        url = str(c.make_url("")).rstrip("/")
+        health = await bench_serving.wait_ready(url, 10, None)
+        run = asyncio.create_task(bench_serving.bench(args, url, health))
+        await asyncio.sleep(0.5)
+        await c.close()  # the server goes away while requests are in flight and more are to come
+        return await run
+    s = asyncio.run(go())
+    assert s["failed"] > 0 and s["completed"] < 40
+    assert "unreachable" in s["server"]
+    assert bench_serving.soak_verdict(s)[-1].endswith("(the server is gone)")
