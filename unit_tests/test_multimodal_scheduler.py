@@ -190,3 +190,12 @@ def test_worst_grid_has_the_most_patches_then_windows():
     grids = [(4 * a * b, window_count(2 * a, 2 * b)) for a in range(1, 1281) for b in range(1, 1280 // a + 1)
              if max(a, b) <= 200 * min(a, b)]
     assert (t, h * w, window_count(h, w)) == (1, *max(grids))
+
+
+def test_a_vision_model_under_tensor_parallelism_is_refused_up_front():
+    """The TP step broadcast carries no images yet: --tp 2 with qwen2.5-vl-7b is a config error, not wrong
+    answers from ranks that never saw the images."""
+    from autoprofile.config import ConfigError, ServerConfig, validate
+    with pytest.raises(ConfigError, match="try --tp 1"):
+        validate(ServerConfig(model="qwen2.5-vl-7b", tp=2))
+    validate(ServerConfig(model="qwen2.5-vl-7b", tp=1))
