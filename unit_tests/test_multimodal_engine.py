@@ -98,3 +98,15 @@ def test_the_image_stress_runs_through_execute_and_an_encoder_step_past_it_is_re
     step = Step(is_prefill=True, rows=[], encode=[(0, big), (1, big), (0, big)])
     with pytest.raises(EnvelopeError, match="encoder_images 3 > 2"):
         runner.execute(step)
+
+
+def test_the_encoder_buffer_is_declared_from_the_envelope_and_dropped_by_teardown(models):
+    _, _, folder = models
+    runner = runner_for(folder, 512, visual=3)
+    env, mc = runner.envelope, runner.model_config
+    assert runner.mm_buffer.shape == (env.encoder_images, env.image_tokens, mc.hidden_size) == (3, 96, 64)
+    runner.teardown()
+    assert runner.mm_buffer is None and runner.envelope is None
+    runner.build(4096)  # a rebuild owns a new one
+    assert runner.mm_buffer.shape[0] == 3
+    runner.teardown()
