@@ -43,6 +43,14 @@ def boot_cpu(cfg: ServerConfig, kv_tokens: int = KV_TOKENS):
     return runner, CPUResult(cfg, runner.built_tokens, runner.sizing.cell_bytes)
 
 
+def bound_url(lines) -> str | None:
+    """Read a server's log lines until it logs `serving on http://...`; its URL (None if it never bound)."""
+    for line in lines:
+        if "serving on" in line:
+            return line.split("serving on ")[1].split(",")[0].strip()
+    return None
+
+
 FAULTS = ("abort", "wedge")
 
 

@@ -26,7 +26,7 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving.protocol import max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import boot_cpu, bound_url
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256, batch_max_tokens=64,
@@ -493,11 +493,7 @@ def test_sigterm_drains_every_accepted_request_then_exits_0():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
-        url = None
-        for line in proc.stdout:
-            if "serving on" in line:
-                url = line.split("serving on ")[1].split(",")[0].strip()
-                break
+        url = bound_url(proc.stdout)
         assert url, "the server never bound"
 
         async def go():

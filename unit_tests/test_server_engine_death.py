@@ -17,6 +17,7 @@ from autoprofile import server
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving import async_engine
 from unit_tests.test_server import CFG, ROOT, RUNNING, _cli_flags, booted, greedy, serve  # noqa: F401
+from unit_tests.cpu_server import bound_url
 
 WAITING = 2  # CFG.max_waiting_requests
 DETECTED_WITHIN_S = 3.0
@@ -123,11 +124,7 @@ def test_serve_exits_1_when_the_engine_loop_dies(fault):
                              "--wedged_after_s", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
-        url = None
-        for line in proc.stderr:
-            if "serving on" in line:
-                url = line.split("serving on ")[1].split(",")[0].strip()
-                break
+        url = bound_url(proc.stderr)
         assert url, "the server never bound"
         lines = []
         threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()

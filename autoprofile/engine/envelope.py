@@ -12,6 +12,7 @@ runs an eager decode step at that many rows besides the graph corner.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -126,9 +127,10 @@ class Envelope:
         """Tokens of the largest image: the encoder buffer holds encoder_images of them."""
         return self.encoder_patches // max(self.encoder_images, 1) // (MERGE * MERGE)
 
-    @property
+    @functools.cached_property
     def image_grid(self) -> tuple[int, int, int]:
-        """The largest image's grid (the most patches, then the most windows): what the stress encodes."""
+        """The largest image's grid (the most patches, then the most windows): what the stress encodes.
+        Cached: a search over the grids, asked once per admitted image and per stress row."""
         side = 28 * 28
         return worst_image_grid(self.image_tokens * side, self.image_tokens * side)
 

@@ -327,8 +327,14 @@ async def load_images(parts: Sequence[ImagePart], *, allowed_domains: Iterable[s
                                     timeout_s=timeout_s, session=session)
         except ImageError as e:
             raise ContentError(part.param, f"'{part.param}': {e}") from None
-    results = await asyncio.gather(*(one(p) for p in parts), return_exceptions=True)
-    for r in results:  # the first bad part in request order, whichever failed first
+    return await gather_in_order(one(p) for p in parts)
+
+
+async def gather_in_order(coros) -> list:
+    """Run coros at once; their results, or the exception of the first failed one in request order (whichever
+    failed first in time)."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
         if isinstance(r, BaseException):
             raise r
     return results

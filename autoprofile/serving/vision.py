@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.serving.images import (ContentError, ImageError, ImagePart, content_hash, data_url_bytes,
-                                        decode_image, image_tokens, load_image, preprocess)
+                                        decode_image, gather_in_order, image_tokens, load_image,
+                                        preprocess)
 
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -72,11 +73,7 @@ async def load_prepared(parts: Sequence[ImagePart], opts: ImageOptions, executor
             raise ContentError(part.param, f"'{part.param}': {e}") from None
         return await loop.run_in_executor(executor, prepare, part, image, opts)
 
-    results = await asyncio.gather(*(one(p) for p in parts), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results
+    return await gather_in_order(one(p) for p in parts)
 
 
 def encode_with_images(tokenizer, text: str, images: Sequence[PreparedImage], mc) -> list[int]:
