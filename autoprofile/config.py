@@ -16,9 +16,10 @@ from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig, builtin_models, load_model_config
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
-KV_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
+KV_SCALES = ("auto", "first_batch", "unit")
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
@@ -46,7 +47,8 @@ class ServerConfig:
     disable_cudagraph: bool = False
     disable_prefix_caching: bool = False
     attention_backend: str = "auto"
-    kv_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_scales: str = "auto"
     dtype: str = "bfloat16"
     page_size: int = 16
     canary_mb: int = 256
@@ -75,7 +77,7 @@ class ServerConfig:
 
     @property
     def kv_dtype_name(self) -> str:
-        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def kv_dtype_bytes(self) -> int:
@@ -126,7 +128,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be >= 2, got {cfg.max_req_total_len}; try --max_req_total_len 4096")
     _check(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
            f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
-    _check(cfg.kv_dtype in KV_DTYPES, "kv_dtype", f"unknown '{cfg.kv_dtype}'; choose one of {', '.join(KV_DTYPES)}")
+    _check(cfg.kv_cache_dtype in KV_DTYPES, "kv_cache_dtype",
+           f"unknown '{cfg.kv_cache_dtype}'; choose one of {', '.join(KV_DTYPES)}")
     _check(cfg.dtype in MODEL_DTYPES, "dtype", f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
     _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try --page_size 16")
     _check(cfg.page_size >= 16 or cfg.attention_backend == "torch", "page_size",
@@ -152,8 +155,13 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            "try --max_waiting_requests 1024")
     _check(cfg.dtype != "float32" or cfg.attention_backend == "torch", "dtype",
            "float32 weights are only supported by --attention_backend torch; try --dtype bfloat16")
-    _check(cfg.kv_dtype != "float32" or cfg.attention_backend == "torch", "kv_dtype",
-           "float32 KV is only supported by --attention_backend torch; try --kv_dtype auto")
+    _check(cfg.kv_cache_dtype != "float32" or cfg.attention_backend == "torch", "kv_cache_dtype",
+           "float32 KV is only supported by --attention_backend torch; try --kv_cache_dtype auto")
+    _check(cfg.kv_cache_dtype != "fp8_e4m3" or cfg.attention_backend in ("auto", "aiter_triton", "torch"),
+           "kv_cache_dtype", f"fp8_e4m3 KV is served by --attention_backend aiter_triton or torch, not "
+                             f"{cfg.attention_backend}; try --attention_backend aiter_triton")
+    _check(cfg.kv_scales in KV_SCALES, "kv_scales",
+           f"unknown '{cfg.kv_scales}'; choose one of {', '.join(KV_SCALES)}")
 
     try:
         m = cfg.model_config
@@ -291,7 +299,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "disable_prefix_caching", action="store_true",
              help="never reuse the K/V of full pages that an earlier request with the same prefix computed")
     add_flag(p, "attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
-    add_flag(p, "kv_dtype", default=d.kv_dtype, help=f"one of {', '.join(KV_DTYPES)} (auto = --dtype)")
+    add_flag(p, "kv_cache_dtype", default=d.kv_cache_dtype,
+             help=f"KV cache dtype, one of {', '.join(KV_DTYPES)} (auto = --dtype; "
+                  "fp8_e4m3 halves the cell: per-tensor K/V scales, see --kv_scales)")
+    add_flag(p, "kv_scales", default=d.kv_scales,
+             help="an FP8 cache's per-layer K/V scales: auto (the checkpoint's k_scale/v_scale if it has them, "
+                  "else first_batch), first_batch (from the first real prefill's K/V), unit (1.0)")
     add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
     add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
     add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")

@@ -83,7 +83,7 @@ class Plan:
     tp: int
     attention_backend: str
     dtype: str
-    kv_dtype: str
+    kv_cache_dtype: str
     context_len: int
     page_size: int
     batch_max_tokens: int
@@ -436,7 +436,7 @@ def make_plan(cfg: ServerConfig, card: Card) -> Plan:
     return Plan(
         model=cfg.model_config.name, architecture=cfg.model_config.architecture, gpu=gpu,
         gpu_source=card.source,
-        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype_name,
+        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_dtype_name,
         context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
         graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
         cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,
@@ -455,7 +455,7 @@ def _line(sign: str, r: Row) -> str:
 def format_plan(p: Plan) -> str:
     head = [
         f"autoprofile plan: {p.model} ({p.architecture}) on {p.gpu}, per TP rank (--tp {p.tp})",
-        f"  attention backend {p.attention_backend}, weights {p.dtype}, KV {p.kv_dtype}, "
+        f"  attention backend {p.attention_backend}, weights {p.dtype}, KV {p.kv_cache_dtype}, "
         f"context {p.context_len} tokens, page {p.page_size}, --batch_max_tokens {p.batch_max_tokens}, "
         f"--graph_max_batch_size {p.graph_max_batch_size}, --mem_fraction {p.mem_fraction}",
         "",

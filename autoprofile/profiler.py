@@ -105,6 +105,7 @@ class ProfileResult:
     errors: list[str]
     stack_limit: int | None = None  # per-thread CUDA stack limit after the stress (None without CUDA)
     local_memory: int | None = None  # what the driver reserves for it (memory.local_memory_bytes)
+    kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
 
     @property
     def kv_bytes(self) -> int:
@@ -449,7 +450,8 @@ class Profiler:
         stack, local = local_memory_after_stress(self.device)
         return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
                              m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
-                             list(self.errors), stack, local)
+                             list(self.errors), stack, local,
+                             kv_scales=getattr(self.runner, "kv_scale_source", None))
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from autoprofile.budget import gib
+from autoprofile.engine.kv_cache import KV_SCALE_TEXT
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def to_dict(result) -> dict:
         "model": result.cfg.model,
         "tp": result.cfg.tp,
         "attention_backend": result.cfg.attention_backend,
+        "kv_cache_dtype": result.cfg.kv_dtype_name,
+        "kv_scales": result.kv_scales,
         "max_total_token_num": result.tokens,
         "kv_gib": gib(result.kv_bytes),
         "cell_bytes": result.cell_bytes,
@@ -55,7 +58,8 @@ def to_dict(result) -> dict:
 
 def format_report(result) -> str:
     lines = [f"autoprofile budget report: {result.cfg.model}, tp={result.cfg.tp}, "
-             f"backend={result.cfg.attention_backend}",
+             f"backend={result.cfg.attention_backend}, KV {result.cfg.kv_dtype_name}"
+             + (f" (scales: {KV_SCALE_TEXT[result.kv_scales]})" if result.kv_scales else ""),
              f"  {'term':<44}{'GiB':>10}  source"]
     lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS
               if key not in VISION_TERMS or result.terms.get(key)]

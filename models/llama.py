@@ -2,7 +2,7 @@
 
 GQA, RoPE (default, linear, Llama-3 `rope_scaling`), RMSNorm from the attention backend, SwiGLU, tied or
 untied embeddings. The model holds no KV cache and no per-step state: `forward` takes the token ids,
-their positions, the step's AttentionMetadata and the per-layer (k_cache, v_cache) views.
+their positions, the step's AttentionMetadata and the per-layer KVLayer (cache views, FP8 scales).
 """
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.engine.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import ModelConfig
-
-KVLayer = tuple[torch.Tensor, torch.Tensor]
-
 
 # ---------------------------------------------------------------- RoPE
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -95,23 +92,22 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: KVLayer) -> torch.Tensor:
-        k_cache, v_cache = kv
         qkv = self.qkv_proj(x)
         if self.q_norm is None:  # RoPE in place on the packed projection, K/V to the cache: q, k, v are views
-            q, k, v = self.backend.rope_store(qkv, *rope, k_cache, v_cache, meta.slot_mapping)
+            q, k, v = self.backend.rope_store(qkv, *rope, kv, meta.slot_mapping)
         else:  # Qwen3: per-head RMSNorm before RoPE
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
             q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
             k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+            self.backend.store_kv(k, v, kv, meta.slot_mapping)
         if meta.is_prefill:
             if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
-                k, v = self.backend.gather_kv(k_cache, v_cache, meta.kv_slots)
+                k, v = self.backend.gather_kv(kv, meta.kv_slots)
             o = self.backend.prefill(q, k, v, meta)
         else:
-            o = self.backend.decode(q, k_cache, v_cache, meta)
+            o = self.backend.decode(q, kv, meta)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -66,7 +66,7 @@ def time_steps(runner: ModelRunner, step: Step, iters: int) -> float:
 def build(args: argparse.Namespace, context: int) -> ModelRunner:
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", attention_backend=args.backend,
                                 max_req_total_len=context, graph_max_batch_size=max(args.batches),
-                                report_dir=None))
+                                kv_cache_dtype=args.kv_cache_dtype, report_dir=None))
     runner = ModelRunner(cfg)
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     copy = bench_attention.copy_bandwidth(args.copy_bytes)
     bw = copy["GB_per_s"] * 1e9
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
+                 "kv_cache_dtype": args.kv_cache_dtype,
                  "copy_GB_per_s": copy["GB_per_s"], "ctx": args.ctx, "steps": {}, "targets": TARGETS}
     for context in args.contexts:
         runner = build(args, context)
@@ -145,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--backend", default="aiter_triton")
+    p.add_argument("--kv_cache_dtype", default="auto", help="auto or fp8_e4m3 (the floor reads the cache's bytes)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],

@@ -12,6 +12,7 @@ from autoprofile import budget
 from autoprofile.engine.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
+from autoprofile.engine.attention.base import FP8_MAX, KVLayer, dequantize, quantize
 from unit_tests.test_attention_cpu import ref_attention, ref_rms_norm, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -122,7 +123,7 @@ def test_paged_decode(name, b, longest, max_seq_len, captured, nan_empty):
     kc, vc, meta = paged(lens, max_seq_len, gen)
     meta.captured = captured
     q = packed_qkv(b, gen)[0]  # strided, like the model's
-    out = be.decode(q, kc, vc, meta)
+    out = be.decode(q, KVLayer(kc, vc), meta)
     torch.cuda.synchronize()
     assert out.shape == q.shape and not out.isnan().any()
     for i, n in enumerate(lens):
@@ -146,16 +147,16 @@ def test_decode_graph_replay_equals_eager(name, b, max_seq_len):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        be.decode(q, kc, vc, meta)  # warm-up: compile outside the capture
+        be.decode(q, KVLayer(kc, vc), meta)  # warm-up: compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = be.decode(q, kc, vc, meta)
+        out = be.decode(q, KVLayer(kc, vc), meta)
     for trial in range(2):  # new inputs into the static buffers, then replay
         q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
         meta.seq_lens.copy_(torch.randint(1, max_seq_len + 1, (b,), generator=gen, device="cuda"))
         graph.replay()
-        eager = be.decode(q, kc, vc, meta)
+        eager = be.decode(q, KVLayer(kc, vc), meta)
         torch.cuda.synchronize()
         assert not out.isnan().any()
         assert torch.equal(out, eager), f"{name} trial {trial}: replay differs from eager"
@@ -174,11 +175,11 @@ def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len, captured):
     kc, vc, meta = paged([17] * b, max_seq_len, torch.Generator(device="cuda").manual_seed(b))
     meta.captured = captured
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
-    be.decode(q, kc, vc, meta)  # compile first
+    be.decode(q, KVLayer(kc, vc), meta)  # compile first
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    be.decode(q, kc, vc, meta)
+    be.decode(q, KVLayer(kc, vc), meta)
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
     partition = be.decode_partition(b, max_seq_len) if captured else budget.TRITON_PARTITION
@@ -198,11 +199,11 @@ def test_store_kv_then_decode(name):
     pages = torch.randperm(80, generator=gen, device="cuda")[: -(-n // PAGE)].to(torch.int32)
     slots = (pages.long()[:, None] * PAGE + torch.arange(PAGE, device="cuda")).reshape(-1)[:n]
     k, v = (torch.randn(n, HKV, D, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    be.store_kv(k, v, kc, vc, slots)
+    be.store_kv(k, v, KVLayer(kc, vc), slots)
     q = torch.randn(1, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=slots[-1:], block_tables=pages[None],
                              seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"), max_seq_len=n)
-    assert rel_err(be.decode(q, kc, vc, meta), ref_attention(q, k, v, False)) < BF16_TOL
+    assert rel_err(be.decode(q, KVLayer(kc, vc), meta), ref_attention(q, k, v, False)) < BF16_TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -238,7 +239,7 @@ def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
                               slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device="cuda"),
                               kv_slots=slots, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32, device="cuda"),
                               max_seqlen_k=max(kv_lens))
-    k, v = be.gather_kv(kc, vc, slots)
+    k, v = be.gather_kv(KVLayer(kc, vc), slots)
     out = be.prefill(q, k, v, pmeta)
     torch.cuda.synchronize()
     assert not out.isnan().any()
@@ -268,8 +269,8 @@ def test_fused_rope_store_equals_the_torch_ops(t):
     slots = torch.randperm((pages - 1) * PAGE, generator=gen, device="cuda")[:t] + PAGE
     caches = [torch.zeros(pages, HKV, PAGE, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     got_qkv, want_qkv = qkv.clone(), qkv.clone()
-    got = be.rope_store(got_qkv, cos, sin, caches[0], caches[1], slots)
-    want = ref.rope_store(want_qkv, cos, sin, caches[2], caches[3], slots)
+    got = be.rope_store(got_qkv, cos, sin, KVLayer(caches[0], caches[1]), slots)
+    want = ref.rope_store(want_qkv, cos, sin, KVLayer(caches[2], caches[3]), slots)
     assert got[0].data_ptr() == got_qkv.data_ptr()
     for a, b in zip([*got, got_qkv, caches[0]], [*want, want_qkv, caches[2]]):
         assert rel_err(a, b) < 1e-2
@@ -330,7 +331,7 @@ def test_partition_reduce_compiles_once_for_every_v2_shape():
         kc, vc, meta = paged(mixed_lens(b, max_seq_len, gen), max_seq_len, gen)
         meta.captured = captured
         q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-        out = be.decode(q, kc, vc, meta)
+        out = be.decode(q, KVLayer(kc, vc), meta)
         i = int(meta.seq_lens.argmax())
         want = ref_decode_one(q[i], kc, vc, meta.block_tables[i], int(meta.seq_lens[i]))
         assert rel_err(out[i], want) < BF16_TOL
@@ -356,10 +357,96 @@ def test_paged_decode_v2_mha(captured, nan_empty):
     meta.captured = captured
     q = torch.randn(b, h, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     assert not use_v1(b, h, max_seq_len)
-    out = be.decode(q, kc, vc, meta)
+    out = be.decode(q, KVLayer(kc, vc), meta)
     assert not out.isnan().any()
     for i, n in enumerate(lens):
         pages = tables[i, : -(-n // PAGE)].long()
         k = kc[pages].permute(0, 2, 1, 3).reshape(-1, h, D)[:n]
         v = vc[pages].permute(0, 2, 1, 3).reshape(-1, h, D)[:n]
         assert rel_err(out[i], ref_attention(q[i][None], k, v, False)[0]) < BF16_TOL, (i, n)
+
+
+# ---------------------------------------------------------------- FP8 KV cache (--kv_cache_dtype fp8_e4m3)
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_pages(kc: torch.Tensor, vc: torch.Tensor) -> KVLayer:
+    """The bf16 pages quantised per tensor (scale = amax / 448, as a checkpoint's scales would be)."""
+    scales = torch.stack([kc.abs().max(), vc.abs().max()]).float() / FP8_MAX
+    return KVLayer(quantize(kc, scales[0], FP8), quantize(vc, scales[1], FP8), scales)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("b,longest,max_seq_len", DECODE_CASES)
+def test_paged_decode_over_fp8_pages(name, b, longest, max_seq_len, captured, nan_empty):
+    """AITER's kernels read FP8 pages (k_scale = v_scale = 1.0 passed by value, the real scales applied to
+    q and to the output): against the float64 reference over the dequantised pages, both decode paths."""
+    gen = torch.Generator(device="cuda").manual_seed(b * longest + 1)
+    be = make(name)
+    lens = mixed_lens(b, longest, gen)
+    kc, vc, meta = paged(lens, max_seq_len, gen)
+    layer = fp8_pages(kc * 3, vc * 0.05)
+    meta.captured = captured
+    q = packed_qkv(b, gen)[0]
+    out = be.decode(q, layer, meta)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and not out.isnan().any()
+    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1], torch.float32)
+    for i, n in enumerate(lens):
+        err = rel_err(out[i], ref_decode_one(q[i], kd, vd, meta.block_tables[i], n))
+        assert err < BF16_TOL, f"{name} fp8 request {i} (len {n}): rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (32, 16384)])  # v1, v2
+def test_fp8_decode_graph_reads_the_scales_set_after_capture(b, max_seq_len):
+    """--kv_scales first_batch sets the scales after the graphs were captured: a replay must use them."""
+    gen = torch.Generator(device="cuda").manual_seed(b)
+    be = make("aiter_triton")
+    kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)
+    layer = fp8_pages(kc, vc)
+    q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        be.decode(q, layer, meta)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = be.decode(q, layer, meta)
+    graph.replay()
+    first = out.clone()
+    layer.scales.mul_(torch.tensor([0.5, 3.0], device="cuda"))  # in place, as KVCache.set_scales writes
+    graph.replay()
+    eager = be.decode(q, layer, meta)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and not torch.equal(out, first)
+    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1], torch.float32)
+    assert rel_err(out[0], ref_decode_one(q[0], kd, vd, meta.block_tables[0], max_seq_len)) < BF16_TOL
+
+
+@pytest.mark.parametrize("t", [1, 256, 8192])
+def test_fused_rope_store_into_fp8_pages_equals_the_torch_ops(t):
+    """The fused kernel's FP8 store (K/V divided by the scales, saturated) against the torch ops: the
+    same rounding but where the rotated K differs by a bf16 rounding (an FMA), then at most one FP8 step."""
+    gen = torch.Generator(device="cuda").manual_seed(t + 1)
+    be, ref = make("aiter_triton"), make("torch")
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, generator=gen, device="cuda", dtype=torch.bfloat16) * 4
+    qkv[0, -D:] = 1e4  # past the FP8 range at scale 1/64: saturates, never NaN
+    table = torch.randn(16384, D, generator=gen, device="cuda")
+    cos, sin = (x.unsqueeze(1) for x in table[torch.randint(0, 16384, (t,), generator=gen, device="cuda")]
+                .chunk(2, dim=-1))
+    pages = -(-t // PAGE) + 1
+    slots = torch.randperm((pages - 1) * PAGE, generator=gen, device="cuda")[:t] + PAGE
+    caches = [torch.zeros(pages, HKV, PAGE, D, device="cuda", dtype=FP8) for _ in range(4)]
+    scales = torch.tensor([1 / 32, 1 / 64], device="cuda")
+    got_qkv, want_qkv = qkv.clone(), qkv.clone()
+    be.rope_store(got_qkv, cos, sin, KVLayer(caches[0], caches[1], scales), slots)
+    ref.rope_store(want_qkv, cos, sin, KVLayer(caches[2], caches[3], scales), slots)
+    assert rel_err(got_qkv, want_qkv) < 1e-2
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        a, b = a.float(), b.float()
+        assert not a.isnan().any() and a.abs().max() <= FP8_MAX
+        assert ((a - b).abs() <= b.abs() / 8 + 2 ** -9).all()
+        assert (a == b).float().mean() > 0.98
+    assert caches[1].float().abs().max() == FP8_MAX

@@ -20,6 +20,7 @@ import torch
 from autoprofile import budget
 from autoprofile.engine.attention import AttentionMetadata
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend, ragged_pages
+from autoprofile.engine.attention.base import KVLayer
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 
@@ -37,6 +38,10 @@ def fake_aiter(monkeypatch):
 
 def backend() -> AiterNativeBackend:
     return AiterNativeBackend(HQ, HKV, D, PAGE, torch.bfloat16, torch.device("cpu"))
+
+
+def as_layer(q, kc, vc, meta):
+    return q, KVLayer(kc, vc), meta
 
 
 def decode_inputs(seq_lens: list[int], cols: int, max_seq_len: int):
@@ -79,7 +84,7 @@ def test_decode_calls_paged_attention_ragged_with_the_contract(fake_aiter):
     be.build(max_decode_rows=4, max_context_len=1000)
     seq_lens = [1, 16, 17, 40]
     q, kc, vc, meta = decode_inputs(seq_lens, cols=5, max_seq_len=1000)
-    out = be.decode(q, kc, vc, meta)
+    out = be.decode(q, KVLayer(kc, vc), meta)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
 
     (args, kwargs), = fake_aiter.paged_attention_ragged.call_args_list
@@ -107,12 +112,12 @@ def test_decode_calls_paged_attention_ragged_with_the_contract(fake_aiter):
 def test_decode_refuses_what_the_workspace_cannot_hold(fake_aiter):
     be = backend()
     with pytest.raises(RuntimeError, match="build"):
-        be.decode(*decode_inputs([3], 1, 16))
+        be.decode(*as_layer(*decode_inputs([3], 1, 16)))
     be.build(max_decode_rows=2, max_context_len=512)
     with pytest.raises(ValueError, match="batch 3"):
-        be.decode(*decode_inputs([3, 3, 3], 1, 16))
+        be.decode(*as_layer(*decode_inputs([3, 3, 3], 1, 16)))
     with pytest.raises(ValueError, match="max_seq_len 513"):
-        be.decode(*decode_inputs([3], 33, 513))
+        be.decode(*as_layer(*decode_inputs([3], 33, 513)))
     fake_aiter.paged_attention_ragged.assert_not_called()
 
 

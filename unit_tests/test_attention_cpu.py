@@ -17,6 +17,7 @@ from autoprofile.engine.attention import (AttentionMetadata, BACKENDS, get_backe
 from autoprofile.engine.attention import aiter_triton
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
+from autoprofile.engine.attention.base import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 
 
@@ -132,7 +133,7 @@ def test_prefill_chunks_over_cached_prefixes_match_float64():
     cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
     pmeta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
                               cu_seqlens=cu_q, max_seqlen=9, kv_slots=slots, cu_seqlens_k=cu_k, max_seqlen_k=40)
-    k, v = be.gather_kv(kc, vc, slots)
+    k, v = be.gather_kv(KVLayer(kc, vc), slots)
     out = be.prefill(q, k, v, pmeta)
     for i in range(len(chunks)):
         want = ref_attention(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]], True)
@@ -165,7 +166,7 @@ def test_paged_decode_matches_float64(hq, hkv, chunk_bytes):
     be = torch_backend(hq, hkv, **kw)
     if chunk_bytes:
         assert be.decode_chunk_pages(len(seq_lens), meta.block_tables.shape[1]) < meta.block_tables.shape[1]
-    out = be.decode(q, kc, vc, meta)
+    out = be.decode(q, KVLayer(kc, vc), meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = ref_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 16)
     for i in range(len(seq_lens)):  # every request right, not only on average
@@ -174,7 +175,7 @@ def test_paged_decode_matches_float64(hq, hkv, chunk_bytes):
 
 def test_paged_decode_page_size_one_and_bf16():
     q, kc, vc, meta = paged_case([1, 2, 37], 4, 2, 8, 1, torch.bfloat16)
-    out = torch_backend(4, 2, 8, page=1, dtype=torch.bfloat16).decode(q, kc, vc, meta)
+    out = torch_backend(4, 2, 8, page=1, dtype=torch.bfloat16).decode(q, KVLayer(kc, vc), meta)
     assert rel_err(out, ref_decode(q, kc, vc, meta.block_tables, meta.seq_lens, 1)) < 2e-2
 
 
@@ -182,13 +183,13 @@ def test_paged_decode_reads_only_seq_len_tokens():
     """Tokens past seq_len (in the last page and in later pages) must not change the output."""
     q, kc, vc, meta = paged_case([20, 7], 4, 2, 16, 16, torch.float32)
     be = torch_backend(4, 2)
-    before = be.decode(q, kc, vc, meta)
+    before = be.decode(q, KVLayer(kc, vc), meta)
     kc2, vc2 = kc.clone(), vc.clone()
     p0, p1 = meta.block_tables[0, 1].item(), meta.block_tables[1, 0].item()
     kc2[p0, :, 4:] = 100.0
     vc2[p0, :, 4:] = -100.0
     kc2[p1, :, 7:] = 100.0
-    assert torch.equal(be.decode(q, kc2, vc2, meta), before)
+    assert torch.equal(be.decode(q, KVLayer(kc2, vc2), meta), before)
 
 
 def test_decode_has_no_host_sync_or_data_dependent_shape(monkeypatch):
@@ -204,7 +205,7 @@ def test_decode_has_no_host_sync_or_data_dependent_shape(monkeypatch):
                           block_tables=meta.block_tables.to("meta"), seq_lens=meta.seq_lens.to("meta"),
                           max_seq_len=meta.max_seq_len)
     be = TorchBackend(8, 2, 16, 16, torch.float32, torch.device("meta"), decode_chunk_bytes=8192)
-    out = be.decode(q.to("meta"), kc.to("meta"), vc.to("meta"), m)
+    out = be.decode(q.to("meta"), KVLayer(kc.to("meta"), vc.to("meta")), m)
     assert out.shape == q.shape and out.device.type == "meta"
 
 
@@ -214,7 +215,7 @@ def test_store_kv_round_trip():
     vc = torch.zeros(6, 2, 4, 8)
     slots = torch.tensor([0, 5, 6, 23, 9], dtype=torch.int64)
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    be.store_kv(k, v, kc, vc, slots)
+    be.store_kv(k, v, KVLayer(kc, vc), slots)
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(kc[s // 4, :, s % 4], k[i]) and torch.equal(vc[s // 4, :, s % 4], v[i])
     written = torch.zeros(6 * 4, dtype=torch.bool)
@@ -231,10 +232,10 @@ def test_store_then_decode_sees_the_stored_tokens():
     pages = torch.tensor([6, 1, 3], dtype=torch.int32)
     slots = (pages.long()[:, None] * page + torch.arange(page)).reshape(-1)[:n]
     k, v, q = torch.randn(n, 2, 8), torch.randn(n, 2, 8), torch.randn(1, 4, 8)
-    be.store_kv(k, v, kc, vc, slots)
+    be.store_kv(k, v, KVLayer(kc, vc), slots)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=slots[-1:], block_tables=pages[None],
                              seq_lens=torch.tensor([n], dtype=torch.int32), max_seq_len=12)
-    assert rel_err(be.decode(q, kc, vc, meta), ref_attention(q, k, v, False)) < 1e-5
+    assert rel_err(be.decode(q, KVLayer(kc, vc), meta), ref_attention(q, k, v, False)) < 1e-5
 
 
 @pytest.mark.parametrize("shape", [(5, 64), (3, 4, 32)])

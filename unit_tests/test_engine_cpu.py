@@ -97,7 +97,8 @@ def test_kv_cache_is_one_tensor_with_per_layer_views():
     kv = KVCache(3, 5, 2, 16, 8, torch.float32, torch.device("cpu"))
     assert kv.buffer.shape == (2, 3, 5, 2, 16, 8) and kv.buffer.is_contiguous()
     assert kv.nbytes == 2 * 3 * 5 * 2 * 16 * 8 * 4
-    k1, v1 = kv.layers[1]
+    k1, v1, scales = kv.layers[1]
+    assert scales is None and kv.scales is None
     assert k1.shape == (5, 2, 16, 8)
     k1[4, 1, 15, 7] = 3.0
     v1[0, 0, 0, 0] = 4.0

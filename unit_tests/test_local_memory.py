@@ -114,7 +114,7 @@ def test_the_profile_records_and_logs_the_stack_limit(cuda, mocker, caplog):
 def test_the_report_carries_the_stack_limit():
     from autoprofile.report import format_report, to_dict
 
-    cfg = types.SimpleNamespace(model="m", tp=1, attention_backend="aiter_triton")
+    cfg = types.SimpleNamespace(model="m", tp=1, attention_backend="aiter_triton", kv_dtype_name="bfloat16")
     result = profiler.ProfileResult(cfg, 1024, 2, False, 1, 1024, 16, None, {}, [], [], [], 1024, 264 * MiB)
     assert to_dict(result)["stack_limit_bytes"] == 1024 and to_dict(result)["local_memory_bytes"] == 264 * MiB
     assert "stack limit 1024 B/thread" in format_report(result)

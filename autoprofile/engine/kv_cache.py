@@ -7,6 +7,8 @@ from collections import OrderedDict
 
 import torch
 
+from autoprofile.engine.attention.base import KVLayer
+
 PAD_PAGE = 0  # never handed out: padded graph rows write their K/V here (and the prefill stress, scratch)
 
 
@@ -14,24 +16,48 @@ class KVCacheFull(RuntimeError):
     """No free page or request slot left."""
 
 
-class KVCache:
-    """ONE contiguous tensor [2, num_layers, num_pages, kv_heads, page_size, head_dim]; `layers[i]` is the
-    (k_cache, v_cache) view pair of layer i in the backend's layout
-    [num_pages, kv_heads, page_size, head_dim].
+FP8_DTYPES = (torch.float8_e4m3fn,)
+KV_SCALE_TEXT = {"checkpoint": "the checkpoint's k_scale/v_scale",
+                 "first_batch": "set by the first real batch, amax x 2 / 448 per layer", "unit": "1.0"}
 
-    NOTE: captured decode graphs hold raw pointers into `buffer`: drop the graphs before the cache."""
+
+def kv_scale_source(kv_cache_dtype: str, flag: str, checkpoint_has_scales: bool) -> str | None:
+    """Where an FP8 cache's per-layer K/V scales come from (--kv_scales): 'checkpoint', 'first_batch' or
+    'unit' (1.0); None for a cache in the model's dtype."""
+    if kv_cache_dtype != "fp8_e4m3":
+        return None
+    if flag == "auto":
+        return "checkpoint" if checkpoint_has_scales else "first_batch"
+    return flag
+
+
+class KVCache:
+    """ONE contiguous tensor [2, num_layers, num_pages, kv_heads, page_size, head_dim]; `layers[i]` is
+    layer i's KVLayer: the k and v views in the backend's layout [num_pages, kv_heads, page_size, head_dim],
+    and for an FP8 cache a view of `scales` [num_layers, 2] (fp32 k_scale, v_scale per layer, 1.0 until
+    set_scales or a calibrating step sets them).
+
+    NOTE: captured decode graphs hold raw pointers into `buffer` and `scales`: drop the graphs first."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         # zeros, not empty: masked-out cache entries must not be NaN bit patterns (0 * NaN = NaN)
         self.buffer = torch.zeros((2, num_layers, num_pages, num_kv_heads, page_size, head_dim),
                                   dtype=dtype, device=device)
-        self.layers = [(self.buffer[0, i], self.buffer[1, i]) for i in range(num_layers)]
+        self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device) if dtype in FP8_DTYPES else None
+        self.layers = [KVLayer(self.buffer[0, i], self.buffer[1, i], None if self.scales is None else self.scales[i])
+                       for i in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size
 
     @property
     def nbytes(self) -> int:
+        """The KV buffer (an FP8 cache's scales, a few bytes of the small-block pool, are non-KV memory)."""
         return self.buffer.nbytes
+
+    def set_scales(self, scales: torch.Tensor | None) -> None:
+        """[num_layers, 2] (k, v) per layer, or None for 1.0; in place (graphs read these addresses)."""
+        if self.scales is not None:
+            self.scales.copy_(scales if scales is not None else torch.ones_like(self.scales))
 
 
 class PageAllocator:

@@ -20,7 +20,7 @@ from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.attention.base import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
-from autoprofile.engine.kv_cache import KVCache, ReqTable
+from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source
 from autoprofile.engine.parallel import TP
 from autoprofile.engine import stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
@@ -31,7 +31,8 @@ from models import model_class
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def runner_device(rank: int) -> torch.device:
@@ -44,7 +45,7 @@ class ModelRunner:
         self.device = runner_device(rank)
         self.tp = TP(rank, world_size, group)
         mc = self.model_config = cfg.model_config
-        self.dtype, self.kv_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.kv_dtype_name]
+        self.dtype, self.kv_cache_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.kv_dtype_name]
         self.num_q_heads, self.num_kv_heads = mc.num_heads // world_size, mc.num_kv_heads // world_size
         self.backend_cls = get_backend_class(cfg.attention_backend)
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
@@ -52,7 +53,12 @@ class ModelRunner:
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
-        load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
+        self.checkpoint_kv_scales = load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
+        self.kv_scale_source = kv_scale_source(cfg.kv_dtype_name, cfg.kv_scales, self.checkpoint_kv_scales is not None)
+        if self.kv_scale_source is not None and rank == 0:
+            log.info("FP8 KV cache: per-layer K/V scales from %s", KV_SCALE_TEXT[self.kv_scale_source])
+        self.kv_scales_pending = False  # first_batch: set by build, cleared by the first real prefill
+        self.stressing = False
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         visual = getattr(self.model, "visual", None)
         self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
@@ -121,7 +127,9 @@ class ModelRunner:
         try:
             checkpoint("kv_alloc")
             self.kv = KVCache(mc.num_layers, pages, self.num_kv_heads, cfg.page_size, mc.head_dim,
-                              self.kv_dtype, self.device)
+                              self.kv_cache_dtype, self.device)
+            self.kv.set_scales(self.checkpoint_kv_scales if self.kv_scale_source == "checkpoint" else None)
+            self.kv_scales_pending = self.kv_scale_source == "first_batch"
             self.envelope = env
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
             if env.encoder_images:
@@ -170,7 +178,17 @@ class ModelRunner:
             self.req_table.write(step.page_writes)
             if step.encode:
                 self._encode(step.encode)
-            logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
+            calibrate = self._calibrates(step)
+            self.backend.calibrating = calibrate
+            try:
+                logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
+            finally:
+                self.backend.calibrating = False
+            if calibrate and not self.stressing:
+                self.kv_scales_pending = False
+                k, v = self.kv.scales.unbind(1)
+                log.info("FP8 KV scales set from the first batch (%d tokens): k %.3g..%.3g, v %.3g..%.3g",
+                         sum(len(r.ids) for r in step.rows), k.min(), k.max(), v.min(), v.max())
             rows = [r for r in step.rows if r.sample]
             if not rows:
                 return []
@@ -178,6 +196,14 @@ class ModelRunner:
                 return logits.argmax(dim=-1).tolist()
             batch = SamplingBatch.from_params([r.params for r in rows], self.device)
             return sample(logits, batch, self.generator, self._row_generators(rows)).tolist()
+
+    def _calibrates(self, step: Step) -> bool:
+        """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first
+        real prefill does (the first step ever is a prefill of fresh rows). The stress calibrates at its
+        corners of fresh rows (start 0), as that batch's rows are, so the profile measures that path (the
+        torch RoPE ops: more temporaries than the fused kernel); _stress then resets the scales."""
+        return (self.kv_scales_pending and step.is_prefill
+                and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
     def _row_generators(self, rows: list[StepRow]) -> list | None:
         """Seeded requests draw from their own generator (kept on the request, so their tokens do not
@@ -289,8 +315,14 @@ class ModelRunner:
 
     def _stress(self, steps) -> list[StepShape]:
         self._require_built()
-        return [self._run_corner(step) for step in steps(self.envelope, self.kv.num_pages - 1,
-                                                         self.model_config.vocab_size, self.cfg.seed)]
+        self.stressing = True
+        try:
+            return [self._run_corner(step) for step in steps(self.envelope, self.kv.num_pages - 1,
+                                                             self.model_config.vocab_size, self.cfg.seed)]
+        finally:
+            self.stressing = False
+            if self.kv_scales_pending:  # random K/V set them: the first real batch sets them again
+                self.kv.set_scales(None)
 
     def _run_corner(self, step: Step) -> StepShape:
         self.execute(step)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -15,15 +16,47 @@ log = logging.getLogger(__name__)
 INIT_STD = 0.02
 IGNORED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")  # buffers in some HF checkpoints; computed
 NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 when random
+# An FP8 checkpoint's per-tensor KV cache scales, in the spellings vLLM reads: self_attn.{k,v}_scale,
+# self_attn.attn.{k,v}_scale, self_attn.{k,v}_proj.{k,v}_scale or .output_scale, self_attn.kv_scale (both)
+KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?(k_scale|v_scale|kv_scale|output_scale)$")
 
 
 def load_weights(model: nn.Module, checkpoint_files: list[Path], seed: int,
-                 show_progress: bool = True) -> None:
-    """Fill every parameter of `model`: from the checkpoint files if any, else seeded random values."""
+                 show_progress: bool = True) -> torch.Tensor | None:
+    """Fill every parameter of `model`: from the checkpoint files if any, else seeded random values.
+    Returns the checkpoint's KV cache scales [num_layers, 2] (k, v; CPU fp32), or None if it has none."""
     if checkpoint_files:
-        load_checkpoint(model, checkpoint_files, show_progress)
-    else:
-        init_random(model, seed)
+        return load_checkpoint(model, checkpoint_files, show_progress)
+    init_random(model, seed)
+    return None
+
+
+def kv_scale_target(name: str) -> tuple[int, str] | None:
+    """(layer, 'k' | 'v' | 'kv') of a KV cache scale tensor's name, or None."""
+    m = KV_SCALE_NAME.search(name)
+    if m is None:
+        return None
+    layer, proj, kind = m.groups()
+    if kind == "output_scale":
+        return (int(layer), proj) if proj else None
+    return int(layer), kind[:-len("_scale")]
+
+
+def kv_scales_tensor(found: dict[tuple[int, str], float], num_layers: int, where: str) -> torch.Tensor | None:
+    """[num_layers, 2] from {(layer, 'k'|'v'|'kv'): scale}; None if empty; every layer's k and v (or kv)
+    must be there and positive, else a ValueError naming the first one missing."""
+    if not found:
+        return None
+    out = torch.empty(num_layers, 2)
+    for layer in range(num_layers):
+        for col, kind in enumerate("kv"):
+            value = found.get((layer, kind), found.get((layer, "kv")))
+            if value is None or not value > 0:
+                raise ValueError(f"{where}: has KV cache scales but layer {layer}'s {kind}_scale is "
+                                 f"{'missing' if value is None else value} (it needs one > 0 per layer); "
+                                 "remove the checkpoint's scales or try --kv_scales first_batch")
+            out[layer, col] = value
+    return out
 
 
 @torch.no_grad()
@@ -55,19 +88,25 @@ def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = True) -> None:
+def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = True) -> torch.Tensor | None:
     """Read each tensor's shard for this rank (safetensors slices: only the shard leaves the disk).
 
-    Every parameter part must be found once; a missing one is an error naming it."""
+    Every parameter part must be found once; a missing one is an error naming it. KV cache scales are
+    not parameters: returned (kv_scales_tensor), or None."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     renames = getattr(model, "checkpoint_renames", ())
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     seen: Counter[str] = Counter()
+    scales: dict[tuple[int, str], float] = {}
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.endswith(IGNORED) or (tied and name == "lm_head.weight"):
+                    continue
+                scale_of = kv_scale_target(name)
+                if scale_of is not None:
+                    scales[scale_of] = float(f.get_tensor(name).float().max())
                     continue
                 target, part = checkpoint_target(name, packed, renames)
                 param = params.get(target)
@@ -80,3 +119,5 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
     if missing:
         raise ValueError(f"checkpoint {files[0].parent} lacks tensors for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    layers = getattr(getattr(model, "config", None), "num_layers", 0)
+    return kv_scales_tensor(scales, layers, str(files[0].parent))

@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
 
 PARTITION = budget.AITER_PARTITION  # tokens per partition of the ragged decode (256)
 KV_LAYOUT = "HND"  # [num_pages, num_kv_heads, page_size, head_dim]: our layout
@@ -60,9 +60,10 @@ class AiterNativeBackend(AttentionBackend):
         return self.aiter.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Requires seq_lens >= 1. The partition count is the built one (static: graph-safe)."""
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Requires seq_lens >= 1. The partition count is the built one (static: graph-safe). The cache has
+        the model's dtype (config refuses an FP8 cache here)."""
+        k_cache, v_cache = kv.k, kv.v
         if self.workspace is None:
             raise RuntimeError("AiterNativeBackend.decode before build()")
         if q.shape[0] > self.max_decode_rows:

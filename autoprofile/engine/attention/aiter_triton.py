@@ -13,7 +13,7 @@ import torch
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention import triton_reduce
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
@@ -81,7 +81,7 @@ class AiterTritonBackend(AttentionBackend):
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
-        if dtype not in (torch.bfloat16, torch.float16):
+        if dtype not in (torch.bfloat16, torch.float16):  # the model's dtype; the cache may be FP8
             raise ValueError(f"aiter_triton runs bfloat16/float16, not {dtype}; "
                              "try --attention_backend torch")
         if page_size < MIN_PAGE_SIZE:
@@ -101,13 +101,14 @@ class AiterTritonBackend(AttentionBackend):
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
 
-    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One fused Triton kernel (triton_rope) instead of ~15 torch ops per layer."""
-        if self.triton_rope is None:
-            return super().rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping)
-        return self.triton_rope.rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, self.num_q_heads,
-                                           self.num_kv_heads, self.head_dim)
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One fused Triton kernel (triton_rope) instead of ~15 torch ops per layer. A calibrating step
+        (an FP8 cache's scales set from its K/V) takes the torch ops: the rotated K must be seen whole."""
+        if self.triton_rope is None or self.calibrating:
+            return super().rope_store(qkv, cos, sin, kv, slot_mapping)
+        return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim, kv.scales)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
@@ -126,12 +127,19 @@ class AiterTritonBackend(AttentionBackend):
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
             softmax_scale=self.scale, causal=True, config=dict(self.prefill_config))
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
         """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
-        every seq_len; max_seq_len must be static (--max_req_total_len) for graphs."""
+        every seq_len; max_seq_len must be static (--max_req_total_len) for graphs.
+
+        An FP8 cache: AITER's kernels convert its K/V to the compute type, with k_scale = v_scale = 1.0
+        passed by value (a float baked into a captured graph); the real scales, device values that the
+        first batch may set after capture, are applied around them: q * k_scale before, out * v_scale
+        after (softmax(q.(k8 s_k)) (v8 s_v) = softmax((q s_k).k8) v8 s_v)."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
+        k_cache, v_cache = kv.k, kv.v
+        if kv.scales is not None:
+            q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype
         # q may be a view of the packed projection: the kernels take its row and head strides (unit dim stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -143,6 +151,8 @@ class AiterTritonBackend(AttentionBackend):
             partition = self.decode_partition(q.shape[0], meta.max_seq_len) if meta.captured else SEQ_PARTITION
             decode_v2(self.ops.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                       meta.max_seq_len, self.compute_type, self.num_kv_heads, self.scale, partition)
+        if kv.scales is not None:
+            out.mul_(kv.scales[1])
         return out
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:

@@ -3,8 +3,35 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class KVLayer(NamedTuple):
+    """One layer's paged cache, in the backend's layout [num_pages, num_kv_heads, page_size, head_dim].
+
+    scales: an FP8 cache's per-tensor dequantisation scales, a [2] fp32 device tensor (k_scale, v_scale):
+    the cache holds fp8(x / scale) and a read is fp8 * scale. A device tensor, not a float, so captured
+    graphs read the values of the moment (the first real batch may set them after capture). None when
+    the cache has the model's dtype."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: torch.Tensor | None = None
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in `dtype` (saturated to the finite FP8 range: a value past it must not become NaN)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale in `dtype`, with no temporary wider than the result (the product is computed in fp32:
+    the same values as (x.float() * scale).to(dtype))."""
+    return x.to(dtype).mul_(scale)
 
 
 @dataclass
@@ -55,6 +82,7 @@ class AttentionBackend(ABC):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.scale = head_dim ** -0.5
+        self.calibrating = False  # an FP8 cache's step that sets its scales from its own K/V (store_kv)
 
     @classmethod
     def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
@@ -73,15 +101,19 @@ class AttentionBackend(ABC):
     def teardown(self) -> None:
         """Drop everything build() allocated."""
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Write new K/V [T, Hkv, D] into the paged cache at slot_mapping."""
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
+        """Write new K/V [T, Hkv, D] into the paged cache at slot_mapping (an FP8 cache: quantised by its
+        scales, which a calibrating step first sets from these K/V)."""
         pages, offs = slot_mapping // self.page_size, slot_mapping % self.page_size
-        k_cache[pages, :, offs] = k
-        v_cache[pages, :, offs] = v
+        if kv.scales is not None:
+            if self.calibrating:
+                calibrate_(kv.scales, k, v)
+            k, v = quantize(k, kv.scales[0], kv.k.dtype), quantize(v, kv.scales[1], kv.v.dtype)
+        kv.k[pages, :, offs] = k.to(kv.k.dtype)
+        kv.v[pages, :, offs] = v.to(kv.v.dtype)
 
-    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                   slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The packed projection qkv [T, (Hq + 2*Hkv) * D]: RoPE (neox halves, fp32, cos/sin [T, 1, D/2])
         applied IN PLACE to its q and k heads, K/V written to the cache at slot_mapping. Returns q
         [T, Hq, D], k, v [T, Hkv, D]: views of qkv (no split copies)."""
@@ -90,15 +122,17 @@ class AttentionBackend(ABC):
         q = qkv[:, :hq * d].view(t, hq, d)
         k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        self.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, slot_mapping)
+        self.store_kv(k, v, kv, slot_mapping)
         return q, k, v
 
-    def gather_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens): materialised per layer;
-        the stress runs it at envelope.prefill_kv_tokens."""
+    def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens) in the model's dtype
+        (an FP8 cache dequantised): materialised per layer; the stress runs it at envelope.prefill_kv_tokens."""
         pages, offs = slots // self.page_size, slots % self.page_size
-        return k_cache[pages, :, offs], v_cache[pages, :, offs]
+        k, v = kv.k[pages, :, offs], kv.v[pages, :, offs]
+        if kv.scales is None:
+            return k, v
+        return dequantize(k, kv.scales[0], self.dtype), dequantize(v, kv.scales[1], self.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""
@@ -111,9 +145,25 @@ class AttentionBackend(ABC):
         meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right)."""
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, D] attending to seq_lens[b] cached tokens of block_tables[b]."""
+
+
+# K/V calibrated from one batch are scaled so that its largest magnitude lands at half the FP8 range:
+# later batches may reach twice it before saturating (vLLM leaves a similar margin).
+CALIBRATION_HEADROOM = 2.0
+
+
+def calibrate_(scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """scales [2] <- (amax|k|, amax|v|) * headroom / FP8_MAX, on the device (no host sync); an all-zero
+    tensor keeps its scale. Reductions only: no temporary the size of k or v."""
+    amax = torch.stack([_amax(k), _amax(v)])
+    scales.copy_(torch.where(amax > 0, amax * (CALIBRATION_HEADROOM / FP8_MAX), scales))
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(-lo, hi).float()
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
 
 DECODE_CHUNK_BYTES = 256 << 20  # fp32 K gathered per decode step of the loop over pages
 
@@ -56,9 +56,11 @@ class TorchBackend(AttentionBackend):
         per_token = num_seqs * self.num_kv_heads * self.head_dim * 4
         return max(min(self.decode_chunk_bytes // (per_token * self.page_size), pages_per_req), 1)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """Requires seq_lens >= 1 (padded graph slots included: point them at a scratch page)."""
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Requires seq_lens >= 1 (padded graph slots included: point them at a scratch page). An FP8
+        cache is dequantised as it is gathered (fp32, by its scales)."""
+        k_cache, v_cache = kv.k, kv.v
+        k_scale, v_scale = (None, None) if kv.scales is None else kv.scales.unbind()
         tables, seq_lens = meta.block_tables, meta.seq_lens
         b, pages_per_req = tables.shape
         hkv, d = self.num_kv_heads, self.head_dim
@@ -73,7 +75,7 @@ class TorchBackend(AttentionBackend):
         for first in range(0, pages_per_req, step):
             pages = tables[:, first:first + step]
             n = pages.shape[1] * self.page_size
-            keys, values = self._gather(k_cache, pages), self._gather(v_cache, pages)
+            keys, values = self._gather(k_cache, pages, k_scale), self._gather(v_cache, pages, v_scale)
             scores = qg @ keys.transpose(-1, -2)  # [b, hkv, group, n]
             valid = (first * self.page_size + offsets[:n]) < seq_lens[:, None].to(offsets.dtype)
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -87,8 +89,11 @@ class TorchBackend(AttentionBackend):
             m = m_new
         return (acc / denom).to(q.dtype).view(b, self.num_q_heads, d)
 
-    def _gather(self, cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """[num_pages, Hkv, page, D] at pages [B, c] -> fp32 [B, Hkv, c*page, D]."""
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """[num_pages, Hkv, page, D] at pages [B, c] -> fp32 [B, Hkv, c*page, D] (times scale, if any)."""
         g = cache[pages].permute(0, 2, 1, 3, 4)
         b, h, c, p, d = g.shape
-        return torch.empty(g.shape, dtype=torch.float32, device=g.device).copy_(g).view(b, h, c * p, d)
+        out = torch.empty(g.shape, dtype=torch.float32, device=g.device).copy_(g)
+        if scale is not None:
+            out.mul_(scale)
+        return out.view(b, h, c * p, d)

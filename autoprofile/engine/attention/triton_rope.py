@@ -5,7 +5,8 @@ dominate a batch-1 decode step's launch count.
 
 Same contract as AttentionBackend.rope_store (neox halves, rotation in fp32, then the model dtype; the
 compiler may contract a multiply-add into an FMA, so results can differ from the torch ops by one bf16
-rounding). Imported when the aiter_triton backend is built (triton is imported here).
+rounding). An FP8 cache gets K/V divided by its scales (a [2] fp32 device tensor, read by the kernel),
+saturated to the finite FP8 range. Imported when the aiter_triton backend is built (triton is imported here).
 """
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.engine.attention.base import FP8_MAX
+
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr,
                        stride_t, stride_cos, stride_sin,
                        stride_cp, stride_ch, stride_co,  # cache strides: page, head, offset (dim: 1)
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-                       NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr):
+                       NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr, QUANT: tl.constexpr,
+                       FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_t
     j = tl.arange(0, HALF)
@@ -39,31 +43,43 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
     kh = h - NQ
     is_k = ((h >= NQ) & (h < NQ + NKV))[:, None]
     k_dst = k_cache_ptr + page * stride_cp + kh[:, None] * stride_ch + off * stride_co + j[None, :]
-    tl.store(k_dst, r1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_dst + HALF, r2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    # K as the model dtype rounds it (what attention reads from the cache without FP8)
+    k1 = r1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    k2 = r2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
     vh = tl.arange(0, NKV_POW2)
     d = tl.arange(0, 2 * HALF)
     v_mask = (vh < NKV)[:, None]
     v = tl.load(row + (NQ + NKV) * 2 * HALF + vh[:, None] * (2 * HALF) + d[None, :], mask=v_mask, other=0.0)
+    v = v.to(tl.float32)
+    if QUANT:
+        k_inv = 1.0 / tl.load(scale_ptr)
+        v_inv = 1.0 / tl.load(scale_ptr + 1)
+        k1 = tl.minimum(tl.maximum(k1 * k_inv, -FP8_MAX), FP8_MAX)
+        k2 = tl.minimum(tl.maximum(k2 * k_inv, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v * v_inv, -FP8_MAX), FP8_MAX)
+    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
     v_dst = v_cache_ptr + page * stride_cp + vh[:, None] * stride_ch + off * stride_co + d[None, :]
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-               head_dim: int) -> tuple[torch.Tensor, ...]:
+               head_dim: int, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """qkv [T, (Hq + 2*Hkv) * D] with unit stride in its last dim; cos, sin [T, 1, D/2] (any row stride);
-    caches [pages, Hkv, page, D] with unit stride in D. Returns q, k, v views of qkv."""
+    caches [pages, Hkv, page, D] with unit stride in D; scales: an FP8 cache's [2] fp32 (k, v). Returns
+    q, k, v views of qkv."""
     t, d = qkv.shape[0], head_dim
     if t:
         assert qkv.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
         _rope_store_kernel[(t,)](
-            qkv, cos, sin, slot_mapping, k_cache, v_cache,
+            qkv, cos, sin, slot_mapping, k_cache, v_cache, slot_mapping if scales is None else scales,
             qkv.stride(0), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NQ=num_q_heads, NKV=num_kv_heads, HALF=d // 2, PAGE=k_cache.shape[2],
             NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
-            NKV_POW2=triton.next_power_of_2(num_kv_heads), num_warps=4)
+            NKV_POW2=triton.next_power_of_2(num_kv_heads), QUANT=scales is not None, FP8_MAX=FP8_MAX,
+            num_warps=4)
     q = qkv[:, :num_q_heads * d].view(t, num_q_heads, d)
     k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
     v = qkv[:, (num_q_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
