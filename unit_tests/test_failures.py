@@ -440,16 +440,18 @@ def measured_kv_tokens() -> list[dict]:
 KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 
 
-@pytest.mark.parametrize("row", measured_kv_tokens(), ids=lambda r: f"{r['model']}-{r['card']}-{r['date']}")
+@pytest.mark.parametrize("row", measured_kv_tokens(),
+                         ids=lambda r: f"{r['model']}-{r['card']}-{r['kv_cache_dtype']}-{r['date']}")
 def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     from autoprofile.plan import GPUS, make_plan
-    assert set(row) == {"model", "card", "tokens", "graph_pools_bytes", "date", "command"}
+    assert set(row) == {"model", "card", "kv_cache_dtype", "tokens", "graph_pools_bytes", "date", "command"}
     assert row["command"].startswith(f"autoprofile profile --model {row['model']}")
+    assert (f"--kv_cache_dtype {row['kv_cache_dtype']}" in row["command"]) == (row["kv_cache_dtype"] != "auto")
     datetime.date.fromisoformat(row["date"])
     if (row["model"], row["card"]) in KNOWN_ABOVE:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
     measured = int(row["tokens"])
-    p = make_plan(validate(ServerConfig(model=row["model"])), GPUS[row["card"]])
+    p = make_plan(validate(ServerConfig(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"])), GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
         scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")
