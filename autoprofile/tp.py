@@ -359,14 +359,15 @@ class GuardedRunner:
 # ---------------------------------------------------------------- serving: the step broadcast
 def encode(step) -> tuple:
     """What a worker needs of a Step (requests stay on rank 0: only rank 0 samples for real)."""
-    rows = [(r.slot, r.start, r.ids, r.sample, r.params) for r in step.rows]
+    rows = [[(r.slot, r.start, r.ids, r.sample, r.params) for r in part] for part in (step.rows, step.decode)]
     return step.is_prefill, rows, step.page_writes, step.running, step.pages_used
 
 
 def decode(msg: tuple):
     from autoprofile.engine.scheduler import Step, StepRow
-    is_prefill, rows, page_writes, running, pages_used = msg
-    return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used)
+    is_prefill, (rows, decode_rows), page_writes, running, pages_used = msg
+    return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used,
+                decode=[StepRow(*r) for r in decode_rows])
 
 
 def run_step(runner: GuardedRunner, step) -> list[int]:

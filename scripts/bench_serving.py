@@ -510,6 +510,8 @@ async def bench(args, url: str, health: dict) -> dict:
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
         args.request_rate
     summary["seed"] = args.seed
+    summary["server_kv"] = {"tokens": before.get("autoprofile_kv_cache_tokens"),
+                            "bytes": before.get("autoprofile_kv_cache_bytes")}
     await asyncio.sleep(1.0)  # aborted (disconnected) requests are freed by the next engine step
     after = await scrape_or_none(url)
     if after is None:
@@ -607,6 +609,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="soak: the PNG of reserved memory over time (default: --result-file's *_memory.png)")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--roofline", action="store_true",
+                   help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the server: the "
+                        "GPU must be free) and print the run's roofline fraction (random dataset)")
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
         p.error(f"--num-prompts must be in [1, {MAX_PROMPTS}]")
@@ -641,6 +646,88 @@ def parse_args(argv=None) -> argparse.Namespace:
 PREFIX_HITS = "autoprofile_prefix_cache_hit_tokens_total"
 
 
+# ---------------------------------------------------------------- the roofline
+RATES_PROBE = """
+import json, torch
+a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+dst = torch.empty_like(src)
+def ms(fn, n=20):
+    fn(); torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record(); torch.cuda.synchronize()
+    return s.elapsed_time(e) / n
+gemm = 2 * 8192 ** 3 / (ms(lambda: a @ b) * 1e-3)
+copy = 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
+print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy, "device": torch.cuda.get_device_name()}))
+"""
+
+
+def measure_rates() -> dict | str:
+    """The GPU's bf16 GEMM rate (8192^3) and device-to-device copy rate, in a child process (its CUDA context
+    is gone before a server starts); the reason why not, as text, when it cannot run (no GPU, or a server
+    already holding the memory)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", RATES_PROBE], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "the rate probe timed out"
+    if out.returncode != 0:
+        return f"the rate probe failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def roofline(summary: dict, rates: dict, m, cell_bytes: float, weight_bytes: float, input_len: float,
+             output_len: float, concurrency: int) -> dict:
+    """The run's floor on this GPU: the prefill's FLOPs over the measured GEMM rate, plus each decode step's
+    bytes (weights, and the running rows' K/V) over the measured copy rate, against the measured duration.
+    Prefill FLOPs per request: 2 x non-embedding params x prompt tokens + causal attention (2 x 2 x layers x
+    q heads x head_dim x L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of
+    `concurrency`, each wave output_len - 1 steps over rows at input_len + output_len / 2 tokens on average."""
+    n = summary["completed"]
+    embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    dense = m.num_params() - embed
+    attn = 2 * m.num_layers * m.num_heads * m.head_dim * input_len ** 2
+    prefill_flops = n * (2 * dense * input_len + attn + 2 * m.vocab_size * m.hidden_size)
+    rows = min(concurrency, n)
+    steps = -(-n // rows) * max(output_len - 1, 0)
+    step_bytes = weight_bytes + rows * (input_len + output_len / 2) * cell_bytes
+    prefill_s = prefill_flops / rates["gemm_flops_per_s"]
+    decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
+    return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
+            "prefill_s": prefill_s, "decode_steps": steps, "decode_step_ms": step_bytes / rates["copy_bytes_per_s"] * 1e3,
+            "copy_gbps": rates["copy_bytes_per_s"] / 1e9, "decode_s": decode_s, "roofline_s": prefill_s + decode_s,
+            "duration_s": summary["duration"], "fraction": (prefill_s + decode_s) / summary["duration"]}
+
+
+def roofline_line(r: dict) -> str:
+    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {r['gemm_tflops']:.0f} TFLOP/s = {r['prefill_s']:.1f} s"
+            f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s copy) = "
+            f"{r['decode_s']:.1f} s -> {r['roofline_s']:.1f} s against {r['duration_s']:.1f} s measured: "
+            f"{r['fraction']:.2f} of the roofline")
+
+
+def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namespace) -> str:
+    if not isinstance(rates, dict):
+        return f"roofline: not measured ({rates})"
+    from models.config import load_model_config
+    try:
+        m = load_model_config(summary["model"])
+    except ValueError as e:
+        return f"roofline: not computed (model '{summary['model']}': {e})"
+    kv = summary.get("server_kv") or {}
+    if not kv.get("tokens") or not summary.get("completed"):
+        return "roofline: not computed (no completed request, or no KV size in the server's /metrics)"
+    r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], m.num_params() * 2,
+                 summary["total_input_tokens"] / summary["completed"],
+                 summary["total_output_tokens"] / summary["completed"], args.max_concurrency or summary["completed"])
+    summary["roofline"] = r
+    return roofline_line(r)
+
+
 def cold_prefill_note(summary: dict) -> str | None:
     """A random dataset whose prompts the server found in its prefix cache did not measure a cold prefill."""
     hits = summary["server"].get("prefix_cache_hit_tokens") or 0
@@ -660,6 +747,7 @@ async def scrape_or_none(url: str) -> dict[str, float] | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    rates = measure_rates() if args.roofline else None
     server = Launched(args.launch) if args.launch else None
     try:
         if server is not None:
@@ -692,6 +780,8 @@ def main(argv=None) -> int:
     note = cold_prefill_note(summary) if not args.soak_minutes and "unreachable" not in summary["server"] else None
     if note:
         print(note)
+    if args.roofline:
+        print(roofline_text(summary, rates, args))
     if server is not None and code != 0:
         problems.append(f"the server exited with code {code} after SIGTERM")
     for msg in problems:

@@ -220,3 +220,31 @@ def test_a_server_that_vanishes_mid_run_is_failed_requests_not_a_traceback(boote
     assert s["failed"] > 0 and s["completed"] < 40
     assert "unreachable" in s["server"]
     assert bench_serving.soak_verdict(s)[-1].endswith("(the server is gone)")
+
+
+# ---------------------------------------------------------------- the roofline line
+def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
+    """1000 fresh 1024/128 requests at concurrency 256 on llama-3.1-8b: ~14.9 PFLOP of prefill, 4 waves of
+    127 decode steps; with an H100's rates the floor is ~29 s, and the fraction is floor / measured."""
+    from models.config import load_model_config
+    m = load_model_config("llama-3.1-8b")
+    summary = {"completed": 1000, "duration": 42.9}
+    rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
+    r = bench_serving.roofline(summary, rates, m, cell_bytes=131072, weight_bytes=m.num_params() * 2, input_len=1024,
+                    output_len=128, concurrency=256)
+    assert 14.5 < r["prefill_pflop"] < 15.5
+    assert r["decode_steps"] == 4 * 127
+    want_step = (m.num_params() * 2 + 256 * (1024 + 64) * 131072) / 3.0e12
+    assert r["decode_step_ms"] == pytest.approx(want_step * 1e3)
+    assert r["roofline_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
+    assert r["fraction"] == pytest.approx(r["roofline_s"] / 42.9)
+    assert 25 < r["roofline_s"] < 33
+    assert "of the roofline" in bench_serving.roofline_line(r)
+    half = bench_serving.roofline({**summary, "duration": 2 * 42.9}, rates, m, 131072, m.num_params() * 2, 1024, 128, 256)
+    assert half["fraction"] == pytest.approx(r["fraction"] / 2)
+
+
+def test_roofline_is_skipped_with_its_reason_when_the_rates_could_not_be_measured():
+    args = bench_serving.parse_args(["--roofline"])
+    assert bench_serving.roofline_text({"model": "llama-3.1-8b"}, "the rate probe failed: no CUDA GPU", args) == \
+        "roofline: not measured (the rate probe failed: no CUDA GPU)"

@@ -221,6 +221,33 @@ def test_generate_matches_argmax_of_a_full_forward_and_is_batch_invariant(runner
     assert logits[len(prompts[2]) - 1:-1].argmax(-1).tolist() == out[2]
 
 
+def test_mixed_steps_decode_beside_chunks_and_generate_what_each_request_generates_alone():
+    """Requests arriving while others decode, with a small token budget: chunks and decode rows share steps
+    (one forward: the paged decode for the decode rows, the varlen prefill for the chunks), and every request
+    gets the tokens it gets alone."""
+    r = ModelRunner(small_cfg(batch_max_tokens=24))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(1024)
+    prompts = [[7, 99, 1000, 3], list(range(40, 100)), [5] * 37, list(range(300, 331))]
+    alone = [LLMEngine(r).generate([p], max_tokens=8)[0] for p in prompts]
+    engine, r.step_log, out = LLMEngine(r), [], {}
+
+    def step() -> None:
+        for o in engine.step():
+            out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+
+    ids = [engine.add_request(prompts[0], max_tokens=8)]
+    step()
+    step()
+    ids += [engine.add_request(p, max_tokens=8) for p in prompts[1:]]
+    while engine.has_unfinished():
+        step()
+    assert [out[i] for i in ids] == alone
+    mixed = [s for s in r.step_log if s.decode_rows and s.prefill_rows]
+    assert mixed and all(s.mixed_tokens <= 24 for s in mixed)
+    assert any(s.decode_rows > 1 for s in mixed) and any(s.max_prefix_len > 0 for s in mixed)
+
+
 def test_engine_refuses_what_can_never_fit_naming_the_field(runner):
     e = LLMEngine(runner)
     with pytest.raises(ValueError, match="max_tokens: .*--max_req_total_len.*try max_tokens <= 6"):

@@ -62,12 +62,14 @@ class StepRunner:
             for i, p in enumerate(pages):
                 self.page_table[slot, first + i] = p
         ps = self.envelope.page_size
-        for row in step.rows:
+        assert len({r.slot for r in step.all_rows}) == len(step.all_rows), "a request is one row of a step"
+        for row in step.all_rows:
             req, end = row.request, row.start + len(row.ids)
             assert row.ids == req.tokens(row.start, end) and row.start == req.num_computed
             assert len(req.pages) * ps >= end, "a row computes tokens its pages cannot hold"
             assert [self.page_table[row.slot, i] for i in range(len(req.pages))] == req.pages
-        return [history_token(row.request, row.start + len(row.ids)) for row in step.rows if row.sample]
+        assert all(len(r.ids) == 1 and r.sample for r in step.decode)
+        return [history_token(row.request, row.start + len(row.ids)) for row in step.all_rows if row.sample]
 
 
 def fake_engine(**kw) -> tuple[LLMEngine, StepRunner]:
@@ -189,8 +191,12 @@ def test_check_refuses_a_step_outside_and_names_the_limit():
         env.check(StepShape(decode_rows=5, sampled_rows=4))
     with pytest.raises(EnvelopeError, match="prefill_tokens 17 > 16"):
         env.check(StepShape(prefill_tokens=17, prefill_rows=1))
-    with pytest.raises(EnvelopeError, match="either prefill or decode"):
-        env.check(StepShape(decode_rows=1, prefill_rows=1))
+    with pytest.raises(EnvelopeError, match="a mixed step's tokens are its prefill tokens and one per decode row"):
+        env.check(StepShape(decode_rows=1, prefill_rows=1, prefill_tokens=3, mixed_tokens=3))
+    with pytest.raises(EnvelopeError, match="mixed_tokens 17 > 16"):
+        env.check(StepShape(decode_rows=2, prefill_rows=1, prefill_tokens=15, mixed_tokens=17))
+    with pytest.raises(EnvelopeError, match="a graph step replays every decode row, and only decode rows"):
+        env.check(StepShape(decode_rows=1, graph_rows=1, prefill_rows=1, prefill_tokens=2, mixed_tokens=3))
 
 
 def test_default_running_requests_are_the_graph_size_and_above_it_decode_is_eager_and_stressed():
@@ -238,14 +244,37 @@ def test_pages_are_allocated_as_requests_grow():
     assert used == [2, 2, 2, 2, 3, 3, 3, 3, 0]
 
 
-def test_decodes_and_chunks_alternate_so_a_long_prompt_never_stalls_decoding():
+def test_chunks_ride_with_the_decodes_so_a_long_prompt_never_stalls_decoding():
+    """Mixed steps: while a long prompt is chunked, every step also decodes the running request, and its
+    decode row counts against the token budget."""
     engine, runner = fake_engine(context=64, batch=8, kv_pages=60)
     engine.add_request([1, 2], max_tokens=20)
     engine.step()  # its prefill
-    engine.add_request(list(range(1, 60)), max_tokens=2)  # 8 chunks
+    engine.add_request(list(range(1, 60)), max_tokens=2)  # 59 tokens: chunks of 7 beside the decode row
     run_all(engine)
-    kinds = "".join("p" if s.is_prefill else "d" for s in runner.steps[1:])
-    assert "pp" not in kinds[:kinds.rfind("d")], kinds
+    chunk_steps = [s for s in runner.steps[1:] if s.is_prefill]
+    assert len(chunk_steps) == 9 and all(len(s.decode) == 1 for s in chunk_steps)
+    assert [sum(len(r.ids) for r in s.rows) for s in chunk_steps] == [7] * 8 + [3]
+    assert all(shape.mixed_tokens <= 8 for shape in runner.shapes)
+    assert not any(s.is_prefill for s in runner.steps[10:])  # then both decode: graph steps
+
+
+def test_a_chunk_beside_decode_rows_waits_for_pages_instead_of_preempting_them():
+    """In a mixed step the decode rows are scheduled first: a chunk that needs pages none can give waits,
+    rather than preempt the youngest request, whose decode row may be in this very step."""
+    engine, runner = fake_engine(kv_pages=7, batch=8, running=4)  # 6 usable pages of 4 tokens
+    engine.add_request(list(range(1, 8)), max_tokens=10)
+    engine.step()  # its prefill: 7 tokens, 2 pages
+    engine.add_request(list(range(100, 120)), max_tokens=2)
+    engine.step()  # mixed: the decode row + a 7-token chunk (2 pages); 2 pages free
+    s = engine.scheduler
+    s.running.reverse()  # the decoding request is the youngest (as after a preemption and re-admission)
+    engine.step()  # its decode row takes a page; the chunk needs 2 more, 1 is free: it must wait
+    last = runner.steps[-1]
+    assert [len(r.ids) for r in last.all_rows] == [1] and s.num_preemptions == 0
+    invariants(engine)
+    out = run_all(engine, check=invariants)
+    assert sorted(len(t) for t, _ in out.values()) == [2, 7]  # every request finishes (7 after the 3 above)
 
 
 def test_abort_frees_every_page_and_slot_at_once_and_is_reported_once():

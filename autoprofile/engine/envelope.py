@@ -4,6 +4,10 @@ A measured profile is a promise only for the steps the stress ran. So the schedu
 from here and nowhere else, the runner refuses any step outside them (`Envelope.check`), and the
 stress (`ModelRunner.stress_prefill` / `stress_decode`) runs every limit at its maximum.
 
+A step may be mixed: decode rows and prefill chunks in one forward (the scheduler builds one whenever both
+kinds of work exist), its new tokens at most mixed_tokens (--batch_max_tokens): the decode rows count against
+the budget; its decode rows run eagerly.
+
 Decode rows above --graph_max_batch_size: by default they do not exist (running requests default to
 --graph_max_batch_size, so every decode step replays a captured graph). A user who sets
 --running_max_req_size above it gets eager decode steps of up to that many rows, and the stress then
@@ -28,12 +32,21 @@ def running_reqs(running_max_req_size: int | None, graph_max_batch_size: int) ->
     return running_max_req_size or graph_max_batch_size
 
 
+def mixed_tokens(batch_max_tokens: int, running: int, prefill_rows: int, longest_kv: int) -> int:
+    """The most new tokens of a mixed step (0: none can exist): at least one decode row and one chunk token,
+    each row a request of its own, each chunk at most a request's K/V. One decode row leaves the most room."""
+    if running < 2 or batch_max_tokens < 2:
+        return 0
+    return 1 + min(batch_max_tokens - 1, min(running - 1, prefill_rows) * longest_kv)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What one step does, in the envelope's terms (every field has a limit of the same name)."""
 
-    decode_rows: int = 0  # rows of a decode step
+    decode_rows: int = 0  # decode rows of a step (a decode step's, or a mixed step's beside its prefill rows)
     graph_rows: int = 0  # rows of a decode step replayed through a captured graph
+    mixed_tokens: int = 0  # new tokens of a mixed step: its prefill tokens plus one per decode row
     prefill_tokens: int = 0  # new tokens of a prefill step
     prefill_rows: int = 0  # requests of a prefill step
     prefill_kv_tokens: int = 0  # tokens (cached prefix + new) the prefill attention reads, all rows
@@ -85,6 +98,7 @@ class Envelope:
     max_req_total_len: int  # longest request, prompt + output (--max_req_total_len)
     decode_rows: int
     graph_rows: int  # 0: no graphs (eager decode only)
+    mixed_tokens: int  # a mixed step's new tokens (--batch_max_tokens: decode rows count against it)
     prefill_tokens: int  # --batch_max_tokens (or fewer, when no step could hold that many)
     prefill_rows: int
     prefill_kv_tokens: int
@@ -113,6 +127,7 @@ class Envelope:
             max_req_total_len=context_len,
             decode_rows=reqs,
             graph_rows=min(graph_max_batch_size, reqs) if use_graphs else 0,
+            mixed_tokens=mixed_tokens(batch_max_tokens, reqs, prefill_rows, longest_kv),
             prefill_tokens=prefill_tokens,
             prefill_rows=prefill_rows,
             # one chunk at the end of the longest prompt, or a full batch of fresh prompts
@@ -140,9 +155,9 @@ class Envelope:
     def check(self, shape: StepShape) -> None:
         over = [f"{name} {getattr(shape, name)} > {limit}" for name, limit in self.limits().items()
                 if getattr(shape, name) > limit]
-        if shape.decode_rows and shape.prefill_rows:
-            over.append("a step is either prefill or decode")
-        if shape.graph_rows and shape.graph_rows != shape.decode_rows:
-            over.append("a graph step replays every decode row")
+        if shape.decode_rows and shape.prefill_rows and shape.mixed_tokens != shape.prefill_tokens + shape.decode_rows:
+            over.append("a mixed step's tokens are its prefill tokens and one per decode row")
+        if shape.graph_rows and (shape.graph_rows != shape.decode_rows or shape.prefill_rows):
+            over.append("a graph step replays every decode row, and only decode rows")
         if over:
             raise EnvelopeError(f"step outside the validated envelope: {', '.join(over)}")

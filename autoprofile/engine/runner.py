@@ -181,7 +181,7 @@ class ModelRunner:
             calibrate = self._calibrates(step)
             self.backend.calibrating = calibrate
             try:
-                logits = self._prefill(step.rows) if step.is_prefill else self._decode(step.rows)
+                logits = self._prefill(step.rows, step.decode) if step.is_prefill else self._decode(step.rows)
             finally:
                 self.backend.calibrating = False
             if calibrate and not self.stressing:
@@ -189,7 +189,7 @@ class ModelRunner:
                 k, v = self.kv.scales.unbind(1)
                 log.info("FP8 KV scales set from the first batch (%d tokens): k %.3g..%.3g, v %.3g..%.3g",
                          sum(len(r.ids) for r in step.rows), k.min(), k.max(), v.min(), v.max())
-            rows = [r for r in step.rows if r.sample]
+            rows = [r for r in step.all_rows if r.sample]
             if not rows:
                 return []
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
@@ -219,17 +219,20 @@ class ModelRunner:
                        meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv.layers))
 
-    def _prefill(self, rows: list[StepRow]) -> torch.Tensor:
+    def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None) -> torch.Tensor:
         """Logits [sampled rows, vocab] of each sampled row's last token; K/V written to the rows' pages.
-        Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots)."""
-        dev, lens = self.device, [len(r.ids) for r in rows]
+        Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
+        A mixed step's decode rows follow the prefill tokens in the same forward (meta.decode: the paged
+        decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
+        dev, lens, decode = self.device, [len(r.ids) for r in rows], decode or []
         slots = torch.tensor([r.slot for r in rows])
-        ids = torch.tensor([t for r in rows for t in r.ids], dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(r.start, r.start + len(r.ids)) for r in rows]).to(dev)
+        ids = [t for r in rows for t in r.ids] + [r.ids[0] for r in decode]
+        positions = torch.cat([torch.arange(r.start, r.start + len(r.ids)) for r in rows]
+                              + [torch.tensor([r.start for r in decode], dtype=torch.int64)]).to(dev)
         cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
         meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu.to(dev), max_seqlen=max(lens),
                                  slot_mapping=self._slot_of(torch.repeat_interleave(slots, torch.tensor(lens)).to(dev),
-                                                            positions))
+                                                            positions[:sum(lens)]))
         if any(r.start for r in rows):
             kv_lens = [r.start + len(r.ids) for r in rows]
             kv_rows = torch.repeat_interleave(slots, torch.tensor(kv_lens)).to(dev)
@@ -237,13 +240,27 @@ class ModelRunner:
             meta.kv_slots = self._slot_of(kv_rows, kv_pos)
             meta.cu_seqlens_k = torch.tensor([0, *kv_lens]).cumsum(0).to(torch.int32).to(dev)
             meta.max_seqlen_k = max(kv_lens)
+        if decode:
+            meta.decode = self._decode_meta(positions[sum(lens):], torch.tensor([r.slot for r in decode]).to(dev),
+                                            max(r.start for r in decode) + 1)
+            meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
+        ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         if self.is_vl:
-            rope = torch.cat([self._mrope(r) for r in rows], dim=1).to(dev)
-            hidden = self.model(ids, rope, meta, self.kv.layers, *self._image_embeds(rows, lens))
+            rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
+            hidden = self.model(ids, rope, meta, self.kv.layers, *self._image_embeds(rows + decode, lens + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.kv.layers)
-        last = (cu[1:] - 1)[torch.tensor([r.sample for r in rows])]
+        last = (cu[1:] - 1)[torch.tensor([r.sample for r in rows], dtype=torch.bool)]
+        last = torch.cat([last, torch.arange(len(decode)) + int(cu[-1])])
         return self.model.compute_logits(hidden[last.to(dev)])
+
+    def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:
+        """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the
+        smallest max_seq_len bucket that holds `longest` tokens."""
+        bucket = budget.decode_bucket(self.buckets, longest)
+        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(pos, slots, math.ceil(bucket / self.cfg.page_size))
+        return AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
+                                 seq_lens=seq_lens, max_seq_len=bucket)
 
     # ------------------------------------------------------------ images
     def _encode(self, encode: list[tuple[int, ImageInput]]) -> None:
@@ -291,17 +308,13 @@ class ModelRunner:
         holds a row at --max_req_total_len, so it runs the largest bucket, the largest scratch)."""
         dev = self.device
         longest = max(r.start for r in rows) + 1
-        bucket = budget.decode_bucket(self.buckets, longest)
         # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs)
         host = torch.tensor([[r.ids[0], r.start, r.slot, 1, r.mm.delta if r.mm is not None else 0] for r in rows],
                             dtype=torch.int64, pin_memory=dev.type == "cuda")
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest)
         ids, pos, slots, _, delta = host.to(dev, non_blocking=True).unbind(1)
-        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(
-            pos, slots, math.ceil(bucket / self.cfg.page_size))
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                 seq_lens=seq_lens, max_seq_len=bucket)
+        meta = self._decode_meta(pos, slots, longest)
         return self._decode_logits(ids, pos + delta if self.is_vl else pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners

@@ -1,12 +1,15 @@
 """Continuous batching inside the envelope: host-side only (no torch), so it is tested without a model.
 
-Each step is a prefill step (chunks of waiting or partly computed requests, at most
-envelope.prefill_tokens new tokens, prefill_rows rows and prefill_kv_tokens attended tokens) or a
-decode step (every running request whose tokens are all computed but the last). While both kinds of
-work exist, the two kinds alternate, so a long chunked prompt never stalls the decodes by more than
-one step. Pages are allocated as requests grow; when a running request needs a page and none is
-free, the youngest running requests are preempted (pages and slot freed, recomputed later from
-prompt + output so far). A request is admitted only when its first chunk's pages are free, so
+Each step computes decode rows (every running request whose tokens are all computed but the last) and
+prefill rows (chunks of waiting or partly computed requests, at most envelope.prefill_tokens new tokens,
+prefill_rows rows and prefill_kv_tokens attended tokens) in ONE forward: a mixed step, whose decode rows
+count against the token budget (mixed_tokens = --batch_max_tokens), as vLLM's and SGLang's chunked
+prefill do. So prompts never stall the decodes and the decodes ride on the prefill's weight reads. With
+nothing to prefill, the step is decode only (a captured graph); with nothing to decode, prefill only.
+Pages are allocated as requests grow; when a running request needs a page and none is free, the
+youngest running requests are preempted (pages and slot freed, recomputed later from prompt + output
+so far), by its decode row; a chunk in a step that has decode rows waits instead (it would preempt a
+row already in the step). A request is admitted only when its first chunk's pages are free, so
 admission never preempts.
 
 Prefix caching (on full pages): every full page of computed K/V is registered in the page allocator;
@@ -42,16 +45,22 @@ class StepRow:
 
 @dataclass
 class Step:
-    is_prefill: bool
+    is_prefill: bool  # rows are prefill rows (and `decode` the decode rows of a mixed step), else decode rows
     rows: list[StepRow]
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first column, pages)
     running: int = 0  # request slots in use during the step
     pages_used: int = 0
     encode: list[tuple[int, ImageInput]] = field(default_factory=list)  # (encoder buffer slot, image), run first
+    decode: list[StepRow] = field(default_factory=list)  # a mixed step's decode rows, after its prefill rows
+
+    @property
+    def all_rows(self) -> list[StepRow]:
+        """Every row in the order its tokens are computed and sampled: prefill rows, then decode rows."""
+        return self.rows + self.decode
 
     def shape(self, graph_rows: int) -> StepShape:
         """graph_rows: the runner's graph limit (a decode step of at most that many rows replays a graph)."""
-        rows = self.rows
+        rows = self.all_rows
         common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running, pages=self.pages_used,
                       max_req_total_len=max((r.start + len(r.ids) + 1 for r in rows), default=0))
         images = [r.mm.images for r in rows if r.mm is not None]
@@ -60,9 +69,11 @@ class Step:
         if not self.is_prefill:
             return StepShape(decode_rows=len(rows), graph_rows=len(rows) if len(rows) <= graph_rows else 0,
                              **common)
-        return StepShape(prefill_tokens=sum(len(r.ids) for r in rows), prefill_rows=len(rows),
+        rows, tokens = self.rows, sum(len(r.ids) for r in self.rows)
+        return StepShape(prefill_tokens=tokens, prefill_rows=len(rows),
                          prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
                          max_prefix_len=max((r.start for r in rows), default=0),
+                         decode_rows=len(self.decode), mixed_tokens=tokens + len(self.decode) if self.decode else 0,
                          encoder_images=len(self.encode), encoder_patches=sum(im.patches for _, im in self.encode),
                          mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
 
@@ -89,7 +100,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # tokens whose K/V admission found in the prefix cache
         self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
-        self._last_was_prefill = False
 
     # ------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -114,23 +124,23 @@ class Scheduler:
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> Step | None:
-        decodable = any(r.num_tokens - r.num_computed == 1 for r in self.running)
-        order = [self._schedule_prefill] + ([self._schedule_decode] if decodable else [])
-        if decodable and self._last_was_prefill:
-            order.reverse()
-        step = None
-        for build in order:
-            step = build()
-            if step is not None:
-                break
+        """The decode rows first (they may preempt to grow), then chunks in what the budget leaves."""
+        decode = self._schedule_decode()
+        budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
+        step = self._schedule_prefill(budget, may_preempt=decode is None) if budget > 0 else None
+        if step is None:
+            step = decode
+        elif decode is not None:
+            step.decode, step.page_writes = decode.rows, decode.page_writes + step.page_writes
         if step is not None:
-            self._last_was_prefill = step.is_prefill
             step.running, step.pages_used = len(self.running), self.pages_used
         return step
 
-    def _schedule_prefill(self) -> Step | None:
+    def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
+        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a running
+        request's chunk that needs pages none can give waits, rather than preempt a row of this step."""
         env, ps = self.env, self.env.page_size
-        tokens_left, kv_left = env.prefill_tokens, env.prefill_kv_tokens
+        tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
         step = Step(is_prefill=True, rows=[])
         partial = [r for r in self.running if r.num_tokens - r.num_computed > 1]
         for req in partial + list(self.waiting):
@@ -155,8 +165,8 @@ class Scheduler:
             if need > free:
                 if admit:
                     break  # admission never preempts: wait for pages
-                if not self._make_room(need, req):
-                    continue  # req itself was preempted
+                if not may_preempt or not self._make_room(need, req):
+                    continue  # req itself was preempted, or it waits for a step without decode rows
             if admit:
                 self._admit(req, hit, chain, step)
             self._grow(req, need, step)
@@ -279,7 +289,7 @@ class Scheduler:
         sampled row, in row order); finish requests on a stop token or max_tokens. Returns the requests
         that got a token."""
         got, it = [], iter(sampled)
-        for row in step.rows:
+        for row in step.all_rows:
             req, token = row.request, next(it) if row.sample else None
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted after the step was built

@@ -7,6 +7,10 @@ sampler paths, STRESS_PARAMS; corner (a) runs twice, so each path samples the mo
   (b) one request of as many new tokens as a step takes;
   (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens;
   (d) one token over the longest prefix any chunk can have.
+Mixed corners (a prefill step with decode rows, as serving runs whenever both kinds of work exist): the
+most decode rows a mixed step can hold (running requests but one) at the longest contexts (the first at
+--max_req_total_len: the largest bucket, decoded eagerly) beside one chunk over the longest prefix; and,
+when that falls short of mixed_tokens, one decode row beside chunks of the rest of the budget.
 Decode corners: the most decode rows (eager above the graph size), and the largest graph when it is
 smaller; every row sampled with the full sampler; the envelope's pages spread over the rows (the
 longest contexts the cache allows), the first row at --max_req_total_len; DECODE_STEPS steps each.
@@ -63,15 +67,35 @@ def prefix_corner(env: Envelope) -> Rows:
     return rows
 
 
+def mixed_corners(env: Envelope) -> list[tuple[Rows, Rows]]:
+    """(chunk rows, decode rows) of the mixed corners; none when no mixed step can exist."""
+    if not env.mixed_tokens:
+        return []
+    longest = env.max_req_total_len - 1
+    d = min(env.decode_rows, env.running_reqs - 1, env.mixed_tokens - 1)
+    n = min(env.mixed_tokens - d, longest)
+    corners = [([(min(longest, env.prefill_kv_tokens) - n, n)], spread_rows(env, d)[-1])]
+    if d + n < env.mixed_tokens:  # the most tokens: one decode row, fresh chunks of the rest
+        left, chunks = env.mixed_tokens - 1, []
+        while left:
+            chunks.append((0, min(left, longest)))
+            left -= chunks[-1][1]
+        corners.append((chunks, spread_rows(env, 1)[-1]))
+    return corners
+
+
+def spread_rows(env: Envelope, n: int) -> list[Rows]:
+    """DECODE_STEPS steps of n decode rows: the envelope's pages spread over them, the first row at the
+    longest context (the largest bucket)."""
+    base, extra = divmod(env.pages, n)
+    lens = [min(max(base + (i < extra), 1) * env.page_size, env.max_req_total_len - 1) for i in range(n)]
+    lens[0] = env.max_req_total_len - 1  # the largest bucket (pages are taken cyclically: any cache holds it)
+    return [[(max(length - 1 - back, 0), 1) for length in lens] for back in range(DECODE_STEPS - 1, -1, -1)]
+
+
 def decode_corners(env: Envelope) -> list[Rows]:
     sizes = [env.decode_rows] + ([env.graph_rows] if 0 < env.graph_rows < env.decode_rows else [])
-    out = []
-    for n in sizes:
-        base, extra = divmod(env.pages, n)
-        lens = [min(max(base + (i < extra), 1) * env.page_size, env.max_req_total_len - 1) for i in range(n)]
-        lens[0] = env.max_req_total_len - 1  # the largest bucket (pages are taken cyclically: any cache holds it)
-        out += [[(max(length - 1 - back, 0), 1) for length in lens] for back in range(DECODE_STEPS - 1, -1, -1)]
-    return out
+    return [rows for n in sizes for rows in spread_rows(env, n)]
 
 
 def corner_step(env: Envelope, is_prefill: bool, rows: Rows, usable_pages: int, vocab_size: int,
@@ -125,10 +149,25 @@ def with_images(env: Envelope, step: Step, seed: int) -> Step:
 
 
 # ---------------------------------------------------------------- the steps the runner executes
+def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
+    """The mixed corners as steps: chunks in rows, decode rows (other slots) in decode; a vision-language
+    model's decode rows carry images."""
+    steps = []
+    for i, (chunks, decode) in enumerate(mixed_corners(env)):
+        step = corner_step(env, True, chunks + decode, usable_pages, vocab_size, seed + i)
+        step.rows, step.decode = step.rows[:len(chunks)], step.rows[len(chunks):]
+        if env.encoder_images:
+            for row in step.decode:
+                row.mm = stress_images(env, env.images_per_request, seed)
+        steps.append(step)
+    return steps
+
+
 def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
-    """The prefill corners as steps, then the image corner (vision-language models)."""
+    """The prefill corners as steps, the mixed corners, then the image corner (vision-language models)."""
     steps = [corner_step(env, True, rows, usable_pages, vocab_size, seed + i)
              for i, rows in enumerate(prefill_corners(env))]
+    steps += mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
     if env.encoder_images:
         steps.append(image_corner_step(env, usable_pages, vocab_size, seed))
     return steps

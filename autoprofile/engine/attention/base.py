@@ -50,6 +50,9 @@ class AttentionMetadata:
         build: a kernel may pick its launch shape per batch (aiter_triton's v2 partitions). Eager decode
         keeps scratch that grows with the rows, so the stress's corner at the most rows holds the most.
     Both: slot_mapping [num_tokens] int64, slot = page * page_size + offset, where new K/V are written.
+    Mixed (a prefill step with decode rows): `decode` is the decode rows' metadata; their tokens follow the
+      prefill tokens (slot_mapping covers both), the model sends them through decode() and the rest through
+      prefill(), then concatenates.
     """
 
     is_prefill: bool
@@ -63,6 +66,7 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
     captured: bool = False
+    decode: AttentionMetadata | None = None
 
     def keys(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens_k, max_seqlen_k) of what a prefill attends to: the gathered prefix + new tokens,

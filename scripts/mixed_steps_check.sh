@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Serving before and after a change, on one GPU in one run (issue 19's table): for each tree (BEFORE=a folder
+# holding an older autoprofile/, models/, scripts/; and this checkout), a default auto-profile behind
+# `autoprofile serve`, then fresh random 1024/128 prompts at concurrency 1, 64 and 256 (bench_serving, which
+# measures the GPU's GEMM and copy rates before the server starts and prints the c256 roofline fraction).
+#   OUT=dir BEFORE=before MODEL=llama-3.1-8b bash scripts/mixed_steps_check.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/mixed}; MODEL=${MODEL:-llama-3.1-8b}; BEFORE=${BEFORE:-}; PROMPTS=${PROMPTS:-1000}
+mkdir -p "$OUT"
+HERE=$(pwd)
+for tree in ${BEFORE:+$BEFORE} .; do
+  name=$([ "$tree" = . ] && echo after || echo before)
+  cd "$HERE/$tree" || exit 1
+  export PYTHONPATH=$SITE:$HERE/$tree
+  B=(python3 scripts/bench_serving.py --launch "python3 -m autoprofile.cli serve --model $MODEL --port 0 --report_dir ''"
+     --random-input-len 1024 --random-output-len 128)
+  "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
+    | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE"
+  echo "== $name c256 done"
+  if [ "${SMALL:-1}" = 1 ]; then
+    "${B[@]}" --max-concurrency 64 --num-prompts 256 --result-file "$OUT/$name-c64.json" 2>/dev/null \
+      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT"
+    echo "== $name c64 done"
+  fi
+done
+cd "$HERE"
