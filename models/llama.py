@@ -10,7 +10,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
@@ -119,22 +118,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, mc: ModelConfig, tp: TP, dtype: torch.dtype):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         super().__init__()
         i = mc.intermediate_size
+        self.backend = backend
         self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype)
         self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         super().__init__()
         self.self_attn = LlamaAttention(mc, backend, tp, dtype)
-        self.mlp = LlamaMLP(mc, tp, dtype)
+        self.mlp = LlamaMLP(mc, backend, tp, dtype)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 

@@ -450,3 +450,16 @@ def test_fused_rope_store_into_fp8_pages_equals_the_torch_ops(t):
         assert ((a - b).abs() <= b.abs() / 8 + 2 ** -9).all()
         assert (a == b).float().mean() > 0.98
     assert caches[1].float().abs().max() == FP8_MAX
+
+
+@pytest.mark.parametrize("rows", [1, 77, 8192])
+def test_fused_silu_mul_equals_the_torch_ops(rows, nan_empty):
+    """aiter_triton's one-kernel MLP activation against torch's silu(gate) * up (bf16: computed in fp32 and
+    rounded once, so within one rounding of the two-op result)."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    be, ref = make("aiter_triton"), make("torch")
+    x = torch.randn(rows, 2 * 14336, generator=gen, device="cuda", dtype=torch.bfloat16) * 3
+    got, want = be.silu_mul(x), ref.silu_mul(x)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16 and not got.isnan().any()
+    assert rel_err(got, want) < 1e-2
+    assert torch.equal(be.silu_mul(x[:1]), got[:1])

@@ -100,6 +100,13 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+        from autoprofile.engine import triton_act
+
+        self.triton_act = triton_act
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""
+        return self.triton_act.silu_mul(x)
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -138,6 +138,12 @@ class AttentionBackend(ABC):
             return k, v
         return dequantize(k, kv.scales[0], self.dtype), dequantize(v, kv.scales[1], self.dtype)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP activation: x [..., 2 * I] = gate | up -> silu(gate) * up [..., I] (the model takes it from
+        the backend, as its norms)."""
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""
         xf = x.float()
