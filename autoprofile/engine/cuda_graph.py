@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -85,6 +86,7 @@ class DecodeGraphs:
         not kept. A failure inside a capture (a real OOM: a peer grew after measure) ends that capture
         cleanly and propagates like any other build failure."""
         capture_stream(torch.cuda.current_device())
+        t0 = time.perf_counter()
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
@@ -108,6 +110,7 @@ class DecodeGraphs:
             capture_graph(graph, self.pool, body)
             self.graphs[bs, bucket] = graph
         torch.cuda.synchronize()
+        log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""
