@@ -13,6 +13,7 @@ from functools import cached_property
 
 from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up
 from autoprofile.engine.envelope import running_reqs
+from autoprofile.profile_cache import default_folder
 from models.config import ModelConfig, builtin_models, load_model_config
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
@@ -59,6 +60,9 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     seed: int = 0
     report_dir: str | None = "autoprofile_report"
+    # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's default
+    # is the user's cache folder)
+    profile_cache: str | None = None
     # images (vision-language models)
     visual_batch_size: int = 4
     min_image_pixels: int = 56 * 56
@@ -147,6 +151,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(bool(cfg.host.strip()), "host", "must not be empty; try --host 127.0.0.1")
     _check(0 <= cfg.seed <= MAX_SEED, "seed",
            f"must be an integer in [0, 2**62] (a torch generator's seed), got {cfg.seed}; try --seed 0")
+    _check(cfg.profile_cache is None or not os.path.isfile(cfg.profile_cache), "profile_cache",
+           f"'{cfg.profile_cache}' is a file, not a folder; try --profile_cache auto (or '' to always probe)")
     problem = None if cfg.report_dir is None else report_dir_problem(cfg.report_dir)
     _check(problem is None, "report_dir", f"'{cfg.report_dir}' {problem}; try --report_dir "
            "autoprofile_report in a writable folder (or --report_dir '' for no report)")
@@ -316,6 +322,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
              help="requests queued beyond the running ones; past it the server answers 429")
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
+    add_flag(p, "profile_cache", default="auto",
+             help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU skips the "
+                  "probe and still rebuilds and validates at the target (auto = ~/.cache/autoprofile/profiles; "
+                  "'' = always probe)")
     add_flag(p, "visual_batch_size", type=int, default=d.visual_batch_size,
              help="images the vision encoder runs in one step (vision-language models; the stress runs this many "
                   "at --max_image_pixels)")
@@ -339,4 +349,6 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.report_dir == "":
         cfg = cfg.replace(report_dir=None)
+    if cfg.profile_cache in ("", "auto"):
+        cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())
     return validate(cfg, serving)

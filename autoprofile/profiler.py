@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from autoprofile import budget, memory
+from autoprofile import budget, memory, profile_cache
 from autoprofile.budget import gib
 from autoprofile.config import ServerConfig
 
@@ -106,6 +106,7 @@ class ProfileResult:
     stack_limit: int | None = None  # per-thread CUDA stack limit after the stress (None without CUDA)
     local_memory: int | None = None  # what the driver reserves for it (memory.local_memory_bytes)
     kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
+    reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
 
     @property
     def kv_bytes(self) -> int:
@@ -202,6 +203,7 @@ class Profiler:
         # the KV buffer of the current build as last seen at a checkpoint: a build that fails after
         # allocating it drops it itself, and it must still be gone after release()
         self.kv_seen: weakref.ref | None = None
+        self.reused_probe: str | None = None  # when the measurement came from the profile cache: its probe's time
 
     def checkpoint(self, point: str) -> None:
         """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
@@ -217,15 +219,40 @@ class Profiler:
     def run(self) -> ProfileResult:
         if self.cfg.max_total_token_num is not None:
             return self.run_pinned(self.cfg.max_total_token_num)
-        with self.rec.phase("probe"):
-            probe = self.probe()
-        with self.rec.phase("measure"):
-            m = self.measure(probe)
+        name = self.cache_name()
+        entry = profile_cache.load(self.cfg.profile_cache, name) if name else None
+        if memory.all_ok(entry is not None, self.group):  # every rank has its entry: none probes
+            with self.rec.phase("measure (profile cache)"):
+                m = self.measure_cached(entry)
+            self.reused_probe = entry.measured_at
+        else:
+            with self.rec.phase("probe"):
+                probe = self.probe()
+            with self.rec.phase("measure"):
+                m = self.measure(probe)
         self.checkpoint("after_measure")
         sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries, self.cfg.page_size,
                                        floor=self.min_tokens())
-        tokens, attempts = self.fit(sizes, m)
+        try:
+            tokens, attempts = self.fit(sizes, m)
+        except ProfileError:
+            if name:
+                profile_cache.drop(self.cfg.profile_cache, name)
+            raise
+        if name and attempts > 1:  # the measurement needed a shrink: the next boot probes again
+            profile_cache.drop(self.cfg.profile_cache, name)
+        elif name and self.reused_probe is None:
+            profile_cache.store(self.cfg.profile_cache, name, profile_cache.Entry(
+                m.non_kv_peak, m.own_non_torch, m.probe_tokens, m.probe_sized, profile_cache.now()))
         return self.result(tokens, attempts, sizes[0], m, pinned=False)
+
+    def cache_name(self) -> str | None:
+        """This rank's profile cache entry, or None (no cache folder, or a runner without a GPU fingerprint)."""
+        fingerprint = getattr(self.runner, "fingerprint", lambda: None)()
+        if self.cfg.profile_cache is None or fingerprint is None:
+            return None
+        rank, world = (dist.get_rank(self.group), dist.get_world_size(self.group)) if self.group else (0, 1)
+        return profile_cache.key(self.cfg, self.cfg.model_config, fingerprint, rank, world)
 
     def run_pinned(self, tokens: int) -> ProfileResult:
         """--max_total_token_num: one build at N, validated; never shrunk silently."""
@@ -277,6 +304,22 @@ class Profiler:
         non_kv = budget.non_kv_peak(s.peak_reserved, probe_sized)
         own_nt = budget.own_non_torch(s.process_used, s.reserved, s.total, s.free)
         peers = budget.peer_bytes(s.total, s.free, s.reserved, own_nt)
+        return self.solve(s, probe, probe_sized, non_kv, own_nt, peers)
+
+    def measure_cached(self, entry: profile_cache.Entry) -> Measurement:
+        """An earlier probe's non-KV peak and non-torch memory (the larger of then and now: the stress's local
+        memory is not reserved yet) with the GPU's state now (free memory, peers)."""
+        s = memory.snapshot(self.device)
+        own_now = budget.own_non_torch(s.process_used, s.reserved, s.total, s.free)
+        peers = budget.peer_bytes(s.total, s.free, s.reserved, own_now)
+        log.info("measure: reusing the probe of %s from the profile cache (%s; --profile_cache '' probes)",
+                 entry.measured_at, self.cfg.profile_cache)
+        return self.solve(s, entry.probe_tokens, entry.probe_sized, entry.non_kv_peak,
+                          max(own_now, entry.own_non_torch), peers)
+
+    def solve(self, s: memory.MemorySnapshot, probe: int, probe_sized: int, non_kv: int, own_nt: int,
+              peers: int) -> Measurement:
+        """The target from the measured terms: this rank's, then the MIN over ranks."""
         available = budget.available_bytes(s.total, own_nt, non_kv, peers, self.cfg.canary_bytes)
         local = budget.solve_target_tokens(available, self.sizing, self.cfg.mem_fraction)
         target = memory.all_reduce_min(local, self.group)
@@ -451,7 +494,7 @@ class Profiler:
         return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
                              m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
                              list(self.errors), stack, local,
-                             kv_scales=getattr(self.runner, "kv_scale_source", None))
+                             kv_scales=getattr(self.runner, "kv_scale_source", None), reused_probe=self.reused_probe)
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

@@ -43,6 +43,7 @@ def to_dict(result) -> dict:
         "kv_gib": gib(result.kv_bytes),
         "cell_bytes": result.cell_bytes,
         "pinned": result.pinned,
+        "reused_probe": result.reused_probe,
         "attempts": result.attempts,
         "initial_target": result.initial_target,
         "probe_tokens": result.probe_tokens,
@@ -64,7 +65,8 @@ def format_report(result) -> str:
     lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS
               if key not in VISION_TERMS or result.terms.get(key)]
     how = "pinned by --max_total_token_num" if result.pinned else (
-        f"probe {result.probe_tokens} tokens, initial target {result.initial_target}")
+        f"probe {result.probe_tokens} tokens, initial target {result.initial_target}"
+        + (f" (the probe of {result.reused_probe}, from the profile cache)" if result.reused_probe else ""))
     lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
                  f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))

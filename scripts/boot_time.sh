@@ -16,10 +16,13 @@ boot() {  # label, cache dir, extra flags...
   local t1; t1=$(date +%s.%N)
   kill -TERM $pid; wait $pid
   printf "%-14s %6.1f s   %s\n" "$label" "$(python3 -c "print($t1 - $t0)")" \
-    "$(grep -oE 'phase [a-z+#0-9]+: [0-9.]+ s|captured [0-9]+ decode graphs in [0-9.]+ s' "/tmp/boot_$label.log" | tr '\n' ' ')"
+    "$(grep -oE 'phase [a-z+#0-9 ()]+: [0-9.]+ s|captured [0-9]+ decode graphs in [0-9.]+ s|KV cache: [0-9]+ tokens' \
+       "/tmp/boot_$label.log" | tr '\n' ' ')"
 }
-rm -rf /tmp/tc_a /tmp/tc_b
-boot cold-auto /tmp/tc_a
-boot warm-auto /tmp/tc_a
+# cold: an empty Triton cache and an empty profile cache; warm: both filled by the boot before
+rm -rf /tmp/tc_a /tmp/tc_b /tmp/pc_a
+boot cold-auto /tmp/tc_a --profile_cache /tmp/pc_a
+boot warm-auto /tmp/tc_a --profile_cache /tmp/pc_a
+boot warm-auto-probe /tmp/tc_a --profile_cache ''
 boot warm-pinned /tmp/tc_a --max_total_token_num "$TOKENS"
 boot cold-pinned /tmp/tc_b --max_total_token_num "$TOKENS"

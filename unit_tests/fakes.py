@@ -79,6 +79,9 @@ class FakeRunner:
     def __post_init__(self):
         self.gpu.alloc(self.weight_bytes)
 
+    def fingerprint(self) -> dict:
+        return {"gpu": "fake", "total_memory": self.gpu.total}
+
     def build(self, kv_tokens: int, checkpoint=None) -> None:
         checkpoint = checkpoint or (lambda p: None)
         self.events.append(("build", kv_tokens, None if self.profiler is None else self.profiler.canary))

@@ -237,3 +237,86 @@ def test_escape_hatch_that_does_not_fit_says_what_fits(gpu):
     assert f"try --max_total_token_num {fits}" in str(ei.value)
     assert 600_000 not in builds(runner)[1:]  # never shrunk silently: the only other build is the probe
     assert gpu.allocated == runner.weight_bytes
+
+
+# ---------------------------------------------------------------- the profile cache
+def shutdown(gpu, runner) -> None:
+    """The process ends: its KV and its weights leave the (fake) GPU."""
+    runner.teardown()
+    gpu.free(runner.weight_bytes)
+    gpu.empty_cache()
+    gpu.peak = 0
+
+
+def test_a_second_boot_reuses_the_probe_and_still_rebuilds_and_validates(gpu, tmp_path):
+    cfg = CFG.replace(profile_cache=str(tmp_path))
+    runner, prof = make(gpu, cfg)
+    first = prof.run()
+    assert [p for p, _ in first.phases][0] == "probe" and first.reused_probe is None
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    shutdown(gpu, runner)
+    runner2, prof2 = make(gpu, cfg)
+    second = prof2.run()
+    # no probe build: fit's release tears down nothing, then the one build at the target
+    assert [e[0] for e in runner2.events] == ["teardown", "build", "stress_prefill", "stress_decode"]
+    assert builds(runner2) == builds(runner)[1:]
+    assert [p for p, _ in second.phases] == ["measure (profile cache)", "rebuild+validate#1"]
+    assert second.tokens == first.tokens and second.reused_probe is not None
+    assert second.measurement.non_kv_peak == first.measurement.non_kv_peak
+
+
+def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
+    cfg = CFG.replace(profile_cache=str(tmp_path))
+    runner, prof = make(gpu, cfg)
+    prof.run()
+    shutdown(gpu, runner)
+    for changed in (cfg.replace(batch_max_tokens=4096), cfg):
+        r, p = make(gpu, changed)
+        if changed is cfg:
+            r.fingerprint = lambda: {"gpu": "another card", "total_memory": gpu.total}
+        result = p.run()
+        assert [ph for ph, _ in result.phases][0] == "probe", changed
+        shutdown(gpu, r)
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_a_stale_entry_is_absorbed_by_the_validation_and_dropped(gpu, tmp_path):
+    """An entry whose non-KV peak is too low (the code it measured differs in a way the key missed): the
+    validation at the target fails, a 5% smaller build passes, and the entry goes (the next boot probes)."""
+    import json
+    cfg = CFG.replace(profile_cache=str(tmp_path))
+    runner, prof = make(gpu, cfg)
+    prof.run()
+    shutdown(gpu, runner)
+    path, = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())
+    entry["non_kv_peak"] -= 2 * GiB
+    path.write_text(json.dumps(entry))
+    r, p = make(gpu, cfg)
+    result = p.run()
+    assert result.attempts > 1 and result.reused_probe is not None
+    assert not path.exists()
+
+
+def test_no_cache_folder_never_writes(gpu, tmp_path):
+    runner, prof = make(gpu, CFG)
+    assert CFG.profile_cache is None and prof.cache_name() is None
+    prof.run()
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_cached_non_torch_memory_counts_when_it_exceeds_what_the_process_holds_before_any_kernel(gpu, tmp_path):
+    """The stress's kernels reserve local memory (non-torch) that a boot without a probe has not reserved yet
+    when it sizes: the entry's figure is the one to plan for."""
+    import json
+    cfg = CFG.replace(profile_cache=str(tmp_path))
+    runner, prof = make(gpu, cfg)
+    first = prof.run()
+    shutdown(gpu, runner)
+    path, = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())
+    entry["own_non_torch"] += GiB
+    path.write_text(json.dumps(entry))
+    second = make(gpu, cfg)[1].run()
+    assert second.measurement.own_non_torch == entry["own_non_torch"]
+    assert first.tokens - second.tokens == pytest.approx(GiB / first.cell_bytes, abs=2 * CFG.page_size)

@@ -6,6 +6,7 @@ the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import itertools
 import logging
 import math
@@ -100,6 +101,22 @@ class ModelRunner:
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
             workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
             max_tokens=budget.max_indexable_tokens(self.num_kv_heads, head_dim, cfg.page_size))
+
+    def fingerprint(self) -> dict | None:
+        """What a probe's measurement depends on besides the code, model and flags (autoprofile.profile_cache):
+        the GPU and the versions of what runs on it. None on CPU (no cache)."""
+        if self.device.type != "cuda":
+            return None
+        props = torch.cuda.get_device_properties(self.device)
+        out = {"gpu": props.name, "total_memory": props.total_memory, "capability": [props.major, props.minor],
+               "sms": props.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda,
+               "hip": torch.version.hip}
+        for package in ("triton", "amd-aiter"):
+            try:
+                out[package] = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                out[package] = None
+        return out
 
     @property
     def kv_bytes(self) -> int:
