@@ -293,10 +293,7 @@ class Qwen2_5_VLTextModel(LlamaModel):
         x = self.embed_tokens(input_ids)
         if mm_embeds is not None:
             x = merge_embeds(x, mm_embeds, mm_mask)
-        rope = self.rotary_emb(positions)
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, rope, meta, kv)
-        return self.norm(x)
+        return self.decode_layers(x, self.rotary_emb(positions), meta, kv_layers)
 
 
 def merge_embeds(x: torch.Tensor, mm_embeds: torch.Tensor, mm_mask: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,6 @@ class AiterTriton:
     seq_partition_size: int  # tokens per partition of AITER's v2 decode (1024)
     pa_kernels: types.ModuleType  # its partition kernels, launched by aiter_triton.decode_v2 with our reduce
     flash_attn_varlen_func: Callable
-    rms_norm: Callable
 
 
 def _register_bare_package() -> None:
@@ -131,7 +130,6 @@ def load_pa_kernels() -> types.ModuleType:
 UNSPECIALIZED = (
     ("aiter.ops.triton._triton_kernels.mha", "_attn_fwd",
      ("SEQLEN_Q", "SEQLEN_K", "BATCH", "stride_lse_z_in", "stride_lse_h_in", "stride_lse_m_in")),
-    ("aiter.ops.triton._triton_kernels.rmsnorm", "_rms_norm_kernel", ("n_rows",)),
 )
 
 
@@ -153,13 +151,12 @@ def unspecialize(kernel, names: tuple[str, ...]) -> None:
 
 @functools.cache
 def load_aiter_triton() -> AiterTriton:
-    """Import the Triton kernels (paged decode, varlen flash attention, RMSNorm); needs a GPU.
+    """Import the Triton kernels (paged decode, varlen flash attention); needs a GPU.
 
     Cached: the second call returns the same object. A missing amd-aiter raises RuntimeError naming
     --attention_backend torch."""
     pa = load_pa_decode()
     mha = importlib.import_module("aiter.ops.triton.mha")
-    rmsnorm = importlib.import_module("aiter.ops.triton.rmsnorm")
     for module, kernel, names in UNSPECIALIZED:
         unspecialize(getattr(importlib.import_module(module), kernel), names)
     return AiterTriton(
@@ -167,5 +164,4 @@ def load_aiter_triton() -> AiterTriton:
         seq_partition_size=pa._SEQ_PARTITION_SIZE,
         pa_kernels=load_pa_kernels(),
         flash_attn_varlen_func=mha.flash_attn_varlen_func,
-        rms_norm=rmsnorm.rms_norm,
     )

@@ -1,4 +1,5 @@
-"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill, paged decode, RMSNorm.
+"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill and paged decode; our own
+Triton kernels beside them: RMSNorm (fused with the residual add), SiLU * up, RoPE + KV store, the decode reduce.
 
 The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
@@ -94,15 +95,12 @@ class AiterTritonBackend(AttentionBackend):
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
         self.prefill_config = prefill_config()
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.rms_rows: set[int] = set()  # row counts below the SM count AITER's rms_norm has compiled for
-        self.sealed = False
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        from autoprofile.engine import triton_act
+        from autoprofile.engine import triton_act, triton_norm
 
-        self.triton_act = triton_act
+        self.triton_act, self.triton_norm = triton_act, triton_norm
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""
@@ -166,22 +164,10 @@ class AiterTritonBackend(AttentionBackend):
         return budget.triton_decode_partition(num_seqs, self.num_q_heads, max_seq_len, self.page_size)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """NOTE: the kernel's program count is a constexpr min(rows, SMs): each row count below the SM
-        count is a compile of its own (seconds, and a module the profile never measured). The build compiles
-        the graph ladder's; once sealed, a step with another count below the SM count (a short prefill, an
-        eager decode) takes the torch ops instead of compiling while serving. Envelope: the profiler's stress
-        runs sealed, so its corners take the path serving takes; the torch ops' fp32 temporaries (about
-        12 bytes x rows x hidden, rows < SMs: under 7 MiB at hidden 4096) are far below a prefill corner's."""
-        rows = x.numel() // x.shape[-1]
-        if rows < self.num_sms:
-            if self.sealed and rows not in self.rms_rows:
-                return super().rms_norm(x, weight, eps)
-            self.rms_rows.add(rows)
-        return self.ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+        """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
+        return self.triton_norm.rms_norm(x, weight, eps)
 
-    def seal(self) -> None:
-        self.sealed = True
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.triton_norm.add_rms_norm(x, residual, weight, eps)
 
-    def teardown(self) -> None:
-        super().teardown()
-        self.sealed = False

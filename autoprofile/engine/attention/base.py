@@ -99,8 +99,8 @@ class AttentionBackend(ABC):
         """Allocate persistent state (e.g. a workspace) for a cache of this size."""
 
     def seal(self) -> None:
-        """The build is done: the kernels compiled so far are the ones steps may launch (aiter_triton: a
-        kernel a step would compile while serving takes the torch ops instead). Teardown unseals."""
+        """The build is done: the kernels compiled so far are the ones steps may launch (a backend whose
+        kernel would compile while serving takes another path instead). Teardown unseals."""
 
     def teardown(self) -> None:
         """Drop everything build() allocated."""
@@ -137,6 +137,12 @@ class AttentionBackend(ABC):
         if kv.scales is None:
             return k, v
         return dequantize(k, kv.scales[0], self.dtype), dequantize(v, kv.scales[1], self.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual): the decoder's residual add and the next norm."""
+        s = x + residual
+        return self.rms_norm(s, weight, eps), s
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP activation: x [..., 2 * I] = gate | up -> silu(gate) * up [..., I] (the model takes it from
