@@ -7,13 +7,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/mixed}; MODEL=${MODEL:-llama-3.1-8b}; BEFORE=${BEFORE:-}; PROMPTS=${PROMPTS:-1000}
 mkdir -p "$OUT"
-HERE=$(pwd)
+HERE=$(pwd); SITE=${SITE:-}
+export PYTHONPATH=$SITE:$HERE  # the client: this checkout's bench_serving for both trees
 for tree in ${BEFORE:+$BEFORE} .; do
   name=$([ "$tree" = . ] && echo after || echo before)
-  cd "$HERE/$tree" || exit 1
-  export PYTHONPATH=$SITE:$HERE/$tree
-  B=(python3 scripts/bench_serving.py --launch "python3 -m autoprofile.cli serve --model $MODEL --port 0 --report_dir ''"
-     --random-input-len 1024 --random-output-len 128)
+  SERVE="env PYTHONPATH=$SITE:$HERE/$tree python3 -m autoprofile.cli serve --model $MODEL --port 0 --report_dir ''"
+  B=(python3 scripts/bench_serving.py --launch "$SERVE" --random-input-len 1024 --random-output-len 128)
   "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
     | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE"
   echo "== $name c256 done"
@@ -23,4 +22,3 @@ for tree in ${BEFORE:+$BEFORE} .; do
     echo "== $name c64 done"
   fi
 done
-cd "$HERE"
