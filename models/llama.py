@@ -76,10 +76,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual stream's add fused into the norm."""
-        return self.backend.add_rms_norm(x, residual, self.weight, self.eps)
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
@@ -141,17 +137,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, meta: AttentionMetadata,
-                kv: KVLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds them (add_rms_norm),
-        the same sums as x + attn(norm(x)), then + mlp(norm(.))."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add(x, residual)
-        h = self.self_attn(h, rope, meta, kv)
-        h, residual = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -169,11 +157,10 @@ class LlamaModel(nn.Module):
 
     def decode_layers(self, x: torch.Tensor, rope, meta: AttentionMetadata,
                       kv_layers: Sequence[KVLayer]) -> torch.Tensor:
-        """The decoder layers and the final norm, the residual stream carried beside the hidden states."""
-        residual = None
+        """The decoder layers and the final norm."""
         for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x, residual = layer(x, residual, rope, meta, kv)
-        return self.norm.add(x, residual)[0] if residual is not None else self.norm(x)
+            x = layer(x, rope, meta, kv)
+        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,5 +1,5 @@
 """AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill and paged decode; our own
-Triton kernels beside them: RMSNorm (fused with the residual add), SiLU * up, RoPE + KV store, the decode reduce.
+Triton kernels beside them: RMSNorm, SiLU * up, RoPE + KV store, the decode reduce.
 
 The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
@@ -166,8 +166,4 @@ class AiterTritonBackend(AttentionBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
         return self.triton_norm.rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.triton_norm.add_rms_norm(x, residual, weight, eps)
 

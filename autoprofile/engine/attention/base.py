@@ -138,12 +138,6 @@ class AttentionBackend(ABC):
             return k, v
         return dequantize(k, kv.scales[0], self.dtype), dequantize(v, kv.scales[1], self.dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual): the decoder's residual add and the next norm."""
-        s = x + residual
-        return self.rms_norm(s, weight, eps), s
-
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP activation: x [..., 2 * I] = gate | up -> silu(gate) * up [..., I] (the model takes it from
         the backend, as its norms)."""
