@@ -27,6 +27,11 @@ def gib(n: float) -> float:
 
 
 # ---------------------------------------------------------------- per-token KV
+def running_reqs(running_max_req_size: int | None, graph_max_batch_size: int) -> int:
+    """Request slots: --running_max_req_size, or --graph_max_batch_size (every decode step a graph)."""
+    return running_max_req_size or graph_max_batch_size
+
+
 def kv_cell_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
     """MHA/GQA: K and V, kv heads split over TP ranks (replicated when there are fewer heads than ranks)."""
     heads_per_rank = max(num_kv_heads // tp, 1)

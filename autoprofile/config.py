@@ -11,10 +11,9 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
-from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up
-from autoprofile.engine.envelope import running_reqs
+from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
 from autoprofile.profile_cache import default_folder
-from models.config import ModelConfig, builtin_models, load_model_config
+from models.config import FIRST_FOLDED, ModelConfig, builtin_models, load_model_config
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
@@ -253,7 +252,6 @@ def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
         except Exception as e:  # noqa: BLE001 - the tokenizers library's own error text names the problem
             raise ConfigError("model", f"{folder}: cannot be read by `tokenizers`: {e}") from None
         return n, "its tokenizer.json holds (special tokens included)"
-    from autoprofile.serving.tokenizer import FIRST_FOLDED
     return FIRST_FOLDED, "the byte-level tokenizer needs (3 specials + 256 bytes; no tokenizer.json)"
 
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from autoprofile import budget
-from autoprofile.budget import GiB, MiB, gib
+from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, decode_rows_text, validate
-from autoprofile.engine.envelope import running_reqs
 from models.config import ModelConfig, builtin_models, load_model_config
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack per

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autoprofile import budget, memory, profile_cache
+from autoprofile.tp.votes import describe, gather, gather_errors, is_consequence
 from autoprofile.budget import gib
 from autoprofile.config import ServerConfig
 
@@ -117,37 +118,7 @@ class ProfileResult:
         return format_report(self)
 
 
-# ---------------------------------------------------------------- collective helpers
-def _gather_errors(err: str | None, group) -> list[str]:
-    """Every rank's error (None dropped), identical on all ranks."""
-    out = _gather(err, group)
-    if len(out) == 1:
-        return [err] if err else []
-    errors = [(r, e) for r, e in enumerate(out) if e]
-    causes = [(r, e) for r, e in errors if not _is_consequence(e)]
-    return [f"rank {r}: {e}" for r, e in (causes or errors)]  # a peer's PeerFailed only repeats the cause
-
-
-def _is_consequence(err: str) -> bool:
-    """A rank's error that only reports another rank's failure (autoprofile.tp's PeerFailed, a peer's
-    closed connection)."""
-    return (err.startswith("PeerFailed:") or "Connection closed by peer" in err
-            or "Connection reset by peer" in err)
-
-
-def _gather(value, group) -> list:
-    """Every rank's value in rank order (this rank's alone without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [value]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-
-
+# ---------------------------------------------------------------- failure texts
 MEMORY_FAILURES = ("OutOfMemoryError:", "out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
@@ -164,7 +135,7 @@ def is_memory_failure(err: str) -> bool:
 def not_memory_failures(errors: list[str]) -> list[str]:
     """The gathered errors that are not memory failures (a peer's consequence of another rank's failure
     aside): non-empty means the memory diagnostic does not apply and no retry can help."""
-    return [e for e in errors if not is_memory_failure(e) and not _is_consequence(_unranked(e))]
+    return [e for e in errors if not is_memory_failure(e) and not is_consequence(_unranked(e))]
 
 
 def failure_text(stage: str, tokens: int, errors: list[str]) -> str:
@@ -176,7 +147,7 @@ def failure_text(stage: str, tokens: int, errors: list[str]) -> str:
 
 def _log_failure(what: str, e: BaseException) -> str:
     """Log this rank's failure (with its traceback unless it is a memory failure); return its text."""
-    err = _describe(e)
+    err = describe(e)
     if is_memory_failure(err):
         log.warning("%s failed: %s", what, err)
     else:
@@ -194,7 +165,7 @@ class Profiler:
         self.device = getattr(runner, "device", torch.device("cuda"))
         self.fault = checkpoint or (lambda point: None)
         # TP: posts this rank's failure at once, before it votes, so that peers waiting for it in a
-        # collective are freed (autoprofile.tp)
+        # collective are freed (autoprofile.tp.channel)
         self.on_error = on_error or (lambda text: None)
         self.rec = Recorder(self.device)
         self.sizing: budget.Sizing = runner.sizing
@@ -261,7 +232,7 @@ class Profiler:
             err = self.attempt(tokens)
         if memory.all_ok(err is None, self.group):
             return self.result(tokens, 1, tokens, None, pinned=True)
-        errors = _gather_errors(err, self.group)
+        errors = gather_errors(err, self.group)
         self.release()
         if not_memory_failures(errors):
             raise ProfileError(failure_text("validation", tokens, not_memory_failures(errors)))
@@ -289,7 +260,7 @@ class Profiler:
             err = _log_failure(f"probe at {tokens} tokens", e)
             self.on_error(err)
         if not memory.all_ok(err is None, self.group):
-            errors = _gather_errors(err, self.group)
+            errors = gather_errors(err, self.group)
             if not_memory_failures(errors):
                 raise ProfileError(failure_text("probe", tokens, not_memory_failures(errors))
                                    + self.release_after_give_up())
@@ -348,7 +319,7 @@ class Profiler:
                 err = self.attempt(tokens)
             if memory.all_ok(err is None, self.group):
                 return tokens, attempt
-            errors = _gather_errors(err, self.group)
+            errors = gather_errors(err, self.group)
             self.errors.extend(errors)
             log.warning("attempt %d at %d tokens failed on some rank: %s", attempt, tokens, self.errors[-1])
             self.release()  # a leak raises here, outside any retry
@@ -387,8 +358,8 @@ class Profiler:
         same text on every rank (never a traceback on one rank and a closed connection on the other)."""
         leak, broken = self._teardown_and_check()
         if not memory.all_ok(leak is None and broken is None, self.group):
-            broken_all = _gather_errors(broken, self.group)
-            leaks = _gather_errors(leak, self.group)
+            broken_all = gather_errors(broken, self.group)
+            leaks = gather_errors(leak, self.group)
             if broken_all:
                 raise ProfileError(self.diagnostic(0, 0, len(self.errors), "; ".join(broken_all + leaks),
                                                    stage="teardown"))
@@ -414,13 +385,13 @@ class Profiler:
         try:
             self.runner.teardown()
         except Exception as e:  # noqa: BLE001 - becomes the collective diagnostic
-            broken = f"teardown raised {_describe(e)}"
+            broken = f"teardown raised {describe(e)}"
             log.error("%s", broken)
         gc.collect()
         try:
             memory.release_cached(self.device)
         except Exception as e:  # noqa: BLE001
-            broken = broken or f"releasing cached memory raised {_describe(e)}"
+            broken = broken or f"releasing cached memory raised {describe(e)}"
         after, after_alloc = memory.reserved(self.device), memory.allocated(self.device)
         self.rec.sample("teardown")
         leak = None
@@ -460,7 +431,7 @@ class Profiler:
         else:  # before (or without) a measurement: what the GPU shows now
             own_nt = budget.own_non_torch(s.process_used, s.reserved, s.total, s.free)
             mine = (s.peak_reserved, s.total, budget.peer_bytes(s.total, s.free, s.reserved, own_nt))
-        ranks = _gather(mine, self.group)
+        ranks = gather(mine, self.group)
         g = budget.GiveUp(
             initial_tokens=initial, last_tokens=last, attempts=attempts, cell_bytes=self.sizing.cell_bytes,
             peak_reserved=max(r[0] for r in ranks), total=min(r[1] for r in ranks), canary=self.cfg.canary_bytes,
@@ -550,7 +521,7 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
          checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
 
-    guard: this rank's autoprofile.tp.RankGuard under TP (its data group replaces `group`; the returned
+    guard: this rank's autoprofile.tp.channel.RankGuard under TP (its data group replaces `group`; the returned
     runner runs its data-plane work in the guard's sections). Returns (runner, result); the runner is
     built at the validated size and ready to serve."""
     from autoprofile.engine.runner import ModelRunner
@@ -569,7 +540,7 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
         try:
             runner.teardown()
         except Exception as e:  # noqa: BLE001 - the profiler's own error is the one to report
-            log.error("teardown after a failed profile also failed: %s", _describe(e))
+            log.error("teardown after a failed profile also failed: %s", describe(e))
         raise
     result.phases.insert(0, ("load_weights", load_s))
     if rank == 0:
@@ -581,15 +552,10 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 
 
 def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
-    """`autoprofile profile`: run the profiler alone and return its report (the runner is dropped)."""
+    """`autoprofile profile` in this process (--tp 1; --tp N runs autoprofile.tp.launch.profile_tp): run the
+    profiler alone and return its report (the runner is dropped)."""
     if cfg.tp > 1:
-        return _profile_tp(cfg, checkpoint)
+        raise ValueError("profile() runs one process: --tp > 1 goes through autoprofile.tp.launch.profile_tp")
     runner, result = boot(cfg, checkpoint=checkpoint, log_report=False)  # the caller prints it
     runner.teardown()
     return result
-
-
-def _profile_tp(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
-    """One process per GPU; any failure on any rank ends as one ProfileError (autoprofile.tp)."""
-    from autoprofile.tp import profile_tp
-    return profile_tp(cfg, checkpoint)

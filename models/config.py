@@ -10,6 +10,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Qwen2_5_VLForConditionalGeneration")
 
+# The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0, 1, 2
+# are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here, below the
+# serving layer, because config validation checks a model's vocabulary against it.
+BYTE_OFFSET = 3
+FIRST_FOLDED = BYTE_OFFSET + 256
+
 
 def builtin_models() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file())

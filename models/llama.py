@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
-from autoprofile.engine.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import ModelConfig
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
-from autoprofile.engine.parallel import TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, new_param
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata
+from autoprofile.layers.parallel import TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, new_param
 from models.config import ModelConfig, VisionConfig
 from models.llama import KVLayer, LlamaForCausalLM, LlamaModel, RMSNorm, RotaryEmbedding, apply_rope
 

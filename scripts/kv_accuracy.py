@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autoprofile.engine.attention import get_backend_class
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import KVCache
-from autoprofile.engine.parallel import TP
+from autoprofile.layers.parallel import TP
 from autoprofile.engine.runner import TORCH_DTYPES
 from autoprofile.engine.weights import init_random, load_weights
 from models import model_class

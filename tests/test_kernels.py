@@ -12,7 +12,7 @@ from autoprofile import budget
 from autoprofile.engine.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
-from autoprofile.engine.attention.base import FP8_MAX, KVLayer, dequantize, quantize
+from autoprofile.layers.attention import FP8_MAX, KVLayer, dequantize, quantize
 from unit_tests.test_attention_cpu import ref_attention, ref_rms_norm, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoprofile.config import ServerConfig, validate
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from models.config import load_model_config

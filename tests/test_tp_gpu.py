@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprofile import tp
+from autoprofile.tp import broadcast, launch
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
@@ -78,9 +78,9 @@ def _tp_generate(guard, model: str, dtype: str = "bfloat16"):
     guarded.build(4096)
     logits = last_logits(runner)  # every rank runs the forward (its collectives)
     if guard.rank:
-        tp.worker_loop(guarded)
+        broadcast.worker_loop(guarded)
         return None
-    b = tp.StepBroadcaster(guarded)
+    b = broadcast.StepBroadcaster(guarded)
     try:
         return logits, LLMEngine(b).generate(PROMPTS, max_tokens=32)
     finally:
@@ -95,8 +95,8 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
     model = tiny_checkpoint(tmp_path / "tiny")
     ref, ref_tokens = tp1_logits(model, "float32")
     want_logits, want = tp1_logits(model, "bfloat16")
-    out = tp.launch(_tp_generate, 2, (model,), timeout_s=300)
-    out32 = tp.launch(_tp_generate, 2, (model, "float32"), timeout_s=300)
+    out = launch.launch(_tp_generate, 2, (model,), timeout_s=300)
+    out32 = launch.launch(_tp_generate, 2, (model, "float32"), timeout_s=300)
     assert all(o.ok for o in out + out32), out + out32
     (logits, tokens), (logits32, tokens32) = out[0].value, out32[0].value
     e1, e2 = (want_logits - ref).abs(), (logits - ref).abs()
@@ -112,7 +112,7 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
 
 # ---------------------------------------------------------------- a full auto-profile
 def test_autoprofile_llama8b_tp2(tmp_path):
-    from autoprofile.profiler import profile
+    from autoprofile.tp.launch import profile_tp as profile
     cfg = validate(ServerConfig(model="llama-3.1-8b", tp=2, report_dir=str(tmp_path / "r")))
     t0 = time.time()
     result = profile(cfg)
@@ -142,9 +142,9 @@ def fault_for(point: str):
 def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tmp_path, point):
     """Rank 1's GPU is filled at `point`; its next allocation is a real OOM. Either every rank votes, shrinks
     and succeeds (the OOM outside a running collective: the abort freed rank 0), or every rank ends with the
-    same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: tp.py 2b). Within BOUND."""
+    same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: autoprofile.tp, 2b). Within BOUND."""
     t0 = time.time()
-    out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=300)
+    out = launch.launch(launch.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=300)
     ends = [o.ended - t0 for o in out]
     if all(o.ok for o in out):
         r0, r1 = out[0].value, out[1].value
@@ -169,7 +169,7 @@ def test_a_peer_on_gpu1_only_sizes_both_ranks_to_the_smaller(tmp_path):
                             stdout=subprocess.PIPE, text=True)
     try:
         assert peer.stdout.readline().strip() == "ready"
-        out = tp.launch(tp.profile_rank, 2, (tiny_tp_cfg(tmp_path),), timeout_s=300)
+        out = launch.launch(launch.profile_rank, 2, (tiny_tp_cfg(tmp_path),), timeout_s=300)
     finally:
         peer.kill()
         peer.wait()

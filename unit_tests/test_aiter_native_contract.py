@@ -20,7 +20,7 @@ import torch
 from autoprofile import budget
 from autoprofile.engine.attention import AttentionMetadata
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend, ragged_pages
-from autoprofile.engine.attention.base import KVLayer
+from autoprofile.layers.attention import KVLayer
 
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 

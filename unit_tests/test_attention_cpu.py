@@ -17,7 +17,7 @@ from autoprofile.engine.attention import (AttentionMetadata, BACKENDS, get_backe
 from autoprofile.engine.attention import aiter_triton
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
-from autoprofile.engine.attention.base import KVLayer
+from autoprofile.layers.attention import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 
 

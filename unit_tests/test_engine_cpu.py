@@ -15,12 +15,12 @@ from safetensors.torch import save_file
 
 from autoprofile import budget
 from autoprofile.config import ServerConfig, validate
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.engine.cuda_graph import batch_ladder
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
-from autoprofile.engine.parallel import TP
+from autoprofile.layers.parallel import TP
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from autoprofile import plan
 from autoprofile.config import ServerConfig, validate
-from autoprofile.engine.attention.base import (CALIBRATION_HEADROOM, FP8_MAX, AttentionMetadata, KVLayer,
+from autoprofile.layers.attention import (CALIBRATION_HEADROOM, FP8_MAX, AttentionMetadata, KVLayer,
                                                calibrate_, dequantize, quantize)
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.engine.engine import LLMEngine

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from autoprofile.engine.attention import get_backend_class
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.weights import init_random, load_weights
 from models import qwen2_5_vl

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU with real gloo ranks (spawned by autoprofile.tp.launch): a failure on any
+"""Tensor parallelism on CPU with real gloo ranks (spawned by autoprofile.launch.launch): a failure on any
 rank, between two collectives or inside one, ends every rank with the same text within the bound; the
 profiler retries after an abort; TP=2 serving through the engine equals TP=1.
 
@@ -13,12 +13,14 @@ import time
 import pytest
 import torch
 
-from autoprofile import memory, tp
+from autoprofile import memory
+from autoprofile.tp import broadcast, channel, launch
 from autoprofile.config import ServerConfig
 from autoprofile.engine.engine import LLMEngine
-from autoprofile.engine.parallel import TP
+from autoprofile.layers.parallel import TP
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.profiler import Profiler, _describe, _gather_errors
+from autoprofile.profiler import Profiler
+from autoprofile.tp.votes import describe, gather_errors
 from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
 from unit_tests.test_engine_cpu import QWEN_SMALL, small_cfg, write_checkpoint
 
@@ -26,16 +28,16 @@ TIMEOUT = 90  # per launch, spawn and imports included
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 12, list(range(30, 70))]
 
 
-def run(target, world, *args, **kw) -> tuple[list[tp.Outcome], float]:
+def run(target, world, *args, **kw) -> tuple[list[launch.Outcome], float]:
     t0 = time.time()
-    out = tp.launch(target, world, args, device="cpu", timeout_s=TIMEOUT, **kw)
+    out = launch.launch(target, world, args, device="cpu", timeout_s=TIMEOUT, **kw)
     return out, t0
 
 
 def vote_and_raise(guard, err: str | None) -> None:
     """What the profiler and run_step do after a section: the vote, then the gathered errors."""
     if not memory.all_ok(err is None, guard.control):
-        raise tp.TPError("; ".join(_gather_errors(err, guard.control)))
+        raise channel.TPError("; ".join(gather_errors(err, guard.control)))
 
 
 # ---------------------------------------------------------------- between two collectives
@@ -64,10 +66,10 @@ def _fails_inside(guard):
                 raise RuntimeError("rank 1 raised before its all-reduce")
             TP(guard.rank, guard.world, guard.data, guard.wait).all_reduce(torch.ones(4))  # waits for rank 1
     except Exception as e:  # noqa: BLE001
-        err = _describe(e)
+        err = describe(e)
     try:
         vote_and_raise(guard, err)
-    except tp.TPError as e:
+    except channel.TPError as e:
         text = str(e)
     guard.heal()  # the aborted data group is replaced on every rank: collectives work again
     x = torch.full((2,), float(guard.rank + 1))
@@ -97,7 +99,7 @@ def _wedged_inside(guard):
                 raise RuntimeError("rank 1 ran out of memory inside its forward")
             threading.Event().wait(120)  # deaf to PeerFailed: only the stuck timer ends this rank
     except Exception as e:  # noqa: BLE001
-        err = _describe(e)
+        err = describe(e)
     vote_and_raise(guard, err)
     return "unreachable"
 
@@ -108,7 +110,7 @@ def test_a_rank_the_abort_cannot_free_ends_itself_and_every_rank_ends_with_the_s
     assert not out[0].ok and not out[1].ok, out
     assert out[0].value == out[1].value == "rank 1: RuntimeError: rank 1 ran out of memory inside its forward"
     # rank 1 failed at once; rank 0 gives up GRACE_S + STUCK_S later; rank 1 sees it gone at the vote
-    assert max(o.ended for o in out) - t0 < tp.GRACE_S + tp.STUCK_S + 30, out
+    assert max(o.ended for o in out) - t0 < channel.GRACE_S + channel.STUCK_S + 30, out
 
 
 def _killed_inside(guard):
@@ -184,13 +186,13 @@ def _serve(guard, model_dir: str):
     if guard.rank:
         hook = FailingLayer(n=10 ** 9)
         runner.model.model.layers[1].register_forward_pre_hook(hook)
-        tp.worker_loop(guarded)  # until rank 0's stop
+        broadcast.worker_loop(guarded)  # until rank 0's stop
         hook.n = hook.calls + 3  # the third forward of the next serving run fails
-        tp.worker_loop(guarded)  # raises the fatal TPError
+        broadcast.worker_loop(guarded)  # raises the fatal TPError
         return "unreachable"
     out = []
     for _ in range(2):
-        broadcaster = tp.StepBroadcaster(guarded)
+        broadcaster = broadcast.StepBroadcaster(guarded)
         engine = LLMEngine(broadcaster)
         out.append(engine.generate(PROMPTS, max_tokens=8))
         out.append(engine.stats.failed_steps)
@@ -218,7 +220,7 @@ def test_tp2_serving_on_cpu_equals_tp1_and_a_failure_inside_a_forward_stops_ever
 def test_serve_with_tp_spawns_the_ranks_and_returns_their_exit_code(mocker):
     from autoprofile import cli
     mocker.patch("autoprofile.cli._gpu_present", return_value=True)
-    serve_tp = mocker.patch("autoprofile.tp.serve_tp", return_value=1)
+    serve_tp = mocker.patch("autoprofile.tp.launch.serve_tp", return_value=1)
     assert cli.main(["serve", "--model", "tiny", "--tp", "2"]) == 1
     (cfg,), _ = serve_tp.call_args
     assert cfg.tp == 2
@@ -230,7 +232,7 @@ def test_a_step_survives_the_broadcast_encoding():
     step = Step(True, [StepRow(3, 16, [5, 6, 7], True, SamplingParams(temperature=0.5, seed=9), request=object()),
                        StepRow(0, 0, [1], False, SamplingParams())], [(3, 1, [4, 8])], running=2, pages_used=5)
     import pickle
-    back = tp.decode(pickle.loads(pickle.dumps(tp.encode(step))))
+    back = broadcast.decode(pickle.loads(pickle.dumps(broadcast.encode(step))))
     assert back.rows[0].request is None and back.rows[0].params == step.rows[0].params
     assert [(r.slot, r.start, r.ids, r.sample) for r in back.rows] == [(r.slot, r.start, r.ids, r.sample)
                                                                        for r in step.rows]
@@ -249,9 +251,9 @@ def _worker_dies_while_serving(guard, model_dir: str):
             if calls["n"] == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
         runner.model.model.layers[0].register_forward_pre_hook(die)
-        tp.worker_loop(guarded)
+        broadcast.worker_loop(guarded)
         return "unreachable"
-    broadcaster = tp.StepBroadcaster(guarded)
+    broadcaster = broadcast.StepBroadcaster(guarded)
     engine = LLMEngine(broadcaster)
     t = time.time()
     first = engine.generate(PROMPTS, max_tokens=8)
@@ -290,9 +292,9 @@ def _serves_until_sigterm(guard):
 
 LAUNCHER = """
 import sys
-from autoprofile import tp
+from autoprofile.tp import launch
 from unit_tests.test_tp import _serves_until_sigterm
-out = tp.launch(_serves_until_sigterm, 2, (), device="cpu", timeout_s=80)
+out = launch.launch(_serves_until_sigterm, 2, (), device="cpu", timeout_s=80)
 print([(o.rank, o.ok, o.value) for o in out], flush=True)
 sys.exit(0 if all(o.ok for o in out) else 1)
 """

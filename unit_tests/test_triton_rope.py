@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHECK = r'''
 import torch
 from autoprofile.engine.attention import triton_rope
-from autoprofile.engine.attention.base import KVLayer
+from autoprofile.layers.attention import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 
 torch.manual_seed(0)

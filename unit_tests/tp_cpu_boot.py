@@ -1,4 +1,4 @@
-"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.tp.serve_tp with gloo ranks, the tiny model
+"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.tp.launch.serve_tp with gloo ranks, the tiny model
 with seeded random weights and a fixed KV size in place of the profile (it reads CUDA memory).
 
     python3 -m unit_tests.tp_cpu_boot PORT    # serves until SIGTERM; exit code as `autoprofile serve`
@@ -39,9 +39,9 @@ def boot_cpu_tp(cfg: ServerConfig, guard):
 
 
 def main(argv: list[str]) -> int:
-    from autoprofile import tp
+    from autoprofile.tp import launch
     cfg = validate(ServerConfig(**FLAGS, port=int(argv[0])))
-    return tp.serve_tp(cfg, device="cpu", boot=boot_cpu_tp)
+    return launch.serve_tp(cfg, device="cpu", boot=boot_cpu_tp)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable
 
 log = logging.getLogger(__name__)

@@ -20,16 +20,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from autoprofile.budget import running_reqs
 from autoprofile.engine.multimodal import MERGE, worst_image_grid
 
 
 class EnvelopeError(RuntimeError):
     """A step outside the validated envelope: a bug in whoever built the step, never run."""
-
-
-def running_reqs(running_max_req_size: int | None, graph_max_batch_size: int) -> int:
-    """Request slots: --running_max_req_size, or --graph_max_batch_size (every decode step a graph)."""
-    return running_max_req_size or graph_max_batch_size
 
 
 def mixed_tokens(batch_max_tokens: int, running: int, prefill_rows: int, longest_kv: int) -> int:

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from autoprofile.engine.attention.base import KVLayer
+from autoprofile.layers.attention import KVLayer
 
 PAD_PAGE = 0  # never handed out: padded graph rows write their K/V here (and the prefill stress, scratch)
 

@@ -18,11 +18,11 @@ from autoprofile import budget
 from autoprofile.budget import gib
 from autoprofile.config import ServerConfig
 from autoprofile.engine.attention import get_backend_class
-from autoprofile.engine.attention.base import AttentionMetadata
+from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source
-from autoprofile.engine.parallel import TP
+from autoprofile.layers.parallel import TP
 from autoprofile.engine import stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput

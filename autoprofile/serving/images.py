@@ -19,7 +19,7 @@ import torch
 import yarl
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from autoprofile.serving.protocol import APIError
+from autoprofile.serving.errors import APIError
 
 # Qwen2.5-VL's preprocessor_config.json (the OpenAI CLIP statistics) and transformers' default max_pixels
 QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autoprofile.serving.errors import APIError, bad
+
 INT64 = 1 << 63
 MAX_STOP = 16  # stop strings per request
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -20,23 +22,6 @@ BODY_MARGIN = 4
 BODY_OVERHEAD = 1 << 20
 _DEEP = re.compile(rb"(?:[\[{]\s*){64}")
 _KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.){1,64})"\s*:\s*$')
-
-
-class APIError(Exception):
-    """An HTTP error with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str | None, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _is_int(v) -> bool:

@@ -22,12 +22,10 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from models.config import ModelConfig
+from models.config import BYTE_OFFSET, FIRST_FOLDED, ModelConfig
 
 log = logging.getLogger(__name__)
 
-BYTE_OFFSET = 3  # ids 0, 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's)
-FIRST_FOLDED = BYTE_OFFSET + 256
 PRINTABLE = 95  # ' ' .. '~'
 # Built-in models have no chat template of their own; this one names each role and ends ready for the reply.
 BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"

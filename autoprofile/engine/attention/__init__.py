@@ -16,7 +16,7 @@ from autoprofile.config import ConfigError
 from autoprofile.engine.aiter_loader import aiter_installed, is_rocm
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 
 BACKENDS: MappingProxyType[str, type[AttentionBackend]] = MappingProxyType({

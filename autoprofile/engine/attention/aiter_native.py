@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 
 PARTITION = budget.AITER_PARTITION  # tokens per partition of the ragged decode (256)
 KV_LAYOUT = "HND"  # [num_pages, num_kv_heads, page_size, head_dim]: our layout

@@ -14,7 +14,7 @@ import torch
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention import triton_reduce
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from autoprofile.engine.attention.base import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 
 DECODE_CHUNK_BYTES = 256 << 20  # fp32 K gathered per decode step of the loop over pages
 

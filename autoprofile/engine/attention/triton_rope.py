@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.engine.attention.base import FP8_MAX
+from autoprofile.layers.attention import FP8_MAX
 
 
 @triton.jit

@@ -1,0 +1,268 @@
+"""The parent and the entries: one process per rank, the TCPStore they share, the backstop, and
+`autoprofile profile|serve --tp N`. At the CLI's level: it imports the profiler and the server."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import connection
+
+import torch
+import torch.distributed as dist
+
+from autoprofile.profiler import ProfileError, boot
+from autoprofile.tp.broadcast import StepBroadcaster, worker_loop
+from autoprofile.tp.channel import (BOUND_S, RANK_ENV, STORE_TIMEOUT, FailureLog, RankGuard, TPError, client,
+                                    diagnostic, exit_stuck)
+from autoprofile.tp.votes import describe
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- the parent
+@dataclass(frozen=True)
+class Outcome:
+    rank: int
+    ok: bool
+    value: object  # what the rank's target returned, else the text it ended with
+    ended: float  # time.time() when the rank ended
+
+
+def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda", bound_s: float = BOUND_S,
+           env: dict[str, str] | None = None, timeout_s: float | None = None) -> list[Outcome]:
+    """Spawn `world` ranks, each running target(guard, *args); return every rank's Outcome in rank order.
+
+    Reads every result as it comes (a large one never blocks a rank), never waits on a dead rank (its exit
+    is posted as its failure), and kills ranks that have not ended `bound_s` after an unresolved failure.
+    The ranks run in their own process group: a Ctrl-C or a SIGTERM reaches this parent, which forwards
+    it to rank 0 (it serves: it drains and stops the others) and gives the ranks 30 s to end;
+    timeout_s (tests) ends every rank that far from the start, failure or not."""
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    addr = ("127.0.0.1", store.port)
+    failures = FailureLog(store)
+    ctx = mp.get_context("spawn")
+    procs, pipes = [], []
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, args=(rank, world, addr, device, target, args, send, env or {}),
+                        name=f"autoprofile-rank{rank}")
+        p.start()
+        send.close()
+        procs.append(p)
+        pipes.append(recv)
+    outcomes: dict[int, Outcome] = {}
+    unresolved_since: float | None = None
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    restore = _forward_sigterm()
+    try:
+        while len(outcomes) < world:
+            try:
+                waiting = [r for r in range(world) if r not in outcomes]
+                connection.wait([pipes[r] for r in waiting] + [procs[r].sentinel for r in waiting], timeout=0.2)
+                _collect(procs, pipes, outcomes, failures)
+                unresolved_since = _unresolved_since(failures, world, unresolved_since)
+                now = time.monotonic()
+                if (unresolved_since is not None and now - unresolved_since > bound_s) or \
+                        (deadline is not None and now > deadline):
+                    _end(procs, pipes, outcomes, failures, bound_s)
+            except (KeyboardInterrupt, _Terminated) as e:
+                sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+                deadline = time.monotonic() + 30.0
+                log.warning("%s: rank 0 stops the others; waiting up to 30 s", sig.name)
+                if procs[0].is_alive():
+                    os.kill(procs[0].pid, sig)
+    finally:
+        restore()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outcomes[r] for r in range(world)]
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the parent (raised in its main thread, handled like a Ctrl-C)."""
+
+
+def _forward_sigterm() -> Callable[[], None]:
+    """While the parent waits for its ranks, SIGTERM raises _Terminated in it (the default action would
+    kill the parent alone and leave the ranks, in their own process group, serving as orphans).
+    Returns what restores the previous handler; a no-op off the main thread (no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _collect(procs, pipes, outcomes: dict[int, Outcome], failures: FailureLog) -> None:
+    for rank, (p, pipe) in enumerate(zip(procs, pipes)):
+        if rank in outcomes:
+            continue
+        try:
+            if pipe.poll():
+                outcomes[rank] = pipe.recv()
+                continue
+        except (EOFError, OSError):
+            pass
+        if not p.is_alive():
+            p.join()
+            code = p.exitcode
+            why = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+            text = f"the rank's process died ({why}) before reporting"
+            failures.post(-1, rank, text, fatal=True)
+            outcomes[rank] = Outcome(rank, False, diagnostic(failures.read()), time.time())
+
+
+def _unresolved_since(failures: FailureLog, world: int, since: float | None) -> float | None:
+    """When the parent first saw a failure that every rank has not yet voted past; None if none."""
+    records = failures.read() if failures.count() else []
+    open_ = [r for r in records if r.fatal or failures.resolved(r.epoch) < world]
+    if not open_:
+        return None
+    return since if since is not None else time.monotonic()
+
+
+def _end(procs, pipes, outcomes: dict[int, Outcome], failures: FailureLog, bound_s: float) -> None:
+    text = diagnostic(failures.read()) or "no rank reported a failure"
+    for rank, p in enumerate(procs):
+        if rank not in outcomes and p.is_alive():
+            log.error("rank %d has not ended %.0f s after a failure: killed", rank, bound_s)
+            p.kill()
+            p.join()
+            outcomes[rank] = Outcome(rank, False, f"{text} (rank {rank} killed by the launcher: no end "
+                                                  f"{bound_s:.0f} s after a failure, or past its deadline)",
+                                     time.time())
+
+
+def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, target: Callable, args: tuple,
+               conn, env: dict[str, str]) -> None:
+    os.environ.update({**RANK_ENV, **env})
+    os.setpgrp()  # NOTE: a terminal's Ctrl-C goes to the parent only; it forwards it to rank 0
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    guard = None
+    replied = threading.Lock()
+
+    def reply(outcome: Outcome) -> bool:
+        """The rank's one outcome (the main thread's, or the watchdog's when the main thread is wedged)."""
+        if not replied.acquire(blocking=False):
+            return False
+        conn.send(outcome)
+        conn.close()
+        return True
+
+    def give_up(text: str) -> None:  # the watchdog thread: the main thread is wedged in the data plane
+        if reply(Outcome(rank, False, text, time.time())):
+            exit_stuck(text)
+
+    try:
+        device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", client(addr)), rank=rank, world_size=world)
+        guard = RankGuard(addr, rank, world, device, on_stuck=give_up)
+        outcome = Outcome(rank, True, target(guard, *args), time.time())
+    except (ProfileError, TPError) as e:  # a collective diagnostic: every rank has this same text
+        outcome = Outcome(rank, False, str(e), time.time())
+    except BaseException as e:  # noqa: BLE001 - every rank ends with a text, never a hang
+        log.error("rank %d: %s", rank, traceback.format_exc())
+        if guard is not None:
+            text = guard.diagnose(e)
+        else:
+            text = f"rank {rank}: {describe(e)}"
+            FailureLog(client(addr)).post(-1, rank, describe(e), fatal=True)
+        outcome = Outcome(rank, False, text, time.time())
+    if not reply(outcome):
+        return  # the watchdog answered for this rank and is ending the process
+    if guard is not None:
+        guard.close()
+    logging.shutdown()
+    if not outcome.ok:
+        os._exit(1)  # NOTE: now: peers blocked on this rank's sockets see them close; no NCCL teardown to hang in
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- profile and serve
+def profile_rank(guard: RankGuard, cfg, checkpoint=None):
+    """One rank of `autoprofile profile --tp N`: boot (load, probe, measure, rebuild, validate), tear down."""
+    runner, result = boot(cfg, guard.rank, guard.world, cpu_group=guard.control, guard=guard,
+                          checkpoint=checkpoint, log_report=False)
+    runner.teardown()
+    result.cfg = cfg
+    return result
+
+
+def profile_tp(cfg, checkpoint=None):
+    """`autoprofile profile --tp N`: rank 0's ProfileResult, or ProfileError with the ranks' diagnostic."""
+    outcomes = launch(profile_rank, cfg.tp, (cfg, checkpoint))
+    if all(o.ok for o in outcomes):
+        return outcomes[0].value
+    raise ProfileError(next(o.value for o in outcomes if not o.ok))
+
+
+def profile_boot(cfg, guard: RankGuard):
+    """This rank's share of the collective boot: load, probe, measure, rebuild, validate."""
+    return boot(cfg, guard.rank, guard.world, cpu_group=guard.control, guard=guard)
+
+
+def serve_rank(guard: RankGuard, cfg, boot: Callable = profile_boot) -> None:
+    """One rank of `autoprofile serve --tp N`. Rank 0 binds its port first (/health answers 503 "starting"
+    while every rank boots; a port clash ends it at once, and its peers through the failure channel), then
+    serves HTTP and ships steps; the others boot and run them. Ctrl-C reaches rank 0 (its server stops and
+    sends stop); the workers ignore it. boot(cfg, guard) -> (runner, result) (tests: a CPU boot)."""
+    if guard.rank:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        runner, _ = boot(cfg, guard)
+        try:
+            worker_loop(runner)
+        finally:
+            runner.teardown()
+        return
+    from autoprofile.server import run_server
+    booted: dict = {}
+
+    def boot_rank0(_cfg):  # run_server runs it on its boot thread, after binding
+        try:
+            booted["runner"], result = boot(cfg, guard)
+        except ProfileError as e:  # every rank's same text: the launcher prints it, once (not run_server)
+            raise TPError(str(e)) from None
+        booted["broadcaster"] = StepBroadcaster(booted["runner"], on_fatal=_stop_serving)
+        return booted["broadcaster"], result
+
+    try:
+        run_server(cfg, boot_rank0)
+    finally:
+        if "broadcaster" in booted:
+            booted["broadcaster"].close()
+        if "runner" in booted:
+            booted["runner"].teardown()
+    if booted["broadcaster"].fatal != "closed":
+        raise TPError(booted["broadcaster"].fatal)
+
+
+def _stop_serving(text: str) -> None:
+    import _thread
+    log.error("%s", text)
+    _thread.interrupt_main()  # the server's loop ends as on Ctrl-C; serve_rank then raises the text
+
+
+def serve_tp(cfg, device: str = "cuda", boot: Callable = profile_boot) -> int:
+    """`autoprofile serve --tp N`: exit code 0 when rank 0 stopped cleanly, 1 with the diagnostic."""
+    import sys
+    outcomes = launch(serve_rank, cfg.tp, (cfg, boot), device=device)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        print(failed[0].value if outcomes[0].ok else outcomes[0].value, file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,45 @@
+"""scripts/import_graph.py on the tree: no circle anywhere, no import from a lower layer to a higher one; and
+its two rules do catch a circle and an upward import."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "import_graph.py"
+spec = importlib.util.spec_from_file_location("import_graph", SCRIPT)
+ig = importlib.util.module_from_spec(spec)
+sys.modules["import_graph"] = ig
+spec.loader.exec_module(ig)
+
+
+def test_the_tree_has_no_circle_and_no_upward_import():
+    g = ig.graph()
+    assert "autoprofile.tp.launch" in g and "models.llama" in g and len(g) > 40
+    assert ig.problems(g) == []
+
+
+def test_models_and_engine_import_one_way_and_the_profiler_not_the_launcher():
+    g = ig.graph()
+    assert not any(b.startswith("autoprofile.engine") for m in g if m.startswith("models") for b in g[m])
+    assert any(b == "models" for b in g["autoprofile.engine.runner"])
+    assert not any(b.startswith(("autoprofile.tp.launch", "autoprofile.server", "autoprofile.cli"))
+                   for b in g["autoprofile.profiler"])
+
+
+def test_a_circle_and_an_upward_import_are_both_reported():
+    g = ig.graph()
+    g["autoprofile.budget"] = g["autoprofile.budget"] | {"autoprofile.config"}  # config imports budget: a circle
+    bad = ig.problems(g)
+    assert any("a circle" in b and "autoprofile.budget" in b for b in bad)
+    assert any(b.startswith("autoprofile.budget (base) imports autoprofile.config (config)") for b in bad)
+    assert ig.problems({"models.llama": {"autoprofile.engine.runner"}, "autoprofile.engine.runner": set()}) == [
+        "models.llama (models) imports autoprofile.engine.runner (engine): a lower layer imports a higher one"]
+
+
+def test_the_script_exits_1_on_a_broken_rule(monkeypatch, capsys):
+    assert ig.main([]) == 0
+    real = ig.graph
+    monkeypatch.setattr(ig, "graph", lambda: {**real(), "autoprofile.memory": {"autoprofile.server"}})
+    assert ig.main([]) == 1
+    assert "FAIL: autoprofile.memory (base) imports autoprofile.server (server)" in capsys.readouterr().err
