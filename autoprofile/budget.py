@@ -67,7 +67,8 @@ def round_up(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size) * page_size
 
 
-def aiter_num_partitions(context_len: int, tokens: int | None = None, partition: int = AITER_PARTITION) -> int:
+def aiter_num_partitions(context_len: int, tokens: int | None = None,
+                         partition: int = AITER_PARTITION) -> int:
     """Partitions per sequence; no sequence can outgrow the cache, so cap by min(context_len, T)."""
     longest = context_len if tokens is None else min(context_len, tokens)
     return math.ceil(longest / partition)
@@ -89,7 +90,8 @@ TRITON_V1_MAX_SEQ_LEN = 8192
 TRITON_V1_MIN_ROWS = 512  # num_seqs * q_heads above which v1 runs even with several partitions
 
 
-def triton_decode_uses_v1(num_seqs: int, q_heads: int, max_seq_len: int, partition: int = TRITON_PARTITION) -> bool:
+def triton_decode_uses_v1(num_seqs: int, q_heads: int, max_seq_len: int,
+                          partition: int = TRITON_PARTITION) -> bool:
     """AITER's rule: one pass (v1) up to 8192 tokens when there is one partition or enough rows to fill
     the GPU; otherwise split into partitions (v2) and reduce."""
     return max_seq_len <= TRITON_V1_MAX_SEQ_LEN and (
@@ -195,7 +197,8 @@ def reserved_bytes(n: int) -> int:
     return -(-n // (2 * MiB)) * 2 * MiB
 
 
-def min_usable_tokens(context_len: int, page_size: int, batch_max_tokens: int = 0, decode_rows: int = 0) -> int:
+def min_usable_tokens(context_len: int, page_size: int, batch_max_tokens: int = 0,
+                      decode_rows: int = 0) -> int:
     """The smallest cache that can serve, in tokens (a page multiple): one request of context_len
     tokens in whole pages, one prefill batch of batch_max_tokens tokens, and a page for each of
     decode_rows concurrent decodes, each PLUS the pad page (PageAllocator never hands out page 0).
@@ -205,7 +208,8 @@ def min_usable_tokens(context_len: int, page_size: int, batch_max_tokens: int = 
 
 
 # ---------------------------------------------------------------- probe
-def probe_tokens(batch_max_tokens: int, graph_max_batch_size: int, page_size: int, decode_pages: int = 2) -> int:
+def probe_tokens(batch_max_tokens: int, graph_max_batch_size: int, page_size: int,
+                 decode_pages: int = 2) -> int:
     """Smallest cache that runs both stresses: one full prefill batch, or every graph request holding
     `decode_pages` pages. Activation and graph-pool memory do not depend on context length (decode
     metadata is sized at max_req_total_len regardless), so a longer probe measures nothing more."""
@@ -293,7 +297,8 @@ def shrink(tokens: int, ratio: float, page_size: int) -> int:
     return max(min(round_down(int(tokens * ratio), page_size), tokens - page_size), 0)
 
 
-def shrink_schedule(initial: int, ratio: float, max_retries: int, page_size: int, floor: int = 0) -> list[int]:
+def shrink_schedule(initial: int, ratio: float, max_retries: int, page_size: int,
+                    floor: int = 0) -> list[int]:
     """Sizes tried: the initial target then up to max_retries shrinks (1 + max_retries attempts), never
     below `floor` (min_usable_tokens): a shrink that would cross it tries the floor itself, and the
     schedule stops there. An initial target below the floor is not tried at all (empty schedule)."""

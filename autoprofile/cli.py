@@ -155,7 +155,8 @@ def _plan_card(ns: argparse.Namespace):
         raise UsageError("--gpu", "say which card: --gpu NAME or --gpu_memory_gib N; try --gpu h100")
     gib = ns.gpu_memory_gib
     if gib is not None and not (math.isfinite(gib) and 0 < gib <= MAX_GPU_MEMORY_GIB):
-        raise UsageError("--gpu_memory_gib", f"must be a number of GiB in (0, {MAX_GPU_MEMORY_GIB:g}], got {gib}; "
+        raise UsageError("--gpu_memory_gib",
+                         f"must be a number of GiB in (0, {MAX_GPU_MEMORY_GIB:g}], got {gib}; "
                                              "try --gpu_memory_gib 80")
     return card_for(ns.gpu, ns.gpu_memory_gib)
 
@@ -177,7 +178,8 @@ def _cmd_plan(cfg, card, as_json: bool) -> int:
 
 def _cmd_profile(cfg) -> int:
     from autoprofile.profiler import ProfileError, profile
-    from autoprofile.tp.launch import profile_tp  # one process per GPU: any rank's failure is one ProfileError
+    # one process per GPU: any rank's failure is one ProfileError
+    from autoprofile.tp.launch import profile_tp
     try:
         result = profile_tp(cfg) if cfg.tp > 1 else profile(cfg)
     except ProfileError as e:

@@ -59,8 +59,8 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     seed: int = 0
     report_dir: str | None = "autoprofile_report"
-    # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's default
-    # is the user's cache folder)
+    # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's
+    # default is the user's cache folder)
     profile_cache: str | None = None
     # images (vision-language models)
     visual_batch_size: int = 4
@@ -133,8 +133,10 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
     _check(cfg.kv_cache_dtype in KV_DTYPES, "kv_cache_dtype",
            f"unknown '{cfg.kv_cache_dtype}'; choose one of {', '.join(KV_DTYPES)}")
-    _check(cfg.dtype in MODEL_DTYPES, "dtype", f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
-    _check(_pow2(cfg.page_size), "page_size", f"must be a power of two, got {cfg.page_size}; try --page_size 16")
+    _check(cfg.dtype in MODEL_DTYPES, "dtype",
+           f"unknown '{cfg.dtype}'; choose one of {', '.join(MODEL_DTYPES)}")
+    _check(_pow2(cfg.page_size), "page_size",
+           f"must be a power of two, got {cfg.page_size}; try --page_size 16")
     _check(cfg.page_size >= 16 or cfg.attention_backend == "torch", "page_size",
            f"AITER's paged decode needs pages of >= 16 tokens, got {cfg.page_size}; try --page_size 16 "
            "(or --attention_backend torch)")
@@ -177,8 +179,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"choose a dense Llama/Qwen model such as "
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
-           f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide them; "
-           f"try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+           f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
+           f"them; try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
     if serving:
         need, why = tokenizer_ids(m)
         _check(m.vocab_size >= need, "model",
@@ -258,7 +260,8 @@ def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
 def _validate_images(cfg: ServerConfig) -> None:
     side = 28 * 28  # Qwen's resize keeps sides multiples of 28 pixels: one LLM token per 28 x 28
     # NOTE: the TP step broadcast (tp.encode) carries no images, encoder steps or M-RoPE positions yet
-    _check(cfg.tp == 1, "tp", f"a vision-language model is served on one GPU for now, got --tp {cfg.tp}; try --tp 1")
+    _check(cfg.tp == 1, "tp",
+           f"a vision-language model is served on one GPU for now, got --tp {cfg.tp}; try --tp 1")
     _check(1 <= cfg.visual_batch_size <= 64, "visual_batch_size",
            f"must be in [1, 64], got {cfg.visual_batch_size}; try --visual_batch_size 4")
     _check(1 <= cfg.max_images_per_request <= 64, "max_images_per_request",
@@ -285,10 +288,12 @@ def add_flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     add_flag(p, "model", default=d.model,
-             help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: {', '.join(builtin_models())}")
+             help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: "
+                  f"{', '.join(builtin_models())}")
     add_flag(p, "tp", type=int, default=d.tp, help="tensor-parallel ranks (one process per GPU)")
     add_flag(p, "max_total_token_num", type=int, default=None,
-             help="pin the KV cache size in tokens (a multiple of --page_size): skips the probe, still validated")
+             help="pin the KV cache size in tokens (a multiple of --page_size): skips the probe, still "
+                  "validated")
     add_flag(p, "mem_fraction", type=float, default=d.mem_fraction,
              help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
     add_flag(p, "batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
@@ -302,18 +307,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
     add_flag(p, "disable_prefix_caching", action="store_true",
              help="never reuse the K/V of full pages that an earlier request with the same prefix computed")
-    add_flag(p, "attention_backend", default=d.attention_backend, help=f"one of {', '.join(ATTENTION_BACKENDS)}")
+    add_flag(p, "attention_backend", default=d.attention_backend,
+             help=f"one of {', '.join(ATTENTION_BACKENDS)}")
     add_flag(p, "kv_cache_dtype", default=d.kv_cache_dtype,
              help=f"KV cache dtype, one of {', '.join(KV_DTYPES)} (auto = --dtype; "
                   "fp8_e4m3 halves the cell: per-tensor K/V scales, see --kv_scales)")
     add_flag(p, "kv_scales", default=d.kv_scales,
-             help="an FP8 cache's per-layer K/V scales: auto (the checkpoint's k_scale/v_scale if it has them, "
+             help="an FP8 cache's per-layer K/V scales: auto (the checkpoint's k_scale/v_scale if it has "
+                  "them, "
                   "else first_batch), first_batch (from the first real prefill's K/V), unit (1.0)")
     add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
     add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
     add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
     add_flag(p, "shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")
-    add_flag(p, "max_retries", type=int, default=d.max_retries, help="rebuild+validate retries after the first")
+    add_flag(p, "max_retries", type=int, default=d.max_retries,
+             help="rebuild+validate retries after the first")
     add_flag(p, "host", default=d.host)
     add_flag(p, "port", type=int, default=d.port, help="0 picks a free port")
     add_flag(p, "max_waiting_requests", type=int, default=d.max_waiting_requests,
@@ -321,20 +329,26 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
     add_flag(p, "profile_cache", default="auto",
-             help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU skips the "
-                  "probe and still rebuilds and validates at the target (auto = ~/.cache/autoprofile/profiles; "
+             help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU "
+                  "skips the "
+                  "probe and still rebuilds and validates at the target (auto = "
+                  "~/.cache/autoprofile/profiles; "
                   "'' = always probe)")
     add_flag(p, "visual_batch_size", type=int, default=d.visual_batch_size,
-             help="images the vision encoder runs in one step (vision-language models; the stress runs this many "
+             help="images the vision encoder runs in one step (vision-language models; the stress runs this "
+                  "many "
                   "at --max_image_pixels)")
     add_flag(p, "min_image_pixels", type=int, default=d.min_image_pixels,
-             help="smaller images are scaled up to this many pixels (Qwen's min_pixels; sides multiples of 28)")
+             help="smaller images are scaled up to this many pixels (Qwen's min_pixels; sides multiples of "
+                  "28)")
     add_flag(p, "max_image_pixels", type=int, default=d.max_image_pixels,
-             help="larger images are scaled down to this many pixels (Qwen's max_pixels): 28 x 28 pixels per token")
+             help="larger images are scaled down to this many pixels (Qwen's max_pixels): 28 x 28 pixels per "
+                  "token")
     add_flag(p, "max_images_per_request", type=int, default=d.max_images_per_request,
              help="most images in one request; more is a 400")
     add_flag(p, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
-             help="comma-separated hosts whose http(s) image URLs the server may fetch (default: none; data: URLs "
+             help="comma-separated hosts whose http(s) image URLs the server may fetch (default: none; data: "
+                  "URLs "
                   "always work)")
 
 

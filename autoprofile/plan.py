@@ -18,10 +18,10 @@ from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, decode_rows_text, validate
 from models.config import ModelConfig, builtin_models, load_model_config
 
-# Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack per
-# thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23): 0.81 GiB
-# llama-3.1-8b, 0.79 qwen2.5-7b, 0.80 qwen2.5-vl-7b, 1.00 qwen3-8b; plan assumes the largest. (Before the
-# spilling v2 reduce was replaced it was 1.63-5.25 GiB.)
+# Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
+# per thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23):
+# 0.81 GiB llama-3.1-8b, 0.79 qwen2.5-7b, 0.80 qwen2.5-vl-7b, 1.00 qwen3-8b; plan assumes the largest. (Before
+# the spilling v2 reduce was replaced it was 1.63-5.25 GiB.)
 CUDA_CONTEXT_ESTIMATE = 1024 * MiB
 # The profiler measured llama-3.1-8b's activations + graph pools (non-KV peak - weights) at 2.00x the live-set
 # estimates below, on H100 and on H200 (2026-11, defaults: caching-allocator segments and sampler temporaries
@@ -30,8 +30,8 @@ CUDA_CONTEXT_ESTIMATE = 1024 * MiB
 # H200 within 0.9%: docs/measured_kv_tokens.csv).
 ACTIVATION_FACTOR = 2.1
 # NCCL's communicator buffers (non-torch, per rank): measured 0.84 GiB per rank on 2xH200 at --tp 2 (NVLink
-# multicast off). Larger TP degrees were not measured: a ring/tree all-reduce keeps two neighbours per channel,
-# so the same figure is assumed.
+# multicast off). Larger TP degrees were not measured: a ring/tree all-reduce keeps two neighbours per
+# channel, so the same figure is assumed.
 NCCL_ESTIMATE = 860 * MiB
 
 
@@ -219,10 +219,10 @@ def nccl_row(tp: int) -> Row:
 # The vision tower's activation peak in one encoder step (Qwen2.5-VL 7B's tower, bf16), fitted to the H100
 # measurements of tests/test_qwen2_5_vl_gpu.py (2026-11-23: 4 images of 448 / 1036 / 2044 px -> 245 / 4,662 /
 # 64,510 MiB): a part per padded window slot and a part per (patches of the largest image)^2, from the
-# full-attention layers' scores. Those measurements ran the full-attention layers through SDPA's math path (3-D
-# calls; now 4-D, so flash or memory-efficient): the quadratic part should be gone, not re-measured yet, so the
-# estimate errs on the safe side. At the default stress (4 images of 512 x 10 patches) it estimates 4.2 GiB; the
-# profile measured ~3.1 GiB above qwen2.5-7b's non-KV peak (math path).
+# full-attention layers' scores. Those measurements ran the full-attention layers through SDPA's math path
+# (3-D calls; now 4-D, so flash or memory-efficient): the quadratic part should be gone, not re-measured yet,
+# so the estimate errs on the safe side. At the default stress (4 images of 512 x 10 patches) it estimates 4.2
+# GiB; the profile measured ~3.1 GiB above qwen2.5-7b's non-KV peak (math path).
 ENCODER_BYTES_PER_SLOT = 21_500
 ENCODER_BYTES_PER_SCORE = 145
 
@@ -239,8 +239,10 @@ def vision_rows(cfg: ServerConfig, db: int) -> list[Row]:
     (encoder_images slots of the largest image's tokens) and the activation peak of the stress's encoder step."""
     from autoprofile.engine.envelope import VisionLimits
     m = cfg.model_config
-    v = VisionLimits(cfg.visual_batch_size, cfg.min_image_pixels, cfg.max_image_pixels, cfg.max_images_per_request)
-    rows_per_step = min(running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size), cfg.batch_max_tokens)
+    v = VisionLimits(cfg.visual_batch_size, cfg.min_image_pixels, cfg.max_image_pixels,
+                     cfg.max_images_per_request)
+    rows_per_step = min(running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size),
+                        cfg.batch_max_tokens)
     lim = v.limits(rows_per_step, cfg.batch_max_tokens)
     images, grid = lim["encoder_images"], v.worst_grid
     tokens = grid[0] * grid[1] * grid[2] // 4

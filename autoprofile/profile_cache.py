@@ -25,8 +25,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-# Flags that do not change what a probe measures (serving-side, applied after the measurement, or the cache's own)
-NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains",
+# Flags that do not change what a probe measures (serving-side, applied after the measurement, or the cache's
+# own)
+NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "report_dir",
+                          "allowed_media_domains",
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num", "profile_cache"})
 
 

@@ -56,7 +56,8 @@ class Recorder:
 
     def sample(self, label: str) -> None:
         free, total = memory.free_and_total(self.device)
-        self.samples.append(Sample(time.perf_counter() - self.t0, label, memory.reserved(self.device), free, total))
+        self.samples.append(Sample(time.perf_counter() - self.t0, label, memory.reserved(self.device), free,
+                                   total))
 
     @contextmanager
     def phase(self, name: str):
@@ -174,7 +175,8 @@ class Profiler:
         # the KV buffer of the current build as last seen at a checkpoint: a build that fails after
         # allocating it drops it itself, and it must still be gone after release()
         self.kv_seen: weakref.ref | None = None
-        self.reused_probe: str | None = None  # when the measurement came from the profile cache: its probe's time
+        # when the measurement came from the profile cache: its probe's time
+        self.reused_probe: str | None = None
 
     def checkpoint(self, point: str) -> None:
         """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
@@ -202,7 +204,8 @@ class Profiler:
             with self.rec.phase("measure"):
                 m = self.measure(probe)
         self.checkpoint("after_measure")
-        sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries, self.cfg.page_size,
+        sizes = budget.shrink_schedule(m.target, self.cfg.shrink_ratio, self.cfg.max_retries,
+                                       self.cfg.page_size,
                                        floor=self.min_tokens())
         try:
             tokens, attempts = self.fit(sizes, m)
@@ -238,7 +241,8 @@ class Profiler:
             raise ProfileError(failure_text("validation", tokens, not_memory_failures(errors)))
         fits = self.what_fits()
         floor = self.min_tokens()
-        hint = (f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it unset "
+        hint = (f"The measured budget fits {fits} tokens: try --max_total_token_num {fits}, or leave it "
+                f"unset "
                 "to auto-profile." if fits >= floor else
                 f"The measured budget does not fit the smallest usable cache ({floor} tokens) either: leave "
                 "--max_total_token_num unset and see the knobs `autoprofile profile` names, or lower "
@@ -247,7 +251,8 @@ class Profiler:
                            f"({'; '.join(errors)}). {hint}")
 
     def probe(self) -> int:
-        tokens = budget.probe_tokens(self.cfg.batch_max_tokens, self.cfg.graph_max_batch_size, self.cfg.page_size)
+        tokens = budget.probe_tokens(self.cfg.batch_max_tokens, self.cfg.graph_max_batch_size,
+                                     self.cfg.page_size)
         memory.reset_peak(self.device)
         err = None
         try:
@@ -294,14 +299,16 @@ class Profiler:
         available = budget.available_bytes(s.total, own_nt, non_kv, peers, self.cfg.canary_bytes)
         local = budget.solve_target_tokens(available, self.sizing, self.cfg.mem_fraction)
         target = memory.all_reduce_min(local, self.group)
-        m = Measurement(s.total, s.free, s.reserved, s.peak_reserved, own_nt, peers, probe, probe_sized, non_kv,
+        m = Measurement(s.total, s.free, s.reserved, s.peak_reserved, own_nt, peers, probe, probe_sized,
+                        non_kv,
                         available, local, target)
         log.info("measure: total %.2f GiB, peak reserved %.2f GiB, non-KV peak %.2f GiB, non-torch %.2f GiB, "
                  "peers %.2f GiB -> target %d tokens (%.2f GiB KV; this rank %d)", gib(s.total),
                  gib(s.peak_reserved), gib(non_kv), gib(own_nt), gib(peers), target,
                  gib(target * self.sizing.cell_bytes), local)
         if local == self.sizing.max_tokens:
-            log.warning("the KV cache is capped at %d tokens: one layer's K view past it is beyond the attention "
+            log.warning("the KV cache is capped at %d tokens: one layer's K view past it is beyond the "
+                        "attention "
                         "kernels' 32-bit offsets (the memory would fit more)", local)
         if target < self.min_tokens():
             raise ProfileError(self.diagnostic(target, target, 0,
@@ -421,7 +428,8 @@ class Profiler:
     def min_tokens(self) -> int:
         return self.cfg.min_usable_tokens
 
-    def diagnostic(self, initial: int, last: int, attempts: int, last_error: str, m: Measurement | None = None,
+    def diagnostic(self, initial: int, last: int, attempts: int, last_error: str,
+                   m: Measurement | None = None,
                    stage: str = "validate") -> str:
         """The give-up text. Collective under TP (every rank calls it at the same point): the figures of
         every rank are gathered, so every rank raises the very same text."""
@@ -439,7 +447,8 @@ class Profiler:
             min_tokens=self.min_tokens(), stage=stage, ranks=tuple(ranks) if len(ranks) > 1 else ())
         return budget.give_up_diagnostic(g)
 
-    def result(self, tokens: int, attempts: int, initial: int, m: Measurement | None, pinned: bool) -> ProfileResult:
+    def result(self, tokens: int, attempts: int, initial: int, m: Measurement | None,
+               pinned: bool) -> ProfileResult:
         after = memory.snapshot(self.device)
         terms = {
             "total": after.total,
@@ -459,13 +468,15 @@ class Profiler:
             "reserved_after": after.reserved,
             "free_after": after.free,
         }
-        log.info("KV cache: %d tokens, %.2f GiB after %d attempt(s)%s", tokens, gib(self.runner.kv_bytes), attempts,
+        log.info("KV cache: %d tokens, %.2f GiB after %d attempt(s)%s", tokens, gib(self.runner.kv_bytes),
+                 attempts,
                  " (pinned by --max_total_token_num)" if pinned else "")
         stack, local = local_memory_after_stress(self.device)
         return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
                              m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
                              list(self.errors), stack, local,
-                             kv_scales=getattr(self.runner, "kv_scale_source", None), reused_probe=self.reused_probe)
+                             kv_scales=getattr(self.runner, "kv_scale_source",
+                                               None), reused_probe=self.reused_probe)
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:
@@ -521,7 +532,8 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
          checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
 
-    guard: this rank's autoprofile.tp.channel.RankGuard under TP (its data group replaces `group`; the returned
+    guard: this rank's autoprofile.tp.channel.RankGuard under TP (its data group replaces `group`; the
+    returned
     runner runs its data-plane work in the guard's sections). Returns (runner, result); the runner is
     built at the validated size and ready to serve."""
     from autoprofile.engine.runner import ModelRunner

@@ -98,7 +98,8 @@ def plot_timeline(result, path: Path) -> Path:
     t = [x.t for x in s]
     fig, ax = plt.subplots(figsize=(11, 5))
     ax.step(t, [gib(x.reserved) for x in s], where="post", label="reserved by this process", lw=2)
-    ax.step(t, [gib(x.total - x.free) for x in s], where="post", label="used on the GPU (all processes)", lw=1.2)
+    ax.step(t, [gib(x.total - x.free) for x in s], where="post", label="used on the GPU (all processes)",
+            lw=1.2)
     ax.step(t, [gib(x.free) for x in s], where="post", label="free on the GPU", lw=1.2, ls="--")
     ax.axhline(gib(s[0].total), color="grey", lw=0.8, ls=":", label="GPU total")
     starts = {x.label[:-6]: x.t for x in s if x.label.endswith(":start")}
@@ -109,7 +110,8 @@ def plot_timeline(result, path: Path) -> Path:
         ax.text((t0 + x.t) / 2, gib(s[0].total) * 0.98, name, ha="center", va="top", fontsize=8, rotation=90)
     ax.set_xlabel("seconds since profiler start")
     ax.set_ylabel("GiB")
-    ax.set_title(f"autoprofile: {result.cfg.model}: {result.tokens} KV tokens ({gib(result.kv_bytes):.1f} GiB), "
+    ax.set_title(f"autoprofile: {result.cfg.model}: {result.tokens} KV tokens ({gib(result.kv_bytes):.1f} "
+                 f"GiB), "
                  f"{result.attempts} attempt(s)")
     ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()

@@ -117,13 +117,15 @@ async def errors(request: web.Request, handler):
         msg = (f"the body is larger than {request.app[STATE].max_body} bytes, more than the longest valid "
                "request needs" if e.status == 413 else
                f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
-        resp = _error_response(APIError(e.status, msg, type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
+        resp = _error_response(APIError(e.status, msg,
+                                        type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
                                         code=e.reason.lower().replace(" ", "_")))
     except ConnectionResetError:  # the client went away: nobody to answer
         raise
     except Exception:  # noqa: BLE001 - the client gets no internal text; the log gets the traceback
         log.exception("%s %s failed", request.method, request.path)
-        resp = _error_response(APIError(500, "internal server error (see the server log)", type="server_error",
+        resp = _error_response(APIError(500, "internal server error (see the server log)",
+                                        type="server_error",
                                         code="internal_error"))
     m.requests.labels(endpoint=endpoint, status=str(resp.status)).inc()
     return resp
@@ -133,7 +135,8 @@ def _engine_failure(e: EngineFailure) -> APIError:
     if e.code == "dead":
         return _dead()
     if e.code == "oom":
-        return APIError(500, "the engine ran out of GPU memory in a step that held this request; the server is "
+        return APIError(500,
+                        "the engine ran out of GPU memory in a step that held this request; the server is "
                         "still up: retry", type="server_error", code="engine_oom")
     return APIError(500, "the engine failed this request (see the server log); the server is still up",
                     type="server_error", code="engine_error")
@@ -152,7 +155,8 @@ def _accepting(app: web.Application) -> ServerState:
         raise APIError(503, "the server is starting: the memory profile is not validated yet",
                        type="service_unavailable", code="starting", headers={"Retry-After": str(RETRY_AFTER_S)})
     if st.phase == "draining":
-        raise APIError(503, "the server is shutting down and accepts no new requests", type="service_unavailable",
+        raise APIError(503, "the server is shutting down and accepts no new requests",
+                       type="service_unavailable",
                        code="draining")
     return st
 
@@ -180,7 +184,8 @@ def _queue_full(e: QueueFull) -> APIError:
 async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
     """Load, resize and patch a chat request's images (off the loop), then its prompt ids and engine images."""
     cfg, mc = st.cfg, st.cfg.model_config
-    opts = ImageOptions(cfg.min_image_pixels, cfg.max_image_pixels, cfg.allowed_media_domains, MAX_IMAGE_BYTES,
+    opts = ImageOptions(cfg.min_image_pixels, cfg.max_image_pixels, cfg.allowed_media_domains,
+                        MAX_IMAGE_BYTES,
                         FETCH_TIMEOUT_S)
     images = await load_prepared(args.images, opts, st.parser, st.http)
     ids = encode_with_images(st.tokenizer, args.chat_text, images, mc)
@@ -393,7 +398,8 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
                             on_dead=functools.partial(_on_dead, st))
     st.engine.start()
     st.phase = "ready"
-    log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens, st.engine.max_running,
+    log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens,
+             st.engine.max_running,
              st.engine.max_waiting)
 
 

@@ -10,9 +10,9 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Qwen2_5_VLForConditionalGeneration")
 
-# The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0, 1, 2
-# are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here, below the
-# serving layer, because config validation checks a model's vocabulary against it.
+# The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
+# 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here,
+# below the serving layer, because config validation checks a model's vocabulary against it.
 BYTE_OFFSET = 3
 FIRST_FOLDED = BYTE_OFFSET + 256
 
@@ -232,7 +232,8 @@ def _check_special_ids(f: _Fields, vocab_size: int) -> None:
                                  f"try 'vocab_size': {big + 1} or more")
 
 
-def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source: str = "config.json") -> ModelConfig:
+def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
+                 source: str = "config.json") -> ModelConfig:
     """Every key the runtime reads is checked here; a bad one raises ModelConfigError naming source and key."""
     if not isinstance(d, dict):
         raise ModelConfigError(f"{source}: must hold a JSON object, got {type(d).__name__}")
@@ -248,7 +249,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
     if heads % kv_heads:
         f.fail("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
     if f.d.get("head_dim") is None and hidden % heads:
-        f.fail("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads}); give 'head_dim'")
+        f.fail("hidden_size",
+               f"({hidden}) is not a multiple of num_attention_heads ({heads}); give 'head_dim'")
     rope = f.dict("rope_parameters") or {}
     theta_default = rope.get("rope_theta", 10000.0)
     theta = f.number("rope_theta", None) if f.d.get("rope_theta") is not None else \
@@ -259,7 +261,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
     per_tok = f.int("num_experts_per_tok", 0, lo=0)
     moe_inter = f.int("moe_intermediate_size", 0, lo=0)
     if num_experts and not 1 <= per_tok <= num_experts:
-        f.fail("num_experts_per_tok", f"must be in [1, {num_experts}] for a model with {num_experts} experts, "
+        f.fail("num_experts_per_tok",
+               f"must be in [1, {num_experts}] for a model with {num_experts} experts, "
                                       f"got {per_tok}")
     if num_experts and not moe_inter:
         f.fail("moe_intermediate_size", f"must be >= 1 for a model with {num_experts} experts")
@@ -282,7 +285,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None, source:
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
         attention_bias=f.bool("attention_bias", model_type in ("qwen2", "qwen2_5_vl")),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        torch_dtype=f.str("torch_dtype", None) if d.get("torch_dtype") is not None else f.str("dtype", "bfloat16"),
+        torch_dtype=f.str("torch_dtype", None) if d.get("torch_dtype") is not None else f.str("dtype",
+                                                                                              "bfloat16"),
         num_experts=num_experts,
         num_experts_per_tok=per_tok,
         moe_intermediate_size=moe_inter,

@@ -148,7 +148,8 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
     """Full attention within each frame of each image (one SDPA per frame, no mask).
-    NOTE: 4-D [1, H, n, D] inputs: torch's flash and memory-efficient kernels take only 4-D tensors; a 3-D call
+    NOTE: 4-D [1, H, n, D] inputs: torch's flash and memory-efficient kernels take only 4-D tensors; a 3-D
+    call
     falls back to the math path, which holds [H, n, n] scores (the peak then grows with the square of the
     patches: 64.5 GiB for four 2044-px images measured on an H100 with 3-D calls)."""
     out = torch.empty_like(q)

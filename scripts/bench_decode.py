@@ -33,7 +33,8 @@ from cuda_timing import cuda_median_ms  # noqa: E402
 from autoprofile.config import ServerConfig, validate  # noqa: E402
 from autoprofile.engine import stress  # noqa: E402
 from autoprofile.engine.runner import ModelRunner  # noqa: E402
-from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, make_generator, sample  # noqa: E402
+# noqa: E402
+from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, make_generator, sample
 from autoprofile.engine.scheduler import Step  # noqa: E402
 
 TOP_P = SamplingParams(temperature=0.8, top_p=0.9)
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     for context in args.contexts:
         runner = build(args, context)
         weights = sum(p.nbytes for p in runner.model.parameters())
-        cell = runner.kv.nbytes // (runner.kv.num_pages * runner.cfg.page_size)  # K+V bytes per token, all layers
+        # K+V bytes per token, all layers
+        cell = runner.kv.nbytes // (runner.kv.num_pages * runner.cfg.page_size)
         for b in args.batches:
             for name, params in (("greedy", GREEDY), ("top_p", TOP_P)):
                 if name == "top_p" and context != args.contexts[0]:
@@ -97,7 +99,8 @@ def run(args: argparse.Namespace) -> dict:
                 if name == "greedy" and runner.graphs is not None:  # the GPU's share: the replay alone
                     graph = runner.graphs.graphs[runner.graphs.pick(b, args.ctx)]
                     replay = cuda_median_ms(graph.replay, args.iters)
-                    out["steps"][f"{context}/b{b}/{name}"].update(replay_ms=replay, replay_of_floor=floor / replay)
+                    out["steps"][f"{context}/b{b}/{name}"].update(replay_ms=replay,
+                                                                  replay_of_floor=floor / replay)
         if context == args.contexts[0]:
             logits = torch.randn(max(args.batches), runner.model_config.vocab_size, device="cuda",
                                  dtype=torch.bfloat16) * 5
@@ -132,7 +135,8 @@ def table(r: dict) -> str:
         lines.append(f"{s['context']:>18}{s['batch']:>7}{s['sampling']:>9}{s['ms']:>10.2f}{s['floor_ms']:>10.2f}"
                      f"{s['of_floor']:>10.2f}{replay}")
     for key, ratio in r["context_ratio"].items():
-        lines.append(f"context {first} / {last}, batch {key}: {ratio:.2f}x  (target <= {TARGETS['context_ratio']})")
+        lines.append(f"context {first} / {last}, batch {key}: {ratio:.2f}x  (target <= "
+                     f"{TARGETS['context_ratio']})")
     lines.append(f"sample() on [{r['batches'][-1]}, vocab]: greedy {r['sample_greedy_ms']:.3f} ms "
                  f"(target <= {TARGETS['greedy_ms']}), top-p {r['sample_top_p_ms']:.3f} ms "
                  f"(target <= {TARGETS['top_p_ms']})")
@@ -146,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--backend", default="aiter_triton")
-    p.add_argument("--kv_cache_dtype", default="auto", help="auto or fp8_e4m3 (the floor reads the cache's bytes)")
+    p.add_argument("--kv_cache_dtype", default="auto",
+                   help="auto or fp8_e4m3 (the floor reads the cache's bytes)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],

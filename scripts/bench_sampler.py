@@ -73,7 +73,8 @@ def bench_case(rows: int, vocab: int, scale: float, params: SamplingParams, iter
     def new():
         return sample(logits, batch, gen)
 
-    r = {"rows": rows, "vocab": vocab, "old_ms": cuda_median_ms(old, iters), "new_ms": cuda_median_ms(new, iters),
+    r = {"rows": rows, "vocab": vocab, "old_ms": cuda_median_ms(old, iters),
+         "new_ms": cuda_median_ms(new, iters),
          "old_peak_bytes": peak_bytes(old), "new_peak_bytes": peak_bytes(new),
          "declared_bytes": sampler_workspace_bytes(rows, vocab, 2), "wider_rows": wider_rows(logits, batch)}
     r["speedup"] = r["old_ms"] / r["new_ms"]

@@ -235,7 +235,8 @@ def soak_job(rng: random.Random, context_len: int, output_len: int, images: list
     if kind == "short":
         return Job(ids(rng.randint(4, 64)), rng.randint(1, min(32, out)), kind)
     if kind == "top_p":
-        return Job(medium(), out, kind, {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": rng.randrange(1 << 31)})
+        return Job(medium(), out, kind,
+                   {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": rng.randrange(1 << 31)})
     return Job(medium(), out, kind, disconnect_after=rng.randint(1, 8))
 
 
@@ -317,7 +318,8 @@ async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[l
                 limit.release()
 
     start = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
         tasks = []
         i = 0
         while time.monotonic() < deadline and (callable(jobs) or i < len(jobs)):
@@ -573,7 +575,8 @@ def soak_verdict(s: dict) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
-    p.add_argument("--launch", default=None, help='start this server command first, e.g. "autoprofile serve --port 0"')
+    p.add_argument("--launch", default=None,
+                   help='start this server command first, e.g. "autoprofile serve --port 0"')
     p.add_argument("--ready-timeout", type=float, default=1800,
                    help="seconds to wait for the server's /health to be 200 (its profile)")
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
@@ -584,11 +587,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="random-mm: images per request")
     p.add_argument("--random-mm-image-size", type=image_size, default=(512, 512),
                    help="random-mm: WIDTHxHEIGHT of every image (vLLM: --random-mm-bucket-config)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len*(1 +- ratio)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="exact output lengths (default on)")
     p.add_argument("--seed", type=int, default=None,
@@ -599,8 +604,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None, help="every request's top_k")
     p.add_argument("--metric-percentiles", default="50,90,99")
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
-    p.add_argument("--request-timeout", type=float, default=900, help="a request without an answer by then is lost")
-    p.add_argument("--soak-minutes", type=float, default=0, help="soak mode: this long at the running capacity")
+    p.add_argument("--request-timeout", type=float, default=900,
+                   help="a request without an answer by then is lost")
+    p.add_argument("--soak-minutes", type=float, default=0,
+                   help="soak mode: this long at the running capacity")
     p.add_argument("--soak-images", type=int, default=0,
                    help="soak: also chat requests of 1..N images of assorted sizes (a vision-language model)")
     p.add_argument("--soak-sample-seconds", type=float, default=5.0,

@@ -34,7 +34,8 @@ def main() -> None:
     print(f"{'run':<12}{'tokens':>10}{'KV GiB':>9}  phases (s)")
     for name, r in rows.items():
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
-        print(f"{name:<12}{r['max_total_token_num']:>10}{r['kv_gib']:>9.2f}  {phases}  total {sum(r['phases_s'].values()):.2f}")
+        print(f"{name:<12}{r['max_total_token_num']:>10}{r['kv_gib']:>9.2f}  {phases}  total "
+              f"{sum(r['phases_s'].values()):.2f}")
     ratio = sum(auto["phases_s"].values()) / sum(single["phases_s"].values())
     print(f"two-pass / single-pass startup time: {ratio:.2f}x")
     (out / "startup.json").write_text(json.dumps({"single": single["phases_s"], "auto": auto["phases_s"],

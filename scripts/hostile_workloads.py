@@ -77,7 +77,8 @@ def run(name: str, engine: LLMEngine, cfg: ServerConfig, minutes: float, seed: i
         each = min(max(capacity * 3 // (2 * env.decode_rows), 64), ctx - 1)
         for _ in range(env.decode_rows):
             m = rng.randint(max(each // 8, 1), max(min(each // 4, 768), 1))
-            ids.append(engine.add_request(prompt(rng, each - m, vocab), rng.choice(SAMPLERS[1:]), max_tokens=m))
+            ids.append(engine.add_request(prompt(rng, each - m, vocab), rng.choice(SAMPLERS[1:]),
+                                          max_tokens=m))
         w.drain()
     elif name == "long":
         ids.append(engine.add_request(prompt(rng, ctx - 32, vocab), SAMPLERS[1], max_tokens=32))

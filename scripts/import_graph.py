@@ -103,7 +103,8 @@ def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def problems(g: dict[str, set[str]]) -> list[str]:
     return ([" -> ".join(c) + "  (a circle)" for c in cycles(g)]
-            + [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}): a lower layer imports a "
+            + [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}): a lower layer "
+               f"imports a "
                "higher one" for a, b in upward(g)])
 
 

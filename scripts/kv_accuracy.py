@@ -35,7 +35,8 @@ class Accuracy:
     mean_rel_err: float
     max_rel_err: float
     top1_agree: float
-    greedy_match: float  # fraction of free-running tokens equal to the reference's before the first difference
+    # fraction of free-running tokens equal to the reference's before the first difference
+    greedy_match: float
 
 
 class Decoder:
@@ -45,7 +46,8 @@ class Decoder:
                  std: float | None):
         self.mc = mc = load_model_config(model_name)
         self.device, self.dtype = device, TORCH_DTYPES[dtype]
-        self.backend = get_backend_class(backend)(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, self.dtype,
+        self.backend = get_backend_class(backend)(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE,
+                                                  self.dtype,
                                                   device)
         with torch.device(device):
             self.model = model_class(mc)(mc, self.backend, TP(), self.dtype, mc.max_position_embeddings)
@@ -58,7 +60,8 @@ class Decoder:
     def cache(self, kv_dtype: str, tokens: int) -> KVCache:
         mc = self.mc
         dtype = self.dtype if kv_dtype == "auto" else TORCH_DTYPES[kv_dtype]
-        return KVCache(mc.num_layers, tokens // PAGE + 1, mc.num_kv_heads, PAGE, mc.head_dim, dtype, self.device)
+        return KVCache(mc.num_layers, tokens // PAGE + 1, mc.num_kv_heads, PAGE, mc.head_dim, dtype,
+                       self.device)
 
     @torch.no_grad()
     def prefill(self, kv: KVCache, ids: list[int], calibrate: bool) -> torch.Tensor:
@@ -78,9 +81,11 @@ class Decoder:
         dev = self.device
         tables = torch.arange(1, kv.num_pages, dtype=torch.int32, device=dev)[None]
         meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([PAGE + pos], device=dev),
-                                 block_tables=tables, seq_lens=torch.tensor([pos + 1], dtype=torch.int32, device=dev),
+                                 block_tables=tables, seq_lens=torch.tensor([pos + 1], dtype=torch.int32,
+                                                                            device=dev),
                                  max_seq_len=tables.shape[1] * PAGE)
-        hidden = self.model(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), meta, kv.layers)
+        hidden = self.model(torch.tensor([token], device=dev), torch.tensor([pos], device=dev), meta,
+                            kv.layers)
         return self.model.compute_logits(hidden)[0].float()
 
     def run(self, kv_dtype: str, calibrate: bool, ids: list[int], steps: int,
@@ -140,12 +145,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=None, help="random-weight std (default: the loader's)")
     p.add_argument("--control", default=None, help="another backend (e.g. torch) over a cache in the model's "
-                                                  "dtype, same weights: the error of rounding differences alone")
+                                                  "dtype, same weights: the error of rounding differences "
+                                                  "alone")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dec = Decoder(args.model, args.attention_backend, args.dtype, device, args.seed, args.std)
-    control = Decoder(args.model, args.control, args.dtype, device, args.seed, args.std) if args.control else None
+    control = Decoder(args.model, args.control, args.dtype, device, args.seed,
+                      args.std) if args.control else None
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, dec.mc.vocab_size, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             runner.execute(step)
         torch.cuda.synchronize()
     how = "eager" if args.eager else "graph replay of the"
-    print(f"{torch.cuda.get_device_name()}: {how} decode step, batch {args.batch}, {args.ctx} tokens of context")
+    print(f"{torch.cuda.get_device_name()}: {how} decode step, batch {args.batch}, {args.ctx} tokens of "
+          f"context")
     print(kernel_table(prof, args.steps, args.top))
     runner.teardown()
     return 0

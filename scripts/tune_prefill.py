@@ -88,7 +88,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     ops = load_aiter_triton()
-    shapes = {"full": shape_inputs(args.tokens, args.tokens, 2), "chunk": shape_inputs(args.chunk, args.chunk_kv, 2)}
+    shapes = {"full": shape_inputs(args.tokens, args.tokens, 2),
+              "chunk": shape_inputs(args.chunk, args.chunk_kv, 2)}
     refs = {name: sdpa(*sets[0]) for name, sets in shapes.items()}
     base = {name: sdpa_ms(sets) for name, sets in shapes.items()}
     rows = []
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> dict:
         print(line(row, base), file=sys.stderr, flush=True)
     ok = [r for r in rows if "score" in r]
     best = min(ok, key=lambda r: r["score"]) if ok else None
-    return {"device": torch.cuda.get_device_name(), "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
+    return {"device": torch.cuda.get_device_name(),
+            "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
             "shapes": {"full": [args.tokens, args.tokens], "chunk": [args.chunk, args.chunk_kv]},
             "sdpa_ms": base, "rows": rows, "current": rows[0], "best": best}
 
@@ -120,7 +122,8 @@ def line(row: dict, base: dict) -> str:
     head = f"M{c['BLOCK_M']:<4}N{c['BLOCK_N']:<4}w{c['num_warps']} s{c['num_stages']} pv{int(c['PRELOAD_V'])}"
     if "error" in row:
         return f"{head}  failed: {row['error']}"
-    cells = "  ".join(f"{n} {row[n]['ms']:.3f} ms ({base[n] / row[n]['ms']:.2f}x SDPA, err {row[n]['err']:.1e})"
+    cells = "  ".join(f"{n} {row[n]['ms']:.3f} ms ({base[n] / row[n]['ms']:.2f}x SDPA, err "
+                      f"{row[n]['err']:.1e})"
                       for n in base)
     return f"{head}  {cells}"
 

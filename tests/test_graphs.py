@@ -169,7 +169,8 @@ def test_the_serving_pool_is_the_measured_one_and_replay_allocates_nothing(case,
             assert pool_bytes(runner.graphs.pool) == pool > 0
             pools.append(pool)
             runner.teardown()
-        print(f"\n{case}: graph pool {pools[0] / 2**20:.1f} MiB in the probe, {pools[1] / 2**20:.1f} MiB at the target")
+        print(f"\n{case}: graph pool {pools[0] / 2**20:.1f} MiB in the probe, {pools[1] / 2**20:.1f} MiB at "
+              f"the target")
         assert pools[0] == pools[1]
     finally:
         if runner.kv is None:

@@ -113,7 +113,8 @@ DECODE_CASES = [  # (batch, longest seq_len, static max_seq_len)
 ]
 
 
-@pytest.mark.parametrize("captured", [False, True])  # aiter_triton: AITER's partitions, or a graph's finer ones
+# aiter_triton: AITER's partitions, or a graph's finer ones
+@pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("b,longest,max_seq_len", DECODE_CASES)
 def test_paged_decode(name, b, longest, max_seq_len, captured, nan_empty):
@@ -237,7 +238,8 @@ def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
                         device="cuda")
     pmeta = AttentionMetadata(is_prefill=True, cu_seqlens=cu_q, max_seqlen=max(n for _, n in chunks),
                               slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device="cuda"),
-                              kv_slots=slots, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                              kv_slots=slots, cu_seqlens_k=torch.tensor(starts, dtype=torch.int32,
+                                                                        device="cuda"),
                               max_seqlen_k=max(kv_lens))
     k, v = be.gather_kv(KVLayer(kc, vc), slots)
     out = be.prefill(q, k, v, pmeta)
@@ -389,7 +391,8 @@ def test_paged_decode_over_fp8_pages(name, b, longest, max_seq_len, captured, na
     out = be.decode(q, layer, meta)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and not out.isnan().any()
-    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1], torch.float32)
+    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1],
+                                                                             torch.float32)
     for i, n in enumerate(lens):
         err = rel_err(out[i], ref_decode_one(q[i], kd, vd, meta.block_tables[i], n))
         assert err < BF16_TOL, f"{name} fp8 request {i} (len {n}): rel err {err:.2e}"
@@ -418,7 +421,8 @@ def test_fp8_decode_graph_reads_the_scales_set_after_capture(b, max_seq_len):
     eager = be.decode(q, layer, meta)
     torch.cuda.synchronize()
     assert torch.equal(out, eager) and not torch.equal(out, first)
-    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1], torch.float32)
+    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1],
+                                                                             torch.float32)
     assert rel_err(out[0], ref_decode_one(q[0], kd, vd, meta.block_tables[0], max_seq_len)) < BF16_TOL
 
 

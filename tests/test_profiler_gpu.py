@@ -102,7 +102,8 @@ def test_full_cycle_tiny(tmp_path):
 
 
 # graph_capture: a real OOM inside CUDA graph capture (it aborted the process before issue 11's fix)
-@pytest.mark.parametrize("point", ["kv_alloc", "graph_capture", "canary", "validate_prefill", "validate_decode"])
+@pytest.mark.parametrize("point",
+                         ["kv_alloc", "graph_capture", "canary", "validate_prefill", "validate_decode"])
 def test_fault_in_rebuild_or_validate_is_retried(tmp_path, point):
     if point == "kv_alloc":  # fill after measuring, so the rebuild's own KV allocation fails
         fault = FailOnce("after_measure", skip=1)
@@ -144,7 +145,8 @@ def test_peer_grabbing_memory_after_measure_is_absorbed(tmp_path):
                 print("ready", flush=True)
                 time.sleep(600)
             """)
-            peer = subprocess.Popen([sys.executable, "-c", code, str(2 * GiB)], stdout=subprocess.PIPE, text=True)
+            peer = subprocess.Popen([sys.executable, "-c", code, str(2 * GiB)], stdout=subprocess.PIPE,
+                                    text=True)
             assert peer.stdout.readline().strip() == "ready"
 
     try:
@@ -201,7 +203,8 @@ def test_escape_hatch_too_big_says_what_fits(tmp_path):
 
 @pytest.mark.slow
 def test_full_cycle_8b_shaped(tmp_path):
-    cfg = validate(ServerConfig(model="llama-3.1-8b", max_req_total_len=32768, report_dir=str(tmp_path / "r8b")))
+    cfg = validate(ServerConfig(model="llama-3.1-8b", max_req_total_len=32768,
+                                report_dir=str(tmp_path / "r8b")))
     runner, result = boot(cfg)
     try:
         free, total = torch.cuda.mem_get_info()

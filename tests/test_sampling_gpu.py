@@ -119,7 +119,8 @@ def test_draws_follow_the_reference_distribution(params):
     got_p = torch.cat([counts[top], (n - counts[top].sum()).reshape(1)]) / n
     want_p = torch.cat([want[top], (1 - want[top].sum()).reshape(1)])
     sd = (want_p * (1 - want_p) / n).sqrt()
-    print(f"{params}: kept {(want > 0).sum().item()} tokens; max |got - want| / sd {((got_p - want_p).abs() / sd).max():.2f}")
+    print(f"{params}: kept {(want > 0).sum().item()} tokens; max |got - want| / sd "
+          f"{((got_p - want_p).abs() / sd).max():.2f}")
     assert ((got_p - want_p).abs() <= 5 * sd + 1e-9).all(), (got_p, want_p)
 
 

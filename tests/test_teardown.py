@@ -113,7 +113,8 @@ def test_real_oom_during_graph_capture_tears_everything_down():
     after = reserved_after_release()
     left = new_blocks(old_segments)
     torch.cuda.memory._record_memory_history(enabled=None)
-    print(f"\nafter a real OOM in capture: reserved {before / MiB:.1f} -> {after / MiB:.1f} MiB; new blocks {left}")
+    print(f"\nafter a real OOM in capture: reserved {before / MiB:.1f} -> {after / MiB:.1f} MiB; new blocks "
+          f"{left}")
     assert len(left) <= 2 and all(size <= 512 and "capture_begin" in frames for size, frames in left), left
     assert after - before <= (2 * MiB if left else 0) + 0.01 * before, (before, after, left)
     runner.build(KV_TOKENS)  # the capture stream and the allocator are usable again

@@ -29,7 +29,8 @@ from autoprofile.engine.sampling import GREEDY
 from tests.test_profiler_gpu import FailOnce
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the 2-GPU host (the ranks set it too)
+# NVLink multicast off on the 2-GPU host (the ranks set it too)
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 BOUND = 60.0
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +101,10 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
     assert all(o.ok for o in out + out32), out + out32
     (logits, tokens), (logits32, tokens32) = out[0].value, out32[0].value
     e1, e2 = (want_logits - ref).abs(), (logits - ref).abs()
-    print(f"|logits - fp32 TP=1|: TP=1 bf16 mean {e1.mean():.5f} max {e1.max():.4f}; TP=2 bf16 mean {e2.mean():.5f} "
-          f"max {e2.max():.4f}; TP=2 fp32 max {(logits32 - ref).abs().max():.2e}; max |logit| {ref.abs().max():.2f}")
+    print(f"|logits - fp32 TP=1|: TP=1 bf16 mean {e1.mean():.5f} max {e1.max():.4f}; TP=2 bf16 mean "
+          f"{e2.mean():.5f} "
+          f"max {e2.max():.4f}; TP=2 fp32 max {(logits32 - ref).abs().max():.2e}; max |logit| "
+          f"{ref.abs().max():.2f}")
     same = [next((i for i, (a, b) in enumerate(zip(t, w)) if a != b), len(w)) for t, w in zip(tokens, want)]
     print(f"bf16 greedy tokens TP=2 = TP=1 for the first {same} of 32 steps; fp32: {tokens32 == ref_tokens}")
     assert e2.mean() <= 1.5 * e1.mean() + 1e-3 and e2.max() <= 2 * e1.max() + 1e-2
@@ -144,7 +147,8 @@ def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tm
     and succeeds (the OOM outside a running collective: the abort freed rank 0), or every rank ends with the
     same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: autoprofile.tp, 2b). Within BOUND."""
     t0 = time.time()
-    out = launch.launch(launch.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))), timeout_s=300)
+    out = launch.launch(launch.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))),
+                        timeout_s=300)
     ends = [o.ended - t0 for o in out]
     if all(o.ok for o in out):
         r0, r1 = out[0].value, out[1].value
@@ -156,7 +160,8 @@ def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tm
         assert "rank 1: OutOfMemoryError" in r0.errors[0]
         assert took < BOUND
         return
-    print(f"{point}: both ranks ended with one diagnostic at {ends[0]:.1f} / {ends[1]:.1f} s: {out[0].value[:160]}")
+    print(f"{point}: both ranks ended with one diagnostic at {ends[0]:.1f} / {ends[1]:.1f} s: "
+          f"{out[0].value[:160]}")
     assert not out[0].ok and not out[1].ok and out[0].value == out[1].value, out
     assert "rank 1: OutOfMemoryError" in out[0].value and "killed by the launcher" not in out[0].value
     assert abs(out[0].ended - out[1].ended) < BOUND
@@ -164,7 +169,8 @@ def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tm
 
 # ---------------------------------------------------------------- a peer on GPU 1 only
 def test_a_peer_on_gpu1_only_sizes_both_ranks_to_the_smaller(tmp_path):
-    peer = subprocess.Popen([sys.executable, "-c", "import time, torch; x = torch.empty(10 << 30, dtype=torch.uint8, "
+    peer = subprocess.Popen([sys.executable, "-c",
+                             "import time, torch; x = torch.empty(10 << 30, dtype=torch.uint8, "
                              "device='cuda:1'); print('ready', flush=True); time.sleep(900)"],
                             stdout=subprocess.PIPE, text=True)
     try:

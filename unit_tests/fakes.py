@@ -44,7 +44,8 @@ class FakeGPU:
         """Replace the torch.cuda memory API (and hide NVML) for the duration."""
         with contextlib.ExitStack() as st:
             p = lambda name, fn: st.enter_context(mock.patch(f"torch.cuda.{name}", fn))  # noqa: E731
-            p("mem_get_info", lambda *a: (self.total - self.non_torch - self.peers - self.reserved, self.total))
+            p("mem_get_info",
+              lambda *a: (self.total - self.non_torch - self.peers - self.reserved, self.total))
             p("memory_reserved", lambda *a: self.reserved)
             p("memory_allocated", lambda *a: self.allocated)
             p("max_memory_reserved", lambda *a: self.peak)

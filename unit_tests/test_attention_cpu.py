@@ -126,7 +126,8 @@ def test_prefill_chunks_over_cached_prefixes_match_float64():
     q_all, kc, vc, meta = paged_case(kv_lens, 8, 2, 16, 4, torch.float32, seed=3)
     be = TorchBackend(8, 2, 16, 4, torch.float32, torch.device("cpu"))
     tables = meta.block_tables.long()
-    slots = torch.cat([tables[i, torch.arange(n) // 4] * 4 + torch.arange(n) % 4 for i, n in enumerate(kv_lens)])
+    slots = torch.cat([tables[i, torch.arange(n) // 4] * 4 + torch.arange(n) % 4 for i,
+                       n in enumerate(kv_lens)])
     g = torch.Generator().manual_seed(4)
     q = torch.randn(sum(n for _, n in chunks), 8, 16, generator=g)
     cu_q = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32)
@@ -332,7 +333,8 @@ def test_per_call_workspace_is_the_v2_scratch():
         expected = 2 * (b * hq * parts * 4) + b * hq * parts * d * 2
         assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2, partition) == expected
         assert expected == budget.triton_decode_workspace_bytes(b, hq, d, L, 2, partition)
-    assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2) == 2 * (b * hq * 16 * 4) + b * hq * 16 * d * 2
+    assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L,
+                                                       2) == 2 * (b * hq * 16 * 4) + b * hq * 16 * d * 2
     assert AiterTritonBackend.per_call_workspace_bytes(256, hq, d, 2048, 2) == 0  # v1: no scratch
 
 
@@ -393,4 +395,5 @@ def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, pa
             assert p % page == 0 and -(-L // p) <= budget.TRITON_MAX_PARTITIONS
             assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, p) <= worst
     assert budget.triton_decode_partition(1, 32, 4096) == budget.TRITON_MIN_PARTITION
-    assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION  # 48 divides no power of 2
+    # 48 divides no power of 2
+    assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION

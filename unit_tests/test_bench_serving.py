@@ -54,9 +54,12 @@ def test_loopback_urls_pass():
         bench_serving.check_loopback(url)
 
 
-@pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--num-prompts", "2000000"], ["--max-concurrency", "0"],
-                                  ["--request-rate", "0"], ["--soak-minutes", "5000"], ["--random-range-ratio", "1"],
-                                  ["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k", "-2"]])
+@pytest.mark.parametrize("argv",
+                         [["--num-prompts", "0"], ["--num-prompts", "2000000"], ["--max-concurrency", "0"],
+                                  ["--request-rate", "0"], ["--soak-minutes",
+                                                            "5000"], ["--random-range-ratio", "1"],
+                                  ["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-k",
+                                                                                                  "-2"]])
 def test_bounds(argv):
     with pytest.raises(SystemExit):
         bench_serving.parse_args(argv)
@@ -184,7 +187,8 @@ def test_each_run_draws_fresh_prompts_unless_seeded():
 
 
 def test_the_same_seed_twice_is_flagged_as_not_a_cold_prefill(booted):  # noqa: F811
-    argv = ["--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "40", "--random-output-len", "4",
+    argv = ["--num-prompts", "4", "--max-concurrency", "2", "--random-input-len", "40",
+            "--random-output-len", "4",
             "--seed", "11"]
     runner, result = booted
     engine = LLMEngine(runner)  # one server for both runs: its prefix cache keeps the first run's pages
@@ -204,7 +208,8 @@ def test_the_same_seed_twice_is_flagged_as_not_a_cold_prefill(booted):  # noqa: 
 def test_a_server_that_vanishes_mid_run_is_failed_requests_not_a_traceback(booted):  # noqa: F811
     runner, result = booted
     engine = LLMEngine(runner)
-    args = bench_serving.parse_args(["--num-prompts", "40", "--max-concurrency", "2", "--random-input-len", "8",
+    args = bench_serving.parse_args(["--num-prompts", "40", "--max-concurrency", "2", "--random-input-len",
+                                     "8",
                                      "--random-output-len", "32", "--request-timeout", "20"])
 
     async def go():
@@ -230,7 +235,8 @@ def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     m = load_model_config("llama-3.1-8b")
     summary = {"completed": 1000, "duration": 42.9}
     rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
-    r = bench_serving.roofline(summary, rates, m, cell_bytes=131072, weight_bytes=m.num_params() * 2, input_len=1024,
+    r = bench_serving.roofline(summary, rates, m, cell_bytes=131072, weight_bytes=m.num_params() * 2,
+                               input_len=1024,
                     output_len=128, concurrency=256)
     assert 14.5 < r["prefill_pflop"] < 15.5
     assert r["decode_steps"] == 4 * 127
@@ -240,11 +246,13 @@ def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     assert r["fraction"] == pytest.approx(r["roofline_s"] / 42.9)
     assert 25 < r["roofline_s"] < 33
     assert "of the roofline" in bench_serving.roofline_line(r)
-    half = bench_serving.roofline({**summary, "duration": 2 * 42.9}, rates, m, 131072, m.num_params() * 2, 1024, 128, 256)
+    half = bench_serving.roofline({**summary, "duration": 2 * 42.9}, rates, m, 131072, m.num_params() * 2,
+                                  1024, 128, 256)
     assert half["fraction"] == pytest.approx(r["fraction"] / 2)
 
 
 def test_roofline_is_skipped_with_its_reason_when_the_rates_could_not_be_measured():
     args = bench_serving.parse_args(["--roofline"])
-    assert bench_serving.roofline_text({"model": "llama-3.1-8b"}, "the rate probe failed: no CUDA GPU", args) == \
+    assert bench_serving.roofline_text({"model": "llama-3.1-8b"}, "the rate probe failed: no CUDA GPU",
+                                       args) == \
         "roofline: not measured (the rate probe failed: no CUDA GPU)"

@@ -43,7 +43,8 @@ def test_workspace_follows_decode_rows_and_table_follows_running_requests():
     s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, running_reqs=4096, decode_rows=256,
                workspace=aiter_ws())
     parts = budget.aiter_num_partitions(131072)
-    assert s.workspace_reserved(10**6) == budget.reserved_bytes(budget.aiter_workspace_bytes(256, 32, 128, parts))
+    assert s.workspace_reserved(10**6) == budget.reserved_bytes(budget.aiter_workspace_bytes(256, 32, 128,
+                                                                                             parts))
     assert s.table_reserved(10**6) == budget.reserved_bytes(4096 * 8192 * 4)
 
 
@@ -230,7 +231,8 @@ def test_the_target_never_passes_the_kernels_32_bit_offsets():
     32-bit offsets (an H100 decoded out of bounds at 10.1M tokens of 8 x 128); the solver stops at the bound."""
     bound = budget.max_indexable_tokens(8, 128, 16)
     assert bound * 8 * 128 <= budget.INDEX_LIMIT < (bound + 16) * 8 * 128
-    small = Sizing(cell_bytes=2 * 2 * 8 * 128 * 2, context_len=131072, page_size=16, running_reqs=16, decode_rows=16,
+    small = Sizing(cell_bytes=2 * 2 * 8 * 128 * 2, context_len=131072, page_size=16, running_reqs=16,
+                   decode_rows=16,
                    max_tokens=bound)
     assert budget.solve_target_tokens(78 << 30, small) == bound
     assert budget.solve_target_tokens(1 << 30, small) < bound  # below the bound the memory decides

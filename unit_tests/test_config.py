@@ -56,9 +56,11 @@ BAD = [
     (["--attention_backend", "flash"], "attention_backend", "aiter_triton",
      ["--attention_backend", "aiter_triton"]),
     (["--kv_cache_dtype", "fp8"], "kv_cache_dtype", "fp8_e4m3", ["--kv_cache_dtype", "fp8_e4m3"]),
-    (["--kv_cache_dtype", "float32"], "kv_cache_dtype", "--kv_cache_dtype auto", ["--kv_cache_dtype", "auto"]),
+    (["--kv_cache_dtype", "float32"], "kv_cache_dtype", "--kv_cache_dtype auto",
+     ["--kv_cache_dtype", "auto"]),
     (["--kv_cache_dtype", "fp8_e4m3", "--attention_backend", "aiter"], "kv_cache_dtype",
-     "--attention_backend aiter_triton", ["--kv_cache_dtype", "fp8_e4m3", "--attention_backend", "aiter_triton"]),
+     "--attention_backend aiter_triton", ["--kv_cache_dtype", "fp8_e4m3", "--attention_backend",
+                                          "aiter_triton"]),
     (["--kv_scales", "max"], "kv_scales", "first_batch", ["--kv_scales", "first_batch"]),
     (["--dtype", "int8"], "dtype", "bfloat16", ["--dtype", "bfloat16"]),
     (["--page_size", "24"], "page_size", "try --page_size 16", ["--page_size", "16"]),
@@ -119,7 +121,8 @@ def test_unknown_flag_exits_2_with_did_you_mean(typed, meant, cuda_spy, capsys):
 def test_hyphen_spelling_of_every_flag_works(cuda_spy):
     """--mem-fraction (vLLM/SGLang spelling) means --mem_fraction, for every flag."""
     parser = cli.build_parser()
-    ns = parser.parse_args(["plan", "--mem-fraction", "0.9", "--max-req-total-len", "4096", "--gpu-memory-gib",
+    ns = parser.parse_args(["plan", "--mem-fraction", "0.9", "--max-req-total-len", "4096",
+                            "--gpu-memory-gib",
                             "80", "--graph-max-batch-size", "64", "--disable-cudagraph", "--report-dir", ""])
     assert (ns.mem_fraction, ns.max_req_total_len, ns.gpu_memory_gib, ns.graph_max_batch_size,
             ns.disable_cudagraph, ns.report_dir) == (0.9, 4096, 80.0, 64, True, "")

@@ -69,7 +69,8 @@ def cuda_log():
         p("torch.cuda.is_current_stream_capturing", return_value=False)
         st.enter_context(mock.patch.object(cuda_graph, "_ABANDONED", []))
         st.enter_context(mock.patch.object(cuda_graph, "_CAPTURE_STREAMS", {}))
-        st.enter_context(mock.patch.object(cuda_graph, "_keep_forever", side_effect=cuda_graph._ABANDONED.append))
+        st.enter_context(mock.patch.object(cuda_graph, "_keep_forever",
+                                           side_effect=cuda_graph._ABANDONED.append))
         yield log
 
 
@@ -82,7 +83,8 @@ def test_oom_in_an_invalidated_capture_is_undone_before_it_propagates(cuda_log):
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):  # the OOM, not capture_end's error
         cuda_graph.capture_graph(graph, POOL, oom)
     i = cuda_log.index(("begin", POOL))
-    assert cuda_log[i + 1:] == [("capture_end",), ("endAllocateToPool", DEV, POOL), ("releasePool", DEV, POOL),
+    assert cuda_log[i + 1:] == [("capture_end",), ("endAllocateToPool", DEV, POOL),
+                                ("releasePool", DEV, POOL),
                                 ("reset",), ("synchronize",), ("stream_exit",)]
     assert cuda_graph._ABANDONED == [graph]  # kept: the host allocator may still point at it
 
@@ -103,7 +105,8 @@ def test_oom_in_a_still_valid_capture_ends_it_normally(cuda_log):
     with pytest.raises(torch.OutOfMemoryError):
         cuda_graph.capture_graph(graph, POOL, oom)
     tail = cuda_log[cuda_log.index(("begin", POOL)) + 1:]
-    assert tail == [("capture_end",), ("reset",), ("synchronize",), ("stream_exit",)]  # reset gives the pool back
+    # reset gives the pool back
+    assert tail == [("capture_end",), ("reset",), ("synchronize",), ("stream_exit",)]
 
 
 def test_successful_capture_is_plain(cuda_log):
@@ -111,7 +114,8 @@ def test_successful_capture_is_plain(cuda_log):
     ran = []
     cuda_graph.capture_graph(graph, POOL, lambda: ran.append(1))
     assert ran == [1]
-    assert cuda_log == [("synchronize",), ("empty_cache",), ("stream_enter",), ("begin", POOL), ("capture_end",),
+    assert cuda_log == [("synchronize",), ("empty_cache",), ("stream_enter",), ("begin", POOL),
+                        ("capture_end",),
                         ("stream_exit",)]
 
 
@@ -213,7 +217,8 @@ def test_shrink_schedule_stops_at_the_smallest_usable_cache():
     assert budget.shrink_schedule(134_928, 0.95, 3, 16, floor=floor) == [134_928, floor]
     assert budget.shrink_schedule(floor, 0.95, 3, 16, floor=floor) == [floor]
     assert budget.shrink_schedule(floor - 16, 0.95, 3, 16, floor=floor) == []
-    assert budget.shrink_schedule(500_000, 0.95, 3, 16, floor=floor) == budget.shrink_schedule(500_000, 0.95, 3, 16)
+    assert budget.shrink_schedule(500_000, 0.95, 3, 16, floor=floor) == budget.shrink_schedule(500_000, 0.95,
+                                                                                               3, 16)
 
 
 def test_retries_never_build_below_one_request():
@@ -402,7 +407,8 @@ def test_config_json_that_is_a_folder_names_it(tmp_path, capsys):
      ["--gpu", "h100", "--batch_max_tokens", "8192"]),
     (["--gpu", "h100", "--canary_mb", "999999999"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
     (["--gpu", "h100", "--canary_mb", "60000"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
-    (["--gpu", "h100", "--mem_fraction", "0.000001"], "--mem_fraction", ["--gpu", "h100", "--mem_fraction", "1.0"]),
+    (["--gpu", "h100", "--mem_fraction", "0.000001"], "--mem_fraction",
+     ["--gpu", "h100", "--mem_fraction", "1.0"]),
     (["--gpu", "h100", "--batch_max_tokens", "1000000"], "--batch_max_tokens", None),
     (["--gpu", "h100", "--attention_backend", "aiter"], "--attention_backend",
      ["--gpu", "h100", "--attention_backend", "aiter_triton"]),
@@ -451,7 +457,8 @@ def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     if (row["model"], row["card"]) in KNOWN_ABOVE:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
     measured = int(row["tokens"])
-    p = make_plan(validate(ServerConfig(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"])), GPUS[row["card"]])
+    p = make_plan(validate(ServerConfig(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"])),
+                  GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
         scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")

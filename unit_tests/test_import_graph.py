@@ -29,11 +29,13 @@ def test_models_and_engine_import_one_way_and_the_profiler_not_the_launcher():
 
 def test_a_circle_and_an_upward_import_are_both_reported():
     g = ig.graph()
-    g["autoprofile.budget"] = g["autoprofile.budget"] | {"autoprofile.config"}  # config imports budget: a circle
+    # config imports budget: a circle
+    g["autoprofile.budget"] = g["autoprofile.budget"] | {"autoprofile.config"}
     bad = ig.problems(g)
     assert any("a circle" in b and "autoprofile.budget" in b for b in bad)
     assert any(b.startswith("autoprofile.budget (base) imports autoprofile.config (config)") for b in bad)
-    assert ig.problems({"models.llama": {"autoprofile.engine.runner"}, "autoprofile.engine.runner": set()}) == [
+    assert ig.problems({"models.llama": {"autoprofile.engine.runner"},
+                        "autoprofile.engine.runner": set()}) == [
         "models.llama (models) imports autoprofile.engine.runner (engine): a lower layer imports a higher one"]
 
 

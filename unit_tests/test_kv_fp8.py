@@ -89,7 +89,8 @@ def test_decode_over_fp8_pages_equals_attention_over_the_dequantised_kv(calibrat
     else:
         assert layer.scales.tolist() == [1.0, 1.0]
     q = torch.randn(len(lens), hq, d, generator=gen)
-    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64), block_tables=tables,
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64),
+                             block_tables=tables,
                              seq_lens=torch.tensor(lens, dtype=torch.int32), max_seq_len=32)
     out = be.decode(q, layer, meta)
     def read(cache: torch.Tensor, scale: torch.Tensor, b: int) -> torch.Tensor:  # [n, hkv, d] in fp32

@@ -13,7 +13,8 @@ from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.scheduler import Step
 from models.qwen2_5_vl import mrope_positions
-from unit_tests.test_qwen2_5_vl import IMG, ONE, TWO, models, pixels, prompt  # noqa: F401 - the models fixture
+# noqa: F401 - the models fixture
+from unit_tests.test_qwen2_5_vl import IMG, ONE, TWO, models, pixels, prompt
 
 transformers = pytest.importorskip("transformers")
 NEW = 6
@@ -39,7 +40,8 @@ def image_input(ids: list[int], grids, model_config, seed: int = 1) -> MultiModa
 @torch.no_grad()
 def hf_greedy(hf, ids, grids, seed: int = 1) -> list[int]:
     input_ids = torch.tensor([ids])
-    out = hf.generate(input_ids=input_ids, pixel_values=pixels(grids, seed), image_grid_thw=torch.tensor(grids),
+    out = hf.generate(input_ids=input_ids, pixel_values=pixels(grids, seed),
+                      image_grid_thw=torch.tensor(grids),
                       mm_token_type_ids=(input_ids == IMG).int(), max_new_tokens=NEW, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()

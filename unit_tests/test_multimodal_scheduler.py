@@ -56,7 +56,8 @@ class ImageStepRunner(StepRunner):
         return super().execute(step)
 
 
-def image_request(rng: random.Random, max_tokens: int, images: int, seed: int) -> tuple[list[int], MultiModalInput]:
+def image_request(rng: random.Random, max_tokens: int, images: int, seed: int) -> tuple[list[int],
+                                                                                        MultiModalInput]:
     """A prompt with `images` images (1..max_tokens tokens each) between random text."""
     ids, ims = [], []
     for i in range(images):
@@ -105,7 +106,8 @@ def test_an_image_spans_chunks_and_is_encoded_once():
     runner = ImageStepRunner(env, 64)
     engine = LLMEngine(runner)
     prompt = [5, 6, 7] + [9] * 6 + [8]
-    engine.add_request(prompt, max_tokens=2, mm=MultiModalInput([ImageInput(None, (1, 2, 12), 3, 1)], None, 0))
+    engine.add_request(prompt, max_tokens=2,
+                       mm=MultiModalInput([ImageInput(None, (1, 2, 12), 3, 1)], None, 0))
     while engine.has_unfinished():
         engine.step()
     assert runner.encoded == 1
@@ -161,7 +163,8 @@ def test_prefix_cache_key_same_image_shares_different_image_does_not():
     prompt = [9] * 12 + [1, 2, 3]
 
     def run(h):
-        engine.add_request(prompt, max_tokens=1, mm=MultiModalInput([ImageInput(None, (1, 2, 24), 0, h)], None, 0))
+        engine.add_request(prompt, max_tokens=1,
+                           mm=MultiModalInput([ImageInput(None, (1, 2, 24), 0, h)], None, 0))
         while engine.has_unfinished():
             engine.step()
         return engine.scheduler.prefix_hit_tokens

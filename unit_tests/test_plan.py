@@ -247,7 +247,8 @@ def test_tp_counts_nccl_buffers():
     assert row(one.fixed, "NCCL buffers").bytes == 0
     nccl = row(two.fixed, "NCCL buffers")
     assert nccl.bytes == plan_module.NCCL_ESTIMATE and nccl.how == "ESTIMATED"
-    acts = sum(row(two.fixed, t).bytes for t in ("prefill activation peak", "decode graph pools", "decode attention scratch"))
+    acts = sum(row(two.fixed, t).bytes for t in ("prefill activation peak", "decode graph pools",
+                                                 "decode attention scratch"))
     assert row(two.fixed, "activation margin").bytes == int(acts * (plan_module.ACTIVATION_FACTOR - 1))
 
 

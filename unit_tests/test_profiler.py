@@ -49,7 +49,8 @@ def test_phase_order_and_target(gpu):
     assert [e[0] for e in runner.events] == ["build", "stress_prefill", "stress_decode", "teardown",
                                              "build", "stress_prefill", "stress_decode"]
     assert builds(runner) == [probe, expected_target(gpu, runner, CFG)]
-    assert points == ["kv_alloc", "graph_capture", "probe_prefill", "probe_decode", "after_measure", "kv_alloc",
+    assert points == ["kv_alloc", "graph_capture", "probe_prefill", "probe_decode", "after_measure",
+                      "kv_alloc",
                       "graph_capture", "canary", "validate_prefill", "validate_decode", "validated"]
     assert result.tokens == runner.built_tokens and result.attempts == 1 and not result.pinned
     assert [p for p, _ in result.phases] == ["probe", "measure", "rebuild+validate#1"]
@@ -94,7 +95,8 @@ def test_shrink_schedule_and_attempt_cap(gpu):
     target = expected_target(gpu, runner, CFG)
     assert builds(runner)[1:] == budget.shrink_schedule(target, 0.95, 3, 16)
     text = str(ei.value)
-    for needle in ("4 attempt(s)", f"initial target      : {target}", "OutOfMemoryError", "--batch_max_tokens",
+    for needle in ("4 attempt(s)", f"initial target      : {target}", "OutOfMemoryError",
+                   "--batch_max_tokens",
                    "--graph_max_batch_size", "--max_req_total_len", "--mem_fraction", "--max_total_token_num",
                    "--canary_mb", "--tp"):
         assert needle in text

@@ -34,7 +34,8 @@ def _worker(rank: int, init: str, fail_attempts: int, queue, point: str = "valid
                 queue.put((rank, "ok", res.tokens, res.attempts,
                            [e[1] for e in runner.events if e[0] == "build"], res.measurement.local_target))
             except ProfileError as e:
-                queue.put((rank, "error", str(e), None, [e[1] for e in runner.events if e[0] == "build"], None))
+                queue.put((rank, "error", str(e), None, [e[1] for e in runner.events if e[0] == "build"],
+                           None))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - report to the parent instead of hanging it
         queue.put((rank, "crash", traceback.format_exc(), None, None, None))

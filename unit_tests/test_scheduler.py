@@ -191,7 +191,8 @@ def test_check_refuses_a_step_outside_and_names_the_limit():
         env.check(StepShape(decode_rows=5, sampled_rows=4))
     with pytest.raises(EnvelopeError, match="prefill_tokens 17 > 16"):
         env.check(StepShape(prefill_tokens=17, prefill_rows=1))
-    with pytest.raises(EnvelopeError, match="a mixed step's tokens are its prefill tokens and one per decode row"):
+    with pytest.raises(EnvelopeError,
+                       match="a mixed step's tokens are its prefill tokens and one per decode row"):
         env.check(StepShape(decode_rows=1, prefill_rows=1, prefill_tokens=3, mixed_tokens=3))
     with pytest.raises(EnvelopeError, match="mixed_tokens 17 > 16"):
         env.check(StepShape(decode_rows=2, prefill_rows=1, prefill_tokens=15, mixed_tokens=17))
@@ -227,7 +228,8 @@ def test_a_prompt_of_max_req_total_len_minus_one_is_served_in_chunks():
     out = run_all(engine)
     chunks = [(r.start, len(r.ids), r.sample) for s in runner.steps for r in s.rows]
     assert chunks == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 15, True)]
-    assert out[rid] == ([history_token(SimpleNamespace(tokens=lambda a, b: list(range(1, 64))[a:b]), 63)], "length")
+    assert out[rid] == ([history_token(SimpleNamespace(tokens=lambda a, b: list(range(1, 64))[a:b]), 63)],
+                        "length")
 
 
 def test_pages_are_allocated_as_requests_grow():
@@ -364,7 +366,8 @@ SHARED = [(5 * j + 1) % VOCAB for j in range(60)]
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces, kv_pages=st.integers(25, 120), batch=st.integers(1, 48), running=st.integers(1, 8),
        caching=st.booleans())
-def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running, caching):
+def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running,
+                                                                         caching):
     """Every step passes Envelope.check (StepRunner raises otherwise), every request ends (length,
     stop or abort), and at the end every page and slot is free; with prefix caching on or off."""
     engine, runner = fake_engine(context=96, page_size=4, kv_pages=kv_pages, batch=batch, running=running)

@@ -29,7 +29,8 @@ from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu, bound_url
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256, batch_max_tokens=64,
+FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
+             batch_max_tokens=64,
              graph_max_batch_size=4, running_max_req_size=8, report_dir=None)
 CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=2))
 RUNNING = 8  # running_max_req_size: the engine's running-request limit
@@ -153,10 +154,13 @@ def test_completion_matches_generate_and_chat_uses_the_template(run):
 
     async def body(c, app):
         s1, comp = await post(c, "/v1/completions", greedy())
-        s2, gen = await post(c, "/generate", {"input_ids": [tok.encode("Hello"), [5, 6]], "max_new_tokens": 32})
+        s2, gen = await post(c, "/generate",
+                             {"input_ids": [tok.encode("Hello"), [5, 6]], "max_new_tokens": 32})
         s3, ids = await post(c, "/v1/completions", greedy(tok.encode("Hello")))
-        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-        s4, chat = await post(c, "/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "temperature": 0})
+        msgs = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+        s4, chat = await post(c, "/v1/chat/completions",
+                              {"messages": msgs, "max_tokens": 8, "temperature": 0})
         s5, plain = await post(c, "/v1/completions", greedy(tok.apply_chat_template(
             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]), 8))
         return (s1, s2, s3, s4, s5), comp, gen, ids, chat, plain
@@ -289,7 +293,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
     ("/generate", {"input_ids": [[1, 2]], "max_new_tokens": 0}, 400, "max_new_tokens"),
     ("/generate", {"input_ids": [[1] * 200], "max_new_tokens": 100}, 400, "max_new_tokens"),
     ("/generate", {"input_ids": [[4096]]}, 400, "input_ids"),
@@ -298,8 +303,10 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": [[[1, 2]]]}, 400, "prompt"),  # nested one level too deep
     ("/v1/completions", {"prompt": "ab\ud800"}, 400, "prompt"),  # a lone surrogate
     ("/v1/completions", {"prompt": "hi", "stop": ["\udc00"]}, 400, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [MSG[0], {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     {"messages": [MSG[0], {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
      400, "messages[1].content"),
     ("/generate", {"input_ids": [[1]] * (RUNNING + 2 + 1)}, 400, "input_ids"),  # more than running + waiting
 ]
@@ -315,13 +322,15 @@ def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
         out = [(await c.post(path, json=b), path) for path, b, _, _ in BAD]
         out += [(await c.post("/v1/completions", data=b"{not json"), "json"),
                 (await c.post("/v1/chat/completions", data=b"\xff\xfe"), "bytes"),
-                (await c.post("/v1/completions", data=b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"), "deep"),
+                (await c.post("/v1/completions", data=b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+                 "deep"),
                 (await c.post("/generate", data=b"[" * DEEP + b"]" * DEEP), "deep body"),
                 (await c.get("/v1/nothing"), "unknown path"),
                 (await c.get("/v1/completions"), "wrong method")]
         return [(r.status, await r.json()) for r, _ in out], await (await c.get("/metrics")).text()
     results, metrics = run(body)
-    expected = [(s, p) for _, _, s, p in BAD] + [(400, None), (400, None), (400, "prompt"), (400, None), (404, None),
+    expected = [(s, p) for _, _, s, p in BAD] + [(400, None), (400, None), (400, "prompt"), (400, None),
+                                                 (404, None),
                                                  (405, None)]
     assert len(results) == len(expected)
     for (status, data), (want_status, param), case in zip(results, expected, BAD + [None] * 6):
@@ -335,9 +344,11 @@ def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
     assert 'status="500"' not in metrics
 
 
-@pytest.mark.parametrize("context_len,vocab", [(256, 4096), (8192, 128256), (131072, 128256), (32768, 151936)])
+@pytest.mark.parametrize("context_len,vocab",
+                         [(256, 4096), (8192, 128256), (131072, 128256), (32768, 151936)])
 def test_the_body_bound_holds_the_longest_valid_token_list_pretty_printed(context_len, vocab):
-    longest = {"model": "m", "prompt": [vocab - 1] * (context_len - 1), "max_tokens": 1, "stop": ["x" * 60] * 16}
+    longest = {"model": "m", "prompt": [vocab - 1] * (context_len - 1), "max_tokens": 1,
+               "stop": ["x" * 60] * 16}
     assert len(json.dumps(longest, indent=2).encode()) <= max_body_bytes(context_len, vocab)
     assert max_body_bytes(context_len, vocab) < 8 * context_len * 32 + (2 << 20)  # a bound, not a formality
 
@@ -359,7 +370,8 @@ def test_a_body_past_the_bound_is_413_and_the_longest_valid_one_is_not(run):
 # ---------------------------------------------------------------- backpressure, disconnects, failures
 def test_past_the_waiting_bound_requests_get_429_with_retry_after(run):
     async def body(c, app):
-        rs = await asyncio.gather(*[c.post("/v1/completions", json=greedy(n=64)) for _ in range(RUNNING + 2 + 3)])
+        rs = await asyncio.gather(*[c.post("/v1/completions",
+                                           json=greedy(n=64)) for _ in range(RUNNING + 2 + 3)])
         statuses = [r.status for r in rs]
         rejected = [r for r in rs if r.status == 429]
         after, _ = await post(c, "/v1/completions", greedy(n=2))
@@ -370,7 +382,8 @@ def test_past_the_waiting_bound_requests_get_429_with_retry_after(run):
     assert after == 200
 
 
-STEP_DELAY_S = 0.025  # per engine step: 200 tokens take >= 5 s, so a request cannot end by itself in a test's wait
+# per engine step: 200 tokens take >= 5 s, so a request cannot end by itself in a test's wait
+STEP_DELAY_S = 0.025
 ABORTED_WITHIN_S = 1.0
 
 
@@ -459,10 +472,12 @@ def test_the_openai_client_end_to_end(run):
         async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
             models = await client.models.list()
             comp = await client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
-            chat = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0,
+            chat = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6,
+                                                        temperature=0,
                                                         seed=3)
             parts, reasons = [], []
-            stream = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, temperature=0,
+            stream = await client.chat.completions.create(model="tiny", messages=MSG, max_tokens=6,
+                                                          temperature=0,
                                                           stream=True)
             async for ch in stream:
                 parts.append(ch.choices[0].delta.content or "")
@@ -506,7 +521,8 @@ def test_sigterm_drains_every_accepted_request_then_exits_0():
                     await asyncio.sleep(0.05)
 
                 async def one(i: int):
-                    async with s.post(f"{url}/v1/completions", json=greedy(f"p{i}", 200, stream=i % 2 == 0)) as r:
+                    async with s.post(f"{url}/v1/completions",
+                                      json=greedy(f"p{i}", 200, stream=i % 2 == 0)) as r:
                         return r.status, await r.text()
                 tasks = [asyncio.ensure_future(one(i)) for i in range(N)]
                 while True:  # every request is in the engine

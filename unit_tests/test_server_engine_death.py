@@ -120,7 +120,8 @@ def test_a_wedged_loop_is_dead_after_the_watchdogs_limit(faulty, monkeypatch):
 
 @pytest.mark.parametrize("fault", ["abort", "wedge"])
 def test_serve_exits_1_when_the_engine_loop_dies(fault):
-    proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags(), "--inject_fault", fault,
+    proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags(), "--inject_fault",
+                             fault,
                              "--wedged_after_s", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
@@ -138,7 +139,8 @@ def test_serve_exits_1_when_the_engine_loop_dies(fault):
                     await asyncio.sleep(0.05)
                 pending = asyncio.ensure_future(s.post(f"{url}/v1/completions",
                                                        json=greedy(n=200, ignore_eos=True)))
-                async with s.post(f"{url}/v1/completions", json=greedy(n=200, ignore_eos=True, stream=True)) as r:
+                async with s.post(f"{url}/v1/completions",
+                                  json=greedy(n=200, ignore_eos=True, stream=True)) as r:
                     await r.content.readline()  # running; leaving the block hangs up (abort)
                 async with await pending as r:
                     return r.status, await r.json()

@@ -20,7 +20,8 @@ from autoprofile.serving.images import smart_resize
 from unit_tests.cpu_server import boot_cpu
 
 SIDE = 28 * 28
-FLAGS = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_req_total_len=512, batch_max_tokens=48,
+FLAGS = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_req_total_len=512,
+             batch_max_tokens=48,
              graph_max_batch_size=4, running_max_req_size=4, report_dir=None, visual_batch_size=2,
              max_images_per_request=2, max_image_pixels=64 * SIDE, min_image_pixels=4 * SIDE)
 
@@ -82,7 +83,8 @@ def test_an_image_request_is_answered_and_counts_its_image_tokens(booted, monkey
     one = chat("describe", image(data_url(png(100, 60))))
     runner, encoded = booted[0], []
     real = runner._encode
-    monkeypatch.setattr(runner, "_encode", lambda items: (encoded.extend(im.grid for _, im in items), real(items)))
+    monkeypatch.setattr(runner, "_encode",
+                        lambda items: (encoded.extend(im.grid for _, im in items), real(items)))
 
     async def body(c, app):
         return [await post(c, text_only), await post(c, one), await post(c, one)]
@@ -95,7 +97,8 @@ def test_an_image_request_is_answered_and_counts_its_image_tokens(booted, monkey
     # the same messages with one image: its start, pad x tokens and end ids more than the text alone
     assert b[1]["usage"]["prompt_tokens"] - a[1]["usage"]["prompt_tokens"] == tokens_of(100, 60) + 2
     assert b[1]["choices"][0]["message"]["content"] == c[1]["choices"][0]["message"]["content"]
-    assert engine.stats.prefix_hit_tokens > 0  # the second asked for the same image: its full pages were cached
+    # the second asked for the same image: its full pages were cached
+    assert engine.stats.prefix_hit_tokens > 0
 
 
 def test_two_images_stream_and_formats(booted):
@@ -139,7 +142,8 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_serves_on(booted, r
             (chat("x", image("http://example.invalid/a.png")), url0),  # host not allowed
             (chat("x", image(f"{base}/slow")), url0),  # allowed, times out
             (chat("x", *[image(data_url(png(30, 30, i))) for i in range(3)]), "messages"),  # 3 > 2 images
-            (chat("x", image(data_url(png(500, 500))), max_tokens=500), "max_tokens"),  # no room in 512 tokens
+            # no room in 512 tokens
+            (chat("x", image(data_url(png(500, 500))), max_tokens=500), "max_tokens"),
             (chat("x", image(data_url(png(2, 900)))), url0),  # aspect ratio over 200
             (chat("x", {"type": "image_url", "image_url": {}}), "messages[0].content[1].image_url.url"),
         ]

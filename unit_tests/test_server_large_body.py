@@ -16,7 +16,8 @@ from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.test_server import booted, greedy, serve  # noqa: F401
 
 BIG_IDS = 7_000_000  # ~40 MiB of JSON token ids
-MAX_GAP_S = 0.25  # a stream's longest inter-token gap while the body arrives (parsing it on the loop: seconds)
+# a stream's longest inter-token gap while the body arrives (parsing it on the loop: seconds)
+MAX_GAP_S = 0.25
 
 
 @pytest.fixture

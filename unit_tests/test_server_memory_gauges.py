@@ -83,7 +83,8 @@ def test_a_soak_samples_the_gauges_over_time_and_plots_them(booted, tmp_path):  
 
 def test_the_memory_summary_and_plot_against_a_profile_peak(tmp_path):
     gib = 1 << 30
-    timeline = [{"t": 5.0 * i, "reserved": (60 + i) * gib, "segments": 10 + i, "kv_pages_used": 1, "running": 1,
+    timeline = [{"t": 5.0 * i, "reserved": (60 + i) * gib, "segments": 10 + i, "kv_pages_used": 1,
+                 "running": 1,
                  "profile_peak": 62 * gib} for i in range(5)]
     m = bench_serving.memory_summary(timeline)
     assert m["max_reserved"] == 64 * gib and m["reserved_past_profile_peak"] == 2 * gib

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from autoprofile.serving.tokenizer import (BYTE_OFFSET, ByteTokenizer, ChatTemplateError, HFTokenizer, TextStream,
+from autoprofile.serving.tokenizer import (BYTE_OFFSET, ByteTokenizer, ChatTemplateError, HFTokenizer,
+                                           TextStream,
                                            load_tokenizer)
 from models.config import load_model_config
 
@@ -73,7 +74,8 @@ def test_a_folder_with_tokenizer_json_uses_it_and_its_template(model_dir):
     ids = tok.encode("hello world")
     assert ids and tok.decode(ids) == "hello world"
     assert tok.decode(ids + [2]) == "hello world"  # specials are skipped
-    text = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    text = tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "hi"}])
     assert text == "<s>[system] be brief</s>[user] hi</s>[assistant] "
     with pytest.raises(ChatTemplateError, match="start with a user"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])

@@ -229,14 +229,17 @@ def test_serve_with_tp_spawns_the_ranks_and_returns_their_exit_code(mocker):
 def test_a_step_survives_the_broadcast_encoding():
     from autoprofile.engine.sampling import SamplingParams
     from autoprofile.engine.scheduler import Step, StepRow
-    step = Step(True, [StepRow(3, 16, [5, 6, 7], True, SamplingParams(temperature=0.5, seed=9), request=object()),
-                       StepRow(0, 0, [1], False, SamplingParams())], [(3, 1, [4, 8])], running=2, pages_used=5)
+    step = Step(True,
+                [StepRow(3, 16, [5, 6, 7], True, SamplingParams(temperature=0.5, seed=9), request=object()),
+                       StepRow(0, 0, [1], False,
+                               SamplingParams())], [(3, 1, [4, 8])], running=2, pages_used=5)
     import pickle
     back = broadcast.decode(pickle.loads(pickle.dumps(broadcast.encode(step))))
     assert back.rows[0].request is None and back.rows[0].params == step.rows[0].params
     assert [(r.slot, r.start, r.ids, r.sample) for r in back.rows] == [(r.slot, r.start, r.ids, r.sample)
                                                                        for r in step.rows]
-    assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2, 5)
+    assert (back.is_prefill, back.page_writes, back.running, back.pages_used) == (True, [(3, 1, [4, 8])], 2,
+                                                                                  5)
 
 
 def _worker_dies_while_serving(guard, model_dir: str):
@@ -268,7 +271,8 @@ def test_a_worker_killed_while_serving_stops_rank_0_at_once_with_the_launchers_r
     out, t0 = run(_worker_dies_while_serving, 2, str(tmp_path / "qwen"))
     assert out[0].ok and not out[1].ok, out
     first, failed, fatal, took, again = out[0].value
-    assert fatal.startswith("tensor-parallel serving stopped: rank 1: the rank's process died (signal SIGKILL)")
+    assert fatal.startswith("tensor-parallel serving stopped: rank 1: the rank's process died (signal "
+                            "SIGKILL)")
     assert failed >= 1 and any(len(o) < 8 for o in first)  # the in-flight requests ended with an error
     assert took < 10  # not the launcher's 60-s backstop: rank 0 stops itself
     outputs, refused = again  # nothing runs any more: the requests end at once, their steps refused

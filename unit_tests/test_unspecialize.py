@@ -20,14 +20,16 @@ def test_the_named_parameters_exist_and_are_unspecialized():
         aiter_loader.unspecialize(k, names)
         flags = {p.name: p.do_not_specialize for p in k.params}
         assert all(flags[n] for n in names), (kernel, flags)
-        assert not flags["stride_qm_in" if kernel == "_attn_fwd" else "input_row_stride"]  # the model's strides
+        # the model's strides
+        assert not flags["stride_qm_in" if kernel == "_attn_fwd" else "input_row_stride"]
 
 
 def test_a_parameter_the_kernel_lacks_is_named():
     from autoprofile.engine import aiter_loader
     aiter_loader.triton_ops_package()
     k = importlib.import_module("aiter.ops.triton._triton_kernels.rmsnorm")._rms_norm_kernel
-    with pytest.raises(RuntimeError, match=r"_rms_norm_kernel has no parameter \['num_rows'\].*--attention_backend torch"):
+    with pytest.raises(RuntimeError,
+                       match=r"_rms_norm_kernel has no parameter \['num_rows'\].*--attention_backend torch"):
         aiter_loader.unspecialize(k, ("num_rows",))
 
 

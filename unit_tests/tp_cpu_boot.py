@@ -1,4 +1,5 @@
-"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.tp.launch.serve_tp with gloo ranks, the tiny model
+"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.tp.launch.serve_tp with gloo ranks, the
+tiny model
 with seeded random weights and a fixed KV size in place of the profile (it reads CUDA memory).
 
     python3 -m unit_tests.tp_cpu_boot PORT    # serves until SIGTERM; exit code as `autoprofile serve`

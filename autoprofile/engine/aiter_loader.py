@@ -139,7 +139,8 @@ def unspecialize(kernel, names: tuple[str, ...]) -> None:
     params = {p.name: p for p in kernel.params}
     missing = [n for n in names if n not in params]
     if missing:
-        raise RuntimeError(f"AITER's Triton kernel {kernel.__name__} has no parameter {missing}: this amd-aiter "
+        raise RuntimeError(f"AITER's Triton kernel {kernel.__name__} has no parameter {missing}: this "
+                           f"amd-aiter "
                            f"is not the one autoprofile pins (pip install amd-aiter=={PINNED_AITER}), or run "
                            f"--attention_backend torch")
     for n in names:

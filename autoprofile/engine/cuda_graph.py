@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: one capture loop over (batch size, max_seq_len bucket), one memory pool, static buffers.
+"""Decode CUDA graphs: one capture loop over (batch size, max_seq_len bucket), one memory pool, static
+buffers.
 
 AITER's Triton decode launches one program per 1024-token partition of max_seq_len and reduces over a
 power-of-two tile of them, so its cost follows max_seq_len, not the rows' real lengths (H100, batch 256
@@ -12,9 +13,11 @@ reads its first ceil(bucket/page) columns. The build is the same in the probe an
 probe captures (and measures) every graph serving replays, and replaying one allocates nothing.
 Logits are captured too; sampling runs outside the graph.
 
-Inputs: a step's rows come as one host tensor [b, 5] (token id, position, request slot, 1, rope delta), copied into the
+Inputs: a step's rows come as one host tensor [b, 5] (token id, position, request slot, 1, rope delta), copied
+into the
 static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and block
-tables, from the request table: ReqTable.decode_metadata, which eager decode uses too), so a replay is two or three
+tables, from the request table: ReqTable.decode_metadata, which eager decode uses too), so a replay is two or
+three
 launches. Padding rows carry 0 in the last column: they write to PAD_PAGE and read one token of it.
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan needs it without torch)
+# noqa: F401 - the ladder's one owner (plan needs it without torch)
+from autoprofile.budget import batch_ladder
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable
@@ -50,10 +54,12 @@ class DecodeGraphs:
         self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}
         self.max_bs, self.max_seq_len, self.page_size = max_bs, max_seq_len, page_size
         self.req_table = req_table
-        # id, position, slot, real row, rope delta (M-RoPE: a VL request's later tokens sit at position + delta)
+        # id, position, slot, real row, rope delta (M-RoPE: a VL request's later tokens sit at position +
+        # delta)
         self.inputs = torch.zeros(max_bs, 5, dtype=torch.int64, device=device)
         self.input_ids, self.positions = self.inputs[:, 0], self.inputs[:, 1]
-        self.rope_positions = torch.zeros(max_bs, dtype=torch.int64, device=device) if rope_delta else self.positions
+        self.rope_positions = torch.zeros(max_bs, dtype=torch.int64,
+                                          device=device) if rope_delta else self.positions
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
@@ -124,7 +130,8 @@ class DecodeGraphs:
             torch.add(self.positions[:bs], self.inputs[:bs, 4], out=self.rope_positions[:bs])
 
     def replay(self, rows: torch.Tensor, longest: int) -> torch.Tensor:
-        """Logits [b, vocab] of one decode step for rows [b, 5] int64 (token id, position, request slot, 1, rope delta;
+        """Logits [b, vocab] of one decode step for rows [b, 5] int64 (token id, position, request slot, 1,
+        rope delta;
         pinned host memory: one non-blocking copy), b <= max_bs, whose longest seq_len is `longest`."""
         b = rows.shape[0]
         bs, bucket = self.pick(b, longest)
@@ -217,7 +224,8 @@ def abandon_capture(graph, pool, device: int) -> None:
         ended = False
     steps = []
     if not ended:
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None) or torch._C._cuda_endAllocateCurrentStreamToPool
+        end = getattr(torch._C, "_cuda_endAllocateToPool",
+                      None) or torch._C._cuda_endAllocateCurrentStreamToPool
         steps += [lambda: end(device, pool),  # raises if capture_end got that far already
                   lambda: torch._C._cuda_releasePool(device, pool)]  # the use count capture_begin took
     steps += [graph.reset, torch.cuda.synchronize]

@@ -68,10 +68,12 @@ class LLMEngine:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError("max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
         if len(prompt) >= context:
-            raise RequestError("prompt", f"{len(prompt)} tokens leave no room for output under the {context}-token "
+            raise RequestError("prompt",
+                               f"{len(prompt)} tokens leave no room for output under the {context}-token "
                                          f"request limit (--max_req_total_len): at most {context - 1} tokens")
         if len(prompt) + max_tokens > context:
-            raise RequestError("max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
+            raise RequestError("max_tokens",
+                               f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                                              f"the {context}-token request limit (--max_req_total_len); "
                                              f"try max_tokens <= {context - len(prompt)}")
         if request_id in self._requests:
@@ -84,7 +86,8 @@ class LLMEngine:
         pages = math.ceil(req.max_len / self.envelope.page_size)
         if pages > self.scheduler.allocator.capacity:
             capacity = self.scheduler.allocator.capacity * self.envelope.page_size
-            raise RequestError("max_tokens", f"the request can grow to {req.max_len} tokens, the KV cache holds "
+            raise RequestError("max_tokens",
+                               f"the request can grow to {req.max_len} tokens, the KV cache holds "
                                              f"{capacity}; try max_tokens <= {capacity - len(prompt) + 1}")
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -96,16 +99,19 @@ class LLMEngine:
         if not env.encoder_images:
             raise RequestError("images", "this model takes no images (it has no vision encoder)")
         if len(mm.images) > env.images_per_request:
-            raise RequestError("images", f"{len(mm.images)} images, at most {env.images_per_request} per request "
+            raise RequestError("images",
+                               f"{len(mm.images)} images, at most {env.images_per_request} per request "
                                          f"(--max_images_per_request)")
         end = 0
         for im in mm.images:
             if im.num_tokens > env.image_tokens or window_count(*im.grid[1:]) > window_count(*env.image_grid[1:]):
-                raise RequestError("images", f"an image of {im.num_tokens} tokens ({im.grid[1]} x {im.grid[2]} "
+                raise RequestError("images",
+                                   f"an image of {im.num_tokens} tokens ({im.grid[1]} x {im.grid[2]} "
                                              f"patches) is larger than the encoder's stress ran "
                                              f"({env.image_tokens} tokens; --max_image_pixels)")
             if im.offset < end or im.end > prompt_len:
-                raise RequestError("images", "image tokens must lie inside the prompt, in order, without overlap")
+                raise RequestError("images",
+                                   "image tokens must lie inside the prompt, in order, without overlap")
             end = im.end
 
     def abort(self, request_id: str) -> bool:
@@ -131,7 +137,8 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
             self._failed_steps += 1
             self._ooms += isinstance(e, torch.OutOfMemoryError)
-            log.exception("step of %d rows failed; its requests end with finish_reason 'error'", len(step.rows))
+            log.exception("step of %d rows failed; its requests end with finish_reason 'error'",
+                          len(step.rows))
             for req in dict.fromkeys(row.request for row in step.rows):
                 if not req.finished:
                     self.scheduler.finish(req, "error")
@@ -155,10 +162,12 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used, s.allocator.capacity,
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
+                           s.allocator.capacity,
                            self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = GREEDY,
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = GREEDY,
                  max_tokens: int = 16) -> list[list[int]]:
         """Offline: run every prompt to completion over the same loop; output ids per prompt, in order."""
         each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

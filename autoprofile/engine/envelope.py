@@ -115,7 +115,8 @@ class Envelope:
         # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
         longest_kv = context_len - 1
         prefill_rows = min(reqs, batch_max_tokens)
-        prefill_tokens = min(batch_max_tokens, prefill_rows * longest_kv)  # no row computes more than a request
+        # no row computes more than a request
+        prefill_tokens = min(batch_max_tokens, prefill_rows * longest_kv)
         return cls(
             page_size=page_size,
             pages=min(kv_pages - 1, reqs * math.ceil(longest_kv / page_size)),

@@ -44,8 +44,10 @@ class KVCache:
         # zeros, not empty: masked-out cache entries must not be NaN bit patterns (0 * NaN = NaN)
         self.buffer = torch.zeros((2, num_layers, num_pages, num_kv_heads, page_size, head_dim),
                                   dtype=dtype, device=device)
-        self.scales = torch.ones(num_layers, 2, dtype=torch.float32, device=device) if dtype in FP8_DTYPES else None
-        self.layers = [KVLayer(self.buffer[0, i], self.buffer[1, i], None if self.scales is None else self.scales[i])
+        self.scales = torch.ones(num_layers, 2, dtype=torch.float32,
+                                 device=device) if dtype in FP8_DTYPES else None
+        self.layers = [KVLayer(self.buffer[0, i], self.buffer[1, i],
+                               None if self.scales is None else self.scales[i])
                        for i in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size
 
@@ -74,7 +76,8 @@ class PageAllocator:
         self._ref = [0] * num_pages
         self._key: dict[int, tuple] = {}  # registered page -> (parent chain id, tokens)
         self._page: dict[tuple, int] = {}  # key -> registered page
-        self._chain: dict[int, int] = {}  # registered page -> its chain id (the parent of the next page's key)
+        # registered page -> its chain id (the parent of the next page's key)
+        self._chain: dict[int, int] = {}
         self._ids = itertools.count(1)  # 0: the empty prefix
 
     @property

@@ -52,7 +52,8 @@ class MultiModalInput:
     images: list[ImageInput]
     positions: object
     delta: int
-    slots: dict[int, int] = field(default_factory=dict)  # image index -> encoder buffer slot (resident images)
+    # image index -> encoder buffer slot (resident images)
+    slots: dict[int, int] = field(default_factory=dict)
 
     def overlapping(self, start: int, end: int) -> list[int]:
         """Indices of the images with a token in [start, end)."""

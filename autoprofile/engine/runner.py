@@ -54,8 +54,10 @@ class ModelRunner:
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
-        self.checkpoint_kv_scales = load_weights(self.model, mc.checkpoint_files, cfg.seed, show_progress=rank == 0)
-        self.kv_scale_source = kv_scale_source(cfg.kv_dtype_name, cfg.kv_scales, self.checkpoint_kv_scales is not None)
+        self.checkpoint_kv_scales = load_weights(self.model, mc.checkpoint_files, cfg.seed,
+                                                 show_progress=rank == 0)
+        self.kv_scale_source = kv_scale_source(cfg.kv_dtype_name, cfg.kv_scales,
+                                               self.checkpoint_kv_scales is not None)
         if self.kv_scale_source is not None and rank == 0:
             log.info("FP8 KV cache: per-layer K/V scales from %s", KV_SCALE_TEXT[self.kv_scale_source])
         self.kv_scales_pending = False  # first_batch: set by build, cleared by the first real prefill
@@ -64,14 +66,16 @@ class ModelRunner:
         visual = getattr(self.model, "visual", None)
         self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
         self.use_graphs = self.device.type == "cuda" and not cfg.disable_cudagraph
-        self.buckets = budget.decode_buckets(cfg.context_len)  # max_seq_len of decode steps (eager and graphs)
+        # max_seq_len of decode steps (eager and graphs)
+        self.buckets = budget.decode_buckets(cfg.context_len)
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
         # built by build(), dropped by teardown()
         self.kv: KVCache | None = None
         self.envelope: Envelope | None = None
         self.req_table: ReqTable | None = None
         self.graphs: DecodeGraphs | None = None
-        self.mm_buffer: torch.Tensor | None = None  # [encoder_images, image_tokens, hidden]: images awaiting prefill
+        # [encoder_images, image_tokens, hidden]: images awaiting prefill
+        self.mm_buffer: torch.Tensor | None = None
         self.built_tokens: int | None = None
         self.step_log: list[StepShape] | None = None  # tests: set to a list to record every step's shape
 
@@ -103,12 +107,14 @@ class ModelRunner:
             max_tokens=budget.max_indexable_tokens(self.num_kv_heads, head_dim, cfg.page_size))
 
     def fingerprint(self) -> dict | None:
-        """What a probe's measurement depends on besides the code, model and flags (autoprofile.profile_cache):
+        """What a probe's measurement depends on besides the code, model and flags
+        (autoprofile.profile_cache):
         the GPU and the versions of what runs on it. None on CPU (no cache)."""
         if self.device.type != "cuda":
             return None
         props = torch.cuda.get_device_properties(self.device)
-        out = {"gpu": props.name, "total_memory": props.total_memory, "capability": [props.major, props.minor],
+        out = {"gpu": props.name, "total_memory": props.total_memory,
+               "capability": [props.major, props.minor],
                "sms": props.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda,
                "hip": torch.version.hip}
         for package in ("triton", "amd-aiter"):
@@ -150,11 +156,13 @@ class ModelRunner:
             self.envelope = env
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
             if env.encoder_images:
-                self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size, dtype=self.dtype,
+                self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size,
+                                             dtype=self.dtype,
                                              device=self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size))
             if env.graph_rows:
-                self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len, rope_delta=self.is_vl)
+                self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len,
+                                           rope_delta=self.is_vl)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
             self.backend.seal()
@@ -258,13 +266,15 @@ class ModelRunner:
             meta.cu_seqlens_k = torch.tensor([0, *kv_lens]).cumsum(0).to(torch.int32).to(dev)
             meta.max_seqlen_k = max(kv_lens)
         if decode:
-            meta.decode = self._decode_meta(positions[sum(lens):], torch.tensor([r.slot for r in decode]).to(dev),
+            meta.decode = self._decode_meta(positions[sum(lens):],
+                                            torch.tensor([r.slot for r in decode]).to(dev),
                                             max(r.start for r in decode) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
         ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         if self.is_vl:
             rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
-            hidden = self.model(ids, rope, meta, self.kv.layers, *self._image_embeds(rows + decode, lens + [1] * len(decode)))
+            hidden = self.model(ids, rope, meta, self.kv.layers,
+                                *self._image_embeds(rows + decode, lens + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.kv.layers)
         last = (cu[1:] - 1)[torch.tensor([r.sample for r in rows], dtype=torch.bool)]
@@ -292,7 +302,8 @@ class ModelRunner:
         for (slot, im), part in zip(encode, embeds.split([im.num_tokens for _, im in encode])):
             self.mm_buffer[slot, :im.num_tokens].copy_(part)
 
-    def _image_embeds(self, rows: list[StepRow], lens: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _image_embeds(self, rows: list[StepRow], lens: list[int]) -> tuple[torch.Tensor | None,
+                                                                           torch.Tensor | None]:
         """The step's image-token embeddings (from the encoder buffer) and the mask of their places."""
         spans = [(base + at, slot, first, n) for r, base in zip(rows, [0, *itertools.accumulate(lens)])
                  for at, slot, first, n in r.spans]
@@ -311,7 +322,8 @@ class ModelRunner:
         mm = row.mm
         known = mm.positions.shape[1] if mm is not None and mm.positions is not None else start
         delta = mm.delta if mm is not None else 0
-        head = mm.positions[:, start:min(end, known)] if start < known else torch.empty(3, 0, dtype=torch.int64)
+        head = mm.positions[:, start:min(end, known)] if start < known else torch.empty(3, 0,
+                                                                                        dtype=torch.int64)
         tail = torch.arange(min(max(start, known), end), end).add(delta).expand(3, -1)
         return torch.cat([head, tail], dim=1)
 
@@ -326,7 +338,8 @@ class ModelRunner:
         dev = self.device
         longest = max(r.start for r in rows) + 1
         # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs)
-        host = torch.tensor([[r.ids[0], r.start, r.slot, 1, r.mm.delta if r.mm is not None else 0] for r in rows],
+        host = torch.tensor([[r.ids[0], r.start, r.slot, 1,
+                              r.mm.delta if r.mm is not None else 0] for r in rows],
                             dtype=torch.int64, pin_memory=dev.type == "cuda")
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest)

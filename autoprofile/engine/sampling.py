@@ -16,7 +16,8 @@ smallest prefix by descending probability whose mass reaches top_p (a token is k
 tokens with equal logits is kept at a top-k/top-p boundary is unspecified (as with torch.sort); how many are
 kept and their probabilities are exact. Draws: exponential race, argmax over kept tokens of logit/T - log(E),
 E ~ Exp(1) (= argmax p/E). Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
-Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient bytes
+Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient
+bytes
 are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel needs 16
 bytes per row); the profiler's stress samples with STRESS_PARAMS, the torch paths' worst cases.
 Seeds: a row with its own generator draws only from it: the fused kernel takes one Philox seed per row, drawn

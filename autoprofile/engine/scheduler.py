@@ -50,7 +50,8 @@ class Step:
     page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first column, pages)
     running: int = 0  # request slots in use during the step
     pages_used: int = 0
-    encode: list[tuple[int, ImageInput]] = field(default_factory=list)  # (encoder buffer slot, image), run first
+    # (encoder buffer slot, image), run first
+    encode: list[tuple[int, ImageInput]] = field(default_factory=list)
     decode: list[StepRow] = field(default_factory=list)  # a mixed step's decode rows, after its prefill rows
 
     @property
@@ -61,11 +62,13 @@ class Step:
     def shape(self, graph_rows: int) -> StepShape:
         """graph_rows: the runner's graph limit (a decode step of at most that many rows replays a graph)."""
         rows = self.all_rows
-        common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running, pages=self.pages_used,
+        common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running,
+                      pages=self.pages_used,
                       max_req_total_len=max((r.start + len(r.ids) + 1 for r in rows), default=0))
         images = [r.mm.images for r in rows if r.mm is not None]
         common.update(images_per_request=max(map(len, images), default=0),
-                      image_tokens_per_request=max((sum(im.num_tokens for im in ims) for ims in images), default=0))
+                      image_tokens_per_request=max((sum(im.num_tokens for im in ims) for ims in images),
+                                                   default=0))
         if not self.is_prefill:
             return StepShape(decode_rows=len(rows), graph_rows=len(rows) if len(rows) <= graph_rows else 0,
                              **common)
@@ -74,7 +77,8 @@ class Step:
                          prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
                          max_prefix_len=max((r.start for r in rows), default=0),
                          decode_rows=len(self.decode), mixed_tokens=tokens + len(self.decode) if self.decode else 0,
-                         encoder_images=len(self.encode), encoder_patches=sum(im.patches for _, im in self.encode),
+                         encoder_images=len(self.encode), encoder_patches=sum(im.patches for _,
+                                                                              im in self.encode),
                          mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
 
 
@@ -137,7 +141,8 @@ class Scheduler:
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
-        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a running
+        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a
+        running
         request's chunk that needs pages none can give waits, rather than preempt a row of this step."""
         env, ps = self.env, self.env.page_size
         tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
@@ -191,7 +196,8 @@ class Scheduler:
             if need and need > self.allocator.num_free and not self._make_room(need, req):
                 continue
             self._grow(req, need, step)
-            step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True, req.params, req,
+            step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True,
+                                     req.params, req,
                                      req.mm))
         return step if step.rows else None
 

@@ -120,7 +120,8 @@ def stress_images(env: Envelope, count: int, seed: int) -> MultiModalInput:
     """A fake request's images: `count` images of the envelope's largest grid, back to back from token 0
     (pixel_values None: the runner encodes random patches of that grid)."""
     tokens = env.image_tokens
-    return MultiModalInput([ImageInput(None, env.image_grid, i * tokens, hash((seed, i))) for i in range(count)],
+    return MultiModalInput([ImageInput(None, env.image_grid, i * tokens,
+                                       hash((seed, i))) for i in range(count)],
                            positions=None, delta=0)
 
 

@@ -35,6 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), eps, N=n, BLOCK=block,
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), eps, N=n,
+                                           BLOCK=block,
                                            num_warps=min(max(block // 512, 1), 16))
     return out.view(x.shape)

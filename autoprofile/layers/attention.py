@@ -89,7 +89,8 @@ class AttentionBackend(ABC):
         self.calibrating = False  # an FP8 cache's step that sets its scales from its own K/V (store_kv)
 
     @classmethod
-    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
+    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int,
+                        head_dim: int) -> int:
         """Persistent bytes build() allocates for this backend: sized from the envelope's decode rows and
         from max_context_len = min(context, T), so the budget solver subtracts it. Per-call allocations
         are not declared: the stress measures them (inside graphs they live in the graph pool)."""
@@ -150,7 +151,8 @@ class AttentionBackend(ABC):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq, D]; causal within each request of cu_seqlens. k/v [T, Hkv, D], or with
         meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right)."""
 
@@ -180,7 +182,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Neox-style rotation of x [T, H, D] in place (halves, as HF's rotate_half), computed in fp32: the
     same operations as models.llama.apply_rope, so the result is bit for bit the same."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # NOTE: both before either write (x may be fp32: no copy)
+    # NOTE: both before either write (x may be fp32: no copy)
+    r1, r2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     half = x.shape[-1] // 2
     x[..., :half].copy_(r1)
     x[..., half:].copy_(r2)

@@ -210,7 +210,8 @@ class AsyncEngine:
         self.handles[handle.request_id] = handle
         self._idle.clear()
         added = handle.added = self._loop.create_future()
-        self._inbox.put(("add", handle.request_id, (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm),
+        self._inbox.put(("add", handle.request_id,
+                         (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm),
                          added))
         try:
             await added
@@ -313,7 +314,8 @@ class AsyncEngine:
             return
         _, rid, (prompt, params, max_tokens, stop_ids, mm), added = cmd
         try:
-            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid, mm=mm)
+            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid,
+                                    mm=mm)
         except RequestError as e:
             self._post(settle, added, e)
             return

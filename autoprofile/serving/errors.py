@@ -6,7 +6,8 @@ from __future__ import annotations
 class APIError(Exception):
     """An HTTP error with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error",
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code

@@ -1,6 +1,7 @@
 """Prometheus metrics of one app: its own CollectorRegistry (two servers in a process never share one).
 
-Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting, preemptions, KV
+Latencies are observed as first tokens arrive and requests finish; engine state (running, waiting,
+preemptions, KV
 pages, OOMs while serving) is read from the engine loop's last snapshot at scrape time, and so is the CUDA
 caching allocator (reserved bytes and segments, against the validated profile's reserved bytes: fragmentation
 shows as reserved memory growing past it; 0 on a CPU).
@@ -36,14 +37,18 @@ class EngineCollector:
         s = self.snapshot() or Snapshot()
         for name, doc, value in (
                 ("autoprofile_num_requests_running", "requests running in the engine", s.running),
-                ("autoprofile_num_requests_waiting", "requests waiting for the engine (incl. preempted)", s.waiting),
+                ("autoprofile_num_requests_waiting", "requests waiting for the engine (incl. preempted)",
+                 s.waiting),
                 ("autoprofile_kv_pages_used", "KV cache pages held by requests", s.pages_used),
                 ("autoprofile_kv_pages_total", "KV cache pages that requests can hold", s.pages_total)):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
-                ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)", s.preemptions),
-                ("autoprofile_serving_oom", "torch.OutOfMemoryError caught in the engine loop (must stay 0)", s.ooms),
-                ("autoprofile_engine_failed_steps", "engine steps that raised (their requests failed)", s.errors),
+                ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)",
+                 s.preemptions),
+                ("autoprofile_serving_oom", "torch.OutOfMemoryError caught in the engine loop (must stay 0)",
+                 s.ooms),
+                ("autoprofile_engine_failed_steps", "engine steps that raised (their requests failed)",
+                 s.errors),
                 ("autoprofile_engine_steps", "engine steps run", s.steps),
                 ("autoprofile_prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix cache",
                  s.prefix_hit_tokens)):
@@ -122,7 +127,8 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=reg)
         self.finished = Counter("autoprofile_requests_finished", "completed requests by finish reason",
                                 ["finish_reason"], registry=reg)
-        self.prompt_tokens = Counter("autoprofile_prompt_tokens", "prompt tokens of accepted requests", registry=reg)
+        self.prompt_tokens = Counter("autoprofile_prompt_tokens", "prompt tokens of accepted requests",
+                                     registry=reg)
         self.generated_tokens = Counter("autoprofile_generated_tokens", "tokens generated", registry=reg)
 
     def add_profile(self, result) -> None:
@@ -130,8 +136,10 @@ class ServerMetrics:
         reg = self.registry
         self.profile_peak = profile_reserved(result)
         Gauge("autoprofile_kv_cache_tokens", "KV cache size in tokens", registry=reg).set(result.tokens)
-        Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)", registry=reg).set(result.kv_bytes)
-        phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase", ["phase"],
+        Gauge("autoprofile_kv_cache_bytes", "KV cache size in bytes (this rank)",
+              registry=reg).set(result.kv_bytes)
+        phases = Gauge("autoprofile_profile_phase_seconds", "duration of each startup profile phase",
+                       ["phase"],
                        registry=reg)
         for name, seconds in result.phases:
             phases.labels(phase=name).set(seconds)

@@ -133,7 +133,8 @@ def _common(body: object, limits: Limits) -> dict:
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {show(model)}")
     if model is not None and model not in limits.model_names:
-        raise APIError(404, f"the model '{model:.200}' does not exist; this server serves '{limits.model_names[0]}' "
+        raise APIError(404, f"the model '{model:.200}' does not exist; this server serves "
+                            f"'{limits.model_names[0]}' "
                        "(GET /v1/models)", param="model", code="model_not_found")
     if _get(body, "n", 1, _is_int, "must be an integer") != 1:
         raise bad("n", "only n=1 is supported (send n requests instead)", code="unsupported_value")
@@ -149,7 +150,8 @@ def _common(body: object, limits: Limits) -> dict:
     if opts and not stream:
         raise bad("stream_options", "'stream_options' is only allowed with stream: true")
     include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "must be true or false")
-    stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)), "must be a string or a list of strings")
+    stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)),
+                "must be a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", f"'stop' must hold at most {MAX_STOP} non-empty strings, got {show(stop)}")
@@ -158,7 +160,8 @@ def _common(body: object, limits: Limits) -> dict:
     return dict(
         temperature=float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and v >= 0,
                                "must be a number >= 0 (0 = greedy)")),
-        top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be a number in (0, 1]")),
+        top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1,
+                         "must be a number in (0, 1]")),
         top_k=max(_get(body, "top_k", 0, lambda v: _is_int(v) and v >= -1,
                        "must be an integer >= -1 (-1 or 0 = off)"), 0),
         seed=seed, stop=tuple(stop), stream=stream, include_usage=include_usage,
@@ -167,17 +170,20 @@ def _common(body: object, limits: Limits) -> dict:
     )
 
 
-def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None, param: str) -> int:
+def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None,
+                param: str) -> int:
     n = _get(body, key, default, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
     room = limits.context_len - prompt_len
     if room < 1:
-        raise bad(param, f"the prompt is {prompt_len} tokens; the longest request is {limits.context_len} tokens "
+        raise bad(param,
+                  f"the prompt is {prompt_len} tokens; the longest request is {limits.context_len} tokens "
                   "(prompt + output, --max_req_total_len), leaving no room for output",
                   code="context_length_exceeded")
     if n is None:
         return room
     if n > room:
-        raise bad(key, f"the prompt ({prompt_len} tokens) + '{key}' ({n}) exceed the {limits.context_len}-token "
+        raise bad(key,
+                  f"the prompt ({prompt_len} tokens) + '{key}' ({n}) exceed the {limits.context_len}-token "
                   f"request limit (--max_req_total_len): ask for at most {room}", code="context_length_exceeded")
     return n
 
@@ -301,10 +307,12 @@ def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, 
         raise bad("max_new_tokens", f"prompt ({longest} tokens) + 'max_new_tokens' ({n}) exceeds the "
                   f"{limits.context_len}-token request limit (--max_req_total_len)", code="context_length_exceeded")
     params = dict(
-        temperature=float(_get(body, "temperature", 0.0, lambda v: _is_num(v) and v >= 0, "must be >= 0 (0 = greedy)")),
+        temperature=float(_get(body, "temperature", 0.0, lambda v: _is_num(v) and v >= 0,
+                               "must be >= 0 (0 = greedy)")),
         top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]")),
         top_k=_get(body, "top_k", 0, lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
-        seed=_get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer"))
+        seed=_get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64,
+                  "must be a 64-bit integer"))
     return ids, n, params
 
 
@@ -325,7 +333,8 @@ def response(args: GenerateArgs, rid: str, text: str, finish_reason: str, prompt
                   "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "chat.completion" if args.chat else "text_completion", "created": int(time.time()),
+    return {"id": rid, "object": "chat.completion" if args.chat else "text_completion",
+            "created": int(time.time()),
             "model": args.model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
 
 
@@ -339,7 +348,8 @@ def chunk(args: GenerateArgs, rid: str, created: int, text: str | None, finish_r
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
-    body = {"id": rid, "object": "chat.completion.chunk" if args.chat else "text_completion", "created": created,
+    body = {"id": rid, "object": "chat.completion.chunk" if args.chat else "text_completion",
+            "created": created,
             "model": args.model, "choices": choices}
     if args.include_usage:
         body["usage"] = usage_body

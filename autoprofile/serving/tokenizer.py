@@ -65,7 +65,8 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos_token,
                                         eos_token=self.eos_token, tools=None)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
@@ -78,7 +79,8 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int, eos_token_ids: Iterable[int] = (), specials: Iterable[int] = ()):
         if vocab_size < FIRST_FOLDED:
-            raise ValueError(f"a byte-level tokenizer needs a vocabulary of >= {FIRST_FOLDED} ids, got {vocab_size}")
+            raise ValueError(f"a byte-level tokenizer needs a vocabulary of >= {FIRST_FOLDED} ids, got "
+                             f"{vocab_size}")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.specials = frozenset(range(BYTE_OFFSET)) | self.eos_token_ids | frozenset(specials)

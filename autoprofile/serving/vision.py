@@ -100,5 +100,6 @@ def multimodal_input(ids: Sequence[int], images: Sequence[PreparedImage], mc) ->
         at = ids.index(mc.image_token_id, at)
         offsets.append(at)
         at += image_tokens(im.grid)
-    return MultiModalInput([ImageInput(im.pixel_values, im.grid, off, im.hash) for im, off in zip(images, offsets)],
+    return MultiModalInput([ImageInput(im.pixel_values, im.grid, off, im.hash) for im,
+                            off in zip(images, offsets)],
                            positions, delta)

@@ -226,11 +226,13 @@ class RankGuard:
                 elif self.aborted and self._busy and now - self._aborted_at >= STUCK_S:
                     stuck = diagnostic([r for _, r in self._peers])
             if abort is not None:
-                log.error("rank %d: a peer failed while this rank waits in the data group: aborting it", self.rank)
+                log.error("rank %d: a peer failed while this rank waits in the data group: aborting it",
+                          self.rank)
                 if self.backend == "nccl":  # NOTE: its own thread: ncclCommAbort can hang (2b)
                     threading.Thread(target=_abort_nccl, args=(abort,), name="tp-abort", daemon=True).start()
             if stuck is not None:
-                log.error("rank %d: still waiting in the data group %.0f s after aborting it: ending this rank",
+                log.error("rank %d: still waiting in the data group %.0f s after aborting it: ending this "
+                          "rank",
                           self.rank, STUCK_S)
                 self.on_stuck(stuck)
                 return
@@ -241,7 +243,8 @@ class RankGuard:
         if memory.all_reduce_max(int(self.aborted), self.control):
             old = self.data
             if self.backend == "nccl" and not self.aborted:
-                dist.distributed_c10d._abort_process_group(old)  # its peers' halves are gone: free its buffers
+                # its peers' halves are gone: free its buffers
+                dist.distributed_c10d._abort_process_group(old)
             # NOTE: an aborted gloo group keeps its stuck operation; it is dropped, never used again
             self.data = self._new_data_group()
             if self.tp is not None:

@@ -65,7 +65,8 @@ def launch(target: Callable, world: int, args: tuple = (), device: str = "cuda",
         while len(outcomes) < world:
             try:
                 waiting = [r for r in range(world) if r not in outcomes]
-                connection.wait([pipes[r] for r in waiting] + [procs[r].sentinel for r in waiting], timeout=0.2)
+                connection.wait([pipes[r] for r in waiting] + [procs[r].sentinel for r in waiting],
+                                timeout=0.2)
                 _collect(procs, pipes, outcomes, failures)
                 unresolved_since = _unresolved_since(failures, world, unresolved_since)
                 now = time.monotonic()
@@ -150,7 +151,8 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
                conn, env: dict[str, str]) -> None:
     os.environ.update({**RANK_ENV, **env})
     os.setpgrp()  # NOTE: a terminal's Ctrl-C goes to the parent only; it forwards it to rank 0
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     guard = None
     replied = threading.Lock()
 
@@ -170,7 +172,8 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
         device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", client(addr)), rank=rank, world_size=world)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", client(addr)), rank=rank,
+                                world_size=world)
         guard = RankGuard(addr, rank, world, device, on_stuck=give_up)
         outcome = Outcome(rank, True, target(guard, *args), time.time())
     except (ProfileError, TPError) as e:  # a collective diagnostic: every rank has this same text
@@ -189,7 +192,8 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
         guard.close()
     logging.shutdown()
     if not outcome.ok:
-        os._exit(1)  # NOTE: now: peers blocked on this rank's sockets see them close; no NCCL teardown to hang in
+        # NOTE: now: peers blocked on this rank's sockets see them close; no NCCL teardown to hang in
+        os._exit(1)
     dist.destroy_process_group()
 
 

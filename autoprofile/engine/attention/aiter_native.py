@@ -37,7 +37,8 @@ class AiterNativeBackend(AttentionBackend):
         self.num_partitions = 0
 
     @classmethod
-    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int, head_dim: int) -> int:
+    def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int,
+                        head_dim: int) -> int:
         """fp32 partial outputs plus exp-sums and max-logits for every request, head and 256-token
         partition of the longest sequence (callers pass min(context_len, T): seed 001)."""
         return budget.aiter_workspace_bytes(max_decode_rows, num_q_heads, head_dim,

@@ -121,7 +121,8 @@ class AiterTritonBackend(AttentionBackend):
         """Scratch one decode call allocates (v2 only: partial outputs, exp-sums and max-logits);
         inside a CUDA graph it stays in the graph's pool. Not declared to the solver: the probe
         captures graphs at the serving max_seq_len and measures it."""
-        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, partition)
+        return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
+                                                  partition)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -145,7 +146,8 @@ class AiterTritonBackend(AttentionBackend):
         k_cache, v_cache = kv.k, kv.v
         if kv.scales is not None:
             q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype
-        # q may be a view of the packed projection: the kernels take its row and head strides (unit dim stride)
+        # q may be a view of the packed projection: the kernels take its row and head strides (unit dim
+        # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
@@ -153,7 +155,8 @@ class AiterTritonBackend(AttentionBackend):
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
             self.ops.paged_attn_decode_v1(*args)
         else:
-            partition = self.decode_partition(q.shape[0], meta.max_seq_len) if meta.captured else SEQ_PARTITION
+            partition = self.decode_partition(q.shape[0],
+                                              meta.max_seq_len) if meta.captured else SEQ_PARTITION
             decode_v2(self.ops.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                       meta.max_seq_len, self.compute_type, self.num_kv_heads, self.scale, partition)
         if kv.scales is not None:
@@ -166,4 +169,3 @@ class AiterTritonBackend(AttentionBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
         return self.triton_norm.rms_norm(x, weight, eps)
-

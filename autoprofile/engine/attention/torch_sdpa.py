@@ -47,7 +47,8 @@ class TorchBackend(AttentionBackend):
         kh = k.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
         vh = v.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
         if k.shape[0] == q.shape[0]:
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)[0].transpose(0, 1)
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                  scale=self.scale)[0].transpose(0, 1)
         mask = causal_lower_right(q.shape[0], k.shape[0])
         return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)[0].transpose(0, 1)
 
