@@ -333,14 +333,17 @@ class GiveUp:
 
 def _headline(g: GiveUp) -> str:
     if g.stage == "probe":
-        return (f"autoprofile: the worst-case stress failed even with the small probe cache of {g.initial_tokens} "
+        return (f"autoprofile: the worst-case stress failed even with the small probe cache of "
+                f"{g.initial_tokens} "
                 "tokens: the model, its activations or its graphs do not fit beside what is on the GPU.")
     if g.stage == "measure":
-        return (f"autoprofile: the measured budget fits {g.last_tokens} KV tokens, fewer than the {g.min_tokens} "
+        return (f"autoprofile: the measured budget fits {g.last_tokens} KV tokens, fewer than the "
+                f"{g.min_tokens} "
                 "the smallest usable cache needs (one request of --max_req_total_len, one prefill batch and "
                 "one page per decode row, plus the pad page); nothing was built at the target.")
     if g.stage == "teardown":
-        return "autoprofile: tearing the engine down failed; the GPU state is unknown, so nothing was retried."
+        return ("autoprofile: tearing the engine down failed; the GPU state is unknown, so nothing was "
+                "retried.")
     if g.attempts == 0:
         return "autoprofile: no KV cache size was tried: the first target is below the smallest usable cache."
     return f"autoprofile: no KV cache size survived the worst-case stress after {g.attempts} attempt(s)."
@@ -361,9 +364,11 @@ def _knobs(g: GiveUp) -> list[str]:
     else:
         ctx = f"(now {ctx})"
     out += [
-        f"  --batch_max_tokens (now {f.get('batch_max_tokens')})   smaller prefill batches need fewer activations",
+        f"  --batch_max_tokens (now {f.get('batch_max_tokens')})   smaller prefill batches need fewer "
+        f"activations",
         f"  --graph_max_batch_size (now {f.get('graph_max_batch_size')})   smaller decode graphs and pools",
-        f"  --max_req_total_len {ctx}   shorter requests shrink the smallest usable cache, workspace and tables",
+        f"  --max_req_total_len {ctx}   shorter requests shrink the smallest usable cache, workspace and "
+        f"tables",
         f"  --running_max_req_size (now {f.get('running_max_req_size')})   fewer request slots",
     ]
     if g.stage == "validate":
@@ -373,7 +378,8 @@ def _knobs(g: GiveUp) -> list[str]:
         out.append(f"  --mem_fraction 1.0 (now {fraction})   it scales the measured budget down: raise it")
     out.append(f"  --canary_mb (now {f.get('canary_mb')})   headroom held through validation")
     if g.stage == "validate":
-        out.append(f"  --shrink_ratio (now {f.get('shrink_ratio')}) / --max_retries (now {f.get('max_retries')})")
+        out.append(f"  --shrink_ratio (now {f.get('shrink_ratio')}) / --max_retries (now "
+                   f"{f.get('max_retries')})")
     out += [f"  --tp (now {f.get('tp')})   spread weights and KV over more GPUs",
             "  --disable_cudagraph   drop the decode graph pools"]
     if g.peers:
@@ -409,7 +415,8 @@ def _gpu_lines(g: GiveUp) -> list[str]:
 def give_up_diagnostic(g: GiveUp) -> str:
     return "\n".join([
         _headline(g),
-        f"  initial target      : {g.initial_tokens} tokens ({gib(g.initial_tokens * g.cell_bytes):.2f} GiB KV)",
+        f"  initial target      : {g.initial_tokens} tokens ({gib(g.initial_tokens * g.cell_bytes):.2f} GiB "
+        f"KV)",
         f"  last attempt        : {g.last_tokens} tokens ({gib(g.last_tokens * g.cell_bytes):.2f} GiB KV)",
         f"  smallest usable     : {g.min_tokens} tokens ({gib(g.min_tokens * g.cell_bytes):.2f} GiB KV)",
         *_gpu_lines(g),

@@ -180,7 +180,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
-           f"them; try --tp {max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+           f"them; try --tp "
+           f"{max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
     if serving:
         need, why = tokenizer_ids(m)
         _check(m.vocab_size >= need, "model",

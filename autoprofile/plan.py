@@ -212,7 +212,8 @@ def nccl_row(tp: int) -> Row:
     if tp == 1:
         return Row("NCCL buffers", 0, "exact", "none", "")
     return Row("NCCL buffers", NCCL_ESTIMATE, "ESTIMATED", "measured: NVML per-process use - reserved",
-               f"NCCL communicator buffers per rank: {gib(NCCL_ESTIMATE):.2f} GiB measured on 2xH200 at --tp 2; "
+               f"NCCL communicator buffers per rank: {gib(NCCL_ESTIMATE):.2f} GiB measured on 2xH200 at --tp "
+               f"2; "
                "assumed the same at larger --tp (not measured)")
 
 
@@ -236,7 +237,8 @@ def encoder_activation_bytes(images: int, grid: tuple[int, int, int], window: in
 
 def vision_rows(cfg: ServerConfig, db: int) -> list[Row]:
     """A vision-language model's encoder: its weights (replicated on every rank), the declared output buffer
-    (encoder_images slots of the largest image's tokens) and the activation peak of the stress's encoder step."""
+    (encoder_images slots of the largest image's tokens) and the activation peak of the stress's encoder
+    step."""
     from autoprofile.engine.envelope import VisionLimits
     m = cfg.model_config
     v = VisionLimits(cfg.visual_batch_size, cfg.min_image_pixels, cfg.max_image_pixels,
@@ -250,7 +252,8 @@ def vision_rows(cfg: ServerConfig, db: int) -> list[Row]:
         Row("vision encoder weights", m.vision.num_params() * db, "exact", "measured in the probe peak",
             f"{m.vision.num_params():,} params x {db} B, replicated on every rank"),
         Row("encoder output buffer", images * tokens * m.hidden_size * db, "declared",
-            "measured in the probe peak", f"{images} images (--visual_batch_size) x {tokens} tokens x hidden"),
+            "measured in the probe peak",
+            f"{images} images (--visual_batch_size) x {tokens} tokens x hidden"),
         Row("encoder activation peak", encoder_activation_bytes(images, grid), "ESTIMATED",
             "measured in the probe peak", f"{images} images of {grid[1]} x {grid[2]} patches (the stress's "
             "encoder step: the most patches, then the most windows); fitted to H100 measurements"),
@@ -292,7 +295,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
     rows += [
         Row("activation margin", int(activations * (ACTIVATION_FACTOR - 1)), "assumed",
             "measured: the probe peak replaces the estimates",
-            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above: the profiler measured 2.00x these estimates "
+            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above: the profiler measured 2.00x these "
+            f"estimates "
             "(llama-3.1-8b, H100 and H200); plan stays at or below the measurement"),
         Row("canary", cfg.canary_bytes, "input", "allocated through validation",
             f"--canary_mb {cfg.canary_mb}"),
@@ -314,17 +318,18 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
         return budget.persistent_workspace_bytes(backend, rows, longest, q_heads, m.head_dim)
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
+    kv_heads = m.num_kv_heads // cfg.tp
+    cap = None if m.is_mla else budget.max_indexable_tokens(kv_heads, m.head_dim, cfg.page_size)
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
-                         running_reqs=reqs, decode_rows=reqs, workspace=workspace,
-                         max_tokens=None if m.is_mla else budget.max_indexable_tokens(m.num_kv_heads // cfg.tp,
-                                                                                     m.head_dim, cfg.page_size))
+                         running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap)
 
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
     reqs = sizing.running_reqs
     table = sizing.table_reserved(tokens)
     workspace = sizing.workspace_reserved(tokens)
-    ws_note = (f"{sizing.decode_rows} decode rows x q heads x ceil(min({sizing.context_len}, T)/256) partitions x (4*head_dim + 8)"
+    ws_note = (f"{sizing.decode_rows} decode rows x q heads x ceil(min({sizing.context_len}, T)/256) "
+               f"partitions x (4*head_dim + 8)"
                if backend == "aiter" else "none persistent for this backend")
     return (
         Row("KV cache", tokens * sizing.cell_bytes, "exact", "allocated at the target",
@@ -385,7 +390,8 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
         return "model", (f"architecture {m.architecture} can be planned but not served; choose a dense "
                          f"Llama/Qwen model such as {ok}")
     if backend == "aiter" and card.vendor == "nvidia":
-        return "attention_backend", (f"'aiter' is AITER's native ROCm kernel set and does not run on {card.name} "
+        return "attention_backend", (f"'aiter' is AITER's native ROCm kernel set and does not run on "
+                                     f"{card.name} "
                                      "(NVIDIA); try --attention_backend aiter_triton")
     if backend == "aiter_triton" and DTYPE_BYTES[cfg.dtype] == 4:
         return "dtype", "aiter_triton runs bfloat16/float16; try --dtype bfloat16"
@@ -393,11 +399,13 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
     if cfg.max_total_token_num is not None and cfg.max_total_token_num > tokens:
         fix = (f"try --max_total_token_num {tokens}" if tokens >= floor else
                "no pinned size fits: leave it unset and see the other messages")
-        return "max_total_token_num", (f"{cfg.max_total_token_num} tokens are above the {tokens} predicted on "
+        return "max_total_token_num", (f"{cfg.max_total_token_num} tokens are above the {tokens} predicted "
+                                       f"on "
                                        f"{card.name}: validation would fail; {fix}")
     if tokens >= floor:
         return None
-    why = (f"the predicted cache on {card.name} is {tokens} tokens, below the smallest usable cache of {floor} "
+    why = (f"the predicted cache on {card.name} is {tokens} tokens, below the smallest usable cache of "
+           f"{floor} "
            f"(one request of --max_req_total_len {cfg.context_len}, one prefill batch of --batch_max_tokens "
            f"{cfg.batch_max_tokens}, a page for each of the {decode_rows_text(cfg)}, plus the pad page)")
     if cfg.mem_fraction < 1 and _fits(cfg, card, mem_fraction=1.0):
@@ -410,7 +418,8 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
                 return "running_max_req_size", f"{why}; try --running_max_req_size {n}"
     for n in _halvings(cfg.batch_max_tokens, 256):
         if _fits(cfg, card, batch_max_tokens=n):
-            return "batch_max_tokens", f"its prefill activations are too large: {why}; try --batch_max_tokens {n}"
+            return "batch_max_tokens", (f"its prefill activations are too large: {why}; "
+                                        f"try --batch_max_tokens {n}")
     for n in _halvings(cfg.graph_max_batch_size, 1):
         if _fits(cfg, card, graph_max_batch_size=n):
             return "graph_max_batch_size", f"{why}; try --graph_max_batch_size {n}"
@@ -420,7 +429,8 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
     for tp in (2, 4, 8):
         if tp > cfg.tp and _fits(cfg, card, tp=tp):
             return "tp", f"{why}; try --tp {tp} (one GPU per rank)"
-    return "model", f"{m.name} does not fit on {card.name} with any single flag changed: {why}; use a bigger card"
+    return "model", (f"{m.name} does not fit on {card.name} with any single flag changed: {why}; "
+                     "use a bigger card")
 
 
 def make_plan(cfg: ServerConfig, card: Card) -> Plan:
@@ -438,7 +448,8 @@ def make_plan(cfg: ServerConfig, card: Card) -> Plan:
     return Plan(
         model=cfg.model_config.name, architecture=cfg.model_config.architecture, gpu=gpu,
         gpu_source=card.source,
-        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype, kv_cache_dtype=cfg.kv_dtype_name,
+        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype,
+        kv_cache_dtype=cfg.kv_dtype_name,
         context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
         graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
         cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # own)
 NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "report_dir",
                           "allowed_media_domains",
-                          "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num", "profile_cache"})
+                          "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
+                          "profile_cache"})
 
 
 def default_folder() -> str:
@@ -48,7 +49,8 @@ class Entry:
 
 @functools.cache
 def code_hash() -> str:
-    """sha256 over every .py file of autoprofile/ and models/ (path and bytes): any change of the code probes again."""
+    """sha256 over every .py file of autoprofile/ and models/ (path and bytes): any change of the code probes
+    again."""
     h = hashlib.sha256()
     for folder in ("autoprofile", "models"):
         for path in sorted((ROOT / folder).rglob("*.py")):

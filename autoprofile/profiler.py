@@ -221,7 +221,8 @@ class Profiler:
         return self.result(tokens, attempts, sizes[0], m, pinned=False)
 
     def cache_name(self) -> str | None:
-        """This rank's profile cache entry, or None (no cache folder, or a runner without a GPU fingerprint)."""
+        """This rank's profile cache entry, or None (no cache folder, or a runner without a GPU
+        fingerprint)."""
         fingerprint = getattr(self.runner, "fingerprint", lambda: None)()
         if self.cfg.profile_cache is None or fingerprint is None:
             return None
@@ -442,7 +443,8 @@ class Profiler:
         ranks = gather(mine, self.group)
         g = budget.GiveUp(
             initial_tokens=initial, last_tokens=last, attempts=attempts, cell_bytes=self.sizing.cell_bytes,
-            peak_reserved=max(r[0] for r in ranks), total=min(r[1] for r in ranks), canary=self.cfg.canary_bytes,
+            peak_reserved=max(r[0] for r in ranks), total=min(r[1] for r in ranks),
+            canary=self.cfg.canary_bytes,
             peers=max(r[2] for r in ranks), last_error=last_error, flags=_flags(self.cfg),
             min_tokens=self.min_tokens(), stage=stage, ranks=tuple(ranks) if len(ranks) > 1 else ())
         return budget.give_up_diagnostic(g)
@@ -473,7 +475,8 @@ class Profiler:
                  " (pinned by --max_total_token_num)" if pinned else "")
         stack, local = local_memory_after_stress(self.device)
         return ProfileResult(self.cfg, tokens, self.sizing.cell_bytes, pinned, attempts, initial,
-                             m.probe_tokens if m else None, m, terms, list(self.rec.phases), list(self.rec.samples),
+                             m.probe_tokens if m else None, m, terms, list(self.rec.phases),
+                             list(self.rec.samples),
                              list(self.errors), stack, local,
                              kv_scales=getattr(self.runner, "kv_scale_source",
                                                None), reused_probe=self.reused_probe)

@@ -153,7 +153,8 @@ def _accepting(app: web.Application) -> ServerState:
         raise _dead()
     if st.phase == "starting":
         raise APIError(503, "the server is starting: the memory profile is not validated yet",
-                       type="service_unavailable", code="starting", headers={"Retry-After": str(RETRY_AFTER_S)})
+                       type="service_unavailable", code="starting",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
     if st.phase == "draining":
         raise APIError(503, "the server is shutting down and accepts no new requests",
                        type="service_unavailable",
@@ -182,7 +183,8 @@ def _queue_full(e: QueueFull) -> APIError:
 
 
 async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
-    """Load, resize and patch a chat request's images (off the loop), then its prompt ids and engine images."""
+    """Load, resize and patch a chat request's images (off the loop), then its prompt ids and engine
+    images."""
     cfg, mc = st.cfg, st.cfg.model_config
     opts = ImageOptions(cfg.min_image_pixels, cfg.max_image_pixels, cfg.allowed_media_domains,
                         MAX_IMAGE_BYTES,

@@ -234,7 +234,8 @@ def _check_special_ids(f: _Fields, vocab_size: int) -> None:
 
 def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
                  source: str = "config.json") -> ModelConfig:
-    """Every key the runtime reads is checked here; a bad one raises ModelConfigError naming source and key."""
+    """Every key the runtime reads is checked here; a bad one raises ModelConfigError naming source and
+    key."""
     if not isinstance(d, dict):
         raise ModelConfigError(f"{source}: must hold a JSON object, got {type(d).__name__}")
     d = _with_text_config(d)
@@ -355,7 +356,8 @@ def load_model_config(name_or_path: str) -> ModelConfig:
     try:
         d = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelConfigError(f"{file}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        where = f"at line {e.lineno}, column {e.colno}"
+        raise ModelConfigError(f"{file}: not valid JSON: {e.msg} {where}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{file}: cannot be read: {e}") from None
     is_builtin = folder.parent == CONFIG_DIR

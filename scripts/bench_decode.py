@@ -33,8 +33,8 @@ from cuda_timing import cuda_median_ms  # noqa: E402
 from autoprofile.config import ServerConfig, validate  # noqa: E402
 from autoprofile.engine import stress  # noqa: E402
 from autoprofile.engine.runner import ModelRunner  # noqa: E402
-# noqa: E402
-from autoprofile.engine.sampling import GREEDY, SamplingBatch, SamplingParams, make_generator, sample
+from autoprofile.engine.sampling import (GREEDY, SamplingBatch, SamplingParams,  # noqa: E402
+                                         make_generator, sample)
 from autoprofile.engine.scheduler import Step  # noqa: E402
 
 TOP_P = SamplingParams(temperature=0.8, top_p=0.9)
@@ -128,11 +128,13 @@ def table(r: dict) -> str:
     first, last = r["ctx_list"][0], r["ctx_list"][-1]
     lines = [f"{r['device']}  torch {r['torch']}  backend {r['backend']}  copy {r['copy_GB_per_s']:.0f} GB/s",
              f"decode step at {r['ctx']} tokens of context per row (runner.execute: graph replay + sampling)",
-             f"{'max_req_total_len':>18}{'batch':>7}{'sampling':>9}{'step ms':>10}{'floor ms':>10}{'of floor':>10}"
+             f"{'max_req_total_len':>18}{'batch':>7}{'sampling':>9}{'step ms':>10}{'floor ms':>10}"
+             f"{'of floor':>10}"
              f"{'replay ms':>11}{'of floor':>10}"]
     for s in r["steps"].values():
         replay = f"{s['replay_ms']:>11.2f}{s['replay_of_floor']:>10.2f}" if "replay_ms" in s else ""
-        lines.append(f"{s['context']:>18}{s['batch']:>7}{s['sampling']:>9}{s['ms']:>10.2f}{s['floor_ms']:>10.2f}"
+        lines.append(f"{s['context']:>18}{s['batch']:>7}{s['sampling']:>9}{s['ms']:>10.2f}"
+                     f"{s['floor_ms']:>10.2f}"
                      f"{s['of_floor']:>10.2f}{replay}")
     for key, ratio in r["context_ratio"].items():
         lines.append(f"context {first} / {last}, batch {key}: {ratio:.2f}x  (target <= "
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         r = run(args)
     r["ctx_list"], r["batches"] = args.contexts, args.batches
     first, last = args.contexts[0], args.contexts[-1]
-    r["context_ratio"] = {b: r["steps"][f"{first}/b{b}/greedy"]["ms"] / r["steps"][f"{last}/b{b}/greedy"]["ms"]
+    ms = {key: step["ms"] for key, step in r["steps"].items()}
+    r["context_ratio"] = {b: ms[f"{first}/b{b}/greedy"] / ms[f"{last}/b{b}/greedy"]
                           for b in args.batches}
     print(table(r))
     if args.json:

@@ -124,7 +124,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
                     break
                 msg = json.loads(data)
                 if "error" in msg:
-                    r.error = f"stream error: {msg['error'].get('code')}: {msg['error'].get('message', '')[:120]}"
+                    err = msg["error"]
+                    r.error = f"stream error: {err.get('code')}: {err.get('message', '')[:120]}"
                     continue
                 if msg.get("usage"):
                     r.output_tokens = msg["usage"]["completion_tokens"]
@@ -458,7 +459,8 @@ async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) ->
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise SystemExit(f"error: the launched server exited with code {proc.returncode} before it was ready")
+                raise SystemExit(f"error: the launched server exited with code {proc.returncode} before it "
+                                 f"was ready")
             try:
                 async with s.get(f"{url}/health") as r:
                     if r.status == 200:
@@ -517,13 +519,15 @@ async def bench(args, url: str, health: dict) -> dict:
     await asyncio.sleep(1.0)  # aborted (disconnected) requests are freed by the next engine step
     after = await scrape_or_none(url)
     if after is None:
-        summary["server"] = {"unreachable": f"{url}/metrics did not answer after the run (the server is gone)"}
+        summary["server"] = {"unreachable": f"{url}/metrics did not answer after the run "
+                                            "(the server is gone)"}
     else:
         summary["server"] = server_figures(before, after)
     if args.soak_minutes:
         summary["by_kind"] = {k: {"sent": sum(r.kind == k for r in results),
                                   "ok": sum(r.kind == k and r.success for r in results),
-                                  "failed": sum(r.kind == k and not r.success and not r.disconnected for r in results),
+                                  "failed": sum(r.kind == k and not r.success and not r.disconnected
+                                                for r in results),
                                   "disconnected": sum(r.kind == k and r.disconnected for r in results),
                                   "lost": sum(r.kind == k and r.lost for r in results)}
                               for k in SOAK_KINDS}
@@ -597,7 +601,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="exact output lengths (default on)")
     p.add_argument("--seed", type=int, default=None,
-                   help="prompts and images from this seed (default: a fresh one each run, printed; the same seed "
+                   help="prompts and images from this seed (default: a fresh one each run, printed; the same "
+                        "seed "
                         "twice sends the same prompts, which the server's prefix cache then serves)")
     p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="every request's top_p")
@@ -617,7 +622,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--roofline", action="store_true",
-                   help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the server: the "
+                   help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the "
+                        "server: the "
                         "GPU must be free) and print the run's roofline fraction (random dataset)")
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
@@ -644,7 +650,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--random-input-len and --random-output-len must be >= 1")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
             (args.top_k is not None and args.top_k < 0):
-        p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p 0.9)")
+        p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p "
+                "0.9)")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     return args
@@ -670,7 +677,8 @@ def ms(fn, n=20):
     return s.elapsed_time(e) / n
 gemm = 2 * 8192 ** 3 / (ms(lambda: a @ b) * 1e-3)
 copy = 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
-print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy, "device": torch.cuda.get_device_name()}))
+print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy,
+                  "device": torch.cuda.get_device_name()}))
 """
 
 
@@ -683,7 +691,8 @@ def measure_rates() -> dict | str:
     except subprocess.TimeoutExpired:
         return "the rate probe timed out"
     if out.returncode != 0:
-        return f"the rate probe failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
+        return f"the rate probe failed: {last}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -693,7 +702,8 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, weight_bytes: flo
     bytes (weights, and the running rows' K/V) over the measured copy rate, against the measured duration.
     Prefill FLOPs per request: 2 x non-embedding params x prompt tokens + causal attention (2 x 2 x layers x
     q heads x head_dim x L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of
-    `concurrency`, each wave output_len - 1 steps over rows at input_len + output_len / 2 tokens on average."""
+    `concurrency`, each wave output_len - 1 steps over rows at input_len + output_len / 2 tokens on
+    average."""
     n = summary["completed"]
     embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
     dense = m.num_params() - embed
@@ -705,14 +715,18 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, weight_bytes: flo
     prefill_s = prefill_flops / rates["gemm_flops_per_s"]
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
     return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
-            "prefill_s": prefill_s, "decode_steps": steps, "decode_step_ms": step_bytes / rates["copy_bytes_per_s"] * 1e3,
-            "copy_gbps": rates["copy_bytes_per_s"] / 1e9, "decode_s": decode_s, "roofline_s": prefill_s + decode_s,
+            "prefill_s": prefill_s, "decode_steps": steps,
+            "decode_step_ms": step_bytes / rates["copy_bytes_per_s"] * 1e3,
+            "copy_gbps": rates["copy_bytes_per_s"] / 1e9, "decode_s": decode_s,
+            "roofline_s": prefill_s + decode_s,
             "duration_s": summary["duration"], "fraction": (prefill_s + decode_s) / summary["duration"]}
 
 
 def roofline_line(r: dict) -> str:
-    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {r['gemm_tflops']:.0f} TFLOP/s = {r['prefill_s']:.1f} s"
-            f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s copy) = "
+    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {r['gemm_tflops']:.0f} TFLOP/s = "
+            f"{r['prefill_s']:.1f} s"
+            f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s "
+            f"copy) = "
             f"{r['decode_s']:.1f} s -> {r['roofline_s']:.1f} s against {r['duration_s']:.1f} s measured: "
             f"{r['fraction']:.2f} of the roofline")
 
@@ -730,7 +744,8 @@ def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namesp
         return "roofline: not computed (no completed request, or no KV size in the server's /metrics)"
     r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], m.num_params() * 2,
                  summary["total_input_tokens"] / summary["completed"],
-                 summary["total_output_tokens"] / summary["completed"], args.max_concurrency or summary["completed"])
+                 summary["total_output_tokens"] / summary["completed"],
+                 args.max_concurrency or summary["completed"])
     summary["roofline"] = r
     return roofline_line(r)
 
@@ -739,7 +754,8 @@ def cold_prefill_note(summary: dict) -> str | None:
     """A random dataset whose prompts the server found in its prefix cache did not measure a cold prefill."""
     hits = summary["server"].get("prefix_cache_hit_tokens") or 0
     if hits > 0:
-        return (f"NOTE: {hits:.0f} prompt tokens came from the server's prefix cache: this is not a cold-prefill "
+        return (f"NOTE: {hits:.0f} prompt tokens came from the server's prefix cache: this is not a "
+                f"cold-prefill "
                 f"figure (the same --seed {summary['seed']} as an earlier run, or a server that kept them)")
     return None
 
@@ -784,7 +800,8 @@ def main(argv=None) -> int:
     problems = soak_verdict(summary) if args.soak_minutes else []
     if not args.soak_minutes and "unreachable" in summary["server"]:
         problems.append(summary["server"]["unreachable"])
-    note = cold_prefill_note(summary) if not args.soak_minutes and "unreachable" not in summary["server"] else None
+    reached = not args.soak_minutes and "unreachable" not in summary["server"]
+    note = cold_prefill_note(summary) if reached else None
     if note:
         print(note)
     if args.roofline:

@@ -110,7 +110,8 @@ def run(name: str, engine: LLMEngine, cfg: ServerConfig, minutes: float, seed: i
         "generated_tokens": w.tokens, "steps": w.steps, "seconds": round(time.perf_counter() - t0, 1),
         "peak_kv_pages": w.peak_pages, "kv_pages": after.pages_total,
         "peak_kv_use": round(w.peak_pages / after.pages_total, 4),
-        "preemptions": after.preemptions - before.preemptions, "failed_steps": after.failed_steps - before.failed_steps,
+        "preemptions": after.preemptions - before.preemptions,
+        "failed_steps": after.failed_steps - before.failed_steps,
         "ooms": after.ooms - before.ooms,
         "min_free_gib": None if w.min_free is None else round(w.min_free / 2 ** 30, 3),
     }

@@ -161,7 +161,8 @@ def main() -> None:
           f"{args.prompt_len} tokens, {args.steps} decode steps; reference: KV in {args.dtype}")
     print(f"{'KV cache':<40}{'logits rel err mean':>20}{'max':>9}{'top-1 agree':>13}{'greedy match':>14}")
     for r in rows:
-        print(f"{r.kv:<40}{r.mean_rel_err:>20.4f}{r.max_rel_err:>9.4f}{r.top1_agree:>13.3f}{r.greedy_match:>14.3f}")
+        print(f"{r.kv:<40}{r.mean_rel_err:>20.4f}{r.max_rel_err:>9.4f}{r.top1_agree:>13.3f}"
+              f"{r.greedy_match:>14.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)

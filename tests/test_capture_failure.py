@@ -105,8 +105,9 @@ def test_runner_build_with_oom_in_capture_then_rebuild_in_a_child():
             runner.build(262144, fill)
             raise SystemExit("the build did not fail")
         except RuntimeError as e:  # torch.OutOfMemoryError, or a driver OOM outside the caching allocator
-            # NOTE: on an H200 the first run ended here with a CUDA error (exit 1, message cut off): a cuBLAS or
-            # Triton module allocation failing with the card full raises a plain RuntimeError, not OutOfMemoryError
+            # NOTE: on an H200 the first run ended here with a CUDA error (exit 1, message cut off): a cuBLAS
+            # or Triton module allocation failing with the card full raises a plain RuntimeError, not
+            # OutOfMemoryError
             if "out of memory" not in str(e).lower() and not isinstance(e, torch.OutOfMemoryError):
                 raise
             print("build failed as expected:", type(e).__name__, str(e).splitlines()[0][:120], flush=True)

@@ -138,7 +138,8 @@ def test_each_bucket_replays_its_own_graph_and_equals_eager(runner, bucket):
 
 def pool_bytes(pool) -> int:
     """Bytes of the segments the caching allocator holds for this graph pool."""
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool))
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s["segment_pool_id"]) == tuple(pool))
 
 
 @torch.no_grad()

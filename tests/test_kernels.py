@@ -231,8 +231,8 @@ def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
     kv_lens = [p + n for p, n in chunks]
     kc, vc, meta = paged(kv_lens, max(kv_lens), gen)
     tables, starts = meta.block_tables.long(), [0, *torch.tensor(kv_lens).cumsum(0).tolist()]
-    slots = torch.cat([tables[i, torch.arange(n, device="cuda") // PAGE] * PAGE + torch.arange(n, device="cuda") % PAGE
-                       for i, n in enumerate(kv_lens)])
+    pos = [torch.arange(n, device="cuda") for n in kv_lens]
+    slots = torch.cat([tables[i, p // PAGE] * PAGE + p % PAGE for i, p in enumerate(pos)])
     q = torch.randn(sum(n for _, n in chunks), HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32,
                         device="cuda")

@@ -119,7 +119,8 @@ print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_byte
 
 def run_fresh(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                         timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-4000:] + out.stderr[-4000:]
     return json.loads(lines[-1].removeprefix("RESULT "))

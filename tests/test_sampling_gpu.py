@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from autoprofile.engine.sampling import (
-    STRESS, STRESS_WIDE, SamplingBatch, SamplingParams, kept_probs, reference_sample, request_generator, sample,
+    STRESS, STRESS_WIDE, SamplingBatch, SamplingParams, kept_probs, reference_sample, request_generator,
+    sample,
     sampler_workspace_bytes, top_k_top_p_probs)
 from tests.conftest import require_backend
 

@@ -145,7 +145,8 @@ def fault_for(point: str):
 def test_real_oom_on_one_rank_both_retry_or_both_raise_the_same_text_in_bound(tmp_path, point):
     """Rank 1's GPU is filled at `point`; its next allocation is a real OOM. Either every rank votes, shrinks
     and succeeds (the OOM outside a running collective: the abort freed rank 0), or every rank ends with the
-    same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: autoprofile.tp, 2b). Within BOUND."""
+    same text naming rank 1's OOM (rank 0 wedged on a running all-reduce: autoprofile.tp, 2b). Within
+    BOUND."""
     t0 = time.time()
     out = launch.launch(launch.profile_rank, 2, (tiny_tp_cfg(tmp_path), OnRank(1, fault_for(point))),
                         timeout_s=300)

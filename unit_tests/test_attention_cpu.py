@@ -133,7 +133,8 @@ def test_prefill_chunks_over_cached_prefixes_match_float64():
     cu_q = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
     pmeta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64),
-                              cu_seqlens=cu_q, max_seqlen=9, kv_slots=slots, cu_seqlens_k=cu_k, max_seqlen_k=40)
+                              cu_seqlens=cu_q, max_seqlen=9, kv_slots=slots, cu_seqlens_k=cu_k,
+                              max_seqlen_k=40)
     k, v = be.gather_kv(KVLayer(kc, vc), slots)
     out = be.prefill(q, k, v, pmeta)
     for i in range(len(chunks)):

@@ -35,7 +35,8 @@ def test_llama_aiter_workspace_capped_by_cache_is_3_17_gib():
     # The same cap applies through Sizing: no sequence outgrows a 25,432-token cache.
     s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, running_reqs=2048, decode_rows=2048,
                workspace=aiter_ws())
-    assert s.overhead(25432) == budget.reserved_bytes(ws) + budget.reserved_bytes(budget.req_table_bytes(2048, 131072, 16))
+    table = budget.req_table_bytes(2048, 131072, 16)
+    assert s.overhead(25432) == budget.reserved_bytes(ws) + budget.reserved_bytes(table)
 
 
 def test_workspace_follows_decode_rows_and_table_follows_running_requests():
@@ -228,7 +229,8 @@ def test_reserved_bytes_follows_the_caching_allocator_segments():
 
 def test_the_target_never_passes_the_kernels_32_bit_offsets():
     """A small model on a large card: the budget fits more tokens than one layer's K view can address with
-    32-bit offsets (an H100 decoded out of bounds at 10.1M tokens of 8 x 128); the solver stops at the bound."""
+    32-bit offsets (an H100 decoded out of bounds at 10.1M tokens of 8 x 128); the solver stops at the
+    bound."""
     bound = budget.max_indexable_tokens(8, 128, 16)
     assert bound * 8 * 128 <= budget.INDEX_LIMIT < (bound + 16) * 8 * 128
     small = Sizing(cell_bytes=2 * 2 * 8 * 128 * 2, context_len=131072, page_size=16, running_reqs=16,

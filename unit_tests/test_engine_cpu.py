@@ -79,7 +79,8 @@ def test_req_table_mirrors_page_writes_and_refuses_out_of_range():
 
 
 def test_decode_metadata_of_real_and_padding_rows():
-    """Graphs and eager decode derive slot mapping, seq_lens and block tables with ReqTable.decode_metadata."""
+    """Graphs and eager decode derive slot mapping, seq_lens and block tables with
+    ReqTable.decode_metadata."""
     t = ReqTable(3, 64, 16, torch.device("cpu"))
     t.write([(1, 0, [5, 6, 7]), (2, 0, [9])])
     pos, slots = torch.tensor([33, 0, 20]), torch.tensor([1, 2, 2])

@@ -36,7 +36,8 @@ def test_a_circle_and_an_upward_import_are_both_reported():
     assert any(b.startswith("autoprofile.budget (base) imports autoprofile.config (config)") for b in bad)
     assert ig.problems({"models.llama": {"autoprofile.engine.runner"},
                         "autoprofile.engine.runner": set()}) == [
-        "models.llama (models) imports autoprofile.engine.runner (engine): a lower layer imports a higher one"]
+        "models.llama (models) imports autoprofile.engine.runner (engine): a lower layer imports a higher "
+        "one"]
 
 
 def test_the_script_exits_1_on_a_broken_rule(monkeypatch, capsys):

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from autoprofile import plan
 from autoprofile.config import ServerConfig, validate
-from autoprofile.layers.attention import (CALIBRATION_HEADROOM, FP8_MAX, AttentionMetadata, KVLayer,
-                                               calibrate_, dequantize, quantize)
+from autoprofile.layers.attention import (CALIBRATION_HEADROOM, FP8_MAX, AttentionMetadata, calibrate_,
+                                          dequantize, quantize)
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import KVCache, kv_scale_source

@@ -13,8 +13,7 @@ from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.scheduler import Step
 from models.qwen2_5_vl import mrope_positions
-# noqa: F401 - the models fixture
-from unit_tests.test_qwen2_5_vl import IMG, ONE, TWO, models, pixels, prompt
+from unit_tests.test_qwen2_5_vl import IMG, ONE, TWO, models, pixels, prompt  # noqa: F401 - a fixture
 
 transformers = pytest.importorskip("transformers")
 NEW = 6

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import Envelope, VisionLimits
-from autoprofile.engine.multimodal import ImageInput, MultiModalInput, image_key_tokens, window_count, worst_image_grid
+from autoprofile.engine.multimodal import (ImageInput, MultiModalInput, image_key_tokens, window_count,
+                                           worst_image_grid)
 from autoprofile.engine.request import RequestError
 from unit_tests.test_scheduler import VOCAB, StepRunner, assert_corners_reach_every_limit, invariants
 
@@ -47,12 +48,15 @@ class ImageStepRunner(StepRunner):
             covered = set()
             for at, slot, first, n in row.spans:
                 i = self.slot_holds[slot][1]
-                assert self.slot_holds[slot][0] == row.request.request_id, "a span reads another request's image"
+                assert self.slot_holds[slot][0] == row.request.request_id, \
+                    "a span reads another request's image"
                 im = mm.images[i]
                 assert row.start + at == im.offset + first and first + n <= im.num_tokens
                 covered |= set(range(row.start + at, row.start + at + n))
-            want = {p for im in mm.images for p in range(im.offset, im.end)} & set(range(row.start, row.start + len(row.ids)))
-            assert covered == want, "every image token of the chunk, and only those, comes from the encoder buffer"
+            chunk = set(range(row.start, row.start + len(row.ids)))
+            want = {p for im in mm.images for p in range(im.offset, im.end)} & chunk
+            assert covered == want, ("every image token of the chunk, and only those, comes from the encoder "
+                                     "buffer")
         return super().execute(step)
 
 

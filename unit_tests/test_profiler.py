@@ -307,7 +307,7 @@ def test_no_cache_folder_never_writes(gpu, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_the_cached_non_torch_memory_counts_when_it_exceeds_what_the_process_holds_before_any_kernel(gpu, tmp_path):
+def test_the_cached_non_torch_memory_counts_when_above_what_the_process_holds_before_a_kernel(gpu, tmp_path):
     """The stress's kernels reserve local memory (non-torch) that a boot without a probe has not reserved yet
     when it sizes: the entry's figure is the one to plan for."""
     import json

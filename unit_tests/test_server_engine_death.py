@@ -122,7 +122,8 @@ def test_a_wedged_loop_is_dead_after_the_watchdogs_limit(faulty, monkeypatch):
 def test_serve_exits_1_when_the_engine_loop_dies(fault):
     proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags(), "--inject_fault",
                              fault,
-                             "--wedged_after_s", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--wedged_after_s",
+                             "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
         url = bound_url(proc.stderr)

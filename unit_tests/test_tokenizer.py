@@ -42,7 +42,8 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused():
 
 # ---------------------------------------------------------------- tokenizer.json folders
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
-                 "{% if m['role'] == 'assistant' and loop.first %}{{ raise_exception('start with a user') }}{% endif %}"
+                 "{% if m['role'] == 'assistant' and loop.first %}"
+                 "{{ raise_exception('start with a user') }}{% endif %}"
                  "[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")
 
@@ -139,8 +140,8 @@ def test_held_text_is_released_when_the_request_ends_without_a_stop():
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="abcdé🙂 ", max_size=40), stops=st.lists(st.text(alphabet="abé🙂", min_size=1,
-                                                                             max_size=4), max_size=3),
+@given(text=st.text(alphabet="abcdé🙂 ", max_size=40),
+       stops=st.lists(st.text(alphabet="abé🙂", min_size=1, max_size=4), max_size=3),
        step=st.integers(1, 5))
 def test_streamed_text_is_the_whole_text_cut_at_the_first_completed_stop(text, stops, step):
     """Any chunking (step tokens at a time, multi-byte characters split) gives the same text."""

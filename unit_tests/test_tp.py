@@ -203,7 +203,7 @@ def _serve(guard, model_dir: str):
 
 
 @pytest.mark.slow
-def test_tp2_serving_on_cpu_equals_tp1_and_a_failure_inside_a_forward_stops_every_rank_with_one_text(tmp_path):
+def test_tp2_serving_on_cpu_equals_tp1_and_a_forward_failure_stops_every_rank_with_one_text(tmp_path):
     write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
     one = ModelRunner(small_cfg(model=str(tmp_path / "qwen")))
     one.build(512)

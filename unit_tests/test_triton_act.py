@@ -1,6 +1,7 @@
 """The fused SiLU * up Triton kernel (aiter_triton's silu_mul) against the torch reference, on the CPU through
 Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernel module is
-imported). The interpreter has no bfloat16: float16 and float32 here, bf16 on the GPU (tests/test_kernels.py)."""
+imported). The interpreter has no bfloat16: float16 and float32 here, bf16 on the GPU
+(tests/test_kernels.py)."""
 from __future__ import annotations
 
 import importlib.util

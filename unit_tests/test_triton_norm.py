@@ -1,6 +1,7 @@
 """Our RMSNorm Triton kernel against the torch reference backend, on the CPU
 through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is read when the kernel module
-is imported). The interpreter has no bfloat16: float16 and float32 here, bf16 on the GPU (tests/test_kernels.py)."""
+is imported). The interpreter has no bfloat16: float16 and float32 here, bf16 on the GPU
+(tests/test_kernels.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,7 +32,8 @@ for dtype, rows, n in [(torch.float32, 1, 4096), (torch.float32, 300, 37), (torc
     assert torch.equal(triton_norm.rms_norm(x[:1], w, 1e-6), got[:1])  # a row does not depend on the rows
 x = torch.randn(2, 3, 64)
 assert triton_norm.rms_norm(x, torch.ones(64), 1e-6).shape == (2, 3, 64)
-assert triton_norm.rms_norm(torch.randn(4, 128)[:, :64], torch.ones(64), 1e-6).shape == (4, 64)  # strided rows
+strided = torch.randn(4, 128)[:, :64]
+assert triton_norm.rms_norm(strided, torch.ones(64), 1e-6).shape == (4, 64)
 print("ok")
 '''
 

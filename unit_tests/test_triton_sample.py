@@ -40,8 +40,8 @@ def rule(x, params):
 
 BOUNDS = COMMON + r'''
 torch.manual_seed(0)
-params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.5, 1.0, 2.0) for p in (1.0, 0.95, 0.6, 0.1)
-          for k in (0, 1, 7, 300)] + [SamplingParams()] * 3
+params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.5, 1.0, 2.0)
+          for p in (1.0, 0.95, 0.6, 0.1) for k in (0, 1, 7, 300)] + [SamplingParams()] * 3
 for ts.BLOCK, dtype, vocab, scale in [(4096, torch.float32, 3000, 1.0), (4096, torch.float16, 2500, 4.0),
                                       (4096, torch.float32, 700, 12.0), (1024, torch.float32, 3000, 1.0)]:
     wide = (torch.randn(len(params), vocab + 40) * scale).to(dtype)
@@ -80,7 +80,8 @@ def expected(params):
     before = probs.cumsum(-1) - probs
     n = int((before <= params.top_p).sum())
     return {value: float(probs[:n][v[:n] == value].sum() / probs[:n].sum()) for value in VALUES}
-for params, rows in [(SamplingParams(temperature=1.0, top_k=3), 400), (SamplingParams(temperature=1.0, top_p=0.8), 150)]:
+for params, rows in [(SamplingParams(temperature=1.0, top_k=3), 400),
+                     (SamplingParams(temperature=1.0, top_p=0.8), 150)]:
     tok = run(logits.expand(rows, -1).contiguous(), [params] * rows)
     drawn = logits[tok].float()
     # by logit value: which tied tokens are kept is unspecified, their total is not
@@ -89,9 +90,11 @@ for params, rows in [(SamplingParams(temperature=1.0, top_k=3), 400), (SamplingP
         sd = (want[v] * (1 - want[v]) / rows) ** 0.5
         assert abs(got[v] - want[v]) <= 4.5 * sd, (params, got, want)
     ones = torch.bincount(tok, minlength=12)[logits == 1.0].float()
-    assert float(((ones - ones.mean()) ** 2 / ones.mean()).sum()) < 16.3, ones  # tied tokens alike (chi2 3 dof)
+    # tied tokens alike (chi2, 3 degrees of freedom)
+    assert float(((ones - ones.mean()) ** 2 / ones.mean()).sum()) < 16.3, ones
 # keeping the whole tie group (top_k 6) would be the wrong distribution: 4.5 sd of either side apart
-right, wrong = expected(SamplingParams(temperature=1.0, top_k=3))[1.0], expected(SamplingParams(temperature=1.0, top_k=6))[1.0]
+right = expected(SamplingParams(temperature=1.0, top_k=3))[1.0]
+wrong = expected(SamplingParams(temperature=1.0, top_k=6))[1.0]
 assert wrong - right > 4.5 * ((right * (1 - right) / 400) ** 0.5 + (wrong * (1 - wrong) / 400) ** 0.5)
 ts.BLOCK = 1024
 # seeds: the same seed, the same token, whatever else is in the batch

@@ -30,8 +30,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-# noqa: F401 - the ladder's one owner (plan needs it without torch)
-from autoprofile.budget import batch_ladder
+from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan: no torch)
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable
@@ -48,7 +47,8 @@ class DecodeGraphs:
     def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int, rope_delta: bool = False):
         """req_table: the runner's; every replay reads its page table (drop the graphs before it).
         rope_delta: the model's rope positions are position + the rows' delta column (M-RoPE models)."""
-        device, pages_per_req, page_size = req_table.page_table.device, req_table.pages_per_req, req_table.page_size
+        device = req_table.page_table.device
+        pages_per_req, page_size = req_table.pages_per_req, req_table.page_size
         self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
         self.buckets = decode_buckets(max_seq_len)
         self.ladders = {bucket: sorted(bs for bs, b in self.keys if b == bucket) for bucket in self.buckets}

@@ -104,7 +104,8 @@ class LLMEngine:
                                          f"(--max_images_per_request)")
         end = 0
         for im in mm.images:
-            if im.num_tokens > env.image_tokens or window_count(*im.grid[1:]) > window_count(*env.image_grid[1:]):
+            too_many_windows = window_count(*im.grid[1:]) > window_count(*env.image_grid[1:])
+            if im.num_tokens > env.image_tokens or too_many_windows:
                 raise RequestError("images",
                                    f"an image of {im.num_tokens} tokens ({im.grid[1]} x {im.grid[2]} "
                                              f"patches) is larger than the encoder's stress ran "

@@ -110,7 +110,8 @@ class Envelope:
     def build(cls, *, kv_pages: int, page_size: int, context_len: int, batch_max_tokens: int,
               running_max_req_size: int | None, graph_max_batch_size: int, use_graphs: bool,
               vision: VisionLimits | None = None) -> Envelope:
-        """kv_pages: pages of the built cache, the pad page included. vision: the encoder's limits (VL models)."""
+        """kv_pages: pages of the built cache, the pad page included. vision: the encoder's limits (VL
+        models)."""
         reqs = running_reqs(running_max_req_size, graph_max_batch_size)
         # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
         longest_kv = context_len - 1
@@ -152,7 +153,8 @@ class Envelope:
     def check(self, shape: StepShape) -> None:
         over = [f"{name} {getattr(shape, name)} > {limit}" for name, limit in self.limits().items()
                 if getattr(shape, name) > limit]
-        if shape.decode_rows and shape.prefill_rows and shape.mixed_tokens != shape.prefill_tokens + shape.decode_rows:
+        mixed = shape.decode_rows and shape.prefill_rows
+        if mixed and shape.mixed_tokens != shape.prefill_tokens + shape.decode_rows:
             over.append("a mixed step's tokens are its prefill tokens and one per decode row")
         if shape.graph_rows and (shape.graph_rows != shape.decode_rows or shape.prefill_rows):
             over.append("a graph step replays every decode row, and only decode rows")

@@ -83,7 +83,8 @@ class ModelRunner:
     def envelope_for(self, kv_pages: int) -> Envelope:
         cfg = self.cfg
         return Envelope.build(kv_pages=kv_pages, page_size=cfg.page_size, context_len=cfg.context_len,
-                              batch_max_tokens=cfg.batch_max_tokens, running_max_req_size=cfg.running_max_req_size,
+                              batch_max_tokens=cfg.batch_max_tokens,
+                              running_max_req_size=cfg.running_max_req_size,
                               graph_max_batch_size=cfg.graph_max_batch_size, use_graphs=self.use_graphs,
                               vision=self.vision_limits)
 
@@ -255,9 +256,9 @@ class ModelRunner:
         positions = torch.cat([torch.arange(r.start, r.start + len(r.ids)) for r in rows]
                               + [torch.tensor([r.start for r in decode], dtype=torch.int64)]).to(dev)
         cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+        rows_of_tokens = torch.repeat_interleave(slots, torch.tensor(lens)).to(dev)
         meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu.to(dev), max_seqlen=max(lens),
-                                 slot_mapping=self._slot_of(torch.repeat_interleave(slots, torch.tensor(lens)).to(dev),
-                                                            positions[:sum(lens)]))
+                                 slot_mapping=self._slot_of(rows_of_tokens, positions[:sum(lens)]))
         if any(r.start for r in rows):
             kv_lens = [r.start + len(r.ids) for r in rows]
             kv_rows = torch.repeat_interleave(slots, torch.tensor(kv_lens)).to(dev)
@@ -285,7 +286,8 @@ class ModelRunner:
         """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the
         smallest max_seq_len bucket that holds `longest` tokens."""
         bucket = budget.decode_bucket(self.buckets, longest)
-        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(pos, slots, math.ceil(bucket / self.cfg.page_size))
+        cols = math.ceil(bucket / self.cfg.page_size)
+        tables, slot_mapping, seq_lens = self.req_table.decode_metadata(pos, slots, cols)
         return AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
                                  seq_lens=seq_lens, max_seq_len=bucket)
 
@@ -317,7 +319,8 @@ class ModelRunner:
 
     @staticmethod
     def _mrope(row: StepRow) -> torch.Tensor:
-        """M-RoPE positions [3, n] of a row's tokens: the prompt's own (its images' 3-D places), then p + delta."""
+        """M-RoPE positions [3, n] of a row's tokens: the prompt's own (its images' 3-D places), then p +
+        delta."""
         start, end = row.start, row.start + len(row.ids)
         mm = row.mm
         known = mm.positions.shape[1] if mm is not None and mm.positions is not None else start

@@ -82,7 +82,8 @@ class SamplingBatch:
         """One non-blocking copy from pinned memory (three pageable copies each waited for the stream: on
         the decode hot path, for the step's forward). fp64 holds each float and top_k exactly."""
         host = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                             [p.top_k for p in params]], dtype=torch.float64, pin_memory=device.type == "cuda")
+                             [p.top_k for p in params]], dtype=torch.float64,
+                            pin_memory=device.type == "cuda")
         dev = host.to(device, non_blocking=True)
         return cls(dev[0].float(), dev[1].float(), dev[2].long(), tuple(params))
 

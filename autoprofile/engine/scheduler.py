@@ -76,7 +76,8 @@ class Step:
         return StepShape(prefill_tokens=tokens, prefill_rows=len(rows),
                          prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
                          max_prefix_len=max((r.start for r in rows), default=0),
-                         decode_rows=len(self.decode), mixed_tokens=tokens + len(self.decode) if self.decode else 0,
+                         decode_rows=len(self.decode),
+                         mixed_tokens=tokens + len(self.decode) if self.decode else 0,
                          encoder_images=len(self.encode), encoder_patches=sum(im.patches for _,
                                                                               im in self.encode),
                          mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
@@ -220,7 +221,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ pages, prefix cache, preemption
     def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
-        """The cached pages holding req's leading tokens (all but its last token), and the chain id after them."""
+        """The cached pages holding req's leading tokens (all but its last token), and the chain id after
+        them."""
         pages, chain, ps = [], 0, self.env.page_size
         if self.prefix_caching:
             for i in range((req.num_tokens - 1) // ps):
@@ -237,7 +239,8 @@ class Scheduler:
         self.running.append(req)
         for p in hit:
             self.allocator.share(p)
-        req.pages, req.num_computed, req.cached_pages, req.chain = list(hit), len(hit) * self.env.page_size, len(hit), chain
+        req.pages, req.num_computed = list(hit), len(hit) * self.env.page_size
+        req.cached_pages, req.chain = len(hit), chain
         if hit:
             step.page_writes.append((req.slot, 0, list(hit)))
             self.prefix_hit_tokens += req.num_computed

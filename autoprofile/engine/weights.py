@@ -18,7 +18,8 @@ IGNORED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")  # buffers in some 
 NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 when random
 # An FP8 checkpoint's per-tensor KV cache scales, in the spellings vLLM reads: self_attn.{k,v}_scale,
 # self_attn.attn.{k,v}_scale, self_attn.{k,v}_proj.{k,v}_scale or .output_scale, self_attn.kv_scale (both)
-KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?(k_scale|v_scale|kv_scale|output_scale)$")
+KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_proj\.)?"
+                           r"(k_scale|v_scale|kv_scale|output_scale)$")
 
 
 def load_weights(model: nn.Module, checkpoint_files: list[Path], seed: int,

@@ -132,7 +132,8 @@ class AttentionBackend(ABC):
 
     def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens) in the model's dtype
-        (an FP8 cache dequantised): materialised per layer; the stress runs it at envelope.prefill_kv_tokens."""
+        (an FP8 cache dequantised): materialised per layer; the stress runs it at
+        envelope.prefill_kv_tokens."""
         pages, offs = slots // self.page_size, slots % self.page_size
         k, v = kv.k[pages, :, offs], kv.v[pages, :, offs]
         if kv.scales is None:

@@ -184,7 +184,8 @@ def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: 
     if n > room:
         raise bad(key,
                   f"the prompt ({prompt_len} tokens) + '{key}' ({n}) exceed the {limits.context_len}-token "
-                  f"request limit (--max_req_total_len): ask for at most {room}", code="context_length_exceeded")
+                  f"request limit (--max_req_total_len): ask for at most {room}",
+                  code="context_length_exceeded")
     return n
 
 
@@ -224,7 +225,8 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def _message(i: int, m, limits: Limits, images: list) -> dict:
-    """One message for the chat template; a vision model's image parts become IMAGE_MARK and go to `images`."""
+    """One message for the chat template; a vision model's image parts become IMAGE_MARK and go to
+    `images`."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
@@ -293,7 +295,8 @@ def with_image_ids(args: GenerateArgs, ids: list[int], limits: Limits) -> Genera
 
 
 def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, dict]:
-    """POST /generate (LightLLM parity): input_ids (a list of prompts), max_new_tokens, sampling (greedy by default)."""
+    """POST /generate (LightLLM parity): input_ids (a list of prompts), max_new_tokens, sampling (greedy by
+    default)."""
     if not isinstance(body, dict):
         raise bad(None, "the body must be a JSON object", code="invalid_json")
     ids = body.get("input_ids")
@@ -305,7 +308,8 @@ def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, 
     longest = max(len(p) for p in ids)
     if longest + n > limits.context_len:
         raise bad("max_new_tokens", f"prompt ({longest} tokens) + 'max_new_tokens' ({n}) exceeds the "
-                  f"{limits.context_len}-token request limit (--max_req_total_len)", code="context_length_exceeded")
+                  f"{limits.context_len}-token request limit (--max_req_total_len)",
+                  code="context_length_exceeded")
     params = dict(
         temperature=float(_get(body, "temperature", 0.0, lambda v: _is_num(v) and v >= 0,
                                "must be >= 0 (0 = greedy)")),

@@ -41,7 +41,8 @@ class ImageOptions:
 
 
 def prepare(part: ImagePart, image, opts: ImageOptions) -> PreparedImage:
-    """Resize and patch (CPU work: run it on a worker thread); a size Qwen refuses is a 400 naming the part."""
+    """Resize and patch (CPU work: run it on a worker thread); a size Qwen refuses is a 400 naming the
+    part."""
     try:
         pixel_values, grid = preprocess(image, min_pixels=opts.min_pixels, max_pixels=opts.max_pixels)
     except ImageError as e:

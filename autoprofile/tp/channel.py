@@ -30,7 +30,8 @@ BOUND_S = 60.0  # the parent ends ranks that have not agreed this long after a f
 HEARTBEAT_S = 60.0  # rank 0 pings idle workers: gloo ops fail after the group's 30-minute timeout
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0",  # NVLink multicast stays off (KINDS.md)
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # we abort communicators ourselves (torch's abort API asks for 0)
+            # we abort communicators ourselves (torch's abort API asks for 0)
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
 
 
 class PeerFailed(RuntimeError):

@@ -33,7 +33,8 @@ PREFILL_CONFIGS: dict[str, dict] = {
 
 def prefill_config() -> dict:
     """The varlen prefill launch config for the current GPU (a copy: AITER's launcher may consume it)."""
-    key = None if is_rocm() or not torch.cuda.is_available() else "sm_%d%d" % torch.cuda.get_device_capability()
+    on_nvidia = not is_rocm() and torch.cuda.is_available()
+    key = "sm_%d%d" % torch.cuda.get_device_capability() if on_nvidia else None
     return dict(PREFILL_CONFIGS.get(key, PREFILL_CONFIG))
 
 
