@@ -327,3 +327,18 @@ def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys
     err = capsys.readouterr().err
     assert "key 'vocab_size' (4096) is below the 5000 ids its tokenizer.json holds" in err, err
     assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # plan tokenizes nothing
+
+
+def test_profile_cache_flag_defaults_to_the_user_cache_folder_and_empty_means_always_probe(tmp_path, monkeypatch):
+    from autoprofile.config import config_from_args
+    from autoprofile.profile_cache import default_folder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parser = cli.build_parser()
+    on = config_from_args(parser.parse_args(["serve", "--attention_backend", "torch"]))
+    assert on.profile_cache == default_folder() == str(tmp_path / "autoprofile" / "profiles")
+    off = config_from_args(parser.parse_args(["serve", "--profile_cache", ""]))
+    assert off.profile_cache is None and ServerConfig().profile_cache is None  # code and tests: off
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="--profile_cache: .* is a file, not a folder; try --profile_cache auto"):
+        config_from_args(parser.parse_args(["serve", "--profile_cache", str(a_file)]))
