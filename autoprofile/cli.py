@@ -73,9 +73,13 @@ class _Parser(argparse.ArgumentParser):
 
     @staticmethod
     def _near(flag: str, flags: list[str]) -> str | None:
-        """A known flag close to a mistyped one (hyphens and underscores alike)."""
+        """A known flag close to a mistyped one (hyphens and underscores alike), or a renamed flag's new
+        name."""
         known = {o.replace("-", "_"): o for o in flags if "_" in o or "-" not in o[2:]}
         typed = flag.replace("-", "_")
+        renamed = RENAMED.get("--" + typed[2:], "").replace("-", "_")
+        if renamed in known:
+            return known[renamed]
         prefixed = [k for k in known if k.startswith(typed)]
         if len(prefixed) == 1:
             return known[prefixed[0]]
@@ -94,6 +98,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 COMMANDS = ("serve", "profile", "plan")
+RENAMED = {"--kv_dtype": "--kv_cache_dtype"}  # old spelling -> the flag's name now (vLLM's)
 MAX_GPU_MEMORY_GIB = 4096.0
 
 

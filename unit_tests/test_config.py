@@ -109,6 +109,8 @@ def test_suggested_value_really_works(argv, flag, suggestion, fixed, cuda_spy, c
 
 
 @pytest.mark.parametrize("typed, meant", [("--mem-fractoin", "--mem_fraction"), ("--mem", "--mem_fraction"),
+                                          ("--kv_dtype", "--kv_cache_dtype"),
+                                          ("--kv-dtype", "--kv_cache_dtype"),
                                           ("--max_total_tokens", "--max_total_token_num"),
                                           ("--graph-max-bs", "--graph_max_batch_size")])
 def test_unknown_flag_exits_2_with_did_you_mean(typed, meant, cuda_spy, capsys):
@@ -329,7 +331,7 @@ def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys
     assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # plan tokenizes nothing
 
 
-def test_profile_cache_flag_defaults_to_the_user_cache_folder_and_empty_means_always_probe(tmp_path, monkeypatch):
+def test_profile_cache_defaults_to_the_user_cache_folder_and_empty_means_always_probe(tmp_path, monkeypatch):
     from autoprofile.config import config_from_args
     from autoprofile.profile_cache import default_folder
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -340,5 +342,5 @@ def test_profile_cache_flag_defaults_to_the_user_cache_folder_and_empty_means_al
     assert off.profile_cache is None and ServerConfig().profile_cache is None  # code and tests: off
     a_file = tmp_path / "f"
     a_file.write_text("x")
-    with pytest.raises(ConfigError, match="--profile_cache: .* is a file, not a folder; try --profile_cache auto"):
+    with pytest.raises(ConfigError, match="--profile_cache: .* is a file, not a folder; try --profile_cache"):
         config_from_args(parser.parse_args(["serve", "--profile_cache", str(a_file)]))
