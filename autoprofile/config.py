@@ -260,9 +260,6 @@ def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
 
 def _validate_images(cfg: ServerConfig) -> None:
     side = 28 * 28  # Qwen's resize keeps sides multiples of 28 pixels: one LLM token per 28 x 28
-    # NOTE: the TP step broadcast (tp.encode) carries no images, encoder steps or M-RoPE positions yet
-    _check(cfg.tp == 1, "tp",
-           f"a vision-language model is served on one GPU for now, got --tp {cfg.tp}; try --tp 1")
     _check(1 <= cfg.visual_batch_size <= 64, "visual_batch_size",
            f"must be in [1, 64], got {cfg.visual_batch_size}; try --visual_batch_size 4")
     _check(1 <= cfg.max_images_per_request <= 64, "max_images_per_request",

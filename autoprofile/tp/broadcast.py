@@ -18,15 +18,18 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- serving: the step broadcast
 def encode(step) -> tuple:
-    """What a worker needs of a Step (requests stay on rank 0: only rank 0 samples for real)."""
-    rows = [[(r.slot, r.start, r.ids, r.sample, r.params) for r in part] for part in (step.rows, step.decode)]
-    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used
+    """What a worker needs of a Step (requests stay on rank 0: only rank 0 samples for real). A
+    vision-language model's rows carry their images (M-RoPE positions and deltas; the pixels of the images
+    this step encodes, which every rank encodes with its own replica of the tower)."""
+    rows = [[(r.slot, r.start, r.ids, r.sample, r.params, None, r.mm, r.spans) for r in part]
+            for part in (step.rows, step.decode)]
+    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used, step.encode
 
 
 def decode(msg: tuple):
     from autoprofile.engine.scheduler import Step, StepRow
-    is_prefill, (rows, decode_rows), page_writes, running, pages_used = msg
-    return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used,
+    is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images = msg
+    return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used, encode_images,
                 decode=[StepRow(*r) for r in decode_rows])
 
 
