@@ -66,6 +66,15 @@ def test_greedy_rows_of_a_mixed_batch_are_exact_argmax():
                 assert out[row] == logits[i].argmax()
 
 
+def test_a_top_p_that_rounds_to_1_in_fp32_keeps_the_whole_vocabulary():
+    """0.9999999999999999 is 1.0 in the fp32 batch: the host's plan and the device agree (whole top-k), which
+    hypothesis once found them not to (the plan searched a 1024-token nucleus the device then skipped)."""
+    logits = _logits(1, 3000, 0.05, 7)
+    p = SamplingParams(temperature=0.5, top_p=0.9999999999999999)
+    dense, kept = kept_probs(logits, _batch([p]))
+    assert int(kept.sum()) == 3000
+
+
 # ---------------------------------------------------------------- kept set and probabilities vs the reference
 def _ideal(z: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, callable]:
     """Float64 sorted probabilities of one row's top-k (logits / T given as fp32 z) and n(p): how many the

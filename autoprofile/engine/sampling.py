@@ -27,6 +27,7 @@ way its tokens depend only on its logits, its parameters and its generator, neve
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -237,9 +238,16 @@ def _plan(params: tuple[SamplingParams, ...] | None, vocab: int) -> _Plan:
         return _Plan(prefilter=vocab)
     if any(k > PREFILTER for k in ks):
         return _Plan(sort=True)
-    nucleus = any(k == 0 and p.top_p < 1 for k, p in zip(ks, sampled))
+    nucleus = any(k == 0 and _as_f32(p.top_p) < 1 for k, p in zip(ks, sampled))
+    whole_vocab = any(k == 0 and _as_f32(p.top_p) >= 1 for k, p in zip(ks, sampled))
     return _Plan(prefilter=max([k for k in ks if k] + [PREFILTER] * nucleus, default=0),
-                 whole_vocab=any(k == 0 and p.top_p >= 1 for k, p in zip(ks, sampled)), nucleus=nucleus)
+                 whole_vocab=whole_vocab, nucleus=nucleus)
+
+
+def _as_f32(x: float) -> float:
+    """x as the device sees it (SamplingBatch holds fp32): a top_p of 0.9999999999999999 is 1.0 there, so the
+    host's plan must read it as 1 too (else it planned a nucleus search the device skipped)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _sample_chunk(x: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
