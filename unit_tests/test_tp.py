@@ -284,10 +284,12 @@ def _serves_until_sigterm(guard):
     """Rank 0 stands in for the server: SIGTERM makes it stop the worker and return; rank 1 waits for it."""
     if guard.rank:
         memory.all_ok(True, guard.control)
+        memory.all_ok(True, guard.control)
         return "worker stopped"
     import threading
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    memory.all_ok(True, guard.control)  # NOTE: both ranks are past their setup: serving
     print("serving", flush=True)
     assert stop.wait(60), "no SIGTERM reached rank 0"
     memory.all_ok(True, guard.control)

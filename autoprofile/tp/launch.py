@@ -2,9 +2,12 @@
 `autoprofile profile|serve --tp N`. At the CLI's level: it imports the profiler and the server."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -147,10 +150,24 @@ def _end(procs, pipes, outcomes: dict[int, Outcome], failures: FailureLog, bound
                                      time.time())
 
 
+def _end_with_the_launcher() -> None:
+    """Linux: the kernel sends this rank SIGTERM when the launcher dies, in any phase. The watchdog sees
+    a vanished store only once it runs; before that (the gloo group, the store clients) a rank would retry
+    the dead store for STORE_TIMEOUT, an orphan holding its GPU."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, target: Callable, args: tuple,
                conn, env: dict[str, str]) -> None:
     os.environ.update({**RANK_ENV, **env})
     os.setpgrp()  # NOTE: a terminal's Ctrl-C goes to the parent only; it forwards it to rank 0
+    _end_with_the_launcher()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     guard = None
