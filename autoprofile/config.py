@@ -176,8 +176,11 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
         raise ConfigError("model", f"{e}") from None
     _check(m.runnable or not serving, "model",
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
-           f"choose a dense Llama/Qwen model such as "
+           f"choose a Llama/Qwen model such as "
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
+    _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
+           f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} does "
+           f"not divide (TP splits every expert's intermediate dimension); try --tp 1")
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
            f"them; try --tp "

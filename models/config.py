@@ -7,7 +7,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Architectures the engine can run; others (MoE) are known to the budget planner only.
-RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                           "Qwen2_5_VLForConditionalGeneration")
 
 # The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
@@ -77,10 +77,14 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     torch_dtype: str = "bfloat16"
-    # MoE (planner only)
+    # MoE (Qwen3-MoE): a softmax router picks num_experts_per_tok experts per token (their weights
+    # renormalised to sum 1 when norm_topk_prob); every decoder_sparse_step-th layer but mlp_only_layers
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # MLA (planner only): per-token latent cache is kv_lora_rank + qk_rope_head_dim
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -98,6 +102,15 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF Qwen3-MoE's rule: experts in every decoder_sparse_step-th layer except mlp_only_layers."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(map(self.is_moe_layer, range(self.num_layers)))
+
     @property
     def runnable(self) -> bool:
         return self.architecture in RUNNABLE_ARCHITECTURES
@@ -113,12 +126,11 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         attn += 2 * self.head_dim if self.qk_norm else 0
-        if self.num_experts:
-            mlp = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
-        else:
-            mlp = 3 * h * self.intermediate_size
+        experts = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        moe = self.moe_layers
+        mlp = moe * experts + (L - moe) * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + mlp + 2 * h) + embed + h
+        return L * (attn + 2 * h) + mlp + embed + h
 
 
 def resolve_model_dir(name_or_path: str) -> Path | None:
@@ -136,6 +148,7 @@ class ModelConfigError(ValueError):
 
 _MISSING = object()
 ROPE_TYPES = ("default", "linear", "llama3")
+PLANNED_ROPE_TYPES = ("yarn",)  # read for the planner (DeepSeek-V2): no runnable architecture has it yet
 VL_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -198,7 +211,8 @@ def _rope_scaling(f: _Fields) -> dict | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "mrope" or (kind == "default" and "mrope_section" in scaling):  # Qwen2.5-VL: unscaled
         return None
-    if kind not in ROPE_TYPES:
+    planned = kind in PLANNED_ROPE_TYPES and f.d.get("architectures", [""])[0] not in RUNNABLE_ARCHITECTURES
+    if kind not in ROPE_TYPES and not planned:
         f.fail(key, f"has rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
     sub = _Fields(scaling, f"{f.source}: key '{key}'")
     if kind != "default":
@@ -258,7 +272,9 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         _Fields(rope, f"{source}: key 'rope_parameters'").number("rope_theta", theta_default)
     _check_head_dim(f, f.int("head_dim", hidden // heads))
     _check_special_ids(f, f.int("vocab_size"))
-    num_experts = f.int("num_experts", 0, lo=0) or f.int("n_routed_experts", 0, lo=0)
+    # transformers 5.x writes Qwen3-MoE's num_experts as num_local_experts; DeepSeek: n_routed_experts
+    num_experts = (f.int("num_experts", 0, lo=0) or f.int("num_local_experts", 0, lo=0)
+                   or f.int("n_routed_experts", 0, lo=0))
     per_tok = f.int("num_experts_per_tok", 0, lo=0)
     moe_inter = f.int("moe_intermediate_size", 0, lo=0)
     if num_experts and not 1 <= per_tok <= num_experts:
@@ -291,12 +307,25 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         num_experts=num_experts,
         num_experts_per_tok=per_tok,
         moe_intermediate_size=moe_inter,
+        **_moe_layout(f, num_experts),
         kv_lora_rank=f.int("kv_lora_rank", 0, lo=0),
         qk_rope_head_dim=f.int("qk_rope_head_dim", 0, lo=0),
         **_vision_fields(f, heads, hidden),
         path=path,
         raw=d,
     )
+
+
+def _moe_layout(f: _Fields, num_experts: int) -> dict:
+    """Which layers hold experts and how their weights combine (checked only for an MoE config)."""
+    if not num_experts:
+        return {}
+    layers = f.int("num_hidden_layers")
+    dense = f.get("mlp_only_layers", list(range(f.int("first_k_dense_replace", 0, lo=0))))  # DeepSeek's
+    if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+        f.fail("mlp_only_layers", f"must be a list of layer indexes in [0, {layers}), got {dense!r}")
+    return {"norm_topk_prob": f.bool("norm_topk_prob", False),
+            "decoder_sparse_step": f.int("decoder_sparse_step", 1), "mlp_only_layers": tuple(dense)}
 
 
 def _with_text_config(d: dict) -> dict:

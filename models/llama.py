@@ -1,4 +1,5 @@
-"""One decoder for Llama 3.x, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""One decoder for Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (Qwen3
+with a sparse block of experts in place of the MLP: autoprofile.layers.moe).
 
 GQA, RoPE (default, linear, Llama-3 `rope_scaling`), RMSNorm from the attention backend, SwiGLU, tied or
 untied embeddings. The model holds no KV cache and no per-step state: `forward` takes the token ids,
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import ModelConfig
@@ -129,11 +131,30 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
 
 
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's MLP: a router (`gate`, replicated: every rank routes every token) and the experts."""
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 routing: Routing):
+        super().__init__()
+        self.gate = nn.Module()
+        self.gate.weight = new_param((mc.num_experts, mc.hidden_size), dtype)
+        self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, mc.moe_intermediate_size,
+                                mc.norm_topk_prob, tp, dtype, backend, routing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, torch.nn.functional.linear(x, self.gate.weight))
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 layer: int = 0, routing: Routing | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(mc, backend, tp, dtype)
-        self.mlp = LlamaMLP(mc, backend, tp, dtype)
+        if mc.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(mc, backend, tp, dtype, routing)
+        else:
+            self.mlp = LlamaMLP(mc, backend, tp, dtype)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 
@@ -147,7 +168,9 @@ class LlamaModel(nn.Module):
                  max_positions: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, backend, tp, dtype) for _ in range(mc.num_layers))
+        self.routing = Routing()  # the MoE layers' (none in a dense model); the runner sets it per step
+        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, backend, tp, dtype, i, self.routing)
+                                    for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.rotary_emb = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
 

@@ -5,7 +5,8 @@
 llama-3.1-8b with random weights (no download), built through ModelRunner as serving builds it (CUDA
 graphs per batch x max_seq_len bucket); each decode step is a real Step through `runner.execute`
 (graph replay + sampling + the tokens back on the host), timed on the host over --iters steps.
-  floor      = (weights + the batch's K/V bytes) / the device-to-device copy bandwidth of this run
+  floor      = (weights + the batch's K/V bytes) / the device-to-device copy bandwidth of this run (an MoE
+               model's weights: the dense ones and the experts a batch of that many rows reaches)
   step       : batch 1 and 256 at --ctx tokens, greedy (targets: >= 0.75 and >= 0.6 of the floor);
                "replay" is the decode graph's replay alone (CUDA events): the step minus the host's share
   context    : the same steps built with --max_req_total_len 131072 and 4096 (target: within 1.15x)
@@ -64,6 +65,20 @@ def time_steps(runner: ModelRunner, step: Step, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def step_weight_bytes(runner: ModelRunner, batch: int) -> float:
+    """The weight bytes a decode step of `batch` rows reads: every dense parameter, and of each MoE layer's
+    experts only those its rows reach (expected distinct experts when the router spreads them:
+    E (1 - (1 - k/E)^batch))."""
+    from autoprofile.layers.moe import FusedMoE
+    total = sum(p.nbytes for p in runner.model.parameters())
+    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return total
+    e, k = layers[0].num_experts, layers[0].top_k
+    unread = 1 - (1 - (1 - k / e) ** batch)
+    return total - sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for m in layers) * unread
+
+
 def build(args: argparse.Namespace, context: int) -> ModelRunner:
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", attention_backend=args.backend,
                                 max_req_total_len=context, graph_max_batch_size=max(args.batches),
@@ -85,7 +100,6 @@ def run(args: argparse.Namespace) -> dict:
                  "copy_GB_per_s": copy["GB_per_s"], "ctx": args.ctx, "steps": {}, "targets": TARGETS}
     for context in args.contexts:
         runner = build(args, context)
-        weights = sum(p.nbytes for p in runner.model.parameters())
         # K+V bytes per token, all layers
         cell = runner.kv.nbytes // (runner.kv.num_pages * runner.cfg.page_size)
         for b in args.batches:
@@ -93,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
                 if name == "top_p" and context != args.contexts[0]:
                     continue
                 ms = time_steps(runner, decode_step(runner, b, args.ctx, params), args.iters)
-                floor = (weights + b * args.ctx * cell) / bw * 1e3
+                floor = (step_weight_bytes(runner, b) + b * args.ctx * cell) / bw * 1e3
                 out["steps"][f"{context}/b{b}/{name}"] = {"context": context, "batch": b, "sampling": name,
                                                           "ms": ms, "floor_ms": floor, "of_floor": floor / ms}
                 if name == "greedy" and runner.graphs is not None:  # the GPU's share: the replay alone

@@ -31,6 +31,9 @@ SMALL_MODEL = {  # the served models' attention (GQA 32/8, head_dim 128, 131072 
     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
 
+SMALL_MOE = {**SMALL_MODEL, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+             "moe_intermediate_size": 256, "num_experts": 32, "num_experts_per_tok": 8, "norm_topk_prob": True}
+
 KERNELS = r'''
 import ctypes, json, os, re, subprocess, sys, tempfile
 import triton
@@ -61,6 +64,10 @@ def compiled_kernels() -> list[dict]:
         if not name.startswith(("autoprofile", "aiter")) or mod is None:
             continue
         for attr in list(vars(mod).values()):
+            for _ in range(3):  # @triton.heuristics / autotune wrap the JIT function
+                if isinstance(attr, JITFunction) or not hasattr(attr, "fn"):
+                    break
+                attr = attr.fn
             if not isinstance(attr, JITFunction) or id(attr) in seen:
                 continue
             seen.add(id(attr))
@@ -140,13 +147,15 @@ def test_the_check_sees_aiters_spilling_reduce():
     assert got["after"] > memory.STACK_BOUND
 
 
-def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path):
+@pytest.mark.parametrize("model", [SMALL_MODEL, SMALL_MOE], ids=["dense", "moe"])
+def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model):
     """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a
-    small model with the served attention shapes: no compiled kernel needs more than 1 KiB of local memory
-    per thread, the stack limit stays at 1 KiB, and the profile recorded it."""
+    small model with the served attention shapes (and an MoE variant: AITER's Triton MoE kernels): no
+    compiled kernel needs more than 1 KiB of local memory per thread, the stack limit stays at 1 KiB, and
+    the profile recorded it."""
     folder = tmp_path / "small"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(SMALL_MODEL))
+    (folder / "config.json").write_text(json.dumps(model))
     got = run_fresh(PROFILE, str(folder))
     names = {k["kernel"] for k in got["kernels"]}
     print(json.dumps({k: v for k, v in got.items() if k != "kernels"}))
@@ -154,6 +163,8 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path):
         print(k)
     assert "_reduce_partitions_kernel" in names and "_paged_attn_decode_v2_w_dot_kernel" in names, names
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
+    if model is SMALL_MOE:
+        assert {"_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
     assert spilling(got["kernels"]) == []
     assert got["before"] == memory.STACK_BOUND
     assert got["after"] <= memory.STACK_BOUND and got["profiled"] == got["after"], got

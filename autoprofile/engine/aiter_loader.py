@@ -131,11 +131,18 @@ UNSPECIALIZED = (
     ("aiter.ops.triton._triton_kernels.mha", "_attn_fwd",
      ("SEQLEN_Q", "SEQLEN_K", "BATCH", "stride_lse_z_in", "stride_lse_h_in", "stride_lse_m_in")),
 )
+# The MoE kernels' token counts (T * k) follow the step (the rest is the model's)
+MOE_UNSPECIALIZED = (
+    ("aiter.ops.triton._triton_kernels.moe_op_silu_fused", "_fused_moe_silu_kernel", ("num_valid_tokens",)),
+    ("aiter.ops.triton._triton_kernels.moe_op", "_fused_moe_kernel", ("num_valid_tokens",)),
+)
 
 
 def unspecialize(kernel, names: tuple[str, ...]) -> None:
     """Mark integer parameters of a Triton kernel as not specialized, before its first launch builds its
     argument binder. A parameter this AITER does not have is an error naming it (the pinned version moved)."""
+    while not hasattr(kernel, "params"):  # a @triton.heuristics (or autotune) wrapper: the JIT function inside
+        kernel = kernel.fn
     params = {p.name: p for p in kernel.params}
     missing = [n for n in names if n not in params]
     if missing:
@@ -166,3 +173,23 @@ def load_aiter_triton() -> AiterTriton:
         pa_kernels=load_pa_kernels(),
         flash_attn_varlen_func=mha.flash_attn_varlen_func,
     )
+
+
+@dataclass(frozen=True)
+class AiterMoE:
+    """AITER's Triton MoE entry points (engine.triton_moe calls them)."""
+
+    silu: Callable  # fused_moe_silu: gate_up with silu(gate) * up fused
+    moe: Callable  # fused_moe: down, weighted by the routing
+
+
+@functools.cache
+def load_aiter_moe() -> AiterMoE:
+    """Import AITER's Triton MoE kernels (needs a GPU: its quant module reads the device), their token
+    counts unspecialized."""
+    triton_ops_package()
+    silu = importlib.import_module("aiter.ops.triton.moe_op_silu_fused")
+    moe = importlib.import_module("aiter.ops.triton.moe_op")
+    for module, kernel, names in MOE_UNSPECIALIZED:
+        unspecialize(getattr(importlib.import_module(module), kernel), names)
+    return AiterMoE(silu=silu.fused_moe_silu, moe=moe.fused_moe)

@@ -65,7 +65,10 @@ class ModelRunner:
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         visual = getattr(self.model, "visual", None)
         self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
-        self.use_graphs = self.device.type == "cuda" and not cfg.disable_cudagraph
+        self.routing = self.model.model.routing  # an MoE model's: each step sets it (the stress forces it)
+        # NOTE: a backend whose experts sync with the host (the torch reference) decodes an MoE model eagerly
+        self.use_graphs = (self.device.type == "cuda" and not cfg.disable_cudagraph
+                           and (not mc.num_experts or self.backend.moe_capturable))
         # max_seq_len of decode steps (eager and graphs)
         self.buckets = budget.decode_buckets(cfg.context_len)
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
@@ -202,6 +205,7 @@ class ModelRunner:
         # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.req_table.write(step.page_writes)
+            self.routing.set(step.routing)
             if step.encode:
                 self._encode(step.encode)
             calibrate = self._calibrates(step)
@@ -351,6 +355,11 @@ class ModelRunner:
         return self._decode_logits(ids, pos + delta if self.is_vl else pos, meta)
 
     # ------------------------------------------------------------ the stress: the envelope's corners
+    @property
+    def forced_routings(self) -> tuple[str, ...]:
+        """The routings the stress forces on an MoE model (layers.moe: worst and balanced); none if dense."""
+        return ("worst", "balanced") if self.model_config.num_experts else ()
+
     def stress_prefill(self) -> list[StepShape]:
         """The prefill corners (autoprofile.engine.stress), executed as serving executes steps."""
         return self._stress(stress.prefill_steps)
@@ -364,9 +373,11 @@ class ModelRunner:
         self.stressing = True
         try:
             return [self._run_corner(step) for step in steps(self.envelope, self.kv.num_pages - 1,
-                                                             self.model_config.vocab_size, self.cfg.seed)]
+                                                             self.model_config.vocab_size, self.cfg.seed,
+                                                             self.forced_routings)]
         finally:
             self.stressing = False
+            self.routing.set("model")
             if self.kv_scales_pending:  # random K/V set them: the first real batch sets them again
                 self.kv.set_scales(None)
 

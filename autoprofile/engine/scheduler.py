@@ -53,6 +53,7 @@ class Step:
     # (encoder buffer slot, image), run first
     encode: list[tuple[int, ImageInput]] = field(default_factory=list)
     decode: list[StepRow] = field(default_factory=list)  # a mixed step's decode rows, after its prefill rows
+    routing: str = "model"  # an MoE model's routing (layers.moe.ROUTINGS): the stress forces the others
 
     @property
     def all_rows(self) -> list[StepRow]:

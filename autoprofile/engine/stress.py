@@ -24,11 +24,16 @@ Image corners (vision-language models): one prefill step that encodes the most i
 at the grid with the most patches and then the most window padding (multimodal.worst_image_grid) and
 reads the most image tokens (mm_tokens) from the encoder buffer, each row a request carrying the most
 images; every decode corner's rows carry images too (the M-RoPE decode path, rope delta included).
+MoE corners (an MoE model): the steps with the most tokens again under each forced routing (layers.moe:
+every token to the same top_k experts, and tokens spread evenly): prefill corners (a) and (b), the first
+mixed corner, and the decode corners. The router's own choice depends on the tokens, so serving can route
+anywhere between those ends; a stress of random tokens alone would route about evenly.
 Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
 needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -150,6 +155,11 @@ def with_images(env: Envelope, step: Step, seed: int) -> Step:
 
 
 # ---------------------------------------------------------------- the steps the runner executes
+def forced(steps: list[Step], routings: tuple[str, ...]) -> list[Step]:
+    """Copies of `steps` under each forced routing."""
+    return [dataclasses.replace(step, routing=r) for r in routings for step in steps]
+
+
 def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
     """The mixed corners as steps: chunks in rows, decode rows (other slots) in decode; a vision-language
     model's decode rows carry images."""
@@ -164,18 +174,26 @@ def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) ->
     return steps
 
 
-def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
-    """The prefill corners as steps, the mixed corners, then the image corner (vision-language models)."""
+def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
+                  routings: tuple[str, ...] = ()) -> list[Step]:
+    """The prefill corners as steps, the mixed corners, the image corner (vision-language models), then
+    the MoE corners under each of `routings`."""
     steps = [corner_step(env, True, rows, usable_pages, vocab_size, seed + i)
              for i, rows in enumerate(prefill_corners(env))]
-    steps += mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
+    most = steps[len(STRESS_PARAMS) - 1:len(STRESS_PARAMS) + 1]  # corners (a) and (b): the most tokens
+    mixed = mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
+    steps += mixed
     if env.encoder_images:
         steps.append(image_corner_step(env, usable_pages, vocab_size, seed))
-    return steps
+    return steps + forced(most + mixed[:1], routings)
 
 
-def decode_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
-    """The decode corners as steps; a vision-language model's rows carry images."""
+def decode_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
+                 routings: tuple[str, ...] = ()) -> list[Step]:
+    """The decode corners as steps (a vision-language model's rows carry images), then again under each
+    of `routings` (an MoE model)."""
     steps = [corner_step(env, False, rows, usable_pages, vocab_size, seed + i)
              for i, rows in enumerate(decode_corners(env))]
-    return [with_images(env, step, seed + i) for i, step in enumerate(steps)] if env.encoder_images else steps
+    if env.encoder_images:
+        steps = [with_images(env, step, seed + i) for i, step in enumerate(steps)]
+    return steps + forced(steps, routings)

@@ -11,6 +11,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from autoprofile.layers.moe import expert_part
+
 log = logging.getLogger(__name__)
 
 INIT_STD = 0.02
@@ -82,6 +84,9 @@ def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],
         if name.startswith(prefix):
             name = ours + name[len(prefix):]
             break
+    expert = expert_part(name)
+    if expert is not None:  # experts.<e>.gate_proj -> the layer's packed experts.gate_up_proj, part 2e
+        return expert
     for hf, (ours, part) in packed.items():
         if f".{hf}." in name:
             return name.replace(f".{hf}.", f".{ours}."), part

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from autoprofile.layers.moe import moe_reference
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -80,6 +82,7 @@ class AttentionBackend(ABC):
     """KV layout per layer: k_cache, v_cache of shape [num_pages, num_kv_heads, page_size, head_dim]."""
 
     name: str = "base"
+    moe_capturable = False  # fused_moe launches no host sync: a decode graph may hold an MoE layer
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -145,6 +148,12 @@ class AttentionBackend(ABC):
         the backend, as its norms)."""
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        """The experts (layers.moe): x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], the routing's
+        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H]."""
+        return moe_reference(x, w13, w2, weights, ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""

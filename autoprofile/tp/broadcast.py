@@ -23,14 +23,14 @@ def encode(step) -> tuple:
     this step encodes, which every rank encodes with its own replica of the tower)."""
     rows = [[(r.slot, r.start, r.ids, r.sample, r.params, None, r.mm, r.spans) for r in part]
             for part in (step.rows, step.decode)]
-    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used, step.encode
+    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used, step.encode, step.routing
 
 
 def decode(msg: tuple):
     from autoprofile.engine.scheduler import Step, StepRow
-    is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images = msg
+    is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images, routing = msg
     return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used, encode_images,
-                decode=[StepRow(*r) for r in decode_rows])
+                decode=[StepRow(*r) for r in decode_rows], routing=routing)
 
 
 def run_step(runner: GuardedRunner, step) -> list[int]:

@@ -1,5 +1,6 @@
-"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill and paged decode; our own
-Triton kernels beside them: RMSNorm, SiLU * up, RoPE + KV store, the decode reduce.
+"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill and paged decode, the MoE
+experts (engine.triton_moe); our own Triton kernels beside them: RMSNorm, SiLU * up, RoPE + KV store, the
+decode reduce.
 
 The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
@@ -79,6 +80,7 @@ def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 class AiterTritonBackend(AttentionBackend):
     name = "aiter_triton"
+    moe_capturable = True
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -102,6 +104,13 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.engine import triton_act, triton_norm
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing."""
+        from autoprofile.engine import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, weights, ids)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""

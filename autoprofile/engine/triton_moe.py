@@ -1,0 +1,68 @@
+"""The experts through AITER's Triton MoE kernels (aiter.ops.triton), the aiter_triton backend's fused_moe.
+
+  layers.moe.sort_by_expert  the step's (token, slot) pairs sorted by expert, each expert's pairs padded to
+                             a block of BLOCK_SIZE_M rows (the pad id T * k is masked by the kernels)
+  fused_moe_silu             gate_up projection per block, silu(gate) * up fused: [T * k, I]
+  fused_moe                  down projection per block, scaled by the routing weight: [T, k, H]
+then a sum over k. Every buffer's size follows the step's tokens T alone, whatever the routing: at most
+T * k + E * (BLOCK_SIZE_M - 1) sorted slots (moe_scratch_bytes), so the stress's corners at the most tokens
+hold the most any routing can. No host sync: decode graphs capture it.
+
+Not AITER's moe_align_block_size_triton: its token count is a constexpr (a compile per step size while
+serving) and it leaves the padding unwritten. The GEMM kernels' token count (num_valid_tokens) follows the
+step: unspecialized (aiter_loader), so the stress's compiles serve every step. Launch configs are vLLM's
+defaults for unquantized experts.
+"""
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from autoprofile.engine.aiter_loader import load_aiter_moe
+from autoprofile.layers.moe import sort_by_expert, sorted_slots
+
+# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M): few tokens per expert (T * k <= E), and more
+SMALL = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+LARGE = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8}
+COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def launch_config(tokens: int, top_k: int, num_experts: int) -> dict:
+    return dict(SMALL if tokens * top_k <= num_experts else LARGE)
+
+
+def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
+                      elem_bytes: int) -> int:
+    """The bytes fused_moe holds at once for a step of `tokens` tokens (per call; freed after it): the sort's
+    int64 temporaries (pairs, order, experts, ranks, destinations: 5 per pair) and int32 outputs (sorted
+    ids, block experts), the [T*k, I] and [T, k, H] intermediates, the [T, H] sum."""
+    block_m = launch_config(tokens, top_k, num_experts)["BLOCK_SIZE_M"]
+    slots = sorted_slots(tokens, top_k, num_experts, block_m)
+    pairs = tokens * top_k
+    sort = 8 * (5 * pairs + 4 * num_experts + slots // block_m + 1) + 4 * (slots + slots // block_m + 2)
+    return sort + elem_bytes * (pairs * inter + pairs * hidden + tokens * hidden)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference)."""
+    ops = load_aiter_moe()
+    tokens, top_k = ids.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    cfg = launch_config(tokens, top_k, num_experts)
+    block_m = cfg["BLOCK_SIZE_M"]
+    sorted_ids, block_experts, padded = sort_by_expert(ids, num_experts, block_m)
+    weights = weights.contiguous()
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    common = dict(A_scale=None, B_scale=None, B_zp=None, topk_weights=weights, topk_ids=ids,
+                  sorted_token_ids=sorted_ids, expert_ids=block_experts, num_tokens_post_padded=padded,
+                  compute_type=COMPUTE_TYPES[x.dtype], use_fp8_w8a8=False, use_int8_w8a16=False,
+                  use_int4_w4a16=False, block_shape=None)
+    ops.silu(x, w13, act, mul_routed_weight=False, top_k=top_k, config=dict(cfg), **common)
+    down = torch.empty(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    # NOTE: top_k=1: each sorted id is already the (token, slot) row of `act`
+    ops.moe(act, w2, down, mul_routed_weight=True, top_k=1, config=dict(cfg), **common)
+    return torch.sum(down, dim=1, out=out)
