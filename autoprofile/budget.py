@@ -135,6 +135,36 @@ def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_head
     return aiter_workspace_bytes(max_reqs, q_heads, head_dim, aiter_num_partitions(longest))
 
 
+# ---------------------------------------------------------------- MoE experts (per step, from T)
+MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per block (engine.triton_moe)
+
+
+def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per block of the fused MoE kernels: small blocks while T * k pairs are no more than the experts
+    (few pairs per expert), else large."""
+    return MOE_SMALL_BLOCK_M if tokens * top_k <= num_experts else MOE_LARGE_BLOCK_M
+
+
+def sorted_slots(tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
+    """Length of the expert-sorted (token, slot) ids: every pair, plus each expert's padding to a block (at
+    most block_m - 1 for each expert reached), never more than every pair alone in a block."""
+    pairs = tokens * top_k
+    return min(pairs + num_experts * (block_m - 1), pairs * block_m)
+
+
+def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
+                      elem_bytes: int) -> int:
+    """What the fused MoE path holds at once for a step of `tokens` tokens (per call, freed after it): the
+    expert sort's int64 temporaries (5 per pair, 4 per expert, 1 per block) and int32 outputs (sorted ids,
+    block experts), the [T*k, I] and [T, k, H] intermediates and the [T, H] sum. A function of T alone:
+    the routing decides which slots hold which pairs, never how many there are."""
+    block_m = moe_block_m(tokens, top_k, num_experts)
+    slots = sorted_slots(tokens, top_k, num_experts, block_m)
+    pairs, blocks = tokens * top_k, -(-slots // block_m)
+    sort = 8 * (5 * pairs + 4 * num_experts + blocks + 1) + 4 * (slots + blocks + 1)
+    return sort + elem_bytes * (pairs * inter + pairs * hidden + tokens * hidden)
+
+
 def batch_ladder(max_bs: int) -> list[int]:
     """Captured decode batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
     sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}

@@ -139,8 +139,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), dtype)
-        self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size, mc.moe_intermediate_size,
-                                mc.norm_topk_prob, tp, dtype, backend, routing)
+        self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
+                                mc.moe_intermediate_size, mc.norm_topk_prob, tp, dtype, backend, routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, torch.nn.functional.linear(x, self.gate.weight))

@@ -27,7 +27,7 @@ images; every decode corner's rows carry images too (the M-RoPE decode path, rop
 MoE corners (an MoE model): the steps with the most tokens again under each forced routing (layers.moe:
 every token to the same top_k experts, and tokens spread evenly): prefill corners (a) and (b), the first
 mixed corner, and the decode corners. The router's own choice depends on the tokens, so serving can route
-anywhere between those ends; a stress of random tokens alone would route about evenly.
+anywhere between those ends, whatever the stress's random tokens happened to reach.
 Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
 needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
 """

@@ -5,8 +5,8 @@
   fused_moe_silu             gate_up projection per block, silu(gate) * up fused: [T * k, I]
   fused_moe                  down projection per block, scaled by the routing weight: [T, k, H]
 then a sum over k. Every buffer's size follows the step's tokens T alone, whatever the routing: at most
-T * k + E * (BLOCK_SIZE_M - 1) sorted slots (moe_scratch_bytes), so the stress's corners at the most tokens
-hold the most any routing can. No host sync: decode graphs capture it.
+T * k + E * (BLOCK_SIZE_M - 1) sorted slots (budget.moe_scratch_bytes), so the stress's corners at the most
+tokens hold the most any routing can. No host sync: decode graphs capture it.
 
 Not AITER's moe_align_block_size_triton: its token count is a constexpr (a compile per step size while
 serving) and it leaves the padding unwritten. The GEMM kernels' token count (num_valid_tokens) follows the
@@ -18,29 +18,16 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from autoprofile import budget
 from autoprofile.engine.aiter_loader import load_aiter_moe
-from autoprofile.layers.moe import sort_by_expert, sorted_slots
+from autoprofile.layers.moe import sort_by_expert
 
-# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M): few tokens per expert (T * k <= E), and more
-SMALL = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
-LARGE = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8}
+# Per rows-per-block (budget.moe_block_m): vLLM's default launch configs for unquantized experts
+CONFIGS = {
+    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1},
+    budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
+}
 COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def launch_config(tokens: int, top_k: int, num_experts: int) -> dict:
-    return dict(SMALL if tokens * top_k <= num_experts else LARGE)
-
-
-def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
-                      elem_bytes: int) -> int:
-    """The bytes fused_moe holds at once for a step of `tokens` tokens (per call; freed after it): the sort's
-    int64 temporaries (pairs, order, experts, ranks, destinations: 5 per pair) and int32 outputs (sorted
-    ids, block experts), the [T*k, I] and [T, k, H] intermediates, the [T, H] sum."""
-    block_m = launch_config(tokens, top_k, num_experts)["BLOCK_SIZE_M"]
-    slots = sorted_slots(tokens, top_k, num_experts, block_m)
-    pairs = tokens * top_k
-    sort = 8 * (5 * pairs + 4 * num_experts + slots // block_m + 1) + 4 * (slots + slots // block_m + 2)
-    return sort + elem_bytes * (pairs * inter + pairs * hidden + tokens * hidden)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -52,8 +39,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    cfg = launch_config(tokens, top_k, num_experts)
-    block_m = cfg["BLOCK_SIZE_M"]
+    block_m = budget.moe_block_m(tokens, top_k, num_experts)
+    cfg = CONFIGS[block_m]
     sorted_ids, block_experts, padded = sort_by_expert(ids, num_experts, block_m)
     weights = weights.contiguous()
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)

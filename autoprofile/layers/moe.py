@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from autoprofile.budget import sorted_slots
 from autoprofile.layers.parallel import TP, copy_checked, new_param, read_rows
 
 # Routing.mode values, by index: the router's own choice, every token to experts 0..top_k-1, round robin
@@ -78,19 +79,12 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
-def sorted_slots(tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
-    """Length of the expert-sorted (token, slot) ids: every pair, plus each expert's padding to a block (at
-    most block_m - 1 for each expert reached), never more than every pair alone in a block."""
-    pairs = tokens * top_k
-    return min(pairs + num_experts * (block_m - 1), pairs * block_m)
-
-
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
     """The block layout a fused MoE kernel reads (vLLM's moe_align_block_size): the (token, slot) pairs
     (flat index t * k + j) grouped by expert, in pair order, each expert's group padded with the pad id
     T * k to a multiple of block_m. Returns (sorted ids [sorted_slots] int32, the expert of each block
-    [ceil(sorted_slots / block_m)] int32, the padded length [1] int32; blocks past it are never read).
+    [ceil(budget.sorted_slots / block_m)] int32, the padded length [1] int32; blocks past it are never read).
 
     Torch ops of static shapes, no host sync (a decode graph captures it): its sizes follow T alone."""
     flat = ids.flatten().long()
@@ -148,8 +142,8 @@ class FusedMoE(nn.Module):
         shard = inter // tp.size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp, self.backend, self.routing = tp, backend, routing
-        self.gate_up_proj = new_param((num_experts, 2 * shard, hidden), dtype,
-                                      partial(load_expert_gate_up, shard=shard, rank=tp.rank), 2 * num_experts)
+        gate_up = partial(load_expert_gate_up, shard=shard, rank=tp.rank)
+        self.gate_up_proj = new_param((num_experts, 2 * shard, hidden), dtype, gate_up, 2 * num_experts)
         self.down_proj = new_param((num_experts, hidden, shard), dtype,
                                    partial(load_expert_down, shard=shard, rank=tp.rank), num_experts)
 
