@@ -178,9 +178,14 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
            f"choose a Llama/Qwen model such as "
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
+    _check(not m.is_mla or not serving or cfg.attention_backend == "torch", "attention_backend",
+           f"{m.name} uses MLA attention, which runs on the torch reference backend only for now (AITER's "
+           f"Triton MLA decode is not wired yet); try --attention_backend torch")
+    _check(not m.is_mla or cfg.kv_cache_dtype != "fp8_e4m3", "kv_cache_dtype",
+           f"{m.name}'s MLA latent cache has no FP8 path yet; try --kv_cache_dtype auto")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
-           f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} does "
-           f"not divide (TP splits every expert's intermediate dimension); try --tp 1")
+           f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
+           f"does not divide (TP splits every expert's intermediate dimension); try --tp 1")
     _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
            f"them; try --tp "

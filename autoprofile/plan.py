@@ -122,10 +122,10 @@ class WeightSplit:
 
 def weight_split(m: ModelConfig) -> WeightSplit:
     h = m.hidden_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if m.attention_bias else 0)
+    attn = m.attention_params() - (2 * m.head_dim if m.qk_norm else 0)  # norms: replicated
     moe = m.moe_layers  # an MoE model's other layers are dense
-    mlp = moe * m.num_experts * 3 * h * m.moe_intermediate_size + (m.num_layers - moe) * 3 * h * m.intermediate_size
+    experts = (m.num_experts + m.n_shared_experts) * 3 * h * m.moe_intermediate_size
+    mlp = moe * experts + (m.num_layers - moe) * 3 * h * m.intermediate_size
     layers = m.num_layers * attn + mlp
     vocab = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
     return WeightSplit(layers, vocab, m.num_params() - layers - vocab)

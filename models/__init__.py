@@ -1,4 +1,5 @@
-"""Model definitions (Llama-family decoders) and their HF-style config.json files."""
+"""Model definitions (Llama-family decoders with dense or MoE MLPs, DeepSeek-V2 with MLA) and their HF-style
+config.json files."""
 
 VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 
@@ -8,5 +9,8 @@ def model_class(mc):
     if mc.architecture in VL_ARCHITECTURES:
         from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
         return Qwen2_5_VLForConditionalGeneration
+    if mc.is_mla:
+        from models.deepseek_v2 import DeepseekV2ForCausalLM
+        return DeepseekV2ForCausalLM
     from models.llama import LlamaForCausalLM
     return LlamaForCausalLM

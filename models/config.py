@@ -8,7 +8,7 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Architectures the engine can run; others (MoE) are known to the budget planner only.
 RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                          "Qwen2_5_VLForConditionalGeneration")
+                          "DeepseekV2ForCausalLM", "Qwen2_5_VLForConditionalGeneration")
 
 # The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
 # 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here,
@@ -85,9 +85,20 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # MLA (planner only): per-token latent cache is kv_lora_rank + qk_rope_head_dim
+    # DeepSeek-V2's MoE: shared experts beside the routed ones, routing weights times routed_scaling_factor,
+    # topk_method greedy or group_limited_greedy (the top topk_group of n_group expert groups first)
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    n_group: int = 0
+    topk_group: int = 0
+    # MLA (DeepSeek-V2): the cache holds one latent of kv_lora_rank + qk_rope_head_dim per token and layer;
+    # queries of qk_nope_head_dim + qk_rope_head_dim per head (through a q_lora_rank bottleneck when > 0)
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
     # vision-language (Qwen2.5-VL): the tower, M-RoPE sections (t, h, w) and the special token ids
     vision: VisionConfig | None = None
     mrope_section: tuple[int, ...] | None = None
@@ -120,13 +131,28 @@ class ModelConfig:
         """Safetensors files next to the config (empty: random weights)."""
         return sorted(Path(self.path).glob("*.safetensors")) if self.path else []
 
-    def num_params(self) -> int:
-        """Parameter count (exact for the dense decoders; MoE counts all experts)."""
-        h, L = self.hidden_size, self.num_layers
+    def attention_params(self) -> int:
+        """One layer's attention parameters (MLA: the query, the latent's projections down and up, its
+        norm)."""
+        h = self.hidden_size
+        if self.is_mla:
+            heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            rank = self.kv_lora_rank
+            qr = self.q_lora_rank
+            query = h * qr + qr + qr * heads * qk if qr else h * heads * qk
+            latent = h * (rank + self.qk_rope_head_dim) + rank + rank * heads * (self.qk_nope_head_dim
+                                                                                + self.v_head_dim)
+            return query + latent + heads * self.v_head_dim * h
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        attn += 2 * self.head_dim if self.qk_norm else 0
-        experts = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        return attn + (2 * self.head_dim if self.qk_norm else 0)
+
+    def num_params(self) -> int:
+        """Parameter count (exact for the supported decoders; MoE counts all experts)."""
+        h, L = self.hidden_size, self.num_layers
+        attn = self.attention_params()
+        experts = (self.num_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
+        experts += h * self.num_experts
         moe = self.moe_layers
         mlp = moe * experts + (L - moe) * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -147,8 +173,7 @@ class ModelConfigError(ValueError):
 
 
 _MISSING = object()
-ROPE_TYPES = ("default", "linear", "llama3")
-PLANNED_ROPE_TYPES = ("yarn",)  # read for the planner (DeepSeek-V2): no runnable architecture has it yet
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 VL_TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -211,12 +236,13 @@ def _rope_scaling(f: _Fields) -> dict | None:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "mrope" or (kind == "default" and "mrope_section" in scaling):  # Qwen2.5-VL: unscaled
         return None
-    planned = kind in PLANNED_ROPE_TYPES and f.d.get("architectures", [""])[0] not in RUNNABLE_ARCHITECTURES
-    if kind not in ROPE_TYPES and not planned:
+    if kind not in ROPE_TYPES:
         f.fail(key, f"has rope_type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
     sub = _Fields(scaling, f"{f.source}: key '{key}'")
     if kind != "default":
         sub.number("factor")
+    if kind == "yarn":
+        sub.number("original_max_position_embeddings")
     if kind == "llama3":
         low, high = sub.number("low_freq_factor", 1.0), sub.number("high_freq_factor", 1.0)
         sub.number("original_max_position_embeddings")
@@ -308,12 +334,23 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         num_experts_per_tok=per_tok,
         moe_intermediate_size=moe_inter,
         **_moe_layout(f, num_experts),
-        kv_lora_rank=f.int("kv_lora_rank", 0, lo=0),
-        qk_rope_head_dim=f.int("qk_rope_head_dim", 0, lo=0),
+        **_mla_fields(f),
         **_vision_fields(f, heads, hidden),
         path=path,
         raw=d,
     )
+
+
+def _mla_fields(f: _Fields) -> dict:
+    """MLA's widths (DeepSeek-V2); {} without kv_lora_rank."""
+    rank = f.int("kv_lora_rank", 0, lo=0)
+    if not rank:
+        return {}
+    rope = f.int("qk_rope_head_dim")
+    if rope % 2:
+        f.fail("qk_rope_head_dim", f"({rope}) must be even (RoPE rotates pairs of channels); try {rope + 1}")
+    return {"kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": f.int("qk_nope_head_dim"),
+            "v_head_dim": f.int("v_head_dim"), "q_lora_rank": f.int("q_lora_rank", 0, lo=0)}
 
 
 def _moe_layout(f: _Fields, num_experts: int) -> dict:
@@ -324,8 +361,19 @@ def _moe_layout(f: _Fields, num_experts: int) -> dict:
     dense = f.get("mlp_only_layers", list(range(f.int("first_k_dense_replace", 0, lo=0))))  # DeepSeek's
     if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
         f.fail("mlp_only_layers", f"must be a list of layer indexes in [0, {layers}), got {dense!r}")
+    method = f.str("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        f.fail("topk_method", f"is {method!r}; supported: greedy, group_limited_greedy")
+    groups = {}
+    if method == "group_limited_greedy":
+        groups = {"n_group": f.int("n_group"), "topk_group": f.int("topk_group")}
+        if num_experts % groups["n_group"] or groups["topk_group"] > groups["n_group"]:
+            f.fail("n_group", f"({groups['n_group']}) must divide the {num_experts} experts and be at least "
+                              f"topk_group ({groups['topk_group']})")
     return {"norm_topk_prob": f.bool("norm_topk_prob", False),
-            "decoder_sparse_step": f.int("decoder_sparse_step", 1), "mlp_only_layers": tuple(dense)}
+            "decoder_sparse_step": f.int("decoder_sparse_step", f.int("moe_layer_freq", 1)),
+            "mlp_only_layers": tuple(dense), "n_shared_experts": f.int("n_shared_experts", 0, lo=0),
+            "routed_scaling_factor": f.number("routed_scaling_factor", 1.0), "topk_method": method, **groups}
 
 
 def _with_text_config(d: dict) -> dict:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
-from autoprofile.layers.moe import FusedMoE, Routing
+from autoprofile.layers.moe import FusedMoE, Routing, route
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import ModelConfig
@@ -32,7 +32,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope_scaling type '{kind}' is not supported (default, linear, llama3 are)")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise NotImplementedError(f"rope_scaling type '{kind}' is not supported (default, linear, llama3, yarn "
+                              "are)")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated
+    (divided by factor), those past beta_fast kept, a linear ramp between (HF's _compute_yarn_parameters)."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    span = high - low if high > low else 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other types)."""
+    s = scaling or {}
+    if s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -55,11 +92,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(torch.get_default_device())
         positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_attention_factor(scaling)
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product); fp32."""
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,9 +165,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 intermediate_size: int | None = None):
         super().__init__()
-        i = mc.intermediate_size
+        i = intermediate_size or mc.intermediate_size
         self.backend = backend
         self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype)
         self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype)
@@ -137,13 +183,15 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  routing: Routing):
         super().__init__()
+        self.top_k, self.renormalize = mc.num_experts_per_tok, mc.norm_topk_prob
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), dtype)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                                mc.moe_intermediate_size, mc.norm_topk_prob, tp, dtype, backend, routing)
+                                mc.moe_intermediate_size, tp, dtype, backend, routing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, torch.nn.functional.linear(x, self.gate.weight))
+        logits = torch.nn.functional.linear(x, self.gate.weight)
+        return self.experts(x, *route(logits, self.top_k, self.renormalize))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -167,8 +167,8 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
     assert torch.equal(scaled[high], base[high]) and torch.allclose(scaled[low], base[low] / 8)
     mid = ~high & ~low
     assert mid.any() and ((scaled[mid] < base[mid]) & (scaled[mid] > base[mid] / 8)).all()
-    with pytest.raises(NotImplementedError, match="yarn"):
-        rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        rope_inv_freq(64, 10000.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 def _prefill_meta(lens: list[int], slots: torch.Tensor) -> AttentionMetadata:

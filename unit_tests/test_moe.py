@@ -123,7 +123,7 @@ def test_a_tp_rank_holds_its_columns_of_every_expert_and_the_ranks_sum_to_the_wh
     backend = get_backend_class("torch")(2, 2, 4, PAGE, torch.float32, torch.device("cpu"))
 
     def layer(r: int, size: int) -> FusedMoE:
-        moe = FusedMoE(e, k, h, i, True, TP(r, size), torch.float32, backend, Routing())
+        moe = FusedMoE(e, k, h, i, TP(r, size), torch.float32, backend, Routing())
         for x_ in range(e):
             for part, src in ((2 * x_, gate[x_]), (2 * x_ + 1, up[x_])):
                 moe.gate_up_proj.weight_loader(moe.gate_up_proj, src, part)
@@ -137,7 +137,7 @@ def test_a_tp_rank_holds_its_columns_of_every_expert_and_the_ranks_sum_to_the_wh
     assert torch.equal(shard.down_proj, down[:, :, half])
     weights, ids = route(logits_, k, True)
     with torch.no_grad():
-        whole = layer(0, 1)(x, logits_)
+        whole = layer(0, 1)(x, weights, ids)
         parts = sum(backend.fused_moe(x, m.gate_up_proj, m.down_proj, weights, ids)  # before the all-reduce
                     for m in (layer(r, 2) for r in range(2)))
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)

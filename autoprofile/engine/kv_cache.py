@@ -40,13 +40,15 @@ class KVCache:
     NOTE: captured decode graphs hold raw pointers into `buffer` and `scales`: drop the graphs first."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, latent: bool = False):
         # zeros, not empty: masked-out cache entries must not be NaN bit patterns (0 * NaN = NaN)
-        self.buffer = torch.zeros((2, num_layers, num_pages, num_kv_heads, page_size, head_dim),
-                                  dtype=dtype, device=device)
+        # NOTE: an MLA cache (latent) holds one tensor per layer, [pages, 1, page, latent]: k and v are it
+        parts = 1 if latent else 2
+        shape = (parts, num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        self.buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = torch.ones(num_layers, 2, dtype=torch.float32,
                                  device=device) if dtype in FP8_DTYPES else None
-        self.layers = [KVLayer(self.buffer[0, i], self.buffer[1, i],
+        self.layers = [KVLayer(self.buffer[0, i], self.buffer[-1, i],
                                None if self.scales is None else self.scales[i])
                        for i in range(num_layers)]
         self.num_pages, self.page_size = num_pages, page_size

@@ -48,6 +48,9 @@ class ModelRunner:
         mc = self.model_config = cfg.model_config
         self.dtype, self.kv_cache_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.kv_dtype_name]
         self.num_q_heads, self.num_kv_heads = mc.num_heads // world_size, mc.num_kv_heads // world_size
+        # the cache's heads x width per token and layer: K and V heads, or MLA's one latent (replicated)
+        self.cache_heads, self.cache_width = ((1, mc.kv_lora_rank + mc.qk_rope_head_dim) if mc.is_mla
+                                              else (self.num_kv_heads, mc.head_dim))
         self.backend_cls = get_backend_class(cfg.attention_backend)
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device)
@@ -103,12 +106,11 @@ class ModelRunner:
         q_heads, head_dim = self.num_q_heads, mc.head_dim
         env = self.envelope_for(kv_pages=2)  # the rows do not depend on the cache size
         return budget.Sizing(
-            cell_bytes=budget.kv_cell_bytes(mc.num_layers, mc.num_kv_heads, head_dim, cfg.kv_dtype_bytes,
-                                            self.tp.size),
+            cell_bytes=budget.cell_bytes_for(mc, cfg.kv_dtype_bytes, self.tp.size),
             context_len=cfg.context_len, page_size=cfg.page_size,
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
             workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
-            max_tokens=budget.max_indexable_tokens(self.num_kv_heads, head_dim, cfg.page_size))
+            max_tokens=budget.max_indexable_tokens(self.cache_heads, self.cache_width, cfg.page_size))
 
     def fingerprint(self) -> dict | None:
         """What a probe's measurement depends on besides the code, model and flags
@@ -153,8 +155,8 @@ class ModelRunner:
         env = self.envelope_for(pages)
         try:
             checkpoint("kv_alloc")
-            self.kv = KVCache(mc.num_layers, pages, self.num_kv_heads, cfg.page_size, mc.head_dim,
-                              self.kv_cache_dtype, self.device)
+            self.kv = KVCache(mc.num_layers, pages, self.cache_heads, cfg.page_size, self.cache_width,
+                              self.kv_cache_dtype, self.device, latent=mc.is_mla)
             self.kv.set_scales(self.checkpoint_kv_scales if self.kv_scale_source == "checkpoint" else None)
             self.kv_scales_pending = self.kv_scale_source == "first_batch"
             self.envelope = env

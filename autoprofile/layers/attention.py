@@ -160,6 +160,29 @@ class AttentionBackend(ABC):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
+    # ------------------------------------------------------------ MLA (DeepSeek-V2): a latent cache
+    # The cache of an MLA model holds one latent per token and layer: KVLayer.k [num_pages, 1, page_size, L]
+    # (L = kv_lora_rank + rope dim), and KVLayer.v is the same tensor.
+    def store_latent(self, latent: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
+        """Write latents [T, L] into the cache at slot_mapping."""
+        kv.k[slot_mapping // self.page_size, 0, slot_mapping % self.page_size] = latent.to(kv.k.dtype)
+
+    def gather_latent(self, kv: KVLayer, slots: torch.Tensor) -> torch.Tensor:
+        """Latents [N, L] of the cache slots (a chunk's prefix + its new tokens)."""
+        return kv.k[slots // self.page_size, 0, slots % self.page_size]
+
+    def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """Expanded MLA prefill: q [T, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] (per-head keys and values
+        decompressed from the latents) -> [T, H, Dv], causal as prefill()."""
+        raise NotImplementedError(f"the {self.name} backend has no MLA path; use --attention_backend torch")
+
+    def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
+                   v_dim: int) -> torch.Tensor:
+        """Absorbed MLA decode: q [B, H, L] (each head's query in the latent space) attends to the cached
+        latents as one shared head; values are the latents' first v_dim channels -> [B, H, v_dim]."""
+        raise NotImplementedError(f"the {self.name} backend has no MLA path; use --attention_backend torch")
+
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -132,22 +132,22 @@ def expert_part(name: str) -> tuple[str, int] | None:
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: x [T, H] and the router's logits [T, E] -> [T, H] (all-reduced over TP)."""
+    """The experts of one layer: x [T, H] and the router's choice (weights, expert ids [T, k]) -> [T, H],
+    all-reduced over TP. The router is the model's (route: Qwen3-MoE's; DeepSeek's has its own)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool, tp: TP,
-                 dtype: torch.dtype, backend, routing: Routing):
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, tp: TP, dtype: torch.dtype,
+                 backend, routing: Routing):
         super().__init__()
         if inter % tp.size:
             raise ValueError(f"moe_intermediate_size {inter} is not divisible by {tp.size} TP ranks")
         shard = inter // tp.size
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_experts, self.top_k = num_experts, top_k
         self.tp, self.backend, self.routing = tp, backend, routing
         gate_up = partial(load_expert_gate_up, shard=shard, rank=tp.rank)
         self.gate_up_proj = new_param((num_experts, 2 * shard, hidden), dtype, gate_up, 2 * num_experts)
         self.down_proj = new_param((num_experts, hidden, shard), dtype,
                                    partial(load_expert_down, shard=shard, rank=tp.rank), num_experts)
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         ids = self.routing.apply(ids, self.num_experts)
         return self.tp.all_reduce(self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids))

@@ -29,49 +29,56 @@ class TorchBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        return self._varlen(q, k, v, meta, self.group, self.scale)
+
+    def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        return self._varlen(q, k, v, meta, 1, scale)
+
+    def _varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, group: int,
+                scale: float) -> torch.Tensor:
         bounds = meta.cu_seqlens.tolist()
         kv_bounds = meta.cu_seqlens_k.tolist() if meta.cu_seqlens_k is not None else bounds
         if bounds[-1] != q.shape[0] or kv_bounds[-1] != k.shape[0]:
             raise ValueError(f"cu_seqlens cover {bounds[-1]} query and {kv_bounds[-1]} key tokens, "
                              f"q has {q.shape[0]} and k {k.shape[0]}")
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         for start, end, kv_start, kv_end in zip(bounds[:-1], bounds[1:], kv_bounds[:-1], kv_bounds[1:]):
             if end > start:
-                out[start:end] = self._causal(q[start:end], k[kv_start:kv_end], v[kv_start:kv_end])
+                out[start:end] = _causal(q[start:end], k[kv_start:kv_end], v[kv_start:kv_end], group, scale)
         return out
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One request: q [Lq, H, D], k/v [Lk, Hkv, D] with Lk >= Lq (the last Lq keys are q's own
-        tokens: causal aligned bottom-right) -> [Lq, Hq, D]."""
-        qh = q.transpose(0, 1)[None]
-        kh = k.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
-        vh = v.transpose(0, 1).repeat_interleave(self.group, 0)[None].to(q.dtype)
-        if k.shape[0] == q.shape[0]:
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
-                                                  scale=self.scale)[0].transpose(0, 1)
-        mask = causal_lower_right(q.shape[0], k.shape[0])
-        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)[0].transpose(0, 1)
-
-    def decode_chunk_pages(self, num_seqs: int, pages_per_req: int) -> int:
-        """Pages per step of the decode loop: fp32 K of one chunk fits decode_chunk_bytes."""
-        per_token = num_seqs * self.num_kv_heads * self.head_dim * 4
+    def decode_chunk_pages(self, num_seqs: int, pages_per_req: int, width: int | None = None) -> int:
+        """Pages per step of the decode loop: fp32 K of one chunk (`width` channels a token, all kv heads)
+        fits decode_chunk_bytes."""
+        per_token = num_seqs * (width or self.num_kv_heads * self.head_dim) * 4
         return max(min(self.decode_chunk_bytes // (per_token * self.page_size), pages_per_req), 1)
 
     def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
         """Requires seq_lens >= 1 (padded graph slots included: point them at a scratch page). An FP8
         cache is dequantised as it is gathered (fp32, by its scales)."""
+        return self._paged(q, kv, meta, self.num_kv_heads, self.scale)
+
+    def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
+                   v_dim: int) -> torch.Tensor:
+        """The latent cache read as one shared head (its values the latents themselves, of which the first
+        v_dim channels are kept: the rest, the rope key, only scores)."""
+        return self._paged(q, kv, meta, 1, scale)[..., :v_dim]
+
+    def _paged(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, hkv: int,
+               scale: float) -> torch.Tensor:
         k_cache, v_cache = kv.k, kv.v
         k_scale, v_scale = (None, None) if kv.scales is None else kv.scales.unbind()
         tables, seq_lens = meta.block_tables, meta.seq_lens
         b, pages_per_req = tables.shape
-        hkv, d = self.num_kv_heads, self.head_dim
+        d, group = q.shape[-1], q.shape[1] // hkv
         # NOTE: columns past seq_len may hold anything (the AITER kernels never read them): clamp to gather
         tables = tables.clamp(0, k_cache.shape[0] - 1)
-        qg = q.reshape(b, hkv, self.group, d).float() * self.scale
-        m = torch.full((b, hkv, self.group, 1), float("-inf"), device=q.device)
-        denom = torch.zeros((b, hkv, self.group, 1), device=q.device)
-        acc = torch.zeros((b, hkv, self.group, d), device=q.device)
-        step = self.decode_chunk_pages(b, pages_per_req)
+        qg = q.reshape(b, hkv, group, d).float() * scale
+        m = torch.full((b, hkv, group, 1), float("-inf"), device=q.device)
+        denom = torch.zeros((b, hkv, group, 1), device=q.device)
+        acc = torch.zeros((b, hkv, group, d), device=q.device)
+        step = self.decode_chunk_pages(b, pages_per_req, hkv * d)
         offsets = torch.arange(step * self.page_size, device=q.device)
         for first in range(0, pages_per_req, step):
             pages = tables[:, first:first + step]
@@ -88,7 +95,7 @@ class TorchBackend(AttentionBackend):
             denom = denom * alpha + p.sum(-1, keepdim=True)
             acc = acc * alpha + p @ values
             m = m_new
-        return (acc / denom).to(q.dtype).view(b, self.num_q_heads, d)
+        return (acc / denom).to(q.dtype).view(b, hkv * group, d)
 
     def _gather(self, cache: torch.Tensor, pages: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """[num_pages, Hkv, page, D] at pages [B, c] -> fp32 [B, Hkv, c*page, D] (times scale, if any)."""
@@ -98,3 +105,15 @@ class TorchBackend(AttentionBackend):
         if scale is not None:
             out.mul_(scale)
         return out.view(b, h, c * p, d)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+    """One request: q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] with Lk >= Lq (the last Lq keys are q's
+    own tokens: causal aligned bottom-right), Hq = group * Hkv -> [Lq, Hq, Dv]."""
+    qh = q.transpose(0, 1)[None]
+    kh = k.transpose(0, 1).repeat_interleave(group, 0)[None].to(q.dtype)
+    vh = v.transpose(0, 1).repeat_interleave(group, 0)[None].to(q.dtype)
+    if k.shape[0] == q.shape[0]:
+        return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
+    mask = causal_lower_right(q.shape[0], k.shape[0])
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)

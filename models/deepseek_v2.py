@@ -1,0 +1,203 @@
+"""DeepSeek-V2 (-Lite): multi-head latent attention (MLA) over a latent cache, and MoE layers with shared
+experts (the first `first_k_dense_replace` layers dense).
+
+MLA. Per token and layer the cache holds one latent (kv_lora_rank + qk_rope_head_dim wide, 576 for
+V2-Lite, shared by every head): c = RMSNorm(W_DKV x) and the rotated rope key k_pe.
+  Prefill (expanded): each head's k_nope and v come from c through kv_b_proj; keys [k_nope | k_pe], queries
+    [q_nope | q_pe]; attention as usual (a chunk over a cached prefix expands the prefix's latents too).
+  Decode (absorbed): q_nope goes into the latent space through each head's k-part of kv_b_proj
+    (q_lat = W_UK^T q_nope), so scores = [q_lat | q_pe] . [c | k_pe] read the cache directly, as one shared
+    head; the output o_lat = sum p c leaves through each head's v-part (o = W_UV o_lat).
+The rope part rotates channel pairs (2i, 2i + 1) (DeepSeek's complex product) with YaRN frequencies; the
+softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.moe import FusedMoE, Routing
+from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                         VocabParallelEmbedding, new_param)
+from models.config import ModelConfig
+from models.llama import LlamaMLP, RMSNorm, RotaryEmbedding, apply_rope_interleaved, yarn_mscale
+
+
+def mla_softmax_scale(mc: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the config has one."""
+    scale = (mc.qk_nope_head_dim + mc.qk_rope_head_dim) ** -0.5
+    s = mc.rope_scaling or {}
+    if s.get("rope_type", s.get("type")) == "yarn" and s.get("mscale_all_dim"):
+        scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+    return scale
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T (+ b), the whole weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = new_param((out_features, in_features), dtype)
+        self.bias = new_param((out_features,), dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        self.backend = backend
+        self.heads = mc.num_heads // tp.size
+        self.nope, self.rope, self.v_dim = mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim
+        self.rank = mc.kv_lora_rank
+        self.scale = mla_softmax_scale(mc)
+        qk = mc.num_heads * (self.nope + self.rope)
+        self.q_lora = mc.q_lora_rank > 0
+        if self.q_lora:
+            self.q_a_proj = ReplicatedLinear(mc.hidden_size, mc.q_lora_rank, mc.attention_bias, dtype)
+            self.q_a_layernorm = RMSNorm(mc.q_lora_rank, mc.rms_norm_eps, backend, dtype)
+            self.q_b_proj = ColumnParallelLinear(mc.q_lora_rank, [qk], False, tp, dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(mc.hidden_size, [qk], False, tp, dtype)
+        bias = mc.attention_bias
+        self.kv_a_proj_with_mqa = ReplicatedLinear(mc.hidden_size, self.rank + self.rope, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(self.rank, mc.rms_norm_eps, backend, dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, [mc.num_heads * (self.nope + self.v_dim)], False, tp,
+                                              dtype)
+        self.o_proj = RowParallelLinear(mc.num_heads * self.v_dim, mc.hidden_size, bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(-1, self.heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe = apply_rope_interleaved(q_pe, *rope)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), *rope).squeeze(1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+        self.backend.store_latent(latent, kv, meta.slot_mapping)
+        if not meta.is_prefill:
+            return self.o_proj(self._decode(q_nope, q_pe, kv, meta))
+        o_decode = None
+        if meta.decode is not None:  # a mixed step: its decode rows' tokens come last
+            n = q.shape[0] - meta.decode.slot_mapping.shape[0]
+            o_decode = self._decode(q_nope[n:], q_pe[n:], kv, meta.decode)
+            q_nope, q_pe, latent = q_nope[:n], q_pe[:n], latent[:n]
+        if meta.kv_slots is not None:  # chunks over cached prefixes: the prefix's latents too
+            latent = self.backend.gather_latent(kv, meta.kv_slots)
+        o = self._prefill(q_nope, q_pe, latent, meta)
+        if o_decode is not None:
+            o = torch.cat([o, o_decode])
+        return self.o_proj(o)
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Expanded: every key's k_nope and v decompressed per head."""
+        c, k_pe = latent.split([self.rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).view(-1, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)], dim=-1)
+        o = self.backend.mla_prefill(q, k, v, meta, self.scale)
+        return o.reshape(-1, self.heads * self.v_dim)
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Absorbed: the query into the latent space, the output out of it, per head."""
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        o_lat = self.backend.mla_decode(torch.cat([q_lat, q_pe], dim=-1), kv, meta, self.scale, self.rank)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(-1, self.heads * self.v_dim)
+
+
+def route_deepseek(logits: torch.Tensor, mc: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router on fp32 logits: softmax, the top-k (greedy, or within the topk_group best of
+    n_group expert groups), times routed_scaling_factor; no renormalisation. (fp32 weights, int32 ids)"""
+    scores = logits.softmax(dim=-1)
+    if mc.topk_method == "group_limited_greedy":
+        groups = scores.view(-1, mc.n_group, mc.num_experts // mc.n_group).amax(dim=-1)
+        keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, mc.topk_group, dim=-1)[1], 1.0)
+        scores = scores.masked_fill(~keep.repeat_interleave(mc.num_experts // mc.n_group, 1).bool(), 0.0)
+    weights, ids = torch.topk(scores, mc.num_experts_per_tok, dim=-1)
+    return weights * mc.routed_scaling_factor, ids.to(torch.int32)
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts (an fp32 router, as HF keeps it) plus shared experts (one dense MLP of
+    n_shared_experts x moe_intermediate_size) on every token."""
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 routing: Routing):
+        super().__init__()
+        self.config = mc
+        self.gate = nn.Module()
+        self.gate.weight = new_param((mc.num_experts, mc.hidden_size), torch.float32)
+        self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
+                                mc.moe_intermediate_size, tp, dtype, backend, routing)
+        shared = mc.moe_intermediate_size * mc.n_shared_experts
+        self.shared_experts = LlamaMLP(mc, backend, tp, dtype, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_deepseek(nn.functional.linear(x.float(), self.gate.weight), self.config)
+        out = self.experts(x, weights, ids)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype, layer: int,
+                 routing: Routing):
+        super().__init__()
+        self.self_attn = MLAttention(mc, backend, tp, dtype)
+        self.mlp = (DeepseekV2MoE(mc, backend, tp, dtype, routing) if mc.is_moe_layer(layer)
+                    else LlamaMLP(mc, backend, tp, dtype))
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, tp, dtype)
+        self.routing = Routing()
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(mc, backend, tp, dtype, i, self.routing)
+                                    for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        self.rotary_emb = RotaryEmbedding(mc.qk_rope_head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
+        x, rope = self.embed_tokens(input_ids), self.rotary_emb(positions)
+        for layer, kv in zip(self.layers, kv_layers, strict=True):
+            x = layer(x, rope, meta, kv)
+        return self.norm(x)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """HF's parameter names; the dense MLPs' gate/up (shared experts too) are packed, the routed experts
+    packed per layer (layers.moe)."""
+
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP = TP(),
+                 dtype: torch.dtype = torch.bfloat16, max_positions: int | None = None):
+        super().__init__()
+        self.config = mc
+        self.model = DeepseekV2Model(mc, backend, tp, dtype, max_positions or mc.max_position_embeddings)
+        tied = self.model.embed_tokens.weight if mc.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(mc.vocab_size, mc.hidden_size, tp, dtype, weight=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
