@@ -167,3 +167,24 @@ def test_the_budget_counts_one_latent_per_token_and_layer(models):
     lite = load_model_config("deepseek-v2-lite")
     assert budget.cell_bytes_for(lite, 2) == 27 * 576 * 2 == 31_104
     assert budget.cell_bytes_for(lite, 2, tp=2) == 31_104  # the latent is replicated on every rank
+
+
+def test_preemption_and_prefix_hits_on_the_latent_cache_keep_hf_greedy_tokens(models):
+    """A latent cache too small for the batch: requests are preempted and recomputed; a later request with
+    the same prompt takes its pages back from the prefix cache. Every answer is HF's greedy one."""
+    hf, _, folder = models
+    cfg = validate(ServerConfig(model=str(folder), dtype="float32", attention_backend="torch",
+                                max_req_total_len=128, batch_max_tokens=64, running_max_req_size=8,
+                                graph_max_batch_size=8, report_dir=None))
+    runner = ModelRunner(cfg)
+    runner.build(12 * PAGE)  # 11 usable pages: 4 requests of 3-4 pages each cannot all stay
+    engine = LLMEngine(runner)
+    prompts = [[7 + i] + IDS * 2 for i in range(4)]
+    out = engine.generate(prompts, max_tokens=12)
+    assert engine.stats.preemptions > 0
+    again = engine.generate(prompts[:1], max_tokens=12)
+    assert engine.stats.prefix_hit_tokens >= 2 * PAGE
+    for prompt, got in zip(prompts + prompts[:1], out + again):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert got == want.tolist(), prompt
