@@ -109,6 +109,7 @@ class ProfileResult:
     local_memory: int | None = None  # what the driver reserves for it (memory.local_memory_bytes)
     kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
     reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
+    forced_routings: tuple[str, ...] = ()  # an MoE model's: the routings the stress forced (layers.moe)
 
     @property
     def kv_bytes(self) -> int:
@@ -478,8 +479,9 @@ class Profiler:
                              m.probe_tokens if m else None, m, terms, list(self.rec.phases),
                              list(self.rec.samples),
                              list(self.errors), stack, local,
-                             kv_scales=getattr(self.runner, "kv_scale_source",
-                                               None), reused_probe=self.reused_probe)
+                             kv_scales=getattr(self.runner, "kv_scale_source", None),
+                             reused_probe=self.reused_probe,
+                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())))
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

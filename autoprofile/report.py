@@ -54,6 +54,7 @@ def to_dict(result) -> dict:
         "errors": result.errors,
         "stack_limit_bytes": result.stack_limit,
         "local_memory_bytes": result.local_memory,
+        "forced_routings": list(result.forced_routings),
     }
 
 
@@ -73,6 +74,11 @@ def format_report(result) -> str:
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "
                      f"{gib(result.local_memory):.2f} GiB reserved by the driver (inside non-torch)")
+    if result.forced_routings:
+        m = result.cfg.model_config
+        forced = " and ".join(result.forced_routings)
+        lines.append(f"  experts: the stress's most-token corners also ran under {forced} routing (worst: "
+                     f"every token to the same {m.num_experts_per_tok} of {m.num_experts} experts)")
     if result.errors:
         lines.append("  retried after: " + " | ".join(result.errors))
     return "\n".join(lines)

@@ -75,6 +75,7 @@ class FakeRunner:
     kv_bytes: int = 0
     events: list = field(default_factory=list)
     profiler: object = None  # set by tests that check the canary at build time
+    forced_routings: tuple[str, ...] = ()  # an MoE model's (ModelRunner.forced_routings)
     _held: int = 0
 
     def __post_init__(self):

@@ -1,6 +1,8 @@
 """The profiler's decision logic against a simulated GPU (only the torch.cuda memory API is faked)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -322,3 +324,14 @@ def test_the_cached_non_torch_memory_counts_when_above_what_the_process_holds_be
     second = make(gpu, cfg)[1].run()
     assert second.measurement.own_non_torch == entry["own_non_torch"]
     assert first.tokens - second.tokens == pytest.approx(GiB / first.cell_bytes, abs=2 * CFG.page_size)
+
+
+def test_the_report_says_which_routings_an_moe_models_stress_forced(gpu):
+    from autoprofile.report import format_report, to_dict
+    cfg = ServerConfig(model="qwen3-30b-a3b", max_req_total_len=8192, canary_mb=1, report_dir=None)
+    result = make(gpu, cfg, forced_routings=("worst", "balanced"))[1].run()
+    assert result.forced_routings == ("worst", "balanced") and to_dict(result)["forced_routings"] == [
+        "worst", "balanced"]
+    assert "under worst and balanced routing (worst: every token to the same 8 of 128 experts)" in \
+        format_report(result)
+    assert "routing" not in format_report(dataclasses.replace(result, forced_routings=()))  # a dense model
