@@ -13,17 +13,15 @@ softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import FusedMoE, Routing
-from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                         VocabParallelEmbedding, new_param)
+from autoprofile.layers.parallel import TP, ColumnParallelLinear, RowParallelLinear, new_param
 from models.config import ModelConfig
-from models.llama import LlamaMLP, RMSNorm, RotaryEmbedding, apply_rope_interleaved, yarn_mscale
+from models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm,
+                          apply_rope_interleaved, yarn_mscale)
 
 
 def mla_softmax_scale(mc: ModelConfig) -> float:
@@ -147,57 +145,21 @@ class DeepseekV2MoE(nn.Module):
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype, layer: int,
-                 routing: Routing):
-        super().__init__()
-        self.self_attn = MLAttention(mc, backend, tp, dtype)
-        self.mlp = (DeepseekV2MoE(mc, backend, tp, dtype, routing) if mc.is_moe_layer(layer)
-                    else LlamaMLP(mc, backend, tp, dtype))
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
-
-    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    attention_cls, moe_cls = MLAttention, DeepseekV2MoE
 
 
-class DeepseekV2Model(nn.Module):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
-                 max_positions: int):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, tp, dtype)
-        self.routing = Routing()
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(mc, backend, tp, dtype, i, self.routing)
-                                    for i in range(mc.num_layers))
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
-        self.rotary_emb = RotaryEmbedding(mc.qk_rope_head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+class DeepseekV2Model(LlamaModel):
+    layer_cls = DeepseekV2DecoderLayer
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
-        x, rope = self.embed_tokens(input_ids), self.rotary_emb(positions)
-        for layer, kv in zip(self.layers, kv_layers, strict=True):
-            x = layer(x, rope, meta, kv)
-        return self.norm(x)
+    @staticmethod
+    def rope_dim(mc: ModelConfig) -> int:
+        return mc.qk_rope_head_dim
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """HF's parameter names; the dense MLPs' gate/up (shared experts too) are packed, the routed experts
     packed per layer (layers.moe)."""
 
+    model_cls = DeepseekV2Model
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP = TP(),
-                 dtype: torch.dtype = torch.bfloat16, max_positions: int | None = None):
-        super().__init__()
-        self.config = mc
-        self.model = DeepseekV2Model(mc, backend, tp, dtype, max_positions or mc.max_position_embeddings)
-        tied = self.model.embed_tokens.weight if mc.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(mc.vocab_size, mc.hidden_size, tp, dtype, weight=tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_layers: Sequence[KVLayer]) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_layers)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

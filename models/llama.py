@@ -195,12 +195,14 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls, moe_cls = LlamaAttention, SparseMoeBlock  # a family's attention and MoE block
+
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  layer: int = 0, routing: Routing | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(mc, backend, tp, dtype)
+        self.self_attn = self.attention_cls(mc, backend, tp, dtype)
         if mc.is_moe_layer(layer):
-            self.mlp = SparseMoeBlock(mc, backend, tp, dtype, routing)
+            self.mlp = self.moe_cls(mc, backend, tp, dtype, routing)
         else:
             self.mlp = LlamaMLP(mc, backend, tp, dtype)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
@@ -212,15 +214,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  max_positions: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(mc.vocab_size, mc.hidden_size, tp, dtype)
         self.routing = Routing()  # the MoE layers' (none in a dense model); the runner sets it per step
-        self.layers = nn.ModuleList(LlamaDecoderLayer(mc, backend, tp, dtype, i, self.routing)
+        self.layers = nn.ModuleList(self.layer_cls(mc, backend, tp, dtype, i, self.routing)
                                     for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
-        self.rotary_emb = RotaryEmbedding(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(self.rope_dim(mc), max_positions, mc.rope_theta, mc.rope_scaling)
+
+    @staticmethod
+    def rope_dim(mc: ModelConfig) -> int:
+        """The channels RoPE rotates per head."""
+        return mc.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: Sequence[KVLayer]) -> torch.Tensor:
@@ -237,6 +246,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow HF's; the loader maps q/k/v and gate/up into the packed projections."""
 
+    model_cls = LlamaModel
+
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -246,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, max_positions: int | None = None):
         super().__init__()
         self.config = mc
-        self.model = LlamaModel(mc, backend, tp, dtype, max_positions or mc.max_position_embeddings)
+        self.model = self.model_cls(mc, backend, tp, dtype, max_positions or mc.max_position_embeddings)
         tied = self.model.embed_tokens.weight if mc.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(mc.vocab_size, mc.hidden_size, tp, dtype, weight=tied)
 

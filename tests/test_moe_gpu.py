@@ -11,6 +11,7 @@ import torch
 from autoprofile import budget
 from autoprofile.layers.moe import Routing, moe_reference, route
 from tests.conftest import require_backend
+from tests.test_sampling_gpu import _peak as peak_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,17 +46,6 @@ def test_aiter_triton_experts_match_the_torch_reference(tokens, routing):
     want = moe_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     err = (got - want).norm() / want.norm()
     assert err < 1e-2, (tokens, routing, float(err))
-
-
-def peak_bytes(fn) -> int:
-    """Bytes allocated above what was live before fn, at fn's peak."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    del out
-    return torch.cuda.max_memory_allocated() - base
 
 
 @pytest.mark.parametrize("tokens", [16, 4096])

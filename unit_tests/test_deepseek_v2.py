@@ -21,6 +21,7 @@ from autoprofile.layers.attention import AttentionMetadata
 from models.config import load_model_config
 from models.deepseek_v2 import DeepseekV2ForCausalLM, mla_softmax_scale
 from models.llama import rope_attention_factor, rope_inv_freq
+from unit_tests.test_moe import logits as prefill
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
@@ -66,15 +67,10 @@ def latent_cache(mc) -> KVCache:
                    torch.device("cpu"), latent=True)
 
 
-def prefill(model, ids: list[int], kv: KVCache, start: int = 0) -> torch.Tensor:
-    n = len(ids)
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(start, start + n) + PAGE,
-                             cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n)
-    if start:  # a chunk over the cached prefix: attend to prefix + new tokens
-        meta.kv_slots = torch.arange(start + n) + PAGE
-        meta.cu_seqlens_k, meta.max_seqlen_k = torch.tensor([0, start + n], dtype=torch.int32), start + n
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + n), meta, kv.layers))
+def tiny_cfg(folder, max_req_total_len: int) -> ServerConfig:
+    return validate(ServerConfig(model=str(folder), dtype="float32", attention_backend="torch",
+                                 max_req_total_len=max_req_total_len, batch_max_tokens=64,
+                                 running_max_req_size=8, graph_max_batch_size=8, report_dir=None))
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -139,10 +135,7 @@ def test_greedy_generation_through_the_engine_matches_hf(models):
     """The runner (latent cache, stress with the routing corners) and the engine (chunks, prefix cache,
     decode steps, a second request sharing the first's prefix) generate HF's greedy tokens."""
     hf, _, folder = models
-    cfg = validate(ServerConfig(model=str(folder), dtype="float32", attention_backend="torch",
-                                max_req_total_len=256, batch_max_tokens=64, running_max_req_size=8,
-                                graph_max_batch_size=8, report_dir=None))
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(tiny_cfg(folder, 256))
     runner.build(1024)
     runner.stress_prefill()
     runner.stress_decode()
@@ -156,10 +149,7 @@ def test_greedy_generation_through_the_engine_matches_hf(models):
 
 def test_the_budget_counts_one_latent_per_token_and_layer(models):
     _, _, folder = models
-    cfg = validate(ServerConfig(model=str(folder), dtype="float32", attention_backend="torch",
-                                max_req_total_len=256, batch_max_tokens=64, running_max_req_size=8,
-                                graph_max_batch_size=8, report_dir=None))
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(tiny_cfg(folder, 256))
     runner.build(512)
     mc = runner.model_config
     cell = mc.num_layers * (mc.kv_lora_rank + mc.qk_rope_head_dim) * 4
@@ -173,10 +163,7 @@ def test_preemption_and_prefix_hits_on_the_latent_cache_keep_hf_greedy_tokens(mo
     """A latent cache too small for the batch: requests are preempted and recomputed; a later request with
     the same prompt takes its pages back from the prefix cache. Every answer is HF's greedy one."""
     hf, _, folder = models
-    cfg = validate(ServerConfig(model=str(folder), dtype="float32", attention_backend="torch",
-                                max_req_total_len=128, batch_max_tokens=64, running_max_req_size=8,
-                                graph_max_batch_size=8, report_dir=None))
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(tiny_cfg(folder, 128))
     runner.build(12 * PAGE)  # 11 usable pages: 4 requests of 3-4 pages each cannot all stay
     engine = LLMEngine(runner)
     prompts = [[7 + i] + IDS * 2 for i in range(4)]
