@@ -132,12 +132,22 @@ def weight_split(m: ModelConfig) -> WeightSplit:
 
 
 def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
-    return weight_split(m).per_rank(m, tp) * dtype_bytes
+    """This rank's weights; DeepSeek's routers stay fp32 (as HF keeps them), replicated."""
+    return weight_split(m).per_rank(m, tp) * dtype_bytes + fp32_router_params(m) * (4 - dtype_bytes)
+
+
+def fp32_router_params(m: ModelConfig) -> int:
+    return m.moe_layers * m.num_experts * m.hidden_size if m.is_mla else 0
+
+
+def rope_dim(m: ModelConfig) -> int:
+    """The channels RoPE rotates per head (MLA: its rope part)."""
+    return m.qk_rope_head_dim if m.is_mla else m.head_dim
 
 
 def rope_table_bytes(m: ModelConfig, context_len: int) -> int:
-    """The model's cos/sin buffer: [max_req_total_len, head_dim] fp32."""
-    return context_len * m.head_dim * 4
+    """The model's cos/sin buffer: [max_req_total_len, rope dim] fp32."""
+    return context_len * rope_dim(m) * 4
 
 
 def resolve_backend(name: str, vendor: str) -> str:
@@ -275,7 +285,7 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
             f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"),
         Row("rope table", rope_table_bytes(m, cfg.context_len), "exact", "measured in the probe peak",
-            f"cos/sin [{cfg.context_len}, {m.head_dim}] fp32"),
+            f"cos/sin [{cfg.context_len}, {rope_dim(m)}] fp32"),
         prefill_peak(m, bmt, min(gmbs, bmt), tp, db),
     ]
     if cfg.disable_cudagraph:
