@@ -216,13 +216,14 @@ TINY_VARIANTS = {
                           "tie_word_embeddings": False},
     "qwen3-qk-norm": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "rope_scaling": None},
     "qwen3-moe": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": None,
-                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": [0]},
+                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "mlp_only_layers": [0]},
     "deepseek-v2-mla": {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"],
                         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 64, "first_k_dense_replace": 1, "kv_lora_rank": 64,
                         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": 48,
-                        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
-                                         "mscale": 0.707, "mscale_all_dim": 0.707}},
+                        "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                         "original_max_position_embeddings": 256}},
 }
 
 
