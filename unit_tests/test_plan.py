@@ -222,8 +222,8 @@ TINY_VARIANTS = {
                         "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
                         "moe_intermediate_size": 64, "first_k_dense_replace": 1, "kv_lora_rank": 64,
                         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": 48,
-                        "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
-                                         "original_max_position_embeddings": 256}},
+                        "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 256}},
 }
 
 
