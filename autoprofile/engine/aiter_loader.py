@@ -142,6 +142,8 @@ def unspecialize(kernel, names: tuple[str, ...]) -> None:
     """Mark integer parameters of a Triton kernel as not specialized, before its first launch builds its
     argument binder. A parameter this AITER does not have is an error naming it (the pinned version moved)."""
     while not hasattr(kernel, "params"):  # a @triton.heuristics (or autotune) wrapper: the JIT function inside
+        if not hasattr(kernel, "fn"):  # Triton's interpreter (TRITON_INTERPRET=1) specializes nothing
+            return
         kernel = kernel.fn
     params = {p.name: p for p in kernel.params}
     missing = [n for n in names if n not in params]

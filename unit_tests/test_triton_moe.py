@@ -1,0 +1,52 @@
+"""The experts as the aiter_triton backend runs them (engine.triton_moe: our expert sort, then AITER's Triton
+fused_moe_silu and fused_moe) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess:
+the flag is read when a kernel module is imported), against the torch reference, under the router's own,
+the worst and the balanced routing, at the small and the large launch config. The interpreter has no bfloat16:
+float32 and float16 here; bf16 on the GPU (tests/test_moe_gpu.py)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+              pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")]
+
+EXPERTS = r'''
+import torch
+from autoprofile import budget
+from autoprofile.engine import triton_moe
+from autoprofile.layers.moe import Routing, moe_reference, route
+
+torch.manual_seed(0)
+E, K, H, I = 16, 4, 64, 40  # I: not a multiple of the blocks
+configs = set()
+for dtype, weight_dtype, tol in ((torch.float32, torch.float32, 1e-5), (torch.float16, torch.float16, 3e-3),
+                                 (torch.float16, torch.float32, 3e-3)):  # fp32 weights: DeepSeek's router
+    for tokens in (1, 3, 40):
+        for routing in ("model", "worst", "balanced"):
+            w13 = (torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype)
+            w2 = (torch.randn(E, H, I) * I ** -0.5).to(dtype)
+            x = torch.randn(tokens, H).to(dtype)
+            weights, ids = route(torch.randn(tokens, E), K, True)
+            r = Routing()
+            r.set(routing)
+            ids = r.apply(ids, E)
+            got = triton_moe.fused_moe(x, w13, w2, weights.to(weight_dtype), ids).float()
+            want = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+            err = float((got - want).norm() / want.norm())
+            assert err < tol, (dtype, weight_dtype, tokens, routing, err)
+            configs.add(budget.moe_block_m(tokens, K, E))
+assert configs == {budget.MOE_SMALL_BLOCK_M, budget.MOE_LARGE_BLOCK_M}, configs
+print("ok")
+'''
+
+
+def test_aiters_fused_moe_kernels_over_our_sort_equal_the_reference():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", EXPERTS], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
