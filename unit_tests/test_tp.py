@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -345,3 +346,31 @@ def test_ranks_whose_launcher_was_killed_end_instead_of_serving_as_orphans(tmp_p
             c.kill()
     assert not alive, [p.pid for p in alive]
     assert len(gone) >= 2
+
+
+# ---------------------------------------------------------------- a wait slice that times out as the work ends
+class _EndsDuringTheSlice:
+    """A gloo work whose timed wait ran out just as it completed (a loaded host), then done."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error, self.waits = error, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if timeout is not None and len(self.waits) == 1:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self):
+        return True
+
+
+def test_a_slice_that_times_out_as_the_collective_completes_is_not_a_failure():
+    guard = types.SimpleNamespace(aborted=False)
+    work = _EndsDuringTheSlice()
+    channel.RankGuard.wait(guard, work)  # returns: the collective succeeded
+    assert work.waits == [channel.WAIT_SLICE, None]
+    failed = _EndsDuringTheSlice(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # its own error, not the slice's
+        channel.RankGuard.wait(guard, failed)
