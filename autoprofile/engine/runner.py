@@ -165,7 +165,7 @@ class ModelRunner:
                 self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size,
                                              dtype=self.dtype,
                                              device=self.device)
-            self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size))
+            self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size), env.graph_rows)
             if env.graph_rows:
                 self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len,
                                            rope_delta=self.is_vl)

@@ -99,8 +99,9 @@ class AttentionBackend(ABC):
         are not declared: the stress measures them (inside graphs they live in the graph pool)."""
         return 0
 
-    def build(self, max_decode_rows: int, max_context_len: int) -> None:
-        """Allocate persistent state (e.g. a workspace) for a cache of this size."""
+    def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
+        """Allocate persistent state (e.g. a workspace) for a cache of this size; graph_rows: the most rows a
+        decode graph holds (0: no graphs)."""
 
     def seal(self) -> None:
         """The build is done: the kernels compiled so far are the ones steps may launch (a backend whose

@@ -44,7 +44,7 @@ class AiterNativeBackend(AttentionBackend):
         return budget.aiter_workspace_bytes(max_decode_rows, num_q_heads, head_dim,
                                             budget.aiter_num_partitions(max_context_len, partition=PARTITION))
 
-    def build(self, max_decode_rows: int, max_context_len: int) -> None:
+    def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
         self.teardown()
         nbytes = self.workspace_bytes(max_decode_rows, max_context_len, self.num_q_heads, self.head_dim)
         self.workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

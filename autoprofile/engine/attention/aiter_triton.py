@@ -104,6 +104,27 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.engine import triton_act, triton_norm
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
+        self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
+
+    def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
+        self.max_decode_rows, self.graph_rows = max_decode_rows, graph_rows  # MLA's compiled row counts
+
+    def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+        """AITER's varlen flash attention with MLA's widths (q/k nope + rope, v narrower), its default launch
+        config (the tuned ones are for head_dim 128)."""
+        cu_k, max_k = meta.keys()
+        return self.ops.flash_attn_varlen_func(q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
+                                               softmax_scale=scale, causal=True, config=dict(PREFILL_CONFIG))
+
+    def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
+                   v_dim: int) -> torch.Tensor:
+        """AITER's Triton MLA decode (engine.triton_mla) at a compiled row count."""
+        from autoprofile.engine import triton_mla
+
+        rows = triton_mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
+        return triton_mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
+                                     v_dim, rows)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
