@@ -64,3 +64,34 @@ def test_mla_prefill_matches_the_reference_with_and_without_a_cached_prefix():
         got = ours.mla_prefill(q, k, v, meta, SCALE)
         assert got.shape == (t, H, V)
         assert rel_err(got, ref.mla_prefill(q, k, v, meta, SCALE)) < 2e-2, (lens, kv_lens)
+
+
+MLA_KERNELS = r'''
+import json, torch
+from autoprofile import memory
+from autoprofile.engine import triton_mla
+torch.empty(1, device="cuda")
+before = memory.stack_limit_bytes()
+latents = torch.randn(512, 1, 16, 576, device="cuda").bfloat16()
+for rows in (1, 64):
+    q = torch.randn(rows, 16, 576, device="cuda").bfloat16()
+    tables = torch.randint(1, 512, (rows, 256), device="cuda", dtype=torch.int32)
+    lens = torch.full((rows,), 4000, device="cuda", dtype=torch.int32)
+    triton_mla.mla_decode(q, latents, tables, lens, 4096, 0.1, 512, rows)
+torch.cuda.synchronize()
+after = memory.stack_limit_bytes()
+print("RESULT " + json.dumps({"before": before, "after": after, "kernels": compiled_kernels()}))
+'''
+
+
+def test_the_mla_decode_kernels_do_not_spill():
+    """Local memory is memory (issue 18): AITER's MLA decode stages and our slot kernel at V2-Lite's widths
+    need at most memory.STACK_BOUND bytes per thread, and the stack limit stays."""
+    require_backend("aiter_triton")
+    from autoprofile import memory
+    from tests.test_local_memory import KERNELS, run_fresh, spilling
+    got = run_fresh(KERNELS + MLA_KERNELS)
+    names = {k["kernel"] for k in got["kernels"]}
+    print(got["kernels"])
+    assert {"_fwd_grouped_kernel_stage1_rope", "_fwd_kernel_stage2", "_kv_slots_kernel"} <= names, names
+    assert spilling(got["kernels"]) == [] and got["after"] <= memory.STACK_BOUND, got
