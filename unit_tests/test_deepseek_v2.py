@@ -12,16 +12,15 @@ import torch
 
 from autoprofile import budget
 from autoprofile.config import ServerConfig, validate
-from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.engine.weights import load_weights
 from autoprofile.layers.attention import AttentionMetadata
 from models.config import load_model_config
 from models.deepseek_v2 import DeepseekV2ForCausalLM, mla_softmax_scale
 from models.llama import rope_attention_factor, rope_inv_freq
 from unit_tests.test_moe import logits as prefill
+from unit_tests.test_moe import perturb, save_and_load
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
@@ -46,19 +45,10 @@ def models(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**VARIANTS[request.param])).float()
     hf = hf.eval()
-    with torch.no_grad():  # norms off 1; the router's logits spread so that the top-k is decisive
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.05)
+    perturb(hf)
     folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(str(folder))
-    mc = load_model_config(str(folder))
-    backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, torch.float32,
-                                         torch.device("cpu"))
-    ours = DeepseekV2ForCausalLM(mc, backend, dtype=torch.float32)
-    load_weights(ours, mc.checkpoint_files, seed=0, show_progress=False)
+    ours = save_and_load(hf, folder)
+    assert isinstance(ours, DeepseekV2ForCausalLM)
     return hf, ours, folder
 
 

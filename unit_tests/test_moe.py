@@ -20,6 +20,7 @@ from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.budget import sorted_slots
 from autoprofile.layers.moe import FusedMoE, Routing, expert_part, moe_reference, route, sort_by_expert
 from autoprofile.layers.parallel import TP
+from models import model_class
 from models.config import CONFIG_DIR, load_model_config
 from models.llama import LlamaForCausalLM, SparseMoeBlock
 
@@ -32,24 +33,37 @@ TINY = {**json.loads((CONFIG_DIR / "tiny-moe" / "config.json").read_text()), "hi
         "max_position_embeddings": 512, "torch_dtype": "float32"}
 
 
+def perturb(hf, expert_std: float = 0.05) -> None:
+    """HF's init leaves norms at 1 and the router near uniform: norms off 1, the router's logits spread so
+    that the top-k is decisive, the experts at expert_std."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else
+                          expert_std if ".experts." in name else 0.05)
+
+
+def save_and_load(hf, folder):
+    """HF's save_pretrained, then our model (fp32, torch backend) loaded from that folder."""
+    hf.save_pretrained(str(folder))
+    mc = load_model_config(str(folder))
+    backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, torch.float32,
+                                         torch.device("cpu"))
+    ours = model_class(mc)(mc, backend, dtype=torch.float32)
+    load_weights(ours, mc.checkpoint_files, seed=0, show_progress=False)
+    return ours
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(HF fp32 model, ours loaded from what HF saved): layer 0 dense (mlp_only_layers), 1 and 2 experts."""
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY)).float().eval()
-    with torch.no_grad():  # norms off 1; the router's logits spread so that the top-k is decisive
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.05)
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
+    perturb(hf)
     folder = tmp_path_factory.mktemp("tiny-moe")
-    hf.save_pretrained(str(folder))
-    mc = load_model_config(str(folder))
-    backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, torch.float32,
-                                         torch.device("cpu"))
-    ours = LlamaForCausalLM(mc, backend, dtype=torch.float32)
-    load_weights(ours, mc.checkpoint_files, seed=0, show_progress=False)
-    return hf, ours, folder
+    return hf, save_and_load(hf, folder), folder
 
 
 def logits(model, ids: list[int], kv: KVCache, start: int = 0) -> torch.Tensor:

@@ -14,7 +14,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.tp import broadcast
 from unit_tests.test_deepseek_v2 import VARIANTS
-from unit_tests.test_moe import TINY
+from unit_tests.test_moe import TINY, perturb
 from unit_tests.test_tp import run
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -30,10 +30,7 @@ def folder(request, tmp_path_factory):
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY))
     else:
         hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**VARIANTS["v2"]))
-    with torch.no_grad():  # the router's logits spread, the experts loud enough to decide the tokens
-        for name, p in hf.named_parameters():
-            std = 0.5 if name.endswith("mlp.gate.weight") else 0.2 if ".experts." in name else 0.05
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, std)
+    perturb(hf, expert_std=0.2)  # the experts loud enough to decide the tokens
     path = tmp_path_factory.mktemp(request.param)
     hf.float().save_pretrained(str(path))
     return str(path)
