@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_bad_input_of_the_table_is_refused_naming_what_to_change():
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bad_inputs.py")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bad_inputs.py")], cwd=ROOT, text=True,
+                         capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "0 tracebacks" in out.stdout
