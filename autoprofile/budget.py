@@ -43,6 +43,14 @@ def mla_cell_bytes(num_layers: int, kv_lora_rank: int, rope_dim: int, dtype_byte
     return (kv_lora_rank + rope_dim) * num_layers * dtype_bytes
 
 
+def cache_shape(model, tp: int = 1) -> tuple[int, int]:
+    """(heads, width) of one layer's cache per token on one rank: the K (and V) heads of this rank, or MLA's
+    one latent of kv_lora_rank + rope dim (replicated)."""
+    if model.is_mla:
+        return 1, model.kv_lora_rank + model.qk_rope_head_dim
+    return max(model.num_kv_heads // tp, 1), model.head_dim
+
+
 def cell_bytes_for(model, dtype_bytes: int, tp: int = 1) -> int:
     if model.is_mla:
         return mla_cell_bytes(model.num_layers, model.kv_lora_rank, model.qk_rope_head_dim, dtype_bytes)

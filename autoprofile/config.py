@@ -179,8 +179,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"choose a Llama/Qwen model such as "
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
     _check(not m.is_mla or not serving or cfg.attention_backend == "torch", "attention_backend",
-           f"{m.name} uses MLA attention, which runs on the torch reference backend only for now (AITER's "
-           f"Triton MLA decode is not wired yet); try --attention_backend torch")
+           f"{m.name} uses MLA attention, which runs on the torch reference backend only until its "
+           f"aiter_triton path has run on a GPU (tests/test_mla_gpu.py); try --attention_backend torch")
     _check(not m.is_mla or cfg.kv_cache_dtype != "fp8_e4m3", "kv_cache_dtype",
            f"{m.name}'s MLA latent cache has no FP8 path yet; try --kv_cache_dtype auto")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, decode_rows_text, validate
-from models.config import ModelConfig, builtin_models, load_model_config
+from models.config import MLA_ARCHITECTURES, ModelConfig, builtin_models, load_model_config
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
 # per thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23):
@@ -137,7 +137,8 @@ def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
 
 
 def fp32_router_params(m: ModelConfig) -> int:
-    return m.moe_layers * m.num_experts * m.hidden_size if m.is_mla else 0
+    """DeepSeek-V2's routers (models.deepseek_v2.DeepseekV2MoE) keep fp32 weights."""
+    return m.moe_layers * m.num_experts * m.hidden_size if m.architecture in MLA_ARCHITECTURES else 0
 
 
 def rope_dim(m: ModelConfig) -> int:
@@ -329,8 +330,7 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
         return budget.persistent_workspace_bytes(backend, rows, longest, q_heads, m.head_dim)
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
-    kv_heads = m.num_kv_heads // cfg.tp
-    cap = None if m.is_mla else budget.max_indexable_tokens(kv_heads, m.head_dim, cfg.page_size)
+    cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
                          running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap)
 

@@ -1,6 +1,8 @@
 """Model definitions (Llama-family decoders with dense or MoE MLPs, DeepSeek-V2 with MLA) and their HF-style
 config.json files."""
 
+from models.config import MLA_ARCHITECTURES
+
 VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 
 
@@ -9,7 +11,7 @@ def model_class(mc):
     if mc.architecture in VL_ARCHITECTURES:
         from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
         return Qwen2_5_VLForConditionalGeneration
-    if mc.is_mla:
+    if mc.architecture in MLA_ARCHITECTURES:
         from models.deepseek_v2 import DeepseekV2ForCausalLM
         return DeepseekV2ForCausalLM
     from models.llama import LlamaForCausalLM

@@ -9,6 +9,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # Architectures the engine can run; others (MoE) are known to the budget planner only.
 RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                           "DeepseekV2ForCausalLM", "Qwen2_5_VLForConditionalGeneration")
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM",)  # models.deepseek_v2: MLA attention, its MoE (an fp32 router)
 
 # The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
 # 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here,
@@ -334,18 +335,18 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         num_experts_per_tok=per_tok,
         moe_intermediate_size=moe_inter,
         **_moe_layout(f, num_experts),
-        **_mla_fields(f),
+        **_mla_fields(f, archs[0]),
         **_vision_fields(f, heads, hidden),
         path=path,
         raw=d,
     )
 
 
-def _mla_fields(f: _Fields) -> dict:
-    """MLA's widths (DeepSeek-V2); {} without kv_lora_rank."""
-    rank = f.int("kv_lora_rank", 0, lo=0)
-    if not rank:
+def _mla_fields(f: _Fields, architecture: str) -> dict:
+    """MLA's widths, for a DeepSeek-V2 architecture (which needs them); {} for any other."""
+    if architecture not in MLA_ARCHITECTURES:
         return {}
+    rank = f.int("kv_lora_rank")
     rope = f.int("qk_rope_head_dim")
     if rope % 2:
         f.fail("qk_rope_head_dim", f"({rope}) must be even (RoPE rotates pairs of channels); try {rope + 1}")

@@ -99,6 +99,7 @@ def flag_cases(report_file: str) -> list[Case]:
 
 
 TINY = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text())
+DEEPSEEK = TINY | {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
 CONFIG_CASES = [  # (what is wrong, key named, config.json text)
     ("missing num_attention_heads", "num_attention_heads",
      {k: v for k, v in TINY.items() if k != "num_attention_heads"}),
@@ -123,9 +124,10 @@ CONFIG_CASES = [  # (what is wrong, key named, config.json text)
      TINY | {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
              "topk_method": "noaux_tc"}),
     ("MLA with an odd rope dim", "qk_rope_head_dim",
-     TINY | {"kv_lora_rank": 64, "qk_rope_head_dim": 7, "qk_nope_head_dim": 16, "v_head_dim": 16}),
-    ("MLA without v_head_dim", "v_head_dim", TINY | {"kv_lora_rank": 64, "qk_rope_head_dim": 8,
-                                                     "qk_nope_head_dim": 16}),
+     DEEPSEEK | {"kv_lora_rank": 64, "qk_rope_head_dim": 7, "qk_nope_head_dim": 16, "v_head_dim": 16}),
+    ("MLA without v_head_dim", "v_head_dim", DEEPSEEK | {"kv_lora_rank": 64, "qk_rope_head_dim": 8,
+                                                         "qk_nope_head_dim": 16}),
+    ("DeepSeek-V2 without kv_lora_rank", "kv_lora_rank", DEEPSEEK),
     ("string rope factor", "factor", TINY | {"rope_scaling": {"rope_type": "llama3", "factor": "8"}}),
     ("string bool", "tie_word_embeddings", TINY | {"tie_word_embeddings": "yes"}),
     ("architectures not a list", "architectures", TINY | {"architectures": "LlamaForCausalLM"}),

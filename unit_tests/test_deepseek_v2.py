@@ -16,7 +16,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.layers.attention import AttentionMetadata
-from models.config import load_model_config
+from models.config import CONFIG_DIR, load_model_config
 from models.deepseek_v2 import DeepseekV2ForCausalLM, mla_softmax_scale
 from models.llama import rope_attention_factor, rope_inv_freq
 from unit_tests.test_moe import logits as prefill
@@ -165,3 +165,18 @@ def test_preemption_and_prefix_hits_on_the_latent_cache_keep_hf_greedy_tokens(mo
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
         assert got == want.tolist(), prompt
+
+
+def test_mla_is_read_for_deepseek_architectures_only_and_required_there(tmp_path):
+    """The model class follows the architecture: a DeepSeek-V2 config without kv_lora_rank is refused naming
+    the key; another architecture's stray kv_lora_rank is not MLA (its cache stays K/V)."""
+    import json
+    from models import model_class
+    from models.config import ModelConfigError, from_hf_dict
+    lite = json.loads((CONFIG_DIR / "deepseek-v2-lite" / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match="key 'kv_lora_rank' is missing"):
+        from_hf_dict({k: v for k, v in lite.items() if k != "kv_lora_rank"})
+    tiny = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text())
+    stray = from_hf_dict(tiny | {"kv_lora_rank": 64, "qk_rope_head_dim": 8})
+    assert not stray.is_mla and model_class(stray).__name__ == "LlamaForCausalLM"
+    assert budget.cache_shape(stray) == (2, 32) and budget.cache_shape(from_hf_dict(lite), tp=2) == (1, 576)

@@ -11,7 +11,7 @@ from autoprofile import budget, cli
 from autoprofile import plan as plan_module
 from autoprofile.budget import GiB
 from autoprofile.config import ServerConfig, validate
-from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, weight_split
+from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, sizing_for, weight_split
 
 LLAMA_PARAMS = 8_030_261_248
 
@@ -242,6 +242,7 @@ def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
     runner = ModelRunner(cfg)
     assert row(p.fixed, "weights").bytes + row(p.fixed, "rope table").bytes == runner.weight_bytes
     assert p.cell_bytes == runner.sizing.cell_bytes
+    assert sizing_for(cfg, "torch").max_tokens == runner.sizing.max_tokens  # the 32-bit offset cap too
     for t in (0, 1024, 50_000, p.tokens):
         assert sum(r.bytes for r in make_plan_sized(cfg, t)) == runner.sizing.sized_bytes(t)
 

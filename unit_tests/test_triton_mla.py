@@ -36,10 +36,23 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
         want = ref.mla_decode(q, KVLayer(latents, latents), meta, 0.2, R).float()
         err = float((got - want).abs().max() / want.abs().max())
         assert got.shape == (b, H, R) and err < tol, (dtype, b, rows, err)
-    indptr, slots = triton_mla.kv_slots(tables, lens, PAGE, 128, PAGES * PAGE)
+    indptr, slots = triton_mla.kv_slots(tables, lens, PAGE, 128)
     for r, n in enumerate(lens.tolist()):
         want = [int(tables[r, t // PAGE]) * PAGE + t % PAGE for t in range(n)]
         assert slots[int(indptr[r]):int(indptr[r + 1])].tolist() == want
+# rows sharing one cached prefix: their tokens together outnumber the cache's slots (4 pages here)
+shared = torch.arange(1, 5, dtype=torch.int32).repeat(6, 1)
+lens = torch.full((6,), 4 * PAGE, dtype=torch.int32)
+indptr, slots = triton_mla.kv_slots(shared, lens, PAGE, 4 * PAGE)
+assert int(indptr[-1]) == 6 * 4 * PAGE <= len(slots)
+assert slots[int(indptr[5]):].tolist() == list(range(PAGE, 5 * PAGE))
+q = torch.randn(6, H, R + P)
+latents = torch.randn(5, 1, PAGE, R + P)
+meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(6, dtype=torch.long), block_tables=shared,
+                         seq_lens=lens, max_seq_len=4 * PAGE)
+got = triton_mla.mla_decode(q, latents, shared, lens, 4 * PAGE, 0.2, R, 8)
+want = ref.mla_decode(q, KVLayer(latents, latents), meta, 0.2, R)
+assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 print("ok")
 '''
 

@@ -48,9 +48,7 @@ class ModelRunner:
         mc = self.model_config = cfg.model_config
         self.dtype, self.kv_cache_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.kv_dtype_name]
         self.num_q_heads, self.num_kv_heads = mc.num_heads // world_size, mc.num_kv_heads // world_size
-        # the cache's heads x width per token and layer: K and V heads, or MLA's one latent (replicated)
-        self.cache_heads, self.cache_width = ((1, mc.kv_lora_rank + mc.qk_rope_head_dim) if mc.is_mla
-                                              else (self.num_kv_heads, mc.head_dim))
+        self.cache_heads, self.cache_width = budget.cache_shape(mc, world_size)
         self.backend_cls = get_backend_class(cfg.attention_backend)
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device)

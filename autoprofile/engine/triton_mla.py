@@ -11,9 +11,10 @@ zero-length rows to `padded_rows`: the decode-graph ladder's sizes up to the cap
 most decode rows above. The graphs' captures and the stress's corner at the most rows then compile every
 size a step can take.
 
-Scratch per call (in a graph, its pool; measured by the probe): the packed slots, at most min(rows x
-max_seq_len, the cache's slots) int32, and the splits' partial outputs, rows x heads x NUM_KV_SPLITS x
-(kv_lora_rank + 1) fp32 (mla_decode_scratch_bytes).
+Scratch per call (in a graph, its pool; measured by the probe at the most rows and the largest bucket): the
+packed slots, rows x max_seq_len int32 (not capped by the cache's slots: rows sharing a cached prefix read
+the same slots, so the rows' tokens together can outnumber the cache), and the splits' partial outputs, rows
+x heads x NUM_KV_SPLITS x (kv_lora_rank + 1) fp32.
 """
 from __future__ import annotations
 
@@ -52,14 +53,14 @@ def _kv_slots_kernel(tables_ptr, seq_lens_ptr, indptr_ptr, out_ptr, stride_table
     tl.store(out_ptr + start + t, page * PAGE + t % PAGE, mask=live)
 
 
-def kv_slots(tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, max_seq_len: int,
-             capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_slots(tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+             max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_indptr [rows + 1], kv_indices) int32: row r's token slots at kv_indices[indptr[r]:indptr[r + 1]].
     seq_lens may have more rows than tables (zero-length padding rows past them)."""
     rows = seq_lens.shape[0]
     indptr = torch.zeros(rows + 1, dtype=torch.int32, device=seq_lens.device)
     indptr[1:] = seq_lens.cumsum(0)
-    indices = torch.empty(min(rows * max_seq_len, capacity), dtype=torch.int32, device=seq_lens.device)
+    indices = torch.empty(rows * max_seq_len, dtype=torch.int32, device=seq_lens.device)
     grid = (tables.shape[0], triton.cdiv(max_seq_len, SLOT_BLOCK))
     _kv_slots_kernel[grid](tables, seq_lens, indptr, indices, tables.stride(0), PAGE=page_size,
                            BLOCK=SLOT_BLOCK)
@@ -75,10 +76,6 @@ def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
     return max(rows, max_rows)
 
 
-def mla_decode_scratch_bytes(rows: int, heads: int, rank: int, max_seq_len: int, capacity: int) -> int:
-    return 4 * (rows + 1 + min(rows * max_seq_len, capacity)) + 4 * rows * heads * NUM_KV_SPLITS * (rank + 1)
-
-
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                max_seq_len: int, scale: float, v_dim: int, rows: int) -> torch.Tensor:
     """q [B, H, L] against the latent cache [pages, 1, page, L] -> [B, H, v_dim], computed at `rows` rows
@@ -89,7 +86,7 @@ def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq
         q = torch.cat([q, q.new_zeros(rows - b, heads, width)])
         seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(rows - b)])
     buffer = latents.view(-1, 1, width)  # one head: (page, 1, offset) is slot page * page_size + offset
-    indptr, indices = kv_slots(tables, seq_lens, page, max_seq_len, buffer.shape[0])
+    indptr, indices = kv_slots(tables, seq_lens, page, max_seq_len)
     out = q.new_empty(rows, heads, v_dim)
     partial = torch.empty(rows, heads, NUM_KV_SPLITS, v_dim + 1, dtype=torch.float32, device=q.device)
     config = {k: dict(v) for k, v in CONFIG.items()}  # AITER writes its block sizes into it

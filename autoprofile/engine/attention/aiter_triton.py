@@ -101,9 +101,10 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        from autoprofile.engine import triton_act, triton_norm
+        from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
+        self.triton_mla, self.triton_moe = triton_mla, triton_moe
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
 
     def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
@@ -120,18 +121,14 @@ class AiterTritonBackend(AttentionBackend):
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
         """AITER's Triton MLA decode (engine.triton_mla) at a compiled row count."""
-        from autoprofile.engine import triton_mla
-
-        rows = triton_mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
-        return triton_mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
-                                     v_dim, rows)
+        rows = self.triton_mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
+        return self.triton_mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                          scale, v_dim, rows)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> torch.Tensor:
         """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing."""
-        from autoprofile.engine import triton_moe
-
-        return triton_moe.fused_moe(x, w13, w2, weights, ids)
+        return self.triton_moe.fused_moe(x, w13, w2, weights, ids)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""
