@@ -52,7 +52,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: dict) -> t
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     span = high - low if high > low else 0.001  # HF's guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 

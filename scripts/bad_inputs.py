@@ -72,7 +72,7 @@ def flag_cases(report_file: str) -> list[Case]:
         s("--port", "70000", named="--port"), s("--port", "-1", named="--port"),
         s("--host", " ", named="--host"), s("--report_dir", report_file, named="--report_dir"),
         s("--model", "no-such-model", named="--model"),
-        s("--model", "deepseek-v2-lite", named="--attention_backend"),
+        s("--model", "deepseek-v2-lite", "--attention_backend", "aiter", named="--attention_backend"),
         s("--model", "tiny", "--tp", "3", named="--tp"),
         s("--model", "tiny", "--max_req_total_len", "8192", named="--max_req_total_len"),
         s("--mem-fractio", "0.9", named="did you mean --mem_fraction"),

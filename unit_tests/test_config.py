@@ -76,8 +76,8 @@ BAD = [
     (["--max_waiting_requests", "-1"], "max_waiting_requests", "try --max_waiting_requests 1024",
      ["--max_waiting_requests", "1024"]),
     (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
-    (["--model", "deepseek-v2-lite"], "attention_backend", "try --attention_backend torch",
-     ["--model", "deepseek-v2-lite", "--attention_backend", "torch"]),
+    (["--model", "deepseek-v2-lite", "--attention_backend", "aiter"], "attention_backend",
+     "try --attention_backend aiter_triton", ["--model", "deepseek-v2-lite", "--attention_backend", "torch"]),
     (["--seed", "1e23"], "seed", "try --seed 0", ["--seed", "0"]),
     (["--seed", str(10 ** 23)], "seed", "try --seed 0", ["--seed", "0"]),
     (["--seed", "-1"], "seed", "try --seed 0", ["--seed", "0"]),
@@ -194,13 +194,14 @@ def test_model_folder_with_config_json(tmp_path, cuda_spy, capsys):
     assert "error: --model: no config.json" in capsys.readouterr().err
 
 
-def test_mla_is_planned_everywhere_and_served_on_the_torch_backend():
-    cfg = ServerConfig(model="deepseek-v2-lite")
+def test_mla_is_served_by_aiter_triton_and_torch_not_by_the_native_aiter_backend():
+    for backend in ("auto", "aiter_triton", "torch"):
+        assert validate(ServerConfig(model="deepseek-v2-lite", attention_backend=backend)).model_config.is_mla
+    cfg = ServerConfig(model="deepseek-v2-lite", attention_backend="aiter")
     assert validate(cfg, serving=False) is cfg
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert e.value.flag == "attention_backend"
-    assert validate(ServerConfig(model="deepseek-v2-lite", attention_backend="torch")).model_config.is_mla
     with pytest.raises(ConfigError) as e:
         validate(ServerConfig(model="deepseek-v2-lite", attention_backend="torch", kv_cache_dtype="fp8_e4m3"))
     assert e.value.flag == "kv_cache_dtype"

@@ -89,6 +89,10 @@ def test_yarn_frequencies_and_scales_match_hf(models):
                                rotary.inv_freq.float(), rtol=1e-6, atol=0)
     assert rope_attention_factor(mc.rope_scaling) == pytest.approx(rotary.attention_scaling)
     assert mla_softmax_scale(mc) == pytest.approx(hf.model.layers[0].self_attn.scaling)
+    # models are built under a default device (cuda on a GPU): the frequencies are still computed on the CPU
+    with torch.device("meta"):
+        under_default = rope_inv_freq(mc.qk_rope_head_dim, mc.rope_theta, mc.rope_scaling)
+    torch.testing.assert_close(under_default, rotary.inv_freq.float(), rtol=1e-6, atol=0)
 
 
 def test_prefill_logits_match_hf(models):
