@@ -173,6 +173,36 @@ def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hid
     return sort + elem_bytes * (pairs * inter + pairs * hidden + tokens * hidden)
 
 
+# ---------------------------------------------------------------- MLA (engine.triton_mla, models.deepseek_v2)
+MLA_SPLIT_PROGRAMS = 256  # rows x splits the decode aims at: a few programs per SM of an H100 (132 SMs)
+MLA_MIN_SPLITS, MLA_MAX_SPLITS = 4, 32
+
+
+def mla_kv_splits(rows: int) -> int:
+    """Splits of each row's tokens in MLA's decode at a compiled row count: a power of two near
+    MLA_SPLIT_PROGRAMS / rows, within [4, 32] (tuned on an H100: scripts/tune_mla_decode.py). rows x splits
+    never falls as rows grow past 8, so the most rows hold the largest partials."""
+    target = max(MLA_SPLIT_PROGRAMS // max(rows, 1), 1)
+    return min(MLA_MAX_SPLITS, max(MLA_MIN_SPLITS, 1 << (target.bit_length() - 1)))
+
+
+def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int, max_seq_len: int) -> int:
+    """One MLA decode call's scratch: the packed token slots (rows x max_seq_len int32: rows sharing a cached
+    prefix read the same slots, so not capped by the cache) and the splits' fp32 partial outputs and
+    log-sums (rows x heads x splits x (kv_lora_rank + 1)), the row offsets (int32)."""
+    splits = mla_kv_splits(rows)
+    return 4 * (rows * max_seq_len + rows * heads * splits * (kv_lora_rank + 1) + rows + 1)
+
+
+def mla_expanded_bytes(keys: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, v_dim: int,
+                       elem_bytes: int) -> int:
+    """MLA's expanded prefill over `keys` keys (a chunk over the longest cached prefix: keys = the context):
+    the gathered latents, kv_b_proj's output (each head's k_nope and v), the keys [k_nope | k_pe] and a
+    contiguous v, all live inside the attention call."""
+    per_key = kv_lora_rank + rope_dim + heads * (nope_dim + v_dim) + heads * (nope_dim + rope_dim) + heads * v_dim
+    return keys * per_key * elem_bytes
+
+
 def batch_ladder(max_bs: int) -> list[int]:
     """Captured decode batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
     sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}

@@ -193,6 +193,22 @@ def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: i
                "logits in dtype, the fused Triton sampler's 16 bytes per row, final hidden states)")
 
 
+def mla_expanded_prefix(cfg: ServerConfig, m: ModelConfig, prefill: Row) -> Row:
+    """MLA's chunk over the longest cached prefix (the stress's corner: prefix + chunk = the context) expands
+    every key inside its attention call, while no MLP temporary is live: the row is what that attention
+    phase holds beyond the prefill peak row (exact arithmetic of the tensors models.deepseek_v2 makes)."""
+    tp, db, h = cfg.tp, DTYPE_BYTES[cfg.dtype], m.hidden_size
+    heads, chunk = m.num_heads // tp, cfg.batch_max_tokens
+    keys = budget.mla_expanded_bytes(cfg.context_len, heads, m.kv_lora_rank, m.qk_rope_head_dim,
+                                     m.qk_nope_head_dim, m.v_head_dim, db)
+    # the chunk's own: residual, normed input, fp32 norm temp, queries, attention output, o_proj output
+    own = chunk * ((2 * h + heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) + h) * db + 4 * h)
+    return Row("MLA expanded prefix", max(keys + own - prefill.bytes, 0), "declared",
+               "measured in the probe peak",
+               f"a chunk over a {cfg.context_len}-token prefix expands {heads} heads' keys and values of every "
+               f"latent ({gib(keys):.2f} GiB): what passes the prefill peak above")
+
+
 def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:
     """Static graph inputs/outputs: ids, positions, slot mapping (int64), seq lens (int32), block tables
     [gmbs, ceil(context/page)] int32, output hidden states."""
@@ -204,6 +220,11 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     gmbs, ctx, tp = cfg.graph_max_batch_size, cfg.context_len, cfg.tp
     q_heads = m.num_heads // tp
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
+    if backend == "aiter_triton" and m.is_mla:
+        n = budget.mla_decode_scratch_bytes(gmbs, q_heads, m.kv_lora_rank, ctx)
+        return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
+                   f"MLA decode: token slots of {gmbs} seqs x {ctx} tokens, partials of "
+                   f"{budget.mla_kv_splits(gmbs)} splits")
     if backend == "aiter_triton":
         part = budget.TRITON_PARTITION if cfg.disable_cudagraph else \
             budget.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
@@ -302,6 +323,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))
     activations = sum(r.bytes for r in rows[4:])  # prefill peak, graph pools, decode scratch
+    if m.is_mla:  # exact arithmetic: no margin on it
+        rows.append(mla_expanded_prefix(cfg, m, rows[4]))
     if m.vision is not None:
         rows += vision_rows(cfg, db)
     rows += [

@@ -451,7 +451,8 @@ KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     from autoprofile.plan import GPUS, make_plan
     assert set(row) == {"model", "card", "kv_cache_dtype", "tokens", "graph_pools_bytes", "date", "command"}
-    assert row["command"].startswith(f"autoprofile profile --model {row['model']}")
+    assert row["command"].startswith((f"autoprofile profile --model {row['model']}",
+                                      f"autoprofile serve --model {row['model']}"))  # the same boot
     named = f"--kv_cache_dtype {row['kv_cache_dtype']}" in row["command"]
     assert named == (row["kv_cache_dtype"] != "auto")
     datetime.date.fromisoformat(row["date"])

@@ -3,8 +3,9 @@ decode), the aiter_triton backend's mla_decode.
 
 The kernel reads the cache token by token through kv_indptr / kv_indices (page size 1). Our pages become
 token slots: `kv_slots` runs one program per row and block of tokens, each row's slots packed after the rows
-before it. Each row's tokens are split in NUM_KV_SPLITS; a second kernel merges the splits. The latents are
-the keys, and their first kv_lora_rank channels the values: the rope part only scores.
+before it. Each row's tokens are split in parts; a second kernel merges the splits. The latents are
+the keys, and their first kv_lora_rank channels the values: the rope part only scores. Fewer rows get more
+splits (budget.mla_kv_splits: rows x splits near 256 programs).
 
 The launch takes the row count as a constexpr, so every distinct count is a compile. Rows are padded with
 zero-length rows to `padded_rows`: the decode-graph ladder's sizes up to the captured ones, the envelope's
@@ -14,7 +15,7 @@ size a step can take.
 Scratch per call (in a graph, its pool; measured by the probe at the most rows and the largest bucket): the
 packed slots, rows x max_seq_len int32 (not capped by the cache's slots: rows sharing a cached prefix read
 the same slots, so the rows' tokens together can outnumber the cache), and the splits' partial outputs, rows
-x heads x NUM_KV_SPLITS x (kv_lora_rank + 1) fp32.
+x heads x splits x (kv_lora_rank + 1) fp32: budget.mla_decode_scratch_bytes.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import triton.language as tl
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import triton_ops_package
 
-NUM_KV_SPLITS = 16
 SLOT_BLOCK = 256
-# No waves_per_eu, matrix_instr_nonkdim, kpack: AMD-only launch options (AITER's MI300 file has them)
-CONFIG = {"fwd_grouped_kernel_stage1_rope": {"BLOCK_N": 16, "BLOCK_H": 16, "num_warps": 4, "num_stages": 1},
+# No waves_per_eu, matrix_instr_nonkdim, kpack: AMD-only launch options (AITER's MI300 file has them).
+# Tuned on an H100 (scripts/tune_mla_decode.py, ctx 4000): 1.5-2x faster than BLOCK_N 16 / 1 stage / 16 splits
+CONFIG = {"fwd_grouped_kernel_stage1_rope": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
           "fwd_kernel_stage2": {"num_warps": 4, "num_stages": 1}}
 
 
@@ -76,10 +77,16 @@ def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
     return max(rows, max_rows)
 
 
+def launch_for(rows: int) -> tuple[int, dict]:
+    """(splits of each row's tokens, the kernels' launch config) at a compiled row count."""
+    return budget.mla_kv_splits(rows), CONFIG
+
+
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-               max_seq_len: int, scale: float, v_dim: int, rows: int) -> torch.Tensor:
+               max_seq_len: int, scale: float, v_dim: int, rows: int,
+               launch: tuple[int, dict] | None = None) -> torch.Tensor:
     """q [B, H, L] against the latent cache [pages, 1, page, L] -> [B, H, v_dim], computed at `rows` rows
-    (>= B; padding rows have no tokens)."""
+    (>= B; padding rows have no tokens). `launch` overrides launch_for(rows) (scripts/tune_mla_decode.py)."""
     b, heads, width = q.shape
     page = latents.shape[2]
     if rows > b:  # zero-length rows: their outputs are dropped
@@ -88,8 +95,9 @@ def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq
     buffer = latents.view(-1, 1, width)  # one head: (page, 1, offset) is slot page * page_size + offset
     indptr, indices = kv_slots(tables, seq_lens, page, max_seq_len)
     out = q.new_empty(rows, heads, v_dim)
-    partial = torch.empty(rows, heads, NUM_KV_SPLITS, v_dim + 1, dtype=torch.float32, device=q.device)
-    config = {k: dict(v) for k, v in CONFIG.items()}  # AITER writes its block sizes into it
+    splits, config = launch or launch_for(rows)
+    partial = torch.empty(rows, heads, splits, v_dim + 1, dtype=torch.float32, device=q.device)
+    config = {k: dict(v) for k, v in config.items()}  # AITER writes its block sizes into it
     _decode_fn()(q, buffer, buffer[..., :v_dim], out, indptr, indices, None, v_dim, width - v_dim, None, None,
-                 partial, NUM_KV_SPLITS, scale, 0.0, False, False, config)
+                 partial, splits, scale, 0.0, False, False, config)
     return out[:b]

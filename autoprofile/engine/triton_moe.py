@@ -1,7 +1,9 @@
 """The experts through AITER's Triton MoE kernels (aiter.ops.triton), the aiter_triton backend's fused_moe.
 
-  layers.moe.sort_by_expert  the step's (token, slot) pairs sorted by expert, each expert's pairs padded to
-                             a block of BLOCK_SIZE_M rows (the pad id T * k is masked by the kernels)
+  sort_by_expert             the step's (token, slot) pairs sorted by expert, each expert's pairs padded to
+                             a block of BLOCK_SIZE_M rows (the pad id T * k is masked by the kernels): our
+                             one-launch kernel (triton_moe_sort) up to SORT_KERNEL_MAX_PAIRS pairs, else
+                             layers.moe's torch ops (same outputs)
   fused_moe_silu             gate_up projection per block, silu(gate) * up fused: [T * k, I]
   fused_moe                  down projection per block, scaled by the routing weight: [T, k, H]
 then a sum over k. Every buffer's size follows the step's tokens T alone, whatever the routing: at most
@@ -19,14 +21,17 @@ import torch
 import triton.language as tl
 
 from autoprofile import budget
+from autoprofile.engine import triton_moe_sort
 from autoprofile.engine.aiter_loader import load_aiter_moe
-from autoprofile.layers.moe import sort_by_expert
+from autoprofile.layers import moe
 
 # Per rows-per-block (budget.moe_block_m): vLLM's default launch configs for unquantized experts
 CONFIGS = {
     budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1},
     budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
 }
+# Pairs (T * k) up to which the sort is our one-program kernel; past them layers.moe's torch ops, faster there
+SORT_KERNEL_MAX_PAIRS = 4096
 COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -41,7 +46,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return out
     block_m = budget.moe_block_m(tokens, top_k, num_experts)
     cfg = CONFIGS[block_m]
-    sorted_ids, block_experts, padded = sort_by_expert(ids, num_experts, block_m)
+    sort = triton_moe_sort if tokens * top_k <= SORT_KERNEL_MAX_PAIRS else moe
+    sorted_ids, block_experts, padded = sort.sort_by_expert(ids, num_experts, block_m)
     weights = weights.contiguous()
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     common = dict(A_scale=None, B_scale=None, B_zp=None, topk_weights=weights, topk_ids=ids,
