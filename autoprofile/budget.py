@@ -180,8 +180,9 @@ MLA_MIN_SPLITS, MLA_MAX_SPLITS = 4, 32
 
 def mla_kv_splits(rows: int) -> int:
     """Splits of each row's tokens in MLA's decode at a compiled row count: a power of two near
-    MLA_SPLIT_PROGRAMS / rows, within [4, 32] (tuned on an H100: scripts/tune_mla_decode.py). rows x splits
-    never falls as rows grow past 8, so the most rows hold the largest partials."""
+    MLA_SPLIT_PROGRAMS / rows, within [4, 32] (tuned on an H100: scripts/tune_mla_decode.py). Fewer rows may
+    hold more partials than more rows (8 rows x 32 > 9 x 16): the probe measures them all, since every
+    compiled count runs in it (each graph's capture, the stress's corner at the most rows)."""
     target = max(MLA_SPLIT_PROGRAMS // max(rows, 1), 1)
     return min(MLA_MAX_SPLITS, max(MLA_MIN_SPLITS, 1 << (target.bit_length() - 1)))
 

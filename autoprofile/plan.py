@@ -196,17 +196,18 @@ def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: i
 def mla_expanded_prefix(cfg: ServerConfig, m: ModelConfig, prefill: Row) -> Row:
     """MLA's chunk over the longest cached prefix (the stress's corner: prefix + chunk = the context) expands
     every key inside its attention call, while no MLP temporary is live: the row is what that attention
-    phase holds beyond the prefill peak row (exact arithmetic of the tensors models.deepseek_v2 makes)."""
+    phase holds beyond the prefill peak row with its margin (exact arithmetic of the tensors
+    models.deepseek_v2 makes, so no margin of its own)."""
     tp, db, h = cfg.tp, DTYPE_BYTES[cfg.dtype], m.hidden_size
     heads, chunk = m.num_heads // tp, cfg.batch_max_tokens
     keys = budget.mla_expanded_bytes(cfg.context_len, heads, m.kv_lora_rank, m.qk_rope_head_dim,
                                      m.qk_nope_head_dim, m.v_head_dim, db)
     # the chunk's own: residual, normed input, fp32 norm temp, queries, attention output, o_proj output
     own = chunk * ((2 * h + heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) + h) * db + 4 * h)
-    return Row("MLA expanded prefix", max(keys + own - prefill.bytes, 0), "declared",
+    return Row("MLA expanded prefix", max(keys + own - int(ACTIVATION_FACTOR * prefill.bytes), 0), "declared",
                "measured in the probe peak",
                f"a chunk over a {cfg.context_len}-token prefix expands {heads} heads' keys and values of every "
-               f"latent ({gib(keys):.2f} GiB): what passes the prefill peak above")
+               f"latent ({gib(keys):.2f} GiB): what passes the prefill peak and its margin")
 
 
 def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:

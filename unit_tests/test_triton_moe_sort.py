@@ -1,7 +1,7 @@
-"""Our one-launch expert sort (engine.triton_moe_sort) on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-in a subprocess: the flag is read when a kernel module is imported): bit-equal to layers.moe.sort_by_expert,
-every output slot included, under the router's own, the worst and the balanced routing, at both block sizes;
-and the fused MoE path over it against the torch reference."""
+"""Our one-launch expert sort (engine.triton_moe_sort) on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, in a subprocess: the flag is read when a kernel module is imported): bit-equal to
+layers.moe.sort_by_expert, every output slot included, under the router's own, the worst and the balanced
+routing, at both block sizes; and the fused MoE path over it against the torch reference."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,7 +21,8 @@ from autoprofile.layers import moe
 from autoprofile.layers.moe import Routing, route
 
 torch.manual_seed(0)
-cases = [(t, k, e, m) for t in (1, 2, 7, 16, 33, 256, 300) for k in (6, 8) for e in (64, 128) for m in (16, 64)]
+cases = [(t, k, e, m) for t in (1, 2, 7, 16, 33, 256, 300) for k in (6, 8) for e in (64, 128)
+         for m in (16, 64)]
 cases += [(1024, 8, 256, 64), (50, 3, 60, 16)]  # many chunks; experts not a power of two
 for tokens, top_k, experts, block_m in cases:
     _, ids = route(torch.randn(tokens, experts), top_k, True)
