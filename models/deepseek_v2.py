@@ -140,7 +140,12 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = LlamaMLP(mc, backend, tp, dtype, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_deepseek(nn.functional.linear(x.float(), self.gate.weight), self.config)
+        mc, logits = self.config, nn.functional.linear(x.float(), self.gate.weight)
+        if mc.topk_method == "greedy":  # route_deepseek's greedy path, through the backend
+            weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
+        else:
+            weights, ids = route_deepseek(logits, mc)
+            ids = self.experts.force(ids)
         out = self.experts(x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 

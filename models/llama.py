@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
-from autoprofile.layers.moe import FusedMoE, Routing, route
+from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import ModelConfig
@@ -191,7 +191,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, self.gate.weight)
-        return self.experts(x, *route(logits, self.top_k, self.renormalize))
+        return self.experts(x, *self.experts.select(logits, self.renormalize))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -91,3 +91,12 @@ def test_an_moe_model_profiles_and_serves_through_the_decode_graphs(tmp_path):
         assert [len(o) for o in out] == [16, 16, 16]
     finally:
         runner.teardown()
+
+
+def test_the_one_launch_router_compiled_and_captured_on_the_gpu():
+    """engine.triton_route compiled: the interpreter test's checks against route + Routing.apply, then one
+    capture replayed under each routing (the mode is read on the device)."""
+    require_backend("aiter_triton")
+    from unit_tests.interpreter import run_script
+    from unit_tests.test_triton_route import ROUTE
+    run_script(ROUTE, "cuda", interpret=False)

@@ -5,12 +5,10 @@ imported). The interpreter has no bfloat16: float16 and float32 here, bf16 on th
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from unit_tests.interpreter import run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -39,6 +37,4 @@ print("ok")
 
 
 def test_fused_silu_mul_matches_the_torch_ops():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_script(CHECK)

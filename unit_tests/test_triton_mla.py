@@ -6,14 +6,11 @@ interpreter has no bf16)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from autoprofile import budget
+from unit_tests.interpreter import run_script
 
 DECODE = r'''
 import torch
@@ -60,9 +57,7 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("aiter") is None,
                     reason="triton and amd-aiter needed")
 def test_aiters_mla_decode_over_our_slots_equals_the_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", DECODE], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    run_script(DECODE)
 
 
 def test_decode_rows_run_at_compiled_counts():

@@ -6,12 +6,10 @@ float32 and float16 here; bf16 on the GPU (tests/test_moe_gpu.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from unit_tests.interpreter import run_script
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
               pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")]
@@ -47,6 +45,4 @@ print("ok")
 
 
 def test_aiters_fused_moe_kernels_over_our_sort_equal_the_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", EXPERTS], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    run_script(EXPERTS)

@@ -5,12 +5,10 @@ routing, at both block sizes; and the fused MoE path over it against the torch r
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from unit_tests.interpreter import run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -65,9 +63,7 @@ print("ok")
 
 
 def interpret(script: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    run_script(script)
 
 
 def test_the_one_launch_sort_equals_the_torch_sort_slot_for_slot():

@@ -5,12 +5,10 @@ and float32 here; bf16 on the GPU (tests/test_kernels.py)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from unit_tests.interpreter import run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -143,9 +141,7 @@ print("ok")
 
 
 def _interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+    run_script(code)
 
 
 def test_reduce_equals_attention_over_the_whole_row():

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from autoprofile.layers.moe import moe_reference
+from autoprofile.layers.moe import Routing, moe_reference, route
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -155,6 +155,13 @@ class AttentionBackend(ABC):
         """The experts (layers.moe): x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], the routing's
         weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H]."""
         return moe_reference(x, w13, w2, weights, ids)
+
+    def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                      routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy router (layers.moe.route) over logits [T, E], then the routing's forced ids
+        (Routing.apply) -> (weights [T, k] in the logits' dtype, expert ids [T, k] int32); no host sync."""
+        weights, ids = route(logits, top_k, renormalize, scale)
+        return weights, routing.apply(ids, logits.shape[-1])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""

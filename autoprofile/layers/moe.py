@@ -51,13 +51,17 @@ class Routing:
         return torch.where(self.mode == 1, worst, torch.where(self.mode == 2, balanced, ids))
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF Qwen3-MoE's router: softmax in fp32 over the experts, the top_k, renormalised to sum 1 when asked.
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy router (HF Qwen3-MoE's; DeepSeek-V2's greedy one with its routed_scaling_factor as `scale`):
+    softmax in fp32 over the experts, the top_k, renormalised to sum 1 when asked, times scale.
     Returns (weights [T, k] in the logits' dtype, expert ids [T, k] int32)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
     return weights.to(logits.dtype), ids.to(torch.int32)
 
 
@@ -132,8 +136,10 @@ def expert_part(name: str) -> tuple[str, int] | None:
 
 
 class FusedMoE(nn.Module):
-    """The experts of one layer: x [T, H] and the router's choice (weights, expert ids [T, k]) -> [T, H],
-    all-reduced over TP. The router is the model's (route: Qwen3-MoE's; DeepSeek's has its own)."""
+    """The experts of one layer: x [T, H] and the routing's choice (weights, expert ids [T, k]) -> [T, H],
+    all-reduced over TP. The ids reach forward with the current routing already forced: from select (the
+    greedy router, through the backend) or from force (a router of the model's own: DeepSeek's group-limited
+    one)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, tp: TP, dtype: torch.dtype,
                  backend, routing: Routing):
@@ -148,6 +154,14 @@ class FusedMoE(nn.Module):
         self.down_proj = new_param((num_experts, hidden, shard), dtype,
                                    partial(load_expert_down, shard=shard, rank=tp.rank), num_experts)
 
+    def select(self, logits: torch.Tensor, renormalize: bool,
+               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy router over logits [T, E] (route) with the current routing forced: the backend's."""
+        return self.backend.route_experts(logits, self.top_k, renormalize, scale, self.routing)
+
+    def force(self, ids: torch.Tensor) -> torch.Tensor:
+        """A model's own router's ids [T, k] as the current routing has them."""
+        return self.routing.apply(ids, self.num_experts)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ids = self.routing.apply(ids, self.num_experts)
         return self.tp.all_reduce(self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids))

@@ -16,6 +16,7 @@ from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention import triton_reduce
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.moe import Routing
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
@@ -101,10 +102,10 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm
+        from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
-        self.triton_mla, self.triton_moe = triton_mla, triton_moe
+        self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
 
     def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
@@ -129,6 +130,11 @@ class AiterTritonBackend(AttentionBackend):
                   ids: torch.Tensor) -> torch.Tensor:
         """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing."""
         return self.triton_moe.fused_moe(x, w13, w2, weights, ids)
+
+    def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                      routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch (triton_route) instead of ~12 torch ops: the top-k and the forced routing."""
+        return self.triton_route.route_topk(logits, top_k, renormalize, scale, routing.mode)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""

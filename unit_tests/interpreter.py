@@ -1,0 +1,20 @@
+"""Runs a check script in a fresh Python: through Triton's interpreter on the CPU (TRITON_INTERPRET=1 is read
+when a kernel module is imported, hence the subprocess), or compiled on a GPU. The script prints "ok" last."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str, interpret: bool = True) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-3000:] + out.stderr[-3000:]
