@@ -200,7 +200,8 @@ def mla_expanded_bytes(keys: int, heads: int, kv_lora_rank: int, rope_dim: int, 
     """MLA's expanded prefill over `keys` keys (a chunk over the longest cached prefix: keys = the context):
     the gathered latents, kv_b_proj's output (each head's k_nope and v), the keys [k_nope | k_pe] and a
     contiguous v, all live inside the attention call."""
-    per_key = kv_lora_rank + rope_dim + heads * (nope_dim + v_dim) + heads * (nope_dim + rope_dim) + heads * v_dim
+    latent, kv_b_out = kv_lora_rank + rope_dim, heads * (nope_dim + v_dim)
+    per_key = latent + kv_b_out + heads * (nope_dim + rope_dim) + heads * v_dim
     return keys * per_key * elem_bytes
 
 

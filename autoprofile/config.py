@@ -179,8 +179,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"choose a Llama/Qwen model such as "
            f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
     _check(not m.is_mla or not serving or cfg.attention_backend != "aiter", "attention_backend",
-           f"{m.name} uses MLA attention, which the native AITER backend does not serve here (its MLA ops are "
-           f"not wired); try --attention_backend aiter_triton (or torch)")
+           f"{m.name} uses MLA attention, which the native AITER backend does not serve here (its MLA "
+           f"ops are not wired); try --attention_backend aiter_triton (or torch)")
     _check(not m.is_mla or cfg.kv_cache_dtype != "fp8_e4m3", "kv_cache_dtype",
            f"{m.name}'s MLA latent cache has no FP8 path yet; try --kv_cache_dtype auto")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",

@@ -203,11 +203,12 @@ def mla_expanded_prefix(cfg: ServerConfig, m: ModelConfig, prefill: Row) -> Row:
     keys = budget.mla_expanded_bytes(cfg.context_len, heads, m.kv_lora_rank, m.qk_rope_head_dim,
                                      m.qk_nope_head_dim, m.v_head_dim, db)
     # the chunk's own: residual, normed input, fp32 norm temp, queries, attention output, o_proj output
-    own = chunk * ((2 * h + heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) + h) * db + 4 * h)
+    width = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    own = chunk * ((2 * h + width + h) * db + 4 * h)
     return Row("MLA expanded prefix", max(keys + own - int(ACTIVATION_FACTOR * prefill.bytes), 0), "declared",
                "measured in the probe peak",
-               f"a chunk over a {cfg.context_len}-token prefix expands {heads} heads' keys and values of every "
-               f"latent ({gib(keys):.2f} GiB): what passes the prefill peak and its margin")
+               f"a chunk over a {cfg.context_len}-token prefix expands {heads} heads' keys and values of "
+               f"every latent ({gib(keys):.2f} GiB): what passes the prefill peak and its margin")
 
 
 def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: int, dtype_bytes: int) -> int:

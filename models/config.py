@@ -148,6 +148,31 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         return attn + (2 * self.head_dim if self.qk_norm else 0)
 
+    def routed_expert_params(self) -> int:
+        """Every MoE layer's routed experts (gate, up and down projections): a token reaches top_k of them."""
+        return self.moe_layers * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+    def params_per_token(self) -> float:
+        """Parameters one token computes with: all but the routed experts it does not reach."""
+        routed = self.routed_expert_params()
+        unreached = routed * (1 - self.num_experts_per_tok / self.num_experts) if routed else 0
+        return self.num_params() - unreached
+
+    def params_read(self, tokens: int) -> float:
+        """Parameters a step of `tokens` tokens reads: all but the routed experts that none of them reaches
+        (with the router spreading tokens, each expert is missed by all of them with probability
+        (1 - k/E)^tokens)."""
+        routed = self.routed_expert_params()
+        missed = (1 - self.num_experts_per_tok / self.num_experts) ** tokens if routed else 0.0
+        return self.num_params() - routed * missed
+
+    def attention_dims(self) -> tuple[int, int]:
+        """(query-key, value) widths of one head as attention computes them (MLA's expanded form: nope + rope
+        and v_head_dim)."""
+        if self.is_mla:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
     def num_params(self) -> int:
         """Parameter count (exact for the supported decoders; MoE counts all experts)."""
         h, L = self.hidden_size, self.num_layers

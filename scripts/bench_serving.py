@@ -696,22 +696,24 @@ def measure_rates() -> dict | str:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def roofline(summary: dict, rates: dict, m, cell_bytes: float, weight_bytes: float, input_len: float,
+def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: float, input_len: float,
              output_len: float, concurrency: int) -> dict:
     """The run's floor on this GPU: the prefill's FLOPs over the measured GEMM rate, plus each decode step's
     bytes (weights, and the running rows' K/V) over the measured copy rate, against the measured duration.
-    Prefill FLOPs per request: 2 x non-embedding params x prompt tokens + causal attention (2 x 2 x layers x
-    q heads x head_dim x L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of
-    `concurrency`, each wave output_len - 1 steps over rows at input_len + output_len / 2 tokens on
-    average."""
+    Prefill FLOPs per request: 2 x the non-embedding params a token computes with (an MoE model's: the
+    experts it reaches) x prompt tokens + causal attention (2 x layers x q heads x (qk + v head widths) x
+    L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of `concurrency`, each wave
+    output_len - 1 steps over rows at input_len + output_len / 2 tokens on average, each step reading the
+    weights its rows reach (m.params_read) at `param_bytes` a parameter."""
     n = summary["completed"]
     embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    dense = m.num_params() - embed
-    attn = 2 * m.num_layers * m.num_heads * m.head_dim * input_len ** 2
+    dense = m.params_per_token() - embed
+    qk, v = m.attention_dims()
+    attn = m.num_layers * m.num_heads * (qk + v) * input_len ** 2
     prefill_flops = n * (2 * dense * input_len + attn + 2 * m.vocab_size * m.hidden_size)
     rows = min(concurrency, n)
     steps = -(-n // rows) * max(output_len - 1, 0)
-    step_bytes = weight_bytes + rows * (input_len + output_len / 2) * cell_bytes
+    step_bytes = m.params_read(rows) * param_bytes + rows * (input_len + output_len / 2) * cell_bytes
     prefill_s = prefill_flops / rates["gemm_flops_per_s"]
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
     return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
@@ -742,7 +744,7 @@ def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namesp
     kv = summary.get("server_kv") or {}
     if not kv.get("tokens") or not summary.get("completed"):
         return "roofline: not computed (no completed request, or no KV size in the server's /metrics)"
-    r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], m.num_params() * 2,
+    r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], 2,
                  summary["total_input_tokens"] / summary["completed"],
                  summary["total_output_tokens"] / summary["completed"],
                  args.max_concurrency or summary["completed"])

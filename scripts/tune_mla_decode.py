@@ -1,6 +1,7 @@
 """MLA's absorbed decode (engine.triton_mla: AITER's grouped stage-1 kernel + its split merge) over launch
 configs, side by side in one run: each config checked against the torch reference on fresh random latents,
-then timed as a CUDA graph's replay (CUDA events, median), with the bytes floor (each row's latents read once: rows x ctx x 576 x 2 B).
+then timed as a CUDA graph's replay (CUDA events, median), with the bytes floor (each row's latents read once:
+rows x ctx x 576 x 2 B).
 
     PYTHONPATH=. python3 scripts/tune_mla_decode.py [--rows 1,16,64,256] [--ctx 4000] [--json out.json]
 
@@ -51,7 +52,8 @@ def configs(rows: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32, 64, 128, 256])
+    p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 4, 16, 32, 64, 128, 256])
     p.add_argument("--ctx", type=int, default=4000)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
@@ -70,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                                      block_tables=tables, seq_lens=lens, max_seq_len=args.ctx)
 
             def run():
-                return triton_mla.mla_decode(q, latents, tables, lens, args.ctx, scale, RANK, rows, (splits, cfg))
+                return triton_mla.mla_decode(q, latents, tables, lens, args.ctx, scale, RANK, rows,
+                                             (splits, cfg))
             try:
                 got = run()
             except Exception as e:  # noqa: BLE001 - a config the card cannot launch (shared memory)
-                print(f"rows {rows} splits {splits} {cfg['fwd_grouped_kernel_stage1_rope']}: {type(e).__name__}")
+                stage1 = cfg["fwd_grouped_kernel_stage1_rope"]
+                print(f"rows {rows} splits {splits} {stage1}: {type(e).__name__}")
                 continue
             want = ref_backend.mla_decode(q, KVLayer(latents, latents), meta, scale, RANK)
             err = float((got.float() - want.float()).norm() / want.float().norm())
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                             "floor_ms": floor, "of_floor": floor / ms, "rel_err": err,
                             "current": (splits, cfg) == current})
     print(f"{torch.cuda.get_device_name()}: MLA decode, {HEADS} heads, ctx {args.ctx}")
-    print(f"{'rows':>5}{'splits':>7}{'BLOCK_N':>8}{'stages':>7}{'warps':>6}{'ms':>9}{'floor':>8}{'of floor':>9}"
+    print(f"{'rows':>5}{'splits':>7}{'BLOCK_N':>8}{'stages':>7}{'warps':>6}{'ms':>9}{'floor':>8}"
+          f"{'of floor':>9}"
           f"{'rel err':>9}")
     for rows in args.rows:
         mine = sorted((r for r in results if r["rows"] == rows), key=lambda r: r["ms"])

@@ -236,7 +236,7 @@ def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     m = load_model_config("llama-3.1-8b")
     summary = {"completed": 1000, "duration": 42.9}
     rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
-    r = bench_serving.roofline(summary, rates, m, cell_bytes=131072, weight_bytes=m.num_params() * 2,
+    r = bench_serving.roofline(summary, rates, m, cell_bytes=131072, param_bytes=2,
                                input_len=1024,
                     output_len=128, concurrency=256)
     assert 14.5 < r["prefill_pflop"] < 15.5
@@ -247,9 +247,44 @@ def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     assert r["fraction"] == pytest.approx(r["roofline_s"] / 42.9)
     assert 25 < r["roofline_s"] < 33
     assert "of the roofline" in bench_serving.roofline_line(r)
-    half = bench_serving.roofline({**summary, "duration": 2 * 42.9}, rates, m, 131072, m.num_params() * 2,
+    half = bench_serving.roofline({**summary, "duration": 2 * 42.9}, rates, m, 131072, 2,
                                   1024, 128, 256)
     assert half["fraction"] == pytest.approx(r["fraction"] / 2)
+
+
+def test_an_moe_models_roofline_counts_the_experts_its_tokens_reach():
+    """qwen3-30b-a3b (30.5 B params, 3.3 B a token): prefill FLOPs from the active parameters, not all 128
+    experts; a decode step of 1 row reads 8 of 128 experts per layer, 256 rows nearly all."""
+    from models.config import load_model_config
+    m = load_model_config("qwen3-30b-a3b")
+    rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
+    assert 3.0e9 < m.params_per_token() < 3.6e9 and 30e9 < m.num_params() < 31e9
+    routed = m.routed_expert_params()
+    assert m.params_read(1) == pytest.approx(m.num_params() - routed * 120 / 128)
+    assert m.params_read(256) == pytest.approx(m.num_params(), rel=1e-6)
+
+    def floor(concurrency: int) -> dict:
+        return bench_serving.roofline({"completed": concurrency, "duration": 10.0}, rates, m, 98304, 2, 1024,
+                                      128, concurrency)
+    one, wide = floor(1), floor(256)
+    dense_flops = 2 * (m.num_params() - 2 * m.vocab_size * m.hidden_size) * 1024
+    assert one["prefill_pflop"] * 1e15 < dense_flops / 5  # ~3.3 of 30.5 B params compute
+    assert one["decode_step_ms"] < wide["decode_step_ms"] / 5
+    llama = load_model_config("llama-3.1-8b")
+    assert llama.params_read(1) == llama.params_per_token() == llama.num_params()
+
+
+def test_mla_attention_flops_use_its_expanded_widths():
+    from models.config import load_model_config
+    m = load_model_config("deepseek-v2-lite")
+    assert m.attention_dims() == (192, 128)
+    r = bench_serving.roofline({"completed": 1, "duration": 1.0}, {"gemm_flops_per_s": 1e15,
+                                                                   "copy_bytes_per_s": 3e12}, m, 31104, 2,
+                               4096, 2, 1)
+    attn = m.num_layers * m.num_heads * (192 + 128) * 4096 ** 2
+    lm_head = m.vocab_size * m.hidden_size
+    linear = 2 * (m.params_per_token() - 2 * lm_head) * 4096 + 2 * lm_head
+    assert r["prefill_pflop"] * 1e15 == pytest.approx(attn + linear)
 
 
 def test_roofline_is_skipped_with_its_reason_when_the_rates_could_not_be_measured():

@@ -242,7 +242,8 @@ def test_the_target_never_passes_the_kernels_32_bit_offsets():
 
 def test_mla_splits_are_powers_of_two_near_256_programs():
     splits = {rows: budget.mla_kv_splits(rows) for rows in range(1, 1025)}
-    assert all(s & (s - 1) == 0 and budget.MLA_MIN_SPLITS <= s <= budget.MLA_MAX_SPLITS for s in splits.values())
+    lo, hi = budget.MLA_MIN_SPLITS, budget.MLA_MAX_SPLITS
+    assert all(s & (s - 1) == 0 and lo <= s <= hi for s in splits.values())
     assert splits[1] == 32 and splits[16] == 16 and splits[32] == 8 and splits[256] == 4  # the H100 tuning
     assert all(rows * s <= 256 or s == budget.MLA_MIN_SPLITS for rows, s in splits.items())
     assert all(splits[r] >= splits[r + 1] for r in range(1, 1024))
@@ -250,6 +251,7 @@ def test_mla_splits_are_powers_of_two_near_256_programs():
 
 def test_mla_decode_scratch_and_expanded_prefix_arithmetic():
     # deepseek-v2-lite: 16 heads, latent 512 + rope 64, nope 128, v 128; 256 rows at 163840 tokens
-    assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 4 * (256 * 163840 + 256 * 16 * 4 * 513 + 257)
+    slots, partials = 256 * 163840, 256 * 16 * 4 * 513
+    assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 4 * (slots + partials + 257)
     per_key = (512 + 64) + 16 * (128 + 128) + 16 * (128 + 64) + 16 * 128
     assert budget.mla_expanded_bytes(1000, 16, 512, 64, 128, 128, 2) == 1000 * per_key * 2
