@@ -158,13 +158,16 @@ class ModelConfig:
         unreached = routed * (1 - self.num_experts_per_tok / self.num_experts) if routed else 0
         return self.num_params() - unreached
 
+    def unreached_expert_share(self, tokens: int) -> float:
+        """The expected share of routed experts that no token of a step reaches, the router spreading them:
+        each is missed by all `tokens` with probability (1 - k/E)^tokens (0 without experts)."""
+        if not self.num_experts:
+            return 0.0
+        return (1 - self.num_experts_per_tok / self.num_experts) ** tokens
+
     def params_read(self, tokens: int) -> float:
-        """Parameters a step of `tokens` tokens reads: all but the routed experts that none of them reaches
-        (with the router spreading tokens, each expert is missed by all of them with probability
-        (1 - k/E)^tokens)."""
-        routed = self.routed_expert_params()
-        missed = (1 - self.num_experts_per_tok / self.num_experts) ** tokens if routed else 0.0
-        return self.num_params() - routed * missed
+        """Parameters a step of `tokens` tokens reads: all but the routed experts none of them reaches."""
+        return self.num_params() - self.routed_expert_params() * self.unreached_expert_share(tokens)
 
     def attention_dims(self) -> tuple[int, int]:
         """(query-key, value) widths of one head as attention computes them (MLA's expanded form: nope + rope

@@ -112,14 +112,14 @@ class MLAttention(nn.Module):
         return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(-1, self.heads * self.v_dim)
 
 
-def route_deepseek(logits: torch.Tensor, mc: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2's router on fp32 logits: softmax, the top-k (greedy, or within the topk_group best of
-    n_group expert groups), times routed_scaling_factor; no renormalisation. (fp32 weights, int32 ids)"""
+def route_group_limited(logits: torch.Tensor, mc: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's group-limited router on fp32 logits: softmax, the top-k within the topk_group best of
+    n_group expert groups, times routed_scaling_factor; no renormalisation. (fp32 weights, int32 ids). The
+    greedy one is layers.moe.route, through the backend (FusedMoE.select)."""
     scores = logits.softmax(dim=-1)
-    if mc.topk_method == "group_limited_greedy":
-        groups = scores.view(-1, mc.n_group, mc.num_experts // mc.n_group).amax(dim=-1)
-        keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, mc.topk_group, dim=-1)[1], 1.0)
-        scores = scores.masked_fill(~keep.repeat_interleave(mc.num_experts // mc.n_group, 1).bool(), 0.0)
+    groups = scores.view(-1, mc.n_group, mc.num_experts // mc.n_group).amax(dim=-1)
+    keep = torch.zeros_like(groups).scatter_(1, torch.topk(groups, mc.topk_group, dim=-1)[1], 1.0)
+    scores = scores.masked_fill(~keep.repeat_interleave(mc.num_experts // mc.n_group, 1).bool(), 0.0)
     weights, ids = torch.topk(scores, mc.num_experts_per_tok, dim=-1)
     return weights * mc.routed_scaling_factor, ids.to(torch.int32)
 
@@ -141,10 +141,10 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mc, logits = self.config, nn.functional.linear(x.float(), self.gate.weight)
-        if mc.topk_method == "greedy":  # route_deepseek's greedy path, through the backend
+        if mc.topk_method == "greedy":
             weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
         else:
-            weights, ids = route_deepseek(logits, mc)
+            weights, ids = route_group_limited(logits, mc)
             ids = self.experts.force(ids)
         out = self.experts(x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out

@@ -67,16 +67,12 @@ def time_steps(runner: ModelRunner, step: Step, iters: int) -> float:
 
 def step_weight_bytes(runner: ModelRunner, batch: int) -> float:
     """The weight bytes a decode step of `batch` rows reads: every dense parameter, and of each MoE layer's
-    experts only those its rows reach (expected distinct experts when the router spreads them:
-    E (1 - (1 - k/E)^batch))."""
+    experts only those its rows reach when the router spreads them (ModelConfig.unreached_expert_share)."""
     from autoprofile.layers.moe import FusedMoE
     total = sum(p.nbytes for p in runner.model.parameters())
-    layers = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
-    if not layers:
-        return total
-    e, k = layers[0].num_experts, layers[0].top_k
-    unread = 1 - (1 - (1 - k / e) ** batch)
-    return total - sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for m in layers) * unread
+    experts = sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for m in runner.model.modules()
+                  if isinstance(m, FusedMoE))
+    return total - experts * runner.model_config.unreached_expert_share(batch)
 
 
 def build(args: argparse.Namespace, context: int) -> ModelRunner:

@@ -62,14 +62,10 @@ print("ok")
 '''
 
 
-def interpret(script: str) -> None:
-    run_script(script)
-
-
 def test_the_one_launch_sort_equals_the_torch_sort_slot_for_slot():
-    interpret(SORT)
+    run_script(SORT)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")
 def test_aiters_fused_moe_kernels_over_the_one_launch_sort_equal_the_reference():
-    interpret(FUSED)
+    run_script(FUSED)

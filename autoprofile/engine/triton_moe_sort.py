@@ -24,13 +24,12 @@ BLOCK_TILE = 4096  # elements of a [blocks, experts] compare tile
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["tokens"])
-def _sort_by_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, padded_ptr, tokens, E: tl.constexpr,
+@triton.jit(do_not_specialize=["tokens", "slots"])
+def _sort_by_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, padded_ptr, tokens, slots, E: tl.constexpr,
                            E_POW2: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                            RANK_CHUNK: tl.constexpr, COUNT_CHUNK: tl.constexpr, FILL_CHUNK: tl.constexpr,
                            BLOCK_CHUNK: tl.constexpr):
     pairs = tokens * K
-    slots = tl.minimum(pairs + E * (BLOCK_M - 1), pairs * BLOCK_M)
     experts = tl.arange(0, E_POW2)
     counts = tl.zeros([E_POW2], dtype=tl.int32)
     lanes = tl.arange(0, COUNT_CHUNK)
@@ -81,7 +80,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_experts = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=ids.device)
     padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     experts = triton.next_power_of_2(num_experts)
-    _sort_by_expert_kernel[(1,)](ids.contiguous(), sorted_ids, block_experts, padded, tokens, E=num_experts,
+    _sort_by_expert_kernel[(1,)](ids.contiguous(), sorted_ids, block_experts, padded, tokens, slots,
+                                 E=num_experts,
                                  E_POW2=experts, K=top_k, BLOCK_M=block_m, RANK_CHUNK=RANK_CHUNK,
                                  COUNT_CHUNK=COUNT_CHUNK, FILL_CHUNK=FILL_CHUNK,
                                  BLOCK_CHUNK=max(16, BLOCK_TILE // experts), num_warps=NUM_WARPS)
