@@ -58,6 +58,8 @@ class ServerConfig:
     port: int = 8000
     max_waiting_requests: int = 1024
     seed: int = 0
+    # batch-invariant kernels: a request's tokens do not depend on the requests beside it (README, "Seeds")
+    deterministic: bool = False
     report_dir: str | None = "autoprofile_report"
     # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's
     # default is the user's cache folder)
@@ -169,6 +171,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                              f"{cfg.attention_backend}; try --attention_backend aiter_triton")
     _check(cfg.kv_scales in KV_SCALES, "kv_scales",
            f"unknown '{cfg.kv_scales}'; choose one of {', '.join(KV_SCALES)}")
+    _check(not cfg.deterministic or cfg.attention_backend != "aiter", "deterministic",
+           "the batch-invariant kernels are Triton ones, not the native AITER backend's; try "
+           "--attention_backend aiter_triton with --deterministic")
 
     try:
         m = cfg.model_config
@@ -183,6 +188,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"ops are not wired); try --attention_backend aiter_triton (or torch)")
     _check(not m.is_mla or cfg.kv_cache_dtype != "fp8_e4m3", "kv_cache_dtype",
            f"{m.name}'s MLA latent cache has no FP8 path yet; try --kv_cache_dtype auto")
+    _check(not cfg.deterministic or not (m.num_experts or m.is_mla or m.vision is not None), "deterministic",
+           f"{m.name} {deterministic_gap(m)}, which has no batch-invariant path yet; serve it without "
+           f"--deterministic (or --deterministic with a dense text model such as llama-3.1-8b)")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
            f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
            f"does not divide (TP splits every expert's intermediate dimension); try --tp 1")
@@ -221,6 +229,15 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def deterministic_gap(m: ModelConfig) -> str:
+    """What a model runs that --deterministic does not make batch-invariant."""
+    if m.num_experts:
+        return "routes tokens to experts (the expert kernels tile by the step's token count)"
+    if m.is_mla:
+        return "uses MLA attention (its decode splits by the step's rows)"
+    return "encodes images (the vision tower batches a step's images together)"
 
 
 def decode_rows_text(cfg: ServerConfig) -> str:
@@ -333,6 +350,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "max_waiting_requests", type=int, default=d.max_waiting_requests,
              help="requests queued beyond the running ones; past it the server answers 429")
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
+    add_flag(p, "deterministic", action="store_true",
+             help="batch-invariant kernels (GEMMs, attention, the TP all-reduce): a request's tokens "
+                  "(greedy, or seeded) are the same alone and in any crowd, at a throughput cost (README, \"Seeds\")")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
     add_flag(p, "profile_cache", default="auto",
              help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU "

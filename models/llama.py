@@ -156,7 +156,7 @@ class LlamaAttention(nn.Module):
                 q, k, v = q[:n], k[:n], v[:n]
             if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
                 k, v = self.backend.gather_kv(kv, meta.kv_slots)
-            o = self.backend.prefill(q, k, v, meta)
+            o = self.backend.prefill(q, k, v, meta, kv)
             if o_decode is not None:
                 o = torch.cat([o, o_decode])
         else:

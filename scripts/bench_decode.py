@@ -78,7 +78,8 @@ def step_weight_bytes(runner: ModelRunner, batch: int) -> float:
 def build(args: argparse.Namespace, context: int) -> ModelRunner:
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", attention_backend=args.backend,
                                 max_req_total_len=context, graph_max_batch_size=max(args.batches),
-                                kv_cache_dtype=args.kv_cache_dtype, report_dir=None))
+                                kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+                                report_dir=None))
     runner = ModelRunner(cfg)
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
@@ -164,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="aiter_triton")
     p.add_argument("--kv_cache_dtype", default="auto",
                    help="auto or fp8_e4m3 (the floor reads the cache's bytes)")
+    p.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],

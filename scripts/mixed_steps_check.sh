@@ -4,6 +4,7 @@
 # `autoprofile serve`, then fresh random 1024/128 prompts at concurrency 1, 64 and 256 (bench_serving, which
 # measures the GPU's GEMM and copy rates before the server starts and prints the c256 roofline fraction).
 #   OUT=dir BEFORE=before MODEL=llama-3.1-8b bash scripts/mixed_steps_check.sh
+# C1=1 adds concurrency 1 (32 prompts); SERVE_FLAGS=--deterministic serves both trees with that flag.
 set -uo pipefail
 OUT=${OUT:-/tmp/mixed}; MODEL=${MODEL:-llama-3.1-8b}; BEFORE=${BEFORE:-}; PROMPTS=${PROMPTS:-1000}
 mkdir -p "$OUT"
@@ -11,11 +12,17 @@ HERE=$(pwd); SITE=${SITE:-}
 export PYTHONPATH=$SITE:$HERE  # the client: this checkout's bench_serving for both trees
 for tree in ${BEFORE:+$BEFORE} .; do
   name=$([ "$tree" = . ] && echo after || echo before)
-  SERVE="env PYTHONPATH=$SITE:$HERE/$tree python3 -m autoprofile.cli serve --model $MODEL --port 0 --report_dir ''"
+  SERVE="env PYTHONPATH=$SITE:$HERE/$tree python3 -m autoprofile.cli serve --model $MODEL --port 0"
+  SERVE="$SERVE --report_dir '' ${SERVE_FLAGS:-}"
   B=(python3 scripts/bench_serving.py --launch "$SERVE" --random-input-len 1024 --random-output-len 128)
   "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
     | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE"
   echo "== $name c256 done"
+  if [ "${C1:-0}" = 1 ]; then
+    "${B[@]}" --max-concurrency 1 --num-prompts 32 --result-file "$OUT/$name-c1.json" 2>/dev/null \
+      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT"
+    echo "== $name c1 done"
+  fi
   if [ "${SMALL:-1}" = 1 ]; then
     "${B[@]}" --max-concurrency 64 --num-prompts 256 --result-file "$OUT/$name-c64.json" 2>/dev/null \
       | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT"

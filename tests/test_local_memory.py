@@ -91,7 +91,8 @@ torch.cuda.init()
 torch.empty(1, device="cuda")
 before = memory.stack_limit_bytes()
 cfg = validate(ServerConfig(model=sys.argv[1], attention_backend="aiter_triton", max_req_total_len=131072,
-                            batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None))
+                            batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None,
+                            deterministic=sys.argv[2] == "deterministic"))
 result = profile(cfg)
 print("RESULT " + json.dumps({
     "before": before, "after": memory.stack_limit_bytes(), "profiled": result.stack_limit,
@@ -147,21 +148,28 @@ def test_the_check_sees_aiters_spilling_reduce():
     assert got["after"] > memory.STACK_BOUND
 
 
-@pytest.mark.parametrize("model", [SMALL_MODEL, SMALL_MOE], ids=["dense", "moe"])
-def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model):
+@pytest.mark.parametrize("model, mode", [(SMALL_MODEL, "default"), (SMALL_MOE, "default"),
+                                         (SMALL_MODEL, "deterministic")],
+                         ids=["dense", "moe", "deterministic"])
+def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mode):
     """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a
-    small model with the served attention shapes (and an MoE variant: AITER's Triton MoE kernels): no
-    compiled kernel needs more than 1 KiB of local memory per thread, the stack limit stays at 1 KiB, and
-    the profile recorded it."""
+    small model with the served attention shapes (and an MoE variant: AITER's Triton MoE kernels; and
+    --deterministic: AITER's unified attention and our GEMM): no compiled kernel needs more than 1 KiB of
+    local memory per thread, the stack limit stays at 1 KiB, and the profile recorded it."""
     folder = tmp_path / "small"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(model))
-    got = run_fresh(PROFILE, str(folder))
+    got = run_fresh(PROFILE, str(folder), mode)
     names = {k["kernel"] for k in got["kernels"]}
     print(json.dumps({k: v for k, v in got.items() if k != "kernels"}))
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)
-    assert "_reduce_partitions_kernel" in names and "_paged_attn_decode_v2_w_dot_kernel" in names, names
+    if mode == "deterministic":  # one attention kernel for prefill and decode, one GEMM for every layer
+        assert {"kernel_unified_attention_2d", "_matmul_kernel"} <= names, names
+        assert not names & {"_attn_fwd", "_paged_attn_decode_v2_w_dot_kernel",
+                            "_paged_attn_decode_v1_w_dot_kernel"}
+    else:
+        assert "_reduce_partitions_kernel" in names and "_paged_attn_decode_v2_w_dot_kernel" in names, names
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
     if model is SMALL_MOE:
         moe_kernels = {"_fused_moe_silu_kernel", "_fused_moe_kernel",  # AITER's experts

@@ -64,7 +64,14 @@ def _patch_arch_info(arch_info: types.ModuleType) -> None:
         return
     raw_get_arch = arch_info.get_arch
     known = dict(arch_info._ARCH_TO_DEVICE)
-    arch_info.get_arch = lambda: str(raw_get_arch())
+
+    def get_arch() -> str:
+        try:
+            return str(raw_get_arch())
+        except (RuntimeError, ImportError):  # no GPU driver (Triton's interpreter on CPU): AITER tried JAX
+            return "cpu"
+
+    arch_info.get_arch = get_arch
     arch_info.get_device = lambda: known.get(arch_info.get_arch(), FALLBACK_DEVICE)
     arch_info._autoprofile_patched = True
 
@@ -175,6 +182,17 @@ def load_aiter_triton() -> AiterTriton:
         pa_kernels=load_pa_kernels(),
         flash_attn_varlen_func=mha.flash_attn_varlen_func,
     )
+
+
+@functools.cache
+def load_unified_attention() -> Callable:
+    """AITER's Triton `kernel_unified_attention_2d` (--deterministic's attention:
+    engine.attention.triton_unified), its sequence count unspecialized (it follows the step). Imports without
+    a GPU."""
+    triton_ops_package()
+    module = importlib.import_module("aiter.ops.triton._triton_kernels.unified_attention")
+    unspecialize(module.kernel_unified_attention_2d, ("num_seqs",))
+    return module.kernel_unified_attention_2d
 
 
 @dataclass(frozen=True)

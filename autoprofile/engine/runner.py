@@ -16,7 +16,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.budget import gib
-from autoprofile.config import ServerConfig
+from autoprofile.config import ConfigError, ServerConfig
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
@@ -50,8 +50,14 @@ class ModelRunner:
         self.num_q_heads, self.num_kv_heads = mc.num_heads // world_size, mc.num_kv_heads // world_size
         self.cache_heads, self.cache_width = budget.cache_shape(mc, world_size)
         self.backend_cls = get_backend_class(cfg.attention_backend)
+        if cfg.deterministic and self.device.type == "cuda" and not self.backend_cls.batch_invariant_on_gpu:
+            raise ConfigError("deterministic", f"the {self.backend_cls.name} backend's kernels (cuBLAS, "
+                                               "SDPA) pick their tiling per shape on a GPU; try "
+                                               "--attention_backend aiter_triton with --deterministic")
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
-                                        self.dtype, self.device)
+                                        self.dtype, self.device, deterministic=cfg.deterministic)
+        if cfg.deterministic:  # every linear layer and the all-reduce: batch-invariant (layers.parallel.TP)
+            self.tp.matmul, self.tp.ordered_reduce = self.backend.invariant_linear, True
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
@@ -263,7 +269,12 @@ class ModelRunner:
         rows_of_tokens = torch.repeat_interleave(slots, torch.tensor(lens)).to(dev)
         meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu.to(dev), max_seqlen=max(lens),
                                  slot_mapping=self._slot_of(rows_of_tokens, positions[:sum(lens)]))
-        if any(r.start for r in rows):
+        if self.backend.paged_prefill:  # every key from the cache: the rows' pages and lengths
+            kv_lens = [r.start + len(r.ids) for r in rows]
+            cols = math.ceil(max(kv_lens) / self.cfg.page_size)
+            meta.block_tables = self.req_table.page_table[slots.to(dev), :cols]
+            meta.seq_lens = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
+        elif any(r.start for r in rows):
             kv_lens = [r.start + len(r.ids) for r in rows]
             kv_rows = torch.repeat_interleave(slots, torch.tensor(kv_lens)).to(dev)
             kv_pos = torch.cat([torch.arange(n) for n in kv_lens]).to(dev)

@@ -83,13 +83,29 @@ class AttentionBackend(ABC):
 
     name: str = "base"
     moe_capturable = False  # fused_moe launches no host sync: a decode graph may hold an MoE layer
+    # --deterministic on a GPU: this backend has batch-invariant kernels (its GEMM, prefill and decode give a
+    # row the same bits whatever else the step holds). On the CPU the torch ops serve it.
+    batch_invariant_on_gpu = False
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, deterministic: bool = False):
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
         self.scale = head_dim ** -0.5
         self.calibrating = False  # an FP8 cache's step that sets its scales from its own K/V (store_kv)
+        self.deterministic = deterministic
+
+    @property
+    def paged_prefill(self) -> bool:
+        """prefill() reads every key of its chunks (prefix and new) from the cache, through meta.block_tables
+        and meta.seq_lens (the runner sets those instead of kv_slots, and passes the layer's cache)."""
+        return False
+
+    @property
+    def invariant_linear(self):
+        """The batch-invariant GEMM (x, weight, bias) -> y that --deterministic layers call (TP.matmul);
+        None: F.linear."""
+        return None
 
     @classmethod
     def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int,
@@ -193,9 +209,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq, D]; causal within each request of cu_seqlens. k/v [T, Hkv, D], or with
-        meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right)."""
+        meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right). A
+        paged_prefill backend reads the keys from `kv` instead."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:

@@ -29,23 +29,45 @@ class TP:
     size: int = 1
     group: object = None
     wait: Callable[[dist.Work], None] | None = None
+    # --deterministic (the runner sets both): the batch-invariant GEMM every linear layer calls instead of
+    # F.linear, and an all-reduce summed in rank order (NCCL's ring or tree order follows the message size)
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    ordered_reduce: bool = False
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            self._done(dist.all_reduce(x, group=self.group, async_op=self.wait is not None))
+        if self.size == 1:
+            return x
+        if self.ordered_reduce:
+            return x.copy_(ordered_sum(self._gather(x)))
+        self._done(dist.all_reduce(x, group=self.group, async_op=self.wait is not None))
         return x
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._done(dist.all_gather(parts, x.contiguous(), group=self.group, async_op=self.wait is not None))
+        return parts
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's x along the last dim (rank order)."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._done(dist.all_gather(parts, x.contiguous(), group=self.group, async_op=self.wait is not None))
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self._gather(x), dim=-1)
 
     def _done(self, work: dist.Work | None) -> None:
         if work is not None:
             self.wait(work)
+
+
+def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """((p0 + p1) + p2) + ...: the same bits whatever the tensor's size (the batch-invariant all-reduce)."""
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total.add_(p)
+    return total
 
 
 def source_shape(src) -> tuple[int, ...]:
@@ -103,12 +125,13 @@ class ColumnParallelLinear(nn.Module):
         if any(s % tp.size for s in out_sizes):
             raise ValueError(f"output sizes {out_sizes} are not divisible by {tp.size} TP ranks")
         shard_sizes = [s // tp.size for s in out_sizes]
+        self.tp = tp
         loader = partial(load_column, shard_sizes=shard_sizes, rank=tp.rank)
         self.weight = new_param((sum(shard_sizes), in_features), dtype, loader, len(out_sizes))
         self.bias = new_param((sum(shard_sizes),), dtype, loader, len(out_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.tp.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,7 +147,7 @@ class RowParallelLinear(nn.Module):
         self.bias = new_param((out_features,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.tp.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -157,5 +180,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     Tied embeddings: pass the embedding's Parameter as `weight` (same shard layout, one tensor)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last(self.tp.linear(hidden, self.weight))
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -22,8 +22,8 @@ class AiterNativeBackend(AttentionBackend):
     name = "aiter"
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+                 dtype: torch.dtype, device: torch.device, deterministic: bool = False):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, deterministic)
         try:
             self.aiter = importlib.import_module("aiter")
         except (ImportError, RuntimeError) as e:
@@ -56,7 +56,7 @@ class AiterNativeBackend(AttentionBackend):
         self.max_decode_rows = self.num_partitions = 0
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
         cu_k, max_k = meta.keys()  # causal is aligned bottom-right (flash-attention >= 2.1 semantics)
         return self.aiter.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True)

@@ -80,12 +80,17 @@ def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 class AiterTritonBackend(AttentionBackend):
+    """--deterministic: every attention call (prefill chunks over their cached prefix, decode rows, graphs
+    and eager) is AITER's unified kernel at one config (triton_unified), every linear layer our fixed-tile
+    GEMM (engine.triton_matmul); RMSNorm, SiLU * up, RoPE and the sampler are one program per row already."""
+
     name = "aiter_triton"
     moe_capturable = True
+    batch_invariant_on_gpu = True
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+                 dtype: torch.dtype, device: torch.device, deterministic: bool = False):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, deterministic)
         if dtype not in (torch.bfloat16, torch.float16):  # the model's dtype; the cache may be FP8
             raise ValueError(f"aiter_triton runs bfloat16/float16, not {dtype}; "
                              "try --attention_backend torch")
@@ -107,6 +112,26 @@ class AiterTritonBackend(AttentionBackend):
         self.triton_act, self.triton_norm = triton_act, triton_norm
         self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
+        from autoprofile.engine import triton_matmul
+        from autoprofile.engine.attention import triton_unified
+
+        self.triton_matmul, self.triton_unified = triton_matmul, triton_unified
+
+    @property
+    def paged_prefill(self) -> bool:
+        return self.deterministic
+
+    @property
+    def invariant_linear(self):
+        return self.triton_matmul.linear if self.deterministic else None
+
+    def unified(self, q: torch.Tensor, kv: KVLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """--deterministic's attention (triton_unified): q's tokens split by cu_seqlens over the cache."""
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return self.triton_unified.attention(out, q, kv.k, kv.v, block_tables, seq_lens, cu_seqlens,
+                                             self.scale, kv.scales)
 
     def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
         self.max_decode_rows, self.graph_rows = max_decode_rows, graph_rows  # MLA's compiled row counts
@@ -159,9 +184,12 @@ class AiterTritonBackend(AttentionBackend):
                                                   partition)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
         """With a cached prefix, cu_seqlens_k differs from cu_seqlens: AITER's causal mask is aligned
-        bottom-right (offs_n + seqlen_q - seqlen_k), which is what a chunk over its prefix needs."""
+        bottom-right (offs_n + seqlen_q - seqlen_k), which is what a chunk over its prefix needs.
+        --deterministic: the unified kernel over the cache (the chunk's K/V are stored before)."""
+        if self.deterministic:
+            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.cu_seqlens)
         cu_k, max_k = meta.keys()
         return self.ops.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
@@ -177,6 +205,9 @@ class AiterTritonBackend(AttentionBackend):
         after (softmax(q.(k8 s_k)) (v8 s_v) = softmax((q s_k).k8) v8 s_v)."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
+        if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
+            rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+            return self.unified(q, kv, meta.block_tables, meta.seq_lens, rows)
         k_cache, v_cache = kv.k, kv.v
         if kv.scales is not None:
             q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype

@@ -12,6 +12,24 @@ from torch.nn.attention.bias import causal_lower_right
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 
 DECODE_CHUNK_BYTES = 256 << 20  # fp32 K gathered per decode step of the loop over pages
+# --deterministic: the keys a step of the paged loop reads, whatever the rows (the loop's chunks are where its
+# online softmax rescales, so they must not follow the batch), and the rows of every GEMM call
+INVARIANT_CHUNK_TOKENS = 64
+INVARIANT_GEMM_ROWS = 32
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear called on tiles of INVARIANT_GEMM_ROWS rows (the last one zero-padded): every call has one
+    shape, so the CPU's GEMM takes one kernel and blocking whatever the step's row count, and a row's result
+    does not depend on the rows beside it (a [M, K] call picks its kernel by M)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    pad = -m % INVARIANT_GEMM_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = torch.cat([F.linear(t, weight, bias) for t in rows.split(INVARIANT_GEMM_ROWS)]) if m else \
+        x.new_empty(0, weight.shape[0])
+    return out[:m].view(*x.shape[:-1], weight.shape[0])
 
 
 class TorchBackend(AttentionBackend):
@@ -22,13 +40,33 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device, decode_chunk_bytes: int = DECODE_CHUNK_BYTES):
-        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device)
+                 dtype: torch.dtype, device: torch.device, deterministic: bool = False,
+                 decode_chunk_bytes: int = DECODE_CHUNK_BYTES):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, dtype, device, deterministic)
         self.group = num_q_heads // num_kv_heads
         self.decode_chunk_bytes = decode_chunk_bytes
 
+    @property
+    def paged_prefill(self) -> bool:
+        return self.deterministic
+
+    @property
+    def invariant_linear(self):
+        return tiled_linear if self.deterministic else None
+
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
+        """--deterministic: each new token is a row of the paged loop over the cache (its own length: causal),
+        so a token's attention is a decode row's, whatever the chunk it came in."""
+        if self.deterministic:
+            q_lens = meta.cu_seqlens.diff().long()
+            last = (meta.seq_lens.long() - q_lens).repeat_interleave(q_lens)  # tokens before each chunk
+            start = meta.cu_seqlens[:-1].long().repeat_interleave(q_lens)
+            pos = torch.arange(q.shape[0], device=q.device) - start + last
+            rows = AttentionMetadata(is_prefill=False, slot_mapping=meta.slot_mapping,
+                                     block_tables=meta.block_tables.repeat_interleave(q_lens, dim=0),
+                                     seq_lens=(pos + 1).to(torch.int32), max_seq_len=int(meta.seq_lens.max()))
+            return self.decode(q, kv, rows)
         return self._varlen(q, k, v, meta, self.group, self.scale)
 
     def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -78,7 +116,8 @@ class TorchBackend(AttentionBackend):
         m = torch.full((b, hkv, group, 1), float("-inf"), device=q.device)
         denom = torch.zeros((b, hkv, group, 1), device=q.device)
         acc = torch.zeros((b, hkv, group, d), device=q.device)
-        step = self.decode_chunk_pages(b, pages_per_req, hkv * d)
+        step = (max(INVARIANT_CHUNK_TOKENS // self.page_size, 1) if self.deterministic
+                else self.decode_chunk_pages(b, pages_per_req, hkv * d))
         offsets = torch.arange(step * self.page_size, device=q.device)
         for first in range(0, pages_per_req, step):
             pages = tables[:, first:first + step]

@@ -1,0 +1,60 @@
+"""A request alone, then the same request inside a crowd (issue 19's --deterministic check, shared by the CPU
+test and the GPU one): the crowd's requests arrive around it, so its prompt is cut into other chunks, shares
+mixed steps with decode rows and decodes among up to the envelope's rows, some of them seeded or sampled."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+
+
+@dataclass
+class Crowded:
+    alone: list[int]
+    crowded: list[int]
+    most_rows: int  # the most rows of one step the request was in (decode rows and chunks)
+    mixed_steps: int  # steps of the run with both chunks and decode rows
+    graph_steps: int  # decode steps of the run replayed through a captured graph
+    chunks_alone: list[int]  # the tokens of each chunk its prompt was cut into, alone and in the crowd
+    chunks_crowded: list[int]
+
+
+def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_tokens: int, crowd: int = 300,
+                         seed: int = 0) -> Crowded:
+    rng = random.Random(seed)
+    vocab = runner.model_config.vocab_size
+    longest = min(3 * len(prompt), runner.cfg.context_len - 2 * max_tokens)
+    runner.step_log = []
+    alone = LLMEngine(runner).generate([prompt], params, max_tokens)[0]
+    chunks_alone = [s.prefill_tokens for s in runner.step_log if s.prefill_rows]
+    others = []
+    for i in range(crowd):
+        p = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, longest))]
+        sp = rng.choice([GREEDY, SamplingParams(temperature=0.8, top_p=0.9),
+                         SamplingParams(temperature=1.0, top_p=0.95, seed=i)])
+        others.append((p, sp, rng.randrange(1, 2 * max_tokens)))
+    engine = LLMEngine(runner)
+    half = crowd // 2
+    for p, sp, n in others[:half]:
+        engine.add_request(p, sp, n)
+    for _ in range(3):  # the crowd is decoding when the request arrives
+        engine.step()
+    probe = engine.add_request(prompt, params, max_tokens)
+    req = engine._requests[probe]
+    for p, sp, n in others[half:]:
+        engine.add_request(p, sp, n)
+    crowded, rows_with_it, mixed, graphs, chunks = [], [], 0, 0, []
+    while engine.has_unfinished():
+        computed, before = req.num_computed, len(runner.step_log)
+        crowded += [t for o in engine.step() if o.request_id == probe for t in o.new_token_ids]
+        shapes = runner.step_log[before:]
+        mixed += sum(bool(s.decode_rows and s.prefill_rows) for s in shapes)
+        graphs += sum(bool(s.graph_rows) for s in shapes)
+        if req.num_computed != computed and shapes:  # the request was in this step
+            rows_with_it.append(max(s.decode_rows + s.prefill_rows for s in shapes))
+            if computed < len(prompt):
+                chunks.append(min(req.num_computed, len(prompt)) - computed)
+    runner.step_log = None
+    return Crowded(alone, crowded, max(rows_with_it, default=0), mixed, graphs, chunks_alone, chunks)

@@ -1,0 +1,201 @@
+"""--deterministic on the CPU: the flag's wiring, the ordered all-reduce, and a seeded request that gets the
+same tokens alone and inside a crowd of 300 (tests/test_deterministic_gpu.py runs the same check on the GPU's
+batch-invariant kernels, whose Triton sources are checked here through the interpreter). Its refusals are in
+test_config's table."""
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.attention.torch_sdpa import TorchBackend, tiled_linear
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.weights import init_random
+from autoprofile.layers.attention import AttentionMetadata, KVLayer
+from autoprofile.layers.parallel import TP, ordered_sum
+from unit_tests.crowd import alone_and_in_a_crowd
+from unit_tests.interpreter import run_script
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+needs_aiter = pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")
+
+CROWD_CFG = dict(model="tiny", dtype="bfloat16", attention_backend="torch", max_req_total_len=512,
+                 batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=64, report_dir=None)
+
+
+@pytest.mark.parametrize("params, dtype", [
+    (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), "bfloat16"),
+    (SamplingParams(temperature=0.9, top_p=0.9, seed=99), "float32"),
+    (GREEDY, "bfloat16")],
+                         ids=["seeded-top-p-bf16", "seeded-top-p-fp32", "greedy-bf16"])
+def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(params, dtype):
+    r = ModelRunner(validate(ServerConfig(**{**CROWD_CFG, "dtype": dtype}, deterministic=True)))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(8192)
+    prompt = [(37 * i) % 4000 + 3 for i in range(150)]
+    got = alone_and_in_a_crowd(r, prompt, params, max_tokens=24, crowd=300)
+    assert len(got.alone) == 24 and len(set(got.alone)) > 3  # real text, not one repeated token
+    assert got.crowded == got.alone
+    # the crowd changed what the request ran beside: other chunks, mixed steps, many rows
+    assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got
+    assert got.mixed_steps > 0 and got.most_rows >= 8, got
+
+
+def test_the_flag_sets_the_invariant_gemm_the_paged_prefill_and_the_ordered_all_reduce():
+    cfg = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
+               batch_max_tokens=256, graph_max_batch_size=4, report_dir=None)
+    on, off = (ModelRunner(validate(ServerConfig(**cfg, deterministic=d))) for d in (True, False))
+    assert on.tp.ordered_reduce and on.backend.paged_prefill and on.tp.matmul is tiled_linear
+    assert not off.tp.ordered_reduce and not off.backend.paged_prefill and off.tp.matmul is None
+    x, w, b = torch.randn(70, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(tiled_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert tiled_linear(x[:0], w).shape == (0, 40)
+
+
+def test_a_rows_gemm_and_paged_attention_do_not_depend_on_the_rows_beside_it():
+    """The torch ops the flag replaces do (on the CPU an fp32 GEMM of 1 to 5 rows takes another kernel, and
+    the paged loop's chunks follow the batch): row 0 alone, and among 40."""
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 256), torch.randn(704, 256)
+    full = tiled_linear(x, w)
+    assert all(torch.equal(tiled_linear(x[:m], w), full[:m]) for m in (1, 2, 5, 33))
+    hq, hkv, d, page, pages = 8, 2, 32, 16, 16
+    be = TorchBackend(hq, hkv, d, page, torch.float32, torch.device("cpu"), deterministic=True,
+                      decode_chunk_bytes=8192)
+    kv = KVLayer(torch.randn(40 * pages + 1, hkv, page, d), torch.randn(40 * pages + 1, hkv, page, d))
+    tables = torch.arange(40 * pages, dtype=torch.int32).view(40, pages)
+    lens = torch.randint(1, pages * page, (40,), dtype=torch.int32)
+    q = torch.randn(40, hq, d)
+
+    def decode(rows: int) -> torch.Tensor:
+        return be.decode(q[:rows], kv, AttentionMetadata(False, torch.zeros(rows, dtype=torch.int64),
+                                                         block_tables=tables[:rows], seq_lens=lens[:rows],
+                                                         max_seq_len=pages * page))
+
+    assert torch.equal(decode(1), decode(40)[:1])
+
+
+def test_ordered_sum_adds_in_rank_order():
+    parts = [torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])]
+    assert ordered_sum(parts).item() == 1.0  # (1e8 - 1e8) + 1; 1e8 + (-1e8 + 1) would be 0 in fp32
+    assert parts[0].item() == 1e8  # the inputs are untouched
+
+
+def _reduce_worker(rank: int, init: str, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=3)
+    try:
+        x = torch.tensor([[1e8, 5.0], [-1e8, 6.0], [1.0, 7.0]][rank])
+        TP(rank, 3, ordered_reduce=True).all_reduce(x)
+        queue.put((rank, x.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ordered_all_reduce_over_three_gloo_ranks_gives_every_rank_the_rank_order_sum(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_reduce_worker, args=(r, init, queue)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: [1.0, 18.0], 1: [1.0, 18.0], 2: [1.0, 18.0]}
+
+
+MATMUL = r'''
+import torch
+from autoprofile.engine import triton_matmul
+
+torch.manual_seed(0)
+for m, n, k, bias, dtype in [(1, 96, 64, False, torch.float32), (300, 200, 96, True, torch.float32),
+                             (5, 130, 130, True, torch.float16), (129, 256, 64, False, torch.float16)]:
+    x = torch.randn(m, k, dtype=dtype)
+    w = (torch.randn(n, k) * k ** -0.5).to(dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    got = triton_matmul.linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (m, n, k, (got.float() - want).abs().max())
+    for lo, hi in ((0, 1), (m // 2, m)):  # a row's bits do not depend on the rows beside it
+        assert torch.equal(triton_matmul.linear(x[lo:hi], w, b), got[lo:hi])
+x = torch.randn(4, 3, 200)[:, :, :64]  # a strided view of leading dims
+w = torch.randn(32, 64)
+assert torch.allclose(triton_matmul.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+assert triton_matmul.linear(torch.empty(0, 64), w).shape == (0, 32)
+print("ok")
+'''
+
+
+@needs_triton
+def test_the_batch_invariant_gemm_equals_torch_and_a_rows_bits_do_not_depend_on_its_neighbours():
+    run_script(MATMUL)
+
+
+UNIFIED = r'''
+import torch
+from autoprofile.engine.attention import triton_unified
+from autoprofile.layers.attention import FP8_MAX
+
+torch.manual_seed(0)
+hq, hkv, d, page, per_seq = 8, 2, 32, 16, 8
+
+def reference(q, kc, vc, table, n, scales):
+    """softmax(q k^T / sqrt(d)) v over the sequence's n cached tokens, q's tokens the last ones (causal)."""
+    slots = torch.arange(n)
+    k = kc[table[slots // page].long(), :, slots % page].float()
+    v = vc[table[slots // page].long(), :, slots % page].float()
+    if scales is not None:
+        k, v = k * scales[0], v * scales[1]
+    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * d ** -0.5
+    s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - len(q), n)[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+def run(q, kc, vc, tables, seq_lens, q_lens, scales=None):
+    cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    return triton_unified.attention(out, q, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), cu,
+                                    d ** -0.5, scales)
+
+for cache_dtype in (torch.float32, torch.float8_e4m3fn):
+    q_lens, ctx = [1, 5, 1, 70, 3], [40, 3, 70, 0, 50]  # decode rows, chunks over a prefix, a fresh prompt
+    seqs = len(q_lens)
+    kc, vc = torch.randn(seqs * per_seq + 1, hkv, page, d), torch.randn(seqs * per_seq + 1, hkv, page, d)
+    scales = None
+    if cache_dtype != torch.float32:
+        scales = torch.tensor([0.02, 0.03])
+        kc = (kc / scales[0]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+        vc = (vc / scales[1]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    tables = torch.randperm(seqs * per_seq).to(torch.int32).view(seqs, per_seq)  # scattered pages
+    seq_lens = [a + b for a, b in zip(q_lens, ctx)]
+    q = torch.randn(sum(q_lens), hq, d)
+    out = run(q, kc, vc, tables, seq_lens, q_lens, scales)
+    start = 0
+    for b in range(seqs):
+        want = reference(q[start:start + q_lens[b]], kc, vc, tables[b], seq_lens[b], scales)
+        err = (out[start:start + q_lens[b]] - want).abs().max()
+        assert err < 1e-4, (cache_dtype, b, err)
+        start += q_lens[b]
+    # one 70-token prompt computed whole, as two chunks, and its last token as a decode row: the same bits
+    whole = out[7:77]  # sequence 3
+    first = run(q[7:37], kc, vc, tables[3:4], [30], [30], scales)
+    second = run(q[37:77], kc, vc, tables[3:4], [70], [40], scales)
+    last = run(q[76:77], kc, vc, tables[3:4], [70], [1], scales)
+    assert torch.equal(torch.cat([first, second]), whole) and torch.equal(last, whole[-1:])
+print("ok")
+'''
+
+
+@needs_triton
+@needs_aiter
+def test_the_unified_attention_equals_the_reference_for_decode_rows_and_chunks_and_is_chunking_invariant():
+    run_script(UNIFIED)
