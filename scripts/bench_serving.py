@@ -32,6 +32,7 @@ import base64
 import io
 import ipaddress
 import json
+import math
 import random
 import re
 import shlex
@@ -696,6 +697,14 @@ def measure_rates() -> dict | str:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def ttft_floor(requests: int, burst: int, prefill_s: float, quantile: float) -> float:
+    """The least a `quantile` TTFT can be when `burst` of `requests` arrive at once (a run at fixed
+    concurrency starts so) and each prompt's prefill takes prefill_s at the GPU's rate: however the burst is
+    scheduled, its k-th first token waits for k prefills; every later request waits at least its own."""
+    floors = sorted([prefill_s] * (requests - burst) + [k * prefill_s for k in range(1, burst + 1)])
+    return floors[max(math.ceil(quantile * requests) - 1, 0)]
+
+
 def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: float, input_len: float,
              output_len: float, concurrency: int) -> dict:
     """The run's floor on this GPU: the prefill's FLOPs over the measured GEMM rate, plus each decode step's
@@ -716,7 +725,9 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: floa
     step_bytes = m.params_read(rows) * param_bytes + rows * (input_len + output_len / 2) * cell_bytes
     prefill_s = prefill_flops / rates["gemm_flops_per_s"]
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
+    ttft_p99 = ttft_floor(n, rows, prefill_s / n, 0.99)
     return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
+            "ttft_p99_floor_s": ttft_p99,
             "prefill_s": prefill_s, "decode_steps": steps,
             "decode_step_ms": step_bytes / rates["copy_bytes_per_s"] * 1e3,
             "copy_gbps": rates["copy_bytes_per_s"] / 1e9, "decode_s": decode_s,
@@ -730,7 +741,8 @@ def roofline_line(r: dict) -> str:
             f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s "
             f"copy) = "
             f"{r['decode_s']:.1f} s -> {r['roofline_s']:.1f} s against {r['duration_s']:.1f} s measured: "
-            f"{r['fraction']:.2f} of the roofline")
+            f"{r['fraction']:.2f} of the roofline; P99 TTFT floor {r['ttft_p99_floor_s']:.2f} s (the first "
+            f"wave arrives at once: its k-th first token waits for k prompts' prefill)")
 
 
 def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namespace) -> str:

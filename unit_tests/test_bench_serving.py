@@ -252,6 +252,20 @@ def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     assert half["fraction"] == pytest.approx(r["fraction"] / 2)
 
 
+def test_the_p99_ttft_floor_of_a_burst_is_the_prefill_of_the_prompts_before_it():
+    """1000 requests at concurrency 256: 256 arrive at once, so the 990th-fastest first token (p99) waits for
+    at least 246 prefills (744 later requests may take one each); alone, one prefill."""
+    assert bench_serving.ttft_floor(1000, 256, 0.02, 0.99) == pytest.approx(246 * 0.02)
+    assert bench_serving.ttft_floor(1000, 1, 0.02, 0.99) == pytest.approx(0.02)
+    assert bench_serving.ttft_floor(4, 4, 1.0, 0.5) == pytest.approx(2.0)
+    from models.config import load_model_config
+    r = bench_serving.roofline({"completed": 1000, "duration": 40.0},
+                               {"gemm_flops_per_s": 782e12, "copy_bytes_per_s": 3.0e12},
+                               load_model_config("llama-3.1-8b"), 131072, 2, 1024, 128, 256)
+    assert 4.5 < r["ttft_p99_floor_s"] < 5.5  # issue 19's "p99 under 2 s" cannot hold for this run
+    assert "P99 TTFT floor" in bench_serving.roofline_line(r)
+
+
 def test_an_moe_models_roofline_counts_the_experts_its_tokens_reach():
     """qwen3-30b-a3b (30.5 B params, 3.3 B a token): prefill FLOPs from the active parameters, not all 128
     experts; a decode step of 1 row reads 8 of 128 experts per layer, 256 rows nearly all."""
