@@ -56,8 +56,8 @@ class ModelRunner:
                                                "--attention_backend aiter_triton with --deterministic")
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device, deterministic=cfg.deterministic)
-        if cfg.deterministic:  # every linear layer and the all-reduce: batch-invariant (layers.parallel.TP)
-            self.tp.matmul, self.tp.ordered_reduce = self.backend.invariant_linear, True
+        # every linear layer's GEMM (--deterministic: batch-invariant, with the all-reduce: layers.parallel.TP)
+        self.tp.matmul, self.tp.ordered_reduce = self.backend.gemm, cfg.deterministic
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)

@@ -102,9 +102,9 @@ class AttentionBackend(ABC):
         return False
 
     @property
-    def invariant_linear(self):
-        """The batch-invariant GEMM (x, weight, bias) -> y that --deterministic layers call (TP.matmul);
-        None: F.linear."""
+    def gemm(self):
+        """The GEMM (x, weight, bias) -> y the model's linear layers call (TP.matmul): under --deterministic a
+        batch-invariant one; None: F.linear."""
         return None
 
     @classmethod

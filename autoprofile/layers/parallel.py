@@ -29,8 +29,9 @@ class TP:
     size: int = 1
     group: object = None
     wait: Callable[[dist.Work], None] | None = None
-    # --deterministic (the runner sets both): the batch-invariant GEMM every linear layer calls instead of
-    # F.linear, and an all-reduce summed in rank order (NCCL's ring or tree order follows the message size)
+    # the GEMM every linear layer calls instead of F.linear (the backend's: under --deterministic a
+    # batch-invariant one), and --deterministic's all-reduce summed in rank order (NCCL's ring or tree order
+    # follows the message size); the runner sets both
     matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     ordered_reduce: bool = False
 

@@ -112,18 +112,20 @@ class AiterTritonBackend(AttentionBackend):
         self.triton_act, self.triton_norm = triton_act, triton_norm
         self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
-        from autoprofile.engine import triton_matmul
+        from autoprofile.engine import triton_gemv, triton_matmul
         from autoprofile.engine.attention import triton_unified
 
-        self.triton_matmul, self.triton_unified = triton_matmul, triton_unified
+        self.triton_gemv, self.triton_matmul, self.triton_unified = triton_gemv, triton_matmul, triton_unified
 
     @property
     def paged_prefill(self) -> bool:
         return self.deterministic
 
     @property
-    def invariant_linear(self):
-        return self.triton_matmul.linear if self.deterministic else None
+    def gemm(self):
+        """--deterministic: the fixed-tile GEMM; else one row through our GEMV (the batch-1 decode: cuBLAS
+        leaves bandwidth behind there), more through cuBLAS."""
+        return self.triton_matmul.linear if self.deterministic else self.triton_gemv.linear
 
     def unified(self, q: torch.Tensor, kv: KVLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 cu_seqlens: torch.Tensor) -> torch.Tensor:

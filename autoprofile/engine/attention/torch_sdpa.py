@@ -51,7 +51,7 @@ class TorchBackend(AttentionBackend):
         return self.deterministic
 
     @property
-    def invariant_linear(self):
+    def gemm(self):
         return tiled_linear if self.deterministic else None
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
