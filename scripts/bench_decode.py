@@ -81,6 +81,8 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
                                 kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
                                 report_dir=None))
     runner = ModelRunner(cfg)
+    if args.cublas:  # the linear layers through F.linear (cuBLAS) instead of the backend's GEMM
+        runner.tp.matmul = None
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
     runner.build(tokens)
@@ -166,6 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv_cache_dtype", default="auto",
                    help="auto or fp8_e4m3 (the floor reads the cache's bytes)")
     p.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels")
+    p.add_argument("--cublas", action="store_true",
+                   help="linear layers through cuBLAS, not the backend's GEMM (aiter_triton: the one-row GEMV)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],
