@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +26,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 MiB, GiB = 1 << 20, 1 << 30
 
 
+# The tiny model with 32 layers: 8 KiB of KV a token, so an 80 GB card's memory binds before the 32-bit offset
+# cap (2 KV heads x 32: 33.5 M tokens, 32 GiB at tiny's 4 layers, which left most of an H100 free)
+DEEP_LAYERS = 32
+
+
 def tiny_cfg(tmp_path, **kw) -> ServerConfig:
-    base = dict(model="tiny", max_req_total_len=2048, batch_max_tokens=4096, graph_max_batch_size=32,
+    folder = tmp_path / "tiny-deep"
+    if not folder.exists():
+        folder.mkdir()
+        tiny = Path(__file__).resolve().parents[1] / "models" / "configs" / "tiny" / "config.json"
+        config = json.loads(tiny.read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DEEP_LAYERS}))
+    base = dict(model=str(folder), max_req_total_len=2048, batch_max_tokens=4096, graph_max_batch_size=32,
                 report_dir=str(tmp_path / "report"))
     base.update(kw)
     return validate(ServerConfig(**base))
@@ -193,7 +205,7 @@ def test_escape_hatch_builds_once(tmp_path):
 
 def test_escape_hatch_too_big_says_what_fits(tmp_path):
     _, total = torch.cuda.mem_get_info()
-    cell = budget.kv_cell_bytes(4, 2, 32, 2)
+    cell = budget.kv_cell_bytes(DEEP_LAYERS, 2, 32, 2)
     with pytest.raises(ProfileError, match=r"try --max_total_token_num \d+") as ei:
         boot(tiny_cfg(tmp_path, max_total_token_num=total // cell // 16 * 16))
     fits = int(str(ei.value).split("try --max_total_token_num ")[1].split(",")[0])
