@@ -389,4 +389,10 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
         cfg = cfg.replace(report_dir=None)
     if cfg.profile_cache in ("", "auto"):
         cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())
-    return validate(cfg, serving)
+    cfg = validate(cfg, serving)
+    # the CLI serves on a GPU, where the torch backend's cuBLAS and SDPA are not batch-invariant (the library
+    # keeps it for the CPU, where its --deterministic path is)
+    _check(not (serving and cfg.deterministic and cfg.attention_backend == "torch"), "deterministic",
+           "the torch backend's GPU kernels (cuBLAS, SDPA) pick their tiling per shape; try "
+           "--attention_backend aiter_triton with --deterministic")
+    return cfg

@@ -80,6 +80,8 @@ BAD = [
      "try --attention_backend aiter_triton", ["--model", "deepseek-v2-lite", "--attention_backend", "torch"]),
     (["--deterministic", "--attention_backend", "aiter"], "deterministic", "try --attention_backend aiter_triton",
      ["--deterministic", "--attention_backend", "aiter_triton"]),
+    (["--deterministic", "--attention_backend", "torch"], "deterministic", "try --attention_backend aiter_triton",
+     ["--deterministic", "--attention_backend", "aiter_triton"]),
     (["--deterministic", "--model", "qwen3-30b-a3b"], "deterministic", "serve it without --deterministic",
      ["--model", "qwen3-30b-a3b"]),
     (["--deterministic", "--model", "deepseek-v2-lite"], "deterministic", "serve it without --deterministic",
