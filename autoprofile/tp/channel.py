@@ -23,6 +23,9 @@ from autoprofile.tp.votes import describe, is_consequence as is_consequence_text
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # the watchdog reads the store this often
+# a rank whose launcher is gone drains on its SIGTERM (rank 0 of a server), then ends this long after at the
+# latest: its peers are gone with the launcher, nobody collects it, and a wait on them must not keep it alive
+ORPHAN_GRACE_S = 10.0
 GRACE_S = 1.0  # a rank still in its section this long after a peer failed is waiting for that peer
 STUCK_S = 5.0  # still in its section this long after the abort: the abort did not free it (see 2b)
 WAIT_SLICE = datetime.timedelta(milliseconds=100)  # gloo data-plane waits check for a peer failure this often
@@ -216,7 +219,9 @@ class RankGuard:
                     return
                 # NOTE: nobody collects this rank any more: end it as the parent's SIGTERM would (rank 0
                 # of a server drains; the others end), never an orphan holding its GPU
-                log.error("the launcher is gone (%s): this rank stops", describe(e))
+                log.error("the launcher is gone (%s): this rank stops (SIGTERM, and ends in %.0f s at the "
+                          "latest)", describe(e), ORPHAN_GRACE_S)
+                end_orphan_after(ORPHAN_GRACE_S)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             now = time.monotonic()
@@ -320,3 +325,11 @@ class GuardedRunner:
 def client(addr: tuple[str, int]):
     """A client of the launcher's TCPStore (one per thread that uses it)."""
     return dist.TCPStore(addr[0], addr[1], is_master=False, timeout=STORE_TIMEOUT)
+
+
+def end_orphan_after(seconds: float) -> None:
+    """Exit the process `seconds` from now, whatever its threads are doing (a daemon timer: os._exit skips
+    the interpreter's shutdown, which would join threads blocked on the dead launcher's store or sockets)."""
+    timer = threading.Timer(seconds, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()

@@ -174,11 +174,15 @@ def _rank_main(rank: int, world: int, addr: tuple[str, int], device_kind: str, t
     replied = threading.Lock()
 
     def reply(outcome: Outcome) -> bool:
-        """The rank's one outcome (the main thread's, or the watchdog's when the main thread is wedged)."""
+        """The rank's one outcome (the main thread's, or the watchdog's when the main thread is wedged). A
+        launcher that is gone (the pipe is closed) collects nothing: the rank ends now."""
         if not replied.acquire(blocking=False):
             return False
-        conn.send(outcome)
-        conn.close()
+        try:
+            conn.send(outcome)
+            conn.close()
+        except OSError:
+            os._exit(1)
         return True
 
     def give_up(text: str) -> None:  # the watchdog thread: the main thread is wedged in the data plane
