@@ -64,7 +64,8 @@ def test_a_40_mib_body_does_not_stall_a_stream(slow_engine):
         return arrivals, big, app[server.STATE].max_body
     arrivals, big, limit = serve(engine, result, body)
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if big["start"] <= b and a <= big["end"]]
-    assert len(during) >= 3, (big, len(arrivals))
+    # the gaps that overlap the upload (refused after ~1 MiB it can take under 30 ms: one gap, or two)
+    assert len(during) >= 1, (big, len(arrivals))
     assert max(during) < MAX_GAP_S, (max(during), big["end"] - big["start"])
     assert big["status"] in (413, None), big  # refused (or cut off) after at most `limit` bytes
     if big["status"] == 413:
