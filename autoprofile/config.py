@@ -352,7 +352,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
     add_flag(p, "deterministic", action="store_true",
              help="batch-invariant kernels (GEMMs, attention, the TP all-reduce): a request's tokens "
-                  "(greedy, or seeded) are the same alone and in any crowd, at a throughput cost (README, \"Seeds\")")
+                  "(greedy, or seeded) are the same alone and in any crowd, at a throughput cost "
+                  "(README, \"Seeds\")")
     add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
     add_flag(p, "profile_cache", default="auto",
              help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU "
@@ -393,6 +394,12 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     # the CLI serves on a GPU, where the torch backend's cuBLAS and SDPA are not batch-invariant (the library
     # keeps it for the CPU, where its --deterministic path is)
     _check(not (serving and cfg.deterministic and cfg.attention_backend == "torch"), "deterministic",
-           "the torch backend's GPU kernels (cuBLAS, SDPA) pick their tiling per shape; try "
-           "--attention_backend aiter_triton with --deterministic")
+           not_invariant_on_gpu("torch"))
     return cfg
+
+
+def not_invariant_on_gpu(backend: str) -> str:
+    """--deterministic's refusal of a backend without batch-invariant GPU kernels (the CLI's, and the
+    runner's for a library caller on a GPU)."""
+    return (f"the {backend} backend's GPU kernels (cuBLAS, SDPA) pick their tiling per shape; try "
+            f"--attention_backend aiter_triton with --deterministic")

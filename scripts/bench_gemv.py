@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_attention  # noqa: E402 - the copy-bandwidth timer
 from autoprofile.engine import triton_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -46,11 +48,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time each of SWEEP (BLOCK_N, BLOCK_K, warps)")
     args = p.parse_args()
     torch.manual_seed(0)
-    copy = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(copy)
-    rate = 2 * copy.numel() / (graph_us(lambda: dst.copy_(copy), 1) * 1e-6)
-    del copy, dst
-    print(f"{torch.cuda.get_device_name()}: copy {rate / 1e9:.0f} GB/s")
+    copy = bench_attention.copy_bandwidth(2 << 30)  # bench_decode's floor rate
+    rate = copy["GB_per_s"] * 1e9
+    print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s")
     configs = SWEEP if args.sweep else [(triton_gemv.BLOCK_N, triton_gemv.BLOCK_K, triton_gemv.WARPS)]
     for name, (n, k) in SHAPES.items():
         layers = 1 if name == "lm_head" else 32
@@ -66,7 +66,7 @@ def main() -> None:
                    / F.linear(x, ws[0]).float().norm()).item()
             line += f" | {bn}/{bk}/w{warps} {ours:6.1f} us ({cublas / ours:.2f}x, err {err:.0e})"
         print(line, flush=True)
-        del ws
+        ws = None  # this shape's weights go before the next shape's are made
 
 
 if __name__ == "__main__":

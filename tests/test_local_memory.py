@@ -170,6 +170,7 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
                             "_paged_attn_decode_v1_w_dot_kernel"}
     else:
         assert "_reduce_partitions_kernel" in names and "_paged_attn_decode_v2_w_dot_kernel" in names, names
+        assert "_gemv_kernel" in names, names  # the batch-1 graph's linear layers
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
     if model is SMALL_MOE:
         moe_kernels = {"_fused_moe_silu_kernel", "_fused_moe_kernel",  # AITER's experts

@@ -79,6 +79,23 @@ def test_a_rows_gemm_and_paged_attention_do_not_depend_on_the_rows_beside_it():
     assert torch.equal(decode(1), decode(40)[:1])
 
 
+def test_a_forwards_derived_row_metadata_is_made_once_and_shared_by_its_layers():
+    """Each layer asks; the first makes it. A paged prefill of two chunks (3 new tokens over a 5-token prefix,
+    2 fresh tokens) as token rows: each token its request's pages and its own length."""
+    tables = torch.tensor([[7, 8], [9, 0]], dtype=torch.int32)
+    meta = AttentionMetadata(True, torch.zeros(5, dtype=torch.int64), cu_seqlens=torch.tensor([0, 3, 5]),
+                             block_tables=tables, seq_lens=torch.tensor([8, 2], dtype=torch.int32))
+    rows = meta.token_rows()
+    assert rows is meta.token_rows() and not rows.is_prefill
+    assert rows.seq_lens.tolist() == [6, 7, 8, 1, 2] and rows.max_seq_len == 8
+    assert rows.block_tables.tolist() == [[7, 8]] * 3 + [[9, 0]] * 2
+    decode = AttentionMetadata(False, torch.zeros(3, dtype=torch.int64),
+                               block_tables=tables[:1].expand(3, -1),
+                               seq_lens=torch.tensor([4, 1, 9], dtype=torch.int32), max_seq_len=16)
+    starts = decode.query_starts()
+    assert starts is decode.query_starts() and starts.tolist() == [0, 1, 2, 3] and starts.dtype == torch.int32
+
+
 def test_ordered_sum_adds_in_rank_order():
     parts = [torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])]
     assert ordered_sum(parts).item() == 1.0  # (1e8 - 1e8) + 1; 1e8 + (-1e8 + 1) would be 0 in fp32

@@ -16,7 +16,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.budget import gib
-from autoprofile.config import ConfigError, ServerConfig
+from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
@@ -51,12 +51,11 @@ class ModelRunner:
         self.cache_heads, self.cache_width = budget.cache_shape(mc, world_size)
         self.backend_cls = get_backend_class(cfg.attention_backend)
         if cfg.deterministic and self.device.type == "cuda" and not self.backend_cls.batch_invariant_on_gpu:
-            raise ConfigError("deterministic", f"the {self.backend_cls.name} backend's kernels (cuBLAS, "
-                                               "SDPA) pick their tiling per shape on a GPU; try "
-                                               "--attention_backend aiter_triton with --deterministic")
+            raise ConfigError("deterministic", not_invariant_on_gpu(self.backend_cls.name))
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device, deterministic=cfg.deterministic)
-        # every linear layer's GEMM (--deterministic: batch-invariant, with the all-reduce: layers.parallel.TP)
+        # every linear layer's GEMM (--deterministic: batch-invariant, and so is the all-reduce:
+        # layers.parallel.TP)
         self.tp.matmul, self.tp.ordered_reduce = self.backend.gemm, cfg.deterministic
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -69,6 +69,31 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     captured: bool = False
     decode: AttentionMetadata | None = None
+    # derived once per forward by the first layer that asks (query_starts, token_rows), shared by the rest
+    _query_starts: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _token_rows: AttentionMetadata | None = field(default=None, init=False, repr=False)
+
+    def query_starts(self) -> torch.Tensor:
+        """Decode rows as varlen queries of one token each: [0, 1, ..., B] int32 on the device (made once per
+        forward: inside a graph, once per replay)."""
+        if self._query_starts is None:
+            rows = self.seq_lens.shape[0]
+            self._query_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.seq_lens.device)
+        return self._query_starts
+
+    def token_rows(self) -> AttentionMetadata:
+        """A paged prefill (block_tables and seq_lens per request) as decode metadata with one row per new
+        token: its request's pages, and its own length (causal). Made once per forward."""
+        if self._token_rows is None:
+            q_lens = self.cu_seqlens.diff().long()
+            before = (self.seq_lens.long() - q_lens).repeat_interleave(q_lens)  # tokens before each chunk
+            start = self.cu_seqlens[:-1].long().repeat_interleave(q_lens)
+            pos = torch.arange(int(self.cu_seqlens[-1]), device=self.seq_lens.device) - start + before
+            self._token_rows = AttentionMetadata(
+                is_prefill=False, slot_mapping=self.slot_mapping,
+                block_tables=self.block_tables.repeat_interleave(q_lens, dim=0),
+                seq_lens=(pos + 1).to(torch.int32), max_seq_len=int(self.seq_lens.max()))
+        return self._token_rows
 
     def keys(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens_k, max_seqlen_k) of what a prefill attends to: the gathered prefix + new tokens,

@@ -208,8 +208,7 @@ class AiterTritonBackend(AttentionBackend):
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
         if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
-            rows = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-            return self.unified(q, kv, meta.block_tables, meta.seq_lens, rows)
+            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.query_starts())
         k_cache, v_cache = kv.k, kv.v
         if kv.scales is not None:
             q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype

@@ -59,14 +59,7 @@ class TorchBackend(AttentionBackend):
         """--deterministic: each new token is a row of the paged loop over the cache (its own length: causal),
         so a token's attention is a decode row's, whatever the chunk it came in."""
         if self.deterministic:
-            q_lens = meta.cu_seqlens.diff().long()
-            last = (meta.seq_lens.long() - q_lens).repeat_interleave(q_lens)  # tokens before each chunk
-            start = meta.cu_seqlens[:-1].long().repeat_interleave(q_lens)
-            pos = torch.arange(q.shape[0], device=q.device) - start + last
-            rows = AttentionMetadata(is_prefill=False, slot_mapping=meta.slot_mapping,
-                                     block_tables=meta.block_tables.repeat_interleave(q_lens, dim=0),
-                                     seq_lens=(pos + 1).to(torch.int32), max_seq_len=int(meta.seq_lens.max()))
-            return self.decode(q, kv, rows)
+            return self.decode(q, kv, meta.token_rows())
         return self._varlen(q, k, v, meta, self.group, self.scale)
 
     def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
