@@ -473,13 +473,18 @@ async def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None) ->
 
 
 async def scrape(url: str) -> dict[str, float]:
-    """Unlabelled samples of the server's /metrics (autoprofile_serving_oom_total, kv pages, ...)."""
-    out = {}
+    """The server's /metrics samples by name, labels included as written (autoprofile_serving_oom_total,
+    autoprofile_engine_gpu_seconds_total{kind="decode",part="forward"}, ...)."""
     async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
-        for line in (await r.text()).splitlines():
-            parts = line.split()
-            if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-                out[parts[0]] = float(parts[1])
+        return parse_samples(await r.text())
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#"):
+            out[parts[0]] = float(parts[1])
     return out
 
 
@@ -549,7 +554,38 @@ def server_figures(before: dict, after: dict) -> dict:
             "kv_pages_total": after.get("autoprofile_kv_pages_total"),
             "preemptions": grew("autoprofile_num_preemptions_total"),
             "requests_running_after": after.get("autoprofile_num_requests_running"),
-            "prefix_cache_hit_tokens": grew(PREFIX_HITS)}
+            "prefix_cache_hit_tokens": grew(PREFIX_HITS),
+            "engine": engine_figures(grew)}
+
+
+def engine_figures(grew) -> dict:
+    """Where the server's engine spent the run (autoprofile_engine_* counters, grown over the run): steps and
+    tokens by kind, the GPU's seconds by kind and part and its idle gaps, the engine thread's by part."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        out[kind] = {"steps": grew(f'autoprofile_engine_step_kind_steps_total{{kind="{kind}"}}'),
+                     "tokens": grew(f'autoprofile_engine_step_kind_tokens_total{{kind="{kind}"}}'),
+                     **{f"gpu_{part}_s": grew(f'autoprofile_engine_gpu_seconds_total{{kind="{kind}",part="{part}"}}')
+                        for part in ("prepare", "forward")}}
+    out["gpu_idle_s"] = grew('autoprofile_engine_gpu_seconds_total{kind="",part="idle"}')
+    out["host_s"] = {part: grew(f'autoprofile_engine_host_seconds_total{{part="{part}"}}')
+                     for part in ("inbox", "schedule", "execute", "update", "post")}
+    return out
+
+
+def engine_line(e: dict, duration: float) -> str:
+    """One line of where the engine's time went, against the run's duration."""
+    def kind(k: str) -> str:
+        d = e[k]
+        n = d["steps"]
+        if not n:
+            return f"0 {k} steps"
+        return (f"{n:.0f} {k} steps ({d['tokens'] / n:.0f} tokens each; GPU {1e3 * d['gpu_forward_s'] / n:.2f} ms "
+                f"forward + {1e3 * d['gpu_prepare_s'] / n:.2f} ms inputs each = "
+                f"{d['gpu_forward_s'] + d['gpu_prepare_s']:.1f} s)")
+    host = ", ".join(f"{p} {v:.1f} s" for p, v in e["host_s"].items())
+    return (f"engine over {duration:.1f} s: {kind('prefill')}; {kind('decode')}; GPU idle between steps "
+            f"{e['gpu_idle_s']:.1f} s; engine thread: {host}")
 
 
 def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
@@ -818,6 +854,8 @@ def main(argv=None) -> int:
     note = cold_prefill_note(summary) if reached else None
     if note:
         print(note)
+    if reached and summary["server"]["engine"]["prefill"]["steps"] + summary["server"]["engine"]["decode"]["steps"]:
+        print(engine_line(summary["server"]["engine"], summary["duration"]))
     if args.roofline:
         print(roofline_text(summary, rates, args))
     if server is not None and code != 0:

@@ -16,16 +16,16 @@ for tree in ${BEFORE:+$BEFORE} .; do
   SERVE="$SERVE --report_dir '' ${SERVE_FLAGS:-}"
   B=(python3 scripts/bench_serving.py --launch "$SERVE" --random-input-len 1024 --random-output-len 128)
   "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
-    | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE"
+    | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE|engine over"
   echo "== $name c256 done"
   if [ "${C1:-0}" = 1 ]; then
     "${B[@]}" --max-concurrency 1 --num-prompts 32 --result-file "$OUT/$name-c1.json" 2>/dev/null \
-      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT"
+      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|engine over"
     echo "== $name c1 done"
   fi
   if [ "${SMALL:-1}" = 1 ]; then
     "${B[@]}" --max-concurrency 64 --num-prompts 256 --result-file "$OUT/$name-c64.json" 2>/dev/null \
-      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT"
+      | grep -E "Successful|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|engine over"
     echo "== $name c64 done"
   fi
 done

@@ -178,6 +178,21 @@ def test_random_mm_without_images_runs_as_chat_against_the_server(booted):  # no
 
 
 # ---------------------------------------------------------------- an honest benchmark (issue 19)
+def test_the_engine_line_accounts_for_every_token_the_run_fed(booted):  # noqa: F811
+    """Every prompt token and every output token but each request's last is a row of some step's forward:
+    the engine figures' tokens add up to exactly that; decode steps ran one row per running request."""
+    s = _run_bench(booted, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "40",
+                            "--random-output-len", "6", "--ignore-eos"])
+    assert s["completed"] == 6 and s["failed"] == 0, s["errors"]
+    e = s["server"]["engine"]
+    fed = s["total_input_tokens"] + s["total_output_tokens"] - s["completed"]
+    assert e["prefill"]["tokens"] + e["decode"]["tokens"] == fed
+    assert e["prefill"]["steps"] >= 2 and 0 < e["decode"]["tokens"] <= 3 * e["decode"]["steps"]
+    assert e["host_s"]["execute"] > 0 and e["gpu_idle_s"] == 0  # no GPU: no event seconds
+    line = bench_serving.engine_line(e, s["duration"])
+    assert f"{e['prefill']['steps']:.0f} prefill steps" in line and "GPU idle between steps 0.0 s" in line
+
+
 def test_each_run_draws_fresh_prompts_unless_seeded():
     import random
     a, b = bench_serving.parse_args([]).seed, bench_serving.parse_args([]).seed

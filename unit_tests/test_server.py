@@ -122,6 +122,36 @@ def test_health_models_and_metrics(run):
     assert s[("autoprofile_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 1
 
 
+def test_step_metrics_count_every_step_of_a_request_by_kind(run):
+    """/metrics says where the engine's steps went: a prompt of 3 chunks and 5 tokens is 3 prefill steps
+    of its prompt tokens and 4 decode steps of one row, each scheduled, executed and applied on the host;
+    on a CPU no GPU second is counted."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3  # 135 bytes: 3 chunks of --batch_max_tokens 64
+
+    async def body(c, app):
+        before = metric_samples(await (await c.get("/metrics")).text())
+        status, out = await post(c, "/v1/completions", greedy(prompt, n=5, ignore_eos=True))
+        await idle(app)
+        return status, out, before, metric_samples(await (await c.get("/metrics")).text())
+    status, out, before, after = run(body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 5
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    assert prompt_tokens > 128
+    assert grew("autoprofile_engine_step_kind_steps_total", kind="prefill") == 3
+    assert grew("autoprofile_engine_step_kind_tokens_total", kind="prefill") == prompt_tokens
+    assert grew("autoprofile_engine_step_kind_steps_total", kind="decode") == 4
+    assert grew("autoprofile_engine_step_kind_tokens_total", kind="decode") == 4
+    assert grew("autoprofile_engine_steps_total") == 7
+    for part in ("schedule", "execute", "update", "post"):
+        assert grew("autoprofile_engine_host_seconds_total", part=part) > 0, part
+    assert grew("autoprofile_engine_gpu_seconds_total", kind="", part="idle") == 0
+    assert grew("autoprofile_engine_gpu_seconds_total", kind="decode", part="forward") == 0
+
+
 def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(run):
     prompt = "You are a helpful assistant. Answer briefly and precisely, in plain words. " * 2  # > 8 pages
 

@@ -24,6 +24,7 @@ from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import Scheduler
+from autoprofile.engine.step_clock import HostTimer, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class LLMEngine:
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()
         self._arrivals = itertools.count()
         self._steps = self._failed_steps = self._ooms = 0
+        self.clock = runner.clock
+        self.clock.reset()
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,
@@ -130,11 +133,14 @@ class LLMEngine:
         request that got new tokens or finished in it (aborted ones included)."""
         ended, self._ended = self._ended, []
         outputs = [self._report(req) for req in ended]
-        step = self.scheduler.schedule()
+        with HostTimer(self.clock, "schedule"):
+            step = self.scheduler.schedule()
         if step is None:
+            self.clock.idle()
             return outputs
         try:
-            sampled = self.runner.execute(step)
+            with HostTimer(self.clock, "execute"):
+                sampled = self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
             self._failed_steps += 1
             self._ooms += isinstance(e, torch.OutOfMemoryError)
@@ -146,7 +152,10 @@ class LLMEngine:
                     outputs.append(self._report(req))
             return outputs
         self._steps += 1
-        outputs += [self._report(req) for req in self.scheduler.update(step, sampled)]
+        with HostTimer(self.clock, "update"):
+            outputs += [self._report(req) for req in self.scheduler.update(step, sampled)]
+        if not self.has_unfinished():
+            self.clock.idle()
         return outputs
 
     def _report(self, req: Request) -> RequestOutput:
@@ -156,6 +165,10 @@ class LLMEngine:
             self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, new, req.finished, req.finish_reason, len(req.prompt_ids),
                              len(req.output_ids))
+
+    def step_times(self) -> StepTimes:
+        """Where the steps' time went since the engine started (autoprofile.engine.step_clock)."""
+        return self.clock.read()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._ended)

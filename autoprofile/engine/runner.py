@@ -27,6 +27,7 @@ from autoprofile.engine import stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
+from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.weights import load_weights
 from models import model_class
 
@@ -68,6 +69,7 @@ class ModelRunner:
             log.info("FP8 KV cache: per-layer K/V scales from %s", KV_SCALE_TEXT[self.kv_scale_source])
         self.kv_scales_pending = False  # first_batch: set by build, cleared by the first real prefill
         self.stressing = False
+        self.clock = StepClock(self.device)  # where serving's time goes (the engine resets it at its start)
         self.weight_bytes = sum(t.nbytes for t in (*self.model.parameters(), *self.model.buffers()))
         visual = getattr(self.model, "visual", None)
         self.vision_weight_bytes = sum(t.nbytes for t in visual.parameters()) if visual is not None else 0
@@ -209,6 +211,8 @@ class ModelRunner:
             self.step_log.append(shape)
         # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            self.clock.begin("prefill" if step.is_prefill else "decode",
+                             sum(len(r.ids) for r in step.rows) + len(step.decode))
             self.req_table.write(step.page_writes)
             self.routing.set(step.routing)
             if step.encode:
@@ -226,11 +230,15 @@ class ModelRunner:
                          sum(len(r.ids) for r in step.rows), k.min(), k.max(), v.min(), v.max())
             rows = [r for r in step.all_rows if r.sample]
             if not rows:
+                self.clock.ended()
                 return []
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
-                return logits.argmax(dim=-1).tolist()
-            batch = SamplingBatch.from_params([r.params for r in rows], self.device)
-            return sample(logits, batch, self.generator, self._row_generators(rows)).tolist()
+                tokens = logits.argmax(dim=-1)
+            else:
+                batch = SamplingBatch.from_params([r.params for r in rows], self.device)
+                tokens = sample(logits, batch, self.generator, self._row_generators(rows))
+            self.clock.ended()
+            return tokens.tolist()
 
     def _calibrates(self, step: Step) -> bool:
         """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first
@@ -286,6 +294,7 @@ class ModelRunner:
                                             max(r.start for r in decode) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
         ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        self.clock.launched()
         if self.is_vl:
             rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
             hidden = self.model(ids, rope, meta, self.kv.layers,
@@ -358,6 +367,7 @@ class ModelRunner:
         host = torch.tensor([[r.ids[0], r.start, r.slot, 1,
                               r.mm.delta if r.mm is not None else 0] for r in rows],
                             dtype=torch.int64, pin_memory=dev.type == "cuda")
+        self.clock.launched()
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest)
         ids, pos, slots, _, delta = host.to(dev, non_blocking=True).unbind(1)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoprofile.engine.request import RequestError, RequestOutput
+from autoprofile.engine.step_clock import HostTimer, StepTimes
 
 log = logging.getLogger(__name__)
 WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead
@@ -64,6 +65,7 @@ class Snapshot:
     ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
     errors: int = 0  # failed steps, OOMs included
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    step_times: StepTimes = field(default_factory=StepTimes)  # where the steps' time went (step_clock)
 
 
 @dataclass
@@ -290,12 +292,14 @@ class AsyncEngine:
                 self._beat = None  # blocked for input: not wedged
                 cmd = self._inbox.get()
             self._beat = time.monotonic()
+            inbox = time.perf_counter()
             while cmd is not None:
                 if cmd is _STOP:
                     self._abort_live("internal")
                     return
                 self._apply(cmd)
                 cmd = self._next_nowait()
+            self.engine.clock.host("inbox", time.perf_counter() - inbox)
             if self.engine.has_unfinished():
                 self._step()
             self._publish()
@@ -344,12 +348,13 @@ class AsyncEngine:
             log.exception("engine step failed: failing %d requests", len(self._live))
             self._abort_live("internal")
             return
-        for out in outputs:
-            if out.finished:
-                self._live.discard(out.request_id)
-        self._publish()  # before the outputs: what a client has seen, the snapshot already shows
-        if outputs:
-            self._post(self._dispatch, outputs, "oom" if self.engine.stats.ooms > ooms else "internal")
+        with HostTimer(self.engine.clock, "post"):
+            for out in outputs:
+                if out.finished:
+                    self._live.discard(out.request_id)
+            self._publish()  # before the outputs: what a client has seen, the snapshot already shows
+            if outputs:
+                self._post(self._dispatch, outputs, "oom" if self.engine.stats.ooms > ooms else "internal")
 
     def _abort_live(self, code: str) -> None:
         failed = list(self._live)
@@ -365,7 +370,8 @@ class AsyncEngine:
     def _publish(self) -> None:
         s = self.engine.stats
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
-                                 s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens)
+                                 s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens,
+                                 self.engine.step_times())
 
 
 def settle(fut: asyncio.Future, error: BaseException | None, value=None) -> None:

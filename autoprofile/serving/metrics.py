@@ -53,6 +53,35 @@ class EngineCollector:
                 ("autoprofile_prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix cache",
                  s.prefix_hit_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from step_time_families(s.step_times)
+
+
+def step_time_families(t):
+    """Where the engine's steps spent their time (autoprofile.engine.step_clock.StepTimes) as counters."""
+    steps = CounterMetricFamily("autoprofile_engine_step_kind_steps",
+                                "engine steps by kind (prefill: with prompt tokens; decode: decode rows only)",
+                                labels=["kind"])
+    tokens = CounterMetricFamily("autoprofile_engine_step_kind_tokens",
+                                 "tokens the steps' forwards ran (prompt tokens + decode rows), by step kind",
+                                 labels=["kind"])
+    for kind in ("prefill", "decode"):
+        steps.add_metric([kind], t.steps[kind])
+        tokens.add_metric([kind], t.tokens[kind])
+    host = CounterMetricFamily("autoprofile_engine_host_seconds",
+                               "engine-thread wall seconds by part (inbox, schedule, execute: inputs, launches "
+                               "and the wait for the sampled tokens; update; post: outputs to the event loop)",
+                               labels=["part"])
+    for part in ("inbox", "schedule", "execute", "update", "post"):
+        host.add_metric([part], t.host[part])
+    gpu = CounterMetricFamily("autoprofile_engine_gpu_seconds",
+                              "CUDA-event seconds of the steps by kind and part (prepare: inputs before the "
+                              "forward's first launch; forward: forward and sampler); idle: the GPU waiting for "
+                              "the host between steps", labels=["kind", "part"])
+    for kind in ("prefill", "decode"):
+        for part in ("prepare", "forward"):
+            gpu.add_metric([kind, part], t.gpu[(kind, part)])
+    gpu.add_metric(["", "idle"], t.gpu["idle"])
+    yield from (steps, tokens, host, gpu)
 
 
 def allocator_reading(device: torch.device | None) -> tuple[int, int]:
