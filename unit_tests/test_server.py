@@ -152,6 +152,43 @@ def test_step_metrics_count_every_step_of_a_request_by_kind(run):
     assert grew("autoprofile_engine_gpu_seconds_total", kind="decode", part="forward") == 0
 
 
+def test_a_steps_outputs_reach_the_event_loop_while_the_next_step_runs(run, booted, monkeypatch):
+    """The engine thread posts a step's outputs once the next step's work is enqueued (the event loop writes
+    them while the GPU runs), or when no step follows; nothing is lost or reordered."""
+    clock = booted[0].clock
+    state = {"launching": False}
+    ended = clock.ended
+
+    def marked_ended():
+        state["launching"] = True
+        try:
+            ended()
+        finally:
+            state["launching"] = False
+    monkeypatch.setattr(clock, "ended", marked_ended)
+    posts = []
+
+    async def body(c, app):
+        eng = app[server.STATE].engine
+        post_ = eng._post
+
+        def recorded(fn, *args):
+            if getattr(fn, "__name__", "") == "_dispatch":
+                posts.append((state["launching"], eng.engine.stats.steps))
+            post_(fn, *args)
+        eng._post = recorded
+        outs = await asyncio.gather(*(post(c, "/v1/completions", greedy(p, n=6, ignore_eos=True))
+                                      for p in ("one", "two two", "three three three")))
+        await idle(app)
+        return outs
+    outs = run(body)
+    assert all(status == 200 and o["usage"]["completion_tokens"] == 6 for status, o in outs)
+    assert len(posts) >= 6
+    during = [steps for launching, steps in posts if launching]
+    assert len(during) >= len(posts) - 2, posts  # only a stretch's last step waits for no launch
+    assert during == sorted(during)
+
+
 def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(run):
     prompt = "You are a helpful assistant. Answer briefly and precisely, in plain words. " * 2  # > 8 pages
 

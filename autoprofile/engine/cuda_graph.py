@@ -63,6 +63,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.block_tables = torch.full((max_bs, pages_per_req), PAD_PAGE, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        # decode rows as one-token varlen queries (--deterministic's unified attention): static, as a
+        # captured graph must read memory that outlives the capture
+        self.query_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab]: the one static output of every graph
         self.pool = None
@@ -82,9 +85,13 @@ class DecodeGraphs:
         return next(s for s in self.ladders[bucket] if s >= b), bucket
 
     def meta(self, bs: int, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs, :self.columns(bucket)],
                                  seq_lens=self.seq_lens[:bs], max_seq_len=bucket, captured=True)
+        # NOTE: not derived lazily: a tensor the eager warm-up made would be freed after the capture and its
+        # memory reused under the graph (a crowd test on the H100 caught exactly that)
+        meta._query_starts = self.query_starts[:bs + 1]
+        return meta
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:

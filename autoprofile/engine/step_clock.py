@@ -48,6 +48,7 @@ class StepClock:
         self._pending: list[_Pending] = []
         self._last_end: torch.cuda.Event | None = None
         self._idle = True
+        self._after_launch = None  # the one callable to run once the next step's work is enqueued
 
     def reset(self) -> None:
         """Start the totals over (the engine does at its start: the profile's stress is not serving)."""
@@ -74,8 +75,20 @@ class StepClock:
             self._pending[-1].launch = self._record()
 
     def ended(self) -> None:
+        """The step's GPU work is all enqueued (the host waits for its tokens next): runs what after_launch
+        deferred."""
         if self.timed and self._pending:
             self._pending[-1].end = self._record()
+        fn, self._after_launch = self._after_launch, None
+        if fn is not None:
+            fn()
+
+    def after_launch(self, fn) -> None:
+        """Run fn once the next step's GPU work is enqueued, while the GPU runs it and this thread waits (the
+        server posts a step's outputs so: the event loop's work for them takes the GIL during the next
+        forward, not during the host's scheduling and input building). Its caller runs fn itself if no step
+        launches. A later call replaces an earlier one not yet run."""
+        self._after_launch = fn
 
     def read(self) -> StepTimes:
         """The totals of every step whose events have completed (none is waited for)."""

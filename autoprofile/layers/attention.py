@@ -75,7 +75,7 @@ class AttentionMetadata:
 
     def query_starts(self) -> torch.Tensor:
         """Decode rows as varlen queries of one token each: [0, 1, ..., B] int32 on the device (made once per
-        forward: inside a graph, once per replay)."""
+        eager forward; a captured graph's metadata carries its static buffer: cuda_graph.DecodeGraphs)."""
         if self._query_starts is None:
             rows = self.seq_lens.shape[0]
             self._query_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.seq_lens.device)
