@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from autoprofile import budget
@@ -32,6 +33,48 @@ from autoprofile.engine.weights import load_weights
 from models import model_class
 
 log = logging.getLogger(__name__)
+
+
+def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) -> dict[str, np.ndarray]:
+    """A prefill (or mixed) step's indices as int64 host arrays, built without a torch op (each would hand
+    the GIL to the server's event loop and wait to get it back): lens, cu [R+1] and slots of the R prefill
+    rows; ids and positions of their n tokens then of the D decode rows; token_rows [n] (each token's request
+    slot); decode_slots [D]; last [S + D] (the hidden rows to sample: each sampled prefill row's last token,
+    then every decode row); kv_lens [R]. with_keys and a row past its start (a cached prefix or an earlier
+    chunk): kv_rows, kv_pos (the request slot and position of every key the rows attend to) and cu_k."""
+    lens = np.fromiter((len(r.ids) for r in rows), np.int64, len(rows))
+    starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+    slots = np.fromiter((r.slot for r in rows), np.int64, len(rows))
+    cu = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(lens, out=cu[1:])
+    n, d = int(cu[-1]), len(decode)
+    ids = np.fromiter(itertools.chain(itertools.chain.from_iterable(r.ids for r in rows),
+                                      (r.ids[0] for r in decode)), np.int64, n + d)
+    positions = np.concatenate([np.arange(n, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens),
+                                np.fromiter((r.start for r in decode), np.int64, d)])
+    sampled = np.fromiter((r.sample for r in rows), bool, len(rows))
+    out = {"lens": lens, "cu": cu, "slots": slots, "ids": ids, "positions": positions,
+           "token_rows": np.repeat(slots, lens), "decode_slots": np.fromiter((r.slot for r in decode), np.int64, d),
+           "last": np.concatenate([(cu[1:] - 1)[sampled], n + np.arange(d, dtype=np.int64)]),
+           "kv_lens": starts + lens}
+    if with_keys and starts.any():
+        kv_lens = out["kv_lens"]
+        cu_k = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(kv_lens, out=cu_k[1:])
+        out["kv_rows"] = np.repeat(slots, kv_lens)
+        out["kv_pos"] = np.arange(int(cu_k[-1]), dtype=np.int64) - np.repeat(cu_k[:-1], kv_lens)
+        out["cu_k"] = cu_k
+    return out
+
+
+def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """The int64 host arrays on `device` in one copy: a view of it each, by name."""
+    names = list(arrays)
+    flat = torch.from_numpy(np.concatenate([arrays[k] for k in names]))
+    if device.type != "cpu":
+        flat = flat.to(device)
+    ends = np.cumsum([len(arrays[k]) for k in names]).tolist()
+    return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "fp8_e4m3": torch.float8_e4m3fn}
@@ -267,43 +310,35 @@ class ModelRunner:
         Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
         A mixed step's decode rows follow the prefill tokens in the same forward (meta.decode: the paged
         decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
-        dev, lens, decode = self.device, [len(r.ids) for r in rows], decode or []
-        slots = torch.tensor([r.slot for r in rows])
-        ids = [t for r in rows for t in r.ids] + [r.ids[0] for r in decode]
-        positions = torch.cat([torch.arange(r.start, r.start + len(r.ids)) for r in rows]
-                              + [torch.tensor([r.start for r in decode], dtype=torch.int64)]).to(dev)
-        cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-        rows_of_tokens = torch.repeat_interleave(slots, torch.tensor(lens)).to(dev)
-        meta = AttentionMetadata(is_prefill=True, cu_seqlens=cu.to(dev), max_seqlen=max(lens),
-                                 slot_mapping=self._slot_of(rows_of_tokens, positions[:sum(lens)]))
+        dev, decode = self.device, decode or []
+        host = prefill_inputs(rows, decode, with_keys=not self.backend.paged_prefill)
+        parts = upload(host, dev)  # one host-to-device copy of every index the step needs
+        n, lens = int(host["cu"][-1]), host["lens"]
+        positions = parts["positions"]
+        meta = AttentionMetadata(is_prefill=True, cu_seqlens=parts["cu"].to(torch.int32),
+                                 max_seqlen=int(lens.max()),
+                                 slot_mapping=self._slot_of(parts["token_rows"], positions[:n]))
         if self.backend.paged_prefill:  # every key from the cache: the rows' pages and lengths
-            kv_lens = [r.start + len(r.ids) for r in rows]
-            cols = math.ceil(max(kv_lens) / self.cfg.page_size)
-            meta.block_tables = self.req_table.page_table[slots.to(dev), :cols]
-            meta.seq_lens = torch.tensor(kv_lens, dtype=torch.int32).to(dev)
-        elif any(r.start for r in rows):
-            kv_lens = [r.start + len(r.ids) for r in rows]
-            kv_rows = torch.repeat_interleave(slots, torch.tensor(kv_lens)).to(dev)
-            kv_pos = torch.cat([torch.arange(n) for n in kv_lens]).to(dev)
-            meta.kv_slots = self._slot_of(kv_rows, kv_pos)
-            meta.cu_seqlens_k = torch.tensor([0, *kv_lens]).cumsum(0).to(torch.int32).to(dev)
-            meta.max_seqlen_k = max(kv_lens)
+            cols = math.ceil(int(host["kv_lens"].max()) / self.cfg.page_size)
+            meta.block_tables = self.req_table.page_table[parts["slots"], :cols]
+            meta.seq_lens = parts["kv_lens"].to(torch.int32)
+        elif "kv_rows" in parts:  # a cached prefix or an earlier chunk: gather its keys from the cache
+            meta.kv_slots = self._slot_of(parts["kv_rows"], parts["kv_pos"])
+            meta.cu_seqlens_k = parts["cu_k"].to(torch.int32)
+            meta.max_seqlen_k = int(host["kv_lens"].max())
         if decode:
-            meta.decode = self._decode_meta(positions[sum(lens):],
-                                            torch.tensor([r.slot for r in decode]).to(dev),
-                                            max(r.start for r in decode) + 1)
+            meta.decode = self._decode_meta(positions[n:], parts["decode_slots"],
+                                            int(host["positions"][n:].max()) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
-        ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        ids = parts["ids"]
         self.clock.launched()
         if self.is_vl:
             rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
             hidden = self.model(ids, rope, meta, self.kv.layers,
-                                *self._image_embeds(rows + decode, lens + [1] * len(decode)))
+                                *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.kv.layers)
-        last = (cu[1:] - 1)[torch.tensor([r.sample for r in rows], dtype=torch.bool)]
-        last = torch.cat([last, torch.arange(len(decode)) + int(cu[-1])])
-        return self.model.compute_logits(hidden[last.to(dev)])
+        return self.model.compute_logits(hidden[parts["last"]])
 
     def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:
         """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the
