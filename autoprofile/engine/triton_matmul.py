@@ -1,11 +1,11 @@
-"""y = x W^T (+ b) with one launch config for every row count: the batch-invariant GEMM of --deterministic.
+"""y = x W^T (+ b) that never splits K: the batch-invariant GEMM of --deterministic.
 
 cuBLAS picks its kernel, tile and split-K from the shape, so a row's result depends on how many rows share
-the call. Here every call tiles the same way (CONFIG: no split-K, the same tile, warps and stages), each
-output element is one fp32 sum over K in BLOCK_K steps in the same order, and rows never meet: a token's
-projection is the same bits alone or among 8,192 others. The row count is a runtime argument that is never
-specialised on, so one compile serves every step shape. Imported when the aiter_triton backend is built with
---deterministic.
+the call. Here no call splits K: each output element is one fp32 accumulator that the MMA steps over K add
+into in order, and rows never meet, so a token's projection is the same bits alone or among 8,192 others,
+whichever tile the row count picks (CONFIGS: two, by row count). The row count is a runtime argument that is
+never specialised on, so one compile per config serves every step shape. Imported when the aiter_triton
+backend is built with --deterministic.
 """
 from __future__ import annotations
 
@@ -13,11 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
-# One config for every M: the best overall of 7 on an H100 (scripts/bench_deterministic.py, llama-3.1-8b's
+# The config from 65 rows up: the best overall of 7 on an H100 (scripts/bench_deterministic.py, llama-3.1-8b's
 # five GEMMs against cuBLAS in one run: 0.70x at 1 row, 0.76x at 256, 0.90x at 1,024, 0.83x at 8,192). Per
 # shape it is the fastest of 8 from 1,024 rows up; at 1 to 256 rows o_proj and down_proj run at 0.3-0.5x
 # cuBLAS (16 programs for 4,096 columns; cuBLAS splits K there, which a row-invariant GEMM may not vary by M).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+# Up to 64 rows (decode at small batch): narrower tiles, 4x the programs: 1/16/64 rows at 0.76x/0.71x/0.73x
+# cuBLAS against CONFIG's 0.57x/0.57x/0.59x (H100, bench_deterministic.py --gemm_configs, one run).
+SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+# (most rows, config): the first that holds M; None: any. The configs may differ by M because none splits K:
+# each output element is one fp32 accumulator the K steps add into in order, whatever the tile, so a row gets
+# the same bits under each (measured: every swept config gave the bits of CONFIG; tests/test_deterministic_gpu.py
+# compares rows across the boundary).
+CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, SMALL), (None, CONFIG))
+
+
+def config_for(m: int) -> dict:
+    return next(cfg for most, cfg in CONFIGS if most is None or m <= most)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -62,7 +74,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     m = rows.shape[0]
     if m:
-        cfg = CONFIG
+        cfg = config_for(m)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0),
                              out.stride(0), HAS_BIAS=bias is not None, **cfg)
