@@ -584,8 +584,10 @@ def engine_line(e: dict, duration: float) -> str:
                 f"forward + {1e3 * d['gpu_prepare_s'] / n:.2f} ms inputs each = "
                 f"{d['gpu_forward_s'] + d['gpu_prepare_s']:.1f} s)")
     host = ", ".join(f"{p} {v:.1f} s" for p, v in e["host_s"].items())
-    return (f"engine over {duration:.1f} s: {kind('prefill')}; {kind('decode')}; GPU idle between steps "
-            f"{e['gpu_idle_s']:.1f} s; engine thread: {host}")
+    forward = e["prefill"]["gpu_forward_s"] + e["decode"]["gpu_forward_s"]
+    return (f"engine over {duration:.1f} s: {kind('prefill')}; {kind('decode')}; forwards "
+            f"{forward / duration:.0%} of the run; GPU idle between steps {e['gpu_idle_s']:.1f} s; engine "
+            f"thread: {host}")
 
 
 def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
