@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Serving before and after a change, on one GPU in one run (issue 19's table): for each tree (BEFORE=a folder
-# holding an older autoprofile/, models/, scripts/; and this checkout), a default auto-profile behind
+# Serving before and after a change, on one GPU in one run (issue 19's table): for each tree (BEFORE=folders
+# each holding an older autoprofile/, models/, scripts/, space-separated; and this checkout), a default
+# auto-profile behind
 # `autoprofile serve`, then fresh random 1024/128 prompts at concurrency 1, 64 and 256 (bench_serving, which
 # measures the GPU's GEMM and copy rates before the server starts and prints the c256 roofline fraction).
 #   OUT=dir BEFORE=before MODEL=llama-3.1-8b bash scripts/mixed_steps_check.sh
@@ -11,8 +12,12 @@ mkdir -p "$OUT"
 HERE=$(pwd); SITE=${SITE:-}
 export PYTHONPATH=$SITE:$HERE  # the client: this checkout's bench_serving for both trees
 for tree in ${BEFORE:+$BEFORE} .; do
-  name=$([ "$tree" = . ] && echo after || echo before)
-  SERVE="env PYTHONPATH=$SITE:$HERE/$tree python3 -m autoprofile.cli serve --model $MODEL --port 0"
+  name=$([ "$tree" = . ] && echo after || basename "$tree")
+  # NOTE: the server starts inside its tree: `python3 -m` puts the working directory ahead of PYTHONPATH,
+  # so a server started here ran this checkout's code whatever PYTHONPATH said
+  ENV="env -C $HERE/$tree PYTHONPATH=$SITE:$HERE/$tree"
+  echo "== $name: $($ENV python3 -c 'import autoprofile; print(autoprofile.__file__)')"
+  SERVE="$ENV python3 -m autoprofile.cli serve --model $MODEL --port 0"
   SERVE="$SERVE --report_dir '' ${SERVE_FLAGS:-}"
   B=(python3 scripts/bench_serving.py --launch "$SERVE" --random-input-len 1024 --random-output-len 128)
   "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
