@@ -25,6 +25,7 @@ from autoprofile.engine.envelope import STEP_FIELDS, Envelope, EnvelopeError, St
 from autoprofile.engine.request import RequestStatus
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import SamplingParams
+from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.weights import init_random
 
 VOCAB = 1000
@@ -52,10 +53,14 @@ class StepRunner:
         self.shapes: list[StepShape] = []
         self.steps: list = []
         self.page_table: dict[tuple[int, int], int] = {}
+        self.clock = StepClock(torch.device("cpu"))
 
     def execute(self, step) -> list[int]:
         shape = step.shape(self.envelope.graph_rows)
         self.envelope.check(shape)
+        self.clock.begin("prefill" if step.is_prefill else "decode", 0)
+        self.clock.launched()
+        self.clock.ended()
         self.shapes.append(shape)
         self.steps.append(step)
         for slot, first, pages in step.page_writes:
