@@ -510,14 +510,7 @@ async def serve(cfg, boot) -> int:
     return EXIT_OK
 
 
-# The engine thread and the event loop share one GIL: a thread that wants it back (the engine after each
-# GPU wait or torch op, while the loop writes hundreds of streams) waits this long before the holder is asked
-# to drop it. CPython's default is 5 ms, up to a decode step's length; 0.5 ms bounds that wait.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def run_server(cfg, boot) -> int:
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         return asyncio.run(serve(cfg, boot))
     except EngineDead as e:

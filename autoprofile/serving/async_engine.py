@@ -336,7 +336,8 @@ class AsyncEngine:
         """One engine step. Its outputs are posted to the event loop once the next step's GPU work is
         enqueued (StepClock.after_launch), or as soon as no step follows: the event loop then writes them
         to the clients while the GPU runs, instead of contending for the GIL with the host's scheduling and
-        input building (at 256 streams that contention made a prefill step's inputs take 10x their time)."""
+        input building. H100, llama-3.1-8b, 256 streams, one run: a prefill step's inputs 13.5 -> 4.6 ms, a
+        decode step's 5.9 -> 0.8 ms, 26,963 -> 30,145 tok/s."""
         ooms = self.engine.stats.ooms
         self.engine.clock.after_launch(self._flush)
         try:
