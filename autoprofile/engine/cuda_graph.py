@@ -85,13 +85,12 @@ class DecodeGraphs:
         return next(s for s in self.ladders[bucket] if s >= b), bucket
 
     def meta(self, bs: int, bucket: int) -> AttentionMetadata:
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+        # NOTE: query_start_loc is given, not derived lazily: a tensor the eager warm-up made would be freed after
+        # the capture and its memory reused under the graph (a crowd test on the H100 caught exactly that)
+        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs, :self.columns(bucket)],
-                                 seq_lens=self.seq_lens[:bs], max_seq_len=bucket, captured=True)
-        # NOTE: not derived lazily: a tensor the eager warm-up made would be freed after the capture and its
-        # memory reused under the graph (a crowd test on the H100 caught exactly that)
-        meta._query_starts = self.query_starts[:bs + 1]
-        return meta
+                                 seq_lens=self.seq_lens[:bs], max_seq_len=bucket, captured=True,
+                                 query_start_loc=self.query_starts[:bs + 1])
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:

@@ -69,17 +69,18 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     captured: bool = False
     decode: AttentionMetadata | None = None
-    # derived once per forward by the first layer that asks (query_starts, token_rows), shared by the rest
-    _query_starts: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # decode rows as one-token varlen queries, [0, 1, ..., B] int32 (vLLM's name): a captured graph's metadata
+    # carries its static buffer (cuda_graph.DecodeGraphs); None: query_starts() derives it
+    query_start_loc: torch.Tensor | None = None
+    # derived once per forward by the first layer that asks (token_rows), shared by the rest
     _token_rows: AttentionMetadata | None = field(default=None, init=False, repr=False)
 
     def query_starts(self) -> torch.Tensor:
-        """Decode rows as varlen queries of one token each: [0, 1, ..., B] int32 on the device (made once per
-        eager forward; a captured graph's metadata carries its static buffer: cuda_graph.DecodeGraphs)."""
-        if self._query_starts is None:
+        """query_start_loc, made once per eager forward (the first layer that asks) when not given."""
+        if self.query_start_loc is None:
             rows = self.seq_lens.shape[0]
-            self._query_starts = torch.arange(rows + 1, dtype=torch.int32, device=self.seq_lens.device)
-        return self._query_starts
+            self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=self.seq_lens.device)
+        return self.query_start_loc
 
     def token_rows(self) -> AttentionMetadata:
         """A paged prefill (block_tables and seq_lens per request) as decode metadata with one row per new

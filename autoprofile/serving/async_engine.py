@@ -303,8 +303,9 @@ class AsyncEngine:
                 cmd = self._next_nowait()
             self.engine.clock.host("inbox", time.perf_counter() - inbox)
             if self.engine.has_unfinished():
-                self._step()
-            self._publish()
+                self._step()  # publishes after the step
+            else:
+                self._publish()
 
     def _next_nowait(self):
         try:
@@ -343,7 +344,6 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except torch.OutOfMemoryError:
-            self._flush()
             self._ooms += 1
             self._errors += 1
             log.error("out of memory in an engine step (%d since start): failing %d requests",
@@ -351,12 +351,13 @@ class AsyncEngine:
             self._abort_live("oom")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            self._publish()
             return
         except Exception:  # noqa: BLE001 - fail the requests, keep serving
-            self._flush()
             self._errors += 1
             log.exception("engine step failed: failing %d requests", len(self._live))
             self._abort_live("internal")
+            self._publish()
             return
         with HostTimer(self.engine.clock, "post"):
             self._flush()  # the step before, if this one launched nothing
