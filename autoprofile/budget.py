@@ -251,8 +251,9 @@ def decode_graph_keys(max_bs: int, context_len: int) -> list[tuple[int, int]]:
 
 
 def req_table_bytes(max_reqs: int, context_len: int, page_size: int) -> int:
-    """Request table: one int32 page id per page of the longest request, per request slot."""
-    return max_reqs * math.ceil(context_len / page_size) * 4
+    """Request table: one int32 page id per page of the longest request, and the last sampled token, per
+    request slot (kv_cache.ReqTable: one buffer)."""
+    return max_reqs * (math.ceil(context_len / page_size) + 1) * 4
 
 
 def reserved_bytes(n: int) -> int:

@@ -46,6 +46,7 @@ class ServerConfig:
     graph_max_batch_size: int = 256
     disable_cudagraph: bool = False
     disable_prefix_caching: bool = False
+    disable_overlap_schedule: bool = False
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"
@@ -330,6 +331,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
     add_flag(p, "disable_prefix_caching", action="store_true",
              help="never reuse the K/V of full pages that an earlier request with the same prefix computed")
+    add_flag(p, "disable_overlap_schedule", action="store_true",
+             help="run each step and read its tokens back before scheduling the next (on one GPU the engine "
+                  "schedules and launches the next step while the GPU computes; under --tp it never does)")
     add_flag(p, "attention_backend", default=d.attention_backend,
              help=f"one of {', '.join(ATTENTION_BACKENDS)}")
     add_flag(p, "kv_cache_dtype", default=d.kv_cache_dtype,

@@ -495,7 +495,7 @@ async def serve(cfg, boot) -> int:
         raise
     st = app[STATE]
     try:
-        activate(app, LLMEngine(runner, prefix_caching=not cfg.disable_prefix_caching), result)
+        activate(app, LLMEngine.from_config(runner, cfg), result)
         died = asyncio.ensure_future(st.died.wait())
         await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
         if not st.died.is_set():

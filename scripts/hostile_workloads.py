@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = ModelRunner(cfg)
         runner.build(cfg.max_total_token_num or 4 * cfg.context_len)
     kv_tokens = runner.built_tokens
-    engine = LLMEngine(runner, prefix_caching=not cfg.disable_prefix_caching)
+    engine = LLMEngine.from_config(runner, cfg)
     print(f"KV cache: {kv_tokens} tokens, envelope {engine.envelope}", flush=True)
     results = []
     for i, name in enumerate(work):

@@ -80,9 +80,9 @@ def test_the_unified_attention_equals_the_reference_and_a_token_gets_the_same_bi
         assert torch.equal(run(lo, hi), whole[lo:hi]), (lo, hi)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.9, seed=1234), GREEDY],
-                         ids=["seeded-top-p", "greedy"])
-def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_dir, params):
+@pytest.mark.parametrize("params, overlap", [(SamplingParams(temperature=0.9, top_p=0.9, seed=1234), True),
+                                             (GREEDY, False)], ids=["seeded-top-p-overlap", "greedy"])
+def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_dir, params, overlap):
     require_backend("aiter_triton")
     cfg = validate(ServerConfig(model=model_dir, attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=64, running_max_req_size=128,
@@ -92,7 +92,7 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_di
     r.build(262144)
     try:
         prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
-        got = alone_and_in_a_crowd(r, prompt, params, max_tokens=32, crowd=300)
+        got = alone_and_in_a_crowd(r, prompt, params, max_tokens=32, crowd=300, overlap=overlap)
     finally:
         r.teardown()
     assert len(got.alone) == 32 and len(set(got.alone)) > 3

@@ -67,7 +67,7 @@ def decode(runner: ModelRunner, prompts: list[list[int]], graphs: bool, forced: 
         writes.append((slot, 0, list(range(nxt, nxt + count))))
         nxt += count
     runner.req_table.write(writes)
-    tok = runner._prefill([StepRow(slot, 0, p, True, GREEDY) for slot, p in enumerate(prompts)]).argmax(-1)
+    tok = runner._prefill([StepRow(slot, 0, p, True, GREEDY) for slot, p in enumerate(prompts)])[0].argmax(-1)
     saved = runner.graphs
     runner.graphs = saved if graphs else None
     try:
@@ -76,7 +76,7 @@ def decode(runner: ModelRunner, prompts: list[list[int]], graphs: bool, forced: 
             step_in = forced[i] if forced is not None else tok
             ids = step_in.tolist()
             rows = [StepRow(slot, len(p) + i, [ids[slot]], True, GREEDY) for slot, p in enumerate(prompts)]
-            out = runner._decode(rows).float().clone()
+            out = runner._decode(rows)[0].float().clone()
             logits.append(out)
             inputs.append(step_in)
             tok = out.argmax(-1)

@@ -70,7 +70,7 @@ def tp1_logits(model: str, dtype: str) -> tuple[torch.Tensor, list[list[int]]]:
 def last_logits(r) -> torch.Tensor:
     r.req_table.write([(0, 0, [1])])  # idle engine: slot 0 and page 1 are free
     with torch.no_grad():
-        return r._prefill([StepRow(0, 0, [3, 1, 4, 1, 5, 9, 2, 6], True, GREEDY)]).float().cpu()
+        return r._prefill([StepRow(0, 0, [3, 1, 4, 1, 5, 9, 2, 6], True, GREEDY)])[0].float().cpu()
 
 
 def _tp_generate(guard, model: str, dtype: str = "bfloat16"):

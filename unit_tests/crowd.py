@@ -22,7 +22,8 @@ class Crowded:
 
 
 def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_tokens: int, crowd: int = 300,
-                         seed: int = 0) -> Crowded:
+                         seed: int = 0, overlap: bool = False) -> Crowded:
+    """overlap: the crowd runs on the overlapped engine (the server's default on one device)."""
     rng = random.Random(seed)
     vocab = runner.model_config.vocab_size
     longest = min(3 * len(prompt), runner.cfg.context_len - 2 * max_tokens)
@@ -35,7 +36,7 @@ def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_
         sp = rng.choice([GREEDY, SamplingParams(temperature=0.8, top_p=0.9),
                          SamplingParams(temperature=1.0, top_p=0.95, seed=i)])
         others.append((p, sp, rng.randrange(1, 2 * max_tokens)))
-    engine = LLMEngine(runner)
+    engine = LLMEngine(runner, overlap=overlap)
     half = crowd // 2
     for p, sp, n in others[:half]:
         engine.add_request(p, sp, n)

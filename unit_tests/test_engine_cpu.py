@@ -448,7 +448,7 @@ def _tp_worker(rank: int, init: str, model_dir: str, queue) -> None:
 def _last_logits(r: ModelRunner) -> torch.Tensor:
     r.req_table.write([(0, 0, [1])])  # the engine is idle: slot 0 and page 1 are free
     with torch.no_grad():
-        return r._prefill([StepRow(0, 0, [3, 1, 4, 1, 5, 9, 2, 6], True, GREEDY)])
+        return r._prefill([StepRow(0, 0, [3, 1, 4, 1, 5, 9, 2, 6], True, GREEDY)])[0]
 
 
 @pytest.mark.slow

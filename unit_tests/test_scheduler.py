@@ -22,7 +22,7 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine import stress
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import STEP_FIELDS, Envelope, EnvelopeError, StepShape
-from autoprofile.engine.request import RequestStatus
+from autoprofile.engine.request import PENDING, RequestStatus
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.engine.step_clock import StepClock
@@ -54,6 +54,13 @@ class StepRunner:
         self.steps: list = []
         self.page_table: dict[tuple[int, int], int] = {}
         self.clock = StepClock(torch.device("cpu"))
+        self.last_tokens: dict[int, int] = {}  # by request slot, as ReqTable.last_tokens
+        self.pending_rows = 0  # decode rows launched with a PENDING id (overlap)
+
+    def launch(self, step) -> SimpleNamespace:
+        """As ModelRunner.launch: the tokens are known at once here, read through result()."""
+        tokens = self.execute(step)
+        return SimpleNamespace(result=lambda: tokens)
 
     def execute(self, step) -> list[int]:
         shape = step.shape(self.envelope.graph_rows)
@@ -74,15 +81,27 @@ class StepRunner:
             assert len(req.pages) * ps >= end, "a row computes tokens its pages cannot hold"
             assert [self.page_table[row.slot, i] for i in range(len(req.pages))] == req.pages
         assert all(len(r.ids) == 1 and r.sample for r in step.decode)
-        return [history_token(row.request, row.start + len(row.ids)) for row in step.all_rows if row.sample]
+        out = []
+        for row in step.all_rows:
+            known = row.request.tokens(0, row.start)
+            assert PENDING not in known, "only a row's own input may still be in flight"
+            if PENDING in row.ids:
+                assert row.ids == [PENDING] and (row in step.decode or not step.is_prefill), "a decode row's"
+                self.pending_rows += 1
+            ids = [self.last_tokens[row.slot] if t == PENDING else t for t in row.ids]
+            if row.sample:
+                out.append(history_token(SimpleNamespace(tokens=lambda a, b, h=known + ids: h[a:b]),
+                                         row.start + len(row.ids)))
+                self.last_tokens[row.slot] = out[-1]
+        return out
 
 
-def fake_engine(**kw) -> tuple[LLMEngine, StepRunner]:
+def fake_engine(overlap: bool = False, **kw) -> tuple[LLMEngine, StepRunner]:
     kv_pages = kw.pop("kv_pages", 32)
     env = envelope(kv_pages=kv_pages, **kw)
     runner = StepRunner(env, kv_pages)
     runner.envelope = env
-    return LLMEngine(runner), runner
+    return LLMEngine(runner, overlap=overlap), runner
 
 
 def run_all(engine: LLMEngine, check=None) -> dict[str, tuple[list[int], str]]:
@@ -251,10 +270,11 @@ def test_pages_are_allocated_as_requests_grow():
     assert used == [2, 2, 2, 2, 3, 3, 3, 3, 0]
 
 
-def test_chunks_ride_with_the_decodes_so_a_long_prompt_never_stalls_decoding():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunks_ride_with_the_decodes_so_a_long_prompt_never_stalls_decoding(overlap):
     """Mixed steps: while a long prompt is chunked, every step also decodes the running request, and its
     decode row counts against the token budget."""
-    engine, runner = fake_engine(context=64, batch=8, kv_pages=60)
+    engine, runner = fake_engine(overlap, context=64, batch=8, kv_pages=60)
     engine.add_request([1, 2], max_tokens=20)
     engine.step()  # its prefill
     engine.add_request(list(range(1, 60)), max_tokens=2)  # 59 tokens: chunks of 7 beside the decode row
@@ -303,20 +323,25 @@ def test_abort_frees_every_page_and_slot_at_once_and_is_reported_once():
     assert not engine.has_unfinished() and engine.step() == [] and not engine.abort(a)
 
 
-def test_stop_token_ends_a_request_with_stop():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_token_ends_a_request_with_stop(overlap):
     engine, _ = fake_engine()
     probe = engine.add_request([4, 5, 6], max_tokens=5)
     first = run_all(engine)[probe][0]
-    engine2, _ = fake_engine()
+    engine2, runner = fake_engine(overlap)
     rid = engine2.add_request([4, 5, 6], max_tokens=5, stop_token_ids={first[2]})
     assert run_all(engine2)[rid] == (first[:3], "stop")
+    # overlap: the row after the stop token was launched before the token was read back (its token dropped)
+    assert sum(len(s.all_rows) for s in runner.steps) == 3 + overlap
+    assert engine2.stats.pages_used == 0 and not engine2.has_unfinished()
 
 
-def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output(overlap):
     prompts = [[i + 1] * (6 + 3 * i) for i in range(6)]
     roomy, _ = fake_engine(kv_pages=200, running=6)
     want = [run_all_one for run_all_one in _serve(roomy, prompts)]
-    tight, runner = fake_engine(kv_pages=14, running=6)  # 13 usable pages for 6 requests of up to 10 pages
+    tight, runner = fake_engine(overlap, kv_pages=14, running=6)  # 13 usable pages for 6 requests of up to 10 pages
     got = _serve(tight, prompts, check=invariants)
     assert tight.stats.preemptions > 0
     assert got == want
@@ -366,16 +391,53 @@ traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
                             st.integers(0, 60)),  # leading tokens shared with the other requests
                   min_size=1, max_size=25)
 SHARED = [(5 * j + 1) % VOCAB for j in range(60)]
+STOPS = frozenset(range(0, VOCAB, 11))  # about one token in 11 stops its request
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, kv_pages=st.integers(25, 60), batch=st.integers(1, 48), running=st.integers(1, 8),
+       caching=st.booleans())
+def test_overlap_serves_the_tokens_of_one_step_at_a_time(trace, kv_pages, batch, running, caching):
+    """The overlapped engine (each step launched before the last is read back, its decode rows fed PENDING
+    ids) gives every request the tokens and the finish reason the plain engine gives, under preemption, the
+    prefix cache and stop tokens; a request stopped by a token runs one row more, one that ends on
+    max_tokens runs none."""
+    def serve(overlap):
+        engine, runner = fake_engine(overlap, context=96, page_size=4, kv_pages=kv_pages, batch=batch,
+                                     running=running)
+        engine.scheduler.prefix_caching = caching
+        ids = {}
+        for i, (_, n, max_tokens, _, shared) in enumerate(trace):
+            if n < 96:
+                prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+                ids[i] = engine.add_request(prompt, max_tokens=min(max_tokens, 96 - n), stop_token_ids=STOPS)
+        out = run_all(engine, check=invariants)
+        rows = {}
+        for step in runner.steps:
+            for r in step.all_rows:
+                if r.sample:
+                    rows[r.request.request_id] = rows.get(r.request.request_id, 0) + 1
+        assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
+        assert not any(PENDING in r.request.output_ids for s in runner.steps for r in s.all_rows)
+        return {i: out[rid] for i, rid in ids.items()}, {i: rows[rid] for i, rid in ids.items()}, runner
+    (want, want_rows, _), (got, got_rows, runner) = serve(False), serve(True)
+    assert got == want
+    if not any(r for s in runner.steps for r in s.all_rows if r.request.num_preemptions):
+        assert got_rows == {i: want_rows[i] + (reason == "stop" and len(tokens) < trace[i][2])
+                            for i, (tokens, reason) in want.items()}
+    assert runner.pending_rows > 0 or all(len(t) == 1 for t, _ in want.values())
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces, kv_pages=st.integers(25, 120), batch=st.integers(1, 48), running=st.integers(1, 8),
-       caching=st.booleans())
+       caching=st.booleans(), overlap=st.booleans())
 def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, kv_pages, batch, running,
-                                                                         caching):
+                                                                         caching, overlap):
     """Every step passes Envelope.check (StepRunner raises otherwise), every request ends (length,
-    stop or abort), and at the end every page and slot is free; with prefix caching on or off."""
-    engine, runner = fake_engine(context=96, page_size=4, kv_pages=kv_pages, batch=batch, running=running)
+    stop or abort), and at the end every page and slot is free; with prefix caching on or off, with the
+    overlapped engine or not."""
+    engine, runner = fake_engine(overlap, context=96, page_size=4, kv_pages=kv_pages, batch=batch,
+                                 running=running)
     engine.scheduler.prefix_caching = caching
     arrivals = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
     pending, added, ended, aborts, clock = list(arrivals), {}, {}, {}, 0
@@ -387,7 +449,7 @@ def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, 
             if max_tokens is None or max_tokens < 1:
                 continue
             prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
-            added[i] = engine.add_request(prompt, max_tokens=max_tokens)
+            added[i] = engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)
             if abort_after is not None:
                 aborts[clock + abort_after] = aborts.get(clock + abort_after, []) + [added[i]]
         for rid in aborts.pop(clock, []):
@@ -499,13 +561,14 @@ def test_page_allocator_caches_registered_pages_until_it_needs_them():
         a.free([p1])
 
 
-def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(overlap):
     system = [(3 * j + 2) % VOCAB for j in range(40)]
     prompts = [system + [7, 8, 9], system + [4, 5], system]
     plain, _ = fake_engine(kv_pages=60)
     plain.scheduler.prefix_caching = False
     want = _serve_each(plain, prompts)
-    cached, runner = fake_engine(kv_pages=60)
+    cached, runner = fake_engine(overlap, kv_pages=60)
     got = _serve_each(cached, prompts)
     assert got == want and plain.stats.prefix_hit_tokens == 0
     # 40 shared tokens = 10 full pages of 4; the prompt that is the system prompt alone keeps its last
@@ -537,3 +600,37 @@ def test_model_prefix_cache_gives_the_same_greedy_tokens(roomy):
     rest = cached.generate(prompts[1:], max_tokens=8)
     assert first + rest == want
     assert cached.stats.prefix_hit_tokens >= 2 * 64  # four full 16-token pages of the system prompt, twice
+
+
+def test_model_overlap_gives_the_tokens_of_one_step_at_a_time(roomy):
+    """The real runner's launch: decode rows (eager and riding in mixed steps) fed PENDING ids from the
+    request table on the device give the plain engine's greedy and seeded tokens, under preemption and with
+    stop tokens (the row after a stop is computed and dropped)."""
+    prompts = [[(11 * i + j) % 4000 + 1 for j in range(15 + 9 * i)] for i in range(4)]
+    params = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=7)] * 2
+    want = LLMEngine(roomy).generate(prompts, params, max_tokens=40)
+    assert LLMEngine(roomy, overlap=True).generate(prompts, params, max_tokens=40) == want
+    tight = LLMEngine(tiny_runner(160), overlap=True)
+    log = tight.runner.step_log = []
+    assert tight.generate(prompts, params, max_tokens=40) == want
+    assert tight.stats.preemptions > 0 and tight.stats.pages_used == 0
+    assert any(s.prefill_tokens and s.decode_rows for s in log), "no mixed step ran"
+    stop = want[0][5]
+    plain, overlapped = LLMEngine(roomy), LLMEngine(roomy, overlap=True)
+    for engine in (plain, overlapped):
+        for p, sp in zip(prompts, params):
+            engine.add_request(p, sp, max_tokens=40, stop_token_ids={stop})
+    assert run_all(overlapped) == run_all(plain)
+    assert run_all(plain) == {} and overlapped.stats.pages_used == 0
+
+
+def test_overlap_needs_a_runner_that_launches():
+    engine, runner = fake_engine()
+
+    class Broadcaster:  # as tp.broadcast.StepBroadcaster: execute only
+        envelope, kv, model_config, clock = runner.envelope, runner.kv, runner.model_config, runner.clock
+
+        def execute(self, step):
+            return runner.execute(step)
+    with pytest.raises(ValueError, match="overlap needs a runner"):
+        LLMEngine(Broadcaster(), overlap=True)

@@ -45,8 +45,10 @@ def booted():
 
 @pytest.fixture
 def engine(booted):
-    """A fresh engine over the module's runner; every test must leave no page held."""
-    eng = LLMEngine(booted[0])
+    """A fresh engine over the module's runner, as the server builds it (overlapped on one device); every test
+    must leave no page held."""
+    eng = LLMEngine.from_config(booted[0], CFG)
+    assert eng.overlap
     yield eng
     assert eng.stats.pages_used == 0 and not eng.has_unfinished()
 
@@ -152,9 +154,13 @@ def test_step_metrics_count_every_step_of_a_request_by_kind(run):
     assert grew("autoprofile_engine_gpu_seconds_total", kind="decode", part="forward") == 0
 
 
-def test_a_steps_outputs_reach_the_event_loop_while_the_next_step_runs(run, booted, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_steps_outputs_reach_the_event_loop_while_the_next_step_runs(run, booted, engine, monkeypatch,
+                                                                       overlap):
     """The engine thread posts a step's outputs once the next step's work is enqueued (the event loop writes
-    them while the GPU runs), or when no step follows; nothing is lost or reordered."""
+    them while the GPU runs), or when no step follows; nothing is lost or reordered. Plain engine: during
+    the next launch; overlapped: as soon as the step returns them, the next step in flight already."""
+    engine.overlap = overlap
     clock = booted[0].clock
     state = {"launching": False}
     ended = clock.ended
@@ -174,7 +180,8 @@ def test_a_steps_outputs_reach_the_event_loop_while_the_next_step_runs(run, boot
 
         def recorded(fn, *args):
             if getattr(fn, "__name__", "") == "_dispatch":
-                posts.append((state["launching"], eng.engine.stats.steps))
+                running = state["launching"] if not overlap else eng.engine._inflight is not None
+                posts.append((running, eng.engine.stats.steps))
             post_(fn, *args)
         eng._post = recorded
         outs = await asyncio.gather(*(post(c, "/v1/completions", greedy(p, n=6, ignore_eos=True))
@@ -187,6 +194,8 @@ def test_a_steps_outputs_reach_the_event_loop_while_the_next_step_runs(run, boot
     during = [steps for launching, steps in posts if launching]
     assert len(during) >= len(posts) - 2, posts  # only a stretch's last step waits for no launch
     assert during == sorted(during)
+    if overlap:  # each step's outputs go as it is read back, not with the next step's
+        assert len({steps for _, steps in posts}) == len(posts), posts
 
 
 def test_a_repeated_prompt_hits_the_prefix_cache_and_answers_the_same(run):
@@ -456,14 +465,14 @@ ABORTED_WITHIN_S = 1.0
 
 @pytest.fixture
 def slow_steps(engine):
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
 
-    def execute(step):
+    def launch(step):
         time.sleep(STEP_DELAY_S)
-        return real_execute(step)
-    engine.runner.execute = execute
+        return real_launch(step)
+    engine.runner.launch = launch
     yield
-    del engine.runner.execute
+    del engine.runner.launch
 
 
 async def _freed(app) -> float:
@@ -494,16 +503,16 @@ def test_a_client_that_disconnects_is_aborted_at_once(run, engine, slow_steps):
 
 
 def test_an_oom_in_a_step_fails_its_requests_counts_and_serving_goes_on(run, engine):
-    real_execute = engine.runner.execute
+    real_launch = engine.runner.launch
     calls = {"n": 0}
 
-    def execute_once_oom(step):
+    def launch_once_oom(step):
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 752.00 MiB")
-        return real_execute(step)
+        return real_launch(step)
 
-    engine.runner.execute = execute_once_oom
+    engine.runner.launch = launch_once_oom
     try:
         async def body(c, app):
             failed = await post(c, "/v1/completions", greedy(n=16))
@@ -511,7 +520,7 @@ def test_an_oom_in_a_step_fails_its_requests_counts_and_serving_goes_on(run, eng
             return failed, ok, await (await c.get("/metrics")).text()
         (status, err), (ok_status, _), metrics = run(body)
     finally:
-        del engine.runner.execute
+        del engine.runner.launch
     assert status == 500 and err["error"]["code"] == "engine_oom" and "752" not in err["error"]["message"]
     assert ok_status == 200
     assert metric_samples(metrics)[("autoprofile_serving_oom_total", ())] == 1

@@ -14,10 +14,9 @@ probe captures (and measures) every graph serving replays, and replaying one all
 Logits are captured too; sampling runs outside the graph.
 
 Inputs: a step's rows come as one host tensor [b, 5] (token id, position, request slot, 1, rope delta), copied
-into the
-static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and block
-tables, from the request table: ReqTable.decode_metadata, which eager decode uses too), so a replay is two or
-three
+into the static `inputs` in one transfer; the graph derives its metadata itself (slot mapping, seq_lens and
+block tables, from the request table: ReqTable.decode_metadata, which eager decode uses too) and feeds a
+PENDING token id from the request table's last_tokens (the overlapped engine), so a replay is two or three
 launches. Padding rows carry 0 in the last column: they write to PAD_PAGE and read one token of it.
 """
 from __future__ import annotations
@@ -127,6 +126,8 @@ class DecodeGraphs:
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""
         cols = self.columns(bucket)
+        # a PENDING id (the overlapped engine) is the token the row's slot sampled last
+        self.input_ids[:bs].copy_(self.req_table.feed(self.input_ids[:bs], self.inputs[:bs, 2]))
         tables, slot_mapping, seq_lens = self.req_table.decode_metadata(
             self.positions[:bs], self.inputs[:bs, 2], cols, real=self.inputs[:bs, 3] != 0)
         self.block_tables[:bs, :cols].copy_(tables)

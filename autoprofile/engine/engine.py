@@ -9,6 +9,11 @@ and the tests. Not thread-safe: one thread (the server's engine loop) owns it an
             out.request_id, out.new_token_ids, out.finished, out.finish_reason
     engine.abort(rid)                                # frees its pages and slot at once; reported as "abort"
     engine.generate(prompts, params, max_tokens)     # offline helper over the same loop
+
+Overlap (LLMEngine(runner, overlap=True), the server's default on one GPU; SGLang's overlap scheduler): step()
+schedules and launches the next step before it waits for the step in flight, so the host's scheduling, input
+building and token handling run while the GPU computes, and step() returns the outputs of the step before
+(scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import torch
 from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
-from autoprofile.engine.scheduler import Scheduler
+from autoprofile.engine.scheduler import Scheduler, Step
 from autoprofile.engine.step_clock import HostTimer, StepTimes
 
 log = logging.getLogger(__name__)
@@ -43,9 +48,16 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runner, prefix_caching: bool = True):
+    def __init__(self, runner, prefix_caching: bool = True, overlap: bool = False):
+        """overlap: launch each step before reading the one in flight back (the runner's `launch`; a TP
+        StepBroadcaster has none: its workers would feed tokens they never sampled)."""
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
+        if overlap and not callable(getattr(type(runner), "launch", None)):
+            raise ValueError(f"overlap needs a runner that launches a step without waiting for it "
+                             f"(ModelRunner.launch); {type(runner).__name__} has none")
+        self.overlap = overlap
+        self._inflight: tuple[Step, object] | None = None  # overlap: the launched step, its tokens in flight
         self.runner, self.envelope = runner, runner.envelope
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching)
         self.vocab_size = runner.model_config.vocab_size
@@ -55,6 +67,13 @@ class LLMEngine:
         self._steps = self._failed_steps = self._ooms = 0
         self.clock = runner.clock
         self.clock.reset()
+
+    @classmethod
+    def from_config(cls, runner, cfg) -> LLMEngine:
+        """The server's engine: prefix caching unless --disable_prefix_caching; overlap on one GPU unless
+        --disable_overlap_schedule (under --tp the runner is the step broadcast, which has no launch)."""
+        return cls(runner, prefix_caching=not cfg.disable_prefix_caching,
+                   overlap=not cfg.disable_overlap_schedule and cfg.tp == 1)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,
@@ -130,48 +149,69 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step (a prefill chunk batch or a decode batch); return an output for every
-        request that got new tokens or finished in it (aborted ones included)."""
+        request that got new tokens or finished in it (aborted ones included). Overlap: launch the next
+        step, then return the outputs of the one launched before it."""
         ended, self._ended = self._ended, []
         outputs = [self._report(req) for req in ended]
         with HostTimer(self.clock, "schedule"):
             step = self.scheduler.schedule()
-        if step is None:
-            self.clock.idle()
-            return outputs
-        try:
-            with HostTimer(self.clock, "execute"):
-                sampled = self.runner.execute(step)
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
-            self._failed_steps += 1
-            self._ooms += isinstance(e, torch.OutOfMemoryError)
-            log.exception("step of %d rows failed; its requests end with finish_reason 'error'",
-                          len(step.rows))
-            for req in dict.fromkeys(row.request for row in step.rows):
-                if not req.finished:
-                    self.scheduler.finish(req, "error")
-                    outputs.append(self._report(req))
-            return outputs
-        self._steps += 1
-        with HostTimer(self.clock, "update"):
-            outputs += [self._report(req) for req in self.scheduler.update(step, sampled)]
-        if not self.has_unfinished():
+        launched = self._launch(step, outputs) if step is not None else None
+        before, self._inflight = self._inflight, launched if self.overlap else None
+        if before is not None:
+            outputs += self._collect(*before, outputs)
+        if launched is not None and not self.overlap:
+            outputs += self._collect(*launched, outputs)
+        if not self.has_unfinished() or (step is None and before is None):
             self.clock.idle()
         return outputs
 
+    def _launch(self, step: Step, outputs: list[RequestOutput]) -> tuple[Step, object] | None:
+        try:
+            with HostTimer(self.clock, "execute"):
+                tokens = self.runner.launch(step) if self.overlap else self.runner.execute(step)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
+            self._failed(step.rows, e, outputs)  # a mixed step's decode rows run again in the next step
+            return None
+        self.scheduler.launched(step)
+        return step, tokens
+
+    def _collect(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's tokens (read back: overlap waits here for that step alone) into its requests."""
+        if self.overlap:
+            try:
+                with HostTimer(self.clock, "wait"):
+                    tokens = tokens.result()
+            except Exception as e:  # noqa: BLE001 - every row was counted as launched: all of them fail
+                self._failed(step.all_rows, e, outputs)
+                return []
+        self._steps += 1
+        with HostTimer(self.clock, "update"):
+            return [self._report(req) for req in self.scheduler.resolve(step, tokens)]
+
+    def _failed(self, rows: list, e: Exception, outputs: list[RequestOutput]) -> None:
+        self._failed_steps += 1
+        self._ooms += isinstance(e, torch.OutOfMemoryError)
+        log.error("step of %d rows failed; their requests end with finish_reason 'error'", len(rows),
+                  exc_info=e)
+        for req in dict.fromkeys(row.request for row in rows):
+            if not req.finished:
+                self.scheduler.finish(req, "error")
+                outputs.append(self._report(req))
+
     def _report(self, req: Request) -> RequestOutput:
-        new = req.output_ids[req.num_sent:]
-        req.num_sent = len(req.output_ids)
+        new = req.output_ids[req.num_sent:req.num_known]
+        req.num_sent = req.num_known
         if req.finished:
             self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, new, req.finished, req.finish_reason, len(req.prompt_ids),
-                             len(req.output_ids))
+                             req.num_known)
 
     def step_times(self) -> StepTimes:
         """Where the steps' time went since the engine started (autoprofile.engine.step_clock)."""
         return self.clock.read()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ended)
+        return self.scheduler.has_work() or bool(self._ended) or self._inflight is not None
 
     @property
     def stats(self) -> EngineStats:

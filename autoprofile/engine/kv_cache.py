@@ -144,16 +144,31 @@ class PageAllocator:
 class ReqTable:
     """The GPU page table of the request slots: page_table [max_reqs, ceil(context_len/page_size)] int32
     page ids (the block tables the decode kernels read). The scheduler owns which slot holds which
-    request; the runner mirrors each step's new pages here. Bytes = budget.req_table_bytes(...)."""
+    request; the runner mirrors each step's new pages here. Beside it, last_tokens [max_reqs] int32: the token
+    each slot's request sampled last, written on the device by the step that sampled it (record), so the next
+    step can feed it before the host has read it back (feed; the overlapped engine). One buffer: bytes =
+    budget.req_table_bytes(...)."""
 
     def __init__(self, max_reqs: int, context_len: int, page_size: int, device: torch.device):
         self.max_reqs, self.page_size = max_reqs, page_size
         self.pages_per_req = math.ceil(context_len / page_size)
-        self.page_table = torch.zeros((max_reqs, self.pages_per_req), dtype=torch.int32, device=device)
+        cells = max_reqs * self.pages_per_req
+        self.buffer = torch.zeros(cells + max_reqs, dtype=torch.int32, device=device)
+        self.page_table = self.buffer[:cells].view(max_reqs, self.pages_per_req)
+        self.last_tokens = self.buffer[cells:]
 
     @property
     def nbytes(self) -> int:
-        return self.page_table.nbytes
+        return self.buffer.nbytes
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The tokens a step sampled, by request slot (on the device, no host read)."""
+        self.last_tokens[slots] = tokens.to(torch.int32)
+
+    def feed(self, ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Token ids [b] int64 of rows of request slots `slots`: a PENDING id (< 0) becomes the token its slot
+        sampled last (CUDA-graph capturable)."""
+        return torch.where(ids < 0, self.last_tokens[slots].long(), ids)
 
     def decode_metadata(self, pos: torch.Tensor, slots: torch.Tensor, cols: int,
                         real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,5 +197,8 @@ class ReqTable:
             cols += range(first, first + len(ids))
             pages += ids
         dev = self.page_table.device
-        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-            pages, dtype=torch.int32, device=dev)
+        # one non-blocking copy from pinned memory: a pageable copy waits for the stream, which would stall the
+        # overlapped engine's launch behind the step in flight
+        host = torch.tensor([rows, cols, pages], dtype=torch.int64, pin_memory=dev.type == "cuda")
+        rows_d, cols_d, pages_d = host.to(dev, non_blocking=True)
+        self.page_table[rows_d, cols_d] = pages_d.to(torch.int32)

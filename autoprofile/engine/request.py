@@ -8,6 +8,11 @@ from autoprofile.engine.multimodal import MultiModalInput, image_key_tokens
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 
 
+# an output token a launched step samples, not yet read back (the overlapped engine: LLMEngine(overlap=True));
+# the next step's decode row feeds it from the GPU (ReqTable.last_tokens), never from the host
+PENDING = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted (its pages were freed; it is recomputed when resumed)
     RUNNING = "running"  # holds a request slot and the pages of its computed tokens
@@ -42,6 +47,12 @@ class Request:
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
+    pending: int = 0  # trailing PENDING output ids: sampled by a launched step, not read back yet
+
+    @property
+    def num_known(self) -> int:
+        """Output tokens read back (what may be reported)."""
+        return len(self.output_ids) - self.pending
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,8 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
     torch ops and copies before, each a GIL release and re-acquire beside the server's event loop): lens, cu [R+1] and slots of the R prefill
     rows; ids and positions of their n tokens then of the D decode rows; token_rows [n] (each token's request
     slot); decode_slots [D]; last [S + D] (the hidden rows to sample: each sampled prefill row's last token,
-    then every decode row); kv_lens [R]. with_keys and a row past its start (a cached prefix or an earlier
+    then every decode row) and sample_slots (their request slots); kv_lens [R]. A decode row's id may be
+    PENDING (the runner feeds it from ReqTable.last_tokens). with_keys and a row past its start (a cached prefix or an earlier
     chunk): kv_rows, kv_pos (the request slot and position of every key the rows attend to) and cu_k."""
     lens = np.fromiter((len(r.ids) for r in rows), np.int64, len(rows))
     starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
@@ -53,10 +54,11 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
     positions = np.concatenate([np.arange(n, dtype=np.int64) - np.repeat(cu[:-1] - starts, lens),
                                 np.fromiter((r.start for r in decode), np.int64, d)])
     sampled = np.fromiter((r.sample for r in rows), bool, len(rows))
+    decode_slots = np.fromiter((r.slot for r in decode), np.int64, d)
     out = {"lens": lens, "cu": cu, "slots": slots, "ids": ids, "positions": positions,
-           "token_rows": np.repeat(slots, lens), "decode_slots": np.fromiter((r.slot for r in decode), np.int64, d),
+           "token_rows": np.repeat(slots, lens), "decode_slots": decode_slots,
            "last": np.concatenate([(cu[1:] - 1)[sampled], n + np.arange(d, dtype=np.int64)]),
-           "kv_lens": starts + lens}
+           "sample_slots": np.concatenate([slots[sampled], decode_slots]), "kv_lens": starts + lens}
     if with_keys and starts.any():
         kv_lens = out["kv_lens"]
         cu_k = np.zeros(len(rows) + 1, np.int64)
@@ -68,13 +70,35 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """The int64 host arrays on `device` in one copy: a view of it each, by name."""
+    """The int64 host arrays on `device` in one non-blocking copy from pinned memory (a pageable copy waits
+    for the stream: the overlapped engine's launch would wait for the step in flight): a view each, by name."""
     names = list(arrays)
     flat = torch.from_numpy(np.concatenate([arrays[k] for k in names]))
     if device.type != "cpu":
-        flat = flat.to(device)
+        flat = flat.pin_memory().to(device, non_blocking=True)
     ends = np.cumsum([len(arrays[k]) for k in names]).tolist()
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
+
+class StepTokens:
+    """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory and
+    an event; result() waits for that step alone (a step launched after it keeps running)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host, self._done = tokens, None
+
+    def result(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
+NO_TOKENS = torch.empty(0, dtype=torch.int64)
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "fp8_e4m3": torch.float8_e4m3fn}
@@ -247,6 +271,12 @@ class ModelRunner:
     def execute(self, step: Step) -> list[int]:
         """Run one step the scheduler (or a stress corner) built; return the sampled token of every
         row with `sample`, in row order. A step outside the envelope raises EnvelopeError, unrun."""
+        return self.launch(step).result()
+
+    def launch(self, step: Step) -> StepTokens:
+        """execute() without the wait: enqueue the step's GPU work (nothing in it waits for the GPU) and return
+        its tokens in flight. A decode row's PENDING id is the token its request's slot sampled last, fed on the
+        device (ReqTable.feed): the step before may still be running."""
         self._require_built()
         shape = step.shape(self.envelope.graph_rows)
         self.envelope.check(shape)
@@ -263,7 +293,8 @@ class ModelRunner:
             calibrate = self._calibrates(step)
             self.backend.calibrating = calibrate
             try:
-                logits = self._prefill(step.rows, step.decode) if step.is_prefill else self._decode(step.rows)
+                logits, sample_slots = (self._prefill(step.rows, step.decode) if step.is_prefill
+                                        else self._decode(step.rows))
             finally:
                 self.backend.calibrating = False
             if calibrate and not self.stressing:
@@ -274,14 +305,16 @@ class ModelRunner:
             rows = [r for r in step.all_rows if r.sample]
             if not rows:
                 self.clock.ended()
-                return []
+                return StepTokens(NO_TOKENS)
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
                 batch = SamplingBatch.from_params([r.params for r in rows], self.device)
                 tokens = sample(logits, batch, self.generator, self._row_generators(rows))
+            self.req_table.record(sample_slots, tokens)
+            out = StepTokens(tokens)
             self.clock.ended()
-            return tokens.tolist()
+            return out
 
     def _calibrates(self, step: Step) -> bool:
         """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first
@@ -305,8 +338,10 @@ class ModelRunner:
                        meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv.layers))
 
-    def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None) -> torch.Tensor:
-        """Logits [sampled rows, vocab] of each sampled row's last token; K/V written to the rows' pages.
+    def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+        """Logits [sampled rows, vocab] of each sampled row's last token, and those rows' request slots; K/V
+        written to the rows' pages.
         Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
         A mixed step's decode rows follow the prefill tokens in the same forward (meta.decode: the paged
         decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
@@ -331,6 +366,8 @@ class ModelRunner:
                                             int(host["positions"][n:].max()) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
         ids = parts["ids"]
+        if decode:
+            ids = torch.cat([ids[:n], self.req_table.feed(ids[n:], parts["decode_slots"])])
         self.clock.launched()
         if self.is_vl:
             rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
@@ -338,7 +375,7 @@ class ModelRunner:
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.kv.layers)
-        return self.model.compute_logits(hidden[parts["last"]])
+        return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"]
 
     def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:
         """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the
@@ -392,8 +429,9 @@ class ModelRunner:
         ps = self.cfg.page_size
         return self.req_table.page_table[rows, pos // ps].long() * ps + pos % ps
 
-    def _decode(self, rows: list[StepRow]) -> torch.Tensor:
-        """One token per row at position start; logits [rows, vocab]. Attention runs at the smallest
+    def _decode(self, rows: list[StepRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row at position start; logits [rows, vocab] and the rows' request slots (a PENDING
+        id is fed on the device: ReqTable.feed, captured in the graphs). Attention runs at the smallest
         max_seq_len bucket that holds the longest row (graphs and eager alike: the eager stress corner
         holds a row at --max_req_total_len, so it runs the largest bucket, the largest scratch)."""
         dev = self.device
@@ -404,10 +442,10 @@ class ModelRunner:
                             dtype=torch.int64, pin_memory=dev.type == "cuda")
         self.clock.launched()
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
-            return self.graphs.replay(host, longest)
+            return self.graphs.replay(host, longest), self.graphs.inputs[:len(rows), 2]
         ids, pos, slots, _, delta = host.to(dev, non_blocking=True).unbind(1)
         meta = self._decode_meta(pos, slots, longest)
-        return self._decode_logits(ids, pos + delta if self.is_vl else pos, meta)
+        return self._decode_logits(self.req_table.feed(ids, slots), pos + delta if self.is_vl else pos, meta), slots
 
     # ------------------------------------------------------------ the stress: the envelope's corners
     @property

@@ -12,6 +12,14 @@ so far), by its decode row; a chunk in a step that has decode rows waits instead
 row already in the step). A request is admitted only when its first chunk's pages are free, so
 admission never preempts.
 
+Overlap (LLMEngine(overlap=True), SGLang's overlap scheduler): the engine launches step N+1 before it reads
+step N's tokens back, so the host's scheduling and input building run while the GPU computes. `launched`
+advances the step's requests as if computed and gives each sampled row's request a PENDING output id; the
+next step's decode row of that request feeds the token from the GPU (ReqTable.last_tokens); `resolve` writes
+the tokens once read back and finishes requests there. A request whose next token is its last (max_tokens) is
+not scheduled again; one that stopped on a token has run one row too many, whose token is dropped. A
+preempted request with a PENDING token waits for it before it is admitted again (its recompute needs it).
+
 Prefix caching (on full pages): every full page of computed K/V is registered in the page allocator;
 a request being admitted takes back the longest run of cached pages matching its tokens (never its
 last token: that one must be computed to be sampled), so its first chunk starts after them and attends
@@ -26,7 +34,7 @@ from dataclasses import dataclass, field
 from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.kv_cache import PageAllocator
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
-from autoprofile.engine.request import Request, RequestStatus
+from autoprofile.engine.request import PENDING, Request, RequestStatus
 from autoprofile.engine.sampling import SamplingParams
 
 
@@ -41,6 +49,7 @@ class StepRow:
     mm: MultiModalInput | None = None  # the request's images (M-RoPE positions, rope delta)
     # image tokens of this row: (index in ids, encoder buffer slot, first token in the image, count)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    applied: bool = False  # Scheduler.launched counted it (its request was running when the step launched)
 
 
 @dataclass
@@ -116,7 +125,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Finished, or aborted: its pages and slot are free when this returns."""
+        """Finished, or aborted: its pages and slot are free when this returns (a step still in flight may
+        write K/V into them: the GPU runs it before any later step that reuses them). Its PENDING tokens go."""
+        if req.pending:
+            del req.output_ids[-req.pending:]
+            req.pending = 0
         if req.status is RequestStatus.RUNNING:
             self._release(req)
             self.running.remove(req)
@@ -156,6 +169,8 @@ class Scheduler:
             admit = req.status is RequestStatus.WAITING
             if admit and not self.free_slots:
                 break
+            if req.pending:
+                continue  # preempted with a token in flight: its recompute needs the token
             hit, chain = self._cached_prefix(req) if admit else ([], 0)
             start = len(hit) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
@@ -194,6 +209,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue  # preempted by an older request of this step, or still in prefill
+            if len(req.output_ids) >= req.max_tokens:
+                continue  # its last token is in flight (overlap): it finishes when read back
             need = 1 if req.num_computed == len(req.pages) * self.env.page_size else 0
             if need and need > self.allocator.num_free and not self._make_room(need, req):
                 continue
@@ -246,10 +263,10 @@ class Scheduler:
             step.page_writes.append((req.slot, 0, list(hit)))
             self.prefix_hit_tokens += req.num_computed
 
-    def _register(self, req: Request) -> None:
-        """Put req's newly full pages of computed K/V in the prefix cache."""
+    def _register(self, req: Request, upto: int) -> None:
+        """Put req's newly full pages of K/V computed up to token `upto` in the prefix cache."""
         ps = self.env.page_size
-        while self.prefix_caching and req.cached_pages < req.num_computed // ps:
+        while self.prefix_caching and req.cached_pages < min(upto, req.num_computed) // ps:
             i = req.cached_pages
             req.chain = self.allocator.register(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps))
             req.cached_pages += 1
@@ -293,25 +310,47 @@ class Scheduler:
                 del req.mm.slots[i]
                 self.free_mm_slots.append(slot)
 
-    # ------------------------------------------------------------ after the step ran
+    # ------------------------------------------------------------ after the step launched, after it ran
     def update(self, step: Step, sampled: list[int]) -> list[Request]:
-        """Advance each row's request by its computed tokens and append its sampled token (one per
-        sampled row, in row order); finish requests on a stop token or max_tokens. Returns the requests
-        that got a token."""
+        """The step ran and `sampled` holds its tokens: launched() then resolve()."""
+        self.launched(step)
+        return self.resolve(step, sampled)
+
+    def launched(self, step: Step) -> None:
+        """The step's GPU work is enqueued: each row's request counts its tokens as computed and, for a
+        sampled row, holds a PENDING output id. Images whose tokens are all computed give back their encoder
+        slots (a later step's encoder writes after this step's forward read them: one stream)."""
+        for row in step.all_rows:
+            req = row.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted while the step was built
+            row.applied = True
+            req.num_computed = row.start + len(row.ids)
+            self._free_images(req, done_before=req.num_computed)
+            if row.sample:
+                req.output_ids.append(PENDING)
+                req.pending += 1
+
+    def resolve(self, step: Step, sampled: list[int]) -> list[Request]:
+        """The step's tokens (one per sampled row, in row order) are read back: each replaces its request's
+        oldest PENDING id, the pages the step filled enter the prefix cache, and requests finish on a stop
+        token or max_tokens. Rows of requests that finished (stopped, aborted) since the launch are dropped.
+        Returns the requests that got a token (a preempted one too: it keeps its tokens)."""
         got, it = [], iter(sampled)
         for row in step.all_rows:
             req, token = row.request, next(it) if row.sample else None
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted after the step was built
-            req.num_computed = row.start + len(row.ids)
-            self._register(req)
-            self._free_images(req, done_before=req.num_computed)
+            if not row.applied or req.finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self._register(req, upto=row.start + len(row.ids))
             if token is None:
                 continue
-            req.output_ids.append(token)
+            at = req.num_known
+            req.output_ids[at] = token
+            req.pending -= 1
             got.append(req)
             if token in req.stop_token_ids:
                 self.finish(req, "stop")
-            elif len(req.output_ids) >= req.max_tokens:
+            elif at + 1 >= req.max_tokens:
                 self.finish(req, "length")
         return got

@@ -1,0 +1,84 @@
+"""GPU: the overlapped engine (LLMEngine(overlap=True), the server's default on one GPU). Its launch of a step
+never waits for the GPU (torch's sync debug mode raises on any synchronizing call: a blocking copy, .item(),
+.tolist()), through prefill chunks, mixed steps, eager decode and decode graphs fed PENDING ids from the
+request table; and it serves the tokens of the plain engine on a llama-shaped model."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.weights import init_random
+from tests.conftest import require_backend
+from tests.test_deterministic_gpu import SMALL_LLAMA
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    require_backend("aiter_triton")
+    folder = tmp_path_factory.mktemp("small-llama")
+    (folder / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    # 48 running requests over a graph limit of 32: both graph replays and eager decode steps run
+    cfg = validate(ServerConfig(model=str(folder), attention_backend="aiter_triton", max_req_total_len=2048,
+                                batch_max_tokens=512, graph_max_batch_size=32, running_max_req_size=48,
+                                report_dir=None))
+    r = ModelRunner(cfg)
+    init_random(r.model, seed=1, std=0.02)
+    r.build(65536)
+    yield r
+    r.teardown()
+
+
+def crowd(n: int, seed: int = 0) -> list[tuple[list[int], SamplingParams, int]]:
+    rng = random.Random(seed)
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, seed=5)]
+    return [([rng.randrange(3, 31000) for _ in range(rng.randrange(1, 900))], params[i % 3],
+             rng.randrange(1, 40)) for i in range(n)]
+
+
+def test_a_launch_never_waits_for_the_gpu(runner):
+    engine = LLMEngine(runner, overlap=True)
+    launch = runner.launch
+
+    def strict(step):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    runner.launch = strict
+    log = runner.step_log = []
+    try:
+        out: dict[str, list[int]] = {}
+        ids = {}
+        # a crowd of prompts up to 900 tokens, then 48 short ones at once: decode steps of 48 rows, eager
+        for wave in (crowd(120), [([7 + i, 8], GREEDY, 12) for i in range(48)]):
+            ids |= {engine.add_request(p, sp, n): n for p, sp, n in wave}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    finally:
+        del runner.launch
+        runner.step_log = None
+    assert engine.stats.failed_steps == 0, "a launch synchronised (see the log)"
+    assert {rid: len(t) for rid, t in out.items()} == ids
+    assert engine.stats.pages_used == 0
+    kinds = {(bool(s.prefill_rows), bool(s.decode_rows), bool(s.graph_rows)) for s in log}
+    assert {(True, True, False), (False, True, True), (False, True, False)} <= kinds, kinds
+
+
+def test_overlap_serves_the_greedy_tokens_of_one_step_at_a_time(runner):
+    """Greedy, same batches: the overlapped engine schedules what the plain one does (no stop tokens), so the
+    tokens match bit for bit even with batch-dependent kernels."""
+    prompts = [p for p, _, _ in crowd(40, seed=1)]
+    want = LLMEngine(runner).generate(prompts, GREEDY, max_tokens=24)
+    got = LLMEngine(runner, overlap=True).generate(prompts, GREEDY, max_tokens=24)
+    assert got == want
