@@ -68,7 +68,8 @@ class MLAttention(nn.Module):
                                               dtype)
         self.o_proj = RowParallelLinear(mc.num_heads * self.v_dim, mc.hidden_size, bias, tp, dtype)
 
-    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(-1, self.heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -78,7 +79,7 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
         self.backend.store_latent(latent, kv, meta.slot_mapping)
         if not meta.is_prefill:
-            return self.o_proj(self._decode(q_nope, q_pe, kv, meta))
+            return self.o_proj(self._decode(q_nope, q_pe, kv, meta), residual)
         o_decode = None
         if meta.decode is not None:  # a mixed step: its decode rows' tokens come last
             n = q.shape[0] - meta.decode.slot_mapping.shape[0]
@@ -89,7 +90,7 @@ class MLAttention(nn.Module):
         o = self._prefill(q_nope, q_pe, latent, meta)
         if o_decode is not None:
             o = torch.cat([o, o_decode])
-        return self.o_proj(o)
+        return self.o_proj(o, residual)
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -139,7 +140,7 @@ class DeepseekV2MoE(nn.Module):
         shared = mc.moe_intermediate_size * mc.n_shared_experts
         self.shared_experts = LlamaMLP(mc, backend, tp, dtype, shared) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         mc, logits = self.config, nn.functional.linear(x.float(), self.gate.weight)
         if mc.topk_method == "greedy":
             weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
@@ -147,7 +148,8 @@ class DeepseekV2MoE(nn.Module):
             weights, ids = route_group_limited(logits, mc)
             ids = self.experts.force(ids)
         out = self.experts(x, weights, ids)
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        out = out + self.shared_experts(x) if self.shared_experts is not None else out
+        return out if residual is None else residual + out
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

@@ -137,7 +137,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype) if mc.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                kv: KVLayer) -> torch.Tensor:
+                kv: KVLayer, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output, or residual + it (the decoder layer's; possibly in place)."""
         qkv = self.qkv_proj(x)
         if self.q_norm is None:  # RoPE in place on the packed projection, K/V to the cache: q, k, v are views
             q, k, v = self.backend.rope_store(qkv, *rope, kv, meta.slot_mapping)
@@ -161,7 +162,7 @@ class LlamaAttention(nn.Module):
                 o = torch.cat([o, o_decode])
         else:
             o = self.backend.decode(q, kv, meta)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -173,8 +174,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype)
         self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)), residual)
 
 
 class SparseMoeBlock(nn.Module):
@@ -189,9 +190,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
                                 mc.moe_intermediate_size, tp, dtype, backend, routing)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, self.gate.weight)
-        return self.experts(x, *self.experts.select(logits, self.renormalize))
+        out = self.experts(x, *self.experts.select(logits, self.renormalize))
+        return out if residual is None else residual + out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -209,8 +211,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x + attention, then + MLP: each sum may be made in place in x (TP.linear_add), which the layer owns (the
+        embedding's output or the layer before's)."""
+        x = self.self_attn(self.input_layernorm(x), rope, meta, kv, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):

@@ -6,6 +6,8 @@ Two shapes, bf16, 32 query / 8 KV heads, head_dim 128 (llama-3.1-8b per rank):
   full   one causal request of --tokens (8192) new tokens
   chunk  --chunk (2048) new tokens over a cached prefix, --chunk_kv (32768) keys in all (causal
          aligned bottom-right: what a prefill chunk over its prefix runs)
+  batch  --batch (8) causal requests of --batch_len (1024) tokens in one varlen call (a serving prefill step
+         of 1k prompts); timed and printed, not scored: its best config is printed on its own line
 Each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages, PRELOAD_V; never `waves_per_eu`, an AMD-only
 launch option) is checked against SDPA's output (relative error < 2e-2, bf16) and timed
 (triton.testing.do_bench median, inputs cycled so nothing stays in L2). The best is the lowest mean
@@ -47,36 +49,41 @@ def candidates(full: bool) -> list[dict]:
     return [current] + [c for c in out if c != current]
 
 
-def shape_inputs(new: int, kv: int, sets: int) -> list[tuple]:
-    """(q, k, v, cu_q, cu_k) sets; q/k/v as the model hands them over (k/v gathered: contiguous)."""
+def shape_inputs(new: int, kv: int, sets: int, seqs: int = 1) -> list[tuple]:
+    """(q, k, v, cu_q, cu_k) sets of `seqs` equal requests of `new` tokens over `kv` keys each; q/k/v as the
+    model hands them over (k/v gathered: contiguous)."""
     out = []
     for _ in range(sets):
-        q = torch.randn(new, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(kv, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(kv, HKV, D, device="cuda", dtype=torch.bfloat16)
-        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0, kv], dtype=torch.int32, device="cuda")
+        q = torch.randn(seqs * new, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+        cu_q = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
+        cu_k = torch.arange(0, seqs * kv + 1, kv, dtype=torch.int32, device="cuda")
         out.append((q, k, v, cu_q, cu_k))
     return out
 
 
+def heads_first(q, k, v, cu_q, cu_k) -> tuple[torch.Tensor, ...]:
+    """[seqs, heads, tokens, D] of each, K/V expanded to the query heads."""
+    seqs, g = cu_q.numel() - 1, HQ // HKV
+    return (q.view(seqs, -1, HQ, D).transpose(1, 2),
+            *(t.view(seqs, -1, HKV, D).transpose(1, 2).repeat_interleave(g, 1) for t in (k, v)))
+
+
 def sdpa(q, k, v, cu_q, cu_k) -> torch.Tensor:
-    g = HQ // HKV
-    qh = q.transpose(0, 1)[None]
-    kh, vh = (t.transpose(0, 1).repeat_interleave(g, 0)[None] for t in (k, v))
-    if q.shape[0] == k.shape[0]:
+    qh, kh, vh = heads_first(q, k, v, cu_q, cu_k)
+    new, kv = qh.shape[2], kh.shape[2]
+    if new == kv:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(q.shape[0], k.shape[0]))
-    return o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(new, kv))
+    return o.transpose(1, 2).reshape(q.shape)
 
 
 def sdpa_ms(sets: list[tuple]) -> float:
     """SDPA on pre-expanded K/V (the expansion is not timed: the fairest baseline)."""
-    g = HQ // HKV
-    expanded = [(q.transpose(0, 1)[None], *(t.transpose(0, 1).repeat_interleave(g, 0)[None] for t in (k, v)))
-                for q, k, v, _, _ in sets]
-    new, kv = sets[0][0].shape[0], sets[0][1].shape[0]
+    expanded = [heads_first(*s) for s in sets]
+    new, kv = expanded[0][0].shape[2], expanded[0][1].shape[2]
     mask = None if new == kv else causal_lower_right(new, kv)
     return median_ms(rotating(expanded, lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, is_causal=mask is None, attn_mask=mask)))
@@ -89,7 +96,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(args: argparse.Namespace) -> dict:
     ops = load_aiter_triton()
     shapes = {"full": shape_inputs(args.tokens, args.tokens, 2),
-              "chunk": shape_inputs(args.chunk, args.chunk_kv, 2)}
+              "chunk": shape_inputs(args.chunk, args.chunk_kv, 2),
+              "batch": shape_inputs(args.batch_len, args.batch_len, 2, seqs=args.batch)}
+    scored = ("full", "chunk")
     refs = {name: sdpa(*sets[0]) for name, sets in shapes.items()}
     base = {name: sdpa_ms(sets) for name, sets in shapes.items()}
     rows = []
@@ -98,23 +107,26 @@ def run(args: argparse.Namespace) -> dict:
         try:
             for name, sets in shapes.items():
                 def call(q, k, v, cu_q, cu_k):
-                    return ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
+                    most_q, most_k = (int(cu.diff().max()) for cu in (cu_q, cu_k))
+                    return ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, most_q, most_k,
                                                       softmax_scale=D ** -0.5, causal=True, config=dict(cfg))
                 err = rel_err(call(*sets[0]), refs[name])
                 row[name] = {"err": err, "ms": median_ms(rotating(sets, call)) if err < TOL else None}
                 if err >= TOL:
                     raise ValueError(f"{name}: rel err {err:.2e} vs SDPA")
-            row["score"] = sum(row[n]["ms"] / base[n] for n in shapes) / len(shapes)
+            row["score"] = sum(row[n]["ms"] / base[n] for n in scored) / len(scored)
         except Exception as e:  # noqa: BLE001 - out of shared memory, unsupported tile, wrong result
             row["error"] = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
         rows.append(row)
         print(line(row, base), file=sys.stderr, flush=True)
     ok = [r for r in rows if "score" in r]
     best = min(ok, key=lambda r: r["score"]) if ok else None
+    best_batch = min(ok, key=lambda r: r["batch"]["ms"]) if ok else None
     return {"device": torch.cuda.get_device_name(),
             "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
-            "shapes": {"full": [args.tokens, args.tokens], "chunk": [args.chunk, args.chunk_kv]},
-            "sdpa_ms": base, "rows": rows, "current": rows[0], "best": best}
+            "shapes": {"full": [args.tokens, args.tokens], "chunk": [args.chunk, args.chunk_kv],
+                       "batch": [args.batch, args.batch_len]},
+            "sdpa_ms": base, "rows": rows, "current": rows[0], "best": best, "best_batch": best_batch}
 
 
 def line(row: dict, base: dict) -> str:
@@ -133,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--chunk_kv", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch_len", type=int, default=1024)
     p.add_argument("--full", action="store_true", help="the whole grid (slow: every config compiles)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -142,13 +156,16 @@ def main(argv: list[str] | None = None) -> None:
         r = run(args)
     ranked = sorted((x for x in r["rows"] if "score" in x), key=lambda x: x["score"])
     print(f"{r['device']} ({r['capability']}): torch SDPA full {r['sdpa_ms']['full']:.3f} ms, "
-          f"chunk {r['sdpa_ms']['chunk']:.3f} ms; configs by mean time / SDPA (lower is better)")
+          f"chunk {r['sdpa_ms']['chunk']:.3f} ms, batch {r['sdpa_ms']['batch']:.3f} ms; configs by mean time / "
+          f"SDPA over full and chunk (lower is better)")
     for x in ranked:
         print(f"{x['score']:6.2f}  {line(x, r['sdpa_ms'])}")
     print(f"current: {line(r['current'], r['sdpa_ms'])}")
     if r["best"]:
         print(f'best for {r["capability"]}: "{r["capability"]}": {json.dumps(r["best"]["config"])}'
               .replace("false", "False").replace("true", "True"))
+    if r["best_batch"]:
+        print(f"best for batch: {line(r['best_batch'], r['sdpa_ms'])}")
     if args.json:
         args.json.write_text(json.dumps(r, indent=2))
 

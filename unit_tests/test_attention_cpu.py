@@ -381,6 +381,23 @@ def test_prefill_config_per_compute_capability(monkeypatch):
     assert "waves_per_eu" not in aiter_triton.PREFILL_CONFIG
 
 
+def test_short_prefill_calls_take_the_short_config_where_one_is_tuned(monkeypatch):
+    """At most SHORT_PREFILL_KEYS keys a request: the short entry (a copy); longer, or none tuned: the long one."""
+    monkeypatch.setattr(aiter_triton, "PREFILL_CONFIGS_SHORT", {"sm_90": {"BLOCK_M": 64}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    short, long = aiter_triton.prefill_config(short=True), {"BLOCK_M": 128}
+    assert short == {"BLOCK_M": 64} and short is not aiter_triton.PREFILL_CONFIGS_SHORT["sm_90"]
+    n = aiter_triton.SHORT_PREFILL_KEYS
+    assert aiter_triton.pick_prefill_config(n, long, short) == short
+    assert aiter_triton.pick_prefill_config(n + 1, long, short) == long
+    picked = aiter_triton.pick_prefill_config(1, long, None)
+    assert picked == long and picked is not long
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert aiter_triton.prefill_config(short=True) is None
+
+
 @pytest.mark.parametrize("hq", [8, 16, 32, 64])
 @pytest.mark.parametrize("page", [16, 32, 64])
 def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, page):
