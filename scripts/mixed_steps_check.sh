@@ -5,9 +5,9 @@
 # `autoprofile serve`, then fresh random 1024/128 prompts at concurrency 1, 64 and 256 (bench_serving, which
 # measures the GPU's GEMM and copy rates before the server starts and prints the c256 roofline fraction).
 #   OUT=dir BEFORE=before MODEL=llama-3.1-8b bash scripts/mixed_steps_check.sh
-# C1=1 adds concurrency 1 (32 prompts); SERVE_FLAGS=--deterministic serves both trees with that flag;
-# BEFORE_FLAGS=... serves the BEFORE trees alone with more flags (a copy of this checkout with
-# BEFORE_FLAGS=--disable_overlap_schedule: one change, A/B).
+# C1=1 adds concurrency 1 (32 prompts); SERVE_FLAGS=--deterministic serves every tree with that flag;
+# FLAGS_<name>=... serves the BEFORE tree named <name> (its folder's basename) alone with more flags (a copy of
+# this checkout in sync/ with FLAGS_sync=--disable_overlap_schedule: one change, A/B).
 set -uo pipefail
 OUT=${OUT:-/tmp/mixed}; MODEL=${MODEL:-llama-3.1-8b}; BEFORE=${BEFORE:-}; PROMPTS=${PROMPTS:-1000}
 mkdir -p "$OUT"
@@ -20,7 +20,8 @@ for tree in ${BEFORE:+$BEFORE} .; do
   ENV="env -C $HERE/$tree PYTHONPATH=$SITE:$HERE/$tree"
   echo "== $name: $($ENV python3 -c 'import autoprofile; print(autoprofile.__file__)')"
   SERVE="$ENV python3 -m autoprofile.cli serve --model $MODEL --port 0"
-  SERVE="$SERVE --report_dir '' ${SERVE_FLAGS:-} $([ "$tree" = . ] || echo "${BEFORE_FLAGS:-}")"
+  own="FLAGS_$name"
+  SERVE="$SERVE --report_dir '' ${SERVE_FLAGS:-} ${!own:-}"
   B=(python3 scripts/bench_serving.py --launch "$SERVE" --random-input-len 1024 --random-output-len 128)
   "${B[@]}" --roofline --max-concurrency 256 --num-prompts "$PROMPTS" --result-file "$OUT/$name-c256.json" 2>"$OUT/$name-c256.err" \
     | grep -E "Successful|Failed|Benchmark duration|Total Token throughput|Median TPOT|Median TTFT|P99 TTFT|roofline|NOTE|engine over"
