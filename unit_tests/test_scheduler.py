@@ -410,7 +410,7 @@ def test_overlap_serves_the_tokens_of_one_step_at_a_time(trace, kv_pages, batch,
         for i, (_, n, max_tokens, _, shared) in enumerate(trace):
             if n < 96:
                 prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
-                ids[i] = engine.add_request(prompt, max_tokens=min(max_tokens, 96 - n), stop_token_ids=STOPS)
+                ids[i] = engine.add_request(prompt, max_tokens=limit[i], stop_token_ids=STOPS)
         out = run_all(engine, check=invariants)
         rows = {}
         for step in runner.steps:
@@ -421,10 +421,11 @@ def test_overlap_serves_the_tokens_of_one_step_at_a_time(trace, kv_pages, batch,
         assert not any(PENDING in r.request.output_ids for s in runner.steps for r in s.all_rows)
         return ({i: out[rid] for i, rid in ids.items()}, {i: rows[rid] for i, rid in ids.items()}, runner,
                 engine.stats.preemptions)
+    limit = {i: min(max_tokens, 96 - n) for i, (_, n, max_tokens, _, _) in enumerate(trace)}
     (want, want_rows, _, preempted), (got, got_rows, runner, preempted_too) = serve(False), serve(True)
     assert got == want
     if not preempted and not preempted_too:  # a recompute samples again
-        assert got_rows == {i: want_rows[i] + (reason == "stop" and len(tokens) < trace[i][2])
+        assert got_rows == {i: want_rows[i] + (reason == "stop" and len(tokens) < limit[i])
                             for i, (tokens, reason) in want.items()}
     assert runner.pending_rows > 0 or all(len(t) == 1 for t, _ in want.values())
 
