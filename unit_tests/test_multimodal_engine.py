@@ -46,12 +46,14 @@ def hf_greedy(hf, ids, grids, seed: int = 1) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("batch", [512, 24], ids=["one-chunk", "image-spans-chunks"])
+@pytest.mark.parametrize("batch, overlap", [(512, False), (24, False), (24, True)],
+                         ids=["one-chunk", "image-spans-chunks", "image-spans-chunks-overlap"])
 @pytest.mark.parametrize("grids", [ONE, TWO], ids=["one-image", "two-images"])
-def test_image_requests_generate_what_hf_generates(models, grids, batch):
+def test_image_requests_generate_what_hf_generates(models, grids, batch, overlap):
+    """overlap: the server's engine (M-RoPE decode rows fed PENDING ids, mixed steps with image chunks)."""
     hf, _, folder = models
     runner = runner_for(folder, batch)
-    engine = LLMEngine(runner)
+    engine = LLMEngine(runner, overlap=overlap)
     ids = prompt(grids)
     rid = engine.add_request(ids, max_tokens=NEW, mm=image_input(ids, grids, runner.model_config))
     text = engine.add_request([5, 6, 7, 8], max_tokens=NEW)  # a text request in the same steps
