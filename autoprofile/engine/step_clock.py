@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+# the engine thread's parts (HostTimer): execute is the launch (inputs and kernels; without the overlap also
+# the wait for the tokens), wait the overlapped engine's wait for a step's tokens
+HOST_PARTS = ("inbox", "schedule", "execute", "wait", "update", "post")
+
+
 @dataclass
 class _Pending:
     kind: str

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 import torch
 
+from autoprofile.engine.step_clock import HOST_PARTS
 from autoprofile.serving.async_engine import Snapshot, Timing
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,11 @@ def step_time_families(t):
         steps.add_metric([kind], t.steps[kind])
         tokens.add_metric([kind], t.tokens[kind])
     host = CounterMetricFamily("autoprofile_engine_host_seconds",
-                               "engine-thread wall seconds by part (inbox, schedule, execute: inputs, launches "
-                               "and the wait for the sampled tokens; update; post: outputs to the event loop)",
+                               "engine-thread wall seconds by part (inbox, schedule, execute: inputs and "
+                               "launches, and without the overlap the wait for the sampled tokens; wait: the "
+                               "overlapped engine's wait for them; update; post: outputs to the event loop)",
                                labels=["part"])
-    for part in ("inbox", "schedule", "execute", "update", "post"):
+    for part in HOST_PARTS:
         host.add_metric([part], t.host[part])
     gpu = CounterMetricFamily("autoprofile_engine_gpu_seconds",
                               "CUDA-event seconds of the steps by kind and part (prepare: inputs before the "
