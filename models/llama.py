@@ -211,8 +211,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
-        """x + attention, then + MLP: each sum may be made in place in x (TP.linear_add), which the layer owns (the
-        embedding's output or the layer before's)."""
+        """x + attention, then + MLP: each sum may be made in place in x (TP.linear_add), which the layer owns
+        (the embedding's output or the layer before's)."""
         x = self.self_attn(self.input_layernorm(x), rope, meta, kv, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 

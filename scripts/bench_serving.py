@@ -569,7 +569,8 @@ def engine_figures(grew) -> dict:
                         for part in ("prepare", "forward")}}
     out["gpu_idle_s"] = grew('autoprofile_engine_gpu_seconds_total{kind="",part="idle"}')
     out["host_s"] = {part: grew(f'autoprofile_engine_host_seconds_total{{part="{part}"}}')
-                     for part in ("inbox", "schedule", "execute", "wait", "update", "post")}  # step_clock.HOST_PARTS
+                     # step_clock.HOST_PARTS
+                     for part in ("inbox", "schedule", "execute", "wait", "update", "post")}
     return out
 
 

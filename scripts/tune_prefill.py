@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         r = run(args)
     ranked = sorted((x for x in r["rows"] if "score" in x), key=lambda x: x["score"])
     print(f"{r['device']} ({r['capability']}): torch SDPA full {r['sdpa_ms']['full']:.3f} ms, "
-          f"chunk {r['sdpa_ms']['chunk']:.3f} ms, batch {r['sdpa_ms']['batch']:.3f} ms; configs by mean time / "
-          f"SDPA over full and chunk (lower is better)")
+          f"chunk {r['sdpa_ms']['chunk']:.3f} ms, batch {r['sdpa_ms']['batch']:.3f} ms; configs by mean "
+          f"time / SDPA over full and chunk (lower is better)")
     for x in ranked:
         print(f"{x['score']:6.2f}  {line(x, r['sdpa_ms'])}")
     print(f"current: {line(r['current'], r['sdpa_ms'])}")

@@ -382,7 +382,8 @@ def test_prefill_config_per_compute_capability(monkeypatch):
 
 
 def test_short_prefill_calls_take_the_short_config_where_one_is_tuned(monkeypatch):
-    """At most SHORT_PREFILL_KEYS keys a request: the short entry (a copy); longer, or none tuned: the long one."""
+    """At most SHORT_PREFILL_KEYS keys a request: the short entry (a copy); longer, or none tuned: the long
+    one."""
     monkeypatch.setattr(aiter_triton, "PREFILL_CONFIGS_SHORT", {"sm_90": {"BLOCK_M": 64}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))

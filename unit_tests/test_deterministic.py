@@ -144,8 +144,8 @@ for m, n, k, bias, dtype in [(1, 96, 64, False, torch.float32), (300, 200, 96, T
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (m, n, k, (got.float() - want).abs().max())
     for lo, hi in ((0, 1), (m // 2, m)):  # a row alone and among others
         assert torch.allclose(triton_matmul.linear(x[lo:hi], w, b), got[lo:hi], rtol=tol, atol=tol)
-# the bits of a row alone and among others: on the GPU (tests/test_deterministic_gpu.py); numpy's dot under the
-# interpreter rounds a row by its place in the tile on some CPUs (an AMD EPYC host, 2026-11-25: 1e-6 apart)
+# the bits of a row alone and among others: on the GPU (tests/test_deterministic_gpu.py); numpy's dot under
+# the interpreter rounds a row by its place in the tile on some CPUs (an AMD EPYC host, 2026-11-25: 1e-6 apart)
 x = torch.randn(4, 3, 200)[:, :, :64]  # a strided view of leading dims
 w = torch.randn(32, 64)
 assert torch.allclose(triton_matmul.linear(x, w), x @ w.T, rtol=1e-4, atol=1e-4)

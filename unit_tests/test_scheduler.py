@@ -341,7 +341,8 @@ def test_preemption_takes_the_youngest_and_recomputes_to_the_same_output(overlap
     prompts = [[i + 1] * (6 + 3 * i) for i in range(6)]
     roomy, _ = fake_engine(kv_pages=200, running=6)
     want = [run_all_one for run_all_one in _serve(roomy, prompts)]
-    tight, runner = fake_engine(overlap, kv_pages=14, running=6)  # 13 usable pages for 6 requests of up to 10 pages
+    # 13 usable pages for 6 requests of up to 10 pages
+    tight, runner = fake_engine(overlap, kv_pages=14, running=6)
     got = _serve(tight, prompts, check=invariants)
     assert tight.stats.preemptions > 0
     assert got == want

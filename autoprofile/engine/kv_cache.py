@@ -197,8 +197,8 @@ class ReqTable:
             cols += range(first, first + len(ids))
             pages += ids
         dev = self.page_table.device
-        # one non-blocking copy from pinned memory: a pageable copy waits for the stream, which would stall the
-        # overlapped engine's launch behind the step in flight
+        # one non-blocking copy from pinned memory: a pageable copy waits for the stream, which would stall
+        # the overlapped engine's launch behind the step in flight
         host = torch.tensor([rows, cols, pages], dtype=torch.int64, pin_memory=dev.type == "cuda")
         rows_d, cols_d, pages_d = host.to(dev, non_blocking=True)
         self.page_table[rows_d, cols_d] = pages_d.to(torch.int32)

@@ -71,13 +71,15 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """The int64 host arrays on `device` in one non-blocking copy from pinned memory (a pageable copy waits
-    for the stream: the overlapped engine's launch would wait for the step in flight): a view each, by name."""
+    for the stream: the overlapped engine's launch would wait for the step in flight): a view each, by
+    name."""
     names = list(arrays)
     flat = torch.from_numpy(np.concatenate([arrays[k] for k in names]))
     if device.type != "cpu":
         flat = flat.pin_memory().to(device, non_blocking=True)
     ends = np.cumsum([len(arrays[k]) for k in names]).tolist()
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
+
 
 class StepTokens:
     """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory and
@@ -275,9 +277,9 @@ class ModelRunner:
         return self.launch(step).result()
 
     def launch(self, step: Step) -> StepTokens:
-        """execute() without the wait: enqueue the step's GPU work (nothing in it waits for the GPU) and return
-        its tokens in flight. A decode row's PENDING id is the token its request's slot sampled last, fed on the
-        device (ReqTable.feed): the step before may still be running."""
+        """execute() without the wait: enqueue the step's GPU work (nothing in it waits for the GPU) and
+        return its tokens in flight. A decode row's PENDING id is the token its request's slot sampled last,
+        fed on the device (ReqTable.feed): the step before may still be running."""
         self._require_built()
         shape = step.shape(self.envelope.graph_rows)
         self.envelope.check(shape)
@@ -446,7 +448,8 @@ class ModelRunner:
             return self.graphs.replay(host, longest), self.graphs.inputs[:len(rows), 2]
         ids, pos, slots, _, delta = host.to(dev, non_blocking=True).unbind(1)
         meta = self._decode_meta(pos, slots, longest)
-        return self._decode_logits(self.req_table.feed(ids, slots), pos + delta if self.is_vl else pos, meta), slots
+        ids = self.req_table.feed(ids, slots)
+        return self._decode_logits(ids, pos + delta if self.is_vl else pos, meta), slots
 
     # ------------------------------------------------------------ the stress: the envelope's corners
     @property

@@ -126,7 +126,8 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """Finished, or aborted: its pages and slot are free when this returns (a step still in flight may
-        write K/V into them: the GPU runs it before any later step that reuses them). Its PENDING tokens go."""
+        write K/V into them: the GPU runs it before any later step that reuses them). Its PENDING tokens
+        go."""
         if req.pending:
             del req.output_ids[-req.pending:]
             req.pending = 0

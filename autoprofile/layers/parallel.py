@@ -34,8 +34,8 @@ class TP:
     # follows the message size); the runner sets both
     matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     ordered_reduce: bool = False
-    # a row-parallel layer's residual add in cuBLAS's GEMM epilogue (linear_add); the runner sets it (not under
-    # --deterministic, whose GEMM is its own)
+    # a row-parallel layer's residual add in cuBLAS's GEMM epilogue (linear_add); the runner sets it (not
+    # under --deterministic, whose GEMM is its own)
     add_in_gemm: bool = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

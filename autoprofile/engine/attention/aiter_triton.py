@@ -37,7 +37,8 @@ PREFILL_CONFIGS: dict[str, dict] = {
 # The stress runs both: its corners of many short rows and of one long chunk.
 SHORT_PREFILL_KEYS = 1024
 PREFILL_CONFIGS_SHORT: dict[str, dict] = {
-    "sm_90": {"BLOCK_M": 64, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1, "num_stages": 2},
+    "sm_90": {"BLOCK_M": 64, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
+              "num_stages": 2},
 }
 
 
