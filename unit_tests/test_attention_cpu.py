@@ -8,10 +8,13 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoprofile import budget
 from autoprofile.config import ConfigError
-from autoprofile.engine import aiter_loader
+from autoprofile.engine import aiter_loader, stress
+from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.attention import (AttentionMetadata, BACKENDS, get_backend_class,
                                           resolve_backend_name)
 from autoprofile.engine.attention import aiter_triton
@@ -379,6 +382,20 @@ def test_prefill_config_per_compute_capability(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")  # gfx90a reports (9, 0) too
     assert aiter_triton.prefill_config() == aiter_triton.PREFILL_CONFIG
     assert "waves_per_eu" not in aiter_triton.PREFILL_CONFIG
+
+
+@settings(max_examples=200, deadline=None)
+@given(context=st.integers(2, 140_000), batch=st.integers(1, 20_000), running=st.integers(1, 300),
+       page=st.sampled_from([16, 32, 64]))
+def test_the_stress_runs_both_prefill_configs(context, batch, running, page):
+    """Every envelope's prefill stress has a call whose requests read at most SHORT_PREFILL_KEYS keys (the
+    short config) and, where a request can read more, one that does (the long config)."""
+    env = Envelope.build(kv_pages=context * running // page + 64, page_size=page, context_len=context,
+                         batch_max_tokens=batch, running_max_req_size=running,
+                         graph_max_batch_size=min(running, 256), use_graphs=True)
+    keys = [max(r.start + len(r.ids) for r in s.rows) for s in stress.prefill_steps(env, env.pages, 100, 0)]
+    assert min(keys) <= aiter_triton.SHORT_PREFILL_KEYS
+    assert max(keys) > aiter_triton.SHORT_PREFILL_KEYS or context - 1 <= aiter_triton.SHORT_PREFILL_KEYS
 
 
 def test_short_prefill_calls_take_the_short_config_where_one_is_tuned(monkeypatch):

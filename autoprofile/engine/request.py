@@ -47,7 +47,14 @@ class Request:
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
-    pending: int = 0  # trailing PENDING output ids: sampled by a launched step, not read back yet
+
+    @property
+    def pending(self) -> int:
+        """Trailing PENDING output ids: sampled by launched steps, not read back yet (at most two)."""
+        n, out = 0, self.output_ids
+        while n < len(out) and out[-1 - n] == PENDING:
+            n += 1
+        return n
 
     @property
     def num_known(self) -> int:

@@ -128,9 +128,7 @@ class Scheduler:
         """Finished, or aborted: its pages and slot are free when this returns (a step still in flight may
         write K/V into them: the GPU runs it before any later step that reuses them). Its PENDING tokens
         go."""
-        if req.pending:
-            del req.output_ids[-req.pending:]
-            req.pending = 0
+        del req.output_ids[req.num_known:]
         if req.status is RequestStatus.RUNNING:
             self._release(req)
             self.running.remove(req)
@@ -312,11 +310,6 @@ class Scheduler:
                 self.free_mm_slots.append(slot)
 
     # ------------------------------------------------------------ after the step launched, after it ran
-    def update(self, step: Step, sampled: list[int]) -> list[Request]:
-        """The step ran and `sampled` holds its tokens: launched() then resolve()."""
-        self.launched(step)
-        return self.resolve(step, sampled)
-
     def launched(self, step: Step) -> None:
         """The step's GPU work is enqueued: each row's request counts its tokens as computed and, for a
         sampled row, holds a PENDING output id. Images whose tokens are all computed give back their encoder
@@ -330,7 +323,6 @@ class Scheduler:
             self._free_images(req, done_before=req.num_computed)
             if row.sample:
                 req.output_ids.append(PENDING)
-                req.pending += 1
 
     def resolve(self, step: Step, sampled: list[int]) -> list[Request]:
         """The step's tokens (one per sampled row, in row order) are read back: each replaces its request's
@@ -348,7 +340,6 @@ class Scheduler:
                 continue
             at = req.num_known
             req.output_ids[at] = token
-            req.pending -= 1
             got.append(req)
             if token in req.stop_token_ids:
                 self.finish(req, "stop")

@@ -6,7 +6,9 @@ sampler paths, STRESS_PARAMS; corner (a) runs twice, so each path samples the mo
   (a) the most rows sharing the most new tokens, once per sampler path;
   (b) one request of as many new tokens as a step takes;
   (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens;
-  (d) one token over the longest prefix any chunk can have.
+  (d) one token over the longest prefix any chunk can have;
+  (e) one fresh request of one page: the shortest prefill, so a launch config picked by length runs too
+      (aiter_triton's short prefill config: a call whose requests read at most SHORT_PREFILL_KEYS keys).
 Mixed corners (a prefill step with decode rows, as serving runs whenever both kinds of work exist): the
 most decode rows a mixed step can hold (running requests but one) at the longest contexts (the first at
 --max_req_total_len: the largest bucket, decoded eagerly) beside one chunk over the longest prefix; and,
@@ -53,7 +55,8 @@ def prefill_corners(env: Envelope) -> list[Rows]:
     most_rows = [(0, share + (i < extra)) for i in range(rows)]
     return [most_rows] * len(STRESS_PARAMS) + [[(0, min(env.prefill_tokens, longest))],
             prefix_corner(env),
-            [(env.max_prefix_len, 1)]]
+            [(env.max_prefix_len, 1)],
+            [(0, min(env.page_size, env.prefill_tokens, longest))]]
 
 
 def prefix_corner(env: Envelope) -> Rows:
