@@ -150,16 +150,16 @@ class LlamaAttention(nn.Module):
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)
             self.backend.store_kv(k, v, kv, meta.slot_mapping)
         if meta.is_prefill:
-            o_decode = None
-            if meta.decode is not None:  # a mixed step: its decode rows' tokens come last
+            o = o_prefill = None
+            if meta.decode is not None:  # a mixed step: decode rows last, one output for both
                 n = q.shape[0] - meta.decode.slot_mapping.shape[0]
-                o_decode = self.backend.decode(q[n:], kv, meta.decode)
-                q, k, v = q[:n], k[:n], v[:n]
+                o = q.new_empty(q.shape)
+                self.backend.decode(q[n:], kv, meta.decode, out=o[n:])
+                q, k, v, o_prefill = q[:n], k[:n], v[:n], o[:n]
             if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
                 k, v = self.backend.gather_kv(kv, meta.kv_slots)
-            o = self.backend.prefill(q, k, v, meta, kv)
-            if o_decode is not None:
-                o = torch.cat([o, o_decode])
+            o_prefill = self.backend.prefill(q, k, v, meta, kv, out=o_prefill)
+            o = o_prefill if o is None else o
         else:
             o = self.backend.decode(q, kv, meta)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)

@@ -1,18 +1,22 @@
-"""Sweep AITER's Triton varlen prefill launch configs on this GPU against torch SDPA (issue 9).
+"""Sweep a Triton varlen prefill kernel's launch configs on this GPU against torch SDPA (issues 9, 19).
 
-    PYTHONPATH=. python3 scripts/tune_prefill.py [--full] [--json out.json]
+    PYTHONPATH=. python3 scripts/tune_prefill.py [--kernel aiter|ours] [--full] [--json out.json]
+
+--kernel aiter (default): AITER's flash_attn_varlen_func; ours: engine.attention.triton_prefill.
 
 Two shapes, bf16, 32 query / 8 KV heads, head_dim 128 (llama-3.1-8b per rank):
   full   one causal request of --tokens (8192) new tokens
   chunk  --chunk (2048) new tokens over a cached prefix, --chunk_kv (32768) keys in all (causal
          aligned bottom-right: what a prefill chunk over its prefix runs)
   batch  --batch (8) causal requests of --batch_len (1024) tokens in one varlen call (a serving prefill step
-         of 1k prompts); timed and printed, not scored: its best config is printed on its own line
+         of 1k prompts; q/k/v are views of one packed projection, as the model hands them over); timed and
+         printed, not scored: its best config is printed on its own line
 Each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages, PRELOAD_V; never `waves_per_eu`, an AMD-only
 launch option) is checked against SDPA's output (relative error < 2e-2, bf16) and timed
 (triton.testing.do_bench median, inputs cycled so nothing stays in L2). The best is the lowest mean
 of time / SDPA time over the two shapes among the correct ones; paste the printed line into
-autoprofile/engine/attention/aiter_triton.py (PREFILL_CONFIGS) for this compute capability.
+autoprofile/engine/attention/aiter_triton.py (PREFILL_CONFIGS), or triton_prefill.py (CONFIGS) for --kernel
+ours, for this compute capability.
 """
 from __future__ import annotations
 
@@ -30,13 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import median_ms, rotating  # noqa: E402
 
 from autoprofile.engine.aiter_loader import load_aiter_triton  # noqa: E402
+from autoprofile.engine.attention import triton_prefill  # noqa: E402
 from autoprofile.engine.attention.aiter_triton import prefill_config  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 TOL = 2e-2
 
 
-def candidates(full: bool) -> list[dict]:
+def candidates(full: bool, kernel: str) -> list[dict]:
+    if kernel == "ours":
+        grid = itertools.chain(itertools.product([128], [64, 128], [4, 8], [2, 3], [True], [False, True]),
+                               itertools.product([64], [32, 64], [4], [2, 3], [True], [False, True]),
+                               itertools.product([128], [128], [8], [3], [False], [False]))
+        current = triton_prefill.launch_config(1 << 30, triton_prefill.capability())
+        short = triton_prefill.launch_config(1, triton_prefill.capability())
+        out = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": tma} | (
+            {"WARP_SPECIALIZE": True} if ws else {}) for m, n, w, s, tma, ws in grid]
+        return [current] + [c for c in [short] + out if c != current]
     if full:
         grid = itertools.product([64, 128, 256], [32, 64, 128], [4, 8], [1, 2, 3, 4], [False, True])
     else:
@@ -51,12 +65,17 @@ def candidates(full: bool) -> list[dict]:
 
 def shape_inputs(new: int, kv: int, sets: int, seqs: int = 1) -> list[tuple]:
     """(q, k, v, cu_q, cu_k) sets of `seqs` equal requests of `new` tokens over `kv` keys each; q/k/v as the
-    model hands them over (k/v gathered: contiguous)."""
+    model hands them over: views of the packed projection [T, (HQ + 2 HKV) D] without a prefix, contiguous
+    (k/v gathered from the cache) with one."""
     out = []
     for _ in range(sets):
-        q = torch.randn(seqs * new, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+        if new == kv:
+            packed = torch.randn(seqs * new, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+            q, k, v = (t.view(seqs * new, -1, D) for t in packed.split([HQ * D, HKV * D, HKV * D], dim=1))
+        else:
+            q = torch.randn(seqs * new, HQ, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(seqs * kv, HKV, D, device="cuda", dtype=torch.bfloat16)
         cu_q = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
         cu_k = torch.arange(0, seqs * kv + 1, kv, dtype=torch.int32, device="cuda")
         out.append((q, k, v, cu_q, cu_k))
@@ -66,8 +85,8 @@ def shape_inputs(new: int, kv: int, sets: int, seqs: int = 1) -> list[tuple]:
 def heads_first(q, k, v, cu_q, cu_k) -> tuple[torch.Tensor, ...]:
     """[seqs, heads, tokens, D] of each, K/V expanded to the query heads."""
     seqs, g = cu_q.numel() - 1, HQ // HKV
-    return (q.view(seqs, -1, HQ, D).transpose(1, 2),
-            *(t.view(seqs, -1, HKV, D).transpose(1, 2).repeat_interleave(g, 1) for t in (k, v)))
+    return (q.reshape(seqs, -1, HQ, D).transpose(1, 2),
+            *(t.reshape(seqs, -1, HKV, D).transpose(1, 2).repeat_interleave(g, 1) for t in (k, v)))
 
 
 def sdpa(q, k, v, cu_q, cu_k) -> torch.Tensor:
@@ -78,6 +97,19 @@ def sdpa(q, k, v, cu_q, cu_k) -> torch.Tensor:
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(new, kv))
     return o.transpose(1, 2).reshape(q.shape)
+
+
+def kernel_call(kernel: str, cfg: dict):
+    """(q, k, v, cu_q, cu_k) -> the kernel's output at launch config cfg."""
+    def call(q, k, v, cu_q, cu_k):
+        seqs = cu_q.numel() - 1  # equal requests: no host sync inside the timed call
+        most_q, most_k = q.shape[0] // seqs, k.shape[0] // seqs
+        if kernel == "ours":
+            return triton_prefill.prefill(torch.empty(q.shape, dtype=q.dtype, device=q.device), q, k, v,
+                                          cu_q, cu_k, most_q, most_k, D ** -0.5, dict(cfg))
+        return load_aiter_triton().flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, most_q, most_k, softmax_scale=D ** -0.5, causal=True, config=dict(cfg))
+    return call
 
 
 def sdpa_ms(sets: list[tuple]) -> float:
@@ -94,7 +126,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    ops = load_aiter_triton()
     shapes = {"full": shape_inputs(args.tokens, args.tokens, 2),
               "chunk": shape_inputs(args.chunk, args.chunk_kv, 2),
               "batch": shape_inputs(args.batch_len, args.batch_len, 2, seqs=args.batch)}
@@ -102,14 +133,11 @@ def run(args: argparse.Namespace) -> dict:
     refs = {name: sdpa(*sets[0]) for name, sets in shapes.items()}
     base = {name: sdpa_ms(sets) for name, sets in shapes.items()}
     rows = []
-    for cfg in candidates(args.full):
+    for cfg in candidates(args.full, args.kernel):
         row = {"config": cfg}
         try:
+            call = kernel_call(args.kernel, cfg)
             for name, sets in shapes.items():
-                def call(q, k, v, cu_q, cu_k):
-                    most_q, most_k = (int(cu.diff().max()) for cu in (cu_q, cu_k))
-                    return ops.flash_attn_varlen_func(q, k, v, cu_q, cu_k, most_q, most_k,
-                                                      softmax_scale=D ** -0.5, causal=True, config=dict(cfg))
                 err = rel_err(call(*sets[0]), refs[name])
                 row[name] = {"err": err, "ms": median_ms(rotating(sets, call)) if err < TOL else None}
                 if err >= TOL:
@@ -122,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     ok = [r for r in rows if "score" in r]
     best = min(ok, key=lambda r: r["score"]) if ok else None
     best_batch = min(ok, key=lambda r: r["batch"]["ms"]) if ok else None
-    return {"device": torch.cuda.get_device_name(),
+    return {"device": torch.cuda.get_device_name(), "kernel": args.kernel,
             "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
             "shapes": {"full": [args.tokens, args.tokens], "chunk": [args.chunk, args.chunk_kv],
                        "batch": [args.batch, args.batch_len]},
@@ -131,7 +159,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def line(row: dict, base: dict) -> str:
     c = row["config"]
-    head = f"M{c['BLOCK_M']:<4}N{c['BLOCK_N']:<4}w{c['num_warps']} s{c['num_stages']} pv{int(c['PRELOAD_V'])}"
+    head = f"M{c['BLOCK_M']:<4}N{c['BLOCK_N']:<4}w{c['num_warps']} s{c['num_stages']}"
+    head += f" pv{int(c['PRELOAD_V'])}" if "PRELOAD_V" in c else ""
+    head += f" tma{int(c['TMA'])}" if "TMA" in c else ""
+    head += " ws" if c.get("WARP_SPECIALIZE") else ""
     if "error" in row:
         return f"{head}  failed: {row['error']}"
     cells = "  ".join(f"{n} {row[n]['ms']:.3f} ms ({base[n] / row[n]['ms']:.2f}x SDPA, err "
@@ -147,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk_kv", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batch_len", type=int, default=1024)
+    p.add_argument("--kernel", choices=["aiter", "ours"], default="aiter")
     p.add_argument("--full", action="store_true", help="the whole grid (slow: every config compiles)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -155,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         r = run(args)
     ranked = sorted((x for x in r["rows"] if "score" in x), key=lambda x: x["score"])
-    print(f"{r['device']} ({r['capability']}): torch SDPA full {r['sdpa_ms']['full']:.3f} ms, "
-          f"chunk {r['sdpa_ms']['chunk']:.3f} ms, batch {r['sdpa_ms']['batch']:.3f} ms; configs by mean "
-          f"time / SDPA over full and chunk (lower is better)")
+    print(f"{r['device']} ({r['capability']}), kernel {r['kernel']}: torch SDPA full "
+          f"{r['sdpa_ms']['full']:.3f} ms, chunk {r['sdpa_ms']['chunk']:.3f} ms, batch "
+          f"{r['sdpa_ms']['batch']:.3f} ms; configs by mean time / SDPA over full and chunk (lower: better)")
     for x in ranked:
         print(f"{x['score']:6.2f}  {line(x, r['sdpa_ms'])}")
     print(f"current: {line(r['current'], r['sdpa_ms'])}")

@@ -105,6 +105,42 @@ def test_prefill_varlen(name, lens, nan_empty):
         assert err < BF16_TOL, f"{name} request {i} (len {e - s}): rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("config", ["default", "long", "short"])
+@pytest.mark.parametrize("chunks", [[(0, 1), (0, 17), (0, 1024), (0, 2500), (300, 77), (4000, 1)],
+                                    [(0, 8192)], [(30000, 2048)]])
+def test_triton_prefill_configs(config, chunks, nan_empty):
+    """Our varlen prefill at each of its configs on this GPU (the untuned default: plain loads; this GPU's
+    long and short entries: TMA on Hopper), (prefix, new) rows with K/V contiguous after the gather, into
+    the rows of a larger output (a mixed step's), against the float64 reference."""
+    from autoprofile.engine.attention import triton_prefill
+
+    cap = triton_prefill.capability()
+    cfg = {"default": triton_prefill.CONFIG, "long": triton_prefill.CONFIGS.get(cap),
+           "short": triton_prefill.CONFIGS_SHORT.get(cap)}[config]
+    if cfg is None:
+        pytest.skip(f"no {config} config for {cap}")
+    gen = torch.Generator(device="cuda").manual_seed(len(chunks))
+    kv_lens, new = [p + n for p, n in chunks], [n for _, n in chunks]
+    q, _, _ = packed_qkv(sum(new), gen)
+    k, v = (torch.randn(sum(kv_lens), HKV, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (new, kv_lens))
+    out = torch.empty(sum(new) + 5, HQ, D, device="cuda", dtype=torch.bfloat16)
+    triton_prefill.prefill(out[:sum(new)], q, k, v, cu_q, cu_k, max(new), max(kv_lens), D ** -0.5, dict(cfg))
+    torch.cuda.synchronize()
+    assert not out[:sum(new)].isnan().any() and out[sum(new):].isnan().all()  # its rows, and only those
+    qb, kb = cu_q.tolist(), cu_k.tolist()
+    for i, (p, n) in enumerate(chunks):
+        last = min(n, 64)
+        want = ref_attention(q[qb[i + 1] - last:qb[i + 1]], k[kb[i]:kb[i + 1]], v[kb[i]:kb[i + 1]], True)
+        err = rel_err(out[qb[i + 1] - last:qb[i + 1]], want)
+        assert err < BF16_TOL, f"{config} row {i} (prefix {p}, new {n}): rel err {err:.2e}"
+        if n > last:
+            want = ref_attention(q[qb[i]:qb[i] + 32], k[kb[i]:kb[i] + p + 32], v[kb[i]:kb[i] + p + 32], True)
+            assert rel_err(out[qb[i]:qb[i] + 32], want) < BF16_TOL
+
+
 DECODE_CASES = [  # (batch, longest seq_len, static max_seq_len)
     (8, 3000, 4096),       # v2: 256 rows, 4 partitions
     (64, 5000, 8192),      # v1: 2048 rows
@@ -285,12 +321,16 @@ def compiled(kernel) -> int:
 
 
 def test_no_compile_for_a_new_step_shape_once_warm():
-    """aiter_loader.UNSPECIALIZED: prefill over any tokens, longest request and request count reuses one
-    _attn_fwd; our RMSNorm compiles once for every row count."""
+    """Our prefill (triton_prefill) over any tokens, longest request and request count reuses the kernel of
+    its config (the short one and the long one: both warmed first); our RMSNorm compiles once for every row
+    count."""
     be = make("aiter_triton")
-    from aiter.ops.triton._triton_kernels.mha import _attn_fwd
+    from autoprofile.engine.attention.triton_prefill import _prefill_kernel, _prefill_kernel_tma
     from autoprofile.engine.triton_norm import _rms_norm_kernel
     gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def compiled_prefill() -> int:
+        return compiled(_prefill_kernel) + compiled(_prefill_kernel_tma)
 
     def prefill(lens):
         q, k, v = packed_qkv(sum(lens), gen)
@@ -303,10 +343,12 @@ def test_no_compile_for_a_new_step_shape_once_warm():
             assert rel_err(out[s:e], ref_causal(q[s:e], k[s:e], v[s:e])) < BF16_TOL, lens
 
     prefill([1024, 1024])
-    before = compiled(_attn_fwd)
-    for lens in ([1], [16], [17, 33], [1000], [16] * 16, [7] * 3, [2048, 5], [3000]):
+    prefill([3000])
+    before = compiled_prefill()
+    assert before >= 1
+    for lens in ([1], [16], [17, 33], [1000], [16] * 16, [7] * 3, [2048, 5], [3000], [1025, 64]):
         prefill(lens)
-    assert compiled(_attn_fwd) == before, "a prefill shape compiled _attn_fwd again"
+    assert compiled_prefill() == before, "a prefill shape compiled triton_prefill again"
     w = torch.randn(4096, generator=gen, device="cuda", dtype=torch.bfloat16)
     be.rms_norm(torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16), w, 1e-6)
     before = compiled(_rms_norm_kernel)

@@ -54,7 +54,7 @@ class AttentionMetadata:
     Both: slot_mapping [num_tokens] int64, slot = page * page_size + offset, where new K/V are written.
     Mixed (a prefill step with decode rows): `decode` is the decode rows' metadata; their tokens follow the
       prefill tokens (slot_mapping covers both), the model sends them through decode() and the rest through
-      prefill(), then concatenates.
+      prefill(), each writing its rows of one output.
     """
 
     is_prefill: bool
@@ -234,15 +234,24 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"the {self.name} backend has no MLA path; use --attention_backend torch")
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq, D]; causal within each request of cu_seqlens. k/v [T, Hkv, D], or with
         meta.kv_slots the gathered [sum kv_len, Hkv, D] split by cu_seqlens_k (causal bottom-right). A
-        paged_prefill backend reads the keys from `kv` instead."""
+        paged_prefill backend reads the keys from `kv` instead. out: where to write (a mixed step's rows of
+        one output, see write_into), else a new tensor."""
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
-        """q [B, Hq, D] -> [B, Hq, D] attending to seq_lens[b] cached tokens of block_tables[b]."""
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, D] attending to seq_lens[b] cached tokens of block_tables[b]; out as
+        prefill's."""
+
+
+def write_into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """A backend whose kernels allocate their own output: `result`, copied into `out` when one is given (a
+    mixed step's prefill and decode rows share one output: the model concatenates nothing)."""
+    return result if out is None else out.copy_(result)
 
 
 # K/V calibrated from one batch are scaled so that its largest magnitude lands at half the FP8 range:

@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from autoprofile import budget
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
 
 PARTITION = budget.AITER_PARTITION  # tokens per partition of the ragged decode (256)
 KV_LAYOUT = "HND"  # [num_pages, num_kv_heads, page_size, head_dim]: our layout
@@ -55,13 +55,14 @@ class AiterNativeBackend(AttentionBackend):
         self.workspace = None
         self.max_decode_rows = self.num_partitions = 0
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         cu_k, max_k = meta.keys()  # causal is aligned bottom-right (flash-attention >= 2.1 semantics)
-        return self.aiter.flash_attn_varlen_func(
-            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True)
+        return write_into(out, self.aiter.flash_attn_varlen_func(
+            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True))
 
-    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Requires seq_lens >= 1. The partition count is the built one (static: graph-safe). The cache has
         the model's dtype (config refuses an FP8 cache here)."""
         k_cache, v_cache = kv.k, kv.v
@@ -73,7 +74,7 @@ class AiterNativeBackend(AttentionBackend):
         if budget.aiter_num_partitions(meta.max_seq_len, partition=PARTITION) > self.num_partitions:
             raise ValueError(f"max_seq_len {meta.max_seq_len} is longer than the workspace was built for")
         indptr, indices, last_page_lens = ragged_pages(meta.block_tables, meta.seq_lens, self.page_size)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         self.aiter.paged_attention_ragged(
             out, self.workspace, q.contiguous(), k_cache, v_cache, self.scale,
             indptr, indices, last_page_lens, self.page_size, self.num_partitions,

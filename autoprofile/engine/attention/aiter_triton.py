@@ -1,6 +1,7 @@
-"""AITER's Triton kernels (runs on NVIDIA and ROCm): varlen flash-attention prefill and paged decode, the MoE
-experts (engine.triton_moe); our own Triton kernels beside them: RMSNorm, SiLU * up, RoPE + KV store, the
-decode reduce.
+"""AITER's Triton kernels (runs on NVIDIA and ROCm): paged decode, the MoE experts (engine.triton_moe), MLA's
+varlen prefill (and the prefill on ROCm or at head sizes that are no power of two); our own Triton kernels
+beside them: the varlen prefill on NVIDIA (triton_prefill), RMSNorm, SiLU * up, RoPE + KV store, the decode
+reduce.
 
 The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
@@ -14,8 +15,8 @@ import torch
 
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.engine.attention import triton_reduce
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.engine.attention import triton_prefill, triton_reduce
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
 from autoprofile.layers.moe import Routing
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -32,10 +33,9 @@ PREFILL_CONFIGS: dict[str, dict] = {
               "num_stages": 3},
 }
 # A call whose longest request reads at most SHORT_PREFILL_KEYS keys (a serving step of 1k prompts: 8 x 1,024
-# tokens) takes the short entry where one exists: scripts/tune_prefill.py's `batch` shape on an H100 (one run,
-# 2026-11-25): 0.402 ms against 0.472 ms at the long entry (torch SDPA over the 8 as one batch: 0.163 ms).
-# The stress runs both: its corners of many short rows and of one long chunk.
-SHORT_PREFILL_KEYS = 1024
+# tokens) takes the short entry where one exists (AITER's here, triton_prefill's on NVIDIA): scripts/
+# tune_prefill.py's `batch` shape. The stress runs both: its corners of many short rows and of one long chunk.
+SHORT_PREFILL_KEYS = triton_prefill.SHORT_KEYS
 PREFILL_CONFIGS_SHORT: dict[str, dict] = {
     "sm_90": {"BLOCK_M": 64, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
               "num_stages": 2},
@@ -123,7 +123,9 @@ class AiterTritonBackend(AttentionBackend):
         self.prefill_config, self.prefill_config_short = prefill_config(), prefill_config(short=True)
         from autoprofile.engine.attention import triton_rope
 
-        self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+        power_of_two = head_dim & (head_dim - 1) == 0  # tl.arange
+        self.triton_rope = triton_rope if power_of_two else None
+        self.triton_prefill = triton_prefill if power_of_two and head_dim >= 16 and not is_rocm() else None
         from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
@@ -145,10 +147,10 @@ class AiterTritonBackend(AttentionBackend):
         return self.triton_matmul.linear if self.deterministic else self.triton_gemv.linear
 
     def unified(self, q: torch.Tensor, kv: KVLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
+                cu_seqlens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """--deterministic's attention (triton_unified): q's tokens split by cu_seqlens over the cache."""
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         return self.triton_unified.attention(out, q, kv.k, kv.v, block_tables, seq_lens, cu_seqlens,
                                              self.scale, kv.scales)
 
@@ -202,20 +204,25 @@ class AiterTritonBackend(AttentionBackend):
         return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
                                                   partition)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
-        """With a cached prefix, cu_seqlens_k differs from cu_seqlens: AITER's causal mask is aligned
-        bottom-right (offs_n + seqlen_q - seqlen_k), which is what a chunk over its prefix needs.
-        --deterministic: the unified kernel over the cache (the chunk's K/V are stored before)."""
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """With a cached prefix, cu_seqlens_k differs from cu_seqlens: the causal mask is aligned bottom-right
+        (both triton_prefill's and AITER's: offs_n + seqlen_q - seqlen_k), which is what a chunk over its
+        prefix needs. --deterministic: the unified kernel over the cache (the chunk's K/V stored before)."""
         if self.deterministic:
-            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.cu_seqlens)
+            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.cu_seqlens, out)
         cu_k, max_k = meta.keys()
-        return self.ops.flash_attn_varlen_func(
+        if self.triton_prefill is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+            return self.triton_prefill.prefill(out, q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
+                                               self.scale)
+        return write_into(out, self.ops.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
             softmax_scale=self.scale, causal=True,
-            config=pick_prefill_config(max_k, self.prefill_config, self.prefill_config_short))
+            config=pick_prefill_config(max_k, self.prefill_config, self.prefill_config_short)))
 
-    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs.
 
@@ -226,14 +233,14 @@ class AiterTritonBackend(AttentionBackend):
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
         if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
-            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.query_starts())
+            return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.query_starts(), out)
         k_cache, v_cache = kv.k, kv.v
         if kv.scales is not None:
             q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype
         # q may be a view of the packed projection: the kernels take its row and head strides (unit dim
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
 
 DECODE_CHUNK_BYTES = 256 << 20  # fp32 K gathered per decode step of the loop over pages
 # --deterministic: the keys a step of the paged loop reads, whatever the rows (the loop's chunks are where its
@@ -54,13 +54,13 @@ class TorchBackend(AttentionBackend):
     def gemm(self):
         return tiled_linear if self.deterministic else None
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv: KVLayer | None = None) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """--deterministic: each new token is a row of the paged loop over the cache (its own length: causal),
         so a token's attention is a decode row's, whatever the chunk it came in."""
         if self.deterministic:
-            return self.decode(q, kv, meta.token_rows())
-        return self._varlen(q, k, v, meta, self.group, self.scale)
+            return self.decode(q, kv, meta.token_rows(), out)
+        return write_into(out, self._varlen(q, k, v, meta, self.group, self.scale))
 
     def mla_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
@@ -85,10 +85,11 @@ class TorchBackend(AttentionBackend):
         per_token = num_seqs * (width or self.num_kv_heads * self.head_dim) * 4
         return max(min(self.decode_chunk_bytes // (per_token * self.page_size), pages_per_req), 1)
 
-    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Requires seq_lens >= 1 (padded graph slots included: point them at a scratch page). An FP8
         cache is dequantised as it is gathered (fp32, by its scales)."""
-        return self._paged(q, kv, meta, self.num_kv_heads, self.scale)
+        return write_into(out, self._paged(q, kv, meta, self.num_kv_heads, self.scale))
 
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
