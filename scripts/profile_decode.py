@@ -1,6 +1,10 @@
 """Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler.
 
     PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager]
+    PYTHONPATH=. python3 scripts/profile_decode.py --prefill 7 [--prefill_len 1024] --batch 240
+
+--prefill N profiles a mixed step instead (eager, as serving runs it): N fresh requests of --prefill_len
+tokens, then --batch decode rows at --ctx (a serving prefill step at concurrency 256 of 1k prompts).
 
 By default the step replays its CUDA graph, as serving does (CUPTI reports the kernels of a graph launch);
 --eager runs it eagerly, where the decode attention keeps AITER's own partitions
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import decode_step  # noqa: E402
 
 from autoprofile.config import ServerConfig, validate  # noqa: E402
+from autoprofile.engine import stress  # noqa: E402
 from autoprofile.engine.runner import ModelRunner  # noqa: E402
 from autoprofile.engine.sampling import GREEDY  # noqa: E402
 
@@ -42,6 +47,17 @@ def kernel_table(prof, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def mixed_step(runner: ModelRunner, args: argparse.Namespace):
+    """args.prefill fresh rows of args.prefill_len tokens, then args.batch decode rows at args.ctx."""
+    rows = [(0, args.prefill_len)] * args.prefill + [(args.ctx - 1, 1)] * args.batch
+    step = stress.corner_step(runner.envelope, True, rows, runner.kv.num_pages - 1,
+                              runner.model_config.vocab_size, seed=1)
+    step.rows, step.decode = step.rows[:args.prefill], step.rows[args.prefill:]
+    for row in step.all_rows:
+        row.params = GREEDY
+    return step
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.1-8b")
@@ -50,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="run the step without its CUDA graph")
+    p.add_argument("--prefill", type=int, default=0, help="fresh requests of a mixed step (0: a decode step)")
+    p.add_argument("--prefill_len", type=int, default=1024)
     args = p.parse_args(argv)
+    fresh = args.prefill * args.prefill_len
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
                                 graph_max_batch_size=max(args.batch, 1), disable_cudagraph=args.eager,
-                                report_dir=None))
+                                batch_max_tokens=max(fresh + args.batch, 8192), report_dir=None))
     runner = ModelRunner(cfg)
-    runner.build(args.batch * (args.ctx + cfg.page_size) + 4 * cfg.page_size)
-    step = decode_step(runner, args.batch, args.ctx, GREEDY)
+    runner.build((args.batch + args.prefill) * (max(args.ctx, args.prefill_len) + cfg.page_size)
+                 + 4 * cfg.page_size)
+    step = mixed_step(runner, args) if args.prefill else decode_step(runner, args.batch, args.ctx, GREEDY)
     runner.execute(step)
     step.page_writes = []
     for _ in range(3):
@@ -67,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             runner.execute(step)
         torch.cuda.synchronize()
     how = "eager" if args.eager else "graph replay of the"
-    print(f"{torch.cuda.get_device_name()}: {how} decode step, batch {args.batch}, {args.ctx} tokens of "
-          f"context")
+    what = f"mixed step: {args.prefill} x {args.prefill_len} fresh tokens and" if args.prefill else \
+        f"{how} decode step:"
+    print(f"{torch.cuda.get_device_name()}: {what} {args.batch} decode rows at {args.ctx} tokens of context")
     print(kernel_table(prof, args.steps, args.top))
     runner.teardown()
     return 0
