@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     fresh = args.prefill * args.prefill_len
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
                                 graph_max_batch_size=max(args.batch, 1), disable_cudagraph=args.eager,
-                                batch_max_tokens=max(fresh + args.batch, 8192), report_dir=None))
+                                batch_max_tokens=max(fresh + args.batch, 8192),
+                                running_max_req_size=max(args.prefill + args.batch, 1), report_dir=None))
     runner = ModelRunner(cfg)
     runner.build((args.batch + args.prefill) * (max(args.ctx, args.prefill_len) + cfg.page_size)
                  + 4 * cfg.page_size)
