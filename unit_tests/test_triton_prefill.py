@@ -21,7 +21,7 @@ from autoprofile.layers.attention import AttentionMetadata
 
 torch.manual_seed(0)
 hq, hkv, d = 4, 2, 32
-tma = sys.argv[1] == "tma"
+variant = sys.argv[1]
 # (new tokens, keys) per request: a chunk over a prefix, one token over a prefix, tiles cut mid-way, a
 # request whose keys end inside a tile, a first row that sees all but the last key of a tile
 for q_lens, k_lens, block in [([5, 37, 1, 64], [5, 50, 70, 64], (16, 16)), ([33], [33], (32, 16)),
@@ -32,9 +32,11 @@ for q_lens, k_lens, block in [([5, 37, 1, 64], [5, 50, 70, 64], (16, 16)), ([33]
     packed = torch.randn(t, (hq + 2 * hkv) * d, dtype=torch.float16)  # q: a view of the packed projection
     q = packed[:, :hq * d].view(t, hq, d)
     kv = torch.randn(tk, 2 * hkv * d, dtype=torch.float16)
+    kv[tk // 2:tk // 2 + 4, :hkv * d] *= 8  # keys whose scores jump far past 2**8 mid-way (LAZY rescales)
     k, v = kv[:, :hkv * d].view(tk, hkv, d), kv[:, hkv * d:].view(tk, hkv, d)
     out = torch.full((t + 3, hq, d), 7.0, dtype=torch.float16)  # rows past the call's stay untouched
-    config = {"BLOCK_M": block[0], "BLOCK_N": block[1], "num_warps": 4, "num_stages": 1, "TMA": tma}
+    config = {"BLOCK_M": block[0], "BLOCK_N": block[1], "num_warps": 4, "num_stages": 1,
+              "TMA": variant.startswith("tma"), "LAZY": variant.endswith("lazy")}
     got = triton_prefill.prefill(out[:t], q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), d ** -0.5, config)
     assert got.data_ptr() == out.data_ptr()
     same = t == tk and q_lens == k_lens
@@ -48,10 +50,11 @@ print("ok")
 '''
 
 
-@pytest.mark.parametrize("variant", ["plain", "tma"])
+@pytest.mark.parametrize("variant", ["plain", "tma", "plain_lazy", "tma_lazy"])
 def test_prefill_matches_the_torch_reference(variant):
     """Causal bottom-right over prefixes, GQA, the packed projection's strides, and only its own rows written:
-    the plain kernel (every GPU) and the TMA one (Hopper's tensor descriptors)."""
+    the plain kernel (every GPU) and the TMA one (Hopper's tensor descriptors), each with the rescale at every
+    tile and the lazy one."""
     run_script(CHECK, variant)
 
 
