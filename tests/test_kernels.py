@@ -110,8 +110,9 @@ def test_prefill_varlen(name, lens, nan_empty):
                                     [(0, 8192)], [(30000, 2048)]])
 def test_triton_prefill_configs(config, chunks, nan_empty):
     """Our varlen prefill at each of its configs on this GPU (the untuned default: plain loads; this GPU's
-    long and short entries: TMA on Hopper; the long one with the other softmax rescale), (prefix, new) rows with K/V contiguous after the gather, into
-    the rows of a larger output (a mixed step's), against the float64 reference."""
+    long and short entries: TMA on Hopper; the long one with the other softmax rescale), (prefix, new) rows
+    with K/V contiguous after the gather, into the rows of a larger output (a mixed step's), against the
+    float64 reference."""
     from autoprofile.engine.attention import triton_prefill
 
     cap = triton_prefill.capability()
