@@ -44,11 +44,11 @@ TOL = 2e-2
 def candidates(full: bool, kernel: str) -> list[dict]:
     if kernel == "ours":
         grid = itertools.product([(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 2), (128, 64, 8, 3),
-                                  (64, 32, 4, 3), (64, 64, 4, 2)], [True], [False, True])
+                                  (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)], [True])
         current = triton_prefill.launch_config(1 << 30, triton_prefill.capability())
         short = triton_prefill.launch_config(1, triton_prefill.capability())
-        out = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": tma} | (
-            {"LAZY": True} if lazy else {}) for (m, n, w, s), tma, lazy in grid]
+        out = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": tma}
+               for (m, n, w, s), tma in grid]
         out.append({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})  # plain loads
         return [current] + [c for c in [short] + out if c != current]
     if full:
@@ -162,7 +162,6 @@ def line(row: dict, base: dict) -> str:
     head = f"M{c['BLOCK_M']:<4}N{c['BLOCK_N']:<4}w{c['num_warps']} s{c['num_stages']}"
     head += f" pv{int(c['PRELOAD_V'])}" if "PRELOAD_V" in c else ""
     head += f" tma{int(c['TMA'])}" if "TMA" in c else ""
-    head += " lazy" if c.get("LAZY") else ""
     if "error" in row:
         return f"{head}  failed: {row['error']}"
     cells = "  ".join(f"{n} {row[n]['ms']:.3f} ms ({base[n] / row[n]['ms']:.2f}x SDPA, err "

@@ -24,24 +24,23 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LAZY_RESCALE: tl.constexpr = tl.constexpr(8.0)  # FA4's threshold: a config's LAZY rescales past 2**8
 # Launch configs per NVIDIA compute capability from scripts/tune_prefill.py --kernel ours; others take CONFIG
-# (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors); LAZY: _online_softmax's lazy rescale.
-# Triton's warp specialization of the unmasked loop (tl.range(warp_specialize=True)) measured no gain on an
-# H100 (T=8192: 1.070 against 1.062 ms).
+# (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors). Tried on an H100 and left out: Triton's warp
+# specialization of the unmasked loop (T=8192: 1.070 against 1.062 ms) and FA4's lazy rescale (the output
+# rescaled only when a row's max grows past 2**8: 1.161 against 1.050 ms: its branch costs more).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 CONFIGS: dict[str, dict] = {
-    # H100, torch 2.11, triton 3.6 (one run, 2026-11-25): T=8192 causal 1.062 ms = 0.85x torch SDPA (AITER's
-    # tuned config, an earlier run on the same kind of card: 1.250 ms = 0.77x), 2048 new over 32768 keys
-    # 1.941 ms = 1.63x SDPA (AITER: 2.193 ms = 1.43x)
+    # H100, torch 2.11, triton 3.6 (scripts/tune_prefill.py --kernel ours, 2026-11-25; the same figures within
+    # 2% in three runs): T=8192 causal 1.050 ms = 0.86x torch SDPA (AITER's tuned config, run beside it on
+    # the same kind of card: 1.250 ms = 0.77x), 2048 new over 32768 keys 1.929 ms = 1.64x SDPA (AITER: 1.43x)
     "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
 }
 # A call whose longest request reads at most SHORT_KEYS keys (a serving step of 1k prompts) takes the short
 # entry where one exists; aiter_triton.SHORT_PREFILL_KEYS is this threshold (the stress runs both sides).
 SHORT_KEYS = 1024
 CONFIGS_SHORT: dict[str, dict] = {
-    # the same run: 8 x 1,024 (views of the packed projection) 0.212 ms = 0.78x SDPA over the 8 as one batch
-    # (the long entry: 0.235 ms; AITER's short config, the earlier run: 0.257 ms)
+    # the same runs: 8 x 1,024 (views of the packed projection) 0.211-0.215 ms = 0.78x SDPA over the 8 as one
+    # batch (the long entry: 0.235 ms; AITER's short config: 0.257 ms)
     "sm_90": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "TMA": True},
 }
 
@@ -55,21 +54,10 @@ def launch_config(max_keys: int, capability: str | None) -> dict:
 
 
 @triton.jit
-def _online_softmax(qk, v, m_i, l_i, acc, scale_log2, LAZY: tl.constexpr):
+def _online_softmax(qk, v, m_i, l_i, acc, scale_log2):
     """One key tile of the online softmax: scores qk [M, N] (unscaled; -inf where masked), values v [N, D]
-    -> the running max (log2 units), sum and output. The scale rides in the exp2's FMA. LAZY: the output is
-    rescaled only when some row's max grew by more than LAZY_RESCALE (log2 units) since the last rescale: the
-    exponents stay <= 2**LAZY_RESCALE (exact in fp32, bf16 keeps its relative precision), and the final
-    division by the sum taken at the same max cancels it."""
+    -> the running max (log2 units), sum and output. The scale rides in the exp2's FMA."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-    if LAZY:
-        if tl.max(m_new - m_i, 0) > LAZY_RESCALE:
-            alpha = tl.math.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.math.exp2(qk * scale_log2 - m_i[:, None])
-        return m_i, l_i + tl.sum(p, 1), acc + tl.dot(p.to(v.dtype), v)
     p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -79,7 +67,7 @@ def _online_softmax(qk, v, m_i, l_i, acc, scale_log2, LAZY: tl.constexpr):
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
+                    BLOCK_N: tl.constexpr):
     head = tl.program_id(0)
     seq = tl.program_id(1)
     m_block = tl.num_programs(2) - 1 - tl.program_id(2)  # the heaviest query blocks first
@@ -111,7 +99,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2
         keys = (k_start + start + offs_n).to(tl.int64)
         k = tl.load(k_base + keys[None, :] * stride_kt + offs_d[:, None])
         v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :])
-        m_i, l_i, acc = _online_softmax(tl.dot(q, k), v, m_i, l_i, acc, scale_log2, LAZY)
+        m_i, l_i, acc = _online_softmax(tl.dot(q, k), v, m_i, l_i, acc, scale_log2)
     for start in range(unmasked, last_key, BLOCK_N):
         key_pos = start + offs_n
         keys = (k_start + key_pos).to(tl.int64)
@@ -119,7 +107,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2
         k = tl.load(k_base + keys[None, :] * stride_kt + offs_d[:, None], mask=key_ok[None, :], other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=key_ok[:, None], other=0.0)
         qk = tl.where(key_pos[None, :] <= prefix + offs_m[:, None], tl.dot(q, k), float("-inf"))
-        m_i, l_i, acc = _online_softmax(qk, v, m_i, l_i, acc, scale_log2, LAZY)  # key 0: every row's
+        m_i, l_i, acc = _online_softmax(qk, v, m_i, l_i, acc, scale_log2)  # key 0: every row's
     acc = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -128,7 +116,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2
 @triton.jit
 def _prefill_kernel_tma(q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, scale_log2, stride_ot, stride_oh,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, LAZY: tl.constexpr):
+                        BLOCK_N: tl.constexpr):
     """_prefill_kernel with q/k/v tiles loaded by the Hopper TMA (tensor descriptors over [rows, heads * D]):
     a tile's rows past its sequence are another sequence's (or zeros past the end), masked as there."""
     head = tl.program_id(0)
@@ -153,14 +141,14 @@ def _prefill_kernel_tma(q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, sca
     for start in range(0, unmasked, BLOCK_N):
         k = k_desc.load([k_start + start, kv_col])
         v = v_desc.load([k_start + start, kv_col])
-        m_i, l_i, acc = _online_softmax(tl.dot(q, k.T), v, m_i, l_i, acc, scale_log2, LAZY)
+        m_i, l_i, acc = _online_softmax(tl.dot(q, k.T), v, m_i, l_i, acc, scale_log2)
     for start in range(unmasked, last_key, BLOCK_N):
         key_pos = start + offs_n
         k = k_desc.load([k_start + start, kv_col])
         v = v_desc.load([k_start + start, kv_col])
         v = tl.where((key_pos < prefix + q_len)[:, None], v, 0.0)  # rows past the sequence: p is 0, v any
         qk = tl.where(key_pos[None, :] <= prefix + offs_m[:, None], tl.dot(q, k.T), float("-inf"))
-        m_i, l_i, acc = _online_softmax(qk, v, m_i, l_i, acc, scale_log2, LAZY)
+        m_i, l_i, acc = _online_softmax(qk, v, m_i, l_i, acc, scale_log2)
     acc = acc / l_i[:, None]
     q_rows = (q_start + offs_m).to(tl.int64)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)[None, :],
@@ -197,13 +185,12 @@ def prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _prefill_kernel_tma[grid](desc(q, block_m), desc(k, block_n), desc(v, block_n), out, cu_q, cu_k,
                                   scale * LOG2E, out.stride(0), out.stride(1), GROUP=q_heads // kv_heads,
                                   HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  LAZY=config.get("LAZY", False),
                                   num_warps=config["num_warps"], num_stages=config["num_stages"])
         return out
     _prefill_kernel[grid](q, k, v, out, cu_q, cu_k, scale * LOG2E, q.stride(0), q.stride(1), k.stride(0),
                           k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                           GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                          BLOCK_N=block_n, LAZY=config.get("LAZY", False), num_warps=config["num_warps"],
+                          BLOCK_N=block_n, num_warps=config["num_warps"],
                           num_stages=config["num_stages"])
     return out
 
