@@ -30,8 +30,8 @@ LOG2E = 1.4426950408889634
 # rescaled only when a row's max grows past 2**8: 1.161 against 1.050 ms: its branch costs more).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 CONFIGS: dict[str, dict] = {
-    # H100, torch 2.11, triton 3.6 (scripts/tune_prefill.py --kernel ours, 2026-11-25; the same figures within
-    # 2% in three runs): T=8192 causal 1.050 ms = 0.86x torch SDPA (AITER's tuned config, run beside it on
+    # H100, torch 2.11, triton 3.6 (scripts/tune_prefill.py --kernel ours, 2026-11-25; two runs: 1.062 and
+    # 1.050 ms): T=8192 causal 1.050 ms = 0.86x torch SDPA (AITER's tuned config, run beside it on
     # the same kind of card: 1.250 ms = 0.77x), 2048 new over 32768 keys 1.929 ms = 1.64x SDPA (AITER: 1.43x)
     "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
 }
