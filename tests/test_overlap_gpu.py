@@ -1,7 +1,8 @@
 """GPU: the overlapped engine (LLMEngine(overlap=True), the server's default on one GPU). Its launch of a step
 never waits for the GPU (torch's sync debug mode raises on any synchronizing call: a blocking copy, .item(),
 .tolist()), through prefill chunks, mixed steps, eager decode and decode graphs fed PENDING ids from the
-request table; and it serves the tokens of the plain engine on a llama-shaped model."""
+request table, on a llama-shaped model, an MoE and an MLA one; and it serves the tokens of the plain engine on
+the llama-shaped model."""
 from __future__ import annotations
 
 import json
@@ -37,14 +38,17 @@ def runner(tmp_path_factory):
     r.teardown()
 
 
-def crowd(n: int, seed: int = 0) -> list[tuple[list[int], SamplingParams, int]]:
+def crowd(n: int, seed: int = 0, vocab: int = 31000) -> list[tuple[list[int], SamplingParams, int]]:
     rng = random.Random(seed)
     params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, seed=5)]
-    return [([rng.randrange(3, 31000) for _ in range(rng.randrange(1, 900))], params[i % 3],
+    return [([rng.randrange(3, vocab) for _ in range(rng.randrange(1, 900))], params[i % 3],
              rng.randrange(1, 40)) for i in range(n)]
 
 
-def test_a_launch_never_waits_for_the_gpu(runner):
+def strict_serve(runner: ModelRunner, waves: list[list]) -> tuple[LLMEngine, list, dict, dict]:
+    """Serve the waves on an overlapped engine, each launch under torch's sync debug mode "error" (a launch
+    that synchronises raises: a failed step). -> the engine, the step log, the tokens and the max_tokens of
+    every request."""
     engine = LLMEngine(runner, overlap=True)
     launch = runner.launch
 
@@ -56,11 +60,10 @@ def test_a_launch_never_waits_for_the_gpu(runner):
             torch.cuda.set_sync_debug_mode("default")
     runner.launch = strict
     log = runner.step_log = []
+    out: dict[str, list[int]] = {}
+    ids = {}
     try:
-        out: dict[str, list[int]] = {}
-        ids = {}
-        # a crowd of prompts up to 900 tokens, then 48 short ones at once: decode steps of 48 rows, eager
-        for wave in (crowd(120), [([7 + i, 8], GREEDY, 12) for i in range(48)]):
+        for wave in waves:
             ids |= {engine.add_request(p, sp, n): n for p, sp, n in wave}
             while engine.has_unfinished():
                 for o in engine.step():
@@ -68,9 +71,39 @@ def test_a_launch_never_waits_for_the_gpu(runner):
     finally:
         del runner.launch
         runner.step_log = None
+    return engine, log, out, ids
+
+
+def test_a_launch_never_waits_for_the_gpu(runner):
+    # a crowd of prompts up to 900 tokens, then 48 short ones at once: decode steps of 48 rows, eager
+    waves = [crowd(120), [([7 + i, 8], GREEDY, 12) for i in range(48)]]
+    engine, log, out, ids = strict_serve(runner, waves)
     assert engine.stats.failed_steps == 0, "a launch synchronised (see the log)"
     assert {rid: len(t) for rid, t in out.items()} == ids
     assert engine.stats.pages_used == 0
+    kinds = {(bool(s.prefill_rows), bool(s.decode_rows), bool(s.graph_rows)) for s in log}
+    assert {(True, True, False), (False, True, True), (False, True, False)} <= kinds, kinds
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla"])
+def test_moe_and_mla_launches_never_wait_for_the_gpu(model):
+    """The server serves MoE (AITER's Triton experts, our router) and MLA (latent cache, AITER's MLA decode
+    and varlen prefill) models overlapped too: their launches, prefill, mixed, graph and eager decode, never
+    synchronise either."""
+    require_backend("aiter_triton")
+    cfg = validate(ServerConfig(model=model, attention_backend="aiter_triton", max_req_total_len=2048,
+                                batch_max_tokens=512, graph_max_batch_size=16, running_max_req_size=32,
+                                report_dir=None))
+    runner = ModelRunner(cfg)
+    runner.build(64 * 1024)
+    try:
+        waves = [crowd(60, seed=2, vocab=runner.model_config.vocab_size),
+                 [([7 + i, 8], GREEDY, 12) for i in range(32)]]
+        engine, log, out, ids = strict_serve(runner, waves)
+    finally:
+        runner.teardown()
+    assert engine.stats.failed_steps == 0, "a launch synchronised (see the log)"
+    assert {rid: len(t) for rid, t in out.items()} == ids
     kinds = {(bool(s.prefill_rows), bool(s.decode_rows), bool(s.graph_rows)) for s in log}
     assert {(True, True, False), (False, True, True), (False, True, False)} <= kinds, kinds
 
