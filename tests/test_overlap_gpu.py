@@ -1,8 +1,8 @@
 """GPU: the overlapped engine (LLMEngine(overlap=True), the server's default on one GPU). Its launch of a step
 never waits for the GPU (torch's sync debug mode raises on any synchronizing call: a blocking copy, .item(),
 .tolist()), through prefill chunks, mixed steps, eager decode and decode graphs fed PENDING ids from the
-request table, on a llama-shaped model, an MoE and an MLA one; and it serves the tokens of the plain engine on
-the llama-shaped model."""
+request table, on a llama-shaped model, an MoE, an MLA and a vision-language one; and it serves the tokens of
+the plain engine on the llama-shaped model."""
 from __future__ import annotations
 
 import json
@@ -64,7 +64,7 @@ def strict_serve(runner: ModelRunner, waves: list[list]) -> tuple[LLMEngine, lis
     ids = {}
     try:
         for wave in waves:
-            ids |= {engine.add_request(p, sp, n): n for p, sp, n in wave}
+            ids |= {engine.add_request(p, sp, n, mm=r[0] if r else None): n for p, sp, n, *r in wave}
             while engine.has_unfinished():
                 for o in engine.step():
                     out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -85,11 +85,27 @@ def test_a_launch_never_waits_for_the_gpu(runner):
     assert {(True, True, False), (False, True, True), (False, True, False)} <= kinds, kinds
 
 
-@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla"])
-def test_moe_and_mla_launches_never_wait_for_the_gpu(model):
-    """The server serves MoE (AITER's Triton experts, our router) and MLA (latent cache, AITER's MLA decode
-    and varlen prefill) models overlapped too: their launches, prefill, mixed, graph and eager decode, never
-    synchronise either."""
+def image_requests(mc, n: int) -> list[tuple]:
+    """n requests of tiny-vl, each a 12 x 20-patch image (60 image tokens) between text, with its M-RoPE
+    positions, as the server's preprocessing hands them over (pixels in host memory)."""
+    from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+    from models.qwen2_5_vl import mrope_positions
+
+    grid = (1, 12, 20)
+    ids = [5, 6, mc.vision_start_token_id] + [mc.image_token_id] * 60 + [mc.vision_end_token_id, 9, 10]
+    out = []
+    for i in range(n):
+        positions, delta = mrope_positions(ids, [grid], mc)
+        pixels = torch.randn(240, mc.vision.patch_dim, generator=torch.Generator().manual_seed(i))
+        out.append((ids, GREEDY, 8, MultiModalInput([ImageInput(pixels, grid, 3, i)], positions, delta)))
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla", "tiny-vl"])
+def test_moe_mla_and_vl_launches_never_wait_for_the_gpu(model):
+    """The server serves MoE (AITER's Triton experts, our router), MLA (latent cache, AITER's MLA decode and
+    varlen prefill) and vision-language models (images encoded in a step, M-RoPE positions) overlapped too:
+    their launches, prefill, mixed, graph and eager decode, never synchronise either."""
     require_backend("aiter_triton")
     cfg = validate(ServerConfig(model=model, attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=16, running_max_req_size=32,
@@ -97,8 +113,10 @@ def test_moe_and_mla_launches_never_wait_for_the_gpu(model):
     runner = ModelRunner(cfg)
     runner.build(64 * 1024)
     try:
-        waves = [crowd(60, seed=2, vocab=runner.model_config.vocab_size),
-                 [([7 + i, 8], GREEDY, 12) for i in range(32)]]
+        first = crowd(60, seed=2, vocab=runner.model_config.vocab_size)
+        if runner.is_vl:
+            first = first[:40] + image_requests(runner.model_config, 20)
+        waves = [first, [([7 + i, 8], GREEDY, 12) for i in range(32)]]
         engine, log, out, ids = strict_serve(runner, waves)
     finally:
         runner.teardown()

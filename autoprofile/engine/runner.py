@@ -69,14 +69,20 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
     return out
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream: pinned, then a non-blocking copy (a copy from
+    pageable memory waits for the stream: the overlapped engine's launch would wait for the step in
+    flight). The pinned block is reused only after the copy is done (torch's host allocator). A tensor
+    already on a device (the stress's random pixels) is returned as it is."""
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """The int64 host arrays on `device` in one non-blocking copy from pinned memory (a pageable copy waits
-    for the stream: the overlapped engine's launch would wait for the step in flight): a view each, by
-    name."""
+    """The int64 host arrays on `device` in one copy (to_device): a view each, by name."""
     names = list(arrays)
-    flat = torch.from_numpy(np.concatenate([arrays[k] for k in names]))
-    if device.type != "cpu":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+    flat = to_device(torch.from_numpy(np.concatenate([arrays[k] for k in names])), device)
     ends = np.cumsum([len(arrays[k]) for k in names]).tolist()
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
 
@@ -373,7 +379,7 @@ class ModelRunner:
             ids = torch.cat([ids[:n], self.req_table.feed(ids[n:], parts["decode_slots"])])
         self.clock.launched()
         if self.is_vl:
-            rope = torch.cat([self._mrope(r) for r in rows + decode], dim=1).to(dev)
+            rope = to_device(torch.cat([self._mrope(r) for r in rows + decode], dim=1), dev)
             hidden = self.model(ids, rope, meta, self.kv.layers,
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
@@ -396,7 +402,7 @@ class ModelRunner:
         dev, vis = self.device, self.model_config.vision
         pixels = [im.pixel_values if im.pixel_values is not None else
                   torch.randn(im.patches, vis.patch_dim, device=dev) for _, im in encode]
-        pixel_values = torch.cat([p.to(dev, non_blocking=True) for p in pixels]).to(self.dtype)
+        pixel_values = torch.cat([to_device(p, dev) for p in pixels]).to(self.dtype)
         grid = torch.tensor([im.grid for _, im in encode], dtype=torch.int64)
         embeds = self.model.visual(pixel_values, grid)
         for (slot, im), part in zip(encode, embeds.split([im.num_tokens for _, im in encode])):
@@ -413,7 +419,7 @@ class ModelRunner:
         for at, _, _, n in spans:
             mask[at:at + n] = True
         embeds = torch.cat([self.mm_buffer[slot, first:first + n] for _, slot, first, n in spans])
-        return embeds, mask.to(self.device, non_blocking=True)
+        return embeds, to_device(mask, self.device)
 
     @staticmethod
     def _mrope(row: StepRow) -> torch.Tensor:
