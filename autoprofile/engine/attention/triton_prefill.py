@@ -19,6 +19,8 @@ cu_k[b+1] - cu_k[b] keys (a chunk over its cached prefix), query i seeing keys 0
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -199,4 +201,10 @@ def capability() -> str | None:
     """"sm_XY" of the current NVIDIA GPU; None elsewhere (the interpreter, ROCm)."""
     if torch.version.hip is not None or not torch.cuda.is_available():
         return None
-    return "sm_%d%d" % torch.cuda.get_device_capability()
+    return _capability(torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(device: int) -> str:
+    """Cached: torch's query costs 44 us on the host (32 layers a step: 1.4 ms, measured on an H100 host)."""
+    return "sm_%d%d" % torch.cuda.get_device_capability(device)
