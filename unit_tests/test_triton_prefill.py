@@ -66,6 +66,13 @@ def test_short_calls_take_the_short_config(monkeypatch):
     assert triton_prefill.launch_config(16, None) == triton_prefill.CONFIG
 
 
+@pytest.mark.parametrize("head_dim, rocm, ours", [(64, False, True), (128, False, True), (256, False, False),
+                                                  (96, False, False), (8, False, False), (128, True, False)])
+def test_aiter_triton_prefill_takes_it_where_its_configs_fit(head_dim, rocm, ours):
+    """Powers of two up to the 128-wide heads the configs are tuned for, on NVIDIA; the rest keep AITER's."""
+    assert triton_prefill.serves(head_dim, rocm) is ours
+
+
 def test_heads_it_cannot_run_are_refused_before_a_launch():
     import torch
 

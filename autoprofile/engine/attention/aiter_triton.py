@@ -123,9 +123,8 @@ class AiterTritonBackend(AttentionBackend):
         self.prefill_config, self.prefill_config_short = prefill_config(), prefill_config(short=True)
         from autoprofile.engine.attention import triton_rope
 
-        power_of_two = head_dim & (head_dim - 1) == 0  # tl.arange
-        self.triton_rope = triton_rope if power_of_two else None
-        self.triton_prefill = triton_prefill if power_of_two and head_dim >= 16 and not is_rocm() else None
+        self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+        self.triton_prefill = triton_prefill if triton_prefill.serves(head_dim, is_rocm()) else None
         from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # the head sizes the configs are tuned for (tl.dot needs 16)
 # Launch configs per NVIDIA compute capability from scripts/tune_prefill.py --kernel ours; others take CONFIG
 # (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors). Tried on an H100 and left out: Triton's warp
 # specialization of the unmasked loop (T=8192: 1.070 against 1.062 ms) and FA4's lazy rescale (the output
@@ -45,6 +46,13 @@ CONFIGS_SHORT: dict[str, dict] = {
     # batch (the long entry: 0.235 ms; AITER's short config: 0.257 ms)
     "sm_90": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "TMA": True},
 }
+
+
+def serves(head_dim: int, rocm: bool) -> bool:
+    """Whether aiter_triton's prefill runs this kernel: heads of a power of two in MIN_HEAD_DIM..MAX_HEAD_DIM
+    (the tuned configs' tiles hold a 128-wide head in shared memory) on NVIDIA. Wider or odd heads, and ROCm
+    (AITER's kernel is tuned there), keep AITER's varlen kernel."""
+    return not rocm and head_dim & (head_dim - 1) == 0 and MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM
 
 
 def launch_config(max_keys: int, capability: str | None) -> dict:
