@@ -66,11 +66,12 @@ def launch_config(max_keys: int, capability: str | None) -> dict:
 @triton.jit
 def _online_softmax(qk, v, m_i, l_i, acc, scale_log2):
     """One key tile of the online softmax: scores qk [M, N] (unscaled; -inf where masked), values v [N, D]
-    -> the running max (log2 units), sum and output. The scale rides in the exp2's FMA."""
+    -> the running max (log2 units), sum and output. The scale rides in the exp2's FMA; P @ V accumulates into
+    the rescaled output inside the MMA (tl.dot's acc)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
 
 @triton.jit
