@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from autoprofile import budget
@@ -76,6 +78,29 @@ def test_req_table_mirrors_page_writes_and_refuses_out_of_range():
         t.write([(0, 3, [1, 2])])
     with pytest.raises(ValueError, match="slot 2"):
         t.write([(2, 0, [1])])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_req_table_write_equals_the_writes_spelled_out(data):
+    """The flat index_copy_ puts every page where a 2-D assignment would, and nothing else (last_tokens, the
+    buffer's tail, untouched). A step writes a cell at most once (a slot's new pages)."""
+    reqs, cols = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 9))
+    t = ReqTable(reqs, cols * 16, 16, torch.device("cpu"))
+    t.last_tokens.fill_(-7)
+    want = torch.zeros(reqs, cols, dtype=torch.int32)
+    writes = []
+    for _ in range(data.draw(st.integers(1, 5))):
+        slot, first = data.draw(st.integers(0, reqs - 1)), data.draw(st.integers(0, cols - 1))
+        ids = data.draw(st.lists(st.integers(1, 10_000), min_size=1, max_size=cols - first))
+        if (want[slot, first:first + len(ids)] != 0).any():
+            continue  # a cell written twice in one step: not a step the scheduler makes
+        writes.append((slot, first, ids))
+        want[slot, first:first + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    if writes:
+        t.write(writes)
+    assert torch.equal(t.page_table, want)
+    assert (t.last_tokens == -7).all()
 
 
 def test_decode_metadata_of_real_and_padding_rows():
