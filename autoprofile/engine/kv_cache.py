@@ -187,7 +187,7 @@ class ReqTable:
 
     def write(self, writes: list[tuple[int, int, list[int]]]) -> None:
         """(slot, first column, page ids) triples, in one copy and one index_copy_ into the flat buffer. The
-        2-D indexed assignment it replaces took 1.2 ms more host time a call in a microbenchmark on an H100 host;
+        2-D indexed assignment it replaces took 1.2 ms more host time a call in a microbenchmark (H100 host);
         served with overlap off (c256, one run), a prefill step's inputs did not move (5.46 -> 5.75 ms)."""
         if not writes:
             return
