@@ -8,7 +8,8 @@ sampler paths, STRESS_PARAMS; corner (a) runs twice, so each path samples the mo
   (c) chunks over the longest cached prefixes, prefix + new = prefill_kv_tokens;
   (d) one token over the longest prefix any chunk can have;
   (e) one fresh request of one page: the shortest prefill, so a launch config picked by length runs too
-      (aiter_triton's short prefill config: a call whose requests read at most SHORT_PREFILL_KEYS keys).
+      (aiter_triton's short prefill config, triton_prefill's on NVIDIA: a call whose requests read at most
+      SHORT_PREFILL_KEYS keys).
 Mixed corners (a prefill step with decode rows, as serving runs whenever both kinds of work exist): the
 most decode rows a mixed step can hold (running requests but one) at the longest contexts (the first at
 --max_req_total_len: the largest bucket, decoded eagerly) beside one chunk over the longest prefix; and,
