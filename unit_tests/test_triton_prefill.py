@@ -46,6 +46,16 @@ for q_lens, k_lens, block in [([5, 37, 1, 64], [5, 50, 70, 64], (16, 16)), ([33]
     ref = TorchBackend(hq, hkv, d, 16, torch.float16, torch.device("cpu")).prefill(q, k, v, meta)
     torch.testing.assert_close(out[:t], ref, rtol=2e-3, atol=2e-3)
     assert (out[t:] == 7).all()
+# heads at a stride other than head_dim (a slice of wider rows): a TMA config reads them with plain loads
+wide = torch.randn(9, hkv, 2 * d, dtype=torch.float16)
+k, v, q = wide[..., :d], wide[..., d:], torch.randn(9, hq, d, dtype=torch.float16)
+cu = torch.tensor([0, 9], dtype=torch.int32)
+config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "TMA": variant == "tma"}
+got = triton_prefill.prefill(torch.empty_like(q), q, k, v, cu, cu, 9, 9, d ** -0.5, config)
+meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(9, dtype=torch.int64), cu_seqlens=cu,
+                         max_seqlen=9)
+ref = TorchBackend(hq, hkv, d, 16, torch.float16, torch.device("cpu")).prefill(q, k, v, meta)
+torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
 print("ok")
 '''
 

@@ -186,7 +186,8 @@ def prefill(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         config = launch_config(max_k, capability())
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     grid = (q_heads, cu_q.shape[0] - 1, triton.cdiv(max_q, block_m))
-    if config.get("TMA"):
+    # a descriptor reads a row's heads as one [heads * D] run: heads at another stride take the plain loads
+    if config.get("TMA") and all(t.stride(1) == head_dim for t in (q, k, v)):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
