@@ -45,8 +45,8 @@ def candidates(full: bool, kernel: str) -> list[dict]:
     if kernel == "ours":
         grid = itertools.product([(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 2), (128, 64, 8, 3),
                                   (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)], [True])
-        current = triton_prefill.launch_config(1 << 30, triton_prefill.capability())
-        short = triton_prefill.launch_config(1, triton_prefill.capability())
+        current, short = triton_prefill.configs(triton_prefill.capability())
+        short = short or current
         out = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "TMA": tma}
                for (m, n, w, s), tma in grid]
         out.append({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3})  # plain loads

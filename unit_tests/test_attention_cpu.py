@@ -17,7 +17,7 @@ from autoprofile.engine import aiter_loader, stress
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.attention import (AttentionMetadata, BACKENDS, get_backend_class,
                                           resolve_backend_name)
-from autoprofile.engine.attention import aiter_triton
+from autoprofile.engine.attention import aiter_triton, triton_prefill
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.layers.attention import KVLayer
@@ -408,9 +408,9 @@ def test_short_prefill_calls_take_the_short_config_where_one_is_tuned(monkeypatc
     short, long = aiter_triton.prefill_config(short=True), {"BLOCK_M": 128}
     assert short == {"BLOCK_M": 64} and short is not aiter_triton.PREFILL_CONFIGS_SHORT["sm_90"]
     n = aiter_triton.SHORT_PREFILL_KEYS
-    assert aiter_triton.pick_prefill_config(n, long, short) == short
-    assert aiter_triton.pick_prefill_config(n + 1, long, short) == long
-    picked = aiter_triton.pick_prefill_config(1, long, None)
+    assert triton_prefill.pick_config(n, long, short) == short
+    assert triton_prefill.pick_config(n + 1, long, short) == long
+    picked = triton_prefill.pick_config(1, long, None)
     assert picked == long and picked is not long
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert aiter_triton.prefill_config(short=True) is None

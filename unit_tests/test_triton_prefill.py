@@ -70,10 +70,14 @@ def test_prefill_matches_the_torch_reference(variant):
 def test_short_calls_take_the_short_config(monkeypatch):
     monkeypatch.setattr(triton_prefill, "CONFIGS", {"sm_90": {"BLOCK_M": 128}})
     monkeypatch.setattr(triton_prefill, "CONFIGS_SHORT", {"sm_90": {"BLOCK_M": 64}})
-    assert triton_prefill.launch_config(triton_prefill.SHORT_KEYS, "sm_90") == {"BLOCK_M": 64}
-    assert triton_prefill.launch_config(triton_prefill.SHORT_KEYS + 1, "sm_90") == {"BLOCK_M": 128}
-    assert triton_prefill.launch_config(16, "sm_80") == triton_prefill.CONFIG  # none tuned: the default
-    assert triton_prefill.launch_config(16, None) == triton_prefill.CONFIG
+
+    def launch_config(max_keys, capability):
+        return triton_prefill.pick_config(max_keys, *triton_prefill.configs(capability))
+
+    assert launch_config(triton_prefill.SHORT_KEYS, "sm_90") == {"BLOCK_M": 64}
+    assert launch_config(triton_prefill.SHORT_KEYS + 1, "sm_90") == {"BLOCK_M": 128}
+    assert launch_config(16, "sm_80") == triton_prefill.CONFIG  # none tuned: the default
+    assert launch_config(16, None) == triton_prefill.CONFIG
 
 
 @pytest.mark.parametrize("head_dim, rocm, ours", [(64, False, True), (128, False, True), (256, False, False),

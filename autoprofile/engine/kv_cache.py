@@ -142,6 +142,17 @@ class PageAllocator:
             del self._page[key], self._chain[page]
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream (the request table's page writes, the
+    runner's step inputs): pinned, then a non-blocking copy. A copy from pageable memory waits for the stream,
+    so the overlapped engine's launch would wait for the step in flight. The pinned block is reused only
+    after the copy is done (torch's host allocator). A tensor already on a device (the stress's random
+    pixels) is returned as it is."""
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ReqTable:
     """The GPU page table of the request slots: page_table [max_reqs, ceil(context_len/page_size)] int32
     page ids (the block tables the decode kernels read). The scheduler owns which slot holds which
@@ -195,11 +206,7 @@ class ReqTable:
             if not 0 <= slot < self.max_reqs or first + len(ids) > self.pages_per_req:
                 raise ValueError(f"pages {first}..{first + len(ids) - 1} of slot {slot} are outside the "
                                  f"{self.max_reqs} x {self.pages_per_req} page table")
-        host = page_write_arrays(writes, self.pages_per_req)
-        dev = self.buffer.device
-        if dev.type == "cuda":  # a pageable copy waits for the stream: the overlapped launch would stall
-            host = host.pin_memory()
-        cells = host.to(dev, non_blocking=True)
+        cells = to_device(page_write_arrays(writes, self.pages_per_req), self.buffer.device)
         n = cells.shape[0] // 2
         self.buffer.index_copy_(0, cells[:n], cells[n:].to(torch.int32))
 

@@ -22,7 +22,7 @@ from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
-from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source
+from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
 from autoprofile.engine import stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
@@ -67,16 +67,6 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
         out["kv_pos"] = np.arange(int(cu_k[-1]), dtype=np.int64) - np.repeat(cu_k[:-1], kv_lens)
         out["cu_k"] = cu_k
     return out
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the stream: pinned, then a non-blocking copy (a copy from
-    pageable memory waits for the stream: the overlapped engine's launch would wait for the step in
-    flight). The pinned block is reused only after the copy is done (torch's host allocator). A tensor
-    already on a device (the stress's random pixels) is returned as it is."""
-    if device.type == "cpu" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:

@@ -248,6 +248,12 @@ class AttentionBackend(ABC):
         prefill's."""
 
 
+def output_rows(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Where a kernel that writes into a given output puts q's rows: `out` (a mixed step's rows of one
+    output), else a new tensor like q."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+
+
 def write_into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     """A backend whose kernels allocate their own output: `result`, copied into `out` when one is given (a
     mixed step's prefill and decode rows share one output: the model concatenates nothing)."""

@@ -12,7 +12,8 @@ import importlib
 import torch
 
 from autoprofile import budget
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
+from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
+                                          write_into)
 
 PARTITION = budget.AITER_PARTITION  # tokens per partition of the ragged decode (256)
 KV_LAYOUT = "HND"  # [num_pages, num_kv_heads, page_size, head_dim]: our layout
@@ -74,7 +75,7 @@ class AiterNativeBackend(AttentionBackend):
         if budget.aiter_num_partitions(meta.max_seq_len, partition=PARTITION) > self.num_partitions:
             raise ValueError(f"max_seq_len {meta.max_seq_len} is longer than the workspace was built for")
         indptr, indices, last_page_lens = ragged_pages(meta.block_tables, meta.seq_lens, self.page_size)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        out = output_rows(out, q)
         self.aiter.paged_attention_ragged(
             out, self.workspace, q.contiguous(), k_cache, v_cache, self.scale,
             indptr, indices, last_page_lens, self.page_size, self.num_partitions,

@@ -16,7 +16,8 @@ import torch
 from autoprofile import budget
 from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.engine.attention import triton_prefill, triton_reduce
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
+from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
+                                          write_into)
 from autoprofile.layers.moe import Routing
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -43,18 +44,12 @@ PREFILL_CONFIGS_SHORT: dict[str, dict] = {
 
 
 def prefill_config(short: bool = False) -> dict | None:
-    """The varlen prefill launch config for the current GPU (a copy: AITER's launcher may consume it); short:
+    """AITER's varlen prefill launch config for the current GPU (a copy: its launcher may consume it); short:
     the one for calls of at most SHORT_PREFILL_KEYS keys a request, None where none is tuned."""
-    on_nvidia = not is_rocm() and torch.cuda.is_available()
-    key = "sm_%d%d" % torch.cuda.get_device_capability() if on_nvidia else None
+    key = triton_prefill.capability()
     if short:
         return dict(PREFILL_CONFIGS_SHORT[key]) if key in PREFILL_CONFIGS_SHORT else None
     return dict(PREFILL_CONFIGS.get(key, PREFILL_CONFIG))
-
-
-def pick_prefill_config(max_keys: int, long: dict, short: dict | None) -> dict:
-    """The launch config of a varlen call whose longest request reads max_keys keys (a copy)."""
-    return dict(short if short is not None and max_keys <= SHORT_PREFILL_KEYS else long)
 
 
 def use_v1(num_seqs: int, num_q_heads: int, max_seq_len: int, partition: int = SEQ_PARTITION) -> bool:
@@ -120,11 +115,14 @@ class AiterTritonBackend(AttentionBackend):
         import triton.language as tl
 
         self.compute_type = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-        self.prefill_config, self.prefill_config_short = prefill_config(), prefill_config(short=True)
+        self.triton_prefill = triton_prefill if triton_prefill.serves(head_dim, is_rocm()) else None
+        # the prefill kernel's (long, short) launch configs on this GPU; each call picks by its longest row
+        self.prefill_config, self.prefill_config_short = (
+            triton_prefill.configs(triton_prefill.capability()) if self.triton_prefill is not None
+            else (prefill_config(), prefill_config(short=True)))
         from autoprofile.engine.attention import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        self.triton_prefill = triton_prefill if triton_prefill.serves(head_dim, is_rocm()) else None
         from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
@@ -149,7 +147,7 @@ class AiterTritonBackend(AttentionBackend):
                 cu_seqlens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """--deterministic's attention (triton_unified): q's tokens split by cu_seqlens over the cache."""
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        out = output_rows(out, q)
         return self.triton_unified.attention(out, q, kv.k, kv.v, block_tables, seq_lens, cu_seqlens,
                                              self.scale, kv.scales)
 
@@ -211,14 +209,13 @@ class AiterTritonBackend(AttentionBackend):
         if self.deterministic:
             return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.cu_seqlens, out)
         cu_k, max_k = meta.keys()
+        config = triton_prefill.pick_config(max_k, self.prefill_config, self.prefill_config_short)
         if self.triton_prefill is not None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-            return self.triton_prefill.prefill(out, q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
-                                               self.scale)
+            return self.triton_prefill.prefill(output_rows(out, q), q, k, v, meta.cu_seqlens, cu_k,
+                                               meta.max_seqlen, max_k, self.scale, config)
         return write_into(out, self.ops.flash_attn_varlen_func(
-            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
-            softmax_scale=self.scale, causal=True,
-            config=pick_prefill_config(max_k, self.prefill_config, self.prefill_config_short)))
+            q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True,
+            config=config))
 
     def decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +236,7 @@ class AiterTritonBackend(AttentionBackend):
         # q may be a view of the packed projection: the kernels take its row and head strides (unit dim
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        out = output_rows(out, q)
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
