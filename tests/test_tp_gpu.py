@@ -25,8 +25,12 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.scheduler import StepRow
-from autoprofile.engine.sampling import GREEDY
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.weights import init_random
+from tests.conftest import require_backend
+from tests.test_deterministic_gpu import SMALL_LLAMA
 from tests.test_profiler_gpu import FailOnce
+from unit_tests.crowd import alone_and_in_a_crowd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 # NVLink multicast off on the 2-GPU host (the ranks set it too)
@@ -111,6 +115,49 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
     assert logits.argmax(-1).tolist() == want_logits.argmax(-1).tolist()
     torch.testing.assert_close(logits32, ref, rtol=1e-4, atol=1e-4)
     assert tokens32 == ref_tokens and all(len(t) == 32 for t in tokens32)
+
+
+# ---------------------------------------------------------------- --deterministic at TP=2
+def _crowd_tp2(guard, model_dir: str, params: SamplingParams):
+    """Every rank builds the llama-shaped model (tests.test_deterministic_gpu) at --tp 2 with the same seeded
+    shards and --deterministic on the GPU's kernels; rank 0 runs the crowd through the step broadcast (as
+    `serve --tp` does), the other rank every step it ships."""
+    cfg = validate(ServerConfig(model=model_dir, attention_backend="aiter_triton", max_req_total_len=2048,
+                                batch_max_tokens=512, graph_max_batch_size=64, running_max_req_size=128,
+                                report_dir=None, deterministic=True, tp=2))
+    runner = ModelRunner(cfg, rank=guard.rank, world_size=2, group=guard.data)
+    init_random(runner.model, seed=1, std=0.02)
+    guarded = guard.bind(runner)
+    guarded.build(262144)
+    if guard.rank:
+        return broadcast.worker_loop(guarded)
+    b = broadcast.StepBroadcaster(guarded)
+    try:
+        prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
+        return alone_and_in_a_crowd(b, prompt, params, max_tokens=32, crowd=300)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.9, seed=1234), GREEDY],
+                         ids=["seeded-top-p", "greedy"])
+def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(tmp_path, params):
+    """--deterministic under TP: each rank's fixed-tile GEMM on its shard, the row-parallel all-reduce summed
+    in rank order (all_gather, then rank 0's part plus rank 1's), the LM head's logits gathered, AITER's
+    unified attention on each rank's heads; prompt chunks, mixed steps and graph replays differ between the
+    two runs (tests/test_deterministic_gpu.py: the same on one GPU)."""
+    require_backend("aiter_triton")
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    out = launch.launch(_crowd_tp2, 2, (str(tmp_path), params), timeout_s=540)
+    assert all(o.ok for o in out), out
+    got = out[0].value
+    print(f"TP=2 --deterministic: {len(got.alone)} tokens alone == in a crowd of 300: {got.crowded == got.alone}; "
+          f"chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps {got.mixed_steps}, graph steps "
+          f"{got.graph_steps}, most rows {got.most_rows}; rank 1 ran {out[1].value} steps")
+    assert len(got.alone) == 32 and len(set(got.alone)) > 3
+    assert got.crowded == got.alone
+    assert got.chunks_alone == [512, 512, 176] and got.chunks_crowded != got.chunks_alone, got
+    assert got.mixed_steps > 0 and got.graph_steps > 0 and got.most_rows >= 8, got
 
 
 # ---------------------------------------------------------------- a full auto-profile

@@ -21,15 +21,25 @@ class Crowded:
     chunks_crowded: list[int]
 
 
+def model_runner(runner):
+    """The ModelRunner under tensor parallelism's wrappers (StepBroadcaster, GuardedRunner: each holds the one
+    it wraps as `runner` and forwards reads, not writes), whose step_log records the steps."""
+    while "runner" in vars(runner):
+        runner = runner.runner
+    return runner
+
+
 def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_tokens: int, crowd: int = 300,
                          seed: int = 0, overlap: bool = False) -> Crowded:
-    """overlap: the crowd runs on the overlapped engine (the server's default on one device)."""
+    """runner: a ModelRunner, or under TP rank 0's StepBroadcaster. overlap: the crowd runs on the overlapped
+    engine (the server's default on one device)."""
     rng = random.Random(seed)
     vocab = runner.model_config.vocab_size
     longest = min(3 * len(prompt), runner.cfg.context_len - 2 * max_tokens)
-    runner.step_log = []
+    log = model_runner(runner)
+    log.step_log = []
     alone = LLMEngine(runner).generate([prompt], params, max_tokens)[0]
-    chunks_alone = [s.prefill_tokens for s in runner.step_log if s.prefill_rows]
+    chunks_alone = [s.prefill_tokens for s in log.step_log if s.prefill_rows]
     others = []
     for i in range(crowd):
         p = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, longest))]
@@ -48,14 +58,14 @@ def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_
         engine.add_request(p, sp, n)
     crowded, rows_with_it, mixed, graphs, chunks = [], [], 0, 0, []
     while engine.has_unfinished():
-        computed, before = req.num_computed, len(runner.step_log)
+        computed, before = req.num_computed, len(log.step_log)
         crowded += [t for o in engine.step() if o.request_id == probe for t in o.new_token_ids]
-        shapes = runner.step_log[before:]
+        shapes = log.step_log[before:]
         mixed += sum(bool(s.decode_rows and s.prefill_rows) for s in shapes)
         graphs += sum(bool(s.graph_rows) for s in shapes)
         if req.num_computed != computed and shapes:  # the request was in this step
             rows_with_it.append(max(s.decode_rows + s.prefill_rows for s in shapes))
             if computed < len(prompt):
                 chunks.append(min(req.num_computed, len(prompt)) - computed)
-    runner.step_log = None
+    log.step_log = None
     return Crowded(alone, crowded, max(rows_with_it, default=0), mixed, graphs, chunks_alone, chunks)

@@ -45,6 +45,41 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(params, 
     assert got.mixed_steps > 0 and got.most_rows >= 8, got
 
 
+def _crowd_tp(guard, params: SamplingParams, crowd: int):
+    """Every rank builds the tiny model at --tp 2 with the same seeded shards; rank 0 runs the crowd through
+    the step broadcast (as `serve --tp` does), the other rank runs every step it ships."""
+    from autoprofile.tp import broadcast
+    r = ModelRunner(validate(ServerConfig(**CROWD_CFG, tp=2, deterministic=True)), rank=guard.rank,
+                    world_size=2, group=guard.data)
+    init_random(r.model, seed=1, std=0.08)
+    guarded = guard.bind(r)
+    guarded.build(8192)
+    if guard.rank:
+        return broadcast.worker_loop(guarded)
+    b = broadcast.StepBroadcaster(guarded)
+    try:
+        prompt = [(37 * i) % 4000 + 3 for i in range(150)]
+        return alone_and_in_a_crowd(b, prompt, params, max_tokens=24, crowd=crowd)
+    finally:
+        b.close()
+
+
+@pytest.mark.slow
+def test_tp2_a_seeded_request_gets_the_same_tokens_alone_and_inside_a_crowd():
+    """The same on two gloo ranks: each linear layer's GEMM on its shard, the row-parallel all-reduce summed in
+    rank order, the vocab-parallel LM head gathered, rank 0's sampler (tests/test_tp_gpu.py: on 2 GPUs)."""
+    from autoprofile.tp import launch
+    out = launch.launch(_crowd_tp, 2, (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), 60),
+                        device="cpu", timeout_s=600)
+    assert all(o.ok for o in out), out
+    got = out[0].value
+    assert len(got.alone) == 24 and len(set(got.alone)) > 3
+    assert got.crowded == got.alone
+    assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got
+    assert got.mixed_steps > 0 and got.most_rows >= 8, got
+    assert out[1].value > 50  # the worker ran the crowd's steps
+
+
 def test_the_flag_sets_the_invariant_gemm_the_paged_prefill_and_the_ordered_all_reduce():
     cfg = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
                batch_max_tokens=256, graph_max_batch_size=4, report_dir=None)
