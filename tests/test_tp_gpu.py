@@ -30,7 +30,7 @@ from autoprofile.engine.weights import init_random
 from tests.conftest import require_backend
 from tests.test_deterministic_gpu import SMALL_LLAMA
 from tests.test_profiler_gpu import FailOnce
-from unit_tests.crowd import alone_and_in_a_crowd
+from unit_tests.crowd import alone_and_in_a_crowd, last_logits_alone_and_beside
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 # NVLink multicast off on the 2-GPU host (the ranks set it too)
@@ -129,12 +129,14 @@ def _crowd_tp2(guard, model_dir: str, params: SamplingParams):
     init_random(runner.model, seed=1, std=0.02)
     guarded = guard.bind(runner)
     guarded.build(262144)
+    prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
+    logits = last_logits_alone_and_beside(runner, prompt[:100], prompt[100:400], prompt[400:437])
     if guard.rank:
         return broadcast.worker_loop(guarded)
     b = broadcast.StepBroadcaster(guarded)
     try:
-        prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
-        return alone_and_in_a_crowd(b, prompt, params, max_tokens=32, crowd=300)
+        crowded = alone_and_in_a_crowd(b, prompt, params, max_tokens=32, crowd=300)
+        return [t.float().tolist() for t in logits], crowded  # floats: exact, and they cross the pipe
     finally:
         b.close()
 
@@ -150,9 +152,12 @@ def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_cro
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
     out = launch.launch(_crowd_tp2, 2, (str(tmp_path), params), timeout_s=540)
     assert all(o.ok for o in out), out
-    got = out[0].value
-    print(f"TP=2 --deterministic: {len(got.alone)} tokens alone == in a crowd of 300: {got.crowded == got.alone}; "
-          f"chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps {got.mixed_steps}, graph steps "
+    (alone, beside), got = out[0].value
+    print(f"a row's logits alone and between 300 and 37 rows: max |diff| "
+          f"{max(abs(a - b) for a, b in zip(alone, beside)):.3g}")
+    assert alone == beside  # exact floats
+    print(f"TP=2 --deterministic: {len(got.alone)} tokens alone == in a crowd of 300: "
+          f"{got.crowded == got.alone}; chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps {got.mixed_steps}, graph steps "
           f"{got.graph_steps}, most rows {got.most_rows}; rank 1 ran {out[1].value} steps")
     assert len(got.alone) == 32 and len(set(got.alone)) > 3
     assert got.crowded == got.alone

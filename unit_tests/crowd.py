@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import torch
+
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.scheduler import StepRow
 
 
 @dataclass
@@ -69,3 +72,23 @@ def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_
                 chunks.append(min(req.num_computed, len(prompt)) - computed)
     log.step_log = None
     return Crowded(alone, crowded, max(rows_with_it, default=0), mixed, graphs, chunks_alone, chunks)
+
+
+def last_logits_alone_and_beside(runner, prompt: list[int], before: list[int],
+                                 after: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of prompt's last token prefilled alone, then in one step between two other prompts (so each
+    GEMM runs at another row count and the prompt's rows at another offset): under --deterministic the same
+    bits, however a token's logits are less likely than its sampled token to hide a difference. An idle
+    ModelRunner (no request holds slots 0..2 or the pages from 1); under TP every rank calls it (the
+    forward's collectives)."""
+    page, first, writes = runner.cfg.page_size, 1, []
+    for slot, ids in enumerate([before, prompt, after]):
+        pages = -(-len(ids) // page)
+        writes.append((slot, 0, list(range(first, first + pages))))
+        first += pages
+    runner.req_table.write(writes)
+    rows = [StepRow(slot, 0, ids, True, GREEDY) for slot, ids in enumerate([before, prompt, after])]
+    with torch.no_grad():
+        alone = runner._prefill(rows[1:2])[0][0].cpu()
+        beside = runner._prefill(rows)[0][1].cpu()
+    return alone, beside

@@ -17,7 +17,7 @@ from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.weights import init_random
 from autoprofile.layers.attention import AttentionMetadata, KVLayer
 from autoprofile.layers.parallel import TP, ordered_sum
-from unit_tests.crowd import alone_and_in_a_crowd
+from unit_tests.crowd import alone_and_in_a_crowd, last_logits_alone_and_beside
 from unit_tests.interpreter import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -54,25 +54,29 @@ def _crowd_tp(guard, params: SamplingParams, crowd: int):
     init_random(r.model, seed=1, std=0.08)
     guarded = guard.bind(r)
     guarded.build(8192)
+    prompt = [(37 * i) % 4000 + 3 for i in range(150)]
+    logits = last_logits_alone_and_beside(r, prompt[:20], prompt[20:50], prompt[50:57])
     if guard.rank:
         return broadcast.worker_loop(guarded)
     b = broadcast.StepBroadcaster(guarded)
     try:
-        prompt = [(37 * i) % 4000 + 3 for i in range(150)]
-        return alone_and_in_a_crowd(b, prompt, params, max_tokens=24, crowd=crowd)
+        crowded = alone_and_in_a_crowd(b, prompt, params, max_tokens=24, crowd=crowd)
+        return [t.float().tolist() for t in logits], crowded  # floats: exact, and they cross the pipe
     finally:
         b.close()
 
 
 @pytest.mark.slow
 def test_tp2_a_seeded_request_gets_the_same_tokens_alone_and_inside_a_crowd():
-    """The same on two gloo ranks: each linear layer's GEMM on its shard, the row-parallel all-reduce summed in
-    rank order, the vocab-parallel LM head gathered, rank 0's sampler (tests/test_tp_gpu.py: on 2 GPUs)."""
+    """The same on two gloo ranks: each linear layer's GEMM on its shard, the row-parallel all-reduce summed
+    in rank order, the vocab-parallel LM head gathered, rank 0's sampler (tests/test_tp_gpu.py: 2 GPUs).
+    With two ranks a sum's order cannot change its bits (a + b == b + a); three ranks: the gloo test below."""
     from autoprofile.tp import launch
     out = launch.launch(_crowd_tp, 2, (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), 60),
                         device="cpu", timeout_s=600)
     assert all(o.ok for o in out), out
-    got = out[0].value
+    (alone, beside), got = out[0].value
+    assert alone == beside  # a row's logits: the same bits alone and between 30 and 7 rows (exact floats)
     assert len(got.alone) == 24 and len(set(got.alone)) > 3
     assert got.crowded == got.alone
     assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got
