@@ -153,12 +153,12 @@ def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_cro
     out = launch.launch(_crowd_tp2, 2, (str(tmp_path), params), timeout_s=540)
     assert all(o.ok for o in out), out
     (alone, beside), got = out[0].value
-    print(f"a row's logits alone and between 300 and 37 rows: max |diff| "
+    print(f"a prompt's last logits alone and between prompts of 300 and 37 tokens: max |diff| "
           f"{max(abs(a - b) for a, b in zip(alone, beside)):.3g}")
     assert alone == beside  # exact floats
     print(f"TP=2 --deterministic: {len(got.alone)} tokens alone == in a crowd of 300: "
-          f"{got.crowded == got.alone}; chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps {got.mixed_steps}, graph steps "
-          f"{got.graph_steps}, most rows {got.most_rows}; rank 1 ran {out[1].value} steps")
+          f"{got.crowded == got.alone}; chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps "
+          f"{got.mixed_steps}, graph steps {got.graph_steps}, most rows {got.most_rows}; rank 1 ran {out[1].value} steps")
     assert len(got.alone) == 32 and len(set(got.alone)) > 3
     assert got.crowded == got.alone
     assert got.chunks_alone == [512, 512, 176] and got.chunks_crowded != got.chunks_alone, got

@@ -76,7 +76,7 @@ def test_tp2_a_seeded_request_gets_the_same_tokens_alone_and_inside_a_crowd():
                         device="cpu", timeout_s=600)
     assert all(o.ok for o in out), out
     (alone, beside), got = out[0].value
-    assert alone == beside  # a row's logits: the same bits alone and between 30 and 7 rows (exact floats)
+    assert alone == beside  # a prompt's last logits, exact floats: alone and between prompts of 30 and 7
     assert len(got.alone) == 24 and len(set(got.alone)) > 3
     assert got.crowded == got.alone
     assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got
