@@ -158,7 +158,8 @@ def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_cro
     assert alone == beside  # exact floats
     print(f"TP=2 --deterministic: {len(got.alone)} tokens alone == in a crowd of 300: "
           f"{got.crowded == got.alone}; chunks {got.chunks_alone} / {got.chunks_crowded}; mixed steps "
-          f"{got.mixed_steps}, graph steps {got.graph_steps}, most rows {got.most_rows}; rank 1 ran {out[1].value} steps")
+          f"{got.mixed_steps}, graph steps {got.graph_steps}, most rows {got.most_rows}; rank 1 ran "
+          f"{out[1].value} steps")
     assert len(got.alone) == 32 and len(set(got.alone)) > 3
     assert got.crowded == got.alone
     assert got.chunks_alone == [512, 512, 176] and got.chunks_crowded != got.chunks_alone, got
