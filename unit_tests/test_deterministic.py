@@ -55,7 +55,8 @@ def _crowd_tp(guard, params: SamplingParams, crowd: int):
     guarded = guard.bind(r)
     guarded.build(8192)
     prompt = [(37 * i) % 4000 + 3 for i in range(150)]
-    logits = last_logits_alone_and_beside(r, prompt[:20], prompt[20:50], prompt[50:57])
+    logits = [t for n in (1, 20)  # one token alone: GEMMs of one row (another kernel), and twenty
+              for t in last_logits_alone_and_beside(r, prompt[:n], prompt[20:50], prompt[50:57])]
     if guard.rank:
         return broadcast.worker_loop(guarded)
     b = broadcast.StepBroadcaster(guarded)
@@ -75,8 +76,9 @@ def test_tp2_a_seeded_request_gets_the_same_tokens_alone_and_inside_a_crowd():
     out = launch.launch(_crowd_tp, 2, (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), 60),
                         device="cpu", timeout_s=600)
     assert all(o.ok for o in out), out
-    (alone, beside), got = out[0].value
-    assert alone == beside  # a prompt's last logits, exact floats: alone and between prompts of 30 and 7
+    (alone1, beside1, alone, beside), got = out[0].value
+    # a prompt's last logits, exact floats: alone and between prompts of 30 and 7
+    assert alone1 == beside1 and alone == beside
     assert len(got.alone) == 24 and len(set(got.alone)) > 3
     assert got.crowded == got.alone
     assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got

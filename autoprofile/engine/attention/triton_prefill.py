@@ -28,7 +28,10 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # the head sizes the configs are tuned for
 # Launch configs per NVIDIA compute capability from scripts/tune_prefill.py --kernel ours; others take CONFIG
 # (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors). Tried on an H100 and left out: Triton's warp
 # specialization of the unmasked loop (T=8192: 1.070 against 1.062 ms) and FA4's lazy rescale (the output
-# rescaled only when a row's max grows past 2**8: 1.161 against 1.050 ms: its branch costs more).
+# rescaled only when a row's max grows past 2**8: 1.161 against 1.050 ms: its branch costs more); FA3's
+# rotated loop (the next tile's Q K^T issued before this tile's softmax, in one warpgroup: slower at every
+# config, T=8192 1.136 ms at M128 N64 and 1.249 at M128 N128 s2 against 1.026 here, one run on one H100
+# host, 2026-11-25); BLOCK_M 256 with 16 warps (1.305 ms).
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 CONFIGS: dict[str, dict] = {
     # H100, torch 2.11, triton 3.6 (scripts/tune_prefill.py --kernel ours, 2026-11-25; two runs: 1.062 and
