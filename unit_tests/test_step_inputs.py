@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from autoprofile.engine.runner import prefill_inputs, upload
+from autoprofile.engine.runner import pick_buffer, prefill_inputs, upload
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 
@@ -51,3 +51,20 @@ def test_upload_is_one_tensor_viewed_by_name():
     parts = upload(arrays, torch.device("cpu"))
     assert parts["a"].tolist() == [0, 1, 2] and parts["empty"].numel() == 0 and parts["b"].tolist() == [7, 8]
     assert parts["a"].untyped_storage().data_ptr() == parts["b"].untyped_storage().data_ptr()
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.booleans()), max_size=6), st.integers(1, 1 << 20))
+def test_staging_writes_only_a_free_buffer_and_grows_only_when_none_free_fits(buffers, n):
+    """runner.Staging's choice: a buffer whose copy is still queued is never written (the GPU may not have
+    read it); a free one that holds n is reused, the smallest; otherwise a free one is replaced by a larger
+    one, or a new one is made."""
+    i, grow = pick_buffer(buffers, n)
+    fits = [cap for cap, free in buffers if free and cap >= n]
+    if i is None:
+        assert grow and not any(free for _, free in buffers)
+        return
+    cap, free = buffers[i]
+    assert free
+    assert grow == (not fits)
+    if not grow:
+        assert cap == min(fits)
