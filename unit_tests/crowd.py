@@ -78,7 +78,7 @@ def last_logits_alone_and_beside(runner, prompt: list[int], before: list[int],
                                  after: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of prompt's last token prefilled alone, then in one step between two other prompts (so each
     GEMM runs at another row count and the prompt's rows at another offset): under --deterministic the same
-    bits, however a token's logits are less likely than its sampled token to hide a difference. An idle
+    bits (a difference a sampled token can hide shows in the logits). An idle
     ModelRunner (no request holds slots 0..2 or the pages from 1); under TP every rank calls it (the
     forward's collectives)."""
     page, first, writes = runner.cfg.page_size, 1, []
