@@ -71,14 +71,13 @@ def prefill_inputs(rows: list[StepRow], decode: list[StepRow], with_keys: bool) 
 
 def upload(arrays: dict[str, np.ndarray], device: torch.device,
            stage: Staging | None = None) -> dict[str, torch.Tensor]:
-    """The int64 host arrays on `device` in one copy: a view each, by name. On a GPU through `stage`'s pinned
-    buffers (else to_device: pinned per call)."""
+    """The int64 host arrays on `device`: a view each, by name, of one tensor. On a GPU one copy from
+    `stage`'s pinned buffers (the runner's: required there); on the CPU the concatenation itself."""
     names = list(arrays)
-    ends = np.cumsum([len(arrays[k]) for k in names]).tolist()
-    if stage is not None and device.type == "cuda":
-        flat = stage.copy([arrays[k] for k in names], ends[-1] if ends else 0, device)
-    else:
-        flat = to_device(torch.from_numpy(np.concatenate([arrays[k] for k in names])), device)
+    parts = [arrays[k] for k in names]
+    ends = np.cumsum([len(a) for a in parts]).tolist()
+    flat = (stage.copy(parts, ends[-1], device) if device.type == "cuda"
+            else torch.from_numpy(np.concatenate(parts)))
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
 
 
