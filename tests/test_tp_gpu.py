@@ -30,7 +30,7 @@ from autoprofile.engine.weights import init_random
 from tests.conftest import require_backend
 from tests.test_deterministic_gpu import SMALL_LLAMA
 from tests.test_profiler_gpu import FailOnce
-from unit_tests.crowd import alone_and_in_a_crowd, last_logits_alone_and_beside
+from unit_tests.crowd import crowd_on_tp_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 # NVLink multicast off on the 2-GPU host (the ranks set it too)
@@ -120,8 +120,8 @@ def test_tp2_logits_and_32_greedy_steps_equal_tp1(tmp_path):
 # ---------------------------------------------------------------- --deterministic at TP=2
 def _crowd_tp2(guard, model_dir: str, params: SamplingParams):
     """Every rank builds the llama-shaped model (tests.test_deterministic_gpu) at --tp 2 with the same seeded
-    shards and --deterministic on the GPU's kernels; rank 0 runs the crowd through the step broadcast (as
-    `serve --tp` does), the other rank every step it ships."""
+    shards and --deterministic on the GPU's kernels (unit_tests.crowd runs the rest; one token alone: GEMMs
+    of one row, where cuBLAS takes another kernel, and a hundred)."""
     cfg = validate(ServerConfig(model=model_dir, attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=64, running_max_req_size=128,
                                 report_dir=None, deterministic=True, tp=2))
@@ -130,16 +130,7 @@ def _crowd_tp2(guard, model_dir: str, params: SamplingParams):
     guarded = guard.bind(runner)
     guarded.build(262144)
     prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
-    logits = [t for n in (1, 100)  # one token alone: GEMMs of one row (cuBLAS: another kernel)
-              for t in last_logits_alone_and_beside(runner, prompt[:n], prompt[100:400], prompt[400:437])]
-    if guard.rank:
-        return broadcast.worker_loop(guarded)
-    b = broadcast.StepBroadcaster(guarded)
-    try:
-        crowded = alone_and_in_a_crowd(b, prompt, params, max_tokens=32, crowd=300)
-        return [t.float().tolist() for t in logits], crowded  # floats: exact, and they cross the pipe
-    finally:
-        b.close()
+    return crowd_on_tp_ranks(guarded, prompt, (1, 100), prompt[100:400], prompt[400:437], params, 32, 300)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.9, seed=1234), GREEDY],

@@ -92,3 +92,22 @@ def last_logits_alone_and_beside(runner, prompt: list[int], before: list[int],
         alone = runner._prefill(rows[1:2])[0][0].cpu()
         beside = runner._prefill(rows)[0][1].cpu()
     return alone, beside
+
+
+def crowd_on_tp_ranks(guarded, prompt: list[int], probes: tuple[int, ...], before: list[int],
+                      after: list[int], params: SamplingParams, max_tokens: int, crowd: int):
+    """A rank's part of the TP --deterministic check, on its built GuardedRunner: every rank runs the
+    prefills of last_logits_alone_and_beside (prompt's first n tokens, each n of probes); then rank 0 runs
+    the crowd through the step broadcast (as `serve --tp` does) and returns (the logits as float lists: exact,
+    and they cross the launcher's pipe; Crowded); the other ranks run every step it ships and return their
+    count."""
+    from autoprofile.tp import broadcast
+    logits = [t.float().tolist() for n in probes
+              for t in last_logits_alone_and_beside(model_runner(guarded), prompt[:n], before, after)]
+    if guarded.guard.rank:
+        return broadcast.worker_loop(guarded)
+    b = broadcast.StepBroadcaster(guarded)
+    try:
+        return logits, alone_and_in_a_crowd(b, prompt, params, max_tokens, crowd=crowd)
+    finally:
+        b.close()

@@ -17,7 +17,7 @@ from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.weights import init_random
 from autoprofile.layers.attention import AttentionMetadata, KVLayer
 from autoprofile.layers.parallel import TP, ordered_sum
-from unit_tests.crowd import alone_and_in_a_crowd, last_logits_alone_and_beside
+from unit_tests.crowd import alone_and_in_a_crowd, crowd_on_tp_ranks
 from unit_tests.interpreter import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -46,25 +46,15 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(params, 
 
 
 def _crowd_tp(guard, params: SamplingParams, crowd: int):
-    """Every rank builds the tiny model at --tp 2 with the same seeded shards; rank 0 runs the crowd through
-    the step broadcast (as `serve --tp` does), the other rank runs every step it ships."""
-    from autoprofile.tp import broadcast
+    """Every rank builds the tiny model at --tp 2 with the same seeded shards (unit_tests.crowd runs the rest;
+    one token alone: GEMMs of one row, another kernel, and twenty)."""
     r = ModelRunner(validate(ServerConfig(**CROWD_CFG, tp=2, deterministic=True)), rank=guard.rank,
                     world_size=2, group=guard.data)
     init_random(r.model, seed=1, std=0.08)
     guarded = guard.bind(r)
     guarded.build(8192)
     prompt = [(37 * i) % 4000 + 3 for i in range(150)]
-    logits = [t for n in (1, 20)  # one token alone: GEMMs of one row (another kernel), and twenty
-              for t in last_logits_alone_and_beside(r, prompt[:n], prompt[20:50], prompt[50:57])]
-    if guard.rank:
-        return broadcast.worker_loop(guarded)
-    b = broadcast.StepBroadcaster(guarded)
-    try:
-        crowded = alone_and_in_a_crowd(b, prompt, params, max_tokens=24, crowd=crowd)
-        return [t.float().tolist() for t in logits], crowded  # floats: exact, and they cross the pipe
-    finally:
-        b.close()
+    return crowd_on_tp_ranks(guarded, prompt, (1, 20), prompt[20:50], prompt[50:57], params, 24, crowd)
 
 
 @pytest.mark.slow
