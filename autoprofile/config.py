@@ -10,10 +10,12 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
 from autoprofile.profile_cache import default_folder
-from models.config import FIRST_FOLDED, ModelConfig, builtin_models, load_model_config
+from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
+                           find_weights, load_model_config)
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
@@ -71,10 +73,31 @@ class ServerConfig:
     max_image_pixels: int = 1280 * 28 * 28
     max_images_per_request: int = 4
     allowed_media_domains: tuple[str, ...] = ()
+    # where the weights come from (vLLM's --load_format): auto (safetensors, else .bin), safetensors, pt, or
+    # dummy (seeded random weights); a folder whose tokenizer.json serves text (default: the model folder's)
+    load_format: str = "auto"
+    tokenizer: str | None = None
 
     @cached_property
     def model_config(self) -> ModelConfig:
         return load_model_config(self.model)
+
+    @property
+    def random_weights(self) -> bool:
+        """Seeded random weights: --load_format dummy, or a built-in config (which has no weights)."""
+        return self.load_format == "dummy" or self.model_config.path is None
+
+    @cached_property
+    def checkpoint_files(self) -> list[Path]:
+        """The weight files to load (models.config.find_weights); empty for random weights."""
+        return [] if self.random_weights else find_weights(Path(self.model_config.path), self.load_format)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The folder whose tokenizer.json serves text: --tokenizer's, else the model folder's; None if it
+        holds none."""
+        folder = self.tokenizer or self.model_config.path
+        return Path(folder) if folder and os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
 
     @property
     def context_len(self) -> int:
@@ -175,6 +198,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(not cfg.deterministic or cfg.attention_backend != "aiter", "deterministic",
            "the batch-invariant kernels are Triton ones, not the native AITER backend's; try "
            "--attention_backend aiter_triton with --deterministic")
+    _check(cfg.load_format in LOAD_FORMATS, "load_format",
+           f"unknown '{cfg.load_format}'; choose one of {', '.join(LOAD_FORMATS)} (dummy = random weights)")
 
     try:
         m = cfg.model_config
@@ -199,8 +224,11 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
            f"them; try --tp "
            f"{max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+    _check(cfg.tokenizer is None or cfg.tokenizer_dir is not None, "tokenizer",
+           f"'{cfg.tokenizer}' holds no tokenizer.json; give a folder that does (an HF model folder)")
     if serving:
-        need, why = tokenizer_ids(m)
+        _validate_weights(cfg)
+        need, why = tokenizer_ids(cfg)
         _check(m.vocab_size >= need, "model",
                f"{os.path.join(m.path or m.name, 'config.json')}: key 'vocab_size' ({m.vocab_size}) is below "
                f"the {need} ids {why}; set 'vocab_size' to {need} or more")
@@ -271,16 +299,57 @@ def report_dir_problem(path: str) -> str | None:
     return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be made: '{parent}' is not writable"
 
 
-def tokenizer_ids(m: ModelConfig) -> tuple[int, str]:
+def _validate_weights(cfg: ServerConfig) -> None:
+    """Random weights only by choice (--load_format dummy) or for a built-in config; a folder's weights must
+    be there. Reads no tensor."""
+    m = cfg.model_config
+    if m.path is None:
+        _check(cfg.load_format in ("auto", "dummy"), "load_format",
+               f"{m.name} is a built-in config without weights (served with random weights); try "
+               f"--load_format auto, or --model a folder holding {cfg.load_format} weights")
+        return
+    try:
+        cfg.checkpoint_files
+    except ModelConfigError as e:
+        other = " or --load_format auto" if cfg.load_format != "auto" else ""
+        raise ConfigError("model" if cfg.load_format == "auto" else "load_format",
+                          f"{e}; add the checkpoint's files, or try --load_format dummy (random weights)"
+                          f"{other}") from None
+
+
+def weights_source(cfg: ServerConfig) -> str:
+    """Where the weights come from, for the boot log."""
+    if cfg.load_format == "dummy":
+        return f"random (seed {cfg.seed}): --load_format dummy"
+    if cfg.random_weights:
+        return f"random (seed {cfg.seed}): {cfg.model_config.name} is a built-in config without weights"
+    files = cfg.checkpoint_files
+    kinds = "/".join(sorted({f.suffix for f in files}))
+    return f"{len(files)} {kinds} file{'s' * (len(files) > 1)} in {files[0].parent}"
+
+
+def tokenizer_problem(cfg: ServerConfig) -> str | None:
+    """Why text cannot be served: a checkpoint without tokenizer.json and no --tokenizer; None if it can
+    (random weights get the byte-level tokenizer)."""
+    if cfg.tokenizer_dir is not None or cfg.random_weights:
+        return None
+    return (f"{cfg.model_config.path} has no tokenizer.json; give one with --tokenizer FOLDER (e.g. the HF "
+            f"folder the checkpoint came from), or serve random weights with --load_format dummy (byte-level "
+            f"tokenizer)")
+
+
+def tokenizer_ids(cfg: ServerConfig) -> tuple[int, str]:
     """The fewest vocabulary ids the serving tokenizer needs (autoprofile.serving.tokenizer), and why."""
-    folder = m.path and os.path.join(m.path, "tokenizer.json")
-    if folder and os.path.isfile(folder):
+    if cfg.tokenizer_dir is not None:
         from tokenizers import Tokenizer
+        file = str(cfg.tokenizer_dir / "tokenizer.json")
         try:
-            n = Tokenizer.from_file(folder).get_vocab_size(with_added_tokens=True)
+            n = Tokenizer.from_file(file).get_vocab_size(with_added_tokens=True)
         except Exception as e:  # noqa: BLE001 - the tokenizers library's own error text names the problem
-            raise ConfigError("model", f"{folder}: cannot be read by `tokenizers`: {e}") from None
-        return n, "its tokenizer.json holds (special tokens included)"
+            raise ConfigError("tokenizer" if cfg.tokenizer else "model",
+                              f"{file}: cannot be read by `tokenizers`: {e}") from None
+        where = f"{file} holds" if cfg.tokenizer else "its tokenizer.json holds"
+        return n, f"{where} (special tokens included)"
     return FIRST_FOLDED, "the byte-level tokenizer needs (3 specials + 256 bytes; no tokenizer.json)"
 
 
@@ -381,6 +450,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
              help="comma-separated hosts whose http(s) image URLs the server may fetch (default: none; data: "
                   "URLs "
                   "always work)")
+    add_flag(p, "load_format", default=d.load_format,
+             help="where the weights come from: auto (the folder's *.safetensors, else pytorch_model*.bin; an "
+                  "index.json's files if present), safetensors, pt (.bin), dummy (seeded random weights; the "
+                  "built-in configs always are)")
+    add_flag(p, "tokenizer", default=None,
+             help="a folder holding tokenizer.json (default: the model folder's; random-weight models "
+                  "without one get a byte-level tokenizer)")
 
 
 def _domains(text: str) -> tuple[str, ...]:
@@ -395,6 +471,8 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     if cfg.profile_cache in ("", "auto"):
         cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())
     cfg = validate(cfg, serving)
+    # the CLI serves text (a library caller may drive the engine with token ids: load_tokenizer refuses then)
+    _check(not serving or tokenizer_problem(cfg) is None, "tokenizer", tokenizer_problem(cfg) or "")
     # the CLI serves on a GPU, where the torch backend's cuBLAS and SDPA are not batch-invariant (the library
     # keeps it for the CPU, where its --deterministic path is)
     _check(not (serving and cfg.deterministic and cfg.attention_backend == "torch"), "deterministic",

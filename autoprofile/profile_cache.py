@@ -7,8 +7,9 @@ of them equal measures the same figures. Such a boot skips the probe: it sizes f
 state now (free memory, peers), then rebuilds and validates at the target exactly as after a probe (the canary
 held, the stress rerun, a 5% shrink on OOM). A boot whose validation needed a shrink drops the entry, so the
 next boot probes again. The key covers every source file of autoprofile/ and models/, the model's
-config, the budget flags, the GPU (name, memory, compute capability), torch / CUDA / Triton / AITER versions,
-and this rank of the TP group. Pure file IO, no torch: the runner supplies the GPU's fingerprint.
+config, the budget flags, the allocator's environment (MEASURED_ENV), the GPU (name, memory, compute
+capability), torch / CUDA / Triton / AITER versions, and this rank of the TP group. Pure file IO, no torch:
+the runner supplies the GPU's fingerprint.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Flags that do not change what a probe measures (serving-side, applied after the measurement, or the cache's
 # own)
 NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "report_dir",
-                          "allowed_media_domains",
+                          "allowed_media_domains", "tokenizer",
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
                           "profile_cache"})
+# The environment that changes what a probe measures: the caching allocator's settings (expandable segments,
+# split sizes, garbage collection: the reserved peak) and CUDA's module loading (the context's memory)
+MEASURED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                "PYTORCH_NO_CUDA_MEMORY_CACHING", "CUDA_MODULE_LOADING")
 
 
 def default_folder() -> str:
@@ -59,12 +65,14 @@ def code_hash() -> str:
     return h.hexdigest()
 
 
-def key(cfg, model_config, fingerprint: dict, rank: int, world_size: int) -> str:
-    """The entry's name: a hash of everything a probe's measurement depends on."""
+def key(cfg, model_config, fingerprint: dict, rank: int, world_size: int,
+        env: Mapping[str, str] | None = None) -> str:
+    """The entry's name: a hash of everything a probe's measurement depends on (env: os.environ)."""
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in NOT_MEASURED}
     model = {f.name: getattr(model_config, f.name) for f in dataclasses.fields(model_config)}
+    env = os.environ if env is None else env
     material = {"flags": flags, "model": model, "gpu": fingerprint, "rank": rank, "world_size": world_size,
-                "code": code_hash()}
+                "code": code_hash(), "env": {name: env.get(name) for name in MEASURED_ENV}}
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

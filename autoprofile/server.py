@@ -388,7 +388,7 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     """Start the engine loop (call on the app's event loop) and accept requests."""
     st = app[STATE]
     cfg = st.cfg
-    st.tokenizer = tokenizer or load_tokenizer(cfg.model_config)
+    st.tokenizer = tokenizer or load_tokenizer(cfg)
     names = tuple(dict.fromkeys((cfg.model, cfg.model_config.name)))
     st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)

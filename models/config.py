@@ -129,8 +129,9 @@ class ModelConfig:
 
     @property
     def checkpoint_files(self) -> list[Path]:
-        """Safetensors files next to the config (empty: random weights)."""
-        return sorted(Path(self.path).glob("*.safetensors")) if self.path else []
+        """The weight files next to the config, found as --load_format auto finds them (find_weights); empty
+        for a built-in config (random weights)."""
+        return find_weights(Path(self.path)) if self.path else []
 
     def attention_params(self) -> int:
         """One layer's attention parameters (MLA: the query, the latent's projections down and up, its
@@ -199,6 +200,51 @@ def resolve_model_dir(name_or_path: str) -> Path | None:
 
 class ModelConfigError(ValueError):
     """A config.json that cannot be used: names the file and the key."""
+
+
+# ---------------------------------------------------------------- checkpoint discovery
+# vLLM's --load_format values: auto (safetensors, else PyTorch .bin), one format only, or dummy (random)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+# each format's index (HF's sharded checkpoints: weight_map names the files) and its files
+WEIGHT_FILES = {"safetensors": ("model.safetensors.index.json", "*.safetensors"),
+                "pt": ("pytorch_model.bin.index.json", "*.bin")}
+NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.bin")  # trainer outputs
+
+
+def find_weights(folder: Path, load_format: str = "auto") -> list[Path]:
+    """The checkpoint files of `folder` in `load_format` (auto: safetensors, else pt): those its index lists,
+    else every file of the format. ModelConfigError naming the files looked for if there are none."""
+    formats = ("safetensors", "pt") if load_format == "auto" else (load_format,)
+    for fmt in formats:
+        if files := format_files(folder, fmt):
+            return files
+    looked = " or ".join(f"{index} / {pattern}" for index, pattern in map(WEIGHT_FILES.get, formats))
+    raise ModelConfigError(f"{folder}: holds no weights (looked for {looked})")
+
+
+def format_files(folder: Path, fmt: str) -> list[Path]:
+    index, pattern = WEIGHT_FILES[fmt]
+    if (folder / index).is_file():
+        return indexed_files(folder / index)
+    return sorted(p for p in folder.glob(pattern) if p.name not in NOT_WEIGHTS and p.is_file())
+
+
+def indexed_files(index: Path) -> list[Path]:
+    """The files an HF index's weight_map names (each once), every one present."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise ModelConfigError(f"{index}: cannot be read as an HF checkpoint index: {e}") from None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(f, str) for f in weight_map.values()):
+        raise ModelConfigError(f"{index}: key 'weight_map' must map tensor names to file names, "
+                               f"got {str(weight_map)[:80]}")
+    files = sorted({index.parent / name for name in weight_map.values()})
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelConfigError(f"{index}: key 'weight_map' names {', '.join(missing[:4])}, not in "
+                               f"{index.parent}")
+    return files
 
 
 _MISSING = object()

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoprofile import budget
+from autoprofile import budget, profile_cache
 from autoprofile.config import ServerConfig
 from autoprofile.profiler import LeakError, Profiler, ProfileError
 from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing
@@ -282,6 +282,58 @@ def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
         assert [ph for ph, _ in result.phases][0] == "probe", changed
         shutdown(gpu, r)
     assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+# Every ServerConfig field is either host-only (the probe does not measure it: serving-side, applied after the
+# measurement, or the cache's own) or changes the key; a new field must be classified here or the test fails.
+HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains", "tokenizer",
+             "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num", "profile_cache"}
+MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max_req_size": 64,
+            "max_req_total_len": 4096, "graph_max_batch_size": 128, "disable_cudagraph": True,
+            "disable_prefix_caching": True, "disable_overlap_schedule": True, "attention_backend": "torch",
+            "kv_cache_dtype": "fp8_e4m3", "kv_scales": "unit", "dtype": "float16", "page_size": 32,
+            "canary_mb": 512, "deterministic": True, "visual_batch_size": 8, "min_image_pixels": 28 * 28,
+            "max_image_pixels": 640 * 28 * 28, "max_images_per_request": 8, "load_format": "dummy"}
+FINGERPRINT = {"gpu": "NVIDIA H100 80GB HBM3", "total_memory": 80 * GiB}
+
+
+def cache_key(cfg, env=None):
+    return profile_cache.key(cfg, CFG.model_config, FINGERPRINT, 0, 1, env={} if env is None else env)
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ServerConfig)])
+def test_every_field_but_the_host_only_ones_changes_the_cache_key(field):
+    assert field in HOST_ONLY | MEASURED.keys(), f"classify the new ServerConfig field {field!r} here"
+    if field in HOST_ONLY:
+        assert field in profile_cache.NOT_MEASURED
+        return
+    changed = CFG.replace(**{field: MEASURED[field]})
+    assert getattr(changed, field) != getattr(CFG, field)
+    assert cache_key(changed) != cache_key(CFG), f"--{field} does not change the profile cache key"
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                                  "PYTORCH_NO_CUDA_MEMORY_CACHING", "CUDA_MODULE_LOADING"])
+def test_the_allocators_environment_changes_the_cache_key(name, monkeypatch):
+    setting = {name: "expandable_segments:True"}
+    assert cache_key(CFG, setting) != cache_key(CFG) != cache_key(CFG, {name: "garbage_collection_threshold:0.6"})
+    assert cache_key(CFG, {"HOME": "/elsewhere"}) == cache_key(CFG)  # an unrelated variable does not
+    monkeypatch.delenv(name, raising=False)
+    before = profile_cache.key(CFG, CFG.model_config, FINGERPRINT, 0, 1)  # os.environ by default
+    monkeypatch.setenv(name, "expandable_segments:True")
+    assert profile_cache.key(CFG, CFG.model_config, FINGERPRINT, 0, 1) == cache_key(CFG, setting) != before
+
+
+def test_a_boot_under_another_allocator_setting_probes_again(gpu, tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cfg = CFG.replace(profile_cache=str(tmp_path))
+    runner, prof = make(gpu, cfg)
+    prof.run()
+    shutdown(gpu, runner)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    r, p = make(gpu, cfg)
+    assert [ph for ph, _ in p.run().phases][0] == "probe"
+    assert len(list(tmp_path.glob("*.json"))) == 2
 
 
 def test_a_stale_entry_is_absorbed_by_the_validation_and_dropped(gpu, tmp_path):

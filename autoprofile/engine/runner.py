@@ -17,7 +17,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.budget import gib
-from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu
+from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu, weights_source
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
@@ -173,7 +173,9 @@ class ModelRunner:
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):
             self.model = model_class(mc)(mc, self.backend, self.tp, self.dtype, cfg.context_len)
-        self.checkpoint_kv_scales = load_weights(self.model, mc.checkpoint_files, cfg.seed,
+        if rank == 0:
+            log.info("weights: %s", weights_source(cfg))
+        self.checkpoint_kv_scales = load_weights(self.model, cfg.checkpoint_files, cfg.seed,
                                                  show_progress=rank == 0)
         self.kv_scale_source = kv_scale_source(cfg.kv_dtype_name, cfg.kv_scales,
                                                self.checkpoint_kv_scales is not None)

@@ -1,7 +1,10 @@
-"""Weights: seeded random init on the device, or safetensors with HF names, sharded for this TP rank."""
+"""Weights: seeded random init on the device, or safetensors / PyTorch .bin files with HF names, sharded for
+this TP rank."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
 import re
 from collections import Counter
 from pathlib import Path
@@ -93,6 +96,38 @@ def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],
     return name, 0
 
 
+class TorchFile(contextlib.AbstractContextManager):
+    """A PyTorch .bin checkpoint read as safe_open reads a safetensors file (keys, get_slice, get_tensor):
+    torch.load(weights_only=True) runs no pickled code, mmap=True maps the tensors (a shard reads its part)."""
+
+    def __init__(self, path: Path):
+        try:
+            self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except (RuntimeError, OSError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{path}: torch.load(weights_only=True, mmap=True) cannot read it ({e}); convert "
+                             "it to safetensors (transformers' save_pretrained writes them)") from None
+        if not isinstance(self.tensors, dict):
+            raise ValueError(f"{path}: holds a {type(self.tensors).__name__}, not a state dict of tensors")
+
+    def __exit__(self, *exc) -> None:
+        self.tensors = {}
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    get_slice = get_tensor
+
+
+def open_checkpoint(path: Path):
+    """One checkpoint file: safetensors, or a PyTorch .bin (TorchFile)."""
+    if path.suffix == ".bin":
+        return TorchFile(path)
+    return safe_open(str(path), framework="pt", device="cpu")
+
+
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = True) -> torch.Tensor | None:
     """Read each tensor's shard for this rank (safetensors slices: only the shard leaves the disk).
@@ -106,7 +141,7 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
     seen: Counter[str] = Counter()
     scales: dict[tuple[int, str], float] = {}
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_checkpoint(path) as f:
             for name in f.keys():
                 if name.endswith(IGNORED) or (tied and name == "lm_head.weight"):
                     continue

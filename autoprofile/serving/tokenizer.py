@@ -4,7 +4,8 @@
   `tokenizer_config.json` (or `chat_template.jinja`) and is rendered with jinja2 in a sandbox, as
   transformers does. EOS ids: `config.json` and `generation_config.json` `eos_token_id`, plus the
   `eos_token` of `tokenizer_config.json`.
-- Built-in (random-weight) models and folders without `tokenizer.json` get `ByteTokenizer`: UTF-8
+- `--tokenizer FOLDER` names another folder's `tokenizer.json` (a checkpoint folder without one needs it).
+- Random-weight models (built-in, or --load_format dummy) without `tokenizer.json` get `ByteTokenizer`: UTF-8
   bytes, one id each (byte b is id b + 3); ids 0..2 and the config's BOS/EOS ids are specials and decode
   to nothing; every other id (>= 259: random weights emit any id of the vocabulary) decodes to one
   printable ASCII character, chr(32 + (id - 259) % 95). Text round-trips; any id decodes.
@@ -22,7 +23,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from models.config import BYTE_OFFSET, FIRST_FOLDED, ModelConfig
+from autoprofile.config import ServerConfig, tokenizer_problem
+from models.config import BYTE_OFFSET, FIRST_FOLDED
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +152,21 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def load_tokenizer(mc: ModelConfig) -> ByteTokenizer | HFTokenizer:
-    """The model folder's tokenizer.json when there is one, else the byte-level tokenizer."""
-    folder = Path(mc.path) if mc.path else None
-    if folder is not None and (folder / "tokenizer.json").is_file():
-        tok = HFTokenizer(folder, mc.raw)
+def load_tokenizer(cfg: ServerConfig) -> ByteTokenizer | HFTokenizer:
+    """--tokenizer's or the model folder's tokenizer.json; the byte-level tokenizer for random weights
+    without one. A checkpoint without one is refused (ValueError; the CLI refuses it at validation)."""
+    mc = cfg.model_config
+    if cfg.tokenizer_dir is not None:
+        tok = HFTokenizer(cfg.tokenizer_dir, mc.raw)
+    elif problem := tokenizer_problem(cfg):
+        raise ValueError(problem)
     else:
+        folder = Path(mc.path) if mc.path else None
         gen = _read_json(folder / "generation_config.json") if folder else {}
         eos = _ids(mc.raw.get("eos_token_id")) | _ids(gen.get("eos_token_id"))
         tok = ByteTokenizer(mc.vocab_size, eos, _ids(mc.raw.get("bos_token_id")))
-        if folder is not None:
-            log.warning("%s has no tokenizer.json: serving text with the byte-level tokenizer", folder)
-    log.info("tokenizer: %s, EOS ids %s", tok.kind, sorted(tok.eos_token_ids))
+    source = f" from {cfg.tokenizer_dir}" if cfg.tokenizer else ""
+    log.info("tokenizer: %s%s, EOS ids %s", tok.kind, source, sorted(tok.eos_token_ids))
     return tok
 
 
