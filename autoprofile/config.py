@@ -227,11 +227,11 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(cfg.tokenizer is None or cfg.tokenizer_dir is not None, "tokenizer",
            f"'{cfg.tokenizer}' holds no tokenizer.json; give a folder that does (an HF model folder)")
     if serving:
-        _validate_weights(cfg)
         need, why = tokenizer_ids(cfg)
         _check(m.vocab_size >= need, "model",
                f"{os.path.join(m.path or m.name, 'config.json')}: key 'vocab_size' ({m.vocab_size}) is below "
                f"the {need} ids {why}; set 'vocab_size' to {need} or more")
+        _validate_weights(cfg)
     _check(cfg.context_len <= m.max_position_embeddings, "max_req_total_len",
            f"{cfg.context_len} exceeds {m.name}'s max_position_embeddings; "
            f"try --max_req_total_len {m.max_position_embeddings}")

@@ -93,6 +93,10 @@ BAD = [
     (["--seed", "-1"], "seed", "try --seed 0", ["--seed", "0"]),
     (["--report_dir", f"{__file__}/reports"], "report_dir", "(or --report_dir '' for no report)",
      ["--report_dir", ""]),
+    (["--load_format", "npcache"], "load_format", "choose one of auto, safetensors, pt, dummy",
+     ["--load_format", "dummy"]),
+    (["--load_format", "safetensors"], "load_format", "built-in config without weights (served with random "
+     "weights); try --load_format auto", ["--load_format", "auto"]),
 ]
 
 
@@ -199,7 +203,7 @@ def test_model_folder_with_config_json(tmp_path, cuda_spy, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     cuda_spy["is_available"].side_effect = None
     cuda_spy["is_available"].return_value = False
-    assert cli.main(["serve", "--model", str(tmp_path)]) == 1
+    assert cli.main(["serve", "--model", str(tmp_path), "--load_format", "dummy"]) == 1
     assert cli.main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "error: --model: no config.json" in capsys.readouterr().err
 
@@ -333,7 +337,7 @@ def test_a_config_json_the_engine_cannot_run_exits_2_naming_file_key_and_a_value
     write(TINY | change | fix)
     cuda_spy["is_available"].side_effect = None
     cuda_spy["is_available"].return_value = False
-    assert cli.main([command, "--model", str(tmp_path)]) == 1, capsys.readouterr().err
+    assert cli.main([command, "--model", str(tmp_path), "--load_format", "dummy"]) == 1, capsys.readouterr().err
 
 
 def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys):
@@ -341,7 +345,7 @@ def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(5000)}, unk_token="w0"))
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "config.json").write_text(json.dumps(TINY))  # vocab_size 4096 < 5000
-    assert cli.main(["serve", "--model", str(tmp_path)]) == 2
+    assert cli.main(["serve", "--model", str(tmp_path), "--load_format", "dummy"]) == 2
     err = capsys.readouterr().err
     assert "key 'vocab_size' (4096) is below the 5000 ids its tokenizer.json holds" in err, err
     assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # plan tokenizes nothing
