@@ -351,6 +351,73 @@ def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys
     assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # plan tokenizes nothing
 
 
+# ---------------------------------------------------------------- a folder's weights and tokenizer
+def no_gpu(cuda_spy) -> None:
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+
+
+def word_tokenizer(folder, words: int) -> str:
+    from tokenizers import Tokenizer, models
+    folder.mkdir(parents=True, exist_ok=True)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0")).save(
+        str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["serve", "profile"])
+def test_a_folder_without_weights_is_refused_naming_the_files_unless_dummy(tmp_path, command, cuda_spy, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert cli.main([command, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model: {tmp_path}: holds no weights (looked for "
+                          "model.safetensors.index.json / *.safetensors or pytorch_model.bin.index.json / *.bin); "
+                          "add the checkpoint's files, or try --load_format dummy (random weights)"), err
+    assert_cuda_untouched(cuda_spy)
+    assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # a plan loads no weights
+    no_gpu(cuda_spy)
+    assert cli.main([command, "--model", str(tmp_path), "--load_format", "dummy"]) == 1, capsys.readouterr().err
+
+
+def test_a_load_format_the_folder_does_not_hold_names_the_flag_and_auto(tmp_path, cuda_spy, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # validation reads no tensor
+    word_tokenizer(tmp_path, 100)
+    assert cli.main(["serve", "--model", str(tmp_path), "--load_format", "pt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --load_format: {tmp_path}: holds no weights (looked for "
+                          "pytorch_model.bin.index.json / *.bin)") and "or --load_format auto" in err, err
+    assert_cuda_untouched(cuda_spy)
+    no_gpu(cuda_spy)
+    for fmt in ("auto", "safetensors"):
+        assert cli.main(["serve", "--model", str(tmp_path), "--load_format", fmt]) == 1, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "profile"])
+def test_a_checkpoint_without_a_tokenizer_is_refused_unless_tokenizer_names_one(tmp_path, command, cuda_spy,
+                                                                                capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    (model / "model.safetensors").write_bytes(b"")
+    assert cli.main([command, "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer: {model} has no tokenizer.json; give one with --tokenizer FOLDER")
+    assert "--load_format dummy" in err, err
+    assert cli.main([command, "--model", str(model), "--tokenizer", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tokenizer: '{tmp_path / 'missing'}' holds no tokenizer.json"), err
+    big = word_tokenizer(tmp_path / "big", 5000)  # more ids than the config's 4096
+    assert cli.main([command, "--model", str(model), "--tokenizer", big]) == 2
+    err = capsys.readouterr().err
+    assert f"is below the 5000 ids {big}/tokenizer.json holds" in err, err
+    assert_cuda_untouched(cuda_spy)
+    no_gpu(cuda_spy)
+    fits = word_tokenizer(tmp_path / "fits", 300)
+    assert cli.main([command, "--model", str(model), "--tokenizer", fits]) == 1, capsys.readouterr().err
+    assert cli.main([command, "--model", str(model), "--load_format", "dummy"]) == 1, capsys.readouterr().err
+
+
 def test_profile_cache_defaults_to_the_user_cache_folder_and_empty_means_always_probe(tmp_path, monkeypatch):
     from autoprofile.config import config_from_args
     from autoprofile.profile_cache import default_folder

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from autoprofile.config import ServerConfig
 from autoprofile.serving.tokenizer import (BYTE_OFFSET, ByteTokenizer, ChatTemplateError, HFTokenizer,
                                            TextStream,
                                            load_tokenizer)
@@ -28,7 +29,7 @@ def test_bytes_round_trip_and_every_id_decodes():
 
 
 def test_builtin_models_get_the_byte_tokenizer_with_the_configs_eos():
-    tok = load_tokenizer(load_model_config("llama-3.1-8b"))
+    tok = load_tokenizer(ServerConfig(model="llama-3.1-8b"))
     assert isinstance(tok, ByteTokenizer) and tok.eos_token_ids == {128001}
     assert tok.decode([128000, 128001]) == ""  # BOS and EOS are specials
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
@@ -69,7 +70,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_a_folder_with_tokenizer_json_uses_it_and_its_template(model_dir):
-    tok = load_tokenizer(load_model_config(str(model_dir)))
+    tok = load_tokenizer(ServerConfig(model=str(model_dir)))
     assert isinstance(tok, HFTokenizer)
     assert tok.eos_token_ids == {2, 3}  # config.json + generation_config.json + tokenizer_config's eos_token
     ids = tok.encode("hello world")
@@ -85,19 +86,25 @@ def test_a_folder_with_tokenizer_json_uses_it_and_its_template(model_dir):
 def test_a_folder_without_a_chat_template_refuses_chat(model_dir, tmp_path):
     for name in ("tokenizer.json", "config.json"):
         (tmp_path / name).write_text((model_dir / name).read_text())
-    tok = load_tokenizer(load_model_config(str(tmp_path)))
+    tok = load_tokenizer(ServerConfig(model=str(tmp_path)))
     assert isinstance(tok, HFTokenizer) and tok.eos_token_ids == {2}
     with pytest.raises(ChatTemplateError, match="/v1/completions"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_a_folder_without_tokenizer_json_falls_back_to_bytes(model_dir, tmp_path):
+def test_a_checkpoint_without_tokenizer_json_is_refused_unless_tokenizer_names_one(model_dir, tmp_path):
+    """Byte-level text is only for random weights (--load_format dummy); a checkpoint needs its tokenizer."""
     (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
-    assert isinstance(load_tokenizer(load_model_config(str(tmp_path))), ByteTokenizer)
+    with pytest.raises(ValueError, match=r"has no tokenizer\.json; give one with --tokenizer FOLDER"):
+        load_tokenizer(ServerConfig(model=str(tmp_path)))
+    named = load_tokenizer(ServerConfig(model=str(tmp_path), tokenizer=str(model_dir)))
+    assert isinstance(named, HFTokenizer) and named.decode(named.encode("hello world")) == "hello world"
+    assert named.chat is not None  # model_dir's tokenizer_config.json came with it
+    assert isinstance(load_tokenizer(ServerConfig(model=str(tmp_path), load_format="dummy")), ByteTokenizer)
 
 
 def test_multi_byte_characters_split_across_tokens_stream_whole(model_dir):
-    tok = load_tokenizer(load_model_config(str(model_dir)))
+    tok = load_tokenizer(ServerConfig(model=str(model_dir)))
     text = "hello 你好 world 🙂"
     ids = tok.encode(text)
     stream = TextStream(tok)
