@@ -237,7 +237,8 @@ def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
     d = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text()) | TINY_VARIANTS[variant]
     (tmp_path / "config.json").write_text(json.dumps(d))
     cfg = validate(ServerConfig(model=str(tmp_path), attention_backend="torch", max_req_total_len=1024,
-                                batch_max_tokens=512, graph_max_batch_size=8, disable_cudagraph=True))
+                                batch_max_tokens=512, graph_max_batch_size=8, disable_cudagraph=True,
+                                load_format="dummy"))
     p = make_plan(cfg, GPUS["h100"])
     runner = ModelRunner(cfg)
     assert row(p.fixed, "weights").bytes + row(p.fixed, "rope table").bytes == runner.weight_bytes
