@@ -84,7 +84,8 @@ def test_the_unified_attention_equals_the_reference_and_a_token_gets_the_same_bi
                                              (GREEDY, False)], ids=["seeded-top-p-overlap", "greedy"])
 def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_dir, params, overlap):
     require_backend("aiter_triton")
-    cfg = validate(ServerConfig(model=model_dir, attention_backend="aiter_triton", max_req_total_len=2048,
+    cfg = validate(ServerConfig(model=model_dir, load_format="dummy",
+                                attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=64, running_max_req_size=128,
                                 report_dir=None, deterministic=True))
     r = ModelRunner(cfg)

@@ -90,7 +90,8 @@ logging.basicConfig(level=logging.INFO)
 torch.cuda.init()
 torch.empty(1, device="cuda")
 before = memory.stack_limit_bytes()
-cfg = validate(ServerConfig(model=sys.argv[1], attention_backend="aiter_triton", max_req_total_len=131072,
+cfg = validate(ServerConfig(model=sys.argv[1], load_format="dummy",
+                            attention_backend="aiter_triton", max_req_total_len=131072,
                             batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None,
                             deterministic=sys.argv[2] == "deterministic"))
 result = profile(cfg)

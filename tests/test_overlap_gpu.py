@@ -28,7 +28,8 @@ def runner(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small-llama")
     (folder / "config.json").write_text(json.dumps(SMALL_LLAMA))
     # 48 running requests over a graph limit of 32: both graph replays and eager decode steps run
-    cfg = validate(ServerConfig(model=str(folder), attention_backend="aiter_triton", max_req_total_len=2048,
+    cfg = validate(ServerConfig(model=str(folder), load_format="dummy",
+                                attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=32, running_max_req_size=48,
                                 report_dir=None))
     r = ModelRunner(cfg)

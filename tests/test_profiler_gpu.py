@@ -38,7 +38,8 @@ def tiny_cfg(tmp_path, **kw) -> ServerConfig:
         tiny = Path(__file__).resolve().parents[1] / "models" / "configs" / "tiny" / "config.json"
         config = json.loads(tiny.read_text())
         (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": DEEP_LAYERS}))
-    base = dict(model=str(folder), max_req_total_len=2048, batch_max_tokens=4096, graph_max_batch_size=32,
+    base = dict(model=str(folder), load_format="dummy",
+                max_req_total_len=2048, batch_max_tokens=4096, graph_max_batch_size=32,
                 report_dir=str(tmp_path / "report"))
     base.update(kw)
     return validate(ServerConfig(**base))

@@ -122,7 +122,8 @@ def _crowd_tp2(guard, model_dir: str, params: SamplingParams):
     """Every rank builds the llama-shaped model (tests.test_deterministic_gpu) at --tp 2 with the same seeded
     shards and --deterministic on the GPU's kernels (unit_tests.crowd runs the rest; one token alone: GEMMs
     of one row, where cuBLAS takes another kernel, and a hundred)."""
-    cfg = validate(ServerConfig(model=model_dir, attention_backend="aiter_triton", max_req_total_len=2048,
+    cfg = validate(ServerConfig(model=model_dir, load_format="dummy",
+                                attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=64, running_max_req_size=128,
                                 report_dir=None, deterministic=True, tp=2))
     runner = ModelRunner(cfg, rank=guard.rank, world_size=2, group=guard.data)
