@@ -451,7 +451,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                   "URLs "
                   "always work)")
     add_flag(p, "load_format", default=d.load_format,
-             help="where the weights come from: auto (the folder's *.safetensors, else pytorch_model*.bin; an "
+             help="where the weights come from: auto (the folder's *.safetensors, else *.bin; an "
                   "index.json's files if present), safetensors, pt (.bin), dummy (seeded random weights; the "
                   "built-in configs always are)")
     add_flag(p, "tokenizer", default=None,

@@ -337,7 +337,8 @@ def test_a_config_json_the_engine_cannot_run_exits_2_naming_file_key_and_a_value
     write(TINY | change | fix)
     cuda_spy["is_available"].side_effect = None
     cuda_spy["is_available"].return_value = False
-    assert cli.main([command, "--model", str(tmp_path), "--load_format", "dummy"]) == 1, capsys.readouterr().err
+    dummy = [command, "--model", str(tmp_path), "--load_format", "dummy"]
+    assert cli.main(dummy) == 1, capsys.readouterr().err
 
 
 def test_vocab_size_below_a_tokenizer_json_is_refused(tmp_path, cuda_spy, capsys):
@@ -366,17 +367,20 @@ def word_tokenizer(folder, words: int) -> str:
 
 
 @pytest.mark.parametrize("command", ["serve", "profile"])
-def test_a_folder_without_weights_is_refused_naming_the_files_unless_dummy(tmp_path, command, cuda_spy, capsys):
+def test_a_folder_without_weights_is_refused_naming_the_files_unless_dummy(tmp_path, command, cuda_spy,
+                                                                           capsys):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     assert cli.main([command, "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --model: {tmp_path}: holds no weights (looked for "
-                          "model.safetensors.index.json / *.safetensors or pytorch_model.bin.index.json / *.bin); "
-                          "add the checkpoint's files, or try --load_format dummy (random weights)"), err
+                          "model.safetensors.index.json / *.safetensors or pytorch_model.bin.index.json / "
+                          "*.bin); add the checkpoint's files, or try --load_format dummy (random "
+                          "weights)"), err
     assert_cuda_untouched(cuda_spy)
     assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path)]) == 0  # a plan loads no weights
     no_gpu(cuda_spy)
-    assert cli.main([command, "--model", str(tmp_path), "--load_format", "dummy"]) == 1, capsys.readouterr().err
+    dummy = [command, "--model", str(tmp_path), "--load_format", "dummy"]
+    assert cli.main(dummy) == 1, capsys.readouterr().err
 
 
 def test_a_load_format_the_folder_does_not_hold_names_the_flag_and_auto(tmp_path, cuda_spy, capsys):
@@ -390,7 +394,8 @@ def test_a_load_format_the_folder_does_not_hold_names_the_flag_and_auto(tmp_path
     assert_cuda_untouched(cuda_spy)
     no_gpu(cuda_spy)
     for fmt in ("auto", "safetensors"):
-        assert cli.main(["serve", "--model", str(tmp_path), "--load_format", fmt]) == 1, capsys.readouterr().err
+        argv = ["serve", "--model", str(tmp_path), "--load_format", fmt]
+        assert cli.main(argv) == 1, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["serve", "profile"])
@@ -402,7 +407,8 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_unless_tokenizer_names_one(
     (model / "model.safetensors").write_bytes(b"")
     assert cli.main([command, "--model", str(model)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --tokenizer: {model} has no tokenizer.json; give one with --tokenizer FOLDER")
+    assert err.startswith(f"error: --tokenizer: {model} has no tokenizer.json; give one with --tokenizer "
+                          "FOLDER"), err
     assert "--load_format dummy" in err, err
     assert cli.main([command, "--model", str(model), "--tokenizer", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err

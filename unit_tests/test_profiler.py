@@ -286,8 +286,9 @@ def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
 
 # Every ServerConfig field is either host-only (the probe does not measure it: serving-side, applied after the
 # measurement, or the cache's own) or changes the key; a new field must be classified here or the test fails.
-HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains", "tokenizer",
-             "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num", "profile_cache"}
+HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains",
+             "tokenizer", "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
+             "profile_cache"}
 MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max_req_size": 64,
             "max_req_total_len": 4096, "graph_max_batch_size": 128, "disable_cudagraph": True,
             "disable_prefix_caching": True, "disable_overlap_schedule": True, "attention_backend": "torch",
@@ -316,7 +317,8 @@ def test_every_field_but_the_host_only_ones_changes_the_cache_key(field):
                                   "PYTORCH_NO_CUDA_MEMORY_CACHING", "CUDA_MODULE_LOADING"])
 def test_the_allocators_environment_changes_the_cache_key(name, monkeypatch):
     setting = {name: "expandable_segments:True"}
-    assert cache_key(CFG, setting) != cache_key(CFG) != cache_key(CFG, {name: "garbage_collection_threshold:0.6"})
+    other = {name: "garbage_collection_threshold:0.6"}
+    assert cache_key(CFG, setting) != cache_key(CFG) != cache_key(CFG, other) != cache_key(CFG, setting)
     assert cache_key(CFG, {"HOME": "/elsewhere"}) == cache_key(CFG)  # an unrelated variable does not
     monkeypatch.delenv(name, raising=False)
     before = profile_cache.key(CFG, CFG.model_config, FINGERPRINT, 0, 1)  # os.environ by default

@@ -98,14 +98,15 @@ def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],
 
 class TorchFile(contextlib.AbstractContextManager):
     """A PyTorch .bin checkpoint read as safe_open reads a safetensors file (keys, get_slice, get_tensor):
-    torch.load(weights_only=True) runs no pickled code, mmap=True maps the tensors (a shard reads its part)."""
+    torch.load(weights_only=True) runs no pickled code, mmap=True maps the tensors (a shard reads its
+    part)."""
 
     def __init__(self, path: Path):
         try:
             self.tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except (RuntimeError, OSError, pickle.UnpicklingError) as e:
-            raise ValueError(f"{path}: torch.load(weights_only=True, mmap=True) cannot read it ({e}); convert "
-                             "it to safetensors (transformers' save_pretrained writes them)") from None
+            raise ValueError(f"{path}: torch.load(weights_only=True, mmap=True) cannot read it ({e}); "
+                             "convert it to safetensors (save_pretrained writes them)") from None
         if not isinstance(self.tensors, dict):
             raise ValueError(f"{path}: holds a {type(self.tensors).__name__}, not a state dict of tensors")
 
