@@ -190,7 +190,7 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
                         MAX_IMAGE_BYTES,
                         FETCH_TIMEOUT_S)
     images = await load_prepared(args.images, opts, st.parser, st.http)
-    ids = encode_with_images(st.tokenizer, args.chat_text, images, mc)
+    ids = encode_with_images(st.tokenizer, args.rendered, images, mc)
     args = with_image_ids(args, ids, st.limits)
     args.mm = multimodal_input(ids, images, mc)
     return args
