@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import random
 
 import pytest
@@ -253,3 +254,17 @@ def test_a_template_that_rewrites_text_refuses_special_token_text_by_message(boo
     assert bad[0] == 400 and bad[1]["error"]["param"] == "messages[1].content", bad
     assert "'<|image_pad|>'" in bad[1]["error"]["message"], bad
     assert ok[0] == 200, ok
+
+
+def test_a_chat_body_with_an_image_above_the_text_only_bound_is_served(booted):
+    """The chat endpoints' body bound holds the images' base64 (--max_images_per_request data: URLs), on top
+    of what a text prompt needs: a 2 MB PNG is past the text-only bound and is served."""
+    from autoprofile.serving.protocol import max_body_bytes
+    big = data_url(png(1000, 700, 5))
+    request = chat("what is this", image(big), max_tokens=2)
+    assert len(json.dumps(request)) > max_body_bytes(512, 512)
+
+    async def body(c, app):
+        return await post(c, request)
+    (status, data), _ = serve(booted, body)
+    assert status == 200 and data["usage"]["prompt_tokens"] > tokens_of(1000, 700), data

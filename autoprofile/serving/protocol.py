@@ -20,6 +20,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # pretty-printing, a text prompt's JSON escapes), plus room for every other field.
 BODY_MARGIN = 4
 BODY_OVERHEAD = 1 << 20
+# /generate: per id a comma, a newline and a pretty-printer's indentation; per prompt its brackets and indent
+ID_SEPARATOR = 16
+PROMPT_ALLOWANCE = 64
 _DEEP = re.compile(rb"(?:[\[{]\s*){64}")
 _KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.){1,64})"\s*:\s*$')
 
@@ -66,10 +69,23 @@ def text(value: str, param: str) -> str:
     return value
 
 
-def max_body_bytes(context_len: int, vocab_size: int, prompts: int = 1) -> int:
-    """The largest body a valid request can need: `prompts` token lists of context_len ids, with margin."""
+def max_body_bytes(context_len: int, vocab_size: int) -> int:
+    """The OpenAI endpoints' body bound: one token list of context_len ids with ", ", times BODY_MARGIN
+    (room for whitespace and for a text prompt's escapes), plus BODY_OVERHEAD for every other field."""
     per_id = len(str(vocab_size - 1)) + 2
-    return prompts * context_len * per_id * BODY_MARGIN + BODY_OVERHEAD
+    return context_len * per_id * BODY_MARGIN + BODY_OVERHEAD
+
+
+def id_width(vocab_size: int) -> int:
+    """The widest JSON spelling of a valid id: its digits ("-0" spells 0)."""
+    return max(len(str(vocab_size - 1)), 2)
+
+
+def generate_body_bytes(context_len: int, vocab_size: int, prompts: int) -> int:
+    """/generate's body bound: the most prompts it admits at once, each of the longest prompt (context_len - 1
+    ids: one token is left to generate) at the widest spelling with separators, plus BODY_OVERHEAD."""
+    per_prompt = (context_len - 1) * (id_width(vocab_size) + ID_SEPARATOR) + PROMPT_ALLOWANCE
+    return prompts * per_prompt + BODY_OVERHEAD
 
 
 def decode_json(raw: bytes):
