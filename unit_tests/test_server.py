@@ -456,7 +456,8 @@ def test_generate_takes_a_full_queue_of_longest_prompts_and_413s_past_that(boote
         full = json.dumps({"input_ids": [[4095] * 255] * st.engine.capacity, "max_new_tokens": 1}, indent=4)
         ok = await c.post("/generate", data=json.dumps({"input_ids": prompts, "max_new_tokens": 1}))
         over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * bound)
-        return st.engine.capacity, bound, len(full), ok.status, await ok.json(), over.status, await over.json()
+        sizes = st.engine.capacity, bound, len(full)
+        return *sizes, ok.status, await ok.json(), over.status, await over.json()
     capacity, bound, full, ok, out, status, data = serve(engine, booted[1], body, cfg)
     assert capacity == RUNNING + 1000 and bound == generate_body_bytes(256, 4096, capacity)
     assert len(json.dumps({"input_ids": prompts}).encode()) > max_body_bytes(256, 4096)  # the old bound
