@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from autoprofile.engine.engine import LLMEngine
@@ -141,9 +141,11 @@ def test_encoder_limits_hold_back_images_not_text():
 def test_requests_outside_the_image_limits_are_refused_naming_the_field():
     env = vl_envelope(visual=1, max_tokens=6, images=2)
     engine = LLMEngine(ImageStepRunner(env, 64))
-    big = MultiModalInput([ImageInput(None, (1, 2, 14), 0, 1)], None, 0)  # 7 tokens > 6
+    assert env.image_tokens == 34  # a thin image keeps its 28-pixel side: isqrt(200 * 6) tokens, past 6
+    n = env.image_tokens + 1
+    big = MultiModalInput([ImageInput(None, (1, 2, 2 * n), 0, 1)], None, 0)
     with pytest.raises(RequestError, match="larger than the encoder's stress ran") as e:
-        engine.add_request([9] * 7 + [1], mm=big)
+        engine.add_request([9] * n + [1], mm=big)
     assert e.value.field == "images"
     many = MultiModalInput([ImageInput(None, (1, 2, 2), i, i) for i in range(3)], None, 0)
     with pytest.raises(RequestError, match="at most 2 per request"):
@@ -185,9 +187,12 @@ def test_prefix_cache_key_same_image_shares_different_image_does_not():
        st.integers(1, 40), st.integers(1, 6), st.integers(1, 6), st.integers(1, 4))
 def test_image_stress_reaches_every_encoder_limit_and_stays_inside(kv_pages, page_size, context, batch,
                                                                     running, visual, max_tokens, images):
+    vision = VisionLimits(visual, SIDE, max_tokens * SIDE, images)
+    t, h, w = vision.worst_grid
+    assume(h * w // 4 <= context - 2)  # the config's rule: the largest image fits a request
     env = Envelope.build(kv_pages=kv_pages, page_size=page_size, context_len=context, batch_max_tokens=batch,
                          running_max_req_size=running, graph_max_batch_size=running, use_graphs=False,
-                         vision=VisionLimits(visual, SIDE, max_tokens * SIDE, images))
+                         vision=vision)
     assert env.encoder_images >= 1 and env.mm_tokens >= 1
     assert_corners_reach_every_limit(env)
 

@@ -268,3 +268,16 @@ def test_a_chat_body_with_an_image_above_the_text_only_bound_is_served(booted):
         return await post(c, request)
     (status, data), _ = serve(booted, body)
     assert status == 200 and data["usage"]["prompt_tokens"] > tokens_of(1000, 700), data
+
+
+def test_a_thin_image_the_resize_keeps_past_max_pixels_is_served(booted):
+    """--max_image_pixels 64 x 28^2: a 28 x 5600 image keeps its 28-pixel side and resizes to 113 tokens, past
+    the 64 of max_pixels. The encoder's stress ran that grid (multimodal.worst_image_grid), so it is served
+    (it was a 400 "larger than the encoder's stress ran")."""
+    assert tokens_of(5600, 28) == 113
+
+    async def body(c, app):
+        return await post(c, chat("a line", image(data_url(png(5600, 28, 9))), max_tokens=2))
+    (status, data), engine = serve(booted, body)
+    assert status == 200, data
+    assert engine.envelope.image_tokens >= 113
