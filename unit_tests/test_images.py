@@ -219,14 +219,42 @@ def test_pixel_limits():
 
 
 # ---------------------------------------------------------------- decoding
-@pytest.mark.parametrize("fmt,kw,exact", [("PNG", {}, True), ("WEBP", {"lossless": True}, True),
-                                          ("JPEG", {"quality": 95}, False)])
+@pytest.mark.parametrize("fmt,kw,exact", [
+    ("PNG", {}, True), ("WEBP", {"lossless": True}, True), ("JPEG", {"quality": 95}, False),
+    ("BMP", {}, True), ("DIB", {}, True), ("TIFF", {}, True), ("TIFF", {"compression": "tiff_lzw"}, True),
+    ("ICO", {"sizes": [(37, 23)]}, True), ("JPEG2000", {"irreversible": False}, True), ("QOI", {}, True),
+    ("PPM", {}, True), ("PCX", {}, True), ("SGI", {}, True), ("TGA", {}, True),
+    ("TGA", {"compression": "tga_rle"}, True)])
 def test_decode_formats(fmt, kw, exact):
+    """Every raster format Pillow decodes by itself, made here by Pillow, decodes to the same RGB pixels."""
     original = random_image(37, 23, seed=5)
     decoded = images.decode_image(encode(original, fmt, **kw))
     assert decoded.mode == "RGB" and decoded.size == (37, 23)
     if exact:
         assert np.array_equal(np.asarray(decoded), np.asarray(original))
+
+
+def test_decode_an_ico_takes_its_largest_icon():
+    data = encode(random_image(64, 64, seed=3), "ICO", sizes=[(16, 16), (64, 64), (32, 32)])
+    assert images.decode_image(data).size == (64, 64)
+
+
+def test_decode_a_16_bit_tiff_and_a_cmyk_tiff():
+    gray = Image.fromarray(np.arange(0, 60000, 100, dtype=np.uint16).reshape(20, 30))
+    assert images.decode_image(encode(gray, "TIFF")).size == (30, 20)
+    cmyk = random_image(30, 20, seed=4).convert("CMYK")
+    assert np.array_equal(np.asarray(images.decode_image(encode(cmyk, "TIFF"))),
+                          np.asarray(cmyk.convert("RGB")))
+
+
+def test_formats_that_run_programs_or_are_not_raster_are_refused():
+    """EPS would run Ghostscript, SVG is markup, PDF and WMF need outside handlers: all refused by name."""
+    eps = encode(random_image(8, 8, 1), "EPS")
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="8" height="8"/></svg>'
+    pdf = encode(random_image(8, 8, 1), "PDF")
+    for data in (eps, svg, pdf, b"%!PS-Adobe-3.0\n", b"\xd7\xcd\xc6\x9a" + bytes(40)):
+        with pytest.raises(ImageError, match="not a PNG, JPEG, WEBP, GIF, BMP"):
+            images.decode_image(data)
 
 
 def test_decode_gif_takes_the_first_frame():
@@ -245,13 +273,13 @@ def test_decode_applies_exif_orientation():
 
 
 BAD = {
-    "garbage": (b"this is not an image at all", "not a PNG, JPEG, WEBP, GIF image"),
+    "garbage": (b"this is not an image at all", "not a PNG, JPEG, WEBP, GIF, BMP"),
     "empty": (b"", "not a PNG"),
     "zero width": (png_header(0, 5), "not a PNG"),
     "bomb beyond Pillow's limit": (png_header(20000, 20000), "too large to decode"),
     "bomb beyond ours": (png_header(9000, 9000), "9000x9000 pixels, over the 67108864"),
-    "a BMP": (encode(random_image(4, 4, 0), "BMP"), "not a PNG"),
-    "a TIFF": (encode(random_image(4, 4, 0), "TIFF"), "not a PNG"),
+    "a truncated BMP": (encode(random_image(40, 40, 0), "BMP")[:300], "corrupt or truncated"),
+    "a TIFF bomb": (encode(Image.new("1", (9000, 9000)), "TIFF", compression="group4"), "9000x9000 pixels"),
 }
 
 

@@ -106,11 +106,15 @@ def test_two_images_stream_and_formats(booted):
     two = chat(image(data_url(png(300, 200, 1, "JPEG"), "image/jpeg")), "and",
                image(data_url(png(80, 500, 2, "WEBP"), "image/webp")), stream=True, max_tokens=3)
 
+    bmp_tiff = chat(image(data_url(png(90, 60, 3, "BMP"), "image/bmp")), "and",
+                    image(data_url(png(60, 90, 4, "TIFF"), "image/tiff")), max_tokens=2)
+
     async def body(c, app):
         r = await c.post("/v1/chat/completions", json=two)
-        return r.status, await r.text()
-    (status, text), _ = serve(booted, body)
+        return r.status, await r.text(), await post(c, bmp_tiff)
+    (status, text, (raster, data)), _ = serve(booted, body)
     assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert raster == 200 and data["usage"]["prompt_tokens"] > tokens_of(90, 60) + tokens_of(60, 90), data
 
 
 @pytest.fixture

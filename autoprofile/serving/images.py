@@ -28,7 +28,10 @@ QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)
 QWEN_STD = (0.26862954, 0.26130258, 0.27577711)
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 14, 2, 2
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # NOTE: never let Pillow pick any format (EPS runs Ghostscript)
+# Raster formats Pillow decodes itself, tried in this order (TGA has no signature: last).
+# NOTE: never let Pillow pick any format: EPS runs Ghostscript, WMF and the scientific formats need handlers
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "DIB", "TIFF", "ICO", "JPEG2000", "AVIF", "QOI", "PPM", "PCX",
+           "SGI", "TGA")
 DECODE_MAX_PIXELS = 1 << 26  # 8192 x 8192: more is refused before decoding (a decompression bomb)
 MAX_IMAGE_BYTES = 20 << 20
 FETCH_TIMEOUT_S = 10.0
@@ -101,7 +104,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def decode_image(data: bytes, max_pixels: int = DECODE_MAX_PIXELS) -> Image.Image:
-    """PNG, JPEG, WebP or GIF (its first frame) bytes -> an RGB image, EXIF orientation applied."""
+    """Bytes of one of FORMATS (the first frame of an animation, the largest icon of an ICO) -> an RGB image,
+    EXIF orientation applied."""
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:
