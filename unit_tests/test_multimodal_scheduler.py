@@ -208,3 +208,98 @@ def test_a_vision_model_under_tensor_parallelism_is_a_valid_config():
     """The TP step broadcast carries the rows' images (unit_tests/test_tp_images.py serves one at --tp 2)."""
     from autoprofile.config import ServerConfig, validate
     assert validate(ServerConfig(model="qwen2.5-vl-7b", tp=2)).tp == 2
+
+
+# ---------------------------------------------------------------- the real engine on tiny-vl
+def tiny_vl(kv_tokens: int):
+    from autoprofile.config import ServerConfig, validate
+    from unit_tests.cpu_server import boot_cpu
+    cfg = validate(ServerConfig(model="tiny-vl", dtype="float32", attention_backend="torch",
+                                max_req_total_len=96, batch_max_tokens=16, graph_max_batch_size=4,
+                                running_max_req_size=4, page_size=16, report_dir=None, visual_batch_size=1, max_images_per_request=1,
+                                min_image_pixels=4 * SIDE, max_image_pixels=16 * SIDE))
+    return boot_cpu(cfg, kv_tokens=kv_tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def vl_runner():
+    runner = tiny_vl(1024)
+    yield runner
+    runner.teardown()
+
+
+@pytest.fixture(scope="module")
+def small_vl_runner():
+    runner = tiny_vl(7 * 16)  # 6 pages of 16 tokens and the pad page
+    yield runner
+    runner.teardown()
+
+
+def vl_request(mc, grid=(1, 8, 24), seed=0):
+    """A prompt of text, then one image (start, pad x its tokens, end), then text; its MultiModalInput."""
+    import torch
+
+    from models.qwen2_5_vl import mrope_positions
+    t, h, w = grid
+    ids = [9, 10, 11, mc.vision_start_token_id] + [mc.image_token_id] * (t * h * w // 4) + \
+        [mc.vision_end_token_id, 12]
+    positions, delta = mrope_positions(ids, [grid], mc)
+    pixels = torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return ids, MultiModalInput([ImageInput(pixels, grid, 4, seed)], positions, delta)
+
+
+def run_until_done(engine, limit=400) -> dict[str, list[int]]:
+    """Every request's output ids; an AssertionError if requests are left after `limit` steps (one that waits
+    for an encoder slot that never comes back)."""
+    outs: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError(f"requests still unfinished after {limit} steps: {engine.scheduler.waiting}")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_image_request_gives_its_encoder_slot_back(vl_runner, overlap):
+    """The only encoder slot (--visual_batch_size 1) is held by an image whose 48 tokens span 4 chunks of 16.
+    The request is aborted after its first chunk: the slot comes back, and a later image request runs (a
+    leaked slot would make it wait forever)."""
+    engine = LLMEngine(vl_runner, overlap=overlap)
+    mc, sched = vl_runner.model_config, engine.scheduler
+    ids, mm = vl_request(mc)
+    first = engine.add_request(ids, max_tokens=2, mm=mm)
+    while not mm.slots:
+        engine.step()
+    assert sched.free_mm_slots == [] and engine._requests[first].num_computed < mm.images[0].end
+    engine.abort(first)
+    assert sched.free_mm_slots == [0] and mm.slots == {}
+    ids2, mm2 = vl_request(mc, seed=1)
+    second = engine.add_request(ids2, max_tokens=2, mm=mm2)
+    outs = run_until_done(engine)
+    assert len(outs[second]) == 2 and sched.free_mm_slots == [0] and engine.stats.pages_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_image_request_preempted_mid_image_gives_its_slot_back_and_reruns(small_vl_runner, overlap):
+    """A text request holds 3 of the cache's 6 pages and grows; the image request after it (4 pages) runs
+    out of pages inside its image and is preempted (the youngest) while its image holds the only encoder
+    slot. The slot comes back at once (a waiting request holds none); once the text request is done the image
+    request re-encodes and finishes."""
+    engine = LLMEngine(small_vl_runner, overlap=overlap)
+    mc, sched = small_vl_runner.model_config, engine.scheduler
+    holding = []
+    real = sched._preempt
+
+    def preempt(req):  # a spy: did the request hold a slot, and is every slot free once it left
+        held = bool(req.mm and req.mm.slots)
+        real(req)
+        holding.append((held, list(sched.free_mm_slots), dict(req.mm.slots) if req.mm else {}))
+    sched._preempt = preempt
+    text = engine.add_request(list(range(20, 60)), max_tokens=40)
+    ids, mm = vl_request(mc)
+    image = engine.add_request(ids, max_tokens=2, mm=mm)
+    outs = run_until_done(engine)
+    assert (True, [0], {}) in holding, holding  # preempted mid-image, its slot given back
+    assert len(outs[text]) == 40 and len(outs[image]) == 2
+    assert sched.free_mm_slots == [0] and engine.stats.pages_used == 0
