@@ -216,7 +216,8 @@ def tiny_vl(kv_tokens: int):
     from unit_tests.cpu_server import boot_cpu
     cfg = validate(ServerConfig(model="tiny-vl", dtype="float32", attention_backend="torch",
                                 max_req_total_len=96, batch_max_tokens=16, graph_max_batch_size=4,
-                                running_max_req_size=4, page_size=16, report_dir=None, visual_batch_size=1, max_images_per_request=1,
+                                running_max_req_size=4, page_size=16, report_dir=None, visual_batch_size=1,
+                                max_images_per_request=1,
                                 min_image_pixels=4 * SIDE, max_image_pixels=16 * SIDE))
     return boot_cpu(cfg, kv_tokens=kv_tokens)[0]
 
