@@ -471,16 +471,23 @@ def test_http_errors_and_unreachable_hosts():
     fetch(body)
 
 
-def test_load_images_names_the_bad_part():
+def test_load_prepared_names_the_first_bad_part():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autoprofile.serving.vision import ImageOptions, load_prepared
     parts = [ImagePart(data_url(PNG), "messages[0].content[0].image_url.url"),
              ImagePart("file:///etc/passwd", "messages[1].content[2].image_url.url"),
              ImagePart(data_url(b"junk"), "messages[2].content[0].image_url.url")]
-    with pytest.raises(ContentError) as e:
-        asyncio.run(images.load_images(parts))
-    assert e.value.status == 400 and e.value.param == "messages[1].content[2].image_url.url"
-    assert "file: URL" in e.value.message
-    loaded = asyncio.run(images.load_images(parts[:1] * 3))
-    assert [im.size for im in loaded] == [(30, 20)] * 3
+    opts = ImageOptions(images.MIN_PIXELS, images.MAX_PIXELS, (), images.MAX_IMAGE_BYTES, 1.0)
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ContentError) as e:
+            asyncio.run(load_prepared(parts, opts, pool))
+        assert e.value.status == 400 and e.value.param == "messages[1].content[2].image_url.url"
+        assert "file: URL" in e.value.message
+        loaded = asyncio.run(load_prepared(parts[:1] * 3, opts, pool))
+    rh, rw = images.smart_resize(20, 30)
+    assert [im.grid for im in loaded] == [(1, rh // 14, rw // 14)] * 3
+    assert len({im.hash for im in loaded}) == 1
 
 
 # ---------------------------------------------------------------- content parts

@@ -283,19 +283,6 @@ def check_image_count(messages: Sequence[Sequence[TextPart | ImagePart]], max_im
     return n
 
 
-async def load_images(parts: Sequence[ImagePart], *, allowed_domains: Iterable[str] = (),
-                      max_bytes: int = MAX_IMAGE_BYTES, timeout_s: float = FETCH_TIMEOUT_S,
-                      session: aiohttp.ClientSession | None = None) -> list[Image.Image]:
-    """Every part's image, fetched at once; the first bad one is a 400 naming its param."""
-    async def one(part: ImagePart) -> Image.Image:
-        try:
-            return await load_image(part.url, allowed_domains=allowed_domains, max_bytes=max_bytes,
-                                    timeout_s=timeout_s, session=session)
-        except ImageError as e:
-            raise ContentError(part.param, f"'{part.param}': {e}") from None
-    return await gather_in_order(one(p) for p in parts)
-
-
 async def gather_in_order(coros) -> list:
     """Run coros at once; their results, or the exception of the first failed one in request order (whichever
     failed first in time)."""
