@@ -88,7 +88,7 @@ def generate_body_bytes(context_len: int, vocab_size: int, prompts: int) -> int:
     return prompts * per_prompt + BODY_OVERHEAD
 
 
-def decode_json(raw: bytes):
+def decode_json(raw: bytes | bytearray):
     """The parsed body, or a 400: not JSON, not UTF-8, or nested deeper than the parser goes (naming the
     key that holds the nesting when one does)."""
     try:
@@ -100,7 +100,7 @@ def decode_json(raw: bytes):
         raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def _deep_key(raw: bytes) -> str | None:
+def _deep_key(raw: bytes | bytearray) -> str | None:
     deep = _DEEP.search(raw)
     key = deep and _KEY_BEFORE.search(raw[max(deep.start() - 200, 0):deep.start()])
     return key.group(1).decode("utf-8", "replace") if key else None
