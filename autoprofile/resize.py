@@ -57,8 +57,9 @@ def resize_witnesses(min_pixels: int, max_pixels: int) -> Iterator[tuple[int, in
     n, m, f = max_pixels // (FACTOR * FACTOR), max(min_pixels // (FACTOR * FACTOR), 1), FACTOR
     for a in range(1, math.isqrt(n) + 1):  # kept: a short side of a blocks, the widest b with a * b <= n
         h = f * a + (14 if a % 2 == 0 else 13)  # the largest h that rounds to a blocks
-        b = min(n // a, (MAX_RATIO * h + 13) // f)
-        yield h, f * b - (14 if b % 2 == 0 else 13)
+        widest = min(n // a, (MAX_RATIO * h + 14) // f)  # or one less: the ratio's bound, to a pixel
+        for b in (widest, widest - 1):  # the smallest w that rounds to b blocks
+            yield h, f * b - (14 if b % 2 == 0 else 13)
     for b in range(1, math.isqrt(MAX_RATIO * n) + 2):  # scaled down: w / h = b^2 / n gives b blocks
         num, den = b * b, n
         if num * MAX_RATIO < den:
