@@ -14,6 +14,7 @@ from pathlib import Path
 
 from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
 from autoprofile.profile_cache import default_folder
+from autoprofile.resize import max_resized_pixels
 from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
                            find_weights, load_model_config)
 
@@ -365,10 +366,16 @@ def _validate_images(cfg: ServerConfig) -> None:
            f"{cfg.max_image_pixels} is below --min_image_pixels {cfg.min_image_pixels}; "
            f"try --max_image_pixels {max(cfg.min_image_pixels, 1003520)}")
     longest = (cfg.context_len - 2) * side  # an image's tokens plus a token of text and one of output
-    _check(cfg.max_image_pixels <= longest, "max_image_pixels",
-           f"an image of {cfg.max_image_pixels} pixels is {cfg.max_image_pixels // side} tokens, more than a "
-           f"{cfg.context_len}-token request (--max_req_total_len) holds; try --max_image_pixels "
-           f"{max(side, min(1003520, longest))}")
+    largest = max_resized_pixels(cfg.min_image_pixels, cfg.max_image_pixels)  # a thin image: past max
+    if largest > longest:
+        fits = next((n * side for n in range(min(1280, longest // side), 0, -1)
+                     if n * side >= cfg.min_image_pixels
+                     and max_resized_pixels(cfg.min_image_pixels, n * side) <= longest), None)
+        hint = f"--max_image_pixels {fits}" if fits else "a larger --max_req_total_len"
+        _check(False, "max_image_pixels",
+               f"with --max_image_pixels {cfg.max_image_pixels} an image can resize to {largest} pixels, "
+               f"{largest // side} tokens (a thin one keeps a 28-pixel side), more than a {cfg.context_len}-"
+               f"token request (--max_req_total_len) holds; try {hint}")
 
 
 # ---------------------------------------------------------------- CLI flags

@@ -12,8 +12,9 @@ thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
 
-Bodies are bounded in bytes before they are parsed (client_max_size: the longest token list a valid request
-carries, with margin; protocol.max_body_bytes), and one larger than PARSE_ON_LOOP_BYTES is parsed and
+Bodies are bounded in bytes while they are read, each endpoint by what a valid request to it can carry
+(BodyBound: the OpenAI endpoints one longest token list with margin plus the images' base64, /generate the
+most prompts it admits at once of the longest prompt), and one larger than PARSE_ON_LOOP_BYTES is parsed and
 validated on a worker thread. An engine loop that dies or wedges turns /health to 503 "dead", fails every
 outstanding request with a 503, and `serve` ends the process with exit code 1 (a supervisor restarts it).
 """
@@ -35,14 +36,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from autoprofile.budget import running_reqs
 from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull, settle
 from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
-from autoprofile.serving.protocol import (APIError, GenerateArgs, Limits, bad, chunk, decode_json,
-                                          max_body_bytes, parse_chat, parse_completion, parse_generate,
-                                          with_image_ids)
+from autoprofile.serving.protocol import (BODY_MARGIN, BODY_OVERHEAD, APIError, GenerateArgs, Limits, bad,
+                                          chunk, decode_json, generate_body_bytes, max_body_bytes, parse_chat,
+                                          parse_completion, parse_generate, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
@@ -50,6 +52,7 @@ from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
 log = logging.getLogger(__name__)
 PARSE_ON_LOOP_BYTES = 64 << 10  # larger bodies are parsed and validated on a worker thread
+READ_CHUNK_BYTES = 64 << 10
 RETRY_AFTER_S = 1
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -74,9 +77,8 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device)
-        self.max_body = max_body_bytes(self.cfg.context_len, self.cfg.model_config.vocab_size)
-        if self.cfg.model_config.vision is not None:  # data: URLs: base64 is 4/3 of the image's bytes
-            self.max_body += self.cfg.max_images_per_request * (MAX_IMAGE_BYTES * 4 // 3 + 1024)
+        self.bounds = body_bounds(self.cfg)
+        self.max_body = max(b.limit for b in self.bounds.values())  # aiohttp's client_max_size
         self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")
         self.died = asyncio.Event()
@@ -87,6 +89,36 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+
+
+@dataclass(frozen=True)
+class BodyBound:
+    """An endpoint's body bound in bytes, and what it has room for (the 413 says it)."""
+
+    limit: int
+    room: str
+
+    def error(self) -> APIError:
+        return APIError(413, f"the body is larger than {self.limit} bytes, this endpoint's bound: room for "
+                        f"{self.room} at the widest JSON spelling, and {BODY_OVERHEAD >> 10} KiB for every "
+                        "other field", type="invalid_request_error", code="request_entity_too_large")
+
+
+def body_bounds(cfg) -> dict[str, BodyBound]:
+    """The OpenAI endpoints' and /generate's body bounds."""
+    mc, n = cfg.model_config, cfg.context_len
+    openai = BodyBound(max_body_bytes(n, mc.vocab_size),
+                       f"one prompt of {n} token ids (x{BODY_MARGIN}: whitespace, a text prompt's escapes)")
+    if mc.vision is not None:  # data: URLs: base64 is 4/3 of the image's bytes
+        images = cfg.max_images_per_request
+        openai = BodyBound(openai.limit + images * (MAX_IMAGE_BYTES * 4 // 3 + 1024),
+                           f"{openai.room} and {images} images of {MAX_IMAGE_BYTES} bytes as base64 "
+                           "(--max_images_per_request)")
+    prompts = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size) + cfg.max_waiting_requests
+    generate = BodyBound(generate_body_bytes(n, mc.vocab_size, prompts),
+                         f"{prompts} prompts (the most admitted at once: running + --max_waiting_requests) "
+                         f"of {n - 1} token ids")
+    return {"openai": openai, "generate": generate}
 
 
 def sampling_params(args) -> SamplingParams:
@@ -114,8 +146,8 @@ async def errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = (f"the body is larger than {request.app[STATE].max_body} bytes, more than the longest valid "
-               "request needs" if e.status == 413 else
+        msg = (f"the body is larger than {request.app[STATE].max_body} bytes, the largest of this server's "
+               "body bounds" if e.status == 413 else
                f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
         resp = _error_response(APIError(e.status, msg,
                                         type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
@@ -162,10 +194,23 @@ def _accepting(app: web.Application) -> ServerState:
     return st
 
 
-async def _parsed(request: web.Request, parse, *args):
-    """parse(json body, *args), bounded in bytes (client_max_size: a 413 past it); a large body is decoded
-    and validated on a worker thread so that streams keep flowing."""
-    raw = await request.read()
+async def _read(request: web.Request, bound: BodyBound) -> bytearray:
+    """The body (not copied: json.loads takes a bytearray), a 413 as soon as it is over the bound (announced
+    or read)."""
+    if (request.content_length or 0) > bound.limit:
+        raise bound.error()
+    raw = bytearray()
+    async for piece in request.content.iter_chunked(READ_CHUNK_BYTES):
+        raw += piece
+        if len(raw) > bound.limit:
+            raise bound.error()
+    return raw
+
+
+async def _parsed(request: web.Request, bound: BodyBound, parse, *args):
+    """parse(json body, *args), the body bounded in bytes (a 413 past it); a large body is decoded and
+    validated on a worker thread so that streams keep flowing."""
+    raw = await _read(request, bound)
     work = functools.partial(_decode_and_parse, raw, parse, args)
     if len(raw) <= PARSE_ON_LOOP_BYTES:
         return work()
@@ -173,7 +218,7 @@ async def _parsed(request: web.Request, parse, *args):
     return await asyncio.get_running_loop().run_in_executor(request.app[STATE].parser, work)
 
 
-def _decode_and_parse(raw: bytes, parse, args: tuple):
+def _decode_and_parse(raw: bytearray, parse, args: tuple):
     return parse(decode_json(raw), *args)
 
 
@@ -190,7 +235,7 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
                         MAX_IMAGE_BYTES,
                         FETCH_TIMEOUT_S)
     images = await load_prepared(args.images, opts, st.parser, st.http)
-    ids = encode_with_images(st.tokenizer, args.chat_text, images, mc)
+    ids = encode_with_images(st.tokenizer, args.rendered, images, mc)
     args = with_image_ids(args, ids, st.limits)
     args.mm = multimodal_input(ids, images, mc)
     return args
@@ -251,7 +296,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _openai(request: web.Request, parse) -> web.StreamResponse:
     st = _accepting(request.app)
-    args = await _parsed(request, parse, st.limits, st.tokenizer)
+    args = await _parsed(request, st.bounds["openai"], parse, st.limits, st.tokenizer)
     handle = await _submit(st, args)
     try:
         if args.stream:
@@ -331,7 +376,7 @@ async def generate(request: web.Request) -> web.Response:
     """LightLLM parity: token ids in, token ids out, exactly max_new_tokens each (no EOS stop);
     each prompt is one engine request, admitted all together or not at all."""
     st = _accepting(request.app)
-    prompts, max_new, params = await _parsed(request, parse_generate, st.limits)
+    prompts, max_new, params = await _parsed(request, st.bounds["generate"], parse_generate, st.limits)
     if len(prompts) > st.engine.capacity:
         raise bad("input_ids", f"{len(prompts)} prompts can never be admitted together: at most "
                   f"{st.engine.capacity} requests are outstanding ({st.engine.max_running} running + "

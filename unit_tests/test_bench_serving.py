@@ -141,7 +141,7 @@ def test_random_mm_requests_are_chat_completions_the_server_can_read():
         [text] = [p.text for p in parts if isinstance(p, images.TextPart)]
         assert len(pics) == 2 and len(text.split()) == 10
         assert all(p.url.startswith("data:image/png;base64,") for p in pics)
-        loaded = asyncio.run(images.load_images(pics))
+        loaded = [asyncio.run(images.load_image(p.url)) for p in pics]
         assert [im.size for im in loaded] == [(60, 30)] * 2
         hashes |= {images.content_hash(im.tobytes()) for im in loaded}
     assert len(hashes) == 6  # no two images alike: no prefix-cache hits between requests

@@ -21,9 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from autoprofile.resize import max_resized_pixels, resize_witnesses, window_count, worst_image_grid
 from autoprofile.serving import images
 from autoprofile.serving.images import ContentError, ImageError, ImagePart, TextPart
 
+SIDE = 28 * 28
 # Qwen/Qwen2.5-VL-7B-Instruct's preprocessor_config.json
 QWEN_CONFIG = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2,
                "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
@@ -136,22 +138,65 @@ def test_smart_resize_equals_transformers(h, w, lo, hi):
     assert images.smart_resize(h, w, 28, lo, hi) == expected
 
 
-@pytest.mark.parametrize("lo,hi", [(4, 1280), (1, 4), (4, 16), (4, 64), (16, 20), (1, 200), (100, 100)])
-def test_max_resized_pixels_bounds_every_image(lo, hi):
-    """Every accepted size up to ~3000 pixels, and the thinnest (200:1) beyond: none resizes past the bound,
-    and the bound is within a few percent of the largest (exact where a thin image's short side clamps)."""
-    lo, hi = lo * 784, hi * 784
-    sizes = {(h, w) for w in range(1, 300, 3) for h in range(w, min(200 * w, 3000) + 1, 1 if w < 30 else 11)}
-    sizes |= {(200 * w, w) for w in range(1, 300)} | {(200 * w - 1, w) for w in range(1, 300)}
-    largest = max(math.prod(images.smart_resize(h, w, 28, lo, hi)) for h, w in sizes)
-    bound = images.max_resized_pixels(lo, hi)
-    assert largest <= bound <= largest * 1.25
-    if hi < 200 * 784 and lo <= 4 * 784:
-        assert bound == largest > hi  # the short-side clamp: past max_pixels
+FLAG_SETS = [(4, 1280), (1, 4), (4, 16), (4, 64), (16, 20), (1, 200), (100, 100), (4, 100), (30, 300), (1, 1)]
+
+
+def within(grid, worst) -> bool:
+    return grid[0] * grid[1] <= worst[1] * worst[2] and window_count(*grid) <= window_count(*worst[1:])
+
+
+def resized(h, w, lo, hi):
+    rh, rw = images.smart_resize(h, w, 28, lo, hi)
+    return rh // 14, rw // 14
+
+
+@settings(max_examples=400, deadline=None)
+@given(lo=st.sampled_from([1, 2, 4, 9, 16, 30]), extra=st.sampled_from([0, 1, 3, 12, 60, 96, 170, 300, 1276]),
+       short=st.integers(1, 3000), ratio=st.floats(1, 200), k=st.integers(1, 4000), b=st.integers(1, 600),
+       exact=st.booleans(), flip=st.booleans())
+def test_every_resized_image_lies_within_the_worst_grid(lo, extra, short, ratio, k, b, exact, flip):
+    """Any image (any size, aspect ratio up to 200, and the exact ratios b^2 / n where the resize's floors
+    turn) resizes to a grid within the worst grid: no more patches, no more windows."""
+    lo, hi = lo * SIDE, (lo + extra) * SIDE
+    n = hi // SIDE
+    h, w = (n * k, b * b * k) if exact else (short, max(1, round(short * ratio)))
+    h, w = (w, h) if flip else (h, w)
+    if max(h, w) > 200 * min(h, w):
+        return
+    worst = worst_image_grid(lo, hi)
+    assert within(resized(h, w, lo, hi), worst), ((h, w), resized(h, w, lo, hi), worst)
+
+
+@pytest.mark.parametrize("lo,hi", FLAG_SETS)
+def test_the_worst_grid_is_reached_and_is_the_one_truth(lo, hi):
+    """Its patches are those of some image, its windows at least those of every image (the grid of one
+    image where one image has both); max_resized_pixels and the envelope's grid are the same grid."""
+    from autoprofile.engine.envelope import VisionLimits
+    lo, hi = lo * SIDE, hi * SIDE
+    worst = worst_image_grid(lo, hi)
+    witnesses = {resized(h, w, lo, hi) for h, w in resize_witnesses(lo, hi)
+                 if max(h, w) <= 200 * min(h, w)}
+    assert all(within(g, worst) for g in witnesses)
+    assert max(h * w for h, w in witnesses) == worst[1] * worst[2]
+    most_windows = max(window_count(*g) for g in witnesses)
+    if worst[1:] not in witnesses:  # no one image has the most patches and the most windows
+        assert window_count(*worst[1:]) >= most_windows > max(window_count(*g) for g in witnesses
+                                                              if g[0] * g[1] == worst[1] * worst[2])
+    assert images.max_resized_pixels(lo, hi) == worst[1] * worst[2] * 14 * 14
+    assert VisionLimits(1, lo, hi, 1).worst_grid == worst
+
+
+def test_a_thin_image_past_max_pixels_is_inside_the_worst_grid():
+    """--max_image_pixels 78400: a 28 x 5600 image keeps a short side of 28 and resizes to 141 tokens (past
+    the 100 of max_pixels); the encoder's worst grid holds it (it was refused as larger than the stress)."""
+    grid = resized(28, 5600, 4 * SIDE, 78400)
+    assert grid[0] * grid[1] // 4 == 141
+    assert worst_image_grid(4 * SIDE, 78400) == (1, *grid)
 
 
 def test_max_resized_pixels_is_max_pixels_for_qwens_defaults():
-    assert images.max_resized_pixels() == images.MAX_PIXELS == math.prod(images.smart_resize(1120, 896))
+    assert images.max_resized_pixels(images.MIN_PIXELS, images.MAX_PIXELS) == images.MAX_PIXELS == \
+        math.prod(images.smart_resize(1120, 896))
 
 
 @pytest.mark.parametrize("h,w,match", [(0, 10, "zero size"), (10, 0, "zero size"),
@@ -174,14 +219,42 @@ def test_pixel_limits():
 
 
 # ---------------------------------------------------------------- decoding
-@pytest.mark.parametrize("fmt,kw,exact", [("PNG", {}, True), ("WEBP", {"lossless": True}, True),
-                                          ("JPEG", {"quality": 95}, False)])
+@pytest.mark.parametrize("fmt,kw,exact", [
+    ("PNG", {}, True), ("WEBP", {"lossless": True}, True), ("JPEG", {"quality": 95}, False),
+    ("BMP", {}, True), ("DIB", {}, True), ("TIFF", {}, True), ("TIFF", {"compression": "tiff_lzw"}, True),
+    ("ICO", {"sizes": [(37, 23)]}, True), ("JPEG2000", {"irreversible": False}, True), ("QOI", {}, True),
+    ("PPM", {}, True), ("PCX", {}, True), ("SGI", {}, True), ("TGA", {}, True),
+    ("TGA", {"compression": "tga_rle"}, True)])
 def test_decode_formats(fmt, kw, exact):
+    """Every raster format Pillow decodes by itself, made here by Pillow, decodes to the same RGB pixels."""
     original = random_image(37, 23, seed=5)
     decoded = images.decode_image(encode(original, fmt, **kw))
     assert decoded.mode == "RGB" and decoded.size == (37, 23)
     if exact:
         assert np.array_equal(np.asarray(decoded), np.asarray(original))
+
+
+def test_decode_an_ico_takes_its_largest_icon():
+    data = encode(random_image(64, 64, seed=3), "ICO", sizes=[(16, 16), (64, 64), (32, 32)])
+    assert images.decode_image(data).size == (64, 64)
+
+
+def test_decode_a_16_bit_tiff_and_a_cmyk_tiff():
+    gray = Image.fromarray(np.arange(0, 60000, 100, dtype=np.uint16).reshape(20, 30))
+    assert images.decode_image(encode(gray, "TIFF")).size == (30, 20)
+    cmyk = random_image(30, 20, seed=4).convert("CMYK")
+    assert np.array_equal(np.asarray(images.decode_image(encode(cmyk, "TIFF"))),
+                          np.asarray(cmyk.convert("RGB")))
+
+
+def test_formats_that_run_programs_or_are_not_raster_are_refused():
+    """EPS would run Ghostscript, SVG is markup, PDF and WMF need outside handlers: all refused by name."""
+    eps = encode(random_image(8, 8, 1), "EPS")
+    svg = b'<svg xmlns="http://www.w3.org/2000/svg" width="8" height="8"><rect width="8" height="8"/></svg>'
+    pdf = encode(random_image(8, 8, 1), "PDF")
+    for data in (eps, svg, pdf, b"%!PS-Adobe-3.0\n", b"\xd7\xcd\xc6\x9a" + bytes(40)):
+        with pytest.raises(ImageError, match="not a PNG, JPEG, WEBP, GIF, BMP"):
+            images.decode_image(data)
 
 
 def test_decode_gif_takes_the_first_frame():
@@ -200,13 +273,13 @@ def test_decode_applies_exif_orientation():
 
 
 BAD = {
-    "garbage": (b"this is not an image at all", "not a PNG, JPEG, WEBP, GIF image"),
+    "garbage": (b"this is not an image at all", "not a PNG, JPEG, WEBP, GIF, BMP"),
     "empty": (b"", "not a PNG"),
     "zero width": (png_header(0, 5), "not a PNG"),
     "bomb beyond Pillow's limit": (png_header(20000, 20000), "too large to decode"),
     "bomb beyond ours": (png_header(9000, 9000), "9000x9000 pixels, over the 67108864"),
-    "a BMP": (encode(random_image(4, 4, 0), "BMP"), "not a PNG"),
-    "a TIFF": (encode(random_image(4, 4, 0), "TIFF"), "not a PNG"),
+    "a truncated BMP": (encode(random_image(40, 40, 0), "BMP")[:300], "corrupt or truncated"),
+    "a TIFF bomb": (encode(Image.new("1", (9000, 9000)), "TIFF", compression="group4"), "9000x9000 pixels"),
 }
 
 
@@ -398,16 +471,23 @@ def test_http_errors_and_unreachable_hosts():
     fetch(body)
 
 
-def test_load_images_names_the_bad_part():
+def test_load_prepared_names_the_first_bad_part():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autoprofile.serving.vision import ImageOptions, load_prepared
     parts = [ImagePart(data_url(PNG), "messages[0].content[0].image_url.url"),
              ImagePart("file:///etc/passwd", "messages[1].content[2].image_url.url"),
              ImagePart(data_url(b"junk"), "messages[2].content[0].image_url.url")]
-    with pytest.raises(ContentError) as e:
-        asyncio.run(images.load_images(parts))
-    assert e.value.status == 400 and e.value.param == "messages[1].content[2].image_url.url"
-    assert "file: URL" in e.value.message
-    loaded = asyncio.run(images.load_images(parts[:1] * 3))
-    assert [im.size for im in loaded] == [(30, 20)] * 3
+    opts = ImageOptions(images.MIN_PIXELS, images.MAX_PIXELS, (), images.MAX_IMAGE_BYTES, 1.0)
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ContentError) as e:
+            asyncio.run(load_prepared(parts, opts, pool))
+        assert e.value.status == 400 and e.value.param == "messages[1].content[2].image_url.url"
+        assert "file: URL" in e.value.message
+        loaded = asyncio.run(load_prepared(parts[:1] * 3, opts, pool))
+    rh, rw = images.smart_resize(20, 30)
+    assert [im.grid for im in loaded] == [(1, rh // 14, rw // 14)] * 3
+    assert len({im.hash for im in loaded}) == 1
 
 
 # ---------------------------------------------------------------- content parts
@@ -453,3 +533,17 @@ def test_image_count():
         images.check_image_count(messages, 2)
     assert e.value.param == "messages" and "3 images" in e.value.message
     assert "--max_images_per_request" in e.value.message
+
+
+def test_the_config_refuses_pixel_limits_whose_thin_images_outgrow_a_request():
+    """--max_image_pixels 98 x 28^2 with 100-token requests: a thin image resizes to 140 tokens (past 98), so
+    no request could hold it and the stress could not run it: refused before any allocation, with a value
+    that works."""
+    from autoprofile.config import ConfigError, ServerConfig, validate
+    flags = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_req_total_len=100,
+                 report_dir=None, min_image_pixels=4 * SIDE)
+    with pytest.raises(ConfigError, match="resize to 109760 pixels, 140 tokens") as e:
+        validate(ServerConfig(**flags, max_image_pixels=98 * SIDE))
+    fits = int(str(e.value).split("try --max_image_pixels ")[1].split()[0])
+    assert max_resized_pixels(4 * SIDE, fits) <= 98 * SIDE < max_resized_pixels(4 * SIDE, fits + SIDE)
+    validate(ServerConfig(**flags, max_image_pixels=fits))

@@ -107,7 +107,8 @@ def test_the_encoder_buffer_is_declared_from_the_envelope_and_dropped_by_teardow
     _, _, folder = models
     runner = runner_for(folder, 512, visual=3)
     env, mc = runner.envelope, runner.model_config
-    assert runner.mm_buffer.shape == (env.encoder_images, env.image_tokens, mc.hidden_size) == (3, 96, 64)
+    # a thin image keeps its 28-pixel side: 138 tokens (isqrt(200 * 96)), past the 96 of --max_image_pixels
+    assert runner.mm_buffer.shape == (env.encoder_images, env.image_tokens, mc.hidden_size) == (3, 138, 64)
     runner.teardown()
     assert runner.mm_buffer is None and runner.envelope is None
     runner.build(4096)  # a rebuild owns a new one

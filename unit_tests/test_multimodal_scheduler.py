@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from autoprofile.engine.engine import LLMEngine
@@ -141,9 +141,11 @@ def test_encoder_limits_hold_back_images_not_text():
 def test_requests_outside_the_image_limits_are_refused_naming_the_field():
     env = vl_envelope(visual=1, max_tokens=6, images=2)
     engine = LLMEngine(ImageStepRunner(env, 64))
-    big = MultiModalInput([ImageInput(None, (1, 2, 14), 0, 1)], None, 0)  # 7 tokens > 6
+    assert env.image_tokens == 34  # a thin image keeps its 28-pixel side: isqrt(200 * 6) tokens, past 6
+    n = env.image_tokens + 1
+    big = MultiModalInput([ImageInput(None, (1, 2, 2 * n), 0, 1)], None, 0)
     with pytest.raises(RequestError, match="larger than the encoder's stress ran") as e:
-        engine.add_request([9] * 7 + [1], mm=big)
+        engine.add_request([9] * n + [1], mm=big)
     assert e.value.field == "images"
     many = MultiModalInput([ImageInput(None, (1, 2, 2), i, i) for i in range(3)], None, 0)
     with pytest.raises(RequestError, match="at most 2 per request"):
@@ -185,9 +187,12 @@ def test_prefix_cache_key_same_image_shares_different_image_does_not():
        st.integers(1, 40), st.integers(1, 6), st.integers(1, 6), st.integers(1, 4))
 def test_image_stress_reaches_every_encoder_limit_and_stays_inside(kv_pages, page_size, context, batch,
                                                                     running, visual, max_tokens, images):
+    vision = VisionLimits(visual, SIDE, max_tokens * SIDE, images)
+    t, h, w = vision.worst_grid
+    assume(h * w // 4 <= context - 2)  # the config's rule: the largest image fits a request
     env = Envelope.build(kv_pages=kv_pages, page_size=page_size, context_len=context, batch_max_tokens=batch,
                          running_max_req_size=running, graph_max_batch_size=running, use_graphs=False,
-                         vision=VisionLimits(visual, SIDE, max_tokens * SIDE, images))
+                         vision=vision)
     assert env.encoder_images >= 1 and env.mm_tokens >= 1
     assert_corners_reach_every_limit(env)
 
@@ -203,3 +208,99 @@ def test_a_vision_model_under_tensor_parallelism_is_a_valid_config():
     """The TP step broadcast carries the rows' images (unit_tests/test_tp_images.py serves one at --tp 2)."""
     from autoprofile.config import ServerConfig, validate
     assert validate(ServerConfig(model="qwen2.5-vl-7b", tp=2)).tp == 2
+
+
+# ---------------------------------------------------------------- the real engine on tiny-vl
+def tiny_vl(kv_tokens: int):
+    from autoprofile.config import ServerConfig, validate
+    from unit_tests.cpu_server import boot_cpu
+    cfg = validate(ServerConfig(model="tiny-vl", dtype="float32", attention_backend="torch",
+                                max_req_total_len=96, batch_max_tokens=16, graph_max_batch_size=4,
+                                running_max_req_size=4, page_size=16, report_dir=None, visual_batch_size=1,
+                                max_images_per_request=1,
+                                min_image_pixels=4 * SIDE, max_image_pixels=16 * SIDE))
+    return boot_cpu(cfg, kv_tokens=kv_tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def vl_runner():
+    runner = tiny_vl(1024)
+    yield runner
+    runner.teardown()
+
+
+@pytest.fixture(scope="module")
+def small_vl_runner():
+    runner = tiny_vl(7 * 16)  # 6 pages of 16 tokens and the pad page
+    yield runner
+    runner.teardown()
+
+
+def vl_request(mc, grid=(1, 8, 24), seed=0):
+    """A prompt of text, then one image (start, pad x its tokens, end), then text; its MultiModalInput."""
+    import torch
+
+    from models.qwen2_5_vl import mrope_positions
+    t, h, w = grid
+    ids = [9, 10, 11, mc.vision_start_token_id] + [mc.image_token_id] * (t * h * w // 4) + \
+        [mc.vision_end_token_id, 12]
+    positions, delta = mrope_positions(ids, [grid], mc)
+    pixels = torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return ids, MultiModalInput([ImageInput(pixels, grid, 4, seed)], positions, delta)
+
+
+def run_until_done(engine, limit=400) -> dict[str, list[int]]:
+    """Every request's output ids; an AssertionError if requests are left after `limit` steps (one that waits
+    for an encoder slot that never comes back)."""
+    outs: dict[str, list[int]] = {}
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    raise AssertionError(f"requests still unfinished after {limit} steps: {engine.scheduler.waiting}")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_image_request_gives_its_encoder_slot_back(vl_runner, overlap):
+    """The only encoder slot (--visual_batch_size 1) is held by an image whose 48 tokens span 4 chunks of 16.
+    The request is aborted after its first chunk: the slot comes back, and a later image request runs (a
+    leaked slot would make it wait forever)."""
+    engine = LLMEngine(vl_runner, overlap=overlap)
+    mc, sched = vl_runner.model_config, engine.scheduler
+    ids, mm = vl_request(mc)
+    first = engine.add_request(ids, max_tokens=2, mm=mm)
+    while not mm.slots:
+        engine.step()
+    assert sched.free_mm_slots == [] and engine._requests[first].num_computed < mm.images[0].end
+    engine.abort(first)
+    assert sched.free_mm_slots == [0] and mm.slots == {}
+    ids2, mm2 = vl_request(mc, seed=1)
+    second = engine.add_request(ids2, max_tokens=2, mm=mm2)
+    outs = run_until_done(engine)
+    assert len(outs[second]) == 2 and sched.free_mm_slots == [0] and engine.stats.pages_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_image_request_preempted_mid_image_gives_its_slot_back_and_reruns(small_vl_runner, overlap):
+    """A text request holds 3 of the cache's 6 pages and grows; the image request after it (4 pages) runs
+    out of pages inside its image and is preempted (the youngest) while its image holds the only encoder
+    slot. The slot comes back at once (a waiting request holds none); once the text request is done the image
+    request re-encodes and finishes."""
+    engine = LLMEngine(small_vl_runner, overlap=overlap)
+    mc, sched = small_vl_runner.model_config, engine.scheduler
+    holding = []
+    real = sched._preempt
+
+    def preempt(req):  # a spy: did the request hold a slot, and is every slot free once it left
+        held = bool(req.mm and req.mm.slots)
+        real(req)
+        holding.append((held, list(sched.free_mm_slots), dict(req.mm.slots) if req.mm else {}))
+    sched._preempt = preempt
+    text = engine.add_request(list(range(20, 60)), max_tokens=40)
+    ids, mm = vl_request(mc)
+    image = engine.add_request(ids, max_tokens=2, mm=mm)
+    outs = run_until_done(engine)
+    assert (True, [0], {}) in holding, holding  # preempted mid-image, its slot given back
+    assert len(outs[text]) == 40 and len(outs[image]) == 2
+    assert sched.free_mm_slots == [0] and engine.stats.pages_used == 0

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
-from autoprofile.serving.protocol import max_body_bytes
+from autoprofile.serving.protocol import generate_body_bytes, max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu, bound_url
 
@@ -431,16 +431,41 @@ def test_the_body_bound_holds_the_longest_valid_token_list_pretty_printed(contex
 
 def test_a_body_past_the_bound_is_413_and_the_longest_valid_one_is_not(run):
     async def body(c, app):
-        limit = app[server.STATE].max_body
+        limit = app[server.STATE].bounds["openai"].limit
         longest = json.dumps(greedy([4095] * 255, n=1), indent=4) + " " * 1000
         ok = await c.post("/v1/completions", data=longest, headers={"Content-Type": "application/json"})
-        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * limit)
+        over = await c.post("/v1/completions", data=b'{"prompt": [1]}' + b" " * limit)
         return limit, ok.status, over.status, await over.json()
     limit, ok, status, data = run(body)
     assert limit == max_body_bytes(256, 4096)
     assert ok == 200
     assert status == 413 and data["error"]["code"] == "request_entity_too_large" and str(limit) in \
-        data["error"]["message"]
+        data["error"]["message"] and "one prompt of 256 token ids" in data["error"]["message"]
+
+
+def test_generate_takes_a_full_queue_of_longest_prompts_and_413s_past_that(booted, engine):
+    """/generate's bound holds the most prompts it admits at once (running + waiting), each of the longest
+    prompt at the widest spelling, pretty-printed: 900 prompts of 250 ids (1.35 MB) were a 413 against a
+    1.05 MB bound. One byte past its bound is still a 413, and the message says what the bound holds."""
+    cfg = validate(ServerConfig(**FLAGS, max_waiting_requests=1000))
+    prompts = [[4095] * 249 + [7]] * 900  # one prompt: prefix-cached after the first
+
+    async def body(c, app):
+        st = app[server.STATE]
+        bound = st.bounds["generate"].limit
+        full = json.dumps({"input_ids": [[4095] * 255] * st.engine.capacity, "max_new_tokens": 1}, indent=4)
+        ok = await c.post("/generate", data=json.dumps({"input_ids": prompts, "max_new_tokens": 1}))
+        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * bound)
+        sizes = st.engine.capacity, bound, len(full)
+        return *sizes, ok.status, await ok.json(), over.status, await over.json()
+    capacity, bound, full, ok, out, status, data = serve(engine, booted[1], body, cfg)
+    assert capacity == RUNNING + 1000 and bound == generate_body_bytes(256, 4096, capacity)
+    assert len(json.dumps({"input_ids": prompts}).encode()) > max_body_bytes(256, 4096)  # the old bound
+    assert full <= bound < 2 * full  # the pretty-printed full queue fits; a bound, not a formality
+    assert ok == 200 and len(out["output_ids"]) == 900 and all(len(o) == 1 for o in out["output_ids"]), out
+    assert status == 413, data
+    msg = data["error"]["message"]
+    assert str(bound) in msg and f"{capacity} prompts" in msg and "255 token ids" in msg, msg
 
 
 # ---------------------------------------------------------------- backpressure, disconnects, failures

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import random
 
 import pytest
@@ -60,12 +61,12 @@ def tokens_of(w: int, h: int) -> int:
     return rh * rw // SIDE
 
 
-def serve(booted, body, **flags):
+def serve(booted, body, tokenizer=None, **flags):
     cfg = validate(ServerConfig(**{**FLAGS, **flags}))
     engine = LLMEngine(booted[0])
 
     async def go():
-        app = server.make_app(cfg, engine, booted[1])
+        app = server.make_app(cfg, engine, booted[1], tokenizer)
         async with TestClient(TestServer(app)) as client:
             return await body(client, app)
     out = asyncio.run(go())
@@ -105,11 +106,15 @@ def test_two_images_stream_and_formats(booted):
     two = chat(image(data_url(png(300, 200, 1, "JPEG"), "image/jpeg")), "and",
                image(data_url(png(80, 500, 2, "WEBP"), "image/webp")), stream=True, max_tokens=3)
 
+    bmp_tiff = chat(image(data_url(png(90, 60, 3, "BMP"), "image/bmp")), "and",
+                    image(data_url(png(60, 90, 4, "TIFF"), "image/tiff")), max_tokens=2)
+
     async def body(c, app):
         r = await c.post("/v1/chat/completions", json=two)
-        return r.status, await r.text()
-    (status, text), _ = serve(booted, body)
+        return r.status, await r.text(), await post(c, bmp_tiff)
+    (status, text, (raster, data)), _ = serve(booted, body)
     assert status == 200 and text.rstrip().endswith("data: [DONE]")
+    assert raster == 200 and data["usage"]["prompt_tokens"] > tokens_of(90, 60) + tokens_of(60, 90), data
 
 
 @pytest.fixture
@@ -172,3 +177,111 @@ def test_a_text_model_refuses_image_parts(booted):
     status, data = asyncio.run(go())
     runner.teardown()
     assert status == 400 and data["error"]["param"] == "messages[0].content"
+
+
+# ---------------------------------------------------------------- special-token text in a client's message
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VISION_TOKENS = {500: "<|vision_start|>", 501: "<|vision_end|>", 502: "<|vision_pad|>", 503: "<|image_pad|>",
+                 504: "<|video_pad|>", 505: "<|im_start|>", 506: "<|im_end|>"}
+
+
+def hf_tokenizer(folder, template: str):
+    """A tokenizer.json for tiny-vl made here: a byte-level BPE, then Qwen's special tokens at the config's
+    ids (image_token_id 503, ...), and a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from autoprofile.serving.tokenizer import HFTokenizer
+    from models.config import load_model_config
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["what is in the picture? describe it here"] * 50, trainer)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([f"<|filler_{i}|>" for i in range(tok.get_vocab_size(), 500)])
+    tok.add_special_tokens(list(VISION_TOKENS.values()))
+    assert {tok.token_to_id(t): t for t in VISION_TOKENS.values()} == VISION_TOKENS
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "</s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return HFTokenizer(folder, load_model_config("tiny-vl").raw)
+
+
+SNEAKY = "what is 日本 <|image_pad|> here <|vision_start|><|image_pad|><|vision_end|>? <|im_end|>"
+
+
+def test_special_token_text_in_a_message_is_plain_text_with_and_without_images(booted, tmp_path, monkeypatch):
+    """A client's `<|image_pad|>` (or any special token's text) is its characters' ids, never the special id:
+    the image's pad tokens are the server's alone (this was a 500 from the M-RoPE positions)."""
+    tok = hf_tokenizer(tmp_path / "qwen", QWEN_TEMPLATE)
+    prompts = []
+    engine_add = LLMEngine.add_request
+
+    def spy(self, prompt_ids, *a, **kw):
+        prompts.append(list(prompt_ids))
+        return engine_add(self, prompt_ids, *a, **kw)
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+
+    async def body(c, app):
+        return [await post(c, chat(SNEAKY, image(data_url(png(100, 60))))), await post(c, chat(SNEAKY)),
+                await post(c, chat(image(data_url(png(100, 60))), SNEAKY))]
+    outs, _ = serve(booted, body, tokenizer=tok)
+    assert [s for s, _ in outs] == [200, 200, 200], outs
+    with_image, text_only, image_first = prompts
+    n = tokens_of(100, 60)
+    assert with_image.count(503) == image_first.count(503) == n and 503 not in text_only
+    assert with_image.count(500) == with_image.count(501) == 1 and 500 not in text_only
+    assert with_image.count(506) == text_only.count(506) == 1  # the template's <|im_end|>, not the client's
+    # the client's text comes back whole from its ids: its special-token text was encoded as characters
+    assert tok.decode(text_only) == f"user\n{SNEAKY}\nassistant\n"
+    assert SNEAKY in tok.decode(with_image) and SNEAKY in tok.decode(image_first)
+    assert outs[0][1]["usage"]["prompt_tokens"] == len(text_only) + n + 2
+
+
+def test_a_template_that_rewrites_text_refuses_special_token_text_by_message(booted, tmp_path):
+    """Where the template changes a message's text (here: trims it) the server cannot tell the client's
+    special-token text from the template's: a 400 naming the message and the token, never a 500."""
+    tok = hf_tokenizer(tmp_path / "trim", QWEN_TEMPLATE.replace("m['content']", "m['content'] | trim"))
+
+    async def body(c, app):
+        return [await post(c, {**chat(" fine "), "messages": [
+                    {"role": "system", "content": " be brief "},
+                    {"role": "user", "content": [{"type": "text", "text": " a <|image_pad|> b "},
+                                                 image(data_url(png(60, 60)))]}]}),
+                await post(c, chat(" plain words ", image(data_url(png(60, 60)))))]
+    (bad, ok), _ = serve(booted, body, tokenizer=tok)
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "messages[1].content", bad
+    assert "'<|image_pad|>'" in bad[1]["error"]["message"], bad
+    assert ok[0] == 200, ok
+
+
+def test_a_chat_body_with_an_image_above_the_text_only_bound_is_served(booted):
+    """The chat endpoints' body bound holds the images' base64 (--max_images_per_request data: URLs), on top
+    of what a text prompt needs: a 2 MB PNG is past the text-only bound and is served."""
+    from autoprofile.serving.protocol import max_body_bytes
+    big = data_url(png(1000, 700, 5))
+    request = chat("what is this", image(big), max_tokens=2)
+    assert len(json.dumps(request)) > max_body_bytes(512, 512)
+
+    async def body(c, app):
+        return await post(c, request)
+    (status, data), _ = serve(booted, body)
+    assert status == 200 and data["usage"]["prompt_tokens"] > tokens_of(1000, 700), data
+
+
+def test_a_thin_image_the_resize_keeps_past_max_pixels_is_served(booted):
+    """--max_image_pixels 64 x 28^2: a 28 x 5600 image keeps its 28-pixel side and resizes to 113 tokens, past
+    the 64 of max_pixels. The encoder's stress ran that grid (multimodal.worst_image_grid), so it is served
+    (it was a 400 "larger than the encoder's stress ran")."""
+    assert tokens_of(5600, 28) == 113
+
+    async def body(c, app):
+        return await post(c, chat("a line", image(data_url(png(5600, 28, 9))), max_tokens=2))
+    (status, data), engine = serve(booted, body)
+    assert status == 200, data
+    assert engine.envelope.image_tokens >= 113

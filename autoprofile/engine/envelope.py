@@ -16,7 +16,6 @@ runs an eager decode step at that many rows besides the graph corner.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -105,6 +104,8 @@ class Envelope:
     mm_tokens: int = 0
     images_per_request: int = 0
     image_tokens_per_request: int = 0
+    # the largest image's grid (multimodal.worst_image_grid): what the stress encodes; no image is larger
+    image_grid: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def build(cls, *, kv_pages: int, page_size: int, context_len: int, batch_max_tokens: int,
@@ -133,19 +134,13 @@ class Envelope:
             max_prefix_len=longest_kv - 1,
             sampled_rows=max(reqs, prefill_rows),
             **(vision.limits(prefill_rows, prefill_tokens) if vision else {}),
+            image_grid=vision.worst_grid if vision else (0, 0, 0),
         )
 
     @property
     def image_tokens(self) -> int:
         """Tokens of the largest image: the encoder buffer holds encoder_images of them."""
         return self.encoder_patches // max(self.encoder_images, 1) // (MERGE * MERGE)
-
-    @functools.cached_property
-    def image_grid(self) -> tuple[int, int, int]:
-        """The largest image's grid (the most patches, then the most windows): what the stress encodes.
-        Cached: a search over the grids, asked once per admitted image and per stress row."""
-        side = 28 * 28
-        return worst_image_grid(self.image_tokens * side, self.image_tokens * side)
 
     def limits(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in STEP_FIELDS}

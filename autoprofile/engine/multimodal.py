@@ -11,13 +11,10 @@ larger ones, run at once than the stress ran, and the buffer is declared from th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-PATCH = 14  # pixels per patch side (Qwen2.5-VL)
-MERGE = 2  # merged patch groups are MERGE x MERGE patches: one LLM token each
-FACTOR = PATCH * MERGE  # image sides are multiples of 28 pixels
-WINDOW_PATCHES = 8  # window attention: 112-pixel windows = 8 x 8 patches
+from autoprofile.resize import (FACTOR, MERGE, PATCH, WINDOW_PATCHES, ImageError,  # noqa: F401
+                                max_resized_pixels, smart_resize, window_count, worst_image_grid)
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,35 +58,6 @@ class MultiModalInput:
 
 
 # ---------------------------------------------------------------- pure arithmetic
-def tokens_of_pixels(pixels: int) -> int:
-    """LLM tokens of an image of `pixels` pixels (sides multiples of 28)."""
-    return pixels // (FACTOR * FACTOR)
-
-
-def window_count(h: int, w: int) -> int:
-    """Windows of the encoder's window attention over an (h, w)-patch image (padded to whole windows)."""
-    return math.ceil(h / WINDOW_PATCHES) * math.ceil(w / WINDOW_PATCHES)
-
-
-def worst_image_grid(min_pixels: int, max_pixels: int) -> tuple[int, int, int]:
-    """The (1, h, w) patch grid allowed by the pixel limits that holds the most patches, and of those the
-    most windows (the most window padding). Sides are multiples of 28 pixels, aspect ratio at most 200."""
-    best = (0, 0, (1, MERGE, MERGE))
-    for hb in range(1, max_pixels // (FACTOR * FACTOR) + 1):  # h in 28-pixel blocks
-        wb = max_pixels // (FACTOR * FACTOR * hb)
-        wb = min(wb, hb * 200)
-        if wb < 1 or max(hb, wb) > 200 * min(hb, wb) or hb * wb * FACTOR * FACTOR < min_pixels:
-            continue
-        h, w = hb * MERGE, wb * MERGE
-        key = (h * w, window_count(h, w), (1, h, w))
-        best = max(best, key)
-    return best[2]
-
-
-def max_image_tokens(max_pixels: int) -> int:
-    return tokens_of_pixels(max_pixels)
-
-
 def image_key_tokens(tokens: list[int], start: int, images: list[ImageInput]) -> tuple:
     """The prefix-cache key of tokens[start:start+len]: an image's pad tokens are replaced by its content
     hash (with the token's place in the image), so the same image shares pages and two images never do."""

@@ -9,7 +9,6 @@ import base64
 import binascii
 import hashlib
 import io
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -19,27 +18,26 @@ import torch
 import yarl
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+# the resize and the largest grid it gives live with the encoder's limits (one truth for both)
+from autoprofile.resize import (MAX_PIXELS, MAX_RATIO, MIN_PIXELS, ImageError,  # noqa: F401
+                                max_resized_pixels, smart_resize)
 from autoprofile.serving.errors import APIError
 
-# Qwen2.5-VL's preprocessor_config.json (the OpenAI CLIP statistics) and transformers' default max_pixels
+# Qwen2.5-VL's preprocessor_config.json (the OpenAI CLIP statistics)
 QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)
 QWEN_STD = (0.26862954, 0.26130258, 0.27577711)
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 28 * 28 * 1280
 PATCH_SIZE, TEMPORAL_PATCH_SIZE, MERGE_SIZE = 14, 2, 2
-MAX_RATIO = 200  # Qwen refuses a longer side over 200x the shorter
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # NOTE: never let Pillow pick any format (EPS runs Ghostscript)
+# Raster formats Pillow decodes itself, tried in this order (TGA has no signature: last).
+# NOTE: never let Pillow pick any format: EPS runs Ghostscript, WMF and the scientific formats need handlers
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "DIB", "TIFF", "ICO", "JPEG2000", "AVIF", "QOI", "PPM", "PCX",
+           "SGI", "TGA")
 DECODE_MAX_PIXELS = 1 << 26  # 8192 x 8192: more is refused before decoding (a decompression bomb)
 MAX_IMAGE_BYTES = 20 << 20
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 5
 CHUNK_BYTES = 64 << 10
 DETAILS = ("auto", "low", "high")
-
-
-class ImageError(ValueError):
-    """An image the server cannot take: the message says why."""
 
 
 class ContentError(APIError):
@@ -50,39 +48,6 @@ class ContentError(APIError):
 
 
 # ---------------------------------------------------------------- Qwen's resize and patches
-def smart_resize(height: int, width: int, factor: int = PATCH_SIZE * MERGE_SIZE, min_pixels: int = MIN_PIXELS,
-                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
-    """Qwen2-VL's rule: both sides multiples of `factor`, area within [min_pixels, max_pixels] where the
-    aspect ratio allows, the aspect ratio kept as closely as possible."""
-    if height <= 0 or width <= 0:
-        raise ImageError(f"the image has zero size ({width}x{height} pixels)")
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        ratio = max(height, width) / min(height, width)
-        raise ImageError(f"the image is {width}x{height} pixels: its aspect ratio {ratio:.1f} is over the "
-                         f"{MAX_RATIO} the model accepts")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        return (max(factor, math.floor(height / beta / factor) * factor),
-                max(factor, math.floor(width / beta / factor) * factor))
-    if h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        return math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def max_resized_pixels(min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                       factor: int = PATCH_SIZE * MERGE_SIZE) -> int:
-    """At least the most pixels smart_resize returns for any image it accepts (the encoder's worst case).
-    NOTE: over max_pixels when max_pixels < 200 * factor^2: a thin image keeps a short side of `factor`
-    (7x max_pixels at max_pixels = 4 * 28^2), and a thin image upscaled to min_pixels rounds both sides up."""
-    unit = factor * factor
-    long_side = max(factor, math.floor(math.sqrt(MAX_RATIO * max_pixels) / factor * (1 + 1e-9)) * factor)
-    thin_up = min_pixels + factor * math.sqrt(min_pixels) * (math.sqrt(MAX_RATIO) + 1 / math.sqrt(MAX_RATIO))
-    thin_up = math.ceil((thin_up + unit) / unit * (1 + 1e-9)) * unit
-    return max(max_pixels // unit * unit, factor * long_side, thin_up)
-
-
 def normalized(image: Image.Image, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """[3, H, W] float32: x / 255, then (x - mean) / std, in transformers' order of casts."""
     x = (np.asarray(image, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
@@ -139,7 +104,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def decode_image(data: bytes, max_pixels: int = DECODE_MAX_PIXELS) -> Image.Image:
-    """PNG, JPEG, WebP or GIF (its first frame) bytes -> an RGB image, EXIF orientation applied."""
+    """Bytes of one of FORMATS (the first frame of an animation, the largest icon of an ICO) -> an RGB image,
+    EXIF orientation applied."""
     try:
         image = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as e:
@@ -315,19 +281,6 @@ def check_image_count(messages: Sequence[Sequence[TextPart | ImagePart]], max_im
         raise ContentError("messages", f"the request has {n} images; this server takes at most {max_images} "
                            "per request (--max_images_per_request)")
     return n
-
-
-async def load_images(parts: Sequence[ImagePart], *, allowed_domains: Iterable[str] = (),
-                      max_bytes: int = MAX_IMAGE_BYTES, timeout_s: float = FETCH_TIMEOUT_S,
-                      session: aiohttp.ClientSession | None = None) -> list[Image.Image]:
-    """Every part's image, fetched at once; the first bad one is a 400 naming its param."""
-    async def one(part: ImagePart) -> Image.Image:
-        try:
-            return await load_image(part.url, allowed_domains=allowed_domains, max_bytes=max_bytes,
-                                    timeout_s=timeout_s, session=session)
-        except ImageError as e:
-            raise ContentError(part.param, f"'{part.param}': {e}") from None
-    return await gather_in_order(one(p) for p in parts)
 
 
 async def gather_in_order(coros) -> list:

@@ -20,6 +20,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # pretty-printing, a text prompt's JSON escapes), plus room for every other field.
 BODY_MARGIN = 4
 BODY_OVERHEAD = 1 << 20
+# /generate: per id a comma, a newline and a pretty-printer's indentation; per prompt its brackets and indent
+ID_SEPARATOR = 16
+PROMPT_ALLOWANCE = 64
 _DEEP = re.compile(rb"(?:[\[{]\s*){64}")
 _KEY_BEFORE = re.compile(rb'"((?:[^"\\]|\\.){1,64})"\s*:\s*$')
 
@@ -66,13 +69,26 @@ def text(value: str, param: str) -> str:
     return value
 
 
-def max_body_bytes(context_len: int, vocab_size: int, prompts: int = 1) -> int:
-    """The largest body a valid request can need: `prompts` token lists of context_len ids, with margin."""
+def max_body_bytes(context_len: int, vocab_size: int) -> int:
+    """The OpenAI endpoints' body bound: one token list of context_len ids with ", ", times BODY_MARGIN
+    (room for whitespace and for a text prompt's escapes), plus BODY_OVERHEAD for every other field."""
     per_id = len(str(vocab_size - 1)) + 2
-    return prompts * context_len * per_id * BODY_MARGIN + BODY_OVERHEAD
+    return context_len * per_id * BODY_MARGIN + BODY_OVERHEAD
 
 
-def decode_json(raw: bytes):
+def id_width(vocab_size: int) -> int:
+    """The widest JSON spelling of a valid id: its digits ("-0" spells 0)."""
+    return max(len(str(vocab_size - 1)), 2)
+
+
+def generate_body_bytes(context_len: int, vocab_size: int, prompts: int) -> int:
+    """/generate's body bound: the most prompts it admits at once, each of the longest prompt (context_len - 1
+    ids: one token is left to generate) at the widest spelling with separators, plus BODY_OVERHEAD."""
+    per_prompt = (context_len - 1) * (id_width(vocab_size) + ID_SEPARATOR) + PROMPT_ALLOWANCE
+    return prompts * per_prompt + BODY_OVERHEAD
+
+
+def decode_json(raw: bytes | bytearray):
     """The parsed body, or a 400: not JSON, not UTF-8, or nested deeper than the parser goes (naming the
     key that holds the nesting when one does)."""
     try:
@@ -84,7 +100,7 @@ def decode_json(raw: bytes):
         raise bad(None, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def _deep_key(raw: bytes) -> str | None:
+def _deep_key(raw: bytes | bytearray) -> str | None:
     deep = _DEEP.search(raw)
     key = deep and _KEY_BEFORE.search(raw[max(deep.start() - 200, 0):deep.start()])
     return key.group(1).decode("utf-8", "replace") if key else None
@@ -120,7 +136,7 @@ class GenerateArgs:
     extra: dict = field(default_factory=dict)
     # a chat request with images: its ids, max_tokens and engine images are made once the images are loaded
     images: list = field(default_factory=list)  # serving.images.ImagePart, in order
-    chat_text: str | None = None  # the rendered template, an IMAGE_MARK per image
+    rendered: object = None  # serving.tokenizer.RenderedChat: the template's text, an IMAGE_MARK per image
     max_tokens_body: dict | None = None  # {key: value} of the request's max_tokens / max_completion_tokens
     mm: object = None  # engine.multimodal.MultiModalInput
 
@@ -225,8 +241,9 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def _message(i: int, m, limits: Limits, images: list) -> dict:
-    """One message for the chat template; a vision model's image parts become IMAGE_MARK and go to
-    `images`."""
+    """One message for the chat template, its content a list of pieces: the client's text, and for each image
+    part of a vision model a Verbatim IMAGE_MARK (the part goes to `images`)."""
+    from autoprofile.serving.tokenizer import Verbatim
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(where, f"'{where}' must be an object with 'role' and 'content'")
@@ -239,17 +256,32 @@ def _message(i: int, m, limits: Limits, images: list) -> dict:
         from autoprofile.serving.vision import IMAGE_MARK
         parts = parse_content(content, i)
         images += [p for p in parts if isinstance(p, ImagePart)]
-        content = "".join(IMAGE_MARK if isinstance(p, ImagePart) else p.text for p in parts)
+        pieces = [Verbatim(IMAGE_MARK) if isinstance(p, ImagePart) else p.text for p in parts]
     elif isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
             raise bad(f"{where}.content", f"'{where}.content' parts must be text parts "
                       '({"type": "text", "text": ...}); images and audio are not supported',
                       code="unsupported_value")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
+        pieces = ["".join(p["text"] for p in content)]
+    elif isinstance(content, str):
+        pieces = [content]
+    else:
         raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
-    return {"role": m["role"], "content": text(content, f"{where}.content")}
+    text("".join(pieces), f"{where}.content")
+    return {"role": m["role"], "content": pieces}
+
+
+def _refuse_special_text(rendered, tokenizer) -> None:
+    """Where the template changed the clients' text (so its place in the prompt is unknown), a special token
+    written in it is a 400: it could not be kept as plain text."""
+    for i, t in rendered.texts:
+        token = next((s for s in tokenizer.special_texts if s in t), None)
+        if token is not None:
+            raise bad(f"messages[{i}].content",
+                      f"'messages[{i}].content' holds the special token {token!r}; this model's chat "
+                      "template rewrites message text, so the server cannot keep it as plain text: remove it",
+                      code="special_token_in_content")
 
 
 def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
@@ -269,9 +301,11 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
     images = []
     try:
-        text = tokenizer.apply_chat_template([_message(i, m, limits, images) for i, m in enumerate(messages)])
+        rendered = tokenizer.render_chat([_message(i, m, limits, images) for i, m in enumerate(messages)])
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
+    if rendered.client is None:
+        _refuse_special_text(rendered, tokenizer)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if images:
         if len(images) > limits.max_images:
@@ -279,8 +313,9 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
                       f"{limits.max_images} per request (--max_images_per_request)")
         _get(body, key, None, lambda v: _is_int(v) and v >= 1, "must be an integer >= 1")
         return GenerateArgs(prompt_ids=[], max_tokens=0, chat=True, prompt_param="messages", images=images,
-                            chat_text=text, max_tokens_body={key: body.get(key)}, **args)
-    ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds BOS (as transformers does)
+                            rendered=rendered, max_tokens_body={key: body.get(key)}, **args)
+    # the template holds BOS (as transformers does); the clients' special-token text stays text
+    ids = tokenizer.encode(rendered.text, add_special_tokens=False, plain=rendered.client or ())
     if not ids:
         raise bad("messages", "the messages encode to no tokens")
     n = _max_tokens(body, key, len(ids), limits, None, "messages")

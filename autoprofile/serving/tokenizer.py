@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -37,6 +40,45 @@ CONTEXT_TOKENS = 5  # prompt tokens that give the first output token its detoken
 
 class ChatTemplateError(ValueError):
     """The template rejected the messages (e.g. roles that do not alternate): the client's mistake."""
+
+
+class Verbatim(str):
+    """Text the server puts into a message (an image's mark): tokenized as the template's own text, its
+    special tokens kept. Any other text of a message is the client's: special-token text there is plain
+    text."""
+
+
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """The chat template's text, and where the clients' text lies in it (None: the template changed that
+    text, e.g. trimmed it, so its place is unknown); texts: (message index, client text), in order."""
+
+    text: str
+    client: tuple[Span, ...] | None
+    texts: tuple[tuple[int, str], ...]
+
+
+def _pieces(content) -> list[str]:
+    return [content] if isinstance(content, str) else list(content)
+
+
+def client_spans(skeleton: str, slot: re.Pattern, texts: Sequence[str], text: str) -> tuple[Span, ...] | None:
+    """The spans of texts in text, read off the skeleton (the same render with slot k in place of texts[k]);
+    None unless each slot appears once, in order, and filling them gives text back."""
+    out, spans, at, length = [], [], 0, 0
+    for m in slot.finditer(skeleton):
+        k = len(spans)
+        if k >= len(texts) or int(m.group(1)) != k:
+            return None
+        out += [skeleton[at:m.start()], texts[k]]
+        length += m.start() - at
+        spans.append((length, length + len(texts[k])))
+        length, at = length + len(texts[k]), m.end()
+    out.append(skeleton[at:])
+    return tuple(spans) if len(spans) == len(texts) and "".join(out) == text else None
 
 
 def _ids(value) -> set[int]:
@@ -73,6 +115,27 @@ class ChatTemplate:
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
 
+    def render_chat(self, messages: list[dict]) -> RenderedChat:
+        """messages' content: a string (the client's) or a list of pieces (Verbatim: the server's). Rendered
+        twice, the second time with a slot for each client text, to learn where those texts lie."""
+        nonce = secrets.token_hex(8)
+        texts, plain, marked = [], [], []
+        for i, m in enumerate(messages):
+            pieces = _pieces(m["content"])
+            plain.append({**m, "content": "".join(pieces)})
+            slots = []
+            for p in pieces:
+                if isinstance(p, Verbatim) or not p:
+                    slots.append(str(p))
+                else:
+                    slots.append(f"\x00{nonce}.{len(texts)}\x00")
+                    texts.append((i, p))
+            marked.append({**m, "content": "".join(slots)})
+        text = self.render(plain)
+        slot = re.compile(f"\x00{nonce}\\.(\\d+)\x00")
+        return RenderedChat(text, client_spans(self.render(marked), slot, [t for _, t in texts], text),
+                            tuple(texts))
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids (see the module docstring for every id's text)."""
@@ -86,9 +149,10 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.specials = frozenset(range(BYTE_OFFSET)) | self.eos_token_ids | frozenset(specials)
+        self.special_texts: tuple[str, ...] = ()  # no text encodes to a special id
         self.chat = ChatTemplate(BYTE_CHAT_TEMPLATE)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, plain: Sequence[Span] = ()) -> list[int]:
         return [b + BYTE_OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -108,6 +172,9 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return self.chat.render(messages)
 
+    def render_chat(self, messages: list[dict]) -> RenderedChat:
+        return self.chat.render_chat(messages)
+
 
 class HFTokenizer:
     """A model folder's tokenizer.json (+ tokenizer_config.json's chat template and EOS)."""
@@ -117,6 +184,13 @@ class HFTokenizer:
     def __init__(self, folder: Path, config: dict):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # NOTE: a second tokenizer, not a toggled flag: encodes run on several threads at once
+        self.as_text = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.as_text.encode_special_tokens = True  # special-token text -> the ids of its characters
+        added = self.tok.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.special_texts = tuple(sorted((added[i].content for i in self.special_ids), key=len,
+                                          reverse=True))
         tc = _read_json(folder / "tokenizer_config.json")
         gen = _read_json(folder / "generation_config.json")
         bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
@@ -131,17 +205,41 @@ class HFTokenizer:
             source = (folder / "chat_template.jinja").read_text()
         self.chat = ChatTemplate(source, bos or "", eos or "") if isinstance(source, str) else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, plain: Sequence[Span] = ()) -> list[int]:
+        """text's ids; special-token text inside a `plain` span (a client's text) is encoded as text, as if
+        it were ordinary characters (the text elsewhere is split at special tokens as tokenizers does)."""
+        enc = self.tok.encode(text, add_special_tokens=add_special_tokens)
+        if not plain:
+            return enc.ids
+        if add_special_tokens:
+            raise ValueError("plain spans are for text without added BOS/EOS (add_special_tokens=False)")
+        kept = [(t, s, e) for t, (s, e) in zip(enc.ids, enc.offsets)
+                if t in self.special_ids and not any(a <= s and e <= b for a, b in plain)]
+        if len(kept) == sum(t in self.special_ids for t in enc.ids):
+            return enc.ids
+        ids, at = [], 0
+        for t, s, e in kept:
+            ids += self._text_ids(text[at:s]) + [t]
+            at = e
+        return ids + self._text_ids(text[at:])
+
+    def _text_ids(self, text: str) -> list[int]:
+        return self.as_text.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def _template(self) -> ChatTemplate:
         if self.chat is None:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json has no "
                                     "chat_template): use /v1/completions")
-        return self.chat.render(messages)
+        return self.chat
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self._template().render(messages)
+
+    def render_chat(self, messages: list[dict]) -> RenderedChat:
+        return self._template().render_chat(messages)
 
 
 def _read_json(path: Path) -> dict:

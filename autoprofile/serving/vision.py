@@ -3,9 +3,10 @@ URLs fetched), resize and patch off the event loop, place each image's tokens in
 prompt its M-RoPE positions.
 
 The chat template sees each image part as Qwen's own text, IMAGE_MARK (`<|vision_start|><|image_pad|>
-<|vision_end|>`, what Qwen2.5-VL's template writes for an image); the rendered text is split at each mark,
-each piece encoded, and the image's start / pad x tokens / end ids put between them: the tokenizer never
-has to know the special tokens (the byte tokenizer of the built-in configs does not).
+<|vision_end|>`, what Qwen2.5-VL's template writes for an image); the rendered text is split at each of
+the server's marks (not at one a client wrote: that is text), each piece encoded, and the image's start /
+pad x tokens / end ids put between them: the tokenizer never has to know the special tokens (the byte
+tokenizer of the built-in configs does not).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.serving.images import (ContentError, ImageError, ImagePart, content_hash, data_url_bytes,
                                         decode_image, gather_in_order, image_tokens, load_image,
                                         preprocess)
+from autoprofile.serving.tokenizer import RenderedChat, Span
 
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -77,15 +79,36 @@ async def load_prepared(parts: Sequence[ImagePart], opts: ImageOptions, executor
     return await gather_in_order(one(p) for p in parts)
 
 
-def encode_with_images(tokenizer, text: str, images: Sequence[PreparedImage], mc) -> list[int]:
-    """The rendered chat text's ids, each IMAGE_MARK replaced by start, image_pad x its tokens, end."""
-    pieces = text.split(IMAGE_MARK)
-    if len(pieces) != len(images) + 1:
-        raise ContentError("messages", f"the chat template placed {len(pieces) - 1} images for {len(images)} "
+def image_marks(text: str, client: Sequence[Span] | None) -> list[int]:
+    """Where the server's IMAGE_MARKs start in text: every one outside the clients' text (all of them when
+    that text's place is unknown)."""
+    marks, at = [], 0
+    while (k := text.find(IMAGE_MARK, at)) >= 0:
+        if client is None or not any(a <= k < b for a, b in client):
+            marks.append(k)
+            at = k + len(IMAGE_MARK)
+        else:
+            at = k + 1
+    return marks
+
+
+def _within(spans: Sequence[Span], start: int, end: int) -> list[Span]:
+    return [(max(a, start) - start, min(b, end) - start) for a, b in spans if a < end and start < b]
+
+
+def encode_with_images(tokenizer, rendered: RenderedChat, images: Sequence[PreparedImage], mc) -> list[int]:
+    """The rendered chat's ids, each of the server's IMAGE_MARKs replaced by start, image_pad x its tokens,
+    end; the clients' text (special-token text included) encoded as text."""
+    text, marks = rendered.text, image_marks(rendered.text, rendered.client)
+    if len(marks) != len(images):
+        raise ContentError("messages", f"the chat template placed {len(marks)} images for {len(images)} "
                            "image parts (a message's text must not hold the image placeholder itself)")
     ids: list[int] = []
-    for k, piece in enumerate(pieces):
-        ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
+    for k, end in enumerate([*marks, len(text)]):
+        start = marks[k - 1] + len(IMAGE_MARK) if k else 0
+        if end > start:
+            ids += tokenizer.encode(text[start:end], add_special_tokens=False,
+                                    plain=_within(rendered.client or (), start, end))
         if k < len(images):
             ids += [mc.vision_start_token_id] + [mc.image_token_id] * image_tokens(images[k].grid)
             ids.append(mc.vision_end_token_id)
