@@ -43,6 +43,9 @@ def pixels(step: Step) -> list[torch.Tensor]:
 
 def decode(msg: tuple, pixel_values: Sequence[torch.Tensor] = ()) -> Step:
     is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images, routing = msg
+    if len(pixel_values) != sum(has_pixels for _, _, has_pixels in encode_images):
+        raise ValueError(f"the step encodes {len(encode_images)} images; {len(pixel_values)} pixel tensors came "
+                         "with it")
     shipped = iter(pixel_values)
     images = [(slot, ImageInput(next(shipped) if has_pixels else None, *meta))
               for slot, meta, has_pixels in encode_images]
