@@ -175,7 +175,8 @@ def random_png(width: int, height: int, rng: random.Random) -> bytes:
 
 
 def random_mm_jobs(n: int, input_len: int, output_len: int, range_ratio: float, num_images: int,
-                   size: tuple[int, int], rng: random.Random, sampling: dict, shared: bool = False) -> list[Job]:
+                   size: tuple[int, int], rng: random.Random, sampling: dict,
+                   shared: bool = False) -> list[Job]:
     """vLLM's random-mm dataset: each request one user message of num_images random-pixel PNGs of size
     (width, height) as data: URLs, then about input_len random words; no two images alike, or (shared) every
     request with the same images (clients asking about one picture)."""

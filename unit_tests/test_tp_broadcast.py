@@ -125,24 +125,27 @@ def _serve_two_images(guard, folder: str):
         for grids in (ONE, BIG):
             rec = Recorder(b)
             ids = prompt(grids)
-            out.append((generate(LLMEngine(rec), ids, image_input(ids, grids, runner.model_config)), rec.steps))
+            mm = image_input(ids, grids, runner.model_config)
+            out.append((generate(LLMEngine(rec), ids, mm), rec.steps))
     finally:
         b.close()
     return out
 
 
 @pytest.mark.slow
-def test_tp2_ships_pixels_only_with_the_step_that_encodes_them_and_rank_1_samples_what_rank_0_does(models):
+def test_tp2_ships_pixels_only_with_the_step_that_encodes_them_and_rank_1_samples_what_rank_0_does(
+        models):  # noqa: F811
     _, _, folder = models
     one = ModelRunner(vl_cfg(str(folder), 1))
     one.build(4096)
-    want = [generate(LLMEngine(one), prompt(g), image_input(prompt(g), g, one.model_config)) for g in (ONE, BIG)]
+    want = [generate(LLMEngine(one), prompt(g), image_input(prompt(g), g, one.model_config))
+            for g in (ONE, BIG)]
     out, _ = run(_serve_two_images, 2, str(folder))
     assert out[0].ok and out[1].ok, out
     (got_one, steps_one), (got_big, steps_big) = out[0].value
     assert [got_one, got_big] == want
     steps = steps_one + steps_big
-    assert [s["sampled"] for s in steps] == out[1].value  # rank 1 sampled the very tokens of rank 0, step by step
+    assert [s["sampled"] for s in steps] == out[1].value  # rank 1 sampled rank 0's very tokens, step by step
     decode = {}
     for run_steps, grids in ((steps_one, ONE), (steps_big, BIG)):
         encoding = [s for s in run_steps if s["encoded"]]

@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- serving: the step broadcast
-# What rank 0 ships per step: one pickled message of O(rows + prefill tokens) bytes (an image row carries its
-# images' grids and its chunk's M-RoPE positions, never pixels), then, as raw tensors, the pixels of the images
-# the step encodes: at most envelope.encoder_images images of envelope.encoder_patches patches in all.
+# What rank 0 ships per step: one pickled message of O(rows + prefill tokens) bytes (an image row carries
+# its images' grids and its chunk's M-RoPE positions, never pixels), then, as raw tensors, the pixels of the
+# images the step encodes: at most envelope.encoder_images images of envelope.encoder_patches patches in all.
 def encode(step: Step) -> tuple:
     """What a worker needs of a Step, without pixels (requests stay on rank 0: only rank 0 samples for real).
     A vision-language row carries its images' grids, the M-RoPE positions of its own tokens and the delta;
@@ -44,8 +44,8 @@ def pixels(step: Step) -> list[torch.Tensor]:
 def decode(msg: tuple, pixel_values: Sequence[torch.Tensor] = ()) -> Step:
     is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images, routing = msg
     if len(pixel_values) != sum(has_pixels for _, _, has_pixels in encode_images):
-        raise ValueError(f"the step encodes {len(encode_images)} images; {len(pixel_values)} pixel tensors came "
-                         "with it")
+        raise ValueError(f"the step encodes {len(encode_images)} images; {len(pixel_values)} pixel tensors "
+                         "came with it")
     shipped = iter(pixel_values)
     images = [(slot, ImageInput(next(shipped) if has_pixels else None, *meta))
               for slot, meta, has_pixels in encode_images]
@@ -141,6 +141,7 @@ class StepBroadcaster:
         self.on_fatal = on_fatal or (lambda text: None)
         self.fatal: str | None = None
         self.shipped = (0, 0)  # the last step's (message bytes, pixel bytes)
+        self.totals = [0, 0, 0]  # steps, message bytes, pixel bytes
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -156,6 +157,8 @@ class StepBroadcaster:
                 raise TPError(self.fatal)
             try:
                 self.shipped = self._send("step", encode(step), pixels(step))
+                self.totals = [self.totals[0] + 1, self.totals[1] + self.shipped[0],
+                               self.totals[2] + self.shipped[1]]
                 return run_step(self.runner, step)
             except TPError as e:
                 self._fail(str(e))
@@ -178,6 +181,9 @@ class StepBroadcaster:
             if self.fatal is None:
                 self._send("stop")
                 self.fatal = "closed"
+        steps, message, pixel = self.totals
+        log.info("step broadcast: %d steps shipped %.1f MiB of steps and %.1f MiB of pixels", steps,
+                 message / 2**20, pixel / 2**20)
 
     def _send(self, kind: str, payload=None, tensors: Sequence[torch.Tensor] = ()) -> tuple[int, int]:
         shipped = send(self.guard.control, kind, payload, tensors)
@@ -210,4 +216,3 @@ def worker_loop(runner: GuardedRunner, on_step: Callable[[Step, list[int]], None
                 continue
             if on_step is not None:
                 on_step(step, tokens)
-
