@@ -1,5 +1,6 @@
 """Serving under TP: rank 0 ships each step over the control group, every rank runs it in its guard's
-section and votes on its errors (StepFailed: the step's requests end, serving goes on)."""
+section and votes on its errors (StepFailed: the step's requests end, serving goes on). An image's pixels
+travel once, as a tensor, with the step that encodes it; no other step carries pixels."""
 from __future__ import annotations
 
 import logging
