@@ -163,9 +163,9 @@ def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_cro
 def _shared_image_tp2(guard, requests: int):
     """The tiny VL model (random weights, bf16, torch backend) at --tp 2 on NCCL: `requests` requests about
     one picture at the largest --max_image_pixels, all at once, through the step broadcast."""
-    from unit_tests.test_multimodal_engine import image_input
-    from unit_tests.test_qwen2_5_vl import prompt
-    from unit_tests.test_tp_broadcast import Recorder
+    from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+    from models.qwen2_5_vl import mrope_positions
+    from unit_tests.tp_steps import Recorder
     cfg = validate(ServerConfig(model="tiny-vl", attention_backend="torch", max_req_total_len=1024,
                                 batch_max_tokens=512, graph_max_batch_size=16, running_max_req_size=64,
                                 max_image_pixels=256 * 28 * 28, visual_batch_size=4, report_dir=None, tp=2))
@@ -178,12 +178,16 @@ def _shared_image_tp2(guard, requests: int):
         return sampled
     b = broadcast.StepBroadcaster(guarded)
     rec = Recorder(b)
-    grids = [(1, 32, 32)]  # 256 tokens: the largest image of the flags
+    mc = runner.model_config
+    grid = (1, 32, 32)  # 256 tokens: the largest image of the flags
+    picture = torch.randn(32 * 32, mc.vision.patch_dim, generator=torch.Generator().manual_seed(1))
     engine = LLMEngine(rec)
     t0 = time.perf_counter()
     for k in range(requests):
-        ids = prompt(grids, after=(11, 12, 13 + k))
-        engine.add_request(ids, max_tokens=16, mm=image_input(ids, grids, runner.model_config))
+        ids = [5, 6, mc.vision_start_token_id, *[mc.image_token_id] * 256, mc.vision_end_token_id, 9, 13 + k]
+        positions, delta = mrope_positions(ids, [grid], mc)
+        mm = MultiModalInput([ImageInput(picture.clone(), grid, 3, 1234)], positions, delta)
+        engine.add_request(ids, max_tokens=16, mm=mm)
     while engine.has_unfinished():
         engine.step()
     took = time.perf_counter() - t0

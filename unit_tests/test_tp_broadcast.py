@@ -20,6 +20,7 @@ from unit_tests.test_multimodal_engine import image_input
 from unit_tests.test_qwen2_5_vl import ONE, models, prompt  # noqa: F401 - a fixture
 from unit_tests.test_tp import run
 from unit_tests.test_tp_images import generate, vl_cfg
+from unit_tests.tp_steps import Recorder
 
 pytest.importorskip("transformers")
 
@@ -92,25 +93,6 @@ def test_an_encoding_step_ships_exactly_its_images_pixels_and_its_chunks_positio
 
 
 # ---------------------------------------------------------------- served by gloo ranks
-class Recorder:
-    """Rank 0's runner for the engine: the StepBroadcaster, noting what each step shipped."""
-
-    def __init__(self, b: broadcast.StepBroadcaster):
-        self.b, self.steps = b, []
-
-    def __getattr__(self, name: str):
-        return getattr(self.b, name)
-
-    def execute(self, step: Step) -> list[int]:
-        tokens = self.b.execute(step)
-        image_rows = sum(r.mm is not None for r in step.all_rows)
-        encoded = sum(im.pixel_values.nbytes for _, im in step.encode)
-        self.steps.append(dict(prefill=step.is_prefill, rows=len(step.all_rows), image_rows=image_rows,
-                               tokens=sum(len(r.ids) for r in step.rows), encoded=encoded,
-                               message=self.b.shipped[0], pixels=self.b.shipped[1], sampled=tokens))
-        return tokens
-
-
 def _serve_two_images(guard, folder: str):
     runner = ModelRunner(vl_cfg(folder, 2), rank=guard.rank, world_size=2, group=guard.data)
     guarded = guard.bind(runner)
