@@ -234,7 +234,8 @@ def rank_probe(guard, cfg, serve_prompts: int = 8, nccl_dump: bool = True) -> di
 def nccl_facts(arch: str, dump: bool) -> dict:
     import torch
     try:
-        version = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()  # a tuple; an int (e.g. 21805) on old torch
+        version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except Exception as e:  # noqa: BLE001
         version = f"unknown ({e})"
     lib = loaded_library("libnccl")
