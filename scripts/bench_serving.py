@@ -22,6 +22,9 @@ as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) u
 
     python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-base-items-per-request 2 \
         --random-mm-image-size 1280x720 --random-input-len 256 --max-concurrency 64 --num-prompts 256
+    # 200 requests about one 1200x900 picture, all at once (scripts/tp_images_check.sh: --tp 1 against 2)
+    python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-shared-images \
+        --random-mm-image-size 1200x900 --random-input-len 64 --random-output-len 64 --num-prompts 200
 Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
 """
 from __future__ import annotations
@@ -172,18 +175,23 @@ def random_png(width: int, height: int, rng: random.Random) -> bytes:
 
 
 def random_mm_jobs(n: int, input_len: int, output_len: int, range_ratio: float, num_images: int,
-                   size: tuple[int, int], rng: random.Random, sampling: dict) -> list[Job]:
-    """vLLM's random-mm dataset: each request one user message of about input_len random words and
-    num_images random-pixel PNGs of size (width, height) as data: URLs, no two images alike."""
+                   size: tuple[int, int], rng: random.Random, sampling: dict,
+                   shared: bool = False) -> list[Job]:
+    """vLLM's random-mm dataset: each request one user message of num_images random-pixel PNGs of size
+    (width, height) as data: URLs, then about input_len random words; no two images alike, or (shared) every
+    request with the same images (clients asking about one picture)."""
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
 
+    def images() -> list[dict]:
+        return [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                    + base64.b64encode(random_png(*size, rng)).decode()}}
+                for _ in range(num_images)]
+    same = images() if shared else None
+
     def message() -> list[dict]:
         text = " ".join(rng.choice(WORDS) for _ in range(length(input_len)))
-        images = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                                                      + base64.b64encode(random_png(*size, rng)).decode()}}
-                  for _ in range(num_images)]
-        return [{"role": "user", "content": [*images, {"type": "text", "text": text}]}]
+        return [{"role": "user", "content": [*(same or images()), {"type": "text", "text": text}]}]
     return [Job([], length(output_len), "random-mm", dict(sampling), messages=message()) for _ in range(n)]
 
 
@@ -596,7 +604,8 @@ def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:
     if args.dataset_name == "random-mm":
         return random_mm_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
                               args.random_range_ratio, args.random_mm_base_items_per_request,
-                              args.random_mm_image_size, rng, sampling_fields(args))
+                              args.random_mm_image_size, rng, sampling_fields(args),
+                              args.random_mm_shared_images)
     return random_jobs(args.num_prompts, args.random_input_len, args.random_output_len,
                        args.random_range_ratio, rng, sampling_fields(args))
 
@@ -631,6 +640,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="random-mm: images per request")
     p.add_argument("--random-mm-image-size", type=image_size, default=(512, 512),
                    help="random-mm: WIDTHxHEIGHT of every image (vLLM: --random-mm-bucket-config)")
+    p.add_argument("--random-mm-shared-images", action="store_true",
+                   help="random-mm: every request carries the same images (drawn once; the text differs), "
+                        "as clients asking about one picture")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -679,8 +691,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     w, h = args.random_mm_image_size
     if args.dataset_name == "random-mm" and not 0 <= args.random_mm_base_items_per_request <= 64:
         p.error("--random-mm-base-items-per-request must be in [0, 64]")
+    drawn = 1 if args.random_mm_shared_images else args.num_prompts
     if args.dataset_name == "random-mm" and \
-            args.num_prompts * args.random_mm_base_items_per_request * w * h * 4 > MAX_DATASET_BYTES:
+            drawn * args.random_mm_base_items_per_request * w * h * 4 > MAX_DATASET_BYTES:
         p.error(f"--num-prompts x --random-mm-base-items-per-request x --random-mm-image-size is over "
                 f"{MAX_DATASET_BYTES >> 30} GiB of base64 images, built before sending: fewer prompts or "
                 "smaller images (e.g. --num-prompts 256 --random-mm-image-size 1280x720)")

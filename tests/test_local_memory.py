@@ -180,3 +180,34 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
     assert spilling(got["kernels"]) == []
     assert got["before"] == memory.STACK_BOUND
     assert got["after"] <= memory.STACK_BOUND and got["profiled"] == got["after"], got
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_profile_measured(tmp_path):
+    """Issue 32: at --tp 2 the served models' ranks log a stack limit of 1,744 B (1,024 at --tp 1). Each rank
+    of a --tp 2 auto-profile of the small model reads its stack limit and non-torch memory at every stage
+    (scripts/tp_local_memory.py: NCCL's init and first collectives, each profiler checkpoint, 8 served
+    requests). No Triton kernel of ours spills past the bound; whatever raised the limit (the report names
+    the stage; NCCL's kernels' stack frames are listed), the profile recorded the final limit, and serving
+    grew neither it nor the non-torch memory."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tp_local_memory
+    from autoprofile.config import ServerConfig, validate
+    from autoprofile.tp import launch
+    folder = tmp_path / "small"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMALL_MODEL))
+    cfg = validate(ServerConfig(model=str(folder), attention_backend="aiter_triton", max_req_total_len=131072,
+                                batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None, tp=2))
+    out = launch.launch(tp_local_memory.rank_probe, 2, (cfg, 8, True),
+                        env={"NCCL_NVLS_ENABLE": "0"}, timeout_s=900)
+    assert all(o.ok for o in out), out
+    ranks = [o.value for o in out]
+    print(tp_local_memory.report(ranks))
+    for r in ranks:
+        stages = {s["stage"]: s for s in r["stages"]}
+        served, validated = stages["served 8 requests"], stages["validated"]
+        assert served["stack"] == validated["stack"] == r["profile_stack_limit"], r["stages"]
+        assert served["non_torch_gib"] <= validated["non_torch_gib"] + 1 / 32, r["stages"]  # 32 MiB: noise
+        ours = [{**k, "local": k["local"] or 0} for k in r["triton"] if "error" not in k]
+        assert ours and spilling(ours) == [], [k for k in r["triton"] if "error" in k] + spilling(ours)

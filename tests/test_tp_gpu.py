@@ -160,6 +160,62 @@ def test_tp2_deterministic_a_request_gets_the_same_tokens_alone_and_inside_a_cro
     assert got.mixed_steps > 0 and got.graph_steps > 0 and got.most_rows >= 8, got
 
 
+# ---------------------------------------------------------------- images: pixels with their encoder step
+def _shared_image_tp2(guard, requests: int):
+    """The tiny VL model (random weights, bf16, torch backend) at --tp 2 on NCCL: `requests` requests about
+    one picture at the largest --max_image_pixels, all at once, through the step broadcast."""
+    from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+    from models.qwen2_5_vl import mrope_positions
+    from unit_tests.tp_steps import Recorder
+    cfg = validate(ServerConfig(model="tiny-vl", attention_backend="torch", max_req_total_len=1024,
+                                batch_max_tokens=512, graph_max_batch_size=16, running_max_req_size=64,
+                                max_image_pixels=256 * 28 * 28, visual_batch_size=4, report_dir=None, tp=2))
+    runner = ModelRunner(cfg, rank=guard.rank, world_size=2, group=guard.data)
+    guarded = guard.bind(runner)
+    guarded.build(65536)
+    if guard.rank:
+        sampled = []
+        broadcast.worker_loop(guarded, lambda step, tokens: sampled.append(tokens))
+        return sampled
+    b = broadcast.StepBroadcaster(guarded)
+    rec = Recorder(b)
+    mc = runner.model_config
+    grid = (1, 32, 32)  # 256 tokens: the largest image of the flags
+    picture = torch.randn(32 * 32, mc.vision.patch_dim, generator=torch.Generator().manual_seed(1))
+    engine = LLMEngine(rec)
+    t0 = time.perf_counter()
+    for k in range(requests):
+        ids = [5, 6, mc.vision_start_token_id, *[mc.image_token_id] * 256, mc.vision_end_token_id, 9, 13 + k]
+        positions, delta = mrope_positions(ids, [grid], mc)
+        mm = MultiModalInput([ImageInput(picture.clone(), grid, 3, 1234)], positions, delta)
+        engine.add_request(ids, max_tokens=16, mm=mm)
+    while engine.has_unfinished():
+        engine.step()
+    took = time.perf_counter() - t0
+    b.close()
+    return rec.steps, took
+
+
+def test_tp2_images_ship_pixels_only_with_the_step_that_encodes_them(tmp_path):
+    """Issue 32: a decode step used to pickle every image row's pixels (183 MiB at 8 rows of the default
+    --max_image_pixels). Now only an encoding step carries pixels, exactly its images'; rank 1 samples what
+    rank 0 does."""
+    out = launch.launch(_shared_image_tp2, 2, (64,), timeout_s=300)
+    assert all(o.ok for o in out), out
+    steps, took = out[0].value
+    assert [s["sampled"] for s in steps] == out[1].value
+    pixel = sum(s["pixels"] for s in steps)
+    decode = [s for s in steps if not s["prefill"] and s["image_rows"]]
+    print(f"64 requests about one image at --tp 2: {len(steps)} steps in {took:.2f} s; shipped "
+          f"{sum(s['message'] for s in steps) / 2**20:.2f} MiB of steps and {pixel / 2**20:.1f} MiB of "
+          f"pixels "
+          f"({sum(bool(s['encoded']) for s in steps)} encoding steps); decode steps: at most "
+          f"{max(s['message'] for s in decode)} B for {max(s['rows'] for s in decode)} rows")
+    assert all(s["pixels"] == s["encoded"] for s in steps)
+    assert pixel == sum(s["encoded"] for s in steps) > 0
+    assert len(decode) >= 10 and all(s["message"] <= 400 + 600 * s["rows"] for s in decode)
+
+
 # ---------------------------------------------------------------- a full auto-profile
 def test_autoprofile_llama8b_tp2(tmp_path):
     from autoprofile.tp.launch import profile_tp as profile

@@ -147,6 +147,19 @@ def test_random_mm_requests_are_chat_completions_the_server_can_read():
     assert len(hashes) == 6  # no two images alike: no prefix-cache hits between requests
 
 
+def test_random_mm_shared_images_sends_every_request_the_same_images_with_its_own_text():
+    import random
+    jobs = bench_serving.dataset_jobs(mm_args("--random-mm-shared-images", "--num-prompts", "4"),
+                                      random.Random(0))
+    contents = [j.messages[0]["content"] for j in jobs]
+    assert len(jobs) == 4 and all(len(c) == 3 for c in contents)
+    assert all(c[:2] == contents[0][:2] for c in contents)
+    assert contents[0][0] != contents[0][1]  # two images per request, unlike each other
+    assert len({c[2]["text"] for c in contents}) == 4
+    # one draw of images: a dataset of 100,000 requests about one 4000x3000 picture is allowed
+    mm_args("--random-mm-shared-images", "--num-prompts", "100000", "--random-mm-image-size", "4000x3000")
+
+
 def test_random_mm_is_reproducible_from_the_seed():
     import random
     a = bench_serving.dataset_jobs(mm_args(), random.Random(1))

@@ -1,15 +1,20 @@
 """Serving under TP: rank 0 ships each step over the control group, every rank runs it in its guard's
-section and votes on its errors (StepFailed: the step's requests end, serving goes on)."""
+section and votes on its errors (StepFailed: the step's requests end, serving goes on). An image's pixels
+travel once, as a tensor, with the step that encodes it; no other step carries pixels."""
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from autoprofile import memory
+from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.tp.channel import HEARTBEAT_S, GuardedRunner, StepFailed, TPError, is_consequence
 from autoprofile.tp.votes import describe, gather_errors
 
@@ -17,20 +22,93 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- serving: the step broadcast
-def encode(step) -> tuple:
-    """What a worker needs of a Step (requests stay on rank 0: only rank 0 samples for real). A
-    vision-language model's rows carry their images (M-RoPE positions and deltas; the pixels of the images
-    this step encodes, which every rank encodes with its own replica of the tower)."""
-    rows = [[(r.slot, r.start, r.ids, r.sample, r.params, None, r.mm, r.spans) for r in part]
+# What rank 0 ships per step: one pickled message of O(rows + prefill tokens) bytes (an image row carries
+# its images' grids and its chunk's M-RoPE positions, never pixels), then, as raw tensors, the pixels of the
+# images the step encodes: at most envelope.encoder_images images of envelope.encoder_patches patches in all.
+def encode(step: Step) -> tuple:
+    """What a worker needs of a Step, without pixels (requests stay on rank 0: only rank 0 samples for real).
+    A vision-language row carries its images' grids, the M-RoPE positions of its own tokens and the delta;
+    the images this step encodes travel apart (`pixels`), and every rank encodes them with its own replica
+    of the tower."""
+    rows = [[(r.slot, r.start, r.ids, r.sample, r.params, None, _row_images(r), r.spans) for r in part]
             for part in (step.rows, step.decode)]
-    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used, step.encode, step.routing
+    encode_images = [(slot, _image_meta(im), im.pixel_values is not None) for slot, im in step.encode]
+    return step.is_prefill, rows, step.page_writes, step.running, step.pages_used, encode_images, step.routing
 
 
-def decode(msg: tuple):
-    from autoprofile.engine.scheduler import Step, StepRow
+def pixels(step: Step) -> list[torch.Tensor]:
+    """The pixels of the images the step encodes (host tensors, in step.encode's order), shipped after
+    `encode(step)`."""
+    return [im.pixel_values.contiguous() for _, im in step.encode if im.pixel_values is not None]
+
+
+def decode(msg: tuple, pixel_values: Sequence[torch.Tensor] = ()) -> Step:
     is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images, routing = msg
-    return Step(is_prefill, [StepRow(*r) for r in rows], page_writes, running, pages_used, encode_images,
-                decode=[StepRow(*r) for r in decode_rows], routing=routing)
+    if len(pixel_values) != sum(has_pixels for _, _, has_pixels in encode_images):
+        raise ValueError(f"the step encodes {len(encode_images)} images; {len(pixel_values)} pixel tensors "
+                         "came with it")
+    shipped = iter(pixel_values)
+    images = [(slot, ImageInput(next(shipped) if has_pixels else None, *meta))
+              for slot, meta, has_pixels in encode_images]
+    return Step(is_prefill, [_step_row(r) for r in rows], page_writes, running, pages_used, images,
+                decode=[_step_row(r) for r in decode_rows], routing=routing)
+
+
+def _image_meta(im: ImageInput) -> tuple:
+    return im.grid, im.offset, im.hash
+
+
+def _row_images(r: StepRow) -> tuple | None:
+    """A row's MultiModalInput on the wire: its images without pixels, and of the prompt's M-RoPE positions
+    only those of the row's own tokens (none for a decode row)."""
+    mm = r.mm
+    if mm is None:
+        return None
+    end = r.start + len(r.ids)
+    own = None
+    if mm.positions is not None and r.start < mm.positions.shape[1]:
+        own = mm.positions[:, r.start:end].clone()  # NOTE: a view would pickle the whole prompt's positions
+    return [_image_meta(im) for im in mm.images], own, mm.delta, dict(mm.slots)
+
+
+def _step_row(wire: tuple) -> StepRow:
+    slot, start, ids, sample, params, request, mm, spans = wire
+    if mm is not None:
+        images, own, delta, slots = mm
+        positions = None
+        if own is not None:
+            # NOTE: ModelRunner._mrope reads a row's positions[:, start:end] only: the columns before start
+            # are zeros here, and the width (start + own's) places the tail after the prompt as the full
+            # prompt's width would
+            positions = torch.zeros(3, start + own.shape[1], dtype=own.dtype)
+            positions[:, start:] = own
+        mm = MultiModalInput([ImageInput(None, *meta) for meta in images], positions, delta, slots)
+    return StepRow(slot, start, ids, sample, params, request, mm, spans)
+
+
+def send(group, kind: str, payload=None, tensors: Sequence[torch.Tensor] = ()) -> tuple[int, int]:
+    """Rank 0: (kind, payload) pickled, then each tensor's raw bytes; returns (message bytes, tensor
+    bytes)."""
+    data = torch.frombuffer(bytearray(pickle.dumps((kind, payload, [(t.shape, t.dtype) for t in tensors]))),
+                            dtype=torch.uint8)
+    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64), src=0, group=group)
+    dist.broadcast(data, src=0, group=group)
+    for t in tensors:
+        dist.broadcast(t, src=0, group=group)
+    return data.numel(), sum(t.nbytes for t in tensors)
+
+
+def receive(group) -> tuple[str, object, list[torch.Tensor]]:
+    """Ranks > 0: what rank 0's `send` shipped: (kind, payload, tensors)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    kind, payload, specs = pickle.loads(data.numpy().tobytes())
+    tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    for t in tensors:
+        dist.broadcast(t, src=0, group=group)
+    return kind, payload, tensors
 
 
 def run_step(runner: GuardedRunner, step) -> list[int]:
@@ -63,6 +141,8 @@ class StepBroadcaster:
         self.runner, self.guard = runner, runner.guard
         self.on_fatal = on_fatal or (lambda text: None)
         self.fatal: str | None = None
+        self.shipped = (0, 0)  # the last step's (message bytes, pixel bytes)
+        self.totals = [0, 0, 0]  # steps, message bytes, pixel bytes
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -77,7 +157,9 @@ class StepBroadcaster:
             if self.fatal is not None:
                 raise TPError(self.fatal)
             try:
-                self._send(("step", encode(step)))
+                self.shipped = self._send("step", encode(step), pixels(step))
+                self.totals = [self.totals[0] + 1, self.totals[1] + self.shipped[0],
+                               self.totals[2] + self.shipped[1]]
                 return run_step(self.runner, step)
             except TPError as e:
                 self._fail(str(e))
@@ -98,34 +180,40 @@ class StepBroadcaster:
         self._stop.set()
         with self._lock:
             if self.fatal is None:
-                self._send(("stop", None))
+                self._send("stop")
                 self.fatal = "closed"
+        steps, message, pixel = self.totals
+        log.info("step broadcast: %d steps shipped %.1f MiB of steps and %.1f MiB of pixels", steps,
+                 message / 2**20, pixel / 2**20)
 
-    def _send(self, msg: tuple) -> None:
-        dist.broadcast_object_list([msg], src=0, group=self.guard.control)
+    def _send(self, kind: str, payload=None, tensors: Sequence[torch.Tensor] = ()) -> tuple[int, int]:
+        shipped = send(self.guard.control, kind, payload, tensors)
         self._last = time.monotonic()
+        return shipped
 
     def _heartbeat(self, every: float) -> None:
         while not self._stop.wait(every / 4):
             with self._lock:
                 if self.fatal is None and time.monotonic() - self._last >= every:
-                    self._send(("ping", None))
+                    self._send("ping")
 
 
-def worker_loop(runner: GuardedRunner) -> int:
-    """Ranks > 0: run every step rank 0 ships until it says stop; returns the steps run. A fatal step
-    raises TPError (the same text as rank 0's); rank 0 dying ends the loop with a gloo error."""
+def worker_loop(runner: GuardedRunner, on_step: Callable[[Step, list[int]], None] | None = None) -> int:
+    """Ranks > 0: run every step rank 0 ships until it says stop; returns the steps run. on_step(step, this
+    rank's tokens) after each step that ran. A fatal step raises TPError (the same text as rank 0's); rank 0
+    dying ends the loop with a gloo error."""
     steps = 0
     while True:
-        msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=runner.guard.control)
-        kind, payload = msg[0]
+        kind, payload, tensors = receive(runner.guard.control)
         if kind == "stop":
             return steps
         if kind == "step":
             steps += 1
+            step = decode(payload, tensors)
             try:
-                run_step(runner, decode(payload))
+                tokens = run_step(runner, step)
             except StepFailed as e:
                 log.warning("step %d failed on some rank (rank 0 ends its requests): %s", steps, e)
-
+                continue
+            if on_step is not None:
+                on_step(step, tokens)
