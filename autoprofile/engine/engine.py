@@ -170,7 +170,9 @@ class LLMEngine:
             with HostTimer(self.clock, "execute"):
                 tokens = self.runner.launch(step) if self.overlap else self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
-            self._failed(step.rows, e, outputs)  # a mixed step's decode rows run again in the next step
+            # a mixed step's decode rows run again in the next step, with the pages the device knows
+            self._failed(step.rows, e, outputs)
+            self.scheduler.rollback(step)
             return None
         self.scheduler.launched(step)
         return step, tokens

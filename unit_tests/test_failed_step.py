@@ -1,0 +1,167 @@
+"""A step that fails leaves no half-state (DESIGN.md: "A failed step must leave no half-state"): pages granted
+to the step's rows that survive it go back, so the host's page lists and the device's page table agree again,
+and no row writes K/V through a stale column into a page the prefix cache maps to another prompt."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.envelope import EnvelopeError
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.weights import init_random
+from unit_tests.test_scheduler import SHARED, STOPS, VOCAB, StepRunner, envelope, invariants
+
+TINY = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=128,
+            batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=4, report_dir=None)
+C = [(29 * j) % 4000 + 5 for j in range(40)]  # 40 tokens: two full 16-token pages enter the prefix cache
+D = C[:-1] + [C[-1] + 1]  # C's prompt with another last token: it takes C's two pages back
+A, B = [(13 * j) % 4000 + 7 for j in range(10)], [(17 * j) % 4000 + 3 for j in range(20)]
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    r = ModelRunner(validate(ServerConfig(**TINY)))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(1024)
+    return r
+
+
+def fail_once(monkeypatch, owner, name: str, when, error: Exception) -> list:
+    """owner.name raises `error` the first time it is called with a step for which when(step) holds."""
+    real, fired = getattr(owner, name), []
+
+    def method(arg, *a, **kw):
+        if not fired and when(arg):
+            fired.append(arg)
+            raise error
+        return real(arg, *a, **kw)
+    monkeypatch.setattr(owner, name, method)
+    return fired
+
+
+def grows_a_decode_row(step) -> bool:
+    """A mixed step in which a decode row gets a new page (a write past column 0 of its slot)."""
+    grown = {slot for slot, first, _ in step.page_writes if first > 0}
+    return bool(step.rows) and any(r.slot in grown for r in step.decode)
+
+
+def run(engine: LLMEngine) -> dict[str, tuple[list[int], str]]:
+    out: dict[str, tuple[list[int], str]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, _ = out.get(o.request_id, ([], ""))
+            out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("where", ["envelope", "page_write"])
+def test_a_failed_mixed_step_leaves_no_stale_page_for_its_decode_rows(runner, monkeypatch, overlap, where):
+    """C leaves its pages in slot 0's columns of the page table and in the prefix cache. A decodes in slot 0
+    until it needs its second page inside a mixed step (beside B's prompt), and that step fails before the
+    page table learns the page (the envelope check, or the table's write). B fails; A goes on and, like D
+    (C's prompt with another last token, served from C's cached pages), gets the tokens it gets alone."""
+    alone = {name: LLMEngine(runner).generate([p], max_tokens=n)[0]
+             for name, p, n in (("A", A, 14), ("D", D, 8))}
+    engine = LLMEngine(runner, overlap=overlap)
+    c = engine.add_request(C, max_tokens=4)
+    assert run(engine)[c][1] == "length" and engine.stats.pages_used == 0
+    if where == "envelope":  # the runner refuses the step before it writes the page table
+        fired = fail_once(monkeypatch, runner, "launch", grows_a_decode_row, EnvelopeError("injected"))
+    else:
+        fired = fail_once(monkeypatch, runner.req_table, "write",
+                          lambda writes: any(first > 0 for _, first, _ in writes), RuntimeError("injected"))
+    a = engine.add_request(A, max_tokens=14)
+    req_a = engine.scheduler.waiting[0]
+    out: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    b = None
+    while engine.has_unfinished():
+        if b is None and req_a.num_computed == 16:  # its next decode row needs a second page
+            assert req_a.slot == 0 and len(req_a.pages) == 1
+            b = engine.add_request(B, max_tokens=4)
+        for o in engine.step():
+            out[o.request_id] = out.get(o.request_id, []) + o.new_token_ids
+            reasons[o.request_id] = o.finish_reason
+    assert fired, "the injected failure never ran"
+    assert reasons[b] == "error" and engine.stats.failed_steps == 1
+    assert (out[a], reasons[a]) == (alone["A"], "length")
+    d = engine.add_request(D, max_tokens=8)
+    got = run(engine)[d]
+    assert engine.stats.prefix_hit_tokens == 32  # D took C's two pages back
+    assert got == (alone["D"], "length")
+    assert engine.stats.pages_used == 0
+
+
+# ---------------------------------------------------------------- any step may fail (no model)
+class FailingStepRunner(StepRunner):
+    """StepRunner (the device's page table kept as a dict, every row's pages checked against it) whose
+    chosen launches fail: "early" before the page table is written (an EnvelopeError), "late" after (the
+    forward raising). A row whose pages the table does not hold is recorded in `stale`."""
+
+    def __init__(self, env, kv_pages: int, fail: dict[int, str]):
+        super().__init__(env, kv_pages)
+        self.fail, self.launches, self.stale, self.failed_rows = fail, 0, [], []
+
+    def execute(self, step) -> list[int]:
+        at, self.launches = self.launches, self.launches + 1
+        how = self.fail.get(at)
+        if how is not None:
+            self.failed_rows.append(step.rows)
+            if how == "late":
+                for slot, first, pages in step.page_writes:
+                    for i, p in enumerate(pages):
+                        self.page_table[slot, first + i] = p
+                raise RuntimeError("injected: the forward failed")
+            raise EnvelopeError("injected: refused before the page table learned the step's pages")
+        try:
+            return super().execute(step)
+        except AssertionError as e:
+            self.stale.append(e)
+            raise
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
+                                st.integers(1, 60),  # prompt length
+                                st.integers(1, 30),  # max_tokens
+                                st.integers(0, 40)),  # leading tokens shared with the other requests
+                      min_size=1, max_size=12),
+       fail=st.dictionaries(st.integers(0, 60), st.sampled_from(["early", "late"]), max_size=6),
+       kv_pages=st.integers(25, 60), batch=st.integers(2, 32), running=st.integers(2, 6),
+       overlap=st.booleans())
+def test_failed_steps_leave_every_surviving_row_on_the_pages_the_device_knows(
+        trace, fail, kv_pages, batch, running, overlap):
+    """Random arrivals (shared prefixes, preemption, mixed steps), random steps failing before or after the
+    page-table write: every row that runs finds its request's pages in the device's table; the requests of
+    the failed steps' prefill rows (all rows of a decode step) end with "error", every other request gets the
+    tokens it gets when nothing fails; at the end every page and slot is free."""
+    def serve(fail: dict[int, str]):
+        env = envelope(kv_pages=kv_pages, page_size=4, context=96, batch=batch, running=running)
+        runner = FailingStepRunner(env, kv_pages, fail)
+        engine = LLMEngine(runner, overlap=overlap)
+        pending = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
+        ids, out, clock = {}, {}, 0
+        while pending or engine.has_unfinished():
+            while pending and pending[0][0] <= clock:
+                _, i = pending.pop(0)
+                _, n, max_tokens, shared = trace[i]
+                prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+                ids[engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)] = i
+            for o in engine.step():
+                tokens, _ = out.get(ids[o.request_id], ([], ""))
+                out[ids[o.request_id]] = (tokens + o.new_token_ids, o.finish_reason)
+            invariants(engine)
+            clock += 1
+            assert clock < 5000, "no progress"
+        assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
+        failed = {ids[r.request.request_id] for rows in runner.failed_rows for r in rows}
+        return out, runner, failed
+    want, _, _ = serve({})
+    got, runner, failed = serve(fail)
+    assert not runner.stale, runner.stale[0]
+    assert {i for i, (_, reason) in got.items() if reason == "error"} == failed
+    assert {i: v for i, v in got.items() if i not in failed} == {i: want[i] for i in got if i not in failed}
