@@ -3,16 +3,23 @@ to the step's rows that survive it go back, so the host's page lists and the dev
 and no row writes K/V through a stale column into a page the prefix cache maps to another prompt."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import EnvelopeError
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.weights import init_random
+from autoprofile.serving import async_engine
 from unit_tests.test_scheduler import SHARED, STOPS, VOCAB, StepRunner, envelope, invariants
+from unit_tests.test_server import CFG as SERVER_CFG
+from unit_tests.test_server import booted, greedy, serve  # noqa: F401 - booted: the server's runner fixture
 
 TINY = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=128,
             batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=4, report_dir=None)
@@ -165,3 +172,61 @@ def test_failed_steps_leave_every_surviving_row_on_the_pages_the_device_knows(
     assert not runner.stale, runner.stale[0]
     assert {i for i, (_, reason) in got.items() if reason == "error"} == failed
     assert {i: v for i, v in got.items() if i not in failed} == {i: want[i] for i in got if i not in failed}
+
+
+# ---------------------------------------------------------------- a loop that can never step
+@pytest.mark.parametrize("leak", ["pages", "slots"])
+def test_a_loop_starved_by_a_leak_is_dead_and_health_says_why(booted, monkeypatch, leak):  # noqa: F811
+    """Every KV page (or every request slot) leaked: the loop keeps iterating, so it is not wedged, but no
+    step can ever run. After starved_after_s the server says so: /health 503 with the reason, the waiting
+    request fails with 503 engine_dead."""
+    runner, result = booted
+    engine = LLMEngine.from_config(runner, SERVER_CFG)
+    if leak == "pages":
+        engine.scheduler.allocator.alloc(engine.scheduler.allocator.num_free)
+    else:
+        engine.scheduler.free_slots.clear()
+    monkeypatch.setattr(async_engine, "STARVED_AFTER_S", 0.5)
+
+    async def body(c, app):
+        t0 = time.monotonic()
+        r = await asyncio.wait_for(c.post("/v1/completions", json=greedy(n=4)), 5)
+        waited = time.monotonic() - t0
+        h = await c.get("/health")
+        return r.status, await r.json(), waited, h.status, await h.json(), app[server.STATE].died.is_set()
+    status, err, waited, h_status, health, died = serve(engine, result, body)
+    assert status == 503 and err["error"]["code"] == "engine_dead"
+    assert h_status == 503 and health["status"] == "dead" and died
+    assert "ran no step for 0.5 s" in health["reason"] and "starved" in health["reason"]
+    assert "0 running and 1 waiting" in health["reason"]
+    assert 0.5 <= waited < 3.0
+
+
+def test_slow_steps_and_a_busy_loop_are_not_starved(booted, monkeypatch):  # noqa: F811
+    """Steps that each take longer than starved_after_s (the loop is inside them: the wedge watchdog's
+    business), and a loop that steps all along for longer than it: served, healthy."""
+    runner, result = booted
+    engine = LLMEngine.from_config(runner, SERVER_CFG)
+    monkeypatch.setattr(async_engine, "STARVED_AFTER_S", 0.3)
+    real_launch, slow = runner.launch, [0.8, 0.8]
+
+    def launch(step):
+        if slow:
+            time.sleep(slow.pop())
+        return real_launch(step)
+    monkeypatch.setattr(runner, "launch", launch)
+
+    async def body(c, app):
+        t0 = time.monotonic()
+        first = await c.post("/v1/completions", json=greedy(n=2))
+        slow_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        rest = [await c.post("/v1/completions", json=greedy(f"p{i}", n=40, ignore_eos=True))
+                for i in range(8)]
+        busy_s = time.monotonic() - t0
+        h = await c.get("/health")
+        return first.status, slow_s, [r.status for r in rest], busy_s, h.status
+    first, slow_s, rest, busy_s, h_status = serve(engine, result, body)
+    assert first == 200 and slow_s >= 1.6 and rest == [200] * 8 and h_status == 200
+    assert busy_s > 0.3, "the busy loop never outlasted starved_after_s: nothing tested"
+    assert engine.stats.pages_used == 0

@@ -45,6 +45,7 @@ class EngineStats:
     failed_steps: int  # steps that raised: their requests finished with finish_reason "error"
     ooms: int  # of those, out-of-memory errors (a validated envelope keeps this 0)
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    launched: int = 0  # steps launched (overlap: one ahead of `steps`); none while every request starves
 
 
 class LLMEngine:
@@ -64,7 +65,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()
         self._arrivals = itertools.count()
-        self._steps = self._failed_steps = self._ooms = 0
+        self._steps = self._failed_steps = self._ooms = self._launched = 0
         self.clock = runner.clock
         self.clock.reset()
 
@@ -175,6 +176,7 @@ class LLMEngine:
             self.scheduler.rollback(step)
             return None
         self.scheduler.launched(step)
+        self._launched += 1
         return step, tokens
 
     def _collect(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -220,7 +222,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
                            s.allocator.capacity,
-                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens)
+                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = GREEDY,
