@@ -14,6 +14,11 @@ Overlap (LLMEngine(runner, overlap=True), the server's default on one GPU; SGLan
 schedules and launches the next step before it waits for the step in flight, so the host's scheduling, input
 building and token handling run while the GPU computes, and step() returns the outputs of the step before
 (scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs.
+
+A step that raises ends its prefill rows' requests with finish_reason "error" (a decode step's: all of them);
+a mixed step's decode rows give back the pages it granted them (Scheduler.rollback: the device's page table
+may never have learned them) and run again in the next step. A step that raises on its read back (overlap) ends
+every request it holds.
 """
 from __future__ import annotations
 
