@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -106,17 +108,33 @@ def test_a_failed_mixed_step_leaves_no_stale_page_for_its_decode_rows(runner, mo
 # ---------------------------------------------------------------- any step may fail (no model)
 class FailingStepRunner(StepRunner):
     """StepRunner (the device's page table kept as a dict, every row's pages checked against it) whose
-    chosen launches fail: "early" before the page table is written (an EnvelopeError), "late" after (the
-    forward raising). A row whose pages the table does not hold is recorded in `stale`."""
+    chosen steps fail: "early" before the page table is written (an EnvelopeError), "late" after (the forward
+    raising), "readback" once the step ran (its tokens' copy to the host raising: overlap reads them in the
+    next step() call). A row whose pages the table does not hold is recorded in `stale`."""
 
     def __init__(self, env, kv_pages: int, fail: dict[int, str]):
         super().__init__(env, kv_pages)
         self.fail, self.launches, self.stale, self.failed_rows = fail, 0, [], []
 
+    def launch(self, step) -> SimpleNamespace:
+        how = self.fail.get(self.launches)
+        tokens = self._run(step)
+        if how == "readback":
+            self.failed_rows.append(step.all_rows)  # every row was counted as launched
+            return SimpleNamespace(result=readback_failed)
+        return SimpleNamespace(result=lambda: tokens)
+
     def execute(self, step) -> list[int]:
+        tokens = self._run(step)
+        if self.fail.get(self.launches - 1) == "readback":
+            self.failed_rows.append(step.rows)
+            readback_failed()
+        return tokens
+
+    def _run(self, step) -> list[int]:
         at, self.launches = self.launches, self.launches + 1
         how = self.fail.get(at)
-        if how is not None:
+        if how in ("early", "late"):
             self.failed_rows.append(step.rows)
             if how == "late":
                 for slot, first, pages in step.page_writes:
@@ -131,21 +149,26 @@ class FailingStepRunner(StepRunner):
             raise
 
 
+def readback_failed():
+    raise RuntimeError("injected: the tokens' copy to the host failed")
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
                                 st.integers(1, 60),  # prompt length
                                 st.integers(1, 30),  # max_tokens
                                 st.integers(0, 40)),  # leading tokens shared with the other requests
                       min_size=1, max_size=12),
-       fail=st.dictionaries(st.integers(0, 60), st.sampled_from(["early", "late"]), max_size=6),
+       fail=st.dictionaries(st.integers(0, 60), st.sampled_from(["early", "late", "readback"]), max_size=6),
        kv_pages=st.integers(25, 60), batch=st.integers(2, 32), running=st.integers(2, 6),
        overlap=st.booleans())
 def test_failed_steps_leave_every_surviving_row_on_the_pages_the_device_knows(
         trace, fail, kv_pages, batch, running, overlap):
     """Random arrivals (shared prefixes, preemption, mixed steps), random steps failing before or after the
-    page-table write: every row that runs finds its request's pages in the device's table; the requests of
-    the failed steps' prefill rows (all rows of a decode step) end with "error", every other request gets the
-    tokens it gets when nothing fails; at the end every page and slot is free."""
+    page-table write or on their read back: every row that runs finds its request's pages in the device's
+    table; only requests of the failed steps' failed rows (prefill rows; every row of a decode step or of an
+    overlapped read back) end with "error", every other request gets the tokens it gets when nothing fails;
+    at the end every page and slot is free."""
     def serve(fail: dict[int, str]):
         env = envelope(kv_pages=kv_pages, page_size=4, context=96, batch=batch, running=running)
         runner = FailingStepRunner(env, kv_pages, fail)
@@ -170,7 +193,8 @@ def test_failed_steps_leave_every_surviving_row_on_the_pages_the_device_knows(
     want, _, _ = serve({})
     got, runner, failed = serve(fail)
     assert not runner.stale, runner.stale[0]
-    assert {i for i, (_, reason) in got.items() if reason == "error"} == failed
+    errors = {i for i, (_, reason) in got.items() if reason == "error"}
+    assert errors <= failed  # a request that stopped on a token may have one more row in a failed step
     assert {i: v for i, v in got.items() if i not in failed} == {i: want[i] for i in got if i not in failed}
 
 
