@@ -9,6 +9,7 @@ import traceback
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from autoprofile.engine.cuda_graph import batch_ladder
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
 from autoprofile.layers.parallel import TP
-from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.runner import ModelRunner, Staging
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random, load_checkpoint
@@ -101,6 +102,34 @@ def test_req_table_write_equals_the_writes_spelled_out(data):
         t.write(writes)
     assert torch.equal(t.page_table, want)
     assert (t.last_tokens == -7).all()
+
+
+class QueuedCopy:
+    """torch.cuda.Event as Staging reads it: query() is False until the copy it marks has run (`ran`)."""
+
+    def __init__(self):
+        self.ran = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.ran
+
+
+def test_staging_never_rewrites_a_buffer_whose_copy_is_still_queued():
+    """On the CPU the 'copy' is the staging buffer itself, so a buffer written again while its copy is queued
+    shows in the tensor that copy returned (on a GPU: the device reads the new indices)."""
+    events: list[QueuedCopy] = []
+    stage = Staging(new_event=lambda: events.append(QueuedCopy()) or events[-1], pin_memory=False)
+    first = stage.copy([np.arange(5), np.array([9])], 6, CPU)
+    second = stage.copy([np.full(4, 7)], 4, CPU)
+    assert first.tolist() == [0, 1, 2, 3, 4, 9] and second.tolist() == [7] * 4
+    assert len(stage.buffers) == 2  # the first buffer's copy is queued: a second buffer
+    events[0].ran = True
+    third = stage.copy([np.full(3, 8)], 3, CPU)
+    assert third.data_ptr() == first.data_ptr() and len(stage.buffers) == 2  # reused once its copy ran
+    assert second.tolist() == [7] * 4
 
 
 def test_decode_metadata_of_real_and_padding_rows():

@@ -14,6 +14,11 @@ Overlap (LLMEngine(runner, overlap=True), the server's default on one GPU; SGLan
 schedules and launches the next step before it waits for the step in flight, so the host's scheduling, input
 building and token handling run while the GPU computes, and step() returns the outputs of the step before
 (scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs.
+
+A step that raises ends its prefill rows' requests with finish_reason "error" (a decode step's: all of them);
+a mixed step's decode rows give back the pages it granted them (Scheduler.rollback: the device's page table
+may never have learned them) and run again in the next step. A step that raises on its read back (overlap)
+ends every request it holds.
 """
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class EngineStats:
     failed_steps: int  # steps that raised: their requests finished with finish_reason "error"
     ooms: int  # of those, out-of-memory errors (a validated envelope keeps this 0)
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    launched: int = 0  # steps launched (overlap: one ahead of `steps`); none while every request starves
 
 
 class LLMEngine:
@@ -64,7 +70,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()
         self._arrivals = itertools.count()
-        self._steps = self._failed_steps = self._ooms = 0
+        self._steps = self._failed_steps = self._ooms = self._launched = 0
         self.clock = runner.clock
         self.clock.reset()
 
@@ -170,9 +176,12 @@ class LLMEngine:
             with HostTimer(self.clock, "execute"):
                 tokens = self.runner.launch(step) if self.overlap else self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
-            self._failed(step.rows, e, outputs)  # a mixed step's decode rows run again in the next step
+            # a mixed step's decode rows run again in the next step, with the pages the device knows
+            self._failed(step.rows, e, outputs)
+            self.scheduler.rollback(step)
             return None
         self.scheduler.launched(step)
+        self._launched += 1
         return step, tokens
 
     def _collect(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -218,7 +227,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
                            s.allocator.capacity,
-                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens)
+                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = GREEDY,

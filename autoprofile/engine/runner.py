@@ -99,8 +99,10 @@ class Staging:
     fresh pin_memory() per prefill step cost 7.4-11.0 ms of the host's launch (with the prefix keys' indices
     in the upload; 0.34 ms without), unhidden where steps do not overlap."""
 
-    def __init__(self):
+    def __init__(self, new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event, pin_memory: bool = True):
+        """new_event, pin_memory: the tests' seam (on the CPU, a fake event and pageable buffers)."""
         self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.new_event, self.pin_memory = new_event, pin_memory
 
     def copy(self, parts: list[np.ndarray], n: int, device: torch.device) -> torch.Tensor:
         """The concatenated parts (n elements) on `device` (the current CUDA device: the event is recorded on
@@ -108,7 +110,7 @@ class Staging:
         i, grow = pick_buffer([(b.numel(), ev is None or ev.query()) for b, ev in self.buffers], n)
         if grow:
             size = 1 << max(16, (n - 1).bit_length())  # powers of two: few sizes, each made once
-            buf = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            buf = torch.empty(size, dtype=torch.int64, pin_memory=self.pin_memory)
             if i is None:
                 i = len(self.buffers)
                 self.buffers.append((buf, None))
@@ -117,7 +119,7 @@ class Staging:
         buf = self.buffers[i][0]
         np.concatenate(parts, out=buf.numpy()[:n])
         flat = buf[:n].to(device, non_blocking=True)
-        done = torch.cuda.Event()
+        done = self.new_event()
         done.record()
         self.buffers[i] = (buf, done)
         return flat

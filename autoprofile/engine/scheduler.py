@@ -309,6 +309,19 @@ class Scheduler:
                 del req.mm.slots[i]
                 self.free_mm_slots.append(slot)
 
+    # ------------------------------------------------------------ a step that never launched
+    def rollback(self, step: Step) -> None:
+        """The step's launch raised (the device's page table may not have learned its pages): the pages it
+        granted to requests still running go back, so each holds the pages the table had before the step and
+        its next row grows (and writes) them again. Else a row writes K/V through a stale column into a page
+        the prefix cache may map to another prompt. Call it after the step's failed requests finished."""
+        by_slot = {req.slot: req for req in self.running}
+        for slot, first, pages in reversed(step.page_writes):
+            req = by_slot.get(slot)
+            if req is not None and req.pages[first:] == pages:  # a grant: requests admitted in it failed
+                del req.pages[first:]
+                self.allocator.free(pages)
+
     # ------------------------------------------------------------ after the step launched, after it ran
     def launched(self, step: Step) -> None:
         """The step's GPU work is enqueued: each row's request counts its tokens as computed and, for a

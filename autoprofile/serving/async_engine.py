@@ -15,9 +15,11 @@ that escapes step() itself fails every request the engine holds, counted the sam
 
 Anything else that ends the loop thread (an exception outside a step, e.g. while applying an abort: the
 engine's state is then unknown) makes the engine dead, and so does a wedged loop: work outstanding and no
-loop iteration for `wedged_after_s` (a watchdog on the event loop). Dead: every outstanding request fails
-with EngineFailure("dead") (HTTP 503), submit() refuses, and `on_dead(reason)` tells the server, which
-ends the process with a non-zero exit so that a supervisor restarts it.
+loop iteration for `wedged_after_s`, and a starved one: work outstanding, the loop iterating, and no step run
+for `starved_after_s` (every request waits for a KV page or a request slot that never frees: a leak). A
+watchdog on the event loop checks both. Dead: every outstanding request fails with EngineFailure("dead")
+(HTTP 503), submit() refuses, and `on_dead(reason)` tells the server (its /health answers 503 with the
+reason), which ends the process with a non-zero exit so that a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from autoprofile.engine.step_clock import HostTimer, StepTimes
 
 log = logging.getLogger(__name__)
 WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead
+STARVED_AFTER_S = 60.0  # work outstanding, the loop iterating, and no step run for this long: dead too
 
 
 class QueueFull(Exception):
@@ -119,16 +122,18 @@ class RequestHandle:
 
 class AsyncEngine:
     def __init__(self, engine, max_running: int, max_waiting: int, metrics=None, on_dead=None,
-                 wedged_after_s: float | None = None):
+                 wedged_after_s: float | None = None, starved_after_s: float | None = None):
         """metrics: .first_token(timing) and .request_finished(timing, completion_tokens, finish_reason),
         called on the event loop (ServerMetrics). on_dead(reason): called once on the event loop when the
-        loop thread dies or wedges (default wedged_after_s: WEDGED_AFTER_S)."""
+        loop thread dies, wedges or starves (defaults: WEDGED_AFTER_S, STARVED_AFTER_S)."""
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
         self.metrics = metrics or _NoMetrics()
         self.on_dead = on_dead
         self.wedged_after_s = WEDGED_AFTER_S if wedged_after_s is None else wedged_after_s
+        self.starved_after_s = STARVED_AFTER_S if starved_after_s is None else starved_after_s
         self.dead: str | None = None
         self._beat: float | None = time.monotonic()  # the loop thread's last iteration; None: idle, blocked
+        self._progress: float | None = time.monotonic()  # a step's last launch, end or failure; None: idle
         self._watchdog: asyncio.Task | None = None
         self.snapshot = Snapshot()
         self.handles: dict[str, RequestHandle] = {}  # event-loop side only
@@ -163,19 +168,21 @@ class AsyncEngine:
         self._thread = None
 
     async def _watch(self) -> None:
-        period = min(1.0, self.wedged_after_s / 4)
+        """A thread that ends posts its own death (_run); one that ends otherwise stops beating: wedged."""
+        period = min(1.0, self.wedged_after_s / 4, self.starved_after_s / 4)
         while self.dead is None:
             await asyncio.sleep(period)
-            if not self._thread.is_alive():
-                self._died("the engine loop thread ended")
-            elif self.handles and self._stalled() > self.wedged_after_s:
+            if not self.handles:
+                continue
+            if since(self._beat) > self.wedged_after_s:
                 self._died(f"the engine loop made no progress for {self.wedged_after_s:g} s with "
                            f"{len(self.handles)} requests outstanding (wedged)")
-
-    def _stalled(self) -> float:
-        """Seconds since the loop thread's last iteration (0 while it waits for input)."""
-        beat = self._beat
-        return 0.0 if beat is None else time.monotonic() - beat
+            elif since(self._beat) < period and since(self._progress) > self.starved_after_s:  # spinning
+                s = self.snapshot
+                self._died(f"the engine loop ran no step for {self.starved_after_s:g} s with {s.running} "
+                           f"running and {s.waiting} waiting requests and {s.pages_used} of {s.pages_total} "
+                           f"KV pages held: every request waits for a KV page or a request slot that never "
+                           f"frees (starved)")
 
     def _died(self, reason: str) -> None:
         """The loop thread is gone or wedged: fail every outstanding request (503) and tell the server."""
@@ -291,9 +298,11 @@ class AsyncEngine:
                 cmd = self._next_nowait()
             else:
                 self._flush()  # no step will launch: the last step's outputs go now
-                self._beat = None  # blocked for input: not wedged
+                self._beat = self._progress = None  # blocked for input: neither wedged nor starved
                 cmd = self._inbox.get()
             self._beat = time.monotonic()
+            if self._progress is None:
+                self._progress = self._beat
             inbox = time.perf_counter()
             while cmd is not None:
                 if cmd is _STOP:
@@ -341,13 +350,18 @@ class AsyncEngine:
         decode step's 5.9 -> 0.8 ms, 26,963 -> 30,145 tok/s. The overlapped engine (LLMEngine.overlap) returns
         a step's outputs once the next step is launched already: they are posted at once (held to the launch
         after, a launch that waits for a full launch queue held them a step longer)."""
-        ooms = self.engine.stats.ooms
+        stats = self.engine.stats
+        ooms, ran = stats.ooms, (stats.launched, stats.steps, stats.failed_steps)
         overlap = getattr(self.engine, "overlap", False)
         if not overlap:
             self.engine.clock.after_launch(self._flush)
         try:
             outputs = self.engine.step()
+            stats = self.engine.stats
+            if (stats.launched, stats.steps, stats.failed_steps) != ran:  # a step launched, ended or failed
+                self._progress = time.monotonic()
         except torch.OutOfMemoryError:
+            self._progress = time.monotonic()
             self._ooms += 1
             self._errors += 1
             log.error("out of memory in an engine step (%d since start): failing %d requests",
@@ -358,6 +372,7 @@ class AsyncEngine:
             self._publish()
             return
         except Exception:  # noqa: BLE001 - fail the requests, keep serving
+            self._progress = time.monotonic()
             self._errors += 1
             log.exception("engine step failed: failing %d requests", len(self._live))
             self._abort_live("internal")
@@ -370,7 +385,7 @@ class AsyncEngine:
                     self._live.discard(out.request_id)
             self._publish()  # before the outputs: what a client has seen, the snapshot already shows
             if outputs:
-                self._unposted = (outputs, "oom" if self.engine.stats.ooms > ooms else "internal")
+                self._unposted = (outputs, "oom" if stats.ooms > ooms else "internal")
             if overlap:
                 self._flush()
 
@@ -397,6 +412,11 @@ class AsyncEngine:
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
                                  s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens,
                                  self.engine.step_times())
+
+
+def since(stamp: float | None) -> float:
+    """Seconds since a time.monotonic() stamp (0 for None: not counting)."""
+    return 0.0 if stamp is None else time.monotonic() - stamp
 
 
 def settle(fut: asyncio.Future, error: BaseException | None, value=None) -> None:
