@@ -4,9 +4,15 @@ is a 400 naming it and the nearest field; a field not implemented yet is a 400 u
 assistant messages with content null and tool calls, --api_key and --served_model_name."""
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+
 import openai
 import pytest
 
+from autoprofile import profile_cache
+from autoprofile.config import API_KEY_ENV, ConfigError, add_server_args, config_from_args
 from autoprofile.serving import protocol
 from autoprofile.serving.tokenizer import ChatTemplate, load_tokenizer
 from unit_tests import test_server
@@ -203,3 +209,81 @@ def test_tool_calls_or_tool_messages_a_template_drops_are_a_400_naming_the_messa
     assert status == 400 and out["error"]["param"] == "messages[1].tool_calls[0].function.arguments", out
     status, out = chat_status(engine, booted, [{"role": "user", "content": "hi", "tool_calls": [CALL]}])
     assert status == 400 and out["error"]["param"] == "messages[0].tool_calls", out
+
+
+# ---------------------------------------------------------------- --api_key, --served_model_name
+KEY = "sk-test-0123456789abcdef"
+
+
+def test_an_api_key_guards_the_api_but_not_health_or_metrics(engine, booted, caplog):
+    caplog.set_level(logging.DEBUG)
+    cfg = CFG.replace(api_key=KEY)
+    comp_body = {"prompt": "Hi", "max_tokens": 2}
+
+    async def body(c, app):
+        async with client(c, api_key="sk-wrong") as oa:
+            wrong = await refused(oa.completions.create(model="tiny", prompt="Hi", max_tokens=2))
+        async with client(c, api_key=KEY) as oa:
+            models = await oa.models.list()
+            comp = await oa.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        bearer = {"Authorization": f"Bearer {KEY}"}
+        out = {
+            "none": await c.post("/v1/completions", json=comp_body),
+            "prefix": await c.post("/v1/completions", json=comp_body,
+                                   headers={"Authorization": f"Bearer {KEY[:-1]}"}),
+            "basic": await c.post("/v1/completions", json=comp_body,
+                                  headers={"Authorization": f"Basic {KEY}"}),
+            "models": await c.get("/v1/models"),
+            "generate": await c.post("/generate", json={"input_ids": [[5, 6]], "max_new_tokens": 2}),
+            "generate+key": await c.post("/generate", json={"input_ids": [[5, 6]], "max_new_tokens": 2},
+                                         headers=bearer),
+            "health": await c.get("/health"), "metrics": await c.get("/metrics")}
+        return wrong, models, comp, {k: (r.status, r.headers, await r.text()) for k, r in out.items()}
+    wrong, models, comp, out = serve(engine, booted[1], body, cfg=cfg)
+    assert isinstance(wrong, openai.AuthenticationError) and wrong.code == "invalid_api_key"
+    assert [m.id for m in models.data] == ["tiny"] and comp.usage.completion_tokens == 2
+    for name in ("none", "prefix", "basic", "models", "generate"):
+        status, headers, text = out[name]
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer", (name, status, text)
+        assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+        assert KEY not in text
+    assert [out[k][0] for k in ("generate+key", "health", "metrics")] == [200, 200, 200]
+    assert KEY not in caplog.text and KEY not in repr(cfg)
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment_and_must_be_sendable(monkeypatch):
+    def parsed(*argv):
+        p = argparse.ArgumentParser()
+        add_server_args(p)
+        return config_from_args(p.parse_args(["--model", "tiny", "--report_dir", "", *argv]), serving=False)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert parsed().api_key is None
+    assert parsed("--api-key", KEY).api_key == KEY  # vLLM's spelling
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert parsed().api_key == KEY and parsed("--api_key", "sk-flag").api_key == "sk-flag"
+    assert profile_cache.key(parsed(), CFG.model_config, {}, 0, 1) == \
+        profile_cache.key(parsed().replace(api_key=None), CFG.model_config, {}, 0, 1)
+    for bad_key in ("sk two words", "", "sk-\u00e9"):
+        with pytest.raises(ConfigError) as e:
+            parsed("--api_key", bad_key)
+        assert e.value.flag == "api_key" and (not bad_key or bad_key not in str(e.value))
+    with pytest.raises(ConfigError) as e:
+        parsed("--served_model_name", " ")
+    assert e.value.flag == "served_model_name"
+
+
+def test_a_served_model_name_is_listed_and_usable_and_another_name_is_404(engine, booted):
+    cfg = CFG.replace(served_model_name="team/llm-v2")
+
+    async def body(c, app):
+        async with client(c) as oa:
+            models = await oa.models.list()
+            named = await oa.completions.create(model="team/llm-v2", prompt="Hi", max_tokens=3, temperature=0)
+            folder = await oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
+            other = await refused(oa.completions.create(model="gpt-4o", prompt="Hi", max_tokens=3))
+        return models, named, folder, other
+    models, named, folder, other = serve(engine, booted[1], body, cfg=cfg)
+    assert [m.id for m in models.data] == ["team/llm-v2"]
+    assert named.model == folder.model == "team/llm-v2" and named.usage.completion_tokens == 3
+    assert isinstance(other, openai.NotFoundError) and other.code == "model_not_found"
+    assert other.param == "model" and "'team/llm-v2'" in other.message
