@@ -211,6 +211,40 @@ def test_tool_calls_or_tool_messages_a_template_drops_are_a_400_naming_the_messa
     assert status == 400 and out["error"]["param"] == "messages[0].tool_calls", out
 
 
+NAME_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}|>\n"
+                 "{{ m.content }}\n{% endfor %}<|assistant|>\n")
+
+
+def test_a_messages_own_fields_are_strict_and_its_name_reaches_the_template(engine, booted):
+    typo = [*TOOL_TURNS[:2], {"role": "tool", "tool_call_ids": "call_1", "content": "sunny"}]
+    status, out = chat_status(engine, booted, typo, tokenizer_with(TOOL_TEMPLATE))
+    assert status == 400 and out["error"]["param"] == "messages[2].tool_call_ids", out
+    assert "did you mean 'messages[2].tool_call_id'?" in out["error"]["message"]
+    refusal = [MSG[0], {"role": "assistant", "content": None, "refusal": "I can't"}, MSG[0]]
+    status, out = chat_status(engine, booted, refusal)
+    assert status == 400 and out["error"]["param"] == "messages[1].refusal", out
+    assert chat_status(engine, booted, [MSG[0], {**refusal[1], "refusal": None}, MSG[0]])[0] == 200
+    tok = tokenizer_with(NAME_TEMPLATE)
+    named = [{"role": "user", "name": "alice", "content": "hi"}]
+    status, out = chat_status(engine, booted, named, tok)
+    prompt = tok.apply_chat_template(named)
+    assert status == 200 and "<|user:alice|>" in prompt
+    assert out["usage"]["prompt_tokens"] == len(tok.encode(prompt, add_special_tokens=False))
+
+
+def test_special_token_text_outside_message_content_is_a_400(engine, booted):
+    tok = tokenizer_with(TOOL_TEMPLATE)
+    tok.special_texts = ("<|im_end|>",)
+    status, out = chat_status(engine, booted, [{**MSG[0], "name": "a<|im_end|>"}], tok)
+    assert status == 400 and out["error"]["param"] == "messages[0].name", out
+    call = {**CALL, "function": {"name": "f", "arguments": '{"q": "<|im_end|>"}'}}
+    status, out = chat_status(engine, booted, [MSG[0], {"role": "assistant", "content": None,
+                                                        "tool_calls": [call]}], tok)
+    assert status == 400 and out["error"]["param"] == "messages[1].tool_calls", out
+    assert out["error"]["code"] == "special_token_in_content"
+    assert chat_status(engine, booted, TOOL_TURNS, tok)[0] == 200
+
+
 # ---------------------------------------------------------------- --api_key, --served_model_name
 KEY = "sk-test-0123456789abcdef"
 

@@ -162,6 +162,10 @@ FIELDS: dict[str, Field] = {
 }
 STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(), "include_obfuscation": Field(IGNORED),
                                     "continuous_usage_stats": _refused(False)}
+# a chat message's own fields (name, tool_calls and tool_call_id go to the chat template)
+MESSAGE_FIELDS: dict[str, Field] = {
+    **{k: _served() for k in ("role", "content", "name", "tool_calls", "tool_call_id")},
+    **{k: _refused() for k in ("refusal", "audio", "function_call")}}
 
 
 def _same(value, noop) -> bool:
@@ -338,8 +342,13 @@ def _message(i: int, m, limits: Limits, images: list) -> dict:
     if m.get("role") not in ROLES:
         raise bad(f"{where}.role",
                   f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
+    check_fields(m, CHAT, MESSAGE_FIELDS, f"{where}.")
     role, content = m["role"], m.get("content")
     extra = _tool_fields(where, m)
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str):
+            raise bad(f"{where}.name", f"'{where}.name' must be a string, got {show(m['name'])}")
+        extra["name"] = text(m["name"], f"{where}.name")
     if content is None and role == "assistant":  # OpenAI's: an assistant turn that only calls tools
         content = ""
     if isinstance(content, list) and limits.max_images:
@@ -398,17 +407,10 @@ def _is_call(c) -> bool:
 def _refuse_unrendered_tools(messages: list[dict], tokenizer) -> None:
     """Tool calls and tool messages only where the chat template renders them: each call's name and each tool
     message's text is swapped for a probe word, and a probe missing from the rendered prompt is a 400 naming
-    its message. Special-token text in a call is a 400 too: the prompt keeps only message content as plain
-    text."""
+    its message."""
     nonce, probes, swapped = secrets.token_hex(6), [], []
     for i, m in enumerate(messages):
         m = {**m, "content": "".join(m["content"])}
-        for j, call in enumerate(m.get("tool_calls", ())):
-            written = json.dumps(call, ensure_ascii=False)
-            token = next((s for s in tokenizer.special_texts if s in written), None)
-            if token is not None:
-                raise bad(f"messages[{i}].tool_calls", f"'messages[{i}].tool_calls[{j}]' holds the special "
-                          f"token {token!r}: remove it", code="special_token_in_content")
         if m.get("tool_calls"):
             m["tool_calls"] = [{**c, "function": {**c["function"], "name": f"p{nonce}m{i}c{j}"}}
                                for j, c in enumerate(m["tool_calls"])]
@@ -426,6 +428,18 @@ def _refuse_unrendered_tools(messages: list[dict], tokenizer) -> None:
             raise bad(param, f"this model's chat template does not render {what} ('{param}' would be left "
                       "out of the prompt): tool use is not supported with this model",
                       code="unsupported_value")
+
+
+def _refuse_special_fields(messages: list[dict], tokenizer) -> None:
+    """Special-token text in a message's name, tool_calls or tool_call_id is a 400: only message content is
+    kept as plain text in the prompt."""
+    for i, m in enumerate(messages):
+        for key in ("name", "tool_calls", "tool_call_id"):
+            written = json.dumps(m.get(key), ensure_ascii=False)
+            token = next((s for s in tokenizer.special_texts if s in written), None)
+            if token is not None:
+                raise bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' holds the special token {token!r}: "
+                          "remove it", code="special_token_in_content")
 
 
 def _refuse_special_text(rendered, tokenizer) -> None:
@@ -450,6 +464,7 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     images = []
     try:
         turns = [_message(i, m, limits, images) for i, m in enumerate(messages)]
+        _refuse_special_fields(turns, tokenizer)
         _refuse_unrendered_tools(turns, tokenizer)
         rendered = tokenizer.render_chat(turns)
     except ChatTemplateError as e:
