@@ -11,8 +11,8 @@ Handlers only translate HTTP to engine requests and stream tokens back; the engi
 thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
-With --api_key every /v1/* and /generate request must send "Authorization: Bearer <key>" (else a 401);
-/health and /metrics stay open.
+With --api_key every request but /health and /metrics (so every /v1/* and /generate) must send
+"Authorization: Bearer <key>", else a 401.
 
 Bodies are bounded in bytes while they are read, each endpoint by what a valid request to it can carry
 (BodyBound: the OpenAI endpoints one longest token list with margin plus the images' base64, /generate the
@@ -273,15 +273,14 @@ def _authorized(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def _needs_key(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/generate"
+OPEN_PATHS = ("/health", "/metrics")  # --api_key guards every other path (a new endpoint too)
 
 
 @web.middleware
 async def auth(request: web.Request, handler):
     """--api_key: the OpenAI endpoints and /generate answer 401 without "Authorization: Bearer <key>"."""
     key = request.app[STATE].cfg.api_key
-    if key is not None and _needs_key(request.path) and not _authorized(
+    if key is not None and request.path not in OPEN_PATHS and not _authorized(
             request.headers.get("Authorization", ""), key):
         raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' with the "
                        "server's --api_key", type="invalid_request_error", code="invalid_api_key",
