@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -26,6 +26,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
+API_KEY_ENV = "AUTOPROFILE_API_KEY"  # vLLM's VLLM_API_KEY
 MAX_SEED = 1 << 62  # torch generators take a 64-bit seed; the stresses add small offsets to it
 
 
@@ -78,6 +79,10 @@ class ServerConfig:
     # dummy (seeded random weights); a folder whose tokenizer.json serves text (default: the model folder's)
     load_format: str = "auto"
     tokenizer: str | None = None
+    # the OpenAI API: the name /v1/models lists (default: --model); a key every /v1/* and /generate request
+    # must send as "Authorization: Bearer <key>" (None: no key). NOTE: never logged, never in the cache key
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -132,6 +137,10 @@ def _check(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(flag, message)
 
 
+def api_key_ok(key: str) -> bool:
+    return bool(key) and all("!" <= ch <= "~" for ch in key)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -177,6 +186,14 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(0 <= cfg.port <= 65535, "port",
            f"must be in [0, 65535] (0 = any free port), got {cfg.port}; try --port 8000")
     _check(bool(cfg.host.strip()), "host", "must not be empty; try --host 127.0.0.1")
+    _check(cfg.served_model_name is None or (bool(cfg.served_model_name.strip())
+                                             and cfg.served_model_name == cfg.served_model_name.strip()),
+           "served_model_name", f"must be a name without leading or trailing spaces, got "
+           f"{cfg.served_model_name!r}; try --served_model_name my-model (or leave it out: --model's)")
+    _check(cfg.api_key is None or api_key_ok(cfg.api_key), "api_key",
+           f"(or ${API_KEY_ENV}) must be printable ASCII characters without spaces, not empty: clients "
+           "send it as 'Authorization: Bearer <key>'; try the output of `openssl rand -hex 32` (the key "
+           "itself is not shown here)")
     _check(0 <= cfg.seed <= MAX_SEED, "seed",
            f"must be an integer in [0, 2**62] (a torch generator's seed), got {cfg.seed}; try --seed 0")
     _check(cfg.profile_cache is None or not os.path.isfile(cfg.profile_cache), "profile_cache",
@@ -461,6 +478,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
              help="where the weights come from: auto (the folder's *.safetensors, else *.bin; an "
                   "index.json's files if present), safetensors, pt (.bin), dummy (seeded random weights; the "
                   "built-in configs always are)")
+    add_flag(p, "served_model_name", default=None,
+             help="the model name /v1/models lists and responses carry (default: --model); requests may "
+                  "name it or --model")
+    add_flag(p, "api_key", default=None,
+             help=f"a key every /v1/* and /generate request must send as 'Authorization: Bearer <key>' "
+                  f"(/health and /metrics stay open; default: ${API_KEY_ENV}, else no key). Prefer "
+                  f"{API_KEY_ENV}: a flag shows in the process list")
     add_flag(p, "tokenizer", default=None,
              help="a folder holding tokenizer.json (default: the model folder's; random-weight models "
                   "without one get a byte-level tokenizer)")
@@ -475,6 +499,8 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.report_dir == "":
         cfg = cfg.replace(report_dir=None)
+    if cfg.api_key is None and os.environ.get(API_KEY_ENV):
+        cfg = cfg.replace(api_key=os.environ[API_KEY_ENV])
     if cfg.profile_cache in ("", "auto"):
         cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())
     cfg = validate(cfg, serving)

@@ -2,7 +2,7 @@
 
     GET  /health               200 once the profile is validated; 503 while starting and while draining
     GET  /metrics              Prometheus text (this app's own registry)
-    GET  /v1/models            the served model
+    GET  /v1/models            the served model (--served_model_name, else --model)
     POST /v1/completions       prompt (text or token ids) -> text; stream: true sends server-sent events
     POST /v1/chat/completions  messages (the model's chat template) -> text; stream as above
     POST /generate             LightLLM parity: {"input_ids": [[ids]], "max_new_tokens"} -> {"output_ids"}
@@ -11,6 +11,8 @@ Handlers only translate HTTP to engine requests and stream tokens back; the engi
 thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
+With --api_key every request but /health and /metrics (so every /v1/* and /generate) must send
+"Authorization: Bearer <key>", else a 401.
 
 Bodies are bounded in bytes while they are read, each endpoint by what a valid request to it can carry
 (BodyBound: the OpenAI endpoints one longest token list with margin plus the images' base64, /generate the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import json
 import logging
 import os
@@ -123,6 +126,11 @@ def body_bounds(cfg) -> dict[str, BodyBound]:
 
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def served_names(cfg) -> tuple[str, ...]:
+    """The names a request's `model` may give; the first is the one /v1/models lists and responses carry."""
+    return tuple(dict.fromkeys(n for n in (cfg.served_model_name, cfg.model, cfg.model_config.name) if n))
 
 
 # ---------------------------------------------------------------- errors
@@ -259,6 +267,27 @@ async def _submit(st: ServerState, args: GenerateArgs):
     return handle
 
 
+def _authorized(header: str, key: str) -> bool:
+    scheme, _, token = header.partition(" ")
+    # NOTE: constant time in the key's content: the token is compared whole, never by prefix
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+OPEN_PATHS = ("/health", "/metrics")  # --api_key guards every other path (a new endpoint too)
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    """--api_key: the OpenAI endpoints and /generate answer 401 without "Authorization: Bearer <key>"."""
+    key = request.app[STATE].cfg.api_key
+    if key is not None and request.path not in OPEN_PATHS and not _authorized(
+            request.headers.get("Authorization", ""), key):
+        raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' with the "
+                       "server's --api_key", type="invalid_request_error", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
 # ---------------------------------------------------------------- endpoints
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
@@ -280,10 +309,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    name = st.cfg.model
     return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": st.created, "owned_by": "autoprofile", "root": name,
-         "max_model_len": st.cfg.context_len}]})
+        {"id": served_names(st.cfg)[0], "object": "model", "created": st.created, "owned_by": "autoprofile",
+         "root": st.cfg.model, "max_model_len": st.cfg.context_len}]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -413,7 +441,7 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     """An app in the "starting" phase; with an engine (an LLMEngine) and its ProfileResult it becomes
     ready when it starts (else call `activate` once the profile is validated)."""
     state = ServerState(cfg)
-    app = web.Application(client_max_size=state.max_body, middlewares=[errors])
+    app = web.Application(client_max_size=state.max_body, middlewares=[errors, auth])
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -434,8 +462,7 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     st = app[STATE]
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg)
-    names = tuple(dict.fromkeys((cfg.model, cfg.model_config.name)))
-    st.limits = Limits(names, cfg.context_len, cfg.model_config.vocab_size,
+    st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:
         st.http = aiohttp.ClientSession()

@@ -2,10 +2,12 @@
 and the response / stream-chunk bodies."""
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
 import reprlib
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -106,6 +108,109 @@ def _deep_key(raw: bytes | bytearray) -> str | None:
     return key.group(1).decode("utf-8", "replace") if key else None
 
 
+# ---------------------------------------------------------------- the fields each endpoint knows
+# One table for every body field: SERVED (the server reads it), IGNORED (OpenAI's, changes nothing here:
+# accepted and dropped), UNSUPPORTED (not implemented yet: a 400 naming it unless its value is `noop`, the
+# value that changes nothing). Implementing a field flips its kind here to SERVED.
+SERVED, IGNORED, UNSUPPORTED = "served", "ignored", "unsupported"
+COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
+OPENAI = (COMPLETIONS, CHAT)
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: str
+    endpoints: tuple[str, ...] = OPENAI
+    noop: object = None  # UNSUPPORTED: the value (besides null) that asks for nothing
+
+
+def _served(*endpoints: str) -> Field:
+    return Field(SERVED, endpoints or OPENAI)
+
+
+def _refused(noop=None, *endpoints: str) -> Field:
+    return Field(UNSUPPORTED, endpoints or OPENAI, noop)
+
+
+SAMPLING = (COMPLETIONS, CHAT, GENERATE)
+FIELDS: dict[str, Field] = {
+    "model": _served(), "prompt": _served(COMPLETIONS), "messages": _served(CHAT),
+    "max_tokens": _served(), "max_completion_tokens": _served(CHAT), "stop": _served(),
+    "stream": _served(), "stream_options": _served(), "ignore_eos": _served(),
+    **{k: _served(*SAMPLING) for k in ("temperature", "top_p", "top_k", "seed")},
+    "input_ids": _served(GENERATE), "max_new_tokens": _served(GENERATE),
+    **{k: Field(IGNORED) for k in ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+                                   "safety_identifier")},
+    "n": _refused(1), "best_of": _refused(1), "presence_penalty": _refused(0),
+    "frequency_penalty": _refused(0), "logit_bias": _refused({}), "logprobs": _refused(False),
+    "top_logprobs": _refused(0), "echo": _refused(False), "suffix": _refused(""),
+    "tools": _refused([], CHAT), "tool_choice": _refused("none", CHAT),
+    "parallel_tool_calls": _refused(None, CHAT), "functions": _refused([], CHAT),
+    "function_call": _refused("none", CHAT), "response_format": _refused({"type": "text"}, CHAT),
+    "modalities": _refused(["text"], CHAT),
+    **{k: _refused(None, CHAT) for k in ("audio", "reasoning_effort", "web_search_options", "prediction",
+                                         "verbosity")},
+    # vLLM's extras
+    "repetition_penalty": _refused(1), "min_p": _refused(0), "stop_token_ids": _refused([]),
+    "min_tokens": _refused(0), "use_beam_search": _refused(False), "length_penalty": _refused(1),
+    "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
+    "bad_words": _refused([]),
+    **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar")},
+    "add_generation_prompt": _refused(True, CHAT), "continue_final_message": _refused(False, CHAT),
+    "chat_template": _refused(None, CHAT), "chat_template_kwargs": _refused({}, CHAT),
+}
+STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(), "include_obfuscation": Field(IGNORED),
+                                    "continuous_usage_stats": _refused(False)}
+# a chat message's own fields (name, tool_calls and tool_call_id go to the chat template)
+MESSAGE_FIELDS: dict[str, Field] = {
+    **{k: _served() for k in ("role", "content", "name", "tool_calls", "tool_call_id")},
+    **{k: _refused() for k in ("refusal", "audio", "function_call")}}
+
+
+def _same(value, noop) -> bool:
+    """value asks for nothing: null, or noop itself (a number equal to a numeric noop; true/false exactly)."""
+    if value is None:
+        return True
+    if isinstance(noop, bool) or isinstance(value, bool):
+        return value is noop
+    if _is_num(noop):
+        return _is_num(value) and value == noop
+    return value == noop
+
+
+def check_fields(body: dict, endpoint: str, table: dict[str, Field] = FIELDS, where: str = "") -> None:
+    """A 400 for the first field of body that endpoint does not know (naming the nearest known field), or
+    that it does not implement yet with a value other than its no-op."""
+    known = [k for k, f in table.items() if endpoint in f.endpoints]
+    for key, value in body.items():
+        name = f"{where}{key:.64}"
+        if key not in known:
+            raise bad(name, _unknown(str(key), table, endpoint, where), code="unknown_parameter")
+        f = table[key]
+        if f.kind == UNSUPPORTED and not _same(value, f.noop):
+            shown = "" if f.noop is None else f" or {json.dumps(f.noop)}"
+            raise bad(name, f"'{name}' is not supported yet by this server: leave it out (or send "
+                      f"null{shown}), got {show(value)}", code="unsupported_parameter")
+
+
+def _unknown(key: str, table: dict[str, Field], endpoint: str, where: str) -> str:
+    known = [k for k, f in table.items() if endpoint in f.endpoints]
+    msg = f"unknown field '{where}{key:.64}'"
+    other = next((e for e in (COMPLETIONS, CHAT) if not where and e != endpoint and key in FIELDS
+                  and e in FIELDS[key].endpoints), None)
+    if other:
+        msg += f" for {endpoint} (a field of {other})"
+    close = (difflib.get_close_matches(key, [k for k in known if table[k].kind != UNSUPPORTED], n=1)
+             or difflib.get_close_matches(key, known, n=1))
+    if close:
+        return f"{msg}; did you mean '{where}{close[0]}'?"
+    if other:
+        return msg
+    served = sorted(k for k in known if table[k].kind == SERVED)
+    return f"{msg} for {endpoint}; the fields it serves are {', '.join(served)}"
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the served engine accepts; given by the server."""
@@ -142,9 +247,10 @@ class GenerateArgs:
 
 
 # ---------------------------------------------------------------- request bodies
-def _common(body: object, limits: Limits) -> dict:
+def _common(body: object, limits: Limits, endpoint: str) -> dict:
     if not isinstance(body, dict):
         raise bad(None, "the body must be a JSON object", code="invalid_json")
+    check_fields(body, endpoint)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {show(model)}")
@@ -152,19 +258,11 @@ def _common(body: object, limits: Limits) -> dict:
         raise APIError(404, f"the model '{model:.200}' does not exist; this server serves "
                             f"'{limits.model_names[0]}' "
                        "(GET /v1/models)", param="model", code="model_not_found")
-    if _get(body, "n", 1, _is_int, "must be an integer") != 1:
-        raise bad("n", "only n=1 is supported (send n requests instead)", code="unsupported_value")
-    if _get(body, "best_of", 1, _is_int, "must be an integer") != 1:
-        raise bad("best_of", "only best_of=1 is supported", code="unsupported_value")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _get(body, key, 0, _is_num, "must be a number") != 0:
-            raise bad(key, f"'{key}' is not supported (leave it 0)", code="unsupported_value")
-    if _get(body, "logit_bias", {}, lambda v: isinstance(v, dict), "must be an object"):
-        raise bad("logit_bias", "'logit_bias' is not supported", code="unsupported_value")
     stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "must be true or false")
     opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "must be an object")
     if opts and not stream:
         raise bad("stream_options", "'stream_options' is only allowed with stream: true")
+    check_fields(opts, endpoint, STREAM_OPTIONS, "stream_options.")
     include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "must be true or false")
     stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)),
                 "must be a string or a list of strings")
@@ -211,13 +309,7 @@ def _token_ids(v, vocab: int) -> bool:
 
 def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     """POST /v1/completions: prompt is a string or a list of token ids (or a list holding one of those)."""
-    args = _common(body, limits)
-    if body.get("echo"):
-        raise bad("echo", "'echo' is not supported", code="unsupported_value")
-    if body.get("logprobs") is not None:
-        raise bad("logprobs", "'logprobs' is not supported", code="unsupported_value")
-    if body.get("suffix"):
-        raise bad("suffix", "'suffix' is not supported", code="unsupported_value")
+    args = _common(body, limits, COMPLETIONS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}",
@@ -250,7 +342,15 @@ def _message(i: int, m, limits: Limits, images: list) -> dict:
     if m.get("role") not in ROLES:
         raise bad(f"{where}.role",
                   f"'{where}.role' must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
-    content = m.get("content")
+    check_fields(m, CHAT, MESSAGE_FIELDS, f"{where}.")
+    role, content = m["role"], m.get("content")
+    extra = _tool_fields(where, m)
+    if m.get("name") is not None:
+        if not isinstance(m["name"], str):
+            raise bad(f"{where}.name", f"'{where}.name' must be a string, got {show(m['name'])}")
+        extra["name"] = text(m["name"], f"{where}.name")
+    if content is None and role == "assistant":  # OpenAI's: an assistant turn that only calls tools
+        content = ""
     if isinstance(content, list) and limits.max_images:
         from autoprofile.serving.images import ImagePart, parse_content
         from autoprofile.serving.vision import IMAGE_MARK
@@ -267,9 +367,79 @@ def _message(i: int, m, limits: Limits, images: list) -> dict:
     elif isinstance(content, str):
         pieces = [content]
     else:
-        raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
+        raise bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts (null "
+                  "only in an assistant message)")
     text("".join(pieces), f"{where}.content")
-    return {"role": m["role"], "content": pieces}
+    return {"role": role, "content": pieces, **extra}
+
+
+def _tool_fields(where: str, m: dict) -> dict:
+    """An assistant message's tool_calls (each call's arguments parsed from their JSON text: tool-use
+    templates expect an object, as vLLM gives them) and a tool message's tool_call_id, for the template."""
+    calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
+    if calls is not None and m["role"] != "assistant":
+        raise bad(f"{where}.tool_calls", f"'{where}.tool_calls' is only allowed in an assistant message")
+    if call_id is not None and not (m["role"] == "tool" and isinstance(call_id, str)):
+        raise bad(f"{where}.tool_call_id", f"'{where}.tool_call_id' must be a string, in a tool message")
+    if calls is None:
+        return {} if call_id is None else {"tool_call_id": text(call_id, f"{where}.tool_call_id")}
+    shape = (f"'{where}.tool_calls' must be a list of {{\"id\", \"type\": \"function\", \"function\": "
+             '{"name", "arguments": JSON text}}')
+    if not (isinstance(calls, list) and all(_is_call(c) for c in calls)):
+        raise bad(f"{where}.tool_calls", f"{shape}, got {show(calls)}")
+    out = []
+    for j, c in enumerate(calls):
+        param = f"{where}.tool_calls[{j}].function.arguments"
+        try:
+            arguments = json.loads(text(c["function"]["arguments"], param))
+        except ValueError:
+            raise bad(param, f"'{param}' must be JSON text, got {show(c['function']['arguments'])}") from None
+        out.append({**c, "function": {**c["function"], "arguments": arguments}})
+    return {"tool_calls": out}
+
+
+def _is_call(c) -> bool:
+    f = c.get("function") if isinstance(c, dict) else None
+    return (isinstance(f, dict) and c.get("type", "function") == "function" and isinstance(f.get("name"), str)
+            and bool(f["name"]) and isinstance(f.get("arguments"), str))
+
+
+def _refuse_unrendered_tools(messages: list[dict], tokenizer) -> None:
+    """Tool calls and tool messages only where the chat template renders them: each call's name and each tool
+    message's text is swapped for a probe word, and a probe missing from the rendered prompt is a 400 naming
+    its message."""
+    nonce, probes, swapped = secrets.token_hex(6), [], []
+    for i, m in enumerate(messages):
+        m = {**m, "content": "".join(m["content"])}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "name": f"p{nonce}m{i}c{j}"}}
+                               for j, c in enumerate(m["tool_calls"])]
+            probes += [(f"messages[{i}].tool_calls", "an assistant message's tool_calls",
+                        c["function"]["name"]) for c in m["tool_calls"]]
+        if m["role"] == "tool":
+            m["content"] = f"p{nonce}m{i}"
+            probes.append((f"messages[{i}]", "a tool message", m["content"]))
+        swapped.append(m)
+    if not probes:
+        return
+    prompt = tokenizer.apply_chat_template(swapped)
+    for param, what, probe in probes:
+        if probe not in prompt:
+            raise bad(param, f"this model's chat template does not render {what} ('{param}' would be left "
+                      "out of the prompt): tool use is not supported with this model",
+                      code="unsupported_value")
+
+
+def _refuse_special_fields(messages: list[dict], tokenizer) -> None:
+    """Special-token text in a message's name, tool_calls or tool_call_id is a 400: only message content is
+    kept as plain text in the prompt."""
+    for i, m in enumerate(messages):
+        for key in ("name", "tool_calls", "tool_call_id"):
+            written = json.dumps(m.get(key), ensure_ascii=False)
+            token = next((s for s in tokenizer.special_texts if s in written), None)
+            if token is not None:
+                raise bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' holds the special token {token!r}: "
+                          "remove it", code="special_token_in_content")
 
 
 def _refuse_special_text(rendered, tokenizer) -> None:
@@ -287,21 +457,16 @@ def _refuse_special_text(rendered, tokenizer) -> None:
 def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     """POST /v1/chat/completions: messages rendered with the model's chat template."""
     from autoprofile.serving.tokenizer import ChatTemplateError
-    args = _common(body, limits)
-    if body.get("logprobs"):
-        raise bad("logprobs", "'logprobs' is not supported", code="unsupported_value")
-    if body.get("tools"):
-        raise bad("tools", "'tools' (function calling) is not supported", code="unsupported_value")
-    fmt = _get(body, "response_format", {}, lambda v: isinstance(v, dict), "must be an object")
-    if fmt.get("type", "text") != "text":
-        raise bad("response_format", "only response_format {\"type\": \"text\"} is supported",
-                  code="unsupported_value")
+    args = _common(body, limits, CHAT)
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
     images = []
     try:
-        rendered = tokenizer.render_chat([_message(i, m, limits, images) for i, m in enumerate(messages)])
+        turns = [_message(i, m, limits, images) for i, m in enumerate(messages)]
+        _refuse_special_fields(turns, tokenizer)
+        _refuse_unrendered_tools(turns, tokenizer)
+        rendered = tokenizer.render_chat(turns)
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
     if rendered.client is None:
@@ -334,6 +499,7 @@ def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, 
     default)."""
     if not isinstance(body, dict):
         raise bad(None, "the body must be a JSON object", code="invalid_json")
+    check_fields(body, GENERATE)
     ids = body.get("input_ids")
     if not (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)):
         raise bad("input_ids", "'input_ids' must be a non-empty list of non-empty lists of token ids")
