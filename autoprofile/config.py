@@ -13,11 +13,12 @@ from functools import cached_property
 
 from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
 from autoprofile.profile_cache import default_folder
-from models.config import FIRST_FOLDED, ModelConfig, builtin_models, load_model_config
+from models.config import FIRST_FOLDED, ModelConfig, builtin_models, load_model_config, with_runtime_fp8
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 KV_SCALES = ("auto", "first_batch", "unit")
+QUANTIZATIONS = ("fp8",)  # --quantization: vLLM's flag; fp8 = per-channel weights, dynamic per-token acts
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
@@ -51,6 +52,9 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"
     dtype: str = "bfloat16"
+    # quantize a bf16 checkpoint's (or random) weights at load: None, or "fp8" (a checkpoint quantized already
+    # serves its own scheme, from config.json's quantization_config)
+    quantization: str | None = None
     page_size: int = 16
     canary_mb: int = 256
     shrink_ratio: float = 0.95
@@ -74,7 +78,8 @@ class ServerConfig:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        return load_model_config(self.model)
+        mc = load_model_config(self.model)
+        return with_runtime_fp8(mc) if self.quantization == "fp8" else mc
 
     @property
     def context_len(self) -> int:
@@ -176,10 +181,20 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            "the batch-invariant kernels are Triton ones, not the native AITER backend's; try "
            "--attention_backend aiter_triton with --deterministic")
 
+    _check(cfg.quantization in (None, *QUANTIZATIONS), "quantization",
+           f"unknown '{cfg.quantization}'; choose one of {', '.join(QUANTIZATIONS)} (or leave it unset)")
     try:
-        m = cfg.model_config
+        m = load_model_config(cfg.model)
     except ValueError as e:
         raise ConfigError("model", f"{e}") from None
+    _check(cfg.quantization is None or m.quant is None, "quantization",
+           f"{m.name} is quantized already ({m.quant_method}: {m.weight_format}); leave --quantization unset "
+           "to serve its own scheme")
+    m = cfg.model_config
+    problem = next((p for q in m.quantized_linears(cfg.tp) if (p := q.block_problem(cfg.tp))), None)
+    _check(problem is None, "tp" if cfg.tp > 1 else "model",
+           f"{m.name}'s FP8 block scales would straddle a shard or a packed part: {problem}; "
+           + ("try --tp 1" if cfg.tp > 1 else "list it in quantization_config's modules_to_not_convert"))
     _check(m.runnable or not serving, "model",
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
            f"choose a Llama/Qwen model such as "
@@ -344,6 +359,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                   "them, "
                   "else first_batch), first_batch (from the first real prefill's K/V), unit (1.0)")
     add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
+    add_flag(p, "quantization", default=None,
+             help="quantize a bf16 checkpoint's weights at load: fp8 = e4m3 per-channel weights, dynamic "
+                  "per-token activations (compute capability >= 8.9); an FP8 checkpoint needs no flag")
     add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
     add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
     add_flag(p, "shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")

@@ -43,6 +43,49 @@ class Fp8Scheme:
         return f"fp8_e4m3 ({layout}, {acts[self.activation]} activations)"
 
 
+@dataclass(frozen=True)
+class QuantLinear:
+    """One FP8 linear layer of a TP rank: its packed parts' output rows, input columns, whether it is
+    row-parallel (its input split), and its expert count (0: a dense layer)."""
+
+    name: str
+    parts: tuple[int, ...]
+    in_features: int
+    row_parallel: bool
+    experts: int
+    scheme: Fp8Scheme
+    split: bool = True  # False: replicated on every rank (MLA's q_a_proj, kv_a_proj_with_mqa)
+
+    @property
+    def weight_elements(self) -> int:
+        return max(self.experts, 1) * sum(self.parts) * self.in_features
+
+    @property
+    def scale_elements(self) -> int:
+        """weight_scale's fp32 values (layers.parallel / layers.moe); + input_scale for static activations."""
+        s = self.scheme
+        if s.weight == "channel":
+            n = sum(self.parts)
+        else:
+            n = sum(-(-p // s.block[0]) for p in self.parts) * -(-self.in_features // s.block[1])
+        return max(self.experts, 1) * n + (s.activation == "static" and not self.experts)
+
+    def block_problem(self, tp: int) -> str | None:
+        """A block scale straddling a TP shard or a packed part (layers.parallel.check_block_shards)."""
+        s = self.scheme
+        if s.weight != "block":
+            return None
+        bn, bk = s.block
+        tp = tp if self.split else 1
+        if (len(self.parts) > 1 or tp > 1) and not self.row_parallel and any(p % bn for p in self.parts):
+            return (f"{self.name}: output rows per part and rank {list(self.parts)} are not multiples of "
+                    f"block_n {bn}")
+        if tp > 1 and self.row_parallel and self.in_features % bk:
+            return (f"{self.name}: input columns per rank ({self.in_features}) are not a multiple of block_k "
+                    f"{bk}")
+        return None
+
+
 # --quantization fp8 on a bf16 checkpoint (vLLM's): per-channel weights, dynamic per-token activations
 RUNTIME_FP8 = Fp8Scheme("channel", None, "token")
 QUANT_METHODS = ("fp8", "compressed-tensors")
@@ -151,6 +194,60 @@ class ModelConfig:
         layers = range(self.num_layers) if layer is None else (layer,)
         names = [f"model.layers.{i}.{module}" for i in layers]
         return None if any(ignored(n, self.quant_ignore) for n in names) else self.quant
+
+    def quantized_linears(self, tp: int = 1) -> list[QuantLinear]:
+        """Every FP8 linear layer of one TP rank as the models build it (models.llama, models.deepseek_v2):
+        the planner counts their bytes and scales from it, config validation their block alignment."""
+        h, out = self.hidden_size, []
+
+        def add(layer: int, names: tuple[str, ...], parts: list[int], k: int, row: bool = False,
+                experts: int = 0, split: bool = True, every_layer: bool = False) -> None:
+            """every_layer: the model asks quant_for about all layers at once (attention)."""
+            schemes = {self.quant_for(n, None if every_layer else layer) for n in names}
+            if schemes != {None}:
+                out.append(QuantLinear(f"model.layers.{layer}.{names[0]}", tuple(parts), k, row, experts,
+                                       self.quant, split))
+
+        for i in range(self.num_layers):
+            if self.is_mla:
+                heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+                if self.q_lora_rank:
+                    add(i, ("self_attn.q_a_proj",), [self.q_lora_rank], h, split=False, every_layer=True)
+                    add(i, ("self_attn.q_b_proj",), [heads * qk // tp], self.q_lora_rank, every_layer=True)
+                else:
+                    add(i, ("self_attn.q_proj",), [heads * qk // tp], h, every_layer=True)
+                add(i, ("self_attn.kv_a_proj_with_mqa",), [self.kv_lora_rank + self.qk_rope_head_dim], h,
+                    split=False, every_layer=True)
+                add(i, ("self_attn.kv_b_proj",), [heads * (self.qk_nope_head_dim + self.v_head_dim) // tp],
+                    self.kv_lora_rank, every_layer=True)
+                add(i, ("self_attn.o_proj",), [h], heads * self.v_head_dim // tp, row=True, every_layer=True)
+            else:
+                q, kv = self.num_heads * self.head_dim // tp, self.num_kv_heads * self.head_dim // tp
+                add(i, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv], h,
+                    every_layer=True)
+                add(i, ("self_attn.o_proj",), [h], q, row=True, every_layer=True)
+            if self.is_moe_layer(i):
+                inter = self.moe_intermediate_size // tp
+                add(i, ("mlp.experts",), [inter, inter], h, experts=self.num_experts)
+                add(i, ("mlp.experts",), [h], inter, row=True, experts=self.num_experts)
+                mlps = [("mlp.shared_experts", self.moe_intermediate_size * self.n_shared_experts)]
+            else:
+                mlps = [("mlp", self.intermediate_size)]
+            for prefix, size in mlps:
+                if size:
+                    add(i, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), [size // tp] * 2, h)
+                    add(i, (f"{prefix}.down_proj",), [h], size // tp, row=True)
+        return out
+
+    def fp8_activation_bytes(self, tokens: int, tp: int = 1) -> int:
+        """A step's activation quantization temporaries on one rank: the widest FP8 layer input x_q [T, K] (1
+        byte each) and its fp32 scales ([T, K / block_k] per group, [T, 1] per token, none static)."""
+        layers = self.quantized_linears(tp)
+        if not layers:
+            return 0
+        k, s = max(q.in_features for q in layers), self.quant
+        groups = {"group": -(-k // s.block[1]) if s.block else 1, "token": 1, "static": 0}[s.activation]
+        return tokens * (k + 4 * groups)
 
     @property
     def weight_format(self) -> str:

@@ -20,9 +20,22 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # a zero row's scale: its values quantize to zeros, not NaN
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "MoeQuant", "quantize_per_token", "quantize_per_group",
-           "quantize_weight", "dequantize_weight", "fp8_linear_reference", "moe_reference_fp8",
-           "weight_scale_shape", "expand_block_scale"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "MoeQuant", "dequantize_weight", "expand_block_scale",
+           "fp8_capability_problem", "fp8_linear_reference", "moe_reference_fp8", "quantize_per_group",
+           "quantize_per_token", "quantize_weight", "weight_scale_shape"]
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores (cuBLASLt's e4m3 GEMMs)
+
+
+def fp8_capability_problem(capability: tuple[int, int], source: str) -> str | None:
+    """Why FP8 weights cannot be served on a GPU of this compute capability, or None; `source` is where the
+    FP8 came from (the flag or the checkpoint)."""
+    if tuple(capability) >= FP8_MIN_CAPABILITY:
+        return None
+    have = ".".join(map(str, capability))
+    return (f"FP8 weights ({source}) need a GPU of compute capability >= 8.9 (Ada, Hopper); this one is "
+            f"{have}: serve a bf16 checkpoint without --quantization")
 
 
 @dataclass(frozen=True)
