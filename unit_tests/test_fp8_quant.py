@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprofile.layers.quant import (FP8, FP8_MAX, Fp8Scheme, MoeQuant, dequantize_weight, fp8_linear_reference,
-                                      moe_reference_fp8, quantize_per_group, quantize_per_token,
-                                      quantize_weight, weight_scale_shape)
+from autoprofile.layers.quant import (FP8, FP8_MAX, Fp8Scheme, MoeQuant, dequantize_weight,
+                                      fp8_linear_reference, moe_reference_fp8, quantize_per_group,
+                                      quantize_per_token, quantize_weight, weight_scale_shape)
 from autoprofile.layers.moe import moe_reference
 
 BLOCK = Fp8Scheme("block", (128, 128), "group")
