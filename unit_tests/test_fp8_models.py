@@ -30,7 +30,7 @@ DENSE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
 MLA = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
            n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
-           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None, 
+           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None,
            max_position_embeddings=512,
            bos_token_id=1, eos_token_id=2)
 IDS = [5, 17, 250, 3, 3, 3, 99, 140, 7, 8, 299, 42, 0, 12, 77, 78, 79, 80, 81, 150, 151, 9]
