@@ -18,7 +18,9 @@ from safetensors.torch import save_file
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.weights import load_weights
-from autoprofile.layers.quant import FP8_MAX, Fp8Scheme, dequantize_weight, quantize_weight
+from autoprofile.config import ConfigError, ServerConfig, validate
+from autoprofile.layers.parallel import TP
+from autoprofile.layers.quant import FP8, FP8_MAX, Fp8Scheme, dequantize_weight, quantize_weight
 from models import model_class
 from models.config import load_model_config
 from unit_tests.test_moe import PAGE, TINY, logits, perturb
@@ -40,6 +42,7 @@ FORMATS = {
     "hf-block-tail": Fp8Scheme("block", (32, 48), "group"),  # K of 64 / 96: a short last block column
     "ct-channel-token": Fp8Scheme("channel", None, "token"),
     "ct-tensor-static": Fp8Scheme("channel", None, "static"),  # per-tensor weights, static activations
+    "hf-block16": Fp8Scheme("block", (16, 16), "group"),  # whole blocks on each of 2 TP ranks
 }
 # logits relative error of W8A8 against the dequantized weights: measured 0.036-0.056 here; each corrupted
 # checkpoint that loads measured 1.0-1.24. Greedy agreement on decisive positions: one MoE position of 17
@@ -57,11 +60,12 @@ def hf_model(kind: str):
         hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**MLA))
     hf = hf.float().eval()
     perturb(hf)
-    with torch.no_grad():  # rows growing, columns shrinking: every block, row and column its own scale
-        for name, p in hf.named_parameters():
+    with torch.no_grad():  # rows growing, columns shrinking, each tensor its own size: every block, row,
+        for name, p in hf.named_parameters():  # column and packed part its own scale
             if quantizable(name):
                 n, k = p.shape
-                p.mul_(torch.linspace(-1, 1, n).exp()[:, None] * torch.linspace(1, -1, k).exp()[None, :])
+                p.mul_(torch.linspace(-1, 1, n).exp()[:, None] * torch.linspace(1, -1, k).exp()[None, :]
+                       * torch.empty(()).uniform_(-1, 1).exp())
     return hf
 
 
@@ -148,6 +152,9 @@ def write(hf, fmt: str, folder: Path, mutation: str | None = None) -> tuple[Path
         shutil.copy(src / "config.json", d / "config.json")
     if fmt.endswith("static"):
         scales = {f"{n}.input_scale": torch.tensor([a / FP8_MAX]) for n, a in input_amax(hf, ref).items()}
+        for name in scales:  # packed parts' scales differ: the loader must take their largest (k's, up's)
+            if name.endswith(("q_proj.input_scale", "v_proj.input_scale", "gate_proj.input_scale")):
+                scales[name] = scales[name] / 16
         if mutation == "input-scale-wrong":  # 64x too fine: the larger activations clamp at 448
             scales = {k: v / 64 for k, v in scales.items()}
         if mutation != "input-scale-dropped":
@@ -168,11 +175,11 @@ def corrupt(s: torch.Tensor, w: torch.Tensor, fmt: str, mutation: str | None) ->
     return s
 
 
-def ours(folder: Path):
+def ours(folder: Path, tp: TP = TP()):
     mc = load_model_config(str(folder))
     backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE, torch.float32,
                                          torch.device("cpu"))
-    model = model_class(mc)(mc, backend, dtype=torch.float32)
+    model = model_class(mc)(mc, backend, tp, dtype=torch.float32)
     load_weights(model, mc.checkpoint_files, seed=0, show_progress=False)
     return model
 
@@ -215,6 +222,36 @@ def test_fp8_checkpoint_matches_its_dequantized_weights(kind, fmt, hf_models, tm
     assert model.config.quant == FORMATS[fmt]
     err, agree = compare(prefill_logits(model), prefill_logits(ours(ref)))
     assert err < TOLERANCE and agree >= 0.9, (err, agree)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "mla"])
+@pytest.mark.parametrize("fmt,tp", [("hf-block", 1), ("hf-block-tail", 1), ("hf-block16", 2),
+                                    ("ct-channel-token", 2), ("ct-tensor-static", 2)])
+def test_every_rank_s_fp8_shard_dequantizes_to_its_reference_shard(kind, fmt, tp, hf_models, tmp_path):
+    """The loader's layout, weight by weight: on each TP rank every FP8 parameter (packed q/k/v and gate/up
+    parts, experts, MLA's projections) times its scales is exactly that rank's shard of the dequantized
+    checkpoint; every other parameter is the same."""
+    if kind != "dense" and fmt in ("hf-block-tail", "ct-tensor-static"):
+        pytest.skip("tails need a dense layer's sizes; static activations are refused for experts")
+    fp8, ref = write(hf_models[kind], fmt, tmp_path)
+    for rank in range(tp):
+        model, plain = ours(fp8, TP(rank, tp)), dict(ours(ref, TP(rank, tp)).named_parameters())
+        quantized = 0
+        for name, p in model.named_parameters():
+            if p.dtype == FP8:
+                quant = model.get_submodule(name.rpartition(".")[0]).quant
+                got = dequantize_weight(p, dict(model.named_parameters())[name + "_scale"], quant)
+                assert torch.equal(got, plain[name]), name
+                quantized += 1
+            elif not name.endswith("_scale"):
+                assert torch.equal(p, plain[name]), name
+        assert quantized >= 2 * model.config.num_layers
+
+
+def test_a_block_split_by_tp_is_refused_before_loading(hf_models, tmp_path):
+    fp8, _ = write(hf_models["dense"], "hf-block", tmp_path)  # k/v: 2 heads x 16 = 32 rows, 16 per rank
+    with pytest.raises(ConfigError, match=r"--tp: .*self_attn.q_proj: output rows .*block_n 32"):
+        validate(ServerConfig(model=str(fp8), tp=2, attention_backend="torch"))
 
 
 @pytest.mark.parametrize("kind,fmt,mutation", [
