@@ -191,10 +191,12 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name} is quantized already ({m.quant_method}: {m.weight_format}); leave --quantization unset "
            "to serve its own scheme")
     m = cfg.model_config
-    problem = next((p for q in m.quantized_linears(cfg.tp) if (p := q.block_problem(cfg.tp))), None)
+    problem = fp8_block_problem(m, cfg.tp)
+    fits = max(d for d in (1, 2, 4, 8) if d < cfg.tp and not fp8_block_problem(m, d)) if cfg.tp > 1 else 1
     _check(problem is None, "tp" if cfg.tp > 1 else "model",
            f"{m.name}'s FP8 block scales would straddle a shard or a packed part: {problem}; "
-           + ("try --tp 1" if cfg.tp > 1 else "list it in quantization_config's modules_to_not_convert"))
+           + (f"try --tp {fits}" if cfg.tp > 1 else "list that module in quantization_config's "
+              "modules_to_not_convert"))
     _check(m.runnable or not serving, "model",
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
            f"choose a Llama/Qwen model such as "
@@ -245,6 +247,12 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
+    """The first FP8 layer whose block scales --tp would split inside a block (ModelConfig.quantized_linears),
+    or None."""
+    return next((p for q in m.quantized_linears(tp) if (p := q.block_problem(tp))), None)
 
 
 def deterministic_gap(m: ModelConfig) -> str:
