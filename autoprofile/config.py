@@ -209,6 +209,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(not cfg.deterministic or not (m.num_experts or m.is_mla or m.vision is not None), "deterministic",
            f"{m.name} {deterministic_gap(m)}, which has no batch-invariant path yet; serve it without "
            f"--deterministic (or --deterministic with a dense text model such as llama-3.1-8b)")
+    _check(not cfg.deterministic or m.quant is None, "deterministic",
+           f"{m.name}'s FP8 weights ({m.weight_format}) have no batch-invariant GEMM yet; serve it without "
+           "--deterministic (or a bf16 checkpoint without --quantization)")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
            f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
            f"does not divide (TP splits every expert's intermediate dimension); try --tp 1")

@@ -107,6 +107,14 @@ def test_quantization_flag():
         with_runtime_fp8(load_model_config("tiny-fp8"))
 
 
+def test_deterministic_has_no_fp8_gemm_yet():
+    with pytest.raises(ConfigError, match="--deterministic: tiny-fp8's FP8 weights .*no batch-invariant"):
+        validate(ServerConfig(model="tiny-fp8", deterministic=True, attention_backend="torch"))
+    with pytest.raises(ConfigError, match="--deterministic: tiny's FP8 weights"):
+        validate(ServerConfig(model="tiny", quantization="fp8", deterministic=True,
+                              attention_backend="torch"))
+
+
 def test_a_block_that_tp_would_split_is_refused_in_validation():
     """vLLM refuses these too: Qwen3-30B-A3B-FP8's experts (768 rows) in 4 shards are 192 rows, not whole
     128-row blocks; the error names the layer, the block and the largest --tp that works."""
