@@ -30,10 +30,21 @@ def load_weights(model: nn.Module, checkpoint_files: list[Path], seed: int,
                  show_progress: bool = True) -> torch.Tensor | None:
     """Fill every parameter of `model`: from the checkpoint files if any, else seeded random values.
     Returns the checkpoint's KV cache scales [num_layers, 2] (k, v; CPU fp32), or None if it has none."""
-    if checkpoint_files:
-        return load_checkpoint(model, checkpoint_files, show_progress)
-    init_random(model, seed)
-    return None
+    try:
+        if checkpoint_files:
+            return load_checkpoint(model, checkpoint_files, show_progress)
+        init_random(model, seed)
+        return None
+    finally:
+        release_quantization_temporaries(model)
+
+
+def release_quantization_temporaries(model: nn.Module) -> None:
+    """FP8 weights quantized on the device (random, --quantization fp8) leave their bf16/fp32 temporaries in
+    the caching allocator: hand them back, or the probe would count them as reserved."""
+    params = list(model.parameters())
+    if params and params[0].device.type == "cuda" and any(p.dtype == FP8 for p in params):
+        torch.cuda.empty_cache()
 
 
 def kv_scale_target(name: str) -> tuple[int, str] | None:
