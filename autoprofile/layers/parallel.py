@@ -7,9 +7,9 @@ so a checkpoint is read shard by shard, never whole.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-import math
 from functools import partial
 
 import torch
@@ -187,13 +187,13 @@ def load_channel_scale_column(param: nn.Parameter, src, part: int, *, shard_size
 
 
 def load_block_scale_column(param: nn.Parameter, src, part: int, *, block_rows: list[int], rank: int,
-                            cols: int) -> None:
+                            ranks: int, cols: int) -> None:
     """Part `part`'s block scales [ceil(N_p / bn), ceil(K / bk)]: this rank's block rows, after the parts
     before it."""
     rows, offset = block_rows[part], sum(block_rows[:part])
     shape = source_shape(src)
-    if len(shape) != 2 or shape[1] != cols or shape[0] < (rank + 1) * rows:
-        raise ValueError(f"block scale of shape {shape} does not fit [{rows} x TP ranks, {cols}] "
+    if shape != (rows * ranks, cols):
+        raise ValueError(f"block scale of shape {shape} does not fit [{rows * ranks}, {cols}] "
                          "(weight rows / block_n, weight columns / block_k)")
     copy_checked(param.data.narrow(0, offset, rows), read_rows(src, rank * rows, rows, 0))
 
@@ -202,11 +202,11 @@ def load_channel_scale_row(param: nn.Parameter, src, part: int = 0) -> None:
     copy_checked(param.data, scalar_or_rows(src, param.shape[0], "weight"))
 
 
-def load_block_scale_row(param: nn.Parameter, src, part: int, *, cols: int, rank: int) -> None:
+def load_block_scale_row(param: nn.Parameter, src, part: int, *, cols: int, rank: int, ranks: int) -> None:
     """A row-parallel layer's block scales: all block rows, this rank's block columns."""
     shape = source_shape(src)
-    if len(shape) != 2 or shape[0] != param.shape[0] or shape[1] < (rank + 1) * cols:
-        raise ValueError(f"block scale of shape {shape} does not fit [{param.shape[0]}, {cols} x TP ranks] "
+    if shape != (param.shape[0], cols * ranks):
+        raise ValueError(f"block scale of shape {shape} does not fit [{param.shape[0]}, {cols * ranks}] "
                          "(weight rows / block_n, weight columns / block_k)")
     copy_checked(param.data, read_rows(src, rank * cols, cols, 1))
 
@@ -293,7 +293,7 @@ def column_scale(scheme: Fp8Scheme | None, shard_sizes: list[int], in_features: 
     bn, bk = scheme.block
     block_rows = [-(-s // bn) for s in shard_sizes]
     cols = -(-in_features // bk)
-    loader = partial(load_block_scale_column, block_rows=block_rows, rank=rank, cols=cols)
+    loader = partial(load_block_scale_column, block_rows=block_rows, rank=rank, ranks=tp.size, cols=cols)
     return new_param((sum(block_rows), cols), torch.float32, loader, parts)
 
 
@@ -308,7 +308,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         shard = in_features // tp.size
         check_block_shards(quant, [shard], tp.size, "input")
-        quant_params(self, quant, row_scale(quant, out_features, shard, tp.rank), 1)
+        quant_params(self, quant, row_scale(quant, out_features, shard, tp), 1)
         loader = partial(load_row, shard=shard, rank=tp.rank)
         if quant is not None:
             loader = partial(load_row_fp8, shard=shard, rank=tp.rank, scale=self.weight_scale, scheme=quant)
@@ -327,7 +327,7 @@ class RowParallelLinear(nn.Module):
         return y if residual is None else residual + y
 
 
-def row_scale(scheme: Fp8Scheme | None, out_features: int, shard: int, rank: int) -> nn.Parameter | None:
+def row_scale(scheme: Fp8Scheme | None, out_features: int, shard: int, tp: TP) -> nn.Parameter | None:
     """A row-parallel FP8 layer's weight_scale: [out] per channel (every rank all of it), or [ceil(out / bn),
     shard / bk] blocks."""
     if scheme is None:
@@ -337,7 +337,7 @@ def row_scale(scheme: Fp8Scheme | None, out_features: int, shard: int, rank: int
     bn, bk = scheme.block
     cols = -(-shard // bk)
     return new_param((-(-out_features // bn), cols), torch.float32,
-                     partial(load_block_scale_row, cols=cols, rank=rank))
+                     partial(load_block_scale_row, cols=cols, rank=tp.rank, ranks=tp.size))
 
 
 class VocabParallelEmbedding(nn.Module):
