@@ -16,11 +16,12 @@ from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up
 from autoprofile.profile_cache import default_folder
 from autoprofile.resize import max_resized_pixels
 from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
-                           find_weights, load_model_config)
+                           find_weights, load_model_config, with_runtime_fp8)
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 KV_SCALES = ("auto", "first_batch", "unit")
+QUANTIZATIONS = ("fp8",)  # --quantization: vLLM's flag; fp8 = per-channel weights, dynamic per-token acts
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
@@ -55,6 +56,9 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"
     dtype: str = "bfloat16"
+    # quantize a bf16 checkpoint's (or random) weights at load: None, or "fp8" (a checkpoint quantized already
+    # serves its own scheme, from config.json's quantization_config)
+    quantization: str | None = None
     page_size: int = 16
     canary_mb: int = 256
     shrink_ratio: float = 0.95
@@ -86,7 +90,8 @@ class ServerConfig:
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        return load_model_config(self.model)
+        mc = load_model_config(self.model)
+        return with_runtime_fp8(mc) if self.quantization == "fp8" else mc
 
     @property
     def random_weights(self) -> bool:
@@ -219,10 +224,22 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(cfg.load_format in LOAD_FORMATS, "load_format",
            f"unknown '{cfg.load_format}'; choose one of {', '.join(LOAD_FORMATS)} (dummy = random weights)")
 
+    _check(cfg.quantization in (None, *QUANTIZATIONS), "quantization",
+           f"unknown '{cfg.quantization}'; choose one of {', '.join(QUANTIZATIONS)} (or leave it unset)")
     try:
-        m = cfg.model_config
+        m = load_model_config(cfg.model)
     except ValueError as e:
         raise ConfigError("model", f"{e}") from None
+    _check(cfg.quantization is None or m.quant is None, "quantization",
+           f"{m.name} is quantized already ({m.quant_method}: {m.weight_format}); leave --quantization unset "
+           "to serve its own scheme")
+    m = cfg.model_config
+    problem = fp8_block_problem(m, cfg.tp)
+    fits = max(d for d in (1, 2, 4, 8) if d < cfg.tp and not fp8_block_problem(m, d)) if cfg.tp > 1 else 1
+    _check(problem is None, "tp" if cfg.tp > 1 else "model",
+           f"{m.name}'s FP8 block scales would straddle a shard or a packed part: {problem}; "
+           + (f"try --tp {fits}" if cfg.tp > 1 else "list that module in quantization_config's "
+              "modules_to_not_convert"))
     _check(m.runnable or not serving, "model",
            f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
            f"choose a Llama/Qwen model such as "
@@ -235,6 +252,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(not cfg.deterministic or not (m.num_experts or m.is_mla or m.vision is not None), "deterministic",
            f"{m.name} {deterministic_gap(m)}, which has no batch-invariant path yet; serve it without "
            f"--deterministic (or --deterministic with a dense text model such as llama-3.1-8b)")
+    _check(not cfg.deterministic or m.quant is None, "deterministic",
+           f"{m.name}'s FP8 weights ({m.weight_format}) have no batch-invariant GEMM yet; serve it without "
+           "--deterministic (or a bf16 checkpoint without --quantization)")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
            f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
            f"does not divide (TP splits every expert's intermediate dimension); try --tp 1")
@@ -276,6 +296,12 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
+    """The first FP8 layer whose block scales --tp would split inside a block (ModelConfig.quantized_linears),
+    or None."""
+    return next((p for q in m.quantized_linears(tp) if (p := q.block_problem(tp))), None)
 
 
 def deterministic_gap(m: ModelConfig) -> str:
@@ -437,6 +463,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                   "them, "
                   "else first_batch), first_batch (from the first real prefill's K/V), unit (1.0)")
     add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
+    add_flag(p, "quantization", default=None,
+             help="quantize a bf16 checkpoint's weights at load: fp8 = e4m3 per-channel weights, dynamic "
+                  "per-token activations (compute capability >= 8.9); an FP8 checkpoint needs no flag")
     add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
     add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
     add_flag(p, "shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")

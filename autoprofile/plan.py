@@ -132,8 +132,22 @@ def weight_split(m: ModelConfig) -> WeightSplit:
 
 
 def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
-    """This rank's weights; DeepSeek's routers stay fp32 (as HF keeps them), replicated."""
-    return weight_split(m).per_rank(m, tp) * dtype_bytes + fp32_router_params(m) * (4 - dtype_bytes)
+    """This rank's weights; DeepSeek's routers stay fp32 (as HF keeps them), replicated. FP8 linears: one
+    byte a weight plus their fp32 scales (ModelConfig.quantized_linears); the rest (embeddings, lm_head,
+    norms, routers, unconverted modules) in dtype."""
+    fp8 = m.quantized_linears(tp)
+    saved = sum(q.weight_elements for q in fp8) * (dtype_bytes - 1) - sum(q.scale_elements for q in fp8) * 4
+    return (weight_split(m).per_rank(m, tp) * dtype_bytes + fp32_router_params(m) * (4 - dtype_bytes)
+            - saved)
+
+
+def fp8_text(m: ModelConfig, tp: int) -> str:
+    """The weights row's FP8 part: how many weights are one byte, and their scales."""
+    fp8 = m.quantized_linears(tp)
+    if not fp8:
+        return ""
+    n, scales = sum(q.weight_elements for q in fp8), sum(q.scale_elements for q in fp8)
+    return f"; {n:,} per rank in {m.weight_format} x 1 B + {scales:,} fp32 scales"
 
 
 def fp32_router_params(m: ModelConfig) -> int:
@@ -172,7 +186,7 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> 
         mlp = 3 * inter + h + 2 * m.num_experts_per_tok * h
     else:
         mlp = 3 * (m.intermediate_size // tp) + h
-    return tokens * ((2 * h + max(attn, mlp)) * dtype_bytes + 4 * h)
+    return tokens * ((2 * h + max(attn, mlp)) * dtype_bytes + 4 * h) + m.fp8_activation_bytes(tokens, tp)
 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
@@ -307,7 +321,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
         nccl_row(tp),
         Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
-            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"),
+            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"
+            + fp8_text(m, tp)),
         Row("rope table", rope_table_bytes(m, cfg.context_len), "exact", "measured in the probe peak",
             f"cos/sin [{cfg.context_len}, {rope_dim(m)}] fp32"),
         prefill_peak(m, bmt, min(gmbs, bmt), tp, db),

@@ -31,6 +31,13 @@ ROWS = (  # (term key, label, how it was obtained)
 )
 
 
+def weight_format(cfg) -> str:
+    """The weights' dtype and scale layout (ModelConfig.weight_format): "bf16", "fp8_e4m3 (block 128x128,
+    ...)"."""
+    mc = getattr(cfg, "model_config", None)
+    return "unknown" if mc is None else mc.weight_format
+
+
 def to_dict(result) -> dict:
     m = result.measurement
     return {
@@ -38,6 +45,7 @@ def to_dict(result) -> dict:
         "tp": result.cfg.tp,
         "attention_backend": result.cfg.attention_backend,
         "kv_cache_dtype": result.cfg.kv_dtype_name,
+        "weights": weight_format(result.cfg),
         "kv_scales": result.kv_scales,
         "max_total_token_num": result.tokens,
         "kv_gib": gib(result.kv_bytes),
@@ -62,6 +70,7 @@ def format_report(result) -> str:
     lines = [f"autoprofile budget report: {result.cfg.model}, tp={result.cfg.tp}, "
              f"backend={result.cfg.attention_backend}, KV {result.cfg.kv_dtype_name}"
              + (f" (scales: {KV_SCALE_TEXT[result.kv_scales]})" if result.kv_scales else ""),
+             f"  weights {weight_format(result.cfg)}",
              f"  {'term':<44}{'GiB':>10}  source"]
     lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS
               if key not in VISION_TERMS or result.terms.get(key)]

@@ -299,6 +299,7 @@ async def health(request: web.Request) -> web.Response:
                               "max_running_requests": st.engine.max_running,
                               "max_waiting_requests": st.engine.max_waiting,
                               "max_req_total_len": st.limits.context_len,
+                              "weights": st.cfg.model_config.weight_format,
                               "outstanding_requests": st.engine.outstanding})
 
 

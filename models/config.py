@@ -1,7 +1,9 @@
 """HF-style `config.json` -> ModelConfig: the fields the runtime and the budget need."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,73 @@ FIRST_FOLDED = BYTE_OFFSET + 256
 
 def builtin_models() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file())
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """FP8 (e4m3) weights (autoprofile.layers.quant holds the arithmetic; this is torch-free for the planner).
+
+    weight: "channel" (one fp32 scale per output row; per-tensor checkpoint scales are expanded to it) or
+    "block" (one per [block_n, block_k] tile). activation: "token" (dynamic per token), "group" (dynamic per
+    token and block_k group, with "block") or "static" (the checkpoint's input_scale per layer)."""
+
+    weight: str
+    block: tuple[int, int] | None = None
+    activation: str = "token"
+
+    def describe(self) -> str:
+        """e.g. 'fp8_e4m3 (block 128x128, dynamic per-group activations)' (report, /health)."""
+        layout = f"block {self.block[0]}x{self.block[1]}" if self.weight == "block" else "per-channel"
+        acts = {"token": "dynamic per-token", "group": "dynamic per-group", "static": "static per-tensor"}
+        return f"fp8_e4m3 ({layout}, {acts[self.activation]} activations)"
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """One FP8 linear layer of a TP rank: its packed parts' output rows, input columns, whether it is
+    row-parallel (its input split), and its expert count (0: a dense layer)."""
+
+    name: str
+    parts: tuple[int, ...]
+    in_features: int
+    row_parallel: bool
+    experts: int
+    scheme: Fp8Scheme
+    split: bool = True  # False: replicated on every rank (MLA's q_a_proj, kv_a_proj_with_mqa)
+
+    @property
+    def weight_elements(self) -> int:
+        return max(self.experts, 1) * sum(self.parts) * self.in_features
+
+    @property
+    def scale_elements(self) -> int:
+        """weight_scale's fp32 values (layers.parallel / layers.moe); + input_scale for static activations."""
+        s = self.scheme
+        if s.weight == "channel":
+            n = sum(self.parts)
+        else:
+            n = sum(-(-p // s.block[0]) for p in self.parts) * -(-self.in_features // s.block[1])
+        return max(self.experts, 1) * n + (s.activation == "static" and not self.experts)
+
+    def block_problem(self, tp: int) -> str | None:
+        """A block scale straddling a TP shard or a packed part (layers.parallel.check_block_shards)."""
+        s = self.scheme
+        if s.weight != "block":
+            return None
+        bn, bk = s.block
+        tp = tp if self.split else 1
+        if (len(self.parts) > 1 or tp > 1) and not self.row_parallel and any(p % bn for p in self.parts):
+            return (f"{self.name}: output rows per part and rank {list(self.parts)} are not multiples of "
+                    f"block_n {bn}")
+        if tp > 1 and self.row_parallel and self.in_features % bk:
+            return (f"{self.name}: input columns per rank ({self.in_features}) are not a multiple of block_k "
+                    f"{bk}")
+        return None
+
+
+# --quantization fp8 on a bf16 checkpoint (vLLM's): per-channel weights, dynamic per-token activations
+RUNTIME_FP8 = Fp8Scheme("channel", None, "token")
+QUANT_METHODS = ("fp8", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -107,8 +176,83 @@ class ModelConfig:
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    # FP8 weights: the scheme, where it came from ("fp8": HF's quantization_config, "compressed-tensors",
+    # "runtime": --quantization fp8 on bf16 weights) and the checkpoint's modules left unconverted (names
+    # or "re:" patterns, HF's modules_to_not_convert / compressed-tensors' ignore)
+    quant: Fp8Scheme | None = None
+    quant_method: str | None = None
+    quant_ignore: tuple[str, ...] = ()
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def quant_for(self, module: str, layer: int | None = None) -> Fp8Scheme | None:
+        """The scheme of a linear module, named as HF's inside decoder layer `layer` ("self_attn.q_proj",
+        "mlp.experts"; layer None: the module of every layer): None if the model is not quantized or the
+        checkpoint leaves it unconverted (in any of those layers)."""
+        if self.quant is None:
+            return None
+        layers = range(self.num_layers) if layer is None else (layer,)
+        names = [f"model.layers.{i}.{module}" for i in layers]
+        return None if any(ignored(n, self.quant_ignore) for n in names) else self.quant
+
+    def quantized_linears(self, tp: int = 1) -> list[QuantLinear]:
+        """Every FP8 linear layer of one TP rank as the models build it (models.llama, models.deepseek_v2):
+        the planner counts their bytes and scales from it, config validation their block alignment."""
+        h, out = self.hidden_size, []
+
+        def add(layer: int, names: tuple[str, ...], parts: list[int], k: int, row: bool = False,
+                experts: int = 0, split: bool = True, every_layer: bool = False) -> None:
+            """every_layer: the model asks quant_for about all layers at once (attention)."""
+            schemes = {self.quant_for(n, None if every_layer else layer) for n in names}
+            if schemes != {None}:
+                out.append(QuantLinear(f"model.layers.{layer}.{names[0]}", tuple(parts), k, row, experts,
+                                       self.quant, split))
+
+        for i in range(self.num_layers):
+            if self.is_mla:
+                heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+                if self.q_lora_rank:
+                    add(i, ("self_attn.q_a_proj",), [self.q_lora_rank], h, split=False, every_layer=True)
+                    add(i, ("self_attn.q_b_proj",), [heads * qk // tp], self.q_lora_rank, every_layer=True)
+                else:
+                    add(i, ("self_attn.q_proj",), [heads * qk // tp], h, every_layer=True)
+                add(i, ("self_attn.kv_a_proj_with_mqa",), [self.kv_lora_rank + self.qk_rope_head_dim], h,
+                    split=False, every_layer=True)
+                add(i, ("self_attn.kv_b_proj",), [heads * (self.qk_nope_head_dim + self.v_head_dim) // tp],
+                    self.kv_lora_rank, every_layer=True)
+                add(i, ("self_attn.o_proj",), [h], heads * self.v_head_dim // tp, row=True, every_layer=True)
+            else:
+                q, kv = self.num_heads * self.head_dim // tp, self.num_kv_heads * self.head_dim // tp
+                add(i, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv], h,
+                    every_layer=True)
+                add(i, ("self_attn.o_proj",), [h], q, row=True, every_layer=True)
+            if self.is_moe_layer(i):
+                inter = self.moe_intermediate_size // tp
+                add(i, ("mlp.experts",), [inter, inter], h, experts=self.num_experts)
+                add(i, ("mlp.experts",), [h], inter, row=True, experts=self.num_experts)
+                mlps = [("mlp.shared_experts", self.moe_intermediate_size * self.n_shared_experts)]
+            else:
+                mlps = [("mlp", self.intermediate_size)]
+            for prefix, size in mlps:
+                if size:
+                    add(i, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), [size // tp] * 2, h)
+                    add(i, (f"{prefix}.down_proj",), [h], size // tp, row=True)
+        return out
+
+    def fp8_activation_bytes(self, tokens: int, tp: int = 1) -> int:
+        """A step's activation quantization temporaries on one rank: the widest FP8 layer input x_q [T, K] (1
+        byte each) and its fp32 scales ([T, K / block_k] per group, [T, 1] per token, none static)."""
+        layers = self.quantized_linears(tp)
+        if not layers:
+            return 0
+        k, s = max(q.in_features for q in layers), self.quant
+        groups = {"group": -(-k // s.block[1]) if s.block else 1, "token": 1, "static": 0}[s.activation]
+        return tokens * (k + 4 * groups)
+
+    @property
+    def weight_format(self) -> str:
+        """The weights' dtype and scale layout, for the report and /health."""
+        return "bf16" if self.quant is None else self.quant.describe()
 
     @property
     def is_mla(self) -> bool:
@@ -187,6 +331,94 @@ class ModelConfig:
         mlp = moe * experts + (L - moe) * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return L * (attn + 2 * h) + mlp + embed + h
+
+
+def ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """A module name against compressed-tensors' ignore / HF's modules_to_not_convert: "re:<regex>" matches
+    the whole name; a plain entry matches the name or any dotted part of it ("lm_head", "mlp.gate")."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.fullmatch(p[3:], name):
+                return True
+        elif name == p or name.endswith("." + p) or f".{p}." in f".{name}.":
+            return True
+    return False
+
+
+def _block_size(f: _Fields, q: dict) -> tuple[int, int] | None:
+    block = q.get("weight_block_size")
+    if block is None:
+        return None
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        f.fail("quantization_config", f"has weight_block_size {block!r}; it must be two integers >= 1, "
+                                      "e.g. [128, 128]")
+    return block[0], block[1]
+
+
+def _hf_fp8(f: _Fields, q: dict) -> tuple[Fp8Scheme, tuple[str, ...]]:
+    """HF's FineGrainedFP8 / DeepSeek-V3 style: `weight_block_size` tiles with `weight_scale_inv`, dynamic
+    activations per (token, block_k group); without a block size, per-channel weights."""
+    act = q.get("activation_scheme", "dynamic")
+    if act != "dynamic":
+        f.fail("quantization_config", f"has activation_scheme {act!r}; quant_method 'fp8' is served with "
+                                      "'dynamic' (static input scales: a compressed-tensors checkpoint)")
+    block = _block_size(f, q)
+    ignore = q.get("modules_to_not_convert") or q.get("ignored_layers") or []
+    scheme = Fp8Scheme("block", block, "group") if block else Fp8Scheme("channel", None, "token")
+    return scheme, tuple(ignore)
+
+
+def _compressed_fp8(f: _Fields, q: dict) -> tuple[Fp8Scheme, tuple[str, ...]]:
+    """compressed-tensors' float-quantized FP8: one config group of 8-bit float weights (strategy tensor or
+    channel; tensor scales become per-channel at load) and activations (token dynamic, or tensor static)."""
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        f.fail("quantization_config", f"needs exactly one entry in 'config_groups' for compressed-tensors "
+                                      f"FP8, got {groups!r}")
+    group = next(iter(groups.values()))
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") not in ("tensor", "channel"):
+        f.fail("quantization_config", f"has weights {w!r}; supported: num_bits 8, type 'float', strategy "
+                                      "'tensor' or 'channel' (FP8 e4m3)")
+    if a.get("num_bits", 8) != 8 or a.get("type", "float") != "float":
+        f.fail("quantization_config", f"has input_activations {a!r}; supported: 8-bit float")
+    if a.get("strategy") == "token" and a.get("dynamic", True):
+        act = "token"
+    elif a.get("strategy") == "tensor" and not a.get("dynamic", False):
+        act = "static"
+    else:
+        f.fail("quantization_config", f"has input_activations {a!r}; supported: strategy 'token' dynamic, "
+                                      "or 'tensor' static (with input_scale tensors)")
+    return Fp8Scheme("channel", None, act), tuple(q.get("ignore") or [])
+
+
+def _quant_fields(f: _Fields, num_experts: int) -> dict:
+    """quantization_config -> ModelConfig's quant fields; {} without one."""
+    q = f.dict("quantization_config")
+    if q is None:
+        return {}
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        f.fail("quantization_config", f"has quant_method {method!r}, which is not served; supported: "
+                                      f"{', '.join(QUANT_METHODS)} (FP8 e4m3 weights), or a bf16 checkpoint "
+                                      "(with --quantization fp8 to quantize it at load)")
+    scheme, ignore = (_hf_fp8 if method == "fp8" else _compressed_fp8)(f, q)
+    if not all(isinstance(i, str) for i in ignore):
+        f.fail("quantization_config", f"lists modules to leave unconverted that are not names: {ignore!r}")
+    if num_experts and scheme.activation == "static":
+        f.fail("quantization_config", "has static input scales, which the FP8 experts do not take; "
+                                      "an MoE checkpoint needs dynamic activations")
+    return {"quant": scheme, "quant_method": method, "quant_ignore": ignore}
+
+
+def with_runtime_fp8(mc: ModelConfig) -> ModelConfig:
+    """--quantization fp8: a bf16 model quantized at load (RUNTIME_FP8); a checkpoint quantized already is a
+    ConfigError-worthy ValueError naming its method."""
+    if mc.quant is not None:
+        raise ModelConfigError(f"{mc.name} is already quantized ({mc.quant_method}: {mc.weight_format}); "
+                               "leave --quantization unset to serve its own scheme")
+    return dataclasses.replace(mc, quant=RUNTIME_FP8, quant_method="runtime")
 
 
 def resolve_model_dir(name_or_path: str) -> Path | None:
@@ -411,6 +643,7 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         **_moe_layout(f, num_experts),
         **_mla_fields(f, archs[0]),
         **_vision_fields(f, heads, hidden),
+        **_quant_fields(f, num_experts),
         path=path,
         raw=d,
     )

@@ -19,7 +19,8 @@ from torch import nn
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.parallel import TP, ColumnParallelLinear, RowParallelLinear, new_param
-from models.config import ModelConfig
+from autoprofile.layers.quant import dequantize_weight
+from models.config import Fp8Scheme, ModelConfig
 from models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm,
                           apply_rope_interleaved, yarn_mscale)
 
@@ -33,15 +34,17 @@ def mla_softmax_scale(mc: ModelConfig) -> float:
     return scale
 
 
-class ReplicatedLinear(nn.Module):
-    """y = x W^T (+ b), the whole weight on every rank."""
+class ReplicatedLinear(ColumnParallelLinear):
+    """y = x W^T (+ b), the whole weight on every rank (FP8: through the model's TP.linear_fp8)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.weight = new_param((out_features, in_features), dtype)
-        self.bias = new_param((out_features,), dtype) if bias else None
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TP = TP(),
+                 quant: Fp8Scheme | None = None):
+        super().__init__(in_features, [out_features], bias, TP(), dtype, quant)
+        self.tp = tp  # the model's GEMMs (no shard: built with one rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.tp.linear_fp8(x, self, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -55,18 +58,24 @@ class MLAttention(nn.Module):
         self.scale = mla_softmax_scale(mc)
         qk = mc.num_heads * (self.nope + self.rope)
         self.q_lora = mc.q_lora_rank > 0
+        quant = mc.quant_for
         if self.q_lora:
-            self.q_a_proj = ReplicatedLinear(mc.hidden_size, mc.q_lora_rank, mc.attention_bias, dtype)
+            self.q_a_proj = ReplicatedLinear(mc.hidden_size, mc.q_lora_rank, mc.attention_bias, dtype, tp,
+                                             quant("self_attn.q_a_proj"))
             self.q_a_layernorm = RMSNorm(mc.q_lora_rank, mc.rms_norm_eps, backend, dtype)
-            self.q_b_proj = ColumnParallelLinear(mc.q_lora_rank, [qk], False, tp, dtype)
+            self.q_b_proj = ColumnParallelLinear(mc.q_lora_rank, [qk], False, tp, dtype,
+                                                 quant("self_attn.q_b_proj"))
         else:
-            self.q_proj = ColumnParallelLinear(mc.hidden_size, [qk], False, tp, dtype)
+            self.q_proj = ColumnParallelLinear(mc.hidden_size, [qk], False, tp, dtype,
+                                               quant("self_attn.q_proj"))
         bias = mc.attention_bias
-        self.kv_a_proj_with_mqa = ReplicatedLinear(mc.hidden_size, self.rank + self.rope, bias, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(mc.hidden_size, self.rank + self.rope, bias, dtype, tp,
+                                                   quant("self_attn.kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(self.rank, mc.rms_norm_eps, backend, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.rank, [mc.num_heads * (self.nope + self.v_dim)], False, tp,
-                                              dtype)
-        self.o_proj = RowParallelLinear(mc.num_heads * self.v_dim, mc.hidden_size, bias, tp, dtype)
+                                              dtype, quant("self_attn.kv_b_proj"))
+        self.o_proj = RowParallelLinear(mc.num_heads * self.v_dim, mc.hidden_size, bias, tp, dtype,
+                                        quant("self_attn.o_proj"))
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,11 +115,18 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed: the query into the latent space, the output out of it, per head."""
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         o_lat = self.backend.mla_decode(torch.cat([q_lat, q_pe], dim=-1), kv, meta, self.scale, self.rank)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(-1, self.heads * self.v_dim)
+
+
+def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's W in dtype (an FP8 one dequantized: MLA's absorbed decode multiplies by its parts)."""
+    if getattr(layer, "quant", None) is None:
+        return layer.weight
+    return dequantize_weight(layer.weight, layer.weight_scale, layer.quant, dtype)
 
 
 def route_group_limited(logits: torch.Tensor, mc: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +146,17 @@ class DeepseekV2MoE(nn.Module):
     n_shared_experts x moe_intermediate_size) on every token."""
 
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
-                 routing: Routing):
+                 routing: Routing, layer: int | None = None):
         super().__init__()
         self.config = mc
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), torch.float32)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                                mc.moe_intermediate_size, tp, dtype, backend, routing)
+                                mc.moe_intermediate_size, tp, dtype, backend, routing,
+                                mc.quant_for("mlp.experts", layer))
         shared = mc.moe_intermediate_size * mc.n_shared_experts
-        self.shared_experts = LlamaMLP(mc, backend, tp, dtype, shared) if shared else None
+        self.shared_experts = LlamaMLP(mc, backend, tp, dtype, shared, "mlp.shared_experts",
+                                       layer) if shared else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         mc, logits = self.config, nn.functional.linear(x.float(), self.gate.weight)

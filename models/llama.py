@@ -17,7 +17,18 @@ from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KV
 from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
-from models.config import ModelConfig
+from models.config import Fp8Scheme, ModelConfig
+
+def packed_quant(mc: ModelConfig, prefix: str, parts: tuple[str, ...],
+                 layer: int | None = None) -> Fp8Scheme | None:
+    """The FP8 scheme of a packed projection (q/k/v, gate/up): its parts' (a checkpoint converts all or
+    none of them)."""
+    schemes = {mc.quant_for(f"{prefix}.{p}", layer) for p in parts}
+    if len(schemes) > 1:
+        raise ValueError(f"{mc.name}: quantization_config leaves some of {prefix}.{{{','.join(parts)}}} "
+                         "unconverted but not all; they are packed into one FP8 or bf16 weight")
+    return schemes.pop()
+
 
 # ---------------------------------------------------------------- RoPE
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -131,8 +142,9 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = mc.num_heads // tp.size, mc.num_kv_heads // tp.size
         q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
         self.q_size, self.kv_size = q // tp.size, kv // tp.size
-        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [q, kv, kv], mc.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype)
+        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [q, kv, kv], mc.attention_bias, tp, dtype,
+                                             packed_quant(mc, "self_attn", ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype, mc.quant_for("self_attn.o_proj"))
         self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype) if mc.qk_norm else None
         self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype) if mc.qk_norm else None
 
@@ -167,12 +179,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, prefix: str = "mlp", layer: int | None = None):
+        """prefix, layer: HF's name of this MLP (FP8 checkpoints may leave some unconverted)."""
         super().__init__()
         i = intermediate_size or mc.intermediate_size
         self.backend = backend
-        self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype)
-        self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype)
+        self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype,
+                                                 packed_quant(mc, prefix, ("gate_proj", "up_proj"), layer))
+        self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype,
+                                           mc.quant_for(f"{prefix}.down_proj", layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)), residual)
@@ -182,13 +197,14 @@ class SparseMoeBlock(nn.Module):
     """Qwen3-MoE's MLP: a router (`gate`, replicated: every rank routes every token) and the experts."""
 
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
-                 routing: Routing):
+                 routing: Routing, layer: int | None = None):
         super().__init__()
         self.top_k, self.renormalize = mc.num_experts_per_tok, mc.norm_topk_prob
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), dtype)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
-                                mc.moe_intermediate_size, tp, dtype, backend, routing)
+                                mc.moe_intermediate_size, tp, dtype, backend, routing,
+                                mc.quant_for("mlp.experts", layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, self.gate.weight)
@@ -204,9 +220,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(mc, backend, tp, dtype)
         if mc.is_moe_layer(layer):
-            self.mlp = self.moe_cls(mc, backend, tp, dtype, routing)
+            self.mlp = self.moe_cls(mc, backend, tp, dtype, routing, layer)
         else:
-            self.mlp = LlamaMLP(mc, backend, tp, dtype)
+            self.mlp = LlamaMLP(mc, backend, tp, dtype, layer=layer)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
 

@@ -248,6 +248,69 @@ def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
         assert sum(r.bytes for r in make_plan_sized(cfg, t)) == runner.sizing.sized_bytes(t)
 
 
+BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+             "modules_to_not_convert": ["lm_head"]}
+STATIC_FP8 = {"quant_method": "compressed-tensors", "ignore": ["lm_head"], "config_groups": {"g": {
+    "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}
+FP8_VARIANTS = {  # (tiny variant, quantization_config or None, --quantization, --tp)
+    "llama-block": ("llama-tied", BLOCK_FP8, None, 1),
+    "llama-block-tp2": ("llama-tied", BLOCK_FP8, None, 2),
+    "qwen2-static-tensor": ("qwen2-bias-untied", STATIC_FP8, None, 1),
+    "qwen3-moe-block": ("qwen3-moe", BLOCK_FP8, None, 1),
+    "deepseek-v2-mla-block": ("deepseek-v2-mla", BLOCK_FP8, None, 1),
+    "llama-runtime": ("llama-tied", None, "fp8", 1),
+    "qwen3-moe-runtime-tp2": ("qwen3-moe", None, "fp8", 2),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FP8_VARIANTS))
+def test_fp8_weight_bytes_are_the_engine_s_parameters(variant, tmp_path):
+    """FP8 weights at one byte each plus their fp32 scales (bf16 for embeddings, norms, routers): the plan's
+    weights row is the real model's parameter bytes on each rank (built on the meta device: its shapes
+    and dtypes are the runner's), and the runner's on one rank."""
+    import torch
+
+    from autoprofile.layers.parallel import TP
+    from autoprofile.layers.quant import FP8
+    from models import model_class
+    from models.config import CONFIG_DIR
+
+    base, quant, flag, tp = FP8_VARIANTS[variant]
+    d = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text()) | TINY_VARIANTS[base]
+    if quant is not None:
+        d["quantization_config"] = quant
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = validate(ServerConfig(model=str(tmp_path), attention_backend="torch", max_req_total_len=1024,
+                                batch_max_tokens=512, graph_max_batch_size=8, disable_cudagraph=True,
+                                quantization=flag, tp=tp))
+    mc = cfg.model_config
+    p = make_plan(cfg, GPUS["h100"])
+    weights = row(p.fixed, "weights").bytes
+    for rank in range(tp):
+        with torch.device("meta"):
+            model = model_class(mc)(mc, None, TP(rank, tp), torch.bfloat16, cfg.context_len)
+        assert any(t.dtype == FP8 for t in model.parameters())
+        assert weights + row(p.fixed, "rope table").bytes == sum(
+            t.nbytes for t in (*model.parameters(), *model.buffers()))
+    if tp == 1:
+        from autoprofile.engine.runner import ModelRunner
+        assert weights + row(p.fixed, "rope table").bytes == ModelRunner(cfg).weight_bytes
+    bf16 = make_plan(cfg.replace(model=str(CONFIG_DIR / "tiny"), quantization=None), GPUS["h100"])
+    assert p.fixed != bf16.fixed
+
+
+def test_fp8_activation_quantization_is_in_the_prefill_estimate():
+    """x_q [T, K] fp8 + its fp32 scales per T for the widest FP8 layer input (llama: down_proj's 14,336
+    columns with one per-token scale; Qwen3-30B-A3B: o_proj's 4,096 in 32 groups of 128)."""
+    bf16 = row(plan_for(model="llama-3.1-8b").fixed, "prefill activation peak").bytes
+    fp8 = row(plan_for(model="llama-3.1-8b", quantization="fp8").fixed, "prefill activation peak").bytes
+    assert fp8 - bf16 == 8192 * (14336 + 4)
+    block = row(plan_for(model="qwen3-30b-a3b-fp8").fixed, "prefill activation peak").bytes
+    plain = row(plan_for(model="qwen3-30b-a3b").fixed, "prefill activation peak").bytes
+    assert block - plain == 8192 * (4096 + 4 * 32)  # widest input: o_proj's 32 heads x 128, 32 groups
+
+
 def make_plan_sized(cfg, tokens):
     from autoprofile.plan import sized_rows, sizing_for
     return sized_rows(sizing_for(cfg, "torch"), tokens, "torch")

@@ -30,6 +30,7 @@ from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.weights import load_weights
+from autoprofile.layers.quant import fp8_capability_problem
 from models import model_class
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,11 @@ class ModelRunner:
         self.backend_cls = get_backend_class(cfg.attention_backend)
         if cfg.deterministic and self.device.type == "cuda" and not self.backend_cls.batch_invariant_on_gpu:
             raise ConfigError("deterministic", not_invariant_on_gpu(self.backend_cls.name))
+        if mc.quant is not None and self.device.type == "cuda":  # before any allocation
+            flag = "quantization" if mc.quant_method == "runtime" else "model"
+            problem = fp8_capability_problem(torch.cuda.get_device_capability(self.device), f"--{flag}")
+            if problem:
+                raise ConfigError(flag, problem)
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device, deterministic=cfg.deterministic)
         # every linear layer's GEMM (--deterministic: batch-invariant, and so is the all-reduce:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from autoprofile.layers.moe import Routing, moe_reference, route
+from autoprofile.layers.quant import MoeQuant, fp8_linear_reference, moe_reference_fp8
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -133,6 +134,12 @@ class AttentionBackend(ABC):
         batch-invariant one; None: F.linear."""
         return None
 
+    @property
+    def fp8_gemm(self):
+        """The FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y (TP.fp8_matmul):
+        the torch reference here; a GPU backend's kernels."""
+        return fp8_linear_reference
+
     @classmethod
     def workspace_bytes(cls, max_decode_rows: int, max_context_len: int, num_q_heads: int,
                         head_dim: int) -> int:
@@ -193,9 +200,12 @@ class AttentionBackend(ABC):
         return torch.nn.functional.silu(gate) * up
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, quant: MoeQuant | None = None) -> torch.Tensor:
         """The experts (layers.moe): x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], the routing's
-        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H]."""
+        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H].
+        quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations quantized before each GEMM."""
+        if quant is not None:
+            return moe_reference_fp8(x, w13, w2, weights, ids, quant)
         return moe_reference(x, w13, w2, weights, ids)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,

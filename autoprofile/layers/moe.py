@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from autoprofile.budget import sorted_slots
-from autoprofile.layers.parallel import TP, copy_checked, new_param, read_rows
+from autoprofile.layers.parallel import (TP, check_block_shards, copy_checked, new_param, quantize_rows,
+                                         read_rows, scalar_or_rows, source_shape)
+from autoprofile.layers.quant import FP8, Fp8Scheme, MoeQuant
 
 # Routing.mode values, by index: the router's own choice, every token to experts 0..top_k-1, round robin
 ROUTINGS = ("model", "worst", "balanced")
@@ -109,30 +111,86 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 # ---------------------------------------------------------------- loading
-def load_expert_gate_up(param: nn.Parameter, src, part: int, *, shard: int, rank: int) -> None:
-    """Part 2e (gate) or 2e + 1 (up) of expert e: this rank's rows of its [I, H] tensor."""
+def load_expert_gate_up(param: nn.Parameter, src, part: int, *, shard: int, rank: int,
+                        scale: nn.Parameter | None = None, scheme: Fp8Scheme | None = None) -> None:
+    """Part 2e (gate) or 2e + 1 (up) of expert e: this rank's rows of its [I, H] tensor (FP8 experts: a bf16
+    checkpoint's rows quantized into the weight and `scale`)."""
     expert, half = divmod(part, 2)
-    copy_checked(param.data[expert].narrow(0, half * shard, shard), read_rows(src, rank * shard, shard, 0))
+    rows = read_rows(src, rank * shard, shard, 0)
+    if param.dtype == FP8 and rows.dtype != FP8:
+        quantize_rows(_expert(param, expert), rows, half * shard, _expert(scale, expert), scheme)
+        return
+    copy_checked(param.data[expert].narrow(0, half * shard, shard), rows)
 
 
-def load_expert_down(param: nn.Parameter, src, part: int, *, shard: int, rank: int) -> None:
+def load_expert_down(param: nn.Parameter, src, part: int, *, shard: int, rank: int,
+                     scale: nn.Parameter | None = None, scheme: Fp8Scheme | None = None) -> None:
     """Part e: this rank's columns of expert e's down projection [H, I]."""
-    copy_checked(param.data[part], read_rows(src, rank * shard, shard, 1))
+    cols = read_rows(src, rank * shard, shard, 1)
+    if param.dtype == FP8 and cols.dtype != FP8:
+        quantize_rows(_expert(param, part), cols, 0, _expert(scale, part), scheme)
+        return
+    copy_checked(param.data[part], cols)
+
+
+def _expert(param: nn.Parameter, e: int) -> nn.Parameter:
+    """Expert e's slice of a packed parameter, as a parameter the linear layers' loaders write into."""
+    return nn.Parameter(param.data[e], requires_grad=False)
+
+
+def load_expert_gate_up_scale(param: nn.Parameter, src, part: int, *, shard: int, rank: int, ranks: int,
+                              scheme: Fp8Scheme) -> None:
+    """Expert e's gate (part 2e) or up (2e + 1) scales: per channel [I] (or one per-tensor value), or blocks
+    [ceil(I / bn), ceil(H / bk)]; this rank's rows."""
+    expert, half = divmod(part, 2)
+    dst = param.data[expert]
+    if scheme.weight == "channel":
+        rows = scalar_or_rows(src, shard * ranks, "expert weight")[rank * shard:(rank + 1) * shard]
+        copy_checked(dst.narrow(0, half * shard, shard), rows)
+        return
+    rows, cols = shard // scheme.block[0], dst.shape[1]
+    shape = source_shape(src)
+    if len(shape) != 2 or shape != (rows * ranks, cols):
+        raise ValueError(f"expert block scale of shape {shape} does not fit [{rows * ranks}, {cols}] "
+                         "(weight rows / block_n, weight columns / block_k)")
+    copy_checked(dst.narrow(0, half * rows, rows), read_rows(src, rank * rows, rows, 0))
+
+
+def load_expert_down_scale(param: nn.Parameter, src, part: int, *, rank: int, ranks: int,
+                           scheme: Fp8Scheme) -> None:
+    """Expert e's down scales: per channel [H], or blocks [ceil(H / bn), ceil(I / bk)] (this rank's
+    columns)."""
+    dst = param.data[part]
+    if scheme.weight == "channel":
+        copy_checked(dst, scalar_or_rows(src, dst.shape[0], "expert weight"))
+        return
+    rows, cols = dst.shape
+    shape = source_shape(src)
+    if len(shape) != 2 or shape[0] != rows or shape[1] != cols * ranks:
+        raise ValueError(f"expert block scale of shape {shape} does not fit [{rows}, {cols * ranks}] "
+                         "(weight rows / block_n, weight columns / block_k)")
+    copy_checked(dst, read_rows(src, rank * cols, cols, 1))
+
+
+EXPERT_SUFFIXES = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale"}
 
 
 def expert_part(name: str) -> tuple[str, int] | None:
     """A checkpoint's per-expert tensor `...experts.<e>.(gate|up|down)_proj.weight` -> (our packed parameter
-    name, part); None for any other name."""
+    name, part); its FP8 scale (`.weight_scale_inv`, `.weight_scale`) -> the packed `..._proj_scale`; None for
+    any other name."""
     head, sep, tail = name.rpartition(".experts.")
     if not sep:
         return None
     index, _, proj = tail.partition(".")
-    if not index.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+    proj, _, suffix = proj.partition(".")
+    if (not index.isdigit() or proj not in ("gate_proj", "up_proj", "down_proj")
+            or suffix not in EXPERT_SUFFIXES):
         return None
-    e = int(index)
-    if proj == "down_proj.weight":
-        return f"{head}.experts.down_proj", e
-    return f"{head}.experts.gate_up_proj", 2 * e + (proj == "up_proj.weight")
+    e, ours = int(index), EXPERT_SUFFIXES[suffix]
+    if proj == "down_proj":
+        return f"{head}.experts.down_proj{ours}", e
+    return f"{head}.experts.gate_up_proj{ours}", 2 * e + (proj == "up_proj")
 
 
 class FusedMoE(nn.Module):
@@ -142,17 +200,30 @@ class FusedMoE(nn.Module):
     one)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, tp: TP, dtype: torch.dtype,
-                 backend, routing: Routing):
+                 backend, routing: Routing, quant: Fp8Scheme | None = None):
         super().__init__()
         if inter % tp.size:
             raise ValueError(f"moe_intermediate_size {inter} is not divisible by {tp.size} TP ranks")
         shard = inter // tp.size
         self.num_experts, self.top_k = num_experts, top_k
-        self.tp, self.backend, self.routing = tp, backend, routing
+        self.tp, self.backend, self.routing, self.quant = tp, backend, routing, quant
+        e = num_experts
+        self.gate_up_proj_scale = self.down_proj_scale = None
         gate_up = partial(load_expert_gate_up, shard=shard, rank=tp.rank)
-        self.gate_up_proj = new_param((num_experts, 2 * shard, hidden), dtype, gate_up, 2 * num_experts)
-        self.down_proj = new_param((num_experts, hidden, shard), dtype,
-                                   partial(load_expert_down, shard=shard, rank=tp.rank), num_experts)
+        down = partial(load_expert_down, shard=shard, rank=tp.rank)
+        if quant is not None:
+            check_block_shards(quant, [shard, shard], tp.size, "output")
+            check_block_shards(quant, [shard], tp.size, "input")
+            s13, s2 = expert_scale_shapes(quant, e, shard, hidden)
+            self.gate_up_proj_scale = new_param(s13, torch.float32, partial(
+                load_expert_gate_up_scale, shard=shard, rank=tp.rank, ranks=tp.size, scheme=quant), 2 * e)
+            self.down_proj_scale = new_param(s2, torch.float32, partial(
+                load_expert_down_scale, rank=tp.rank, ranks=tp.size, scheme=quant), e)
+            gate_up = partial(gate_up, scale=self.gate_up_proj_scale, scheme=quant)
+            down = partial(down, scale=self.down_proj_scale, scheme=quant)
+            dtype = FP8
+        self.gate_up_proj = new_param((e, 2 * shard, hidden), dtype, gate_up, 2 * e)
+        self.down_proj = new_param((e, hidden, shard), dtype, down, e)
 
     def select(self, logits: torch.Tensor, renormalize: bool,
                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,4 +235,18 @@ class FusedMoE(nn.Module):
         return self.routing.apply(ids, self.num_experts)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids))
+        if self.quant is None:
+            out = self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        else:
+            quant = MoeQuant(self.gate_up_proj_scale, self.down_proj_scale, self.quant)
+            out = self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, quant=quant)
+        return self.tp.all_reduce(out)
+
+
+def expert_scale_shapes(scheme: Fp8Scheme, experts: int, shard: int,
+                        hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(gate_up_proj_scale, down_proj_scale) shapes for one rank's FP8 experts (layers.quant.MoeQuant)."""
+    if scheme.weight == "channel":
+        return (experts, 2 * shard), (experts, hidden)
+    bn, bk = scheme.block
+    return (experts, -(-2 * shard // bn), -(-hidden // bk)), (experts, -(-hidden // bn), -(-shard // bk))

@@ -7,6 +7,7 @@ so a checkpoint is read shard by shard, never whole.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from autoprofile.layers.quant import FP8, Fp8Scheme, fp8_linear_reference, quantize_weight
 
 
 @dataclass
@@ -37,6 +40,14 @@ class TP:
     # a row-parallel layer's residual add in cuBLAS's GEMM epilogue (linear_add); the runner sets it (not
     # under --deterministic, whose GEMM is its own)
     add_in_gemm: bool = False
+    # FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y, the backend's fp8_gemm;
+    # None: layers.quant.fp8_linear_reference
+    fp8_matmul: Callable | None = None
+
+    def linear_fp8(self, x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) through a quantized layer's weight, weight_scale, quant and input_scale."""
+        fn = fp8_linear_reference if self.fp8_matmul is None else self.fp8_matmul
+        return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
@@ -118,6 +129,119 @@ def load_vocab(param: nn.Parameter, src, part: int, *, start: int, valid: int) -
     copy_checked(param.data[:valid], read_rows(src, start, valid, 0))
 
 
+QUANT_CHUNK_ROWS = 2048  # rows quantized at once at load: bounds the fp32 temporaries on the device
+
+
+def quantize_rows(param: nn.Parameter, rows: torch.Tensor, offset: int, scale: nn.Parameter,
+                  scheme: Fp8Scheme) -> None:
+    """A bf16 shard of W (rows [offset, offset + n) of an FP8 weight) quantized into the weight and its scale
+    (--quantization fp8 and random weights); a block scheme's offset is whole blocks. A chunk of rows at a
+    time, so the load's temporaries stay small beside the weights."""
+    bn = 1 if scheme.weight == "channel" else scheme.block[0]
+    step = -(-QUANT_CHUNK_ROWS // bn) * bn
+    for start in range(0, rows.shape[0], step):
+        q, s = quantize_weight(rows[start:start + step].to(param.device), scheme)
+        copy_checked(param.data.narrow(0, offset + start, q.shape[0]), q)
+        copy_checked(scale.data.narrow(0, (offset + start) // bn, s.shape[0]), s)
+
+
+def load_column_fp8(param: nn.Parameter, src, part: int, *, shard_sizes: list[int], rank: int,
+                    scale: nn.Parameter, scheme: Fp8Scheme) -> None:
+    """An FP8 column-parallel weight: an FP8 checkpoint's rows copied, a bf16 one's quantized (its scale
+    rows written here: load_checkpoint counts them)."""
+    size, offset = shard_sizes[part], sum(shard_sizes[:part])
+    rows = read_rows(src, rank * size, size, 0)
+    if rows.dtype == FP8:
+        copy_checked(param.data.narrow(0, offset, size), rows)
+    else:
+        quantize_rows(param, rows, offset, scale, scheme)
+
+
+def load_row_fp8(param: nn.Parameter, src, part: int, *, shard: int, rank: int, scale: nn.Parameter,
+                 scheme: Fp8Scheme) -> None:
+    cols = read_rows(src, rank * shard, shard, 1)
+    if cols.dtype == FP8:
+        copy_checked(param.data, cols)
+    else:
+        quantize_rows(param, cols, 0, scale, scheme)
+
+
+def scalar_or_rows(src, n: int, where: str) -> torch.Tensor:
+    """A per-channel scale as [n] (a per-tensor one, [] or [1], repeated): compressed-tensors' 'tensor' and
+    'channel' weight strategies, [n] or [n, 1]."""
+    shape = source_shape(src)
+    full = src if isinstance(src, torch.Tensor) else src[:]
+    if math.prod(shape) == 1:
+        return full.reshape(1).float().expand(n)
+    if shape not in ((n,), (n, 1)):
+        raise ValueError(f"per-channel {where} scale of shape {shape} does not fit {n} output rows "
+                         f"(expected [{n}], [{n}, 1] or one per-tensor value)")
+    return full.reshape(n).float()
+
+
+def load_channel_scale_column(param: nn.Parameter, src, part: int, *, shard_sizes: list[int], rank: int,
+                              ranks: int) -> None:
+    size, offset = shard_sizes[part], sum(shard_sizes[:part])
+    rows = scalar_or_rows(src, size * ranks, "weight")
+    copy_checked(param.data.narrow(0, offset, size), rows[rank * size:(rank + 1) * size])
+
+
+def load_block_scale_column(param: nn.Parameter, src, part: int, *, block_rows: list[int], rank: int,
+                            ranks: int, cols: int) -> None:
+    """Part `part`'s block scales [ceil(N_p / bn), ceil(K / bk)]: this rank's block rows, after the parts
+    before it."""
+    rows, offset = block_rows[part], sum(block_rows[:part])
+    shape = source_shape(src)
+    if shape != (rows * ranks, cols):
+        raise ValueError(f"block scale of shape {shape} does not fit [{rows * ranks}, {cols}] "
+                         "(weight rows / block_n, weight columns / block_k)")
+    copy_checked(param.data.narrow(0, offset, rows), read_rows(src, rank * rows, rows, 0))
+
+
+def load_channel_scale_row(param: nn.Parameter, src, part: int = 0) -> None:
+    copy_checked(param.data, scalar_or_rows(src, param.shape[0], "weight"))
+
+
+def load_block_scale_row(param: nn.Parameter, src, part: int, *, cols: int, rank: int, ranks: int) -> None:
+    """A row-parallel layer's block scales: all block rows, this rank's block columns."""
+    shape = source_shape(src)
+    if shape != (param.shape[0], cols * ranks):
+        raise ValueError(f"block scale of shape {shape} does not fit [{param.shape[0]}, {cols * ranks}] "
+                         "(weight rows / block_n, weight columns / block_k)")
+    copy_checked(param.data, read_rows(src, rank * cols, cols, 1))
+
+
+def load_input_scale(param: nn.Parameter, src, part: int = 0) -> None:
+    """A static activation scale [1]: packed parts (q/k/v, gate/up) share the largest (vLLM's choice)."""
+    value = (src if isinstance(src, torch.Tensor) else src[:]).float().reshape(-1)
+    if value.numel() != 1 or not value.item() > 0:
+        raise ValueError(f"input_scale must be one value > 0, got shape {tuple(value.shape)}")
+    param.data.copy_(torch.maximum(param.data, value.to(param.device)))
+
+
+def check_block_shards(scheme: Fp8Scheme | None, sizes: list[int], tp: int, what: str) -> None:
+    """FP8 block scales split whole blocks: each packed part's rows per rank (or a row-parallel layer's input
+    columns per rank) a multiple of the block, except one unsplit tail."""
+    if scheme is None or scheme.weight != "block":
+        return
+    block = scheme.block[0 if what == "output" else 1]
+    if (len(sizes) > 1 or tp > 1) and any(s % block for s in sizes):
+        raise ValueError(f"FP8 block {scheme.block[0]}x{scheme.block[1]}: {what} sizes per TP rank {sizes} "
+                         f"are not multiples of {block}, so a block scale would straddle a shard or a packed "
+                         "part")
+
+
+def quant_params(module: nn.Module, scheme: Fp8Scheme | None, scale: nn.Parameter | None,
+                 num_parts: int) -> None:
+    """An FP8 layer's weight_scale and, for static activations, input_scale [1] (0 until loaded)."""
+    module.quant = scheme
+    module.weight_scale = scale
+    module.input_scale = None
+    if scheme is not None and scheme.activation == "static":
+        module.input_scale = new_param((1,), torch.float32, load_input_scale, num_parts)
+        module.input_scale.data.zero_()
+
+
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader=load_replicated,
               num_parts: int = 1) -> nn.Parameter:
     # NOTE: allocated on the ambient device (the runner builds the model under `with torch.device(...)`).
@@ -133,39 +257,87 @@ class ColumnParallelLinear(nn.Module):
     `out_sizes` are the packed parts (q, k, v) or (gate, up): each part is split separately, so a rank
     holds [q_r; k_r; v_r] and whole heads stay together (head_dim rows per head)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TP, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TP, dtype: torch.dtype,
+                 quant: Fp8Scheme | None = None):
         super().__init__()
         if any(s % tp.size for s in out_sizes):
             raise ValueError(f"output sizes {out_sizes} are not divisible by {tp.size} TP ranks")
         shard_sizes = [s // tp.size for s in out_sizes]
         self.tp = tp
         loader = partial(load_column, shard_sizes=shard_sizes, rank=tp.rank)
-        self.weight = new_param((sum(shard_sizes), in_features), dtype, loader, len(out_sizes))
-        self.bias = new_param((sum(shard_sizes),), dtype, loader, len(out_sizes)) if bias else None
+        rows, parts = sum(shard_sizes), len(out_sizes)
+        quant_params(self, quant, column_scale(quant, shard_sizes, in_features, tp), parts)
+        if quant is not None:
+            loader = partial(load_column_fp8, shard_sizes=shard_sizes, rank=tp.rank, scale=self.weight_scale,
+                             scheme=quant)
+        self.weight = new_param((rows, in_features), dtype if quant is None else FP8, loader, parts)
+        loader = partial(load_column, shard_sizes=shard_sizes, rank=tp.rank)
+        self.bias = new_param((rows,), dtype, loader, parts) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.tp.linear_fp8(x, self, self.bias)
         return self.tp.linear(x, self.weight, self.bias)
+
+
+def column_scale(scheme: Fp8Scheme | None, shard_sizes: list[int], in_features: int,
+                 tp: TP) -> nn.Parameter | None:
+    """A column-parallel FP8 layer's weight_scale: [rows] per channel, or each part's block rows stacked."""
+    if scheme is None:
+        return None
+    check_block_shards(scheme, shard_sizes, tp.size, "output")
+    parts, rank = len(shard_sizes), tp.rank
+    if scheme.weight == "channel":
+        loader = partial(load_channel_scale_column, shard_sizes=shard_sizes, rank=rank, ranks=tp.size)
+        return new_param((sum(shard_sizes),), torch.float32, loader, parts)
+    bn, bk = scheme.block
+    block_rows = [-(-s // bn) for s in shard_sizes]
+    cols = -(-in_features // bk)
+    loader = partial(load_block_scale_column, block_rows=block_rows, rank=rank, ranks=tp.size, cols=cols)
+    return new_param((sum(block_rows), cols), torch.float32, loader, parts)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r W_r^T) + b with W's input columns split over ranks (x arrives split)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP, dtype: torch.dtype,
+                 quant: Fp8Scheme | None = None):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"input size {in_features} is not divisible by {tp.size} TP ranks")
         self.tp = tp
         shard = in_features // tp.size
-        self.weight = new_param((out_features, shard), dtype, partial(load_row, shard=shard, rank=tp.rank))
+        check_block_shards(quant, [shard], tp.size, "input")
+        quant_params(self, quant, row_scale(quant, out_features, shard, tp), 1)
+        loader = partial(load_row, shard=shard, rank=tp.rank)
+        if quant is not None:
+            loader = partial(load_row_fp8, shard=shard, rank=tp.rank, scale=self.weight_scale, scheme=quant)
+        self.weight = new_param((out_features, shard), dtype if quant is None else FP8, loader)
         self.bias = new_param((out_features,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """y, or residual + y (TP.linear_add: in place in residual where the GEMM adds it)."""
-        if residual is not None and self.bias is None:
+        if self.quant is not None:  # NOTE: no residual in the FP8 GEMM's epilogue
+            y = self.tp.all_reduce(self.tp.linear_fp8(x, self))
+        elif residual is not None and self.bias is None:
             return self.tp.linear_add(x, self.weight, residual)
-        y = self.tp.all_reduce(self.tp.linear(x, self.weight))
+        else:
+            y = self.tp.all_reduce(self.tp.linear(x, self.weight))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else residual + y
+
+
+def row_scale(scheme: Fp8Scheme | None, out_features: int, shard: int, tp: TP) -> nn.Parameter | None:
+    """A row-parallel FP8 layer's weight_scale: [out] per channel (every rank all of it), or [ceil(out / bn),
+    shard / bk] blocks."""
+    if scheme is None:
+        return None
+    if scheme.weight == "channel":
+        return new_param((out_features,), torch.float32, load_channel_scale_row)
+    bn, bk = scheme.block
+    cols = -(-shard // bk)
+    return new_param((-(-out_features // bn), cols), torch.float32,
+                     partial(load_block_scale_row, cols=cols, rank=tp.rank, ranks=tp.size))
 
 
 class VocabParallelEmbedding(nn.Module):
