@@ -149,7 +149,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bloc
     weight fp8 [N, K] contiguous; weight_scale fp32 [N] (block None) or [ceil(N/bn), ceil(K/bk)]."""
     n, k = weight.shape
     scale_n, scale_k = block if block is not None else (block_n, 1)
-    assert scale_n % block_n == 0, f"the GEMV's {block_n} rows a program must divide the scale block {scale_n}"
+    assert scale_n % block_n == 0, f"{block_n} GEMV rows a program must divide the scale block's {scale_n}"
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
@@ -161,8 +161,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bloc
 @triton.jit(do_not_specialize=["M"])
 def _gemm_fp8_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N: tl.constexpr, K: tl.constexpr,
                      stride_a, stride_c, stride_as_m, stride_as_k, HAS_BIAS: tl.constexpr,
-                     BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n  # grouped order, as triton_matmul: W's tiles are reused from L2
