@@ -147,9 +147,10 @@ rq, rs = quantize_per_token(wide[:, :200])
 assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 channel, block = Scheme("channel"), Scheme("block", (128, 128), "group")
+block_token = Scheme("block", (128, 128), "token")  # block weights, one activation scale a row
 for n, k in [(37, 300), (130, 1000), (256, 128)]:
     w = torch.randn(n, k) * 0.1
-    for scheme in (channel, block):
+    for scheme in (channel, block, block_token):
         wq, ws = quantize_weight(w, scheme)
         deq = dequantize_weight(wq, ws, scheme)
         bias = torch.randn(n)
