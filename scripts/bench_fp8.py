@@ -32,8 +32,8 @@ ref: dict = {}  # the torch references (a private copy of layers.quant's)
 exec(compile(REFERENCE, "reference", "exec"), ref)
 CHANNEL = ref["Scheme"]("channel")
 BLOCK = ref["Scheme"]("block", (128, 128), "group")
-GEMV_SWEEP = [(1, 4096, 4), (2, 4096, 8), (2, 2048, 4), (4, 2048, 8), (4, 4096, 8), (8, 2048, 8),
-              (8, 1024, 4)]
+GEMV_SWEEP = [(4, 512, 2), (4, 1024, 2), (8, 1024, 4), (8, 512, 2), (4, 2048, 4), (2, 4096, 8),
+              (16, 256, 4)]
 GEMM_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s)
               for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                                    (128, 64, 4, 4), (64, 256, 8, 3))]
@@ -66,8 +66,8 @@ def gemv_table(rate: float, sweep: bool) -> None:
             if sweep and scheme is CHANNEL:
                 line = f"  sweep {name}:"
                 for bn, bk, warps in GEMV_SWEEP:
-                    t = graph_us(lambda: [triton_fp8.gemv(x, w, s, None, block_n=bn, block_k=bk,
-                                                          num_warps=warps) for w, s in q], layers)
+                    t = graph_us(lambda: [triton_fp8.gemv(x, w, s, None, config=(bn, bk, warps))
+                                          for w, s in q], layers)
                     line += f" {bn}/{bk}/w{warps} {t:.1f} ({floor8 / t:.2f})"
                 sweep_line = line
             q = None
@@ -138,7 +138,7 @@ def main() -> None:
     torch.manual_seed(0)
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s; FP8 GEMV config "
-          f"{triton_fp8.GEMV_BLOCK_N}/{triton_fp8.GEMV_BLOCK_K}/w{triton_fp8.GEMV_WARPS}; bf16 GEMV "
+          f"by shape (gemv_config); bf16 GEMV "
           f"{triton_gemv.BLOCK_N}/{triton_gemv.BLOCK_K}/w{triton_gemv.WARPS}; GEMM {triton_fp8.GEMM_LARGE}")
     gemv_table(copy["GB_per_s"] * 1e9, not args.quick)
     gemm_table(not args.quick)

@@ -109,7 +109,7 @@ def fp8_linear_reference(x, w, s, scheme, input_scale=None, bias=None):
 def moe_reference_fp8(x, w13, w2, weights, ids, quant):
     w13, w2 = dequantize_weight(w13, quant.w13_scale, quant.scheme), dequantize_weight(w2, quant.w2_scale,
                                                                                         quant.scheme)
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w13.shape[0]):
         token, slot = torch.where(ids == e)
         if not len(token):

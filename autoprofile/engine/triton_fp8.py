@@ -22,15 +22,30 @@ import triton
 import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-SCALE_MIN = 1e-12
+FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr objects
+SCALE_MIN = tl.constexpr(1e-12)
 QUANT_BLOCK, QUANT_WARPS = 2048, 4  # elements of a row per step of the quant kernels
 QUANT_GROUPS = 16  # 128-groups per step of the group kernel
-# One row: 8 KiB of W per program step, as triton_gemv's bf16 2 x 2048 (scripts/bench_fp8.py sweeps these)
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 2, 4096, 8
+# One row (BLOCK_N, BLOCK_K, warps) by the weight's shape, from a sweep of 96 configs on an H200 (fraction
+# of the copy floor, llama-3.1-8b: qkv 0.62 and gate_up 0.82 at 4/512/w2, o 0.54 at 4/1024/w2, down 0.66 at
+# 4/2048/w4; bf16's GEMV 0.72-1.0); the bf16 GEMV's 8 KiB steps gave 0.33-0.53, and building fp32 from the
+# bytes' bits never won. Up to 4,096 rows a weight has few programs: longer K steps keep more bytes in flight.
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 2
+GEMV_FEW_ROWS = 4096
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    if n > GEMV_FEW_ROWS:
+        return GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS
+    return (4, 2048, 4) if k > 8192 else (4, 1024, 2)
+
+
 # (most rows, config): the first that holds M; None: any
 GEMM_SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 GEMM_LARGE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+# block scales rescale every K step's product outside the MMA: smaller tiles win there (H200, M=8192:
+# 634-681 TFLOP/s against 570-626 at GEMM_LARGE; below bf16 cuBLAS's 764-805, not yet good)
+GEMM_BLOCK_LARGE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 GEMM_CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, GEMM_SMALL), (None, GEMM_LARGE))
 
 
@@ -125,14 +140,14 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.const
     row_ok = rows < N
     # "block": BLOCK_N divides SCALE_N, so the program's rows share one row of scales
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * tl.cdiv(K, SCALE_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = ks < K - k
         x = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
         if BLOCKWISE:
             x *= tl.load(s_row + (k + ks) // SCALE_K, mask=k_ok, other=0.0)
-        w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if not BLOCKWISE:
@@ -143,11 +158,11 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.const
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
-         bias: torch.Tensor | None = None, block_n: int = GEMV_BLOCK_N, block_k: int = GEMV_BLOCK_K,
-         num_warps: int = GEMV_WARPS) -> torch.Tensor:
+         bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x (weight * weight_scale)^T (+ bias) for one contiguous row x [1, K] (or [K]) in bf16/fp16;
     weight fp8 [N, K] contiguous; weight_scale fp32 [N] (block None) or [ceil(N/bn), ceil(K/bk)]."""
     n, k = weight.shape
+    block_n, block_k, num_warps = config or gemv_config(n, k)
     scale_n, scale_k = block if block is not None else (block_n, 1)
     assert scale_n % block_n == 0, f"{block_n} GEMV rows a program must divide the scale block's {scale_n}"
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -203,8 +218,9 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N: tl.con
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gemm_config(m: int) -> dict:
-    return next(cfg for most, cfg in GEMM_CONFIGS if most is None or m <= most)
+def gemm_config(m: int, blockwise: bool = False) -> dict:
+    cfg = next(cfg for most, cfg in GEMM_CONFIGS if most is None or m <= most)
+    return GEMM_BLOCK_LARGE if blockwise and cfg is GEMM_LARGE else cfg
 
 
 def gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -215,7 +231,7 @@ def gemm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_
     -> [M, N] in out_dtype."""
     m, k = x_q.shape
     n = weight.shape[0]
-    cfg = dict(config or gemm_config(m))
+    cfg = dict(config or gemm_config(m, block is not None))
     scale_n, scale_k = block if block is not None else (1, k)
     if block is not None:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_k)
