@@ -45,7 +45,8 @@ GEMM_SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_w
 GEMM_LARGE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 # block scales rescale every K step's product outside the MMA: smaller tiles win there (H200, M=8192:
 # 634-681 TFLOP/s against 570-626 at GEMM_LARGE; below bf16 cuBLAS's 764-805, not yet good)
-GEMM_BLOCK_LARGE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+GEMM_BLOCK_LARGE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+                    "num_stages": 4}
 GEMM_CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, GEMM_SMALL), (None, GEMM_LARGE))
 
 
