@@ -157,7 +157,9 @@ def test_fp8_experts_match_the_dequantized_reference(scheme, routing, tokens):
     x, weights_, ids = routed(tokens, E, K, H, routing)
     got = triton_moe.fused_moe(x, w13, w2, weights_, ids, quant)
     want = ref["moe_reference_fp8"](x.float(), w13, w2, weights_.float(), ids, quant)
-    assert rel_err(got, want) < 2e-2, (tokens, routing, rel_err(got, want))
+    # 2.01-2.06% in 4 of 30 cases on an H200 (the kernel rounds silu(gate) * up to bf16 before quantizing it);
+    # a scale read transposed or inverted is off by 100%
+    assert rel_err(got, want) < 3e-2, (tokens, routing, rel_err(got, want))
 
 
 @pytest.mark.parametrize("tokens", [16, 4096])
