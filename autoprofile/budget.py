@@ -173,6 +173,15 @@ def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hid
     return sort + elem_bytes * (pairs * inter + pairs * hidden + tokens * hidden)
 
 
+def moe_fp8_scratch_bytes(tokens: int, top_k: int, inter: int, hidden: int, group: int | None) -> int:
+    """FP8 experts' extra per-call buffers (engine.triton_moe), on top of moe_scratch_bytes: each GEMM's input
+    in FP8 ([T, H] and [T*k, I], a byte each) and its fp32 scales, one per row (group None: per token) or per
+    row and group of `group` columns."""
+    pairs = tokens * top_k
+    scales = tokens + pairs if group is None else tokens * -(-hidden // group) + pairs * -(-inter // group)
+    return tokens * hidden + pairs * inter + 4 * scales
+
+
 # ---------------------------------------------------------------- MLA (engine.triton_mla, models.deepseek_v2)
 MLA_SPLIT_PROGRAMS = 256  # rows x splits the decode aims at: a few programs per SM of an H100 (132 SMs)
 MLA_MIN_SPLITS, MLA_MAX_SPLITS = 4, 32

@@ -125,6 +125,32 @@ print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_byte
                               "kernels": compiled_kernels()}))
 '''
 
+FP8 = KERNELS + r'''
+import torch
+from autoprofile.engine import triton_fp8, triton_moe
+from unit_tests.test_triton_fp8 import REFERENCE
+ref = {}
+exec(REFERENCE, ref)
+torch.empty(1, device="cuda")
+schemes = (ref["Scheme"]("channel"), ref["Scheme"]("block", (128, 128), "group"))
+for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and each GEMM config
+    for n, k in ((28672, 4096), (4096, 14336)):
+        wq, ws = ref["quantize_weight"](torch.randn(n, k, device="cuda") * 0.02, scheme)
+        for m in (1, 7, 300):
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            triton_fp8.linear(x, wq, ws, scheme)
+            triton_fp8.gemm(*triton_fp8.quantize_per_token(x), wq, ws, scheme.block, torch.float16)
+    e, h, i = 32, 2048, 768  # the FP8 experts at both launch configs
+    w13, s13 = ref["quantize_weight"](torch.randn(e, 2 * i, h, device="cuda") * 0.02, scheme)
+    w2, s2 = ref["quantize_weight"](torch.randn(e, h, i, device="cuda") * 0.02, scheme)
+    for tokens in (1, 512):
+        ids = torch.randint(0, e, (tokens, 8), device="cuda", dtype=torch.int32)
+        triton_moe.fused_moe(torch.randn(tokens, h, device="cuda").bfloat16(), w13, w2,
+                             torch.rand(tokens, 8, device="cuda"), ids, ref["MoeQuant"](s13, s2, scheme))
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
+'''
+
 
 def run_fresh(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
@@ -211,3 +237,16 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
         assert served["non_torch_gib"] <= validated["non_torch_gib"] + 1 / 32, r["stages"]  # 32 MiB: noise
         ours = [{**k, "local": k["local"] or 0} for k in r["triton"] if "error" not in k]
         assert ours and spilling(ours) == [], [k for k in r["triton"] if "error" in k] + spilling(ours)
+
+
+def test_no_fp8_kernel_spills_past_the_bound():
+    """engine.triton_fp8 (quant, GEMV, both GEMM configs, at llama-3.1-8b's widest shapes) and the FP8 experts
+    (AITER's block-scaled path, both launch configs), channel and block scales: none needs more than 1 KiB
+    of local memory per thread."""
+    got = run_fresh(FP8)
+    for k in sorted(got["kernels"], key=lambda k: -k["local"]):
+        print(k)
+    names = {k["kernel"] for k in got["kernels"]}
+    assert {"_quant_token_kernel", "_quant_group_kernel", "_gemv_fp8_kernel", "_gemm_fp8_kernel",
+            "_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
+    assert spilling(got["kernels"]) == []

@@ -14,6 +14,13 @@ Not AITER's moe_align_block_size_triton: its token count is a constexpr (a compi
 serving) and it leaves the padding unwritten. The GEMM kernels' token count (num_valid_tokens) follows the
 step: unspecialized (aiter_loader), so the stress's compiles serve every step. Launch configs are vLLM's
 defaults for unquantized experts.
+
+FP8 experts (quant: layers.quant.MoeQuant): each GEMM's input is quantized first (engine.triton_fp8: per
+(token, 128-group) for "block" weights, per token otherwise) and AITER's kernels run use_fp8_w8a8 on their
+block-scaled path. Per-channel weight scales ride that path too, as blocks of [1, K]: one scale per output row
+over the whole of K, with the token's one activation scale; AITER's own per-channel path would take one scale
+per expert and quantize the activations per tensor. The extra buffers (the FP8 copies and their scales)
+follow T alone: budget.moe_fp8_scratch_bytes.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import torch
 import triton.language as tl
 
 from autoprofile import budget
-from autoprofile.engine import triton_moe_sort
+from autoprofile.engine import triton_fp8, triton_moe_sort
 from autoprofile.engine.aiter_loader import load_aiter_moe
 from autoprofile.layers import moe
 
@@ -33,12 +40,35 @@ CONFIGS = {
 # Pairs (T * k) up to which the sort is our one-program kernel; past them layers.moe's torch ops, faster there
 # (H100, in a graph: 8192 pairs 83-122 us against the torch ops' 130; 16384 pairs 123-232 against 131-134)
 SORT_KERNEL_MAX_PAIRS = 8192
+# FP8 experts: K tiles of 128 (the block scales' K block; FP8 dots take K tiles of 32 and more)
+FP8_CONFIGS = {
+    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128,
+                               "GROUP_SIZE_M": 1},
+    budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128,
+                               "GROUP_SIZE_M": 8},
+}
 COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def operands(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, quant) -> dict:
+    """One GEMM's operands for AITER's kernels. FP8: a quantized, and the block-scaled path's arguments:
+    the weight's scales as [E, ceil(N/bn), ceil(K/bk)] with block_shape [bn, bk]; "channel": [1, K]
+    blocks."""
+    if quant is None:
+        return dict(A=a, B=w, A_scale=None, B_scale=None, block_shape=None)
+    if quant.scheme.weight == "block":
+        bn, bk = quant.scheme.block
+        a_q, a_scale = triton_fp8.quantize_per_group(a, bk)
+        return dict(A=a_q, B=w, A_scale=a_scale, B_scale=w_scale, block_shape=[bn, bk])
+    a_q, a_scale = triton_fp8.quantize_per_token(a)
+    return dict(A=a_q, B=w, A_scale=a_scale, B_scale=w_scale.unsqueeze(-1), block_shape=[1, a.shape[-1]])
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference)."""
+              ids: torch.Tensor, quant=None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference).
+    quant (layers.quant.MoeQuant): w13/w2 are float8_e4m3fn with its scales (as layers.quant's
+    moe_reference_fp8)."""
     ops = load_aiter_moe()
     tokens, top_k = ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -46,17 +76,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if tokens == 0:
         return out
     block_m = budget.moe_block_m(tokens, top_k, num_experts)
-    cfg = CONFIGS[block_m]
+    cfg = (CONFIGS if quant is None else FP8_CONFIGS)[block_m]
     sort = triton_moe_sort if tokens * top_k <= SORT_KERNEL_MAX_PAIRS else moe
     sorted_ids, block_experts, padded = sort.sort_by_expert(ids, num_experts, block_m)
     weights = weights.contiguous()
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    common = dict(A_scale=None, B_scale=None, B_zp=None, topk_weights=weights, topk_ids=ids,
-                  sorted_token_ids=sorted_ids, expert_ids=block_experts, num_tokens_post_padded=padded,
-                  compute_type=COMPUTE_TYPES[x.dtype], use_fp8_w8a8=False, use_int8_w8a16=False,
-                  use_int4_w4a16=False, block_shape=None)
-    ops.silu(x, w13, act, mul_routed_weight=False, top_k=top_k, config=dict(cfg), **common)
+    common = dict(B_zp=None, topk_weights=weights, topk_ids=ids, sorted_token_ids=sorted_ids,
+                  expert_ids=block_experts, num_tokens_post_padded=padded,
+                  compute_type=COMPUTE_TYPES[x.dtype], use_fp8_w8a8=quant is not None, use_int8_w8a16=False,
+                  use_int4_w4a16=False)
+    w13_scale, w2_scale = (None, None) if quant is None else (quant.w13_scale, quant.w2_scale)
+    ops.silu(C=act, **operands(x, w13, w13_scale, quant), mul_routed_weight=False, top_k=top_k,
+             config=dict(cfg), **common)
     down = torch.empty(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     # NOTE: top_k=1: each sorted id is already the (token, slot) row of `act`
-    ops.moe(act, w2, down, mul_routed_weight=True, top_k=1, config=dict(cfg), **common)
+    ops.moe(C=down, **operands(act, w2, w2_scale, quant), mul_routed_weight=True, top_k=1,
+            config=dict(cfg), **common)
     return torch.sum(down, dim=1, out=out)

@@ -128,10 +128,11 @@ class AiterTritonBackend(AttentionBackend):
         self.triton_act, self.triton_norm = triton_act, triton_norm
         self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
-        from autoprofile.engine import triton_gemv, triton_matmul
+        from autoprofile.engine import triton_fp8, triton_gemv, triton_matmul
         from autoprofile.engine.attention import triton_unified
 
         self.triton_gemv, self.triton_matmul, self.triton_unified = triton_gemv, triton_matmul, triton_unified
+        self.triton_fp8 = triton_fp8
 
     @property
     def paged_prefill(self) -> bool:
@@ -142,6 +143,13 @@ class AiterTritonBackend(AttentionBackend):
         """--deterministic: the fixed-tile GEMM; else one row through our GEMV (the batch-1 decode: cuBLAS
         leaves bandwidth behind there), more through cuBLAS."""
         return self.triton_matmul.linear if self.deterministic else self.triton_gemv.linear
+
+    @property
+    def fp8_gemm(self):
+        """FP8 weights (TP.fp8_matmul, engine.triton_fp8): one row through our W8A16 GEMV (one byte a
+        weight), more rows quantized, then cuBLASLt's row-wise _scaled_mm ("channel") or our block-scaled
+        GEMM ("block")."""
+        return self.triton_fp8.linear
 
     def unified(self, q: torch.Tensor, kv: KVLayer, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                 cu_seqlens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,9 +178,10 @@ class AiterTritonBackend(AttentionBackend):
                                           scale, v_dim, rows)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-        """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing."""
-        return self.triton_moe.fused_moe(x, w13, w2, weights, ids)
+                  ids: torch.Tensor, quant=None) -> torch.Tensor:
+        """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing. quant
+        (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group."""
+        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,149 @@
+"""FP8 weights on one card, side by side in one run (engine.triton_fp8), on llama-3.1-8b's weight shapes:
+
+  1. one row (decode at batch 1): bf16 GEMV (triton_gemv) against the FP8 GEMV (channel and block scales),
+     each against its copy floor (the weight's bytes at the card's copy rate: 2 bytes a weight in bf16, 1 in
+     FP8); 32 distinct weights a shape replayed in one CUDA graph (no weight served from L2); then the FP8
+     GEMV's (BLOCK_N, BLOCK_K, warps) sweep;
+  2. prefill rows (M=8192): bf16 cuBLAS against torch._scaled_mm row-wise and our Triton GEMM (channel and
+     block scales), inputs quantized beforehand, in TFLOP/s; then linear() whole (quant included); then the
+     block GEMM's launch-config sweep;
+  3. the activation quant kernels (per token, per 128-group) at M=8192: microseconds and GB/s moved.
+
+    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_attention  # noqa: E402 - the copy-bandwidth timer
+from bench_gemv import SHAPES, graph_us  # noqa: E402
+from cuda_timing import cuda_median_ms  # noqa: E402
+from autoprofile.engine import triton_fp8, triton_gemv  # noqa: E402
+from unit_tests.test_triton_fp8 import REFERENCE  # noqa: E402
+
+ref: dict = {}  # the torch references (a private copy of layers.quant's)
+exec(compile(REFERENCE, "reference", "exec"), ref)
+CHANNEL = ref["Scheme"]("channel")
+BLOCK = ref["Scheme"]("block", (128, 128), "group")
+GEMV_SWEEP = [(4, 512, 2), (4, 1024, 2), (8, 1024, 4), (8, 512, 2), (4, 2048, 4), (2, 4096, 8),
+              (16, 256, 4)]
+GEMM_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s)
+              for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
+                                   (128, 64, 4, 4), (64, 256, 8, 3))]
+PREFILL_M = 8192
+
+
+def fp8_weights(n: int, k: int, scheme, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    w = torch.randn(n, k, device="cuda") * k ** -0.5
+    wq, ws = ref["quantize_weight"](w, scheme)
+    del w
+    return [(wq.clone(), ws.clone()) for _ in range(layers)]
+
+
+def gemv_table(rate: float, sweep: bool) -> None:
+    print("\n== one row: GEMV (us per call; fraction of the copy floor) ==")
+    print(f"{'shape':9s} {'N x K':>13s} | {'bf16 floor':>10s} {'bf16':>7s} {'frac':>5s} | {'fp8 floor':>9s} "
+          f"{'channel':>7s} {'frac':>5s} {'block':>7s} {'frac':>5s} | {'fp8/bf16':>8s}")
+    for name, (n, k) in SHAPES.items():
+        layers = 1 if name == "lm_head" else 32
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(layers)]
+        bf16 = graph_us(lambda: [triton_gemv.gemv(x, w) for w in ws], layers)
+        ws = None
+        floor16, floor8 = n * k * 2 / rate * 1e6, n * k / rate * 1e6
+        times = {}
+        for scheme in (CHANNEL, BLOCK):
+            q = fp8_weights(n, k, scheme, layers)
+            times[scheme.weight] = graph_us(lambda: [triton_fp8.gemv(x, w, s, scheme.block) for w, s in q],
+                                            layers)
+            if sweep and scheme is CHANNEL:
+                line = f"  sweep {name}:"
+                for bn, bk, warps in GEMV_SWEEP:
+                    t = graph_us(lambda: [triton_fp8.gemv(x, w, s, None, config=(bn, bk, warps))
+                                          for w, s in q], layers)
+                    line += f" {bn}/{bk}/w{warps} {t:.1f} ({floor8 / t:.2f})"
+                sweep_line = line
+            q = None
+        ch, bl = times["channel"], times["block"]
+        print(f"{name:9s} {n:>6d}x{k:<6d} | {floor16:10.1f} {bf16:7.1f} {floor16 / bf16:5.2f} | "
+              f"{floor8:9.1f} {ch:7.1f} {floor8 / ch:5.2f} {bl:7.1f} {floor8 / bl:5.2f} | {bf16 / ch:7.2f}x",
+              flush=True)
+        if sweep:
+            print(sweep_line, flush=True)
+
+
+def tflops(m: int, n: int, k: int, ms: float) -> float:
+    return 2 * m * n * k / ms / 1e9
+
+
+def gemm_table(sweep: bool) -> None:
+    m = PREFILL_M
+    print(f"\n== prefill rows M={m}: TFLOP/s (inputs quantized beforehand; 'linear' includes the quant) ==")
+    print(f"{'shape':9s} {'N x K':>13s} | {'bf16 cuBLAS':>11s} {'_scaled_mm':>10s} {'ours ch':>8s} "
+          f"{'ours blk':>8s} | {'linear ch':>9s} {'linear blk':>10s}")
+    for name, (n, k) in list(SHAPES.items())[:4]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        bf16 = cuda_median_ms(lambda: F.linear(x, w16), 20)
+        w16 = None
+        (wc, sc), = fp8_weights(n, k, CHANNEL, 1)
+        (wb, sb), = fp8_weights(n, k, BLOCK, 1)
+        xq, xs = triton_fp8.quantize_per_token(x)
+        xg, xgs = triton_fp8.quantize_per_group(x, 128)
+        scaled = cuda_median_ms(lambda: torch._scaled_mm(xq, wc.t(), scale_a=xs, scale_b=sc.view(1, n),
+                                                         out_dtype=torch.bfloat16), 20)
+        ours_ch = cuda_median_ms(lambda: triton_fp8.gemm(xq, xs, wc, sc, None, torch.bfloat16), 20)
+        ours_bl = cuda_median_ms(lambda: triton_fp8.gemm(xg, xgs, wb, sb, (128, 128), torch.bfloat16), 20)
+        lin_ch = cuda_median_ms(lambda: triton_fp8.linear(x, wc, sc, CHANNEL), 20)
+        lin_bl = cuda_median_ms(lambda: triton_fp8.linear(x, wb, sb, BLOCK), 20)
+        print(f"{name:9s} {n:>6d}x{k:<6d} | {tflops(m, n, k, bf16):11.0f} {tflops(m, n, k, scaled):10.0f} "
+              f"{tflops(m, n, k, ours_ch):8.0f} {tflops(m, n, k, ours_bl):8.0f} | "
+              f"{tflops(m, n, k, lin_ch):9.0f} {tflops(m, n, k, lin_bl):10.0f}", flush=True)
+        if sweep:
+            line = "  block GEMM sweep (BM/BN/warps/stages):"
+            for cfg in GEMM_SWEEP:
+                try:
+                    t = cuda_median_ms(lambda: triton_fp8.gemm(xg, xgs, wb, sb, (128, 128), torch.bfloat16,
+                                                               config=cfg), 10)
+                    line += (f" {cfg['BLOCK_M']}/{cfg['BLOCK_N']}/w{cfg['num_warps']}/s{cfg['num_stages']} "
+                             f"{tflops(m, n, k, t):.0f}")
+                except Exception as e:  # noqa: BLE001 - a config past the shared memory is reported
+                    line += f" {cfg['BLOCK_M']}/{cfg['BLOCK_N']}: {type(e).__name__}"
+            print(line, flush=True)
+
+
+def quant_table() -> None:
+    m = PREFILL_M
+    print(f"\n== activation quant, M={m} (us; GB/s moved: 2 bytes read + 1 written an element) ==")
+    for k in (4096, 14336):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        token = cuda_median_ms(lambda: triton_fp8.quantize_per_token(x), 50)
+        group = cuda_median_ms(lambda: triton_fp8.quantize_per_group(x, 128), 50)
+        moved = 3 * m * k / 1e9
+        print(f"K={k:6d}: per token {token * 1e3:7.1f} us ({moved / token * 1e3:5.0f} GB/s), "
+              f"per 128-group {group * 1e3:7.1f} us ({moved / group * 1e3:5.0f} GB/s)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="no config sweeps")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    copy = bench_attention.copy_bandwidth(2 << 30)
+    print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s; FP8 GEMV config "
+          f"by shape (gemv_config); bf16 GEMV "
+          f"{triton_gemv.BLOCK_N}/{triton_gemv.BLOCK_K}/w{triton_gemv.WARPS}; GEMM {triton_fp8.GEMM_LARGE}")
+    gemv_table(copy["GB_per_s"] * 1e9, not args.quick)
+    gemm_table(not args.quick)
+    quant_table()
+
+
+if __name__ == "__main__":
+    main()
