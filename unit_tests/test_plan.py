@@ -283,7 +283,7 @@ def test_fp8_weight_bytes_are_the_engine_s_parameters(variant, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     cfg = validate(ServerConfig(model=str(tmp_path), attention_backend="torch", max_req_total_len=1024,
                                 batch_max_tokens=512, graph_max_batch_size=8, disable_cudagraph=True,
-                                quantization=flag, tp=tp))
+                                quantization=flag, tp=tp, load_format="dummy"))
     mc = cfg.model_config
     p = make_plan(cfg, GPUS["h100"])
     weights = row(p.fixed, "weights").bytes
