@@ -224,7 +224,8 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(SMALL_MODEL))
     cfg = validate(ServerConfig(model=str(folder), attention_backend="aiter_triton", max_req_total_len=131072,
-                                batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None, tp=2))
+                                batch_max_tokens=8192, graph_max_batch_size=16, report_dir=None, tp=2,
+                                load_format="dummy"))
     out = launch.launch(tp_local_memory.rank_probe, 2, (cfg, 8, True),
                         env={"NCCL_NVLS_ENABLE": "0"}, timeout_s=900)
     assert all(o.ok for o in out), out
