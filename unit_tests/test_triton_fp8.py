@@ -34,90 +34,31 @@ def convert_float(data, src, dst, rounding):
 interpreter._convert_float = convert_float
 '''
 
-# A private copy of layers.quant's references (the FP8 contract; written in parallel by the model side)
+# layers.quant's references, with the shapes these tests use: weights per expert ([E, N, K]), fp32 results
 REFERENCE = r'''
-from dataclasses import dataclass
 import torch
-FP8 = torch.float8_e4m3fn
-
-
-@dataclass(frozen=True)
-class Scheme:
-    weight: str
-    block: tuple | None = None
-    activation: str = "token"
-
-
-@dataclass(frozen=True)
-class MoeQuant:
-    w13_scale: torch.Tensor
-    w2_scale: torch.Tensor
-    scheme: Scheme
-
-
-def quantize_per_token(x):
-    s = (x.float().abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
-    return (x.float() / s).clamp(-448, 448).to(FP8), s
-
-
-def quantize_per_group(x, group):
-    m, k = x.shape
-    pad = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    s = (pad.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
-    q = (pad / s[..., None]).clamp(-448, 448).to(FP8).view(m, -1)[:, :k]
-    return q, s
-
-
-def expand(s, rows, cols, bn, bk):
-    return s.repeat_interleave(bn, -2)[..., :rows, :].repeat_interleave(bk, -1)[..., :cols]
+from autoprofile.layers import quant as _q
+from autoprofile.layers.quant import FP8, MoeQuant, dequantize_weight, quantize_per_group, quantize_per_token
+from autoprofile.layers.quant import Fp8Scheme as Scheme
 
 
 def quantize_weight(w, scheme):
-    n, k = w.shape[-2:]
-    if scheme.weight == "channel":
-        s = (w.float().abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
-        return (w.float() / s[..., None]).to(FP8), s
-    bn, bk = scheme.block
-    amax = torch.nn.functional.pad(w.float().abs(), (0, -k % bk, 0, -n % bn))
-    amax = amax.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn)).amax(dim=(-3, -1))
-    s = (amax / 448.0).clamp(min=1e-12)
-    return (w.float() / expand(s, n, k, bn, bk)).to(FP8), s
+    if w.dim() == 2:
+        return _q.quantize_weight(w, scheme)
+    pairs = [_q.quantize_weight(e, scheme) for e in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def dequantize_weight(w, s, scheme):
-    if scheme.weight == "channel":
-        return w.float() * s[..., None]
-    n, k = w.shape[-2:]
-    return w.float() * expand(s, n, k, *scheme.block)
-
-
-def fake_quant(x, scheme, input_scale=None):
-    if scheme.activation == "static":
-        return (x.float() / input_scale).clamp(-448, 448).to(FP8).float() * input_scale
-    if scheme.activation == "group":
-        q, s = quantize_per_group(x, scheme.block[1])
-        return q.float() * expand(s, x.shape[0], x.shape[1], 1, scheme.block[1])
-    q, s = quantize_per_token(x)
-    return q.float() * s
+def expand(s, rows, cols, bn, bk):
+    return _q.expand_block_scale(s, rows, cols, (bn, bk))
 
 
 def fp8_linear_reference(x, w, s, scheme, input_scale=None, bias=None):
-    y = fake_quant(x, scheme, input_scale) @ dequantize_weight(w, s, scheme).T
-    return y + bias.float() if bias is not None else y
+    return _q.fp8_linear_reference(x.float(), w, s, scheme, input_scale, bias)
 
 
 def moe_reference_fp8(x, w13, w2, weights, ids, quant):
-    w13, w2 = dequantize_weight(w13, quant.w13_scale, quant.scheme), dequantize_weight(w2, quant.w2_scale,
-                                                                                        quant.scheme)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(w13.shape[0]):
-        token, slot = torch.where(ids == e)
-        if not len(token):
-            continue
-        gate, up = (fake_quant(x[token], quant.scheme) @ w13[e].T).chunk(2, dim=-1)
-        h = fake_quant(torch.nn.functional.silu(gate) * up, quant.scheme) @ w2[e].T
-        out.index_add_(0, token, h * weights[token, slot, None].float())
-    return out
+    return _q.moe_reference_fp8(x.float(), w13, w2, weights.float(), ids, quant)
 '''
 
 KERNELS = FP8_CAST + REFERENCE + r'''
