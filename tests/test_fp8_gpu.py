@@ -64,7 +64,7 @@ def test_activation_quant_equals_the_reference_bytes(m, k):
     assert_same_fp8(q, rq)
     scale = torch.tensor([0.05], device="cuda")
     q, s = triton_fp8.quantize_static(x, scale)
-    assert_same_fp8(q, (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+    assert_same_fp8(q, (x.float() * (1.0 / scale)).clamp(-448, 448).to(torch.float8_e4m3fn))
     assert not q.float().isnan().any()
 
 

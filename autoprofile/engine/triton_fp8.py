@@ -7,8 +7,8 @@
   linear          the dispatcher: one row -> gemv; "channel" -> per-token quant + torch._scaled_mm
                   (cuBLASLt, row-wise scales); "block" -> per-group quant + gemm
 
-Numerics as layers.quant's references: scale = max(amax / 448, 1e-12), x_q = clamp(x / scale, +-448) cast to
-float8_e4m3fn (round to nearest even); weight_scale multiplies (W_real = weight * weight_scale).
+Numerics as layers.quant's references: scale = max(amax / 448, 1e-12), x_q = clamp(x * (1 / scale), +-448)
+cast to float8_e4m3fn (round to nearest even); weight_scale multiplies (W_real = weight * weight_scale).
 
 Not AITER's gemm_a8w8_blockscale: its GRID_MN heuristic is a constexpr of M (a compile per step size while
 serving), its tuned configs carry AMD-only launch options and are keyed by MI300X/MI350X names.
@@ -64,10 +64,11 @@ def _quant_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, STATIC: tl
             x = tl.load(x_row + k + ks, mask=ks < K - k, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), SCALE_MIN)
+    inv = tl.math.div_rn(1.0, scale)  # one IEEE division a row, a multiply an element (as vLLM's quant)
     for k in range(0, K, BLOCK):
         ok = ks < K - k
         x = tl.load(x_row + k + ks, mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(x * inv, -FP8_MAX, FP8_MAX)
         tl.store(q_row + k + ks, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row, scale)
 
@@ -83,7 +84,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, GROUP: tl.constexpr, G
         ok = offs < K
         x = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), SCALE_MIN)
-        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(x * tl.math.div_rn(1.0, scale)[:, None], -FP8_MAX, FP8_MAX)
         tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row * num_groups + g + gs, scale, mask=g + gs < num_groups)
 

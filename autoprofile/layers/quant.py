@@ -49,7 +49,8 @@ class MoeQuant:
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    """x times the scale's reciprocal (one division a scale, as vLLM's and our kernels do), saturated."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
