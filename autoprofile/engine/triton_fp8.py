@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.engine.triton_matmul import grouped_tile
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr objects
 SCALE_MIN = tl.constexpr(1e-12)
@@ -181,13 +183,7 @@ def _gemm_fp8_kernel(a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, c_ptr, M, N: tl.con
                      BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n  # grouped order, as triton_matmul: W's tiles are reused from L2
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
