@@ -1,0 +1,245 @@
+"""The OpenAI features agents and eval harnesses send, under load, through HTTP (issue 33's GPU check).
+
+Phase 1 (mix): --num-requests requests, all at once, each kind in turn: chat with `top_logprobs` 20,
+completions with `n` 4, `best_of`, every sampling control (penalties, `logit_bias`, `min_p`, `min_tokens`,
+`stop_token_ids`), a chat `response_format` JSON schema, `echo` with prompt logprobs (lm-eval's
+loglikelihood), a forced tool call. Every answer is checked for its shape (logprobs present and sorted, n
+choices, the schema satisfied, the tool call parsing) and the server's /metrics must count 0 OOM.
+Phase 2 (schema cost): --throughput-prompts chat requests at --max-concurrency, every one with a JSON schema,
+against the same requests without one; output tokens per second of each and their ratio.
+
+    python3 scripts/openai_features_check.py --launch "autoprofile serve --model llama-3.1-8b --port 0"
+    python3 scripts/openai_features_check.py --base-url http://127.0.0.1:8000 --num-requests 64
+
+Loopback only. Exits 1 when a request fails, an answer has the wrong shape, or the server counted an OOM.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import WORDS, Launched, check_loopback, model_name, scrape, wait_ready  # noqa: E402
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colour"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "colour": {"enum": ["red", "green", "blue"]}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 32},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+KINDS = ("top_logprobs", "n4", "best_of", "controls", "json_schema", "echo", "tool")
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def request(kind: str, rng: random.Random, model: str, prompt_words: int,
+            max_tokens: int) -> tuple[str, dict]:
+    """(endpoint, body) of one request of `kind`."""
+    text = words(rng, prompt_words)
+    chat = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    done = {"model": model, "prompt": text, "max_tokens": max_tokens}
+    seed = rng.randrange(1 << 30)
+    if kind == "top_logprobs":
+        return "chat", {**chat, "logprobs": True, "top_logprobs": 20, "temperature": 0.8, "seed": seed}
+    if kind == "n4":
+        return "completions", {**done, "n": 4, "temperature": 0.8, "seed": seed}
+    if kind == "best_of":
+        return "completions", {**done, "n": 2, "best_of": 4, "temperature": 0.8, "seed": seed}
+    if kind == "controls":
+        return "completions", {**done, "temperature": 0.7, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                               "repetition_penalty": 1.2, "min_p": 0.05, "logit_bias": {"3": 5, "4": -100},
+                               "min_tokens": max_tokens // 2, "stop_token_ids": [5], "seed": seed}
+    if kind == "json_schema":
+        return "chat", {**chat, "max_tokens": max(max_tokens, 96), "response_format": FORMAT,
+                        "temperature": 1.0, "seed": seed}
+    if kind == "echo":
+        return "completions", {**done, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0.0}
+    if kind == "tool":
+        return "chat", {**chat, "max_tokens": max(max_tokens, 96), "tools": [TOOL], "temperature": 1.0,
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    raise ValueError(kind)
+
+
+def problems(kind: str, body: dict, answer: dict) -> list[str]:
+    """What is wrong with an answer of `kind` (an empty list: nothing)."""
+    import jsonschema
+    choices = answer.get("choices") or []
+    want = body.get("n", 1)
+    if len(choices) != want:
+        return [f"{len(choices)} choices, asked {want}"]
+    out = []
+    for c in choices:
+        if kind == "top_logprobs":
+            content = (c.get("logprobs") or {}).get("content") or []
+            if not content:
+                out.append("no logprobs.content")
+            for t in content:
+                tops = [x["logprob"] for x in t["top_logprobs"]]
+                if len(tops) != 20 or tops != sorted(tops, reverse=True) or t["logprob"] > 1e-6:
+                    out.append(f"top_logprobs: {len(tops)} entries, or unsorted, or a logprob above 0")
+                    break
+        elif kind == "echo":
+            lp = c.get("logprobs") or {}
+            if not lp.get("token_logprobs") or lp["token_logprobs"][0] is not None \
+                    or len(lp["token_logprobs"]) != len(lp.get("tokens", ())):
+                out.append("echo: prompt logprobs missing or the first one not null")
+        elif kind == "json_schema" and c.get("finish_reason") == "stop":
+            try:
+                jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
+            except (ValueError, jsonschema.ValidationError) as e:
+                out.append(f"json_schema: {type(e).__name__}: {str(e)[:80]}")
+        elif kind == "tool":
+            calls = c["message"].get("tool_calls") or []
+            if c.get("finish_reason") in ("tool_calls", "stop") and not calls:
+                out.append("tool: no tool_calls")
+            for call in calls:
+                try:
+                    jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                        TOOL["function"]["parameters"])
+                except (ValueError, jsonschema.ValidationError) as e:
+                    out.append(f"tool: {type(e).__name__}: {str(e)[:80]}")
+    return out
+
+
+async def post(session: aiohttp.ClientSession, url: str, endpoint: str, body: dict, timeout: float) -> dict:
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        answer = await r.json(content_type=None)
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {json.dumps(answer)[:200]}")
+        return answer
+
+
+async def mix(url: str, model: str, args) -> dict:
+    rng = random.Random(args.seed)
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.num_requests)]
+    jobs = [(k, *request(k, rng, model, args.prompt_words, args.max_tokens)) for k in kinds]
+    by_kind = {k: Counter() for k in KINDS}
+    errors: Counter = Counter()
+
+    async def one(session, kind, endpoint, body):
+        try:
+            bad = problems(kind, body, await post(session, url, endpoint, body, args.request_timeout))
+        except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            bad = [f"{type(e).__name__}: {str(e)[:160]}"]
+        by_kind[kind]["ok" if not bad else "failed"] += 1
+        errors.update(f"{kind}: {b}" for b in bad[:1])
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(one(session, *j) for j in jobs))
+    return {"duration_s": round(time.perf_counter() - start, 2),
+            "by_kind": {k: dict(v) for k, v in by_kind.items()}, "errors": dict(errors.most_common(10))}
+
+
+async def throughput(url: str, model: str, args, schema: bool) -> dict:
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency)
+    tokens, failed = [], Counter()
+
+    async def one(session, i):
+        body = {"model": model, "messages": [{"role": "user", "content": words(rng, args.prompt_words)}],
+                "max_tokens": args.max_tokens, "temperature": 1.0, "seed": i}
+        if schema:
+            body["response_format"] = FORMAT
+        async with limit:
+            try:
+                tokens.append((await post(session, url, "chat", body, args.request_timeout))["usage"]
+                              ["completion_tokens"])
+            except (RuntimeError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                failed[f"{type(e).__name__}: {str(e)[:120]}"] += 1
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(one(session, i) for i in range(args.throughput_prompts)))
+    duration = time.perf_counter() - start
+    return {"requests": len(tokens), "failed": sum(failed.values()), "errors": dict(failed),
+            "output_tokens": sum(tokens), "duration_s": round(duration, 2),
+            "output_tok_s": round(sum(tokens) / duration, 1)}
+
+
+async def run(url: str, args) -> dict:
+    model = await model_name(url)
+    before = await scrape(url)
+    out = {"model": model, "mix": await mix(url, model, args)}
+    if args.throughput_prompts:
+        plain = await throughput(url, model, args, schema=False)
+        constrained = await throughput(url, model, args, schema=True)
+        out["throughput"] = {"none": plain, "json_schema": constrained,
+                             "ratio": round(constrained["output_tok_s"] / max(plain["output_tok_s"], 1e-9),
+                                            3)}
+    after = await scrape(url)
+    out["oom_while_serving"] = after.get("autoprofile_serving_oom_total", 0.0) - before.get(
+        "autoprofile_serving_oom_total", 0.0)
+    return out
+
+
+def verdict(out: dict) -> list[str]:
+    bad = [f"{k}: {v['failed']} failed" for k, v in out["mix"]["by_kind"].items() if v.get("failed")]
+    for name, t in out.get("throughput", {}).items():
+        if isinstance(t, dict) and t["failed"]:
+            bad.append(f"throughput {name}: {t['failed']} failed")
+    if out["oom_while_serving"]:
+        bad.append(f"{out['oom_while_serving']:g} OOM while serving")
+    return bad
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="a running server (loopback only)")
+    p.add_argument("--launch", default=None, help="start this server command instead (it must log its URL)")
+    p.add_argument("--ready-timeout", type=float, default=1800)
+    p.add_argument("--num-requests", type=int, default=256, help="phase 1: requests sent all at once")
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--throughput-prompts", type=int, default=768, help="phase 2 (0: skip)")
+    p.add_argument("--max-concurrency", type=int, default=256, help="phase 2's requests in flight")
+    p.add_argument("--request-timeout", type=float, default=900)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    server = Launched(args.launch) if args.launch else None
+    try:
+        if server is not None:
+            server.bound.wait(args.ready_timeout)
+            if server.url is None:
+                raise SystemExit("error: the launched server never logged 'serving on http://...'")
+        url = server.url if server is not None else args.base_url.rstrip("/")
+        check_loopback(url)
+        asyncio.run(wait_ready(url, args.ready_timeout, server and server.proc))
+        out = asyncio.run(run(url, args))
+    finally:
+        code = server.stop(timeout=600) if server is not None else None
+    bad = verdict(out)
+    if server is not None:
+        out["server_exit_code"] = code
+        if code != 0:
+            bad.append(f"the server exited with code {code} after SIGTERM")
+    print(json.dumps(out, indent=2))
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(out, indent=2))
+    for b in bad:
+        print(f"FAIL: {b}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
