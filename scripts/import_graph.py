@@ -17,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoprofile", "models")
 # Highest first; a module takes the layer of the longest prefix it starts with (whole dotted parts).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("cli", ("autoprofile.cli", "autoprofile.tp.launch")),
+    ("cli", ("autoprofile.cli", "autoprofile.launch")),
     ("server", ("autoprofile.server",)),
     ("serving", ("autoprofile.serving",)),
     ("profiler", ("autoprofile.profiler", "autoprofile.report", "autoprofile.plan")),
     ("tp", ("autoprofile.tp.broadcast", "autoprofile.tp.channel")),
     ("engine", ("autoprofile.engine",)),
+    ("kernels", ("autoprofile.kernels",)),
     ("models", ("models",)),
     ("layers", ("autoprofile.layers",)),
     ("config", ("autoprofile.config",)),

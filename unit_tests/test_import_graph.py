@@ -15,7 +15,7 @@ spec.loader.exec_module(ig)
 
 def test_the_tree_has_no_circle_and_no_upward_import():
     g = ig.graph()
-    assert "autoprofile.tp.launch" in g and "models.llama" in g and len(g) > 40
+    assert "autoprofile.launch" in g and "models.llama" in g and len(g) > 40
     assert ig.problems(g) == []
 
 
@@ -23,7 +23,7 @@ def test_models_and_engine_import_one_way_and_the_profiler_not_the_launcher():
     g = ig.graph()
     assert not any(b.startswith("autoprofile.engine") for m in g if m.startswith("models") for b in g[m])
     assert any(b == "models" for b in g["autoprofile.engine.runner"])
-    assert not any(b.startswith(("autoprofile.tp.launch", "autoprofile.server", "autoprofile.cli"))
+    assert not any(b.startswith(("autoprofile.launch", "autoprofile.server", "autoprofile.cli"))
                    for b in g["autoprofile.profiler"])
 
 
