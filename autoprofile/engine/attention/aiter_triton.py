@@ -128,8 +128,7 @@ class AiterTritonBackend(AttentionBackend):
         self.triton_act, self.triton_norm = triton_act, triton_norm
         self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
-        from autoprofile.kernels import triton_fp8, triton_gemv, triton_matmul
-        from autoprofile.kernels import triton_unified
+        from autoprofile.kernels import triton_fp8, triton_gemv, triton_matmul, triton_unified
 
         self.triton_gemv, self.triton_matmul, self.triton_unified = triton_gemv, triton_matmul, triton_unified
         self.triton_fp8 = triton_fp8
