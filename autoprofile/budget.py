@@ -144,7 +144,7 @@ def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_head
 
 
 # ---------------------------------------------------------------- MoE experts (per step, from T)
-MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per block (engine.triton_moe)
+MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per block (kernels.triton_moe)
 
 
 def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
@@ -174,7 +174,7 @@ def moe_scratch_bytes(tokens: int, top_k: int, num_experts: int, inter: int, hid
 
 
 def moe_fp8_scratch_bytes(tokens: int, top_k: int, inter: int, hidden: int, group: int | None) -> int:
-    """FP8 experts' extra per-call buffers (engine.triton_moe), on top of moe_scratch_bytes: each GEMM's input
+    """FP8 experts' extra per-call buffers (triton_moe), on top of moe_scratch_bytes: each GEMM's input
     in FP8 ([T, H] and [T*k, I], a byte each) and its fp32 scales, one per row (group None: per token) or per
     row and group of `group` columns."""
     pairs = tokens * top_k
@@ -182,7 +182,7 @@ def moe_fp8_scratch_bytes(tokens: int, top_k: int, inter: int, hidden: int, grou
     return tokens * hidden + pairs * inter + 4 * scales
 
 
-# ---------------------------------------------------------------- MLA (engine.triton_mla, models.deepseek_v2)
+# --------------------------------------------------------------- MLA (kernels.triton_mla, models.deepseek_v2)
 MLA_SPLIT_PROGRAMS = 256  # rows x splits the decode aims at: a few programs per SM of an H100 (132 SMs)
 MLA_MIN_SPLITS, MLA_MAX_SPLITS = 4, 32
 

@@ -184,7 +184,7 @@ def _cmd_plan(cfg, card, as_json: bool) -> int:
 def _cmd_profile(cfg) -> int:
     from autoprofile.profiler import ProfileError, profile
     # one process per GPU: any rank's failure is one ProfileError
-    from autoprofile.tp.launch import profile_tp
+    from autoprofile.launch import profile_tp
     try:
         result = profile_tp(cfg) if cfg.tp > 1 else profile(cfg)
     except ProfileError as e:
@@ -198,7 +198,7 @@ def _cmd_serve(cfg) -> int:
     from autoprofile.profiler import boot
     from autoprofile.server import run_server
     if cfg.tp > 1:  # one process per GPU: rank 0 serves HTTP and ships each step to the others
-        from autoprofile.tp.launch import serve_tp
+        from autoprofile.launch import serve_tp
         return serve_tp(cfg)
     return run_server(cfg, boot)  # binds, boots (load, probe, measure, rebuild, validate), serves, drains
 

@@ -191,7 +191,7 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
     """Sampling `rows` requests on a GPU: the lm_head logits (dtype) and the one Triton kernel's 16 bytes per
-    row (autoprofile.engine.triton_sample: no scratch over the vocabulary, whatever the parameters)."""
+    row (autoprofile.kernels.triton_sample: no scratch over the vocabulary, whatever the parameters)."""
     return rows * (vocab * dtype_bytes + 16)
 
 

@@ -569,10 +569,10 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 
 
 def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:
-    """`autoprofile profile` in this process (--tp 1; --tp N runs autoprofile.tp.launch.profile_tp): run the
+    """`autoprofile profile` in this process (--tp 1; --tp N runs autoprofile.launch.profile_tp): run the
     profiler alone and return its report (the runner is dropped)."""
     if cfg.tp > 1:
-        raise ValueError("profile() runs one process: --tp > 1 goes through autoprofile.tp.launch.profile_tp")
+        raise ValueError("profile() runs one process: --tp > 1 goes through autoprofile.launch.profile_tp")
     runner, result = boot(cfg, checkpoint=checkpoint, log_report=False)  # the caller prints it
     runner.teardown()
     return result

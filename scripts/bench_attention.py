@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from autoprofile.config import ConfigError
-from autoprofile.engine.aiter_loader import aiter_installed
+from autoprofile.kernels.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionBackend, AttentionMetadata, resolve_backend_name
 
 GB = 1e9

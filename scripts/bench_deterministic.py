@@ -3,10 +3,10 @@ batch-invariance checked bit for bit (issue 19).
 
     PYTHONPATH=. python3 scripts/bench_deterministic.py [--gemm_configs] [--attention_configs]
 
-  GEMM       engine.triton_matmul at its CONFIG (or each of GEMM_CONFIGS) against cuBLAS (F.linear) over
+  GEMM       kernels.triton_matmul at its CONFIG (or each of GEMM_CONFIGS) against cuBLAS (F.linear) over
              llama-3.1-8b's five weight shapes at 1 to 8,192 rows; "invariant": rows 0..m of an 8,192-row call
              equal an m-row call, bit for bit (cuBLAS's are printed too)
-  attention  engine.attention.triton_unified at its config (or each of ATTENTION_CONFIGS) against torch SDPA
+  attention  kernels.triton_unified at its config (or each of ATTENTION_CONFIGS) against torch SDPA
              (T=8192 causal, GQA 32/8 x 128) and the default paged decode (256 rows x 1,024 tokens); its
              "invariant": a token's output the same as a decode row, in a chunk over its prefix, and whole
 """
@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cuda_timing import cuda_median_ms  # noqa: E402
 
-from autoprofile.engine import triton_matmul  # noqa: E402
-from autoprofile.engine.attention import get_backend_class, triton_unified  # noqa: E402
+from autoprofile.kernels import triton_matmul  # noqa: E402
+from autoprofile.engine.attention import get_backend_class  # noqa: E402
+from autoprofile.kernels import triton_unified  # noqa: E402
 from autoprofile.layers.attention import AttentionMetadata, KVLayer  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

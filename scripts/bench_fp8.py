@@ -1,4 +1,4 @@
-"""FP8 weights on one card, side by side in one run (engine.triton_fp8), on llama-3.1-8b's weight shapes:
+"""FP8 weights on one card, side by side in one run (kernels.triton_fp8), on llama-3.1-8b's weight shapes:
 
   1. one row (decode at batch 1): bf16 GEMV (triton_gemv) against the FP8 GEMV (channel and block scales),
      each against its copy floor (the weight's bytes at the card's copy rate: 2 bytes a weight in bf16, 1 in
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402 - the copy-bandwidth timer
 from bench_gemv import SHAPES, graph_us  # noqa: E402
 from cuda_timing import cuda_median_ms  # noqa: E402
-from autoprofile.engine import triton_fp8, triton_gemv  # noqa: E402
+from autoprofile.kernels import triton_fp8, triton_gemv  # noqa: E402
 from unit_tests.test_triton_fp8 import REFERENCE  # noqa: E402
 
 ref: dict = {}  # the torch references (a private copy of layers.quant's)

@@ -1,4 +1,4 @@
-"""The batch-1 GEMMs: engine.triton_gemv against cuBLAS (F.linear), side by side in one run, on llama-3.1-8b's
+"""The batch-1 GEMMs: triton_gemv against cuBLAS (F.linear), side by side in one run, on llama-3.1-8b's
 weight shapes. Each shape has 32 distinct weights (a model's layers) replayed in one CUDA graph, so no weight
 is served from L2 (a 4,096 x 4,096 bf16 weight fits an H100's 50 MB L2, and repeating one times the cache).
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402 - the copy-bandwidth timer
-from autoprofile.engine import triton_gemv  # noqa: E402
+from autoprofile.kernels import triton_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
         [--json out.json]
 
-On CUDA sample() is one Triton kernel per batch (autoprofile.engine.triton_sample) whatever the case; the
+On CUDA sample() is one Triton kernel per batch (autoprofile.kernels.triton_sample) whatever the case; the
 torch paths (CPU, no triton) prefilter and fall back to a sort. Logits are bf16 [rows, vocab]. "peaked" =
 randn * 5 (at temperature 0.8 and top_p 0.9 a nucleus holds a few to a few hundred tokens, like a trained
 model's; `wider` counts the rows whose nucleus outgrows the torch path's prefilter) and "flat" = randn

@@ -1,5 +1,7 @@
 """The import graph of autoprofile/ and models/, its layers, and the two rules: no circle, and no import from
-a lower layer to a higher one (imports follow the data: the CLI down to the pure arithmetic).
+a lower layer to a higher one (imports follow the data: the CLI down to the pure arithmetic). The GPU kernels
+(autoprofile.kernels) sit below the engine that calls them; the rank launcher (autoprofile.launch) at the
+CLI's level, above the server and the profiler it starts.
 
     python3 scripts/import_graph.py            # the layers, each module's imports; exit 1 on a broken rule
     python3 scripts/import_graph.py --dot      # Graphviz
@@ -17,12 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoprofile", "models")
 # Highest first; a module takes the layer of the longest prefix it starts with (whole dotted parts).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("cli", ("autoprofile.cli", "autoprofile.tp.launch")),
+    ("cli", ("autoprofile.cli", "autoprofile.launch")),
     ("server", ("autoprofile.server",)),
     ("serving", ("autoprofile.serving",)),
     ("profiler", ("autoprofile.profiler", "autoprofile.report", "autoprofile.plan")),
     ("tp", ("autoprofile.tp.broadcast", "autoprofile.tp.channel")),
     ("engine", ("autoprofile.engine",)),
+    ("kernels", ("autoprofile.kernels",)),  # called by the engine's backends and sampler; never import it
     ("models", ("models",)),
     ("layers", ("autoprofile.layers",)),
     ("config", ("autoprofile.config",)),
@@ -104,8 +107,18 @@ def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
 def problems(g: dict[str, set[str]]) -> list[str]:
     return ([" -> ".join(c) + "  (a circle)" for c in cycles(g)]
             + [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]}): a lower layer "
-               f"imports a "
-               "higher one" for a, b in upward(g)])
+               "imports a higher one" for a, b in upward(g)])
+
+
+def stale(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """LAYERS entries that no module of the whole tree `g` is or starts with (a moved module's old name)."""
+    return [(layer, p) for layer, prefixes in LAYERS for p in prefixes
+            if not any(m == p or m.startswith(p + ".") for m in g)]
+
+
+def summary(g: dict[str, set[str]]) -> str:
+    return (f"{len(g)} modules in {len(LAYERS)} layers: {len(cycles(g))} circles, "
+            f"{len(upward(g))} upward imports")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{layer}:")
             for m in members:
                 print(f"  {m} -> {', '.join(sorted(g[m])) or '-'}")
-    bad = problems(g)
+        print(summary(g))
+    bad = problems(g) + [f"{p} (layer {layer}) names no module: remove it from LAYERS"
+                         for layer, p in stale(g)]
     for line in bad:
         print(f"FAIL: {line}", file=sys.stderr)
     return 1 if bad else 0

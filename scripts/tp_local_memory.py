@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
     from autoprofile.config import ServerConfig, validate
-    from autoprofile.tp import launch
+    from autoprofile import launch
     if torch.cuda.device_count() < args.tp:
         print(f"error: --tp {args.tp} needs {args.tp} GPUs, this host has {torch.cuda.device_count()}",
               file=sys.stderr)

@@ -1,4 +1,4 @@
-"""MLA's absorbed decode (engine.triton_mla: AITER's grouped stage-1 kernel + its split merge) over launch
+"""MLA's absorbed decode (kernels.triton_mla: AITER's grouped stage-1 kernel + its split merge) over launch
 configs, side by side in one run: each config checked against the torch reference on fresh random latents,
 then timed as a CUDA graph's replay (CUDA events, median), with the bytes floor (each row's latents read once:
 rows x ctx x 576 x 2 B).
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy bandwidth
 from cuda_timing import cuda_median_ms  # noqa: E402
 
-from autoprofile.engine import triton_mla  # noqa: E402
+from autoprofile.kernels import triton_mla  # noqa: E402
 from autoprofile.engine.attention.torch_sdpa import TorchBackend  # noqa: E402
 from autoprofile.layers.attention import AttentionMetadata, KVLayer  # noqa: E402
 

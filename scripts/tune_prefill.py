@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 scripts/tune_prefill.py [--kernel aiter|ours] [--full] [--json out.json]
 
---kernel aiter (default): AITER's flash_attn_varlen_func; ours: engine.attention.triton_prefill.
+--kernel aiter (default): AITER's flash_attn_varlen_func; ours: kernels.triton_prefill.
 
 Two shapes, bf16, 32 query / 8 KV heads, head_dim 128 (llama-3.1-8b per rank):
   full   one causal request of --tokens (8192) new tokens
@@ -33,8 +33,8 @@ from torch.nn.attention.bias import causal_lower_right
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import median_ms, rotating  # noqa: E402
 
-from autoprofile.engine.aiter_loader import load_aiter_triton  # noqa: E402
-from autoprofile.engine.attention import triton_prefill  # noqa: E402
+from autoprofile.kernels.aiter_loader import load_aiter_triton  # noqa: E402
+from autoprofile.kernels import triton_prefill  # noqa: E402
 from autoprofile.engine.attention.aiter_triton import prefill_config  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

@@ -12,7 +12,7 @@ def require_backend(name: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if name.startswith("aiter"):
-        from autoprofile.engine.aiter_loader import load_aiter_triton
+        from autoprofile.kernels.aiter_loader import load_aiter_triton
 
         try:
             load_aiter_triton()

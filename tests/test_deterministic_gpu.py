@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_gemm_equals_cublas_and_a_rows_bits_do_not_depend_on_the_row_count():
-    from autoprofile.engine import triton_matmul
+    from autoprofile.kernels import triton_matmul
 
     torch.manual_seed(0)
     for n, k in ((6144, 4096), (4096, 14336), (32000, 4096)):
@@ -50,7 +50,7 @@ def test_the_gemm_equals_cublas_and_a_rows_bits_do_not_depend_on_the_row_count()
 
 def test_the_unified_attention_equals_the_reference_and_a_token_gets_the_same_bits_in_any_chunk():
     require_backend("aiter_triton")
-    from autoprofile.engine.attention import triton_unified
+    from autoprofile.kernels import triton_unified
     from autoprofile.engine.attention.torch_sdpa import TorchBackend
     from autoprofile.layers.attention import AttentionMetadata, KVLayer
 

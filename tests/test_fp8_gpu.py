@@ -1,4 +1,4 @@
-"""GPU: the FP8 weight kernels (engine.triton_fp8, engine.triton_moe's FP8 experts) compiled, against the
+"""GPU: the FP8 weight kernels (kernels.triton_fp8, kernels.triton_moe's FP8 experts) compiled, against the
 torch references (a private copy of layers.quant's, unit_tests.test_triton_fp8.REFERENCE), at llama-3.1-8b's
 shapes and odd ones; one compile serves every row count; the experts' buffers follow the tokens alone."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def assert_same_fp8(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("m, k", [(1, 4096), (7, 14336), (256, 4100), (8192, 4096), (3, 7)])
 def test_activation_quant_equals_the_reference_bytes(m, k):
-    from autoprofile.engine import triton_fp8
+    from autoprofile.kernels import triton_fp8
     x = torch.randn(m, k, device="cuda").bfloat16() * 50
     x[0] = 0
     q, s = triton_fp8.quantize_per_token(x)
@@ -72,7 +72,7 @@ def test_activation_quant_equals_the_reference_bytes(m, k):
 @pytest.mark.parametrize("n, k", LLAMA + ODD)
 def test_the_one_row_gemv_is_w8a16(scheme, n, k):
     """One row: x stays bf16 (W8A16): against x @ dequantized W in fp32, to bf16 rounding."""
-    from autoprofile.engine import triton_fp8
+    from autoprofile.kernels import triton_fp8
     wq, ws = weights(n, k, scheme)
     x = torch.randn(1, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
@@ -88,7 +88,7 @@ def test_the_one_row_gemv_is_w8a16(scheme, n, k):
 def test_rows_are_w8a8_as_the_reference(scheme, m, n, k):
     """More rows: quantized activations, cuBLASLt's row-wise _scaled_mm (channel, multiples of 16) or our
     block GEMM (block; odd channel shapes) against fp8_linear_reference."""
-    from autoprofile.engine import triton_fp8
+    from autoprofile.kernels import triton_fp8
     wq, ws = weights(n, k, scheme)
     x = torch.randn(m, k, device="cuda").bfloat16()
     bias = torch.randn(n, device="cuda").bfloat16()
@@ -103,7 +103,7 @@ def test_rows_are_w8a8_as_the_reference(scheme, m, n, k):
 def test_our_gemm_equals_the_reference_on_both_configs_and_fp16(scheme):
     """The Triton GEMM itself (also what channel runs when _scaled_mm cannot: fp16, odd N or K), at each
     row-count config, float16 output."""
-    from autoprofile.engine import triton_fp8
+    from autoprofile.kernels import triton_fp8
     n, k = 4096, 4096
     wq, ws = weights(n, k, scheme)
     for m in (1, 64, 65, 3000):
@@ -121,7 +121,7 @@ def compiled(kernel) -> int:
 
 def test_one_compile_serves_every_row_count():
     """The quant kernels and the GEMM compile once per config, whatever the rows (M never specialized)."""
-    from autoprofile.engine import triton_fp8
+    from autoprofile.kernels import triton_fp8
     wq, ws = weights(4096, 4096, BLOCK)
     kernels = (triton_fp8._quant_token_kernel, triton_fp8._quant_group_kernel, triton_fp8._gemm_fp8_kernel)
     for m in (3, 100):  # one per config (GEMM_SMALL, GEMM_LARGE)
@@ -151,7 +151,7 @@ E, K, H, INTER = 128, 8, 2048, 768
 @pytest.mark.parametrize("tokens", [1, 7, 16, 300, 2048])
 def test_fp8_experts_match_the_dequantized_reference(scheme, routing, tokens):
     require_backend("aiter_triton")
-    from autoprofile.engine import triton_moe
+    from autoprofile.kernels import triton_moe
     from tests.test_moe_gpu import routed
     w13, w2, quant = fp8_experts(scheme, E, H, INTER)
     x, weights_, ids = routed(tokens, E, K, H, routing)
@@ -166,7 +166,7 @@ def test_fp8_experts_match_the_dequantized_reference(scheme, routing, tokens):
 def test_fp8_experts_hold_the_same_under_every_routing_and_no_more_than_declared(tokens):
     require_backend("aiter_triton")
     from autoprofile import budget
-    from autoprofile.engine import triton_moe
+    from autoprofile.kernels import triton_moe
     from tests.test_moe_gpu import routed
     peaks = {}
     for scheme in (CHANNEL, BLOCK):

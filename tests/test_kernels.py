@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.aiter_loader import aiter_installed
+from autoprofile.kernels.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
 from autoprofile.layers.attention import FP8_MAX, KVLayer, dequantize, quantize
@@ -112,7 +112,7 @@ def test_triton_prefill_configs(config, chunks, nan_empty):
     """Our varlen prefill at each of its configs on this GPU (the untuned default: plain loads; this GPU's
     long and short entries: TMA on Hopper), (prefix, new) rows with K/V contiguous after the gather, into the
     rows of a larger output (a mixed step's), against the float64 reference."""
-    from autoprofile.engine.attention import triton_prefill
+    from autoprofile.kernels import triton_prefill
 
     cap = triton_prefill.capability()
     cfg = {"default": triton_prefill.CONFIG, "long": triton_prefill.CONFIGS.get(cap),
@@ -325,8 +325,8 @@ def test_no_compile_for_a_new_step_shape_once_warm():
     its config (the short one and the long one: both warmed first); our RMSNorm compiles once for every row
     count."""
     be = make("aiter_triton")
-    from autoprofile.engine.attention.triton_prefill import _prefill_kernel, _prefill_kernel_tma
-    from autoprofile.engine.triton_norm import _rms_norm_kernel
+    from autoprofile.kernels.triton_prefill import _prefill_kernel, _prefill_kernel_tma
+    from autoprofile.kernels.triton_norm import _rms_norm_kernel
     gen = torch.Generator(device="cuda").manual_seed(5)
 
     def compiled_prefill() -> int:
@@ -361,7 +361,7 @@ def test_no_compile_for_a_new_step_shape_once_warm():
 def test_partition_reduce_compiles_once_for_every_v2_shape():
     """triton_reduce: rows, max_seq_len and the partition size follow the step; one compile serves them all
     (max_parts and partition unspecialized), eager and captured partitions alike."""
-    from autoprofile.engine.attention.triton_reduce import _reduce_partitions_kernel
+    from autoprofile.kernels.triton_reduce import _reduce_partitions_kernel
     be = make("aiter_triton")
     gen = torch.Generator(device="cuda").manual_seed(11)
     counts = []

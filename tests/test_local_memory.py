@@ -105,7 +105,7 @@ AITER_REDUCE = KERNELS + r'''
 import math
 import torch
 from autoprofile import memory
-from autoprofile.engine.aiter_loader import load_aiter_triton
+from autoprofile.kernels.aiter_loader import load_aiter_triton
 import triton.language as tl
 ops = load_aiter_triton()
 import aiter.ops.triton.pa_decode as pa
@@ -127,7 +127,7 @@ print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_byte
 
 FP8 = KERNELS + r'''
 import torch
-from autoprofile.engine import triton_fp8, triton_moe
+from autoprofile.kernels import triton_fp8, triton_moe
 from unit_tests.test_triton_fp8 import REFERENCE
 ref = {}
 exec(REFERENCE, ref)
@@ -219,7 +219,7 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
     sys.path.insert(0, str(ROOT / "scripts"))
     import tp_local_memory
     from autoprofile.config import ServerConfig, validate
-    from autoprofile.tp import launch
+    from autoprofile import launch
     folder = tmp_path / "small"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(SMALL_MODEL))
@@ -241,7 +241,7 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
 
 
 def test_no_fp8_kernel_spills_past_the_bound():
-    """engine.triton_fp8 (quant, GEMV, both GEMM configs, at llama-3.1-8b's widest shapes) and the FP8 experts
+    """triton_fp8 (quant, GEMV, both GEMM configs, at llama-3.1-8b's widest shapes) and the FP8 experts
     (AITER's block-scaled path, both launch configs), channel and block scales: none needs more than 1 KiB
     of local memory per thread."""
     got = run_fresh(FP8)

@@ -69,7 +69,7 @@ def test_mla_prefill_matches_the_reference_with_and_without_a_cached_prefix():
 MLA_KERNELS = r'''
 import json, torch
 from autoprofile import memory
-from autoprofile.engine import triton_mla
+from autoprofile.kernels import triton_mla
 torch.empty(1, device="cuda")
 before = memory.stack_limit_bytes()
 latents = torch.randn(512, 1, 16, 576, device="cuda").bfloat16()

@@ -39,7 +39,7 @@ def routed(tokens: int, e: int, k: int, h: int, routing: str, seed: int = 1):
 @pytest.mark.parametrize("tokens", [1, 7, 16, 300, 2048])
 def test_aiter_triton_experts_match_the_torch_reference(tokens, routing):
     require_backend("aiter_triton")
-    from autoprofile.engine import triton_moe
+    from autoprofile.kernels import triton_moe
     w13, w2 = experts(E, H, I)
     x, weights, ids = routed(tokens, E, K, H, routing)
     got = triton_moe.fused_moe(x, w13, w2, weights, ids).float()
@@ -54,7 +54,7 @@ def test_worst_routing_holds_more_than_balanced_in_the_reference_and_the_same_in
     same experts) holds ~E/k times the balanced case's per-expert temporaries; AITER's path allocates by
     the tokens alone, the same under every routing, and no more than budget.moe_scratch_bytes."""
     require_backend("aiter_triton")
-    from autoprofile.engine import triton_moe
+    from autoprofile.kernels import triton_moe
     w13, w2 = experts(E, H, I)
     peaks = {}
     for routing in ("balanced", "worst"):
@@ -94,7 +94,7 @@ def test_an_moe_model_profiles_and_serves_through_the_decode_graphs(tmp_path):
 
 
 def test_the_one_launch_router_compiled_and_captured_on_the_gpu():
-    """engine.triton_route compiled: the interpreter test's checks against route + Routing.apply, then one
+    """kernels.triton_route compiled: the interpreter test's checks against route + Routing.apply, then one
     capture replayed under each routing (the mode is read on the device)."""
     require_backend("aiter_triton")
     from unit_tests.interpreter import run_script

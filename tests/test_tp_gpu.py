@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoprofile.tp import broadcast, launch
+from autoprofile import launch
+from autoprofile.tp import broadcast
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
@@ -218,7 +219,7 @@ def test_tp2_images_ship_pixels_only_with_the_step_that_encodes_them(tmp_path):
 
 # ---------------------------------------------------------------- a full auto-profile
 def test_autoprofile_llama8b_tp2(tmp_path):
-    from autoprofile.tp.launch import profile_tp as profile
+    from autoprofile.launch import profile_tp as profile
     cfg = validate(ServerConfig(model="llama-3.1-8b", tp=2, report_dir=str(tmp_path / "r")))
     t0 = time.time()
     result = profile(cfg)

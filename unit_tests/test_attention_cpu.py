@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 
 from autoprofile import budget
 from autoprofile.config import ConfigError
-from autoprofile.engine import aiter_loader, stress
+from autoprofile.engine import stress
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.attention import (AttentionMetadata, BACKENDS, get_backend_class,
                                           resolve_backend_name)
-from autoprofile.engine.attention import aiter_triton, triton_prefill
+from autoprofile.engine.attention import aiter_triton
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
+from autoprofile.kernels import aiter_loader, triton_prefill
 from autoprofile.layers.attention import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 

@@ -62,7 +62,7 @@ def test_tp2_a_seeded_request_gets_the_same_tokens_alone_and_inside_a_crowd():
     """The same on two gloo ranks: each linear layer's GEMM on its shard, the row-parallel all-reduce summed
     in rank order, the vocab-parallel LM head gathered, rank 0's sampler (tests/test_tp_gpu.py: 2 GPUs).
     With two ranks a sum's order cannot change its bits (a + b == b + a); three ranks: the gloo test below."""
-    from autoprofile.tp import launch
+    from autoprofile import launch
     out = launch.launch(_crowd_tp, 2, (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), 60),
                         device="cpu", timeout_s=600)
     assert all(o.ok for o in out), out
@@ -160,7 +160,7 @@ def test_ordered_all_reduce_over_three_gloo_ranks_gives_every_rank_the_rank_orde
 
 MATMUL = r'''
 import torch
-from autoprofile.engine import triton_matmul
+from autoprofile.kernels import triton_matmul
 
 torch.manual_seed(0)
 for m, n, k, bias, dtype in [(1, 96, 64, False, torch.float32), (300, 200, 96, True, torch.float32),
@@ -192,7 +192,7 @@ def test_the_batch_invariant_gemm_equals_torch_for_a_row_alone_and_among_others(
 
 UNIFIED = r'''
 import torch
-from autoprofile.engine.attention import triton_unified
+from autoprofile.kernels import triton_unified
 from autoprofile.layers.attention import FP8_MAX
 
 torch.manual_seed(0)

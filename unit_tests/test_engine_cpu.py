@@ -24,7 +24,8 @@ from autoprofile.engine.cuda_graph import batch_ladder
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import PAD_PAGE, KVCache, KVCacheFull, PageAllocator, ReqTable
 from autoprofile.layers.parallel import TP
-from autoprofile.engine.runner import ModelRunner, Staging
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.step_inputs import Staging
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random, load_checkpoint

@@ -288,7 +288,7 @@ def test_sparse_block_is_the_moe_layers_mlp_and_dense_layers_keep_theirs():
 def blockwise_moe(x, w13, w2, weights, ids, block_m: int) -> torch.Tensor:
     """What AITER's fused MoE kernels compute from sort_by_expert's layout, block by block: the gate_up GEMM
     with silu(gate) * up into the pair's row, then the down GEMM scaled by the pair's weight, then a sum
-    over k (engine.triton_moe)."""
+    over k (kernels.triton_moe)."""
     t, k = ids.shape
     pairs = t * k
     sorted_ids, block_experts, padded = sort_by_expert(ids, w13.shape[0], block_m)

@@ -1,4 +1,4 @@
-"""A prefill or mixed step's host index arrays (runner.prefill_inputs, built with numpy in one pass) against
+"""A prefill or mixed step's host index arrays (prefill_inputs, built with numpy in one pass) against
 the same indices spelled out row by row, for any rows the scheduler can build; and their single upload."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from autoprofile.engine.runner import pick_buffer, prefill_inputs, upload
+from autoprofile.engine.step_inputs import pick_buffer, prefill_inputs, upload
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 
@@ -55,7 +55,7 @@ def test_upload_is_one_tensor_viewed_by_name():
 
 @given(st.lists(st.tuples(st.integers(0, 1 << 20), st.booleans()), max_size=6), st.integers(1, 1 << 20))
 def test_staging_writes_only_a_free_buffer_and_grows_only_when_none_free_fits(buffers, n):
-    """runner.Staging's choice: a buffer whose copy is still queued is never written (the GPU may not have
+    """Staging's choice: a buffer whose copy is still queued is never written (the GPU may not have
     read it); a free one that holds n is reused, the smallest; otherwise a free one is replaced by a larger
     one, or a new one is made."""
     i, grow = pick_buffer(buffers, n)

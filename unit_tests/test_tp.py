@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from autoprofile import memory
-from autoprofile.tp import broadcast, channel, launch
+from autoprofile import launch
+from autoprofile.tp import broadcast, channel
 from autoprofile.config import ServerConfig
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.layers.parallel import TP
@@ -221,7 +222,7 @@ def test_tp2_serving_on_cpu_equals_tp1_and_a_forward_failure_stops_every_rank_wi
 def test_serve_with_tp_spawns_the_ranks_and_returns_their_exit_code(mocker):
     from autoprofile import cli
     mocker.patch("autoprofile.cli._gpu_present", return_value=True)
-    serve_tp = mocker.patch("autoprofile.tp.launch.serve_tp", return_value=1)
+    serve_tp = mocker.patch("autoprofile.launch.serve_tp", return_value=1)
     assert cli.main(["serve", "--model", "tiny", "--tp", "2"]) == 1
     (cfg,), _ = serve_tp.call_args
     assert cfg.tp == 2
@@ -299,7 +300,7 @@ def _serves_until_sigterm(guard):
 
 LAUNCHER = """
 import sys
-from autoprofile.tp import launch
+from autoprofile import launch
 from unit_tests.test_tp import _serves_until_sigterm
 out = launch.launch(_serves_until_sigterm, 2, (), device="cpu", timeout_s=80)
 print([(o.rank, o.ok, o.value) for o in out], flush=True)

@@ -59,7 +59,7 @@ def test_the_report_marks_the_stage_that_raised_the_stack_limit():
     outcome = {"rank": 0, "arch": "sm_90", "profile_stack_limit": 1744, "profile_non_torch_gib": 2.49,
                "stages": [stage("CUDA context + NCCL communicator", 1024), stage("first all-reduce", 1744),
                           stage("validated", 1744)],
-               "triton": [{"kernel": "_gemv_kernel", "module": "autoprofile.engine.triton_gemv", "regs": 40,
+               "triton": [{"kernel": "_gemv_kernel", "module": "autoprofile.kernels.triton_gemv", "regs": 40,
                            "spills": 0, "local": 0, "stack": 0}],
                "nccl": {"version": "2.27.5", "library": "libnccl.so.2", "settings": {"NCCL_NVLS_ENABLE": "0"},
                         "defaults": tlm.NCCL_DEFAULTS,

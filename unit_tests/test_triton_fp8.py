@@ -1,5 +1,5 @@
-"""The FP8 kernels (engine.triton_fp8: activation quant, the one-row GEMV, the block/channel GEMM, linear's
-dispatch; engine.triton_moe's FP8 experts) on the CPU through Triton's interpreter, against torch references.
+"""The FP8 kernels (kernels.triton_fp8: activation quant, the one-row GEMV, the block/channel GEMM, linear's
+dispatch; kernels.triton_moe's FP8 experts) on the CPU through Triton's interpreter, against torch references.
 
 The interpreter's float -> float8 cast drops the rounding carry (127.2 -> 64.0, where torch and the GPU give
 128.0): the scripts replace that one conversion with torch's cast (FP8_CAST), so what is checked is our
@@ -62,7 +62,7 @@ def moe_reference_fp8(x, w13, w2, weights, ids, quant):
 '''
 
 KERNELS = FP8_CAST + REFERENCE + r'''
-from autoprofile.engine import triton_fp8 as f
+from autoprofile.kernels import triton_fp8 as f
 
 torch.manual_seed(0)
 
@@ -119,7 +119,7 @@ print("ok")
 '''
 
 EXPERTS = FP8_CAST + REFERENCE + r'''
-from autoprofile.engine import triton_moe
+from autoprofile.kernels import triton_moe
 from autoprofile.layers.moe import Routing, route
 
 torch.manual_seed(0)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CHECK = r'''
 import torch
-from autoprofile.engine import triton_gemv
+from autoprofile.kernels import triton_gemv
 
 torch.manual_seed(0)
 for n, k, bias, dtype in [(6, 4096, False, torch.float32), (37, 2050, True, torch.float32),

@@ -1,4 +1,4 @@
-"""MLA's absorbed decode as the aiter_triton backend runs it (engine.triton_mla: our packed token slots,
+"""MLA's absorbed decode as the aiter_triton backend runs it (kernels.triton_mla: our packed token slots,
 AITER's Triton MLA decode) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess),
 against the torch reference's mla_decode over the same paged latent cache: shuffled pages, rows ending
 mid-page and on a page boundary, one token, and zero-length padding rows. float32 and float16 (the
@@ -14,7 +14,7 @@ from unit_tests.interpreter import run_script
 
 DECODE = r'''
 import torch
-from autoprofile.engine import triton_mla
+from autoprofile.kernels import triton_mla
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.layers.attention import AttentionMetadata, KVLayer
 
@@ -64,7 +64,7 @@ def test_decode_rows_run_at_compiled_counts():
     """The graph ladder's sizes while a graph holds the rows (each compiled at capture), the envelope's most
     rows above (the stress's corner): never a count no build compiled."""
     pytest.importorskip("triton")
-    from autoprofile.engine.triton_mla import padded_rows
+    from autoprofile.kernels.triton_mla import padded_rows
     ladder = budget.batch_ladder(64)
     assert [padded_rows(n, 64, 256) for n in (1, 3, 5, 9, 17, 63, 64)] == [1, 4, 8, 16, 24, 64, 64]
     assert all(padded_rows(n, 64, 256) in ladder for n in range(1, 65))

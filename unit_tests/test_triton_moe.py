@@ -1,4 +1,4 @@
-"""The experts as the aiter_triton backend runs them (engine.triton_moe: our expert sort, then AITER's Triton
+"""The experts as the aiter_triton backend runs them (kernels.triton_moe: our expert sort, then AITER's Triton
 fused_moe_silu and fused_moe) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess:
 the flag is read when a kernel module is imported), against the torch reference, under the router's own,
 the worst and the balanced routing, at the small and the large launch config. The interpreter has no bfloat16:
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
 EXPERTS = r'''
 import torch
 from autoprofile import budget
-from autoprofile.engine import triton_moe
+from autoprofile.kernels import triton_moe
 from autoprofile.layers.moe import Routing, moe_reference, route
 
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Our one-launch expert sort (engine.triton_moe_sort) on the CPU through Triton's interpreter
+"""Our one-launch expert sort (kernels.triton_moe_sort) on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess: the flag is read when a kernel module is imported): bit-equal to
 layers.moe.sort_by_expert, every output slot included, under the router's own, the worst and the balanced
 routing, at both block sizes; and the fused MoE path over it against the torch reference."""
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 SORT = r'''
 import torch
-from autoprofile.engine.triton_moe_sort import sort_by_expert
+from autoprofile.kernels.triton_moe_sort import sort_by_expert
 from autoprofile.layers import moe
 from autoprofile.layers.moe import Routing, route
 
@@ -40,7 +40,7 @@ print("ok")
 
 FUSED = r'''
 import torch
-from autoprofile.engine import triton_moe
+from autoprofile.kernels import triton_moe
 from autoprofile.layers.moe import ROUTINGS, Routing, moe_reference, route
 
 assert 0 < triton_moe.SORT_KERNEL_MAX_PAIRS

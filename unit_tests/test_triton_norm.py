@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CHECK = r'''
 import torch
-from autoprofile.engine import triton_norm
+from autoprofile.kernels import triton_norm
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 
 torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Our varlen prefill kernel (engine.attention.triton_prefill) against the torch reference backend's varlen
+"""Our varlen prefill kernel (kernels.triton_prefill) against the torch reference backend's varlen
 attention, on the CPU through Triton's interpreter (in a subprocess: TRITON_INTERPRET is read at import). The
 interpreter has no bfloat16: float16 here, bf16 on the GPU (tests/test_kernels.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from autoprofile.engine.attention import triton_prefill
+from autoprofile.kernels import triton_prefill
 from unit_tests.interpreter import run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHECK = r'''
 import sys
 import torch
-from autoprofile.engine.attention import triton_prefill
+from autoprofile.kernels import triton_prefill
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.layers.attention import AttentionMetadata
 

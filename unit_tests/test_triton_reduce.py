@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 COMMON = r'''
 import math
 import torch
-from autoprofile.engine.attention import triton_reduce
+from autoprofile.kernels import triton_reduce
 
 def attention(q, k, v, keep=None):
     """float64 softmax(q k^T / sqrt(d)) v of one query head over its keys (keep: a mask of live keys)."""
@@ -111,7 +111,7 @@ print("ok")
 
 DECODE_V2 = COMMON + r'''
 import triton.language as tl
-from autoprofile.engine import aiter_loader
+from autoprofile.kernels import aiter_loader
 from autoprofile.engine.attention.aiter_triton import decode_v2
 
 PAGE, D, HKV = 16, 32, 2
@@ -167,7 +167,7 @@ def test_decode_v2_with_aiters_partition_kernel_equals_attention():
 def test_partition_kernels_are_checked_against_the_pinned_signature(monkeypatch):
     """decode_v2 launches AITER's partition kernels positionally: another amd-aiter's signature is an error
     naming the pin and the torch backend, at load."""
-    from autoprofile.engine import aiter_loader
+    from autoprofile.kernels import aiter_loader
 
     assert aiter_loader.load_pa_kernels()._paged_attn_decode_v2_w_dot_kernel is not None
     moved = dict(aiter_loader.PARTITION_KERNEL_PARAMS)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 CHECK = r'''
 import torch
-from autoprofile.engine.attention import triton_rope
+from autoprofile.kernels import triton_rope
 from autoprofile.layers.attention import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
 

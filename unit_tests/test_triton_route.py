@@ -1,4 +1,4 @@
-"""Our one-launch router (engine.triton_route) on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
+"""Our one-launch router (kernels.triton_route) on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
 in a subprocess: the flag is read when a kernel module is imported) against the torch path (layers.moe.route,
 then Routing.apply): the same ids, weights within 1e-6 relative in fp32 (bf16: the same rounding of nearly
 the same fp32 values), under the router's own, the worst and the balanced routing. On a GPU the same script
@@ -17,7 +17,7 @@ ROUTE = r'''
 import itertools
 import sys
 import torch
-from autoprofile.engine.triton_route import route_topk
+from autoprofile.kernels.triton_route import route_topk
 from autoprofile.layers.moe import ROUTINGS, Routing, route
 
 device = sys.argv[1]

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 COMMON = r'''
 import math
 import torch
-from autoprofile.engine import triton_sample as ts
+from autoprofile.kernels import triton_sample as ts
 from autoprofile.engine.sampling import SamplingBatch, SamplingParams
 
 def run(x, params, seeds=None, bounds=False):

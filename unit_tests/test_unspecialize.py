@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reaso
 
 
 def test_the_named_parameters_exist_and_are_unspecialized():
-    from autoprofile.engine import aiter_loader
+    from autoprofile.kernels import aiter_loader
     aiter_loader.triton_ops_package()
     for module, kernel, names in aiter_loader.UNSPECIALIZED:
         k = getattr(importlib.import_module(module), kernel)
@@ -25,7 +25,7 @@ def test_the_named_parameters_exist_and_are_unspecialized():
 
 
 def test_a_parameter_the_kernel_lacks_is_named():
-    from autoprofile.engine import aiter_loader
+    from autoprofile.kernels import aiter_loader
     aiter_loader.triton_ops_package()
     k = importlib.import_module("aiter.ops.triton._triton_kernels.rmsnorm")._rms_norm_kernel
     with pytest.raises(RuntimeError,
@@ -35,6 +35,6 @@ def test_a_parameter_the_kernel_lacks_is_named():
 
 def test_the_pin_named_in_the_error_is_pyprojects():
     from pathlib import Path
-    from autoprofile.engine import aiter_loader
+    from autoprofile.kernels import aiter_loader
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert f'"amd-aiter=={aiter_loader.PINNED_AITER}"' in pyproject

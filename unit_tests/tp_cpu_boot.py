@@ -1,4 +1,4 @@
-"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.tp.launch.serve_tp with gloo ranks, the
+"""`autoprofile serve --tp 2` on a CPU, for the tests: autoprofile.launch.serve_tp with gloo ranks, the
 tiny model
 with seeded random weights and a fixed KV size in place of the profile (it reads CUDA memory).
 
@@ -40,7 +40,7 @@ def boot_cpu_tp(cfg: ServerConfig, guard):
 
 
 def main(argv: list[str]) -> int:
-    from autoprofile.tp import launch
+    from autoprofile import launch
     cfg = validate(ServerConfig(**FLAGS, port=int(argv[0])))
     return launch.serve_tp(cfg, device="cpu", boot=boot_cpu_tp)
 

@@ -144,7 +144,7 @@ class PageAllocator:
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the stream (the request table's page writes, a VL step's
-    M-RoPE positions, pixels and image mask; a step's indices go up through runner.Staging's own pinned
+    M-RoPE positions, pixels and image mask; a step's indices go up through step_inputs.Staging's own pinned
     buffers): pinned, then a non-blocking copy. A copy from pageable memory waits for the stream,
     so the overlapped engine's launch would wait for the step in flight. The pinned block is reused only
     after the copy is done (torch's host allocator). A tensor already on a device (the stress's random

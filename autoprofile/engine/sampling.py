@@ -1,7 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p, per request, batched, without sorting the vocabulary.
 
 CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
-included (autoprofile.engine.triton_sample: a search over the logits' bit patterns, no sort, no scratch
+included (autoprofile.kernels.triton_sample: a search over the logits' bit patterns, no sort, no scratch
 beyond a seed and a token per row, no host sync); an all-greedy batch is argmax.
 Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
@@ -333,7 +333,7 @@ def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
 
 
 def _fused(logits: torch.Tensor):
-    """The one-kernel sampler (autoprofile.engine.triton_sample) where it applies: CUDA logits of a float
+    """The one-kernel sampler (autoprofile.kernels.triton_sample) where it applies: CUDA logits of a float
     dtype, unit stride in the vocabulary, triton importable; else None (the torch paths)."""
     if not logits.is_cuda or logits.stride(-1) != 1 or logits.dtype not in _FUSED_DTYPES:
         return None
@@ -343,7 +343,7 @@ def _fused(logits: torch.Tensor):
 @functools.cache
 def _triton_sampler():
     try:
-        from autoprofile.engine.triton_sample import sample_batch
+        from autoprofile.kernels.triton_sample import sample_batch
     except ImportError:  # no triton: the torch paths
         return None
     return sample_batch

@@ -5,11 +5,11 @@ Layers, following the data (each module imports only from below it):
   below the profiler, which votes with them.
 - channel: the failure records in the TCPStore, this rank's guard and watchdog, the guarded runner.
 - broadcast: serving's step broadcast (rank 0 ships each step, the others run it).
-- launch: the parent (rank processes, the backstop) and the entries `autoprofile profile|serve --tp N`;
-  at the CLI's level, above the profiler and the server.
-This package's __init__ imports none of them (importing a lower layer must not pull in the launcher).
+The launcher, autoprofile.launch (the parent: rank processes, the backstop, and the entries `autoprofile
+profile|serve --tp N`), sits outside this package at the CLI's level: it imports the profiler and the server.
+This package's __init__ imports none of these modules.
 
-Processes and groups. `launch` (the parent) hosts the TCPStore, so it outlives every rank, and spawns one
+Processes and groups. The launcher (the parent) hosts the TCPStore, so it outlives every rank, and spawns one
 process per rank (NCCL_NVLS_ENABLE=0 and TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in their environment). A rank
 joins two groups:
 - control: the default process group, gloo. Every decision goes over it: the profiler's MIN and votes,

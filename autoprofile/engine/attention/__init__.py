@@ -13,7 +13,7 @@ from types import MappingProxyType
 import torch
 
 from autoprofile.config import ConfigError
-from autoprofile.engine.aiter_loader import aiter_installed, is_rocm
+from autoprofile.kernels.aiter_loader import aiter_installed, is_rocm
 from autoprofile.engine.attention.aiter_native import AiterNativeBackend
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata

@@ -1,4 +1,4 @@
-"""AITER's Triton kernels (runs on NVIDIA and ROCm): paged decode, the MoE experts (engine.triton_moe), MLA's
+"""AITER's Triton kernels (runs on NVIDIA and ROCm): paged decode, the MoE experts (kernels.triton_moe), MLA's
 varlen prefill (and the prefill on ROCm or at head sizes that are no power of two); our own Triton kernels
 beside them: the varlen prefill on NVIDIA (triton_prefill), RMSNorm, SiLU * up, RoPE + KV store, the decode
 reduce.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from autoprofile import budget
-from autoprofile.engine.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.engine.attention import triton_prefill, triton_reduce
+from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
+from autoprofile.kernels import triton_prefill, triton_reduce
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import Routing
@@ -94,7 +94,7 @@ def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
 class AiterTritonBackend(AttentionBackend):
     """--deterministic: every attention call (prefill chunks over their cached prefix, decode rows, graphs
     and eager) is AITER's unified kernel at one config (triton_unified), every linear layer our fixed-tile
-    GEMM (engine.triton_matmul); RMSNorm, SiLU * up, RoPE and the sampler are one program per row already."""
+    GEMM (kernels.triton_matmul); RMSNorm, SiLU * up, RoPE and the sampler are one program per row already."""
 
     name = "aiter_triton"
     moe_capturable = True
@@ -120,16 +120,15 @@ class AiterTritonBackend(AttentionBackend):
         self.prefill_config, self.prefill_config_short = (
             triton_prefill.configs(triton_prefill.capability()) if self.triton_prefill is not None
             else (prefill_config(), prefill_config(short=True)))
-        from autoprofile.engine.attention import triton_rope
+        from autoprofile.kernels import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        from autoprofile.engine import triton_act, triton_mla, triton_moe, triton_norm, triton_route
+        from autoprofile.kernels import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
         self.triton_mla, self.triton_moe, self.triton_route = triton_mla, triton_moe, triton_route
         self.max_decode_rows = self.graph_rows = 0  # set by build: MLA's compiled row counts
-        from autoprofile.engine import triton_fp8, triton_gemv, triton_matmul
-        from autoprofile.engine.attention import triton_unified
+        from autoprofile.kernels import triton_fp8, triton_gemv, triton_matmul, triton_unified
 
         self.triton_gemv, self.triton_matmul, self.triton_unified = triton_gemv, triton_matmul, triton_unified
         self.triton_fp8 = triton_fp8
@@ -146,7 +145,7 @@ class AiterTritonBackend(AttentionBackend):
 
     @property
     def fp8_gemm(self):
-        """FP8 weights (TP.fp8_matmul, engine.triton_fp8): one row through our W8A16 GEMV (one byte a
+        """FP8 weights (TP.fp8_matmul, kernels.triton_fp8): one row through our W8A16 GEMV (one byte a
         weight), more rows quantized, then cuBLASLt's row-wise _scaled_mm ("channel") or our block-scaled
         GEMM ("block")."""
         return self.triton_fp8.linear
@@ -172,14 +171,14 @@ class AiterTritonBackend(AttentionBackend):
 
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
-        """AITER's Triton MLA decode (engine.triton_mla) at a compiled row count."""
+        """AITER's Triton MLA decode (kernels.triton_mla) at a compiled row count."""
         rows = self.triton_mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
         return self.triton_mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                                           scale, v_dim, rows)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, quant=None) -> torch.Tensor:
-        """AITER's Triton MoE kernels (engine.triton_moe): sizes follow the tokens, never the routing. quant
+        """AITER's Triton MoE kernels (kernels.triton_moe): sizes follow the tokens, never the routing. quant
         (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group."""
         return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant)
 

@@ -187,7 +187,7 @@ def load_aiter_triton() -> AiterTriton:
 @functools.cache
 def load_unified_attention() -> Callable:
     """AITER's Triton `kernel_unified_attention_2d` (--deterministic's attention:
-    engine.attention.triton_unified), its sequence count unspecialized (it follows the step). Imports without
+    kernels.triton_unified), its sequence count unspecialized (it follows the step). Imports without
     a GPU."""
     triton_ops_package()
     module = importlib.import_module("aiter.ops.triton._triton_kernels.unified_attention")
@@ -197,7 +197,7 @@ def load_unified_attention() -> Callable:
 
 @dataclass(frozen=True)
 class AiterMoE:
-    """AITER's Triton MoE entry points (engine.triton_moe calls them)."""
+    """AITER's Triton MoE entry points (kernels.triton_moe calls them)."""
 
     silu: Callable  # fused_moe_silu: gate_up with silu(gate) * up fused
     moe: Callable  # fused_moe: down, weighted by the routing

@@ -15,7 +15,7 @@ serving) and it leaves the padding unwritten. The GEMM kernels' token count (num
 step: unspecialized (aiter_loader), so the stress's compiles serve every step. Launch configs are vLLM's
 defaults for unquantized experts.
 
-FP8 experts (quant: layers.quant.MoeQuant): each GEMM's input is quantized first (engine.triton_fp8: per
+FP8 experts (quant: layers.quant.MoeQuant): each GEMM's input is quantized first (kernels.triton_fp8: per
 (token, 128-group) for "block" weights, per token otherwise) and AITER's kernels run use_fp8_w8a8 on their
 block-scaled path. Per-channel weight scales ride that path too, as blocks of [1, K]: one scale per output row
 over the whole of K, with the token's one activation scale; AITER's own per-channel path would take one scale
@@ -28,8 +28,8 @@ import torch
 import triton.language as tl
 
 from autoprofile import budget
-from autoprofile.engine import triton_fp8, triton_moe_sort
-from autoprofile.engine.aiter_loader import load_aiter_moe
+from autoprofile.kernels import triton_fp8, triton_moe_sort
+from autoprofile.kernels.aiter_loader import load_aiter_moe
 from autoprofile.layers import moe
 
 # Per rows-per-block (budget.moe_block_m): vLLM's default launch configs for unquantized experts

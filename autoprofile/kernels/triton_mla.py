@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from autoprofile import budget
-from autoprofile.engine.aiter_loader import triton_ops_package
+from autoprofile.kernels.aiter_loader import triton_ops_package
 
 SLOT_BLOCK = 256
 # No waves_per_eu, matrix_instr_nonkdim, kpack: AMD-only launch options (AITER's MI300 file has them).

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.engine.triton_matmul import grouped_tile
+from autoprofile.kernels.triton_matmul import grouped_tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr objects

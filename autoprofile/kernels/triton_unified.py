@@ -33,7 +33,7 @@ def attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     """q [T, Hq, D] (unit stride in D), the tokens of len(seq_lens) sequences split by cu_seqlens [B+1] int32;
     sequence b has seq_lens[b] tokens in the cache (its q tokens last: causal, aligned bottom-right) on pages
     block_tables[b]; caches [num_pages, Hkv, page_size, D] (FP8: `scales` [2] = k_scale, v_scale) -> out."""
-    from autoprofile.engine.aiter_loader import load_unified_attention
+    from autoprofile.kernels.aiter_loader import load_unified_attention
 
     tokens, q_heads, head_dim = q.shape
     kv_heads, page = k_cache.shape[1], k_cache.shape[2]

@@ -1,0 +1,25 @@
+"""The GPU kernels: each module holds a Triton kernel (or AITER's, loaded by aiter_loader) and its launcher.
+Below the engine: the attention backends (engine.attention) and the sampler (engine.sampling) call them, a
+kernel imports no module of the engine (scripts/import_graph.py enforces it). This package's __init__
+imports none of them: a kernel module imports triton, and is imported when a backend is built.
+
+The torch reference each kernel matches is the path the torch backend runs, so it stays with its callers;
+each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the kernel against it:
+
+  module           launcher: what                      torch reference                   unit_tests/
+  triton_act       silu_mul: SiLU * up                 layers.attention.AttentionBackend test_triton_act
+  triton_norm      rms_norm: RMSNorm                   layers.attention.AttentionBackend test_triton_norm
+  triton_rope      rope_store: RoPE + KV-cache store   layers.attention.AttentionBackend test_triton_rope
+  triton_gemv      linear: one-row GEMV                torch.nn.functional.linear        test_triton_gemv
+  triton_matmul    linear: batch-invariant GEMM        torch.nn.functional.linear        test_deterministic
+  triton_fp8       linear: FP8 quant, GEMV, GEMM       layers.quant                      test_triton_fp8
+  triton_route     route_topk: MoE router              layers.moe.route                  test_triton_route
+  triton_moe_sort  sort_by_expert: expert sort         layers.moe.sort_by_expert         test_triton_moe_sort
+  triton_moe       fused_moe: AITER's fused experts    layers.moe.moe_reference          test_triton_moe
+  triton_mla       mla_decode: AITER's MLA decode      engine.attention.torch_sdpa       test_triton_mla
+  triton_prefill   prefill: varlen prefill attention   engine.attention.torch_sdpa       test_triton_prefill
+  triton_reduce    reduce_partitions: split decode     float64 attention (in its test)   test_triton_reduce
+  triton_unified   attention: AITER's, batch-invariant engine.attention.torch_sdpa       test_deterministic
+  triton_sample    sample_batch: the one-kernel sampler engine.sampling (torch path)     test_triton_sample
+  aiter_loader     AITER's Triton modules without its ROCm-only package __init__        test_unspecialize
+"""
