@@ -145,7 +145,7 @@ class StepTokens:
             self._host, self._done = tensors, None
 
     def result(self) -> list[int]:
-        """The token ids; with logprobs, a logprobs.SampledTokens (a list of them that carries the logprobs)."""
+        """The token ids; with logprobs, a logprobs.SampledTokens (a list of them carrying the logprobs)."""
         if self._done is not None:
             self._done.synchronize()
         ids = self._host[0].tolist()

@@ -63,7 +63,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
 
 
@@ -75,7 +76,8 @@ STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1, logprob
 # The other memory-heavy path: top-p without top-k whose nucleus outgrows the prefilter (a temperature
 # of 10 flattens any logits), so every row is prefiltered and then sorted. On an H200 it peaked 0.1% above
 # STRESS (330.9 vs 330.6 MB at 256 rows): the stress samples with both (autoprofile.engine.stress).
-STRESS_WIDE = SamplingParams(temperature=10.0, top_p=0.99, logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
+STRESS_WIDE = SamplingParams(temperature=10.0, top_p=0.99, logprobs=MAX_LOGPROBS,
+                             prompt_logprobs=MAX_LOGPROBS)
 STRESS_PARAMS = (STRESS, STRESS_WIDE)
 
 
