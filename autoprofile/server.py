@@ -443,9 +443,10 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
                 echoed.add(c.index)
                 prefix, echo = _echo(st, args, choices)
             lps = _logprobs_body(st, args, c, new, echo, c.offset) if new or echo else None
+            if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
+                c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
             if prefix + delta or lps:
                 await send(chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps))
-                c.offset += len(prefix + delta)
             if c.reason is not None:
                 await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index))
         if args.include_usage:

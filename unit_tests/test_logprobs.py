@@ -16,6 +16,7 @@ from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import MAX_LOGPROBS, SamplingParams
 from autoprofile.engine.weights import init_random
 from autoprofile.layers.attention import AttentionMetadata
+from autoprofile.serving import protocol
 from autoprofile.serving.tokenizer import load_tokenizer
 from unit_tests import test_server
 from unit_tests.test_openai_api import client, refused
@@ -100,3 +101,99 @@ def test_completion_logprobs_and_echo_equal_the_reference(run, booted):
         assert ch.text == "".join(lp.tokens)
 
 
+def same_entries(a: list, b: list) -> None:
+    """Chat logprob entries alike: the same tokens, logprobs equal up to float error (a request that takes its
+    prompt's pages from the prefix cache computes its last positions through another attention path)."""
+    flat = lambda es: [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in es]  # noqa
+    values = lambda es: [v for e in es for v in (e.logprob, *(t.logprob for t in e.top_logprobs))]  # noqa
+    assert flat(a) == flat(b) and values(a) == pytest.approx(values(b), abs=ATOL)
+
+
+def chat_prompt_ids(messages) -> list[int]:
+    limits = protocol.Limits(("tiny",), CFG.context_len, CFG.model_config.vocab_size)
+    return protocol.parse_chat({"messages": messages}, limits, TOKENIZER).prompt_ids
+
+
+def test_chat_logprobs_equal_the_reference_streamed_or_not(run, booted):
+    """Chat `logprobs` with `top_logprobs`: each token's logprob and its top-k (descending, k entries) equal
+    the reference's; the streamed chunks carry the same entries as the whole response; top_logprobs 0 gives
+    none; a seeded sampled request streams what it returns whole."""
+    runner = booted[0]
+    kw = dict(model="tiny", messages=MSG, max_tokens=5, logprobs=True, extra_body={"ignore_eos": True})
+
+    async def body(c, app):
+        async with client(c) as oa:
+            whole = await oa.chat.completions.create(**kw, top_logprobs=4, temperature=0)
+            stream = [ch async for ch in await oa.chat.completions.create(**kw, top_logprobs=4, temperature=0,
+                                                                          stream=True)]
+            seeded = await oa.chat.completions.create(**kw, top_logprobs=0, temperature=0.9, seed=3)
+            seeded_stream = [ch async for ch in await oa.chat.completions.create(
+                **kw, top_logprobs=0, temperature=0.9, seed=3, stream=True)]
+            return whole, stream, seeded, seeded_stream
+    whole, stream, seeded, seeded_stream = run(body)
+    prompt = chat_prompt_ids(MSG)
+    seq = prompt + LLMEngine(runner).generate([prompt], max_tokens=5)[0]
+    ref = reference(runner, seq)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 5
+    for i, entry in enumerate(content):
+        p = len(prompt) + i  # scores seq[p] from position p - 1
+        assert entry.token == text_of(seq[p]) and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(ref[p - 1, seq[p]].item(), abs=ATOL)
+        vals, ids = ref[p - 1].topk(4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(vals.tolist(), abs=ATOL)
+        assert [t.token for t in entry.top_logprobs] == [text_of(i) for i in ids.tolist()]
+    streamed = [e for ch in stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    same_entries(streamed, content)
+    s_content = seeded.choices[0].logprobs.content
+    assert len(s_content) == 5 and all(e.top_logprobs == [] for e in s_content)
+    s_streamed = [e for ch in seeded_stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    same_entries(s_streamed, s_content)
+    assert "".join(c.delta.content or "" for ch in seeded_stream for c in ch.choices) == \
+        seeded.choices[0].message.content
+
+
+def test_streamed_completion_with_echo_equals_the_whole_response(run):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=5, logprobs=2, echo=True, temperature=0.8, seed=9,
+              extra_body={"ignore_eos": True})
+
+    async def body(c, app):
+        async with client(c) as oa:
+            whole = await oa.completions.create(**kw)
+            chunks = [ch async for ch in await oa.completions.create(**kw, stream=True)]
+            return whole, chunks
+    whole, chunks = run(body)
+    lp = whole.choices[0].logprobs
+    parts = [c for ch in chunks for c in ch.choices]
+    assert "".join(c.text for c in parts) == whole.choices[0].text
+    got = {key: [x for c in parts if c.logprobs for x in getattr(c.logprobs, key)]
+           for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert got["tokens"] == lp.tokens and got["text_offset"] == lp.text_offset
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=ATOL)
+    for mine, theirs in zip(got["top_logprobs"][1:], lp.top_logprobs[1:]):
+        assert list(mine) == list(theirs) and list(mine.values()) == pytest.approx(list(theirs.values()),
+                                                                                   abs=ATOL)
+    assert len(lp.tokens) == len(PROMPT) + 5
+
+
+def test_lm_eval_loglikelihood_request_max_tokens_0_or_1(run, booted):
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood (echo, logprobs 1, max_tokens 1;
+    some clients send 0): the prompt's logprobs, the first None; with 0 nothing generated is returned."""
+    runner = booted[0]
+
+    async def body(c, app):
+        async with client(c) as oa:
+            one = await oa.completions.create(model="tiny", prompt=PROMPT[:40], max_tokens=1, logprobs=1,
+                                              echo=True, temperature=0, seed=1234)
+            zero = await oa.completions.create(model="tiny", prompt=PROMPT[:40], max_tokens=0, logprobs=1,
+                                               echo=True, temperature=0)
+            return one, zero
+    one, zero = run(body)
+    ref = reference(runner, PROMPT[:40])
+    want = ref[torch.arange(39), torch.tensor(PROMPT[1:40])].tolist()
+    assert one.choices[0].logprobs.token_logprobs[1:40] == pytest.approx(want, abs=ATOL)
+    assert len(one.choices[0].logprobs.tokens) == 41 and one.usage.completion_tokens == 1
+    assert zero.choices[0].logprobs.token_logprobs[0] is None
+    assert zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=ATOL)
+    assert zero.choices[0].text == TOKENIZER.decode(PROMPT[:40]) and zero.usage.completion_tokens == 0

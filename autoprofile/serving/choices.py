@@ -27,7 +27,7 @@ class Choice:
     prompt: list | None = None  # prompt logprobs (the first choice's, when asked)
     tokens: int = 0  # completion tokens
     reason: str | None = None  # set once the choice ended
-    offset: int = 0  # characters streamed so far (completions' text_offset)
+    offset: int = 0  # completions' text_offset of the next streamed token
 
     def advance(self, out, finish_reason: Callable) -> tuple[str, list]:
         """One engine output into the choice: its text delta and its new logprob entries."""
