@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.logprobs import PROMPT_CHUNK
@@ -197,3 +198,93 @@ def test_lm_eval_loglikelihood_request_max_tokens_0_or_1(run, booted):
     assert zero.choices[0].logprobs.token_logprobs[0] is None
     assert zero.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=ATOL)
     assert zero.choices[0].text == TOKENIZER.decode(PROMPT[:40]) and zero.usage.completion_tokens == 0
+
+
+# ---------------------------------------------------------------- n, best_of
+def test_n_choices_share_the_prompts_pages(run, engine):
+    """n=4: the first choice prefills the prompt, the other three take its full pages from the prefix cache
+    (100 tokens, 16-token pages: 6 full pages before the last token); each computes only the rest."""
+    before = engine.stats.prefix_hit_tokens
+
+    async def body(c, app):
+        async with client(c) as oa:
+            return await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=4, temperature=1.0,
+                                               extra_body={"ignore_eos": True})
+    r = run(body)
+    full_pages = (len(PROMPT) - 1) // CFG.page_size
+    assert engine.stats.prefix_hit_tokens - before == 3 * full_pages * CFG.page_size
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens == len(PROMPT)
+
+
+def test_seeded_choices_are_distinct_and_reproducible(run):
+    """With `seed`, choice i draws from its own generator seeded seed + i: the same request gives the same
+    choices, each choice the text of an n=1 request with seed + i; greedy n gives identical choices."""
+    kw = dict(model="tiny", prompt="Once upon", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+
+    async def body(c, app):
+        async with client(c) as oa:
+            a = await oa.completions.create(**kw, n=3, seed=7)
+            b = await oa.completions.create(**kw, n=3, seed=7)
+            alone = [await oa.completions.create(**kw, seed=7 + i) for i in range(3)]
+            chunks = [ch async for ch in await oa.completions.create(**kw, n=3, seed=7, stream=True)]
+            greedy = await oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=6, n=3,
+                                                      temperature=0)
+            return a, b, alone, chunks, greedy
+    a, b, alone, chunks, greedy = run(body)
+    texts = [c.text for c in a.choices]
+    assert texts == [c.text for c in b.choices] == [r.choices[0].text for r in alone]
+    assert len(set(texts)) == 3
+    streamed = ["".join(c.text for ch in chunks for c in ch.choices if c.index == i) for i in range(3)]
+    assert streamed == texts
+    assert len({c.message.content for c in greedy.choices}) == 1 and len(greedy.choices) == 3
+
+
+def test_best_of_returns_the_choices_of_highest_cumulative_logprob(run):
+    """best_of=4, n=2, seeded: the four generated choices are the n=1 requests with seed + i; the two returned
+    are those of the highest cumulative logprob, best first; usage counts all four."""
+    kw = dict(model="tiny", prompt="The cat", max_tokens=6, temperature=1.2, extra_body={"ignore_eos": True})
+
+    async def body(c, app):
+        async with client(c) as oa:
+            best = await oa.completions.create(**kw, n=2, best_of=4, seed=21)
+            alone = [await oa.completions.create(**kw, seed=21 + i, logprobs=0) for i in range(4)]
+            return best, alone
+    best, alone = run(body)
+    ranked = sorted(alone, key=lambda r: -sum(r.choices[0].logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [r.choices[0].text for r in ranked[:2]]
+    assert len({r.choices[0].text for r in alone}) == 4
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 24
+
+
+def test_choices_beyond_what_the_server_holds_are_a_400(run):
+    async def body(c, app):
+        async with client(c) as oa:
+            return await refused(oa.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=11))
+    err = run(body)
+    assert err.status_code == 400 and err.param == "n" and "at most 10" in err.message
+
+
+# ---------------------------------------------------------------- the stress
+def test_the_stress_runs_the_logprob_buffers_at_their_limits():
+    """Every stress row asks for MAX_LOGPROBS: the sampled rows' log-softmax and top-k at the envelope's
+    sampled_rows, prefill (and decode) corners alike; prompt logprobs on every prefill token, in chunks of
+    PROMPT_CHUNK rows of logits, the largest step's tokens all scored."""
+    r = ModelRunner(validate(ServerConfig(**{**test_server.FLAGS, "batch_max_tokens": PROMPT_CHUNK + 44,
+                                             "max_req_total_len": 512})))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(2048)
+    env = r.envelope
+    r.logprob_log = []
+    r.stress_prefill()
+    prefill = list(r.logprob_log)
+    r.logprob_log = []
+    r.stress_decode()
+    decode = r.logprob_log
+    r.teardown()
+    sampled = [rows for kind, rows, k in prefill + decode if kind == "sampled"]
+    assert {k for _, _, k in prefill + decode} == {MAX_LOGPROBS}
+    assert max(sampled) == env.sampled_rows and max(rows for kind, rows, _ in decode) == env.decode_rows
+    chunks = [rows for kind, rows, _ in prefill if kind == "prompt"]
+    assert max(chunks) == PROMPT_CHUNK == min(PROMPT_CHUNK, env.prefill_tokens)
+    assert PROMPT_CHUNK + 44 - PROMPT_CHUNK in chunks  # corner (b): one request of every token of a step
