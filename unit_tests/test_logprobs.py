@@ -4,6 +4,7 @@ logprobs checked against the log-softmax of the model's own forward over the who
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import openai
 import pytest
@@ -288,3 +289,64 @@ def test_the_stress_runs_the_logprob_buffers_at_their_limits():
     chunks = [rows for kind, rows, _ in prefill if kind == "prompt"]
     assert max(chunks) == PROMPT_CHUNK == min(PROMPT_CHUNK, env.prefill_tokens)
     assert PROMPT_CHUNK + 44 - PROMPT_CHUNK in chunks  # corner (b): one request of every token of a step
+
+
+# ---------------------------------------------------------------- a real client: lm-evaluation-harness
+def bpe_folder(folder) -> str:
+    """A byte-level BPE tokenizer folder for the tiny model (its 4096 ids), as transformers loads it."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, said the cat"] * 50, trainer)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([f"<t{i}>" for i in range(tok.get_vocab_size(), 4096)])  # every id of the model has text
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "bos_token": "<s>",
+        "unk_token": "<unk>"}))
+    return str(folder)
+
+
+def test_lm_eval_local_completions_loglikelihood_and_generate_until(run, booted, tmp_path):
+    """lm-evaluation-harness's `local-completions` model against the server: its loglikelihoods equal the
+    reference's sums over the continuation tokens (and is_greedy its argmax test); generate_until returns
+    text."""
+    pytest.importorskip("lm_eval")
+    import asyncio
+
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import AutoTokenizer
+
+    from autoprofile.serving.tokenizer import HFTokenizer
+    from models.config import load_model_config
+    folder = bpe_folder(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(folder)
+    pairs = [("the quick brown fox", " jumps over"), ("said the", " lazy dog")]
+
+    async def body(c, app):
+        url = str(c.make_url("/v1/completions"))
+        assert url.startswith("http://127.0.0.1:")
+        lm = LocalCompletionsAPI(base_url=url, model="tiny", tokenizer_backend="huggingface", tokenizer=folder,
+                                 max_length=200, max_gen_toks=8)
+        ll = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+        gen = [Instance("generate_until", {}, ("the quick", {"until": ["\n"], "max_gen_toks": 8}), 0)]
+        async with client(c) as oa:
+            direct = await oa.completions.create(model="tiny", prompt=hf("the quick").input_ids, max_tokens=8,
+                                                 temperature=0, stop=["\n"])
+        return (await asyncio.to_thread(lm.loglikelihood, ll, disable_tqdm=True),
+                await asyncio.to_thread(lm.generate_until, gen, disable_tqdm=True), direct)
+    scores, texts, direct = run(body, tokenizer=HFTokenizer(Path(folder), load_model_config("tiny").raw))
+    for (ctx, cont), (logprob, is_greedy) in zip(pairs, scores, strict=True):
+        ctx_ids, cont_ids = (hf(t, add_special_tokens=False).input_ids for t in (ctx, cont))
+        seq = ctx_ids + cont_ids
+        ref = reference(booted[0], seq)
+        want = [ref[p - 1, seq[p]].item() for p in range(len(ctx_ids), len(seq))]
+        assert logprob == pytest.approx(sum(want), abs=1e-3)
+        assert is_greedy == all(ref[p - 1].argmax().item() == seq[p] for p in range(len(ctx_ids), len(seq)))
+    assert texts == [direct.choices[0].text] and texts[0]
