@@ -131,11 +131,10 @@ def sampling_params(args, index: int = 0) -> SamplingParams:
     """Choice `index`'s parameters (serving.choices): its own seed stream (seed + index); the sampled tokens'
     logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first choice only."""
     seed = None if args.seed is None else args.seed + index
-    ranked = getattr(args, "best_of", 1) > getattr(args, "n", 1)
-    k = getattr(args, "logprobs", None)
-    prompt = k if getattr(args, "echo", False) and index == 0 else None
+    k = args.logprobs
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
-                          logprobs=0 if k is None and ranked else k, prompt_logprobs=prompt)
+                          logprobs=0 if k is None and args.best_of > args.n else k,
+                          prompt_logprobs=k if args.echo and index == 0 else None)
 
 
 def served_names(cfg) -> tuple[str, ...]:
@@ -393,7 +392,8 @@ def _logprobs_body(st: ServerState, args: GenerateArgs, c: Choice, entries: list
 
 
 def _echo(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[str, list]:
-    """The echoed prompt (completions' echo): its text and its tokens' logprob entries (the first choice's)."""
+    """The echoed prompt (completions' echo): its text and its tokens' logprob entries (the first
+    choice's)."""
     if not args.echo:
         return "", []
     text = args.prompt_text if args.prompt_text is not None else st.tokenizer.decode(args.prompt_ids)

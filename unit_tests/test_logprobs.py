@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
@@ -75,15 +74,15 @@ def check_top(top: dict[str, float], k: int, token_id: int, ref_row: torch.Tenso
 
 # ---------------------------------------------------------------- completions
 def test_completion_logprobs_and_echo_equal_the_reference(run, booted):
-    """Greedy and sampled (temperature, top-k: processed logits differ from raw ones) requests with echo: every
-    prompt token's logprob (the first None) and every output token's equal the reference's raw log-softmax,
+    """Greedy and sampled (temperature, top-k: processed logits differ from raw ones) requests with echo:
+    every prompt token's logprob (the first None) and every output token's equal the reference's raw log-softmax,
     the prompt scored across its two prefill chunks."""
     runner = booted[0]
 
     async def body(c, app):
         async with client(c) as oa:
-            return [await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=k, echo=True,
-                                                temperature=p.temperature, seed=p.seed,
+            return [await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=k,
+                                                echo=True, temperature=p.temperature, seed=p.seed,
                                                 extra_body={"ignore_eos": True, "top_k": p.top_k})
                     for p, k in zip(PARAMS, (5, 3))]
     for r, k, params in zip(run(body), (5, 3), PARAMS):
@@ -180,8 +179,8 @@ def test_streamed_completion_with_echo_equals_the_whole_response(run):
 
 
 def test_lm_eval_loglikelihood_request_max_tokens_0_or_1(run, booted):
-    """What lm-evaluation-harness's local-completions sends for a loglikelihood (echo, logprobs 1, max_tokens 1;
-    some clients send 0): the prompt's logprobs, the first None; with 0 nothing generated is returned."""
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood (echo, logprobs 1, max_tokens
+    1; some clients send 0): the prompt's logprobs, the first None; with 0 nothing generated is returned."""
     runner = booted[0]
 
     async def body(c, app):
@@ -209,8 +208,8 @@ def test_n_choices_share_the_prompts_pages(run, engine):
 
     async def body(c, app):
         async with client(c) as oa:
-            return await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=4, temperature=1.0,
-                                               extra_body={"ignore_eos": True})
+            return await oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=4,
+                                               temperature=1.0, extra_body={"ignore_eos": True})
     r = run(body)
     full_pages = (len(PROMPT) - 1) // CFG.page_size
     assert engine.stats.prefix_hit_tokens - before == 3 * full_pages * CFG.page_size
@@ -221,7 +220,8 @@ def test_n_choices_share_the_prompts_pages(run, engine):
 def test_seeded_choices_are_distinct_and_reproducible(run):
     """With `seed`, choice i draws from its own generator seeded seed + i: the same request gives the same
     choices, each choice the text of an n=1 request with seed + i; greedy n gives identical choices."""
-    kw = dict(model="tiny", prompt="Once upon", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny", prompt="Once upon", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True})
 
     async def body(c, app):
         async with client(c) as oa:
@@ -332,8 +332,8 @@ def test_lm_eval_local_completions_loglikelihood_and_generate_until(run, booted,
     async def body(c, app):
         url = str(c.make_url("/v1/completions"))
         assert url.startswith("http://127.0.0.1:")
-        lm = LocalCompletionsAPI(base_url=url, model="tiny", tokenizer_backend="huggingface", tokenizer=folder,
-                                 max_length=200, max_gen_toks=8)
+        lm = LocalCompletionsAPI(base_url=url, model="tiny", tokenizer_backend="huggingface",
+                                 tokenizer=folder, max_length=200, max_gen_toks=8)
         ll = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
         gen = [Instance("generate_until", {}, ("the quick", {"until": ["\n"], "max_gen_toks": 8}), 0)]
         async with client(c) as oa:

@@ -135,7 +135,7 @@ class StepTokens:
     def __init__(self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
         self.logprobs = logprobs
         tensors = [tokens] + (logprobs.tensors() if logprobs is not None else [])
-        if tokens.is_cuda:
+        if any(t.is_cuda for t in tensors):  # a step that samples nothing may still carry prompt logprobs
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for h, t in zip(self._host, tensors):
                 h.copy_(t, non_blocking=True)

@@ -281,7 +281,8 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
     stop = [text(s, "stop") for s in stop]
     seed = _get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer")
     n, best_of = choices(body, stream)
-    return dict(n=n, best_of=best_of,
+    return dict(
+        n=n, best_of=best_of,
         temperature=float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and v >= 0,
                                "must be a number >= 0 (0 = greedy)")),
         top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1,
@@ -301,10 +302,11 @@ def choices(body: dict, stream: bool) -> tuple[int, int]:
     best_of = _get(body, "best_of", n, lambda v: _is_int(v) and 1 <= v <= MAX_N,
                    f"must be an integer in [1, {MAX_N}]")
     if best_of < n:
-        raise bad("best_of", f"'best_of' ({best_of}) must be >= 'n' ({n}): send best_of >= {n} or leave it out")
+        raise bad("best_of", f"'best_of' ({best_of}) must be >= 'n' ({n}): send best_of >= {n}, or leave it "
+                  "out")
     if stream and best_of > n:
-        raise bad("best_of", f"'best_of' ({best_of}) > 'n' ({n}) cannot be streamed (the best choices are known "
-                  "only at the end): send stream: false, or best_of equal to n")
+        raise bad("best_of", f"'best_of' ({best_of}) > 'n' ({n}) cannot be streamed (the best choices are "
+                  "known only at the end): send stream: false, or best_of equal to n")
     return n, best_of
 
 
@@ -360,7 +362,8 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     logprobs, echo = completion_logprobs(body)
-    if echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:  # the prompt's logprobs alone (lm-eval's loglikelihood may ask)
+    # max_tokens 0 with echo: the prompt's logprobs alone (one token is generated and dropped)
+    if echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:
         body = {**body, "max_tokens": 1}
         args["echo_only"] = True
     prompt_text = prompt if isinstance(prompt, str) else None
