@@ -57,25 +57,27 @@ def scored(lp: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([lp.gather(1, targets.view(-1, 1)), vals, ids.float()], dim=1)
 
 
-def prompt_positions(rows, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int]]]:
-    """For the prefill rows with prompt logprobs: the hidden rows to score (indices into the step's tokens),
-    the prompt token each scores (position p scores p + 1, up to the prompt's last token; a stress row,
-    without a request, scores all its positions against its own ids shifted), and per row (index in rows,
-    first prompt position scored, count)."""
+def prompt_positions(rows, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]]]:
+    """For the prefill rows with prompt logprobs: the hidden rows to score (every position of the row, indices
+    into the step's tokens), the token each scores (position p scores prompt token p + 1; past the prompt's
+    last token, and in a stress row without a request, the row's own ids shifted), and per row (index in
+    rows, first prompt position scored, positions that score a prompt token, positions scored).
+    NOTE: the positions scored depend on the step alone, never on the request: under --tp every rank runs
+    the same LM-head gathers (a TP worker's rows carry no request)."""
     index, targets, spans = [], [], []
     for i, r in enumerate(rows):
         if r.params.prompt_logprobs is None:
             continue
+        n = len(r.ids)
+        tgt = list(r.ids[1:]) + list(r.ids[:1])
+        valid = n
         if r.request is not None:
             prompt = r.request.prompt_ids
-            n = max(min(len(r.ids), len(prompt) - 1 - r.start), 0)
-            tgt = prompt[r.start + 1:r.start + 1 + n]
-        else:
-            n, tgt = len(r.ids), list(r.ids[1:]) + list(r.ids[:1])
-        if n:
-            index.append(np.arange(cu[i], cu[i] + n, dtype=np.int64))
-            targets += tgt
-            spans.append((i, r.start + 1, n))
+            valid = max(min(n, len(prompt) - 1 - r.start), 0)
+            tgt[:valid] = prompt[r.start + 1:r.start + 1 + valid]
+        index.append(np.arange(cu[i], cu[i] + n, dtype=np.int64))
+        targets += tgt
+        spans.append((i, r.start + 1, valid, n))
     flat = np.concatenate(index) if index else np.zeros(0, np.int64)
     return flat, np.asarray(targets, dtype=np.int64), spans
 
@@ -116,7 +118,7 @@ class StepLogprobs:
     sampled: torch.Tensor | None = None
     kp: int = 0
     prompt: torch.Tensor | None = None
-    spans: tuple[tuple[int, int, int], ...] = ()
+    spans: tuple[tuple[int, int, int, int], ...] = ()
     prompt_ks: tuple[int, ...] = ()  # per span
     prompt_ids: tuple[int, ...] = ()  # the scored prompt tokens, in order
 
@@ -133,8 +135,9 @@ class StepLogprobs:
         prompt = {}
         if self.prompt is not None:
             block, at = next(it).tolist(), 0
-            for (i, first, n), want in zip(self.spans, self.prompt_ks):
-                rows = entries(block[at:at + n], self.kp, [want] * n)
-                prompt[i] = (first, [(t, *e[1:]) for e, t in zip(rows, self.prompt_ids[at:at + n])])
+            for (i, first, valid, n), want in zip(self.spans, self.prompt_ks):
+                rows = entries(block[at:at + valid], self.kp, [want] * valid)
+                if valid:
+                    prompt[i] = (first, [(t, *e[1:]) for e, t in zip(rows, self.prompt_ids[at:at + valid])])
                 at += n
         return SampledTokens(tokens, lps, prompt)

@@ -407,13 +407,11 @@ class ModelRunner:
         if kp is None:
             return None
         index, targets, spans = logprobs.prompt_positions(rows, cu)
-        if not spans:
-            return None
         scores = logprobs.prompt_scores(self.model.compute_logits, hidden, to_device(torch.from_numpy(index),
                                         self.device), to_device(torch.from_numpy(targets), self.device), kp,
                                         log=self.logprob_log)
         return StepLogprobs(kp=kp, prompt=scores, spans=tuple(spans),
-                            prompt_ks=tuple(rows[i].params.prompt_logprobs for i, _, _ in spans),
+                            prompt_ks=tuple(rows[i].params.prompt_logprobs for i, *_ in spans),
                             prompt_ids=tuple(targets.tolist()))
 
     def _calibrates(self, step: Step) -> bool:
