@@ -49,7 +49,10 @@ from autoprofile.serving.protocol import (BODY_MARGIN, BODY_OVERHEAD, APIError, 
                                           chunk, decode_json, generate_body_bytes, max_body_bytes, parse_chat,
                                           parse_completion, parse_generate, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
+from autoprofile.serving.protocol import choice as choice_body
 from autoprofile.serving.protocol import response
+from autoprofile.serving.choices import Choice, best, merged
+from autoprofile.serving.logprobs import chat_content, completion_block, echo_entries
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
@@ -124,8 +127,14 @@ def body_bounds(cfg) -> dict[str, BodyBound]:
     return {"openai": openai, "generate": generate}
 
 
-def sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+def sampling_params(args, index: int = 0) -> SamplingParams:
+    """Choice `index`'s parameters (serving.choices): its own seed stream (seed + index); the sampled tokens'
+    logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first choice only."""
+    seed = None if args.seed is None else args.seed + index
+    k = args.logprobs
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
+                          logprobs=0 if k is None and args.best_of > args.n else k,
+                          prompt_logprobs=k if args.echo and index == 0 else None)
 
 
 def served_names(cfg) -> tuple[str, ...]:
@@ -249,13 +258,12 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
     return args
 
 
-async def _submit(st: ServerState, args: GenerateArgs):
+async def _submit(st: ServerState, args: GenerateArgs, index: int = 0):
+    """Queue choice `index` of a request (its images loaded already: _with_images)."""
     stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
-    if args.images:
-        args = await _with_images(st, args)
     try:
-        handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids,
-                                        mm=args.mm)
+        handle = await st.engine.submit(args.prompt_ids, sampling_params(args, index), args.max_tokens,
+                                        stop_ids, mm=args.mm)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
@@ -326,13 +334,45 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _openai(request: web.Request, parse) -> web.StreamResponse:
     st = _accepting(request.app)
     args = await _parsed(request, st.bounds["openai"], parse, st.limits, st.tokenizer)
-    handle = await _submit(st, args)
+    if args.images:
+        args = await _with_images(st, args)
+    choices = await _start(st, args)
     try:
         if args.stream:
-            return await _stream(request, st, args, handle)
-        return await _complete(st, args, handle)
+            return await _stream(request, st, args, choices)
+        return await _complete(st, args, choices)
     finally:
-        handle.close()
+        for c in choices:
+            c.handle.close()
+
+
+async def _start(st: ServerState, args: GenerateArgs) -> list[Choice]:
+    """Submit the request's best_of choices: the first alone, the others once its first token is back (its
+    prompt's full pages are then in the prefix cache: serving.choices)."""
+    count = args.best_of
+    if count > st.engine.capacity:
+        raise bad("best_of" if args.best_of > args.n else "n",
+                  f"{count} choices can never run together: this server holds at most {st.engine.capacity} "
+                  f"requests ({st.engine.max_running} running + {st.engine.max_waiting} waiting); ask for at "
+                  f"most {st.engine.capacity}")
+    if not st.engine.has_room(count):
+        raise _queue_full(QueueFull(f"{count} choices, {st.engine.outstanding} requests outstanding, limit "
+                                    f"{st.engine.capacity}"))
+    handles, head = [await _submit(st, args)], []
+    try:
+        if count > 1:
+            try:
+                head.append(await handles[0].__anext__())
+            except EngineFailure as e:
+                raise _engine_failure(e) from None
+            for i in range(1, count):
+                handles.append(await _submit(st, args, i))
+    except BaseException:
+        for h in handles:
+            h.close()
+        raise
+    return [Choice(i, h, TextStream(st.tokenizer, args.prompt_ids, args.stop), head if i == 0 else [])
+            for i, h in enumerate(handles)]
 
 
 def _finish_reason(out) -> str:
@@ -341,54 +381,76 @@ def _finish_reason(out) -> str:
     raise EngineFailure("internal")  # the engine dropped a request the server did not abort
 
 
-async def _complete(st: ServerState, args: GenerateArgs, handle) -> web.Response:
-    text = TextStream(st.tokenizer, args.prompt_ids, args.stop)
-    parts, reason, tokens = [], None, 0
+def _logprobs_body(st: ServerState, args: GenerateArgs, c: Choice, entries: list, echo: list,
+                   offset: int) -> dict | None:
+    """A choice's logprobs in the endpoint's shape (None: not asked); echo: the prompt's entries first."""
+    if args.logprobs is None:
+        return None
+    if args.chat:
+        return {"content": chat_content(st.tokenizer, entries)}
+    return completion_block(st.tokenizer, echo + entries, offset)
+
+
+def _echo(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[str, list]:
+    """The echoed prompt (completions' echo): its text and its tokens' logprob entries (the first
+    choice's)."""
+    if not args.echo:
+        return "", []
+    text = args.prompt_text if args.prompt_text is not None else st.tokenizer.decode(args.prompt_ids)
+    return text, echo_entries(args.prompt_ids, choices[0].prompt if args.logprobs is not None else None)
+
+
+async def _complete(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> web.Response:
     try:
-        async for out in handle:
-            parts.append(text.push(out.new_token_ids))
-            tokens = out.completion_tokens
-            if text.stopped:
-                reason = "stop"
-                handle.close(completed=True)
-                break
-            if out.finished:
-                parts.append(text.finish())
-                reason = "stop" if text.stopped else _finish_reason(out)
+        async for c, out in merged(choices):
+            c.advance(out, _finish_reason)
     except EngineFailure as e:
         raise _engine_failure(e) from None
+    prefix, echo = _echo(st, args, choices)
+    bodies = []
+    for i, c in enumerate(best(choices, args.n)):
+        text, entries = ("", []) if args.echo_only else ("".join(c.parts), c.entries)
+        bodies.append(choice_body(args, prefix + text, c.reason, i,
+                                  _logprobs_body(st, args, c, entries, echo, 0)))
+    tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
+    first = bodies[0]
     rid = new_request_id(args.chat)
-    return web.json_response(response(args, rid, "".join(parts), reason, len(args.prompt_ids), tokens))
+    return web.json_response(response(args, rid, first["message"]["content"] if args.chat else first["text"],
+                                      first["finish_reason"], len(args.prompt_ids), tokens,
+                                      first["logprobs"], bodies[1:]))
 
 
-async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, handle) -> web.StreamResponse:
+async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
+                  choices: list[Choice]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     rid, created = new_request_id(args.chat), int(time.time())
-    text = TextStream(st.tokenizer, args.prompt_ids, args.stop)
+    echoed: set[int] = set()
 
     async def send(body: dict) -> None:
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
-    tokens = 0
     try:
         if args.chat:
-            await send(chunk(args, rid, created, None, role=True))
-        async for out in handle:
-            delta, tokens = text.push(out.new_token_ids), out.completion_tokens
-            reason = None
-            if text.stopped:
-                reason = "stop"
-                handle.close(completed=True)
-            elif out.finished:
-                delta += text.finish()
-                reason = "stop" if text.stopped else _finish_reason(out)
-            if delta:
-                await send(chunk(args, rid, created, delta))
-            if reason is not None:
-                await send(chunk(args, rid, created, None, finish_reason=reason))
-                break
+            for c in choices:
+                await send(chunk(args, rid, created, None, role=True, index=c.index))
+        async for c, out in merged(choices):
+            delta, new = c.advance(out, _finish_reason)
+            if args.echo_only:
+                delta, new = "", []
+            prefix, echo = "", []
+            if args.echo and c.index not in echoed:
+                echoed.add(c.index)
+                prefix, echo = _echo(st, args, choices)
+            lps = _logprobs_body(st, args, c, new, echo, c.offset) if new or echo else None
+            if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
+                c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            if prefix + delta or lps:
+                await send(chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps))
+            if c.reason is not None:
+                await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index))
         if args.include_usage:
+            tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
             await send(chunk(args, rid, created, None, usage_body={
                 "prompt_tokens": len(args.prompt_ids), "completion_tokens": tokens,
                 "total_tokens": len(args.prompt_ids) + tokens}))

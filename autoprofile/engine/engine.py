@@ -195,6 +195,7 @@ class LLMEngine:
                 return []
         self._steps += 1
         with HostTimer(self.clock, "update"):
+            keep_logprobs(step, tokens)
             return [self._report(req) for req in self.scheduler.resolve(step, tokens)]
 
     def _failed(self, rows: list, e: Exception, outputs: list[RequestOutput]) -> None:
@@ -209,11 +210,15 @@ class LLMEngine:
 
     def _report(self, req: Request) -> RequestOutput:
         new = req.output_ids[req.num_sent:req.num_known]
+        lps = req.output_logprobs[req.num_sent:req.num_known] if req.params.logprobs is not None else None
+        prompt = None
+        if req.params.prompt_logprobs is not None and new and not req.prompt_logprobs_sent:
+            prompt, req.prompt_logprobs_sent = [None, *req.prompt_logprobs], True
         req.num_sent = req.num_known
         if req.finished:
             self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, new, req.finished, req.finish_reason, len(req.prompt_ids),
-                             req.num_known)
+                             req.num_known, lps, prompt)
 
     def step_times(self) -> StepTimes:
         """Where the steps' time went since the engine started (autoprofile.engine.step_clock)."""
@@ -243,3 +248,21 @@ class LLMEngine:
                 if o.request_id in out:
                     out[o.request_id] += o.new_token_ids
         return [out[rid] for rid in ids]
+
+
+def keep_logprobs(step: Step, sampled: list[int]) -> None:
+    """The logprobs read back with a step's tokens (logprobs.SampledTokens) into their requests, before
+    Scheduler.resolve takes the tokens: an output token's entry goes where resolve puts the token (rows of
+    requests that finished since the launch are dropped alike); prompt entries not known yet (a request
+    recomputed after a preemption scores its prompt again) extend the request's."""
+    lps, prompt = getattr(sampled, "logprobs", None), getattr(sampled, "prompt", None)
+    for i, (first, entries) in (prompt or {}).items():
+        row = step.rows[i]
+        req = row.request
+        if row.applied and not req.finished:
+            req.prompt_logprobs += entries[len(req.prompt_logprobs) + 1 - first:]
+    if lps is None:
+        return
+    for row, entry in zip((r for r in step.all_rows if r.sample), lps):
+        if entry is not None and row.applied and not row.request.finished:
+            row.request.output_logprobs.append(entry)

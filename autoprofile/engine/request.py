@@ -47,6 +47,11 @@ class Request:
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
+    # logprobs.TokenLogprob entries, read back: of each known output token (params.logprobs), and of prompt
+    # tokens 1.. (params.prompt_logprobs: the first prompt token has none)
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def pending(self) -> int:
@@ -102,3 +107,5 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (a stop token id), "length" (max_tokens) or "abort"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list | None = None  # of new_token_ids (logprobs.TokenLogprob each), when the request asks
+    prompt_logprobs: list | None = None  # once, with the first output: None, then prompt tokens 1..

@@ -23,7 +23,8 @@ from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspace
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
-from autoprofile.engine import stress
+from autoprofile.engine import logprobs, stress
+from autoprofile.engine.logprobs import StepLogprobs
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
@@ -37,22 +38,28 @@ log = logging.getLogger(__name__)
 
 
 class StepTokens:
-    """A launched step's sampled tokens on their way to the host: one non-blocking copy into pinned memory and
-    an event; result() waits for that step alone (a step launched after it keeps running)."""
+    """A launched step's sampled tokens (and their logprobs) on their way to the host: one non-blocking copy
+    each into pinned memory and an event; result() waits for that step alone (a step launched after it keeps
+    running)."""
 
-    def __init__(self, tokens: torch.Tensor):
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+    def __init__(self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
+        self.logprobs = logprobs
+        tensors = [tokens] + (logprobs.tensors() if logprobs is not None else [])
+        if any(t.is_cuda for t in tensors):  # a step that samples nothing may still carry prompt logprobs
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self._host, tensors):
+                h.copy_(t, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
         else:
-            self._host, self._done = tokens, None
+            self._host, self._done = tensors, None
 
     def result(self) -> list[int]:
+        """The token ids; with logprobs, a logprobs.SampledTokens (a list of them carrying the logprobs)."""
         if self._done is not None:
             self._done.synchronize()
-        return self._host.tolist()
+        ids = self._host[0].tolist()
+        return ids if self.logprobs is None else self.logprobs.host(ids, self._host[1:])
 
 
 NO_TOKENS = torch.empty(0, dtype=torch.int64)
@@ -122,6 +129,8 @@ class ModelRunner:
         self.mm_buffer: torch.Tensor | None = None
         self.built_tokens: int | None = None
         self.step_log: list[StepShape] | None = None  # tests: set to a list to record every step's shape
+        # tests: set to a list to record each logprob buffer's rows: ("sampled" | "prompt", rows, top-k)
+        self.logprob_log: list | None = None
         self.staging = Staging() if self.device.type == "cuda" else None  # pinned buffers of step inputs
 
     # ------------------------------------------------------------ sizing
@@ -260,8 +269,8 @@ class ModelRunner:
             calibrate = self._calibrates(step)
             self.backend.calibrating = calibrate
             try:
-                logits, sample_slots = (self._prefill(step.rows, step.decode) if step.is_prefill
-                                        else self._decode(step.rows))
+                logits, sample_slots, lps = (self._prefill(step.rows, step.decode) if step.is_prefill
+                                             else (*self._decode(step.rows), None))
             finally:
                 self.backend.calibrating = False
             if calibrate and not self.stressing:
@@ -272,16 +281,48 @@ class ModelRunner:
             rows = [r for r in step.all_rows if r.sample]
             if not rows:
                 self.clock.ended()
-                return StepTokens(NO_TOKENS)
+                return StepTokens(NO_TOKENS, lps)
+            lps, raw = self._sampled_logprobs(rows, logits, lps)  # the raw logits' (before any processor)
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
                 batch = SamplingBatch.from_params([r.params for r in rows], self.device)
                 tokens = sample(logits, batch, self.generator, self._row_generators(rows))
             self.req_table.record(sample_slots, tokens)
-            out = StepTokens(tokens)
+            if raw is not None:
+                lps.sampled = logprobs.scored(raw, tokens, lps.k)
+                del raw
+            out = StepTokens(tokens, lps)
             self.clock.ended()
             return out
+
+    def _sampled_logprobs(self, rows: list[StepRow], logits: torch.Tensor,
+                          lps: StepLogprobs | None) -> tuple[StepLogprobs | None, torch.Tensor | None]:
+        """The sampled rows' raw log-softmax [rows, vocab] fp32 when a row asks for logprobs (scored once the
+        tokens are sampled), and the step's StepLogprobs to carry them."""
+        ks = tuple(r.params.logprobs for r in rows)
+        k = logprobs.top_k_of(ks)
+        if k is None:
+            return lps, None
+        if self.logprob_log is not None:
+            self.logprob_log.append(("sampled", len(rows), k))
+        lps = lps or StepLogprobs()
+        lps.k, lps.ks = k, ks
+        return lps, logprobs.raw_logprobs(logits)
+
+    def _prompt_logprobs(self, rows: list[StepRow], hidden: torch.Tensor,
+                         cu: np.ndarray) -> StepLogprobs | None:
+        """The prompt logprobs of the prefill rows that ask for them (logprobs.prompt_positions)."""
+        kp = logprobs.top_k_of([r.params.prompt_logprobs for r in rows])
+        if kp is None:
+            return None
+        index, targets, spans = logprobs.prompt_positions(rows, cu)
+        scores = logprobs.prompt_scores(self.model.compute_logits, hidden, to_device(torch.from_numpy(index),
+                                        self.device), to_device(torch.from_numpy(targets), self.device), kp,
+                                        log=self.logprob_log)
+        return StepLogprobs(kp=kp, prompt=scores, spans=tuple(spans),
+                            prompt_ks=tuple(rows[i].params.prompt_logprobs for i, *_ in spans),
+                            prompt_ids=tuple(targets.tolist()))
 
     def _calibrates(self, step: Step) -> bool:
         """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first
@@ -305,10 +346,10 @@ class ModelRunner:
                        meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv.layers))
 
-    def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None) -> tuple[torch.Tensor,
-                                                                                          torch.Tensor]:
-        """Logits [sampled rows, vocab] of each sampled row's last token, and those rows' request slots; K/V
-        written to the rows' pages.
+    def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
+        """Logits [sampled rows, vocab] of each sampled row's last token, those rows' request slots and the
+        prompt logprobs the rows ask for (None: none); K/V written to the rows' pages.
         Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
         A mixed step's decode rows follow the prefill tokens in the same forward (meta.decode: the paged
         decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
@@ -342,7 +383,8 @@ class ModelRunner:
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.kv.layers)
-        return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"]
+        prompt = self._prompt_logprobs(rows, hidden, host["cu"])
+        return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"], prompt
 
     def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:
         """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the

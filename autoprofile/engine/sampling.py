@@ -38,6 +38,7 @@ CHUNK_ROWS = 128  # rows sampled at a time
 SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # logits the one-kernel sampler takes
 SEED_HIGH = 2**63 - 1  # Philox seeds are drawn in [0, SEED_HIGH)
+MAX_LOGPROBS = 20  # most top logprobs a row asks for (OpenAI's bound; autoprofile.engine.logprobs)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 = whole vocabulary
     seed: int | None = None  # OpenAI `seed`: the engine gives the request its own generator
+    # raw-logit logprobs (autoprofile.engine.logprobs): of each sampled token with its top `logprobs`; of
+    # each prompt token (but the first) with its top `prompt_logprobs`. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -56,15 +61,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {k!r}")
 
 
 GREEDY = SamplingParams()
 # The sampler's memory worst case (top_k above PREFILTER: the full sort, SORT_ROWS rows at a time)
-STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1)
+# Every stress row asks for the most logprobs, of its sampled token and of each of its prompt tokens
+STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1, logprobs=MAX_LOGPROBS,
+                        prompt_logprobs=MAX_LOGPROBS)
 # The other memory-heavy path: top-p without top-k whose nucleus outgrows the prefilter (a temperature
 # of 10 flattens any logits), so every row is prefiltered and then sorted. On an H200 it peaked 0.1% above
 # STRESS (330.9 vs 330.6 MB at 256 rows): the stress samples with both (autoprofile.engine.stress).
-STRESS_WIDE = SamplingParams(temperature=10.0, top_p=0.99)
+STRESS_WIDE = SamplingParams(temperature=10.0, top_p=0.99, logprobs=MAX_LOGPROBS,
+                             prompt_logprobs=MAX_LOGPROBS)
 STRESS_PARAMS = (STRESS, STRESS_WIDE)
 
 

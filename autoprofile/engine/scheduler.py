@@ -241,7 +241,8 @@ class Scheduler:
         """The cached pages holding req's leading tokens (all but its last token), and the chain id after
         them."""
         pages, chain, ps = [], 0, self.env.page_size
-        if self.prefix_caching:
+        # prompt logprobs need every prompt position's logits: a cached position has none (as vLLM)
+        if self.prefix_caching and req.params.prompt_logprobs is None:
             for i in range((req.num_tokens - 1) // ps):
                 found = self.allocator.lookup(chain, req.key(i * ps, (i + 1) * ps))
                 if found is None:

@@ -17,6 +17,8 @@ from autoprofile.serving.errors import APIError, bad
 
 INT64 = 1 << 63
 MAX_STOP = 16  # stop strings per request
+MAX_N = 128  # choices (n, best_of) per request
+MAX_LOGPROBS = 20  # top logprobs per token (engine.sampling.MAX_LOGPROBS; vLLM's default max_logprobs)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Body bytes: the longest token list a valid request carries, each id with ", ", times a margin (whitespace,
 # pretty-printing, a text prompt's JSON escapes), plus room for every other field.
@@ -141,9 +143,10 @@ FIELDS: dict[str, Field] = {
     "input_ids": _served(GENERATE), "max_new_tokens": _served(GENERATE),
     **{k: Field(IGNORED) for k in ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                    "safety_identifier")},
-    "n": _refused(1), "best_of": _refused(1), "presence_penalty": _refused(0),
-    "frequency_penalty": _refused(0), "logit_bias": _refused({}), "logprobs": _refused(False),
-    "top_logprobs": _refused(0), "echo": _refused(False), "suffix": _refused(""),
+    "n": _served(), "best_of": _served(COMPLETIONS), "logprobs": _served(), "top_logprobs": _served(CHAT),
+    "echo": _served(COMPLETIONS),
+    "presence_penalty": _refused(0), "frequency_penalty": _refused(0), "logit_bias": _refused({}),
+    "suffix": _refused(""),
     "tools": _refused([], CHAT), "tool_choice": _refused("none", CHAT),
     "parallel_tool_calls": _refused(None, CHAT), "functions": _refused([], CHAT),
     "function_call": _refused("none", CHAT), "response_format": _refused({"type": "text"}, CHAT),
@@ -244,6 +247,12 @@ class GenerateArgs:
     rendered: object = None  # serving.tokenizer.RenderedChat: the template's text, an IMAGE_MARK per image
     max_tokens_body: dict | None = None  # {key: value} of the request's max_tokens / max_completion_tokens
     mm: object = None  # engine.multimodal.MultiModalInput
+    logprobs: int | None = None  # top logprobs of each output token (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and with logprobs, its tokens' logprobs) before the text
+    prompt_text: str | None = None  # completions: the prompt as the client sent it (None: token ids)
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices generated (the n with the highest cumulative logprob are returned)
+    echo_only: bool = False  # max_tokens 0 with echo: one token is generated and dropped
 
 
 # ---------------------------------------------------------------- request bodies
@@ -271,7 +280,9 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         raise bad("stop", f"'stop' must hold at most {MAX_STOP} non-empty strings, got {show(stop)}")
     stop = [text(s, "stop") for s in stop]
     seed = _get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64, "must be a 64-bit integer")
+    n, best_of = choices(body, stream)
     return dict(
+        n=n, best_of=best_of,
         temperature=float(_get(body, "temperature", 1.0, lambda v: _is_num(v) and v >= 0,
                                "must be a number >= 0 (0 = greedy)")),
         top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1,
@@ -282,6 +293,40 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
         model=limits.model_names[0],
     )
+
+
+def choices(body: dict, stream: bool) -> tuple[int, int]:
+    """(n, best_of): n choices returned of best_of generated (vLLM's rules: n <= best_of; streaming returns
+    every choice it generates, so best_of > n is refused with stream)."""
+    n = _get(body, "n", 1, lambda v: _is_int(v) and 1 <= v <= MAX_N, f"must be an integer in [1, {MAX_N}]")
+    best_of = _get(body, "best_of", n, lambda v: _is_int(v) and 1 <= v <= MAX_N,
+                   f"must be an integer in [1, {MAX_N}]")
+    if best_of < n:
+        raise bad("best_of", f"'best_of' ({best_of}) must be >= 'n' ({n}): send best_of >= {n}, or leave it "
+                  "out")
+    if stream and best_of > n:
+        raise bad("best_of", f"'best_of' ({best_of}) > 'n' ({n}) cannot be streamed (the best choices are "
+                  "known only at the end): send stream: false, or best_of equal to n")
+    return n, best_of
+
+
+def completion_logprobs(body: dict) -> tuple[int | None, bool]:
+    """/v1/completions' (logprobs, echo): logprobs an integer in [0, MAX_LOGPROBS] (the top logprobs of each
+    token; 0: the sampled token's only) or null."""
+    k = _get(body, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+             f"must be an integer in [0, {MAX_LOGPROBS}] (the top logprobs of each token) or null")
+    return k, _get(body, "echo", False, lambda v: isinstance(v, bool), "must be true or false")
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """/v1/chat/completions' logprobs (true/false) and top_logprobs (in [0, MAX_LOGPROBS], with logprobs true)
+    as the top-k of each token (None: no logprobs)."""
+    on = _get(body, "logprobs", False, lambda v: isinstance(v, bool), "must be true or false")
+    top = _get(body, "top_logprobs", None, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+               f"must be an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not on:
+        raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if on else None
 
 
 def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None,
@@ -316,6 +361,12 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
                   code="unsupported_value")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    logprobs, echo = completion_logprobs(body)
+    # max_tokens 0 with echo: the prompt's logprobs alone (one token is generated and dropped)
+    if echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:
+        body = {**body, "max_tokens": 1}
+        args["echo_only"] = True
+    prompt_text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, str) and prompt:
         ids = tokenizer.encode(text(prompt, "prompt"), add_special_tokens=True)
     elif _token_ids(prompt, limits.vocab_size):
@@ -326,7 +377,8 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     if not ids:
         raise bad("prompt", "the prompt encodes to no tokens")
     n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-    return GenerateArgs(prompt_ids=ids, max_tokens=n, **args)
+    return GenerateArgs(prompt_ids=ids, max_tokens=n, logprobs=logprobs, echo=echo, prompt_text=prompt_text,
+                        **args)
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -458,6 +510,7 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     """POST /v1/chat/completions: messages rendered with the model's chat template."""
     from autoprofile.serving.tokenizer import ChatTemplateError
     args = _common(body, limits, CHAT)
+    args["logprobs"] = chat_logprobs(body)
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages):
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
@@ -531,28 +584,35 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(args: GenerateArgs, rid: str, text: str, finish_reason: str, prompt_tokens: int,
-             completion_tokens: int) -> dict:
+def choice(args: GenerateArgs, text: str, finish_reason: str, index: int = 0, logprobs: dict | None = None
+           ) -> dict:
     if args.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response(args: GenerateArgs, rid: str, text: str, finish_reason: str, prompt_tokens: int,
+             completion_tokens: int, logprobs: dict | None = None, more: list[dict] = ()) -> dict:
+    """more: the choices after the first (n > 1: `choice` bodies, index 1..)."""
     return {"id": rid, "object": "chat.completion" if args.chat else "text_completion",
             "created": int(time.time()),
-            "model": args.model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "model": args.model, "choices": [choice(args, text, finish_reason, 0, logprobs), *more],
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk(args: GenerateArgs, rid: str, created: int, text: str | None, finish_reason: str | None = None,
-          role: bool = False, usage_body: dict | None = None) -> dict:
-    """One stream chunk: a text delta, the closing finish_reason, or (choices empty) the usage."""
+          role: bool = False, usage_body: dict | None = None, index: int = 0,
+          logprobs: dict | None = None) -> dict:
+    """One stream chunk of choice `index`: a text delta (with its tokens' logprobs), the closing
+    finish_reason, or (choices empty) the usage."""
     if usage_body is not None:
         choices = []
     elif args.chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     body = {"id": rid, "object": "chat.completion.chunk" if args.chat else "text_completion",
             "created": created,
             "model": args.model, "choices": choices}

@@ -1,0 +1,143 @@
+"""Logprobs of the RAW model logits (vLLM's default `raw_logprobs`): log_softmax of the logits before any
+logits processor, penalty, grammar mask or temperature; computed on the device and carried back with the
+step's tokens (runner.StepTokens: one non-blocking copy, so the overlapped engine never waits for them).
+
+- Sampled rows (`SamplingParams.logprobs`): the log-softmax [rows, vocab] fp32 of the step's sampled rows,
+  the top-k [rows, k] (k <= MAX_LOGPROBS) and the sampled token's logprob after sampling: per-row buffers of
+  the envelope's sampled_rows, which every stress row asks for at MAX_LOGPROBS (sampling.STRESS_PARAMS).
+- Prompt tokens (`SamplingParams.prompt_logprobs`, completions' `echo`): the logits of every prompt
+  position of a prefill row, PROMPT_CHUNK rows at a time (so the [chunk, vocab] logits and their fp32
+  log-softmax are bounded whatever the chunk); position p scores prompt token p + 1. Every stress prefill
+  corner asks for them on every token. A request with prompt logprobs takes nothing from the prefix cache
+  (Scheduler._cached_prefix): a cached position has no logits.
+
+Host form of one scored token: (token id, logprob, [(id, logprob), ...] its top-k by descending logprob).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from autoprofile.engine.sampling import MAX_LOGPROBS
+
+PROMPT_CHUNK = 256  # prompt positions whose logits exist at once (the [chunk, vocab] buffers' rows)
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+class SampledTokens(list):
+    """A step's sampled token ids (a list, in row order) and their logprobs read back: `logprobs` one entry
+    per sampled row (None for a row that asked for none; the attribute None when no row asked), `prompt`
+    {index in step.rows: (first prompt position scored, entries)}."""
+
+    def __init__(self, ids: Sequence[int], logprobs: list[TokenLogprob | None] | None = None,
+                 prompt: dict[int, tuple[int, list[TokenLogprob]]] | None = None):
+        super().__init__(ids)
+        self.logprobs, self.prompt = logprobs, prompt or {}
+
+
+def top_k_of(ks: Sequence[int | None]) -> int | None:
+    """The top-k a batch computes: the most any row asks for (None: no row asks)."""
+    asked = [k for k in ks if k is not None]
+    return max(asked) if asked else None
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax [rows, vocab] fp32 of raw logits (call before anything edits them in place)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def scored(lp: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 1 + 2k] fp32: each row's target logprob, its top-k logprobs (descending) and their ids (fp32
+    holds ids below 2**24 exactly)."""
+    assert k <= MAX_LOGPROBS and lp.shape[-1] < 1 << 24
+    vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return torch.cat([lp.gather(1, targets.view(-1, 1)), vals, ids.float()], dim=1)
+
+
+def prompt_positions(rows, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]]]:
+    """For the prefill rows with prompt logprobs: the hidden rows to score (every position of the row, indices
+    into the step's tokens), the token each scores (position p scores prompt token p + 1; past the prompt's
+    last token, and in a stress row without a request, the row's own ids shifted), and per row (index in
+    rows, first prompt position scored, positions that score a prompt token, positions scored).
+    NOTE: the positions scored depend on the step alone, never on the request: under --tp every rank runs
+    the same LM-head gathers (a TP worker's rows carry no request)."""
+    index, targets, spans = [], [], []
+    for i, r in enumerate(rows):
+        if r.params.prompt_logprobs is None:
+            continue
+        n = len(r.ids)
+        tgt = list(r.ids[1:]) + list(r.ids[:1])
+        valid = n
+        if r.request is not None:
+            prompt = r.request.prompt_ids
+            valid = max(min(n, len(prompt) - 1 - r.start), 0)
+            tgt[:valid] = prompt[r.start + 1:r.start + 1 + valid]
+        index.append(np.arange(cu[i], cu[i] + n, dtype=np.int64))
+        targets += tgt
+        spans.append((i, r.start + 1, valid, n))
+    flat = np.concatenate(index) if index else np.zeros(0, np.int64)
+    return flat, np.asarray(targets, dtype=np.int64), spans
+
+
+def prompt_scores(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                  index: torch.Tensor, targets: torch.Tensor, k: int, chunk: int = PROMPT_CHUNK,
+                  log: list | None = None) -> torch.Tensor:
+    """scored() of every indexed hidden row, `chunk` rows of logits at a time. log: each chunk's rows."""
+    out = []
+    for lo in range(0, index.numel(), chunk):
+        logits = compute_logits(hidden[index[lo:lo + chunk]])
+        if log is not None:
+            log.append(("prompt", logits.shape[0], k))
+        out.append(scored(raw_logprobs(logits), targets[lo:lo + chunk], k))
+        del logits
+    return torch.cat(out)
+
+
+def entries(block: list[list[float]], k: int, ks: Sequence[int | None]) -> list[TokenLogprob | None]:
+    """Host rows of scored() (k: the batch's top-k) as entries, each cut to its own top-k (None: none)."""
+    out = []
+    for row, want in zip(block, ks):
+        if want is None:
+            out.append(None)
+            continue
+        vals, ids = row[1:1 + k], row[1 + k:]
+        out.append((-1, row[0], [(int(ids[j]), vals[j]) for j in range(want)]))
+    return out
+
+
+@dataclass
+class StepLogprobs:
+    """A step's logprobs on the device until read back: `sampled` [sampled rows, 1 + 2k] (scored) and
+    `prompt` [prompt positions, 1 + 2kp] with `spans` (prompt_positions)."""
+
+    k: int | None = None
+    ks: tuple[int | None, ...] = ()  # per sampled row
+    sampled: torch.Tensor | None = None
+    kp: int = 0
+    prompt: torch.Tensor | None = None
+    spans: tuple[tuple[int, int, int, int], ...] = ()
+    prompt_ks: tuple[int, ...] = ()  # per span
+    prompt_ids: tuple[int, ...] = ()  # the scored prompt tokens, in order
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.sampled, self.prompt) if t is not None]
+
+    def host(self, tokens: list[int], copies: list[torch.Tensor]) -> SampledTokens:
+        """The tokens with their logprobs, from the host copies of tensors()."""
+        it = iter(copies)
+        lps = None
+        if self.sampled is not None:
+            lps = entries(next(it).tolist(), self.k, self.ks)
+            lps = [None if e is None else (t, *e[1:]) for e, t in zip(lps, tokens)]
+        prompt = {}
+        if self.prompt is not None:
+            block, at = next(it).tolist(), 0
+            for (i, first, valid, n), want in zip(self.spans, self.prompt_ks):
+                rows = entries(block[at:at + valid], self.kp, [want] * valid)
+                if valid:
+                    prompt[i] = (first, [(t, *e[1:]) for e, t in zip(rows, self.prompt_ids[at:at + valid])])
+                at += n
+        return SampledTokens(tokens, lps, prompt)
