@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
+from autoprofile.budget import (context_that_fits, max_indexable_tokens, min_usable_tokens, round_up,
+                                running_reqs)
 from autoprofile.profile_cache import default_folder
 from autoprofile.resize import max_resized_pixels
 from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
@@ -29,6 +31,8 @@ MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
 API_KEY_ENV = "AUTOPROFILE_API_KEY"  # vLLM's VLLM_API_KEY
 MAX_SEED = 1 << 62  # torch generators take a 64-bit seed; the stresses add small offsets to it
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -275,7 +279,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"try --max_req_total_len {m.max_position_embeddings}")
     if cfg.max_total_token_num is not None:
         floor, n = cfg.min_usable_tokens, cfg.max_total_token_num
-        _check(n >= floor, "max_total_token_num",
+        _check(n >= floor or context_cut(cfg, n) is not None, "max_total_token_num",
                f"{n} tokens is below the smallest usable cache, {floor} tokens: one request of "
                f"--max_req_total_len {cfg.context_len} and one prefill batch of --batch_max_tokens "
                f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
@@ -296,6 +300,32 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def context_cut(cfg: ServerConfig, tokens: int) -> int | None:
+    """--max_req_total_len auto (unset): the shorter request length a cache of `tokens` holds when one
+    request of the model's context does not fit (budget.context_that_fits); None when there is nothing to
+    cut (an explicit --max_req_total_len, the model's context fits) or no length helps."""
+    if cfg.max_req_total_len is not None:
+        return None
+    rows = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)
+    fits = context_that_fits(tokens, cfg.context_len, cfg.page_size, cfg.batch_max_tokens, rows)
+    return fits if fits is not None and fits < cfg.context_len else None
+
+
+def with_context_cut(cfg: ServerConfig, tokens: int) -> ServerConfig:
+    """cfg serving the longest requests a cache of `tokens` holds (context_cut), validated again, and
+    logged; cfg itself when nothing is cut. The envelope only shrinks: a measurement at the model's context
+    bounds every step of the shorter one."""
+    fits = context_cut(cfg, tokens)
+    if fits is None:
+        return cfg
+    cut = validate(cfg.replace(max_req_total_len=fits), serving=cfg.model_config.runnable)
+    log.warning("--max_req_total_len auto: one request of %s's context (%d tokens) needs a cache of %d "
+                "tokens, and %d fit; serving requests of at most %d tokens (prompt + output). Set "
+                "--max_req_total_len to choose the length yourself", cfg.model_config.name, cfg.context_len,
+                cfg.min_usable_tokens, tokens, fits)
+    return cut
 
 
 def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
@@ -443,8 +473,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "running_max_req_size", type=int, default=None,
              help="most concurrent requests, each a request slot and a decode row of the stress "
                   "(default: --graph_max_batch_size, so every decode step replays a graph)")
-    add_flag(p, "max_req_total_len", type=int, default=None,
-             help="longest request, prompt + output (default: the model's max_position_embeddings)")
+    add_flag(p, "max_req_total_len", type=_context_len, default=None, metavar="{auto,N}",
+             help="The longest request in tokens, prompt plus output. auto: the model's "
+                  "max_position_embeddings when a request that long fits the measured KV cache, else the "
+                  "longest that fits (logged, and reported by /health and /v1/models). A number is served "
+                  "as given, or refused when it does not fit.")
     add_flag(p, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
              help="largest decode batch captured as a CUDA graph")
     add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
@@ -517,6 +550,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "tokenizer", default=None,
              help="a folder holding tokenizer.json (default: the model folder's; random-weight models "
                   "without one get a byte-level tokenizer)")
+
+
+def _context_len(text: str) -> int | None:
+    """--max_req_total_len: auto (None: config.with_context_cut decides) or a number of tokens."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of tokens, got '{text}'") from None
 
 
 def _domains(text: str) -> tuple[str, ...]:
