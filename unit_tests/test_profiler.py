@@ -407,8 +407,8 @@ def test_auto_context_is_cut_to_the_longest_request_the_measured_cache_holds(cap
     assert result.cfg.max_req_total_len == cut and result.cfg.context_len == cut
     assert budget.min_usable_tokens(cut, 16, 8192, 256) == target
     assert ("cut_context", cut) in runner.events  # before the rebuild: the validated envelope is the cut one
-    assert runner.events.index(("cut_context", cut)) < [i for i, e in enumerate(runner.events)
-                                                         if e[0] == "build"][1]
+    rebuild = [i for i, e in enumerate(runner.events) if e[0] == "build"][1]
+    assert runner.events.index(("cut_context", cut)) < rebuild
     assert runner.sizing.context_len == cut and prof.sizing.context_len == cut
     assert result.tokens == target and result.attempts == 1
     assert f"serving requests of at most {cut} tokens" in caplog.text and "131072" in caplog.text
