@@ -52,7 +52,7 @@ def flag_cases(report_file: str) -> list[Case]:
         s("--running_max_req_size", "100", named="--graph_max_batch_size"),
         s("--max_total_token_num", "0", named="--max_total_token_num"),
         s("--max_total_token_num", "1000", named="--max_total_token_num"),
-        s("--max_total_token_num", "131072", named="--max_total_token_num"),
+        s("--max_total_token_num", "131072", "--max_req_total_len", "131072", named="--max_total_token_num"),
         s("--max_total_token_num", "131090", named="--max_total_token_num"),
         s("--max_total_token_num", "5000", "--max_req_total_len", "4096", named="--max_total_token_num"),
         s("--max_req_total_len", "1", named="--max_req_total_len"),
@@ -89,12 +89,14 @@ def flag_cases(report_file: str) -> list[Case]:
         p("--gpu-memory-gib", "-5", named="--gpu_memory_gib"),
         p("--gpu_memory", "80", named="did you mean --gpu_memory_gib"),
         p("--gpu", "h100", "--mem_fraction", "0.000001", named="--mem_fraction"),
-        p("--gpu", "h100", "--canary_mb", "60000", named="--canary_mb"),
+        p("--gpu", "h100", "--canary_mb", "60000", "--max_req_total_len", "131072", named="--canary_mb"),
         p("--gpu", "h100", "--batch_max_tokens", "1000000", named="--batch_max_tokens"),
         p("--gpu", "h100", "--attention_backend", "aiter", named="--attention_backend"),
         p("--gpu", "h100", "--max_total_token_num", "600000", named="--max_total_token_num"),
-        p("--gpu_memory_gib", "24", named="--max_req_total_len"), p("--gpu_memory_gib", "14", named="--tp"),
-        p("--gpu", "h100", "--model", "qwen3-30b-a3b", named="--max_req_total_len"),
+        p("--gpu_memory_gib", "24", "--max_req_total_len", "131072", named="--max_req_total_len"),
+        p("--gpu_memory_gib", "14", named="--tp"),
+        p("--gpu", "h100", "--model", "qwen3-30b-a3b", "--max_req_total_len", "262144",
+          named="--max_req_total_len"),
     ]
 
 
