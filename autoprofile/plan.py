@@ -16,7 +16,7 @@ from types import MappingProxyType
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, context_cut, decode_rows_text, validate
-from models.config import MLA_ARCHITECTURES, ModelConfig, builtin_models, load_model_config
+from models.config import MLA_ARCHITECTURES, ModelConfig, unsupported_architecture
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
 # per thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23):
@@ -437,9 +437,7 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
     configured on this card; None when it can. The flag blamed is the first one whose change fixes it."""
     m = cfg.model_config
     if not m.runnable:
-        ok = ", ".join(n for n in builtin_models() if load_model_config(n).runnable)
-        return "model", (f"architecture {m.architecture} can be planned but not served; choose a dense "
-                         f"Llama/Qwen model such as {ok}")
+        return "model", unsupported_architecture(m.architecture)
     if backend == "aiter" and card.vendor == "nvidia":
         return "attention_backend", (f"'aiter' is AITER's native ROCm kernel set and does not run on "
                                      f"{card.name} "
