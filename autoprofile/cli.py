@@ -108,11 +108,11 @@ class _Parser(argparse.ArgumentParser):
         """The switch (a flag that takes no value) written just before a stray word: `--disable_cudagraph
         true`."""
         argv = getattr(self, "_argv", [])
-        if word.startswith("-") or word not in argv[1:]:
+        if word.startswith("-"):
             return None
-        before = argv[argv.index(word, 1) - 1]
-        action = self._action(before)
-        return before if action is not None and action.nargs == 0 else None
+        switches = [before for before, a in zip(argv, argv[1:])
+                    if a == word and (action := self._action(before)) is not None and action.nargs == 0]
+        return switches[0] if switches else None
 
     def parse_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)

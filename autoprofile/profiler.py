@@ -110,6 +110,7 @@ class ProfileResult:
     kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
     reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
     forced_routings: tuple[str, ...] = ()  # an MoE model's: the routings the stress forced (layers.moe)
+    context_cut_from: int | None = None  # --max_req_total_len auto: the model's context, when it was cut
 
     @property
     def kv_bytes(self) -> int:
@@ -178,6 +179,7 @@ class Profiler:
         self.kv_seen: weakref.ref | None = None
         # when the measurement came from the profile cache: its probe's time
         self.reused_probe: str | None = None
+        self.context_cut_from: int | None = None  # --max_req_total_len auto cut the model's context
 
     def checkpoint(self, point: str) -> None:
         """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
@@ -334,6 +336,7 @@ class Profiler:
             raise ProfileError(f"--max_req_total_len auto: a cache of {tokens} tokens holds shorter requests "
                                f"only, and then {e}" + self.release_after_give_up()) from None
         if cut is not self.cfg:
+            self.context_cut_from = self.cfg.context_len
             self.cfg = cut
             self.runner.cut_context(cut)
             self.sizing = self.runner.sizing
@@ -500,7 +503,8 @@ class Profiler:
                              list(self.errors), stack, local,
                              kv_scales=getattr(self.runner, "kv_scale_source", None),
                              reused_probe=self.reused_probe,
-                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())))
+                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
+                             context_cut_from=self.context_cut_from)
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

@@ -412,6 +412,8 @@ def test_auto_context_is_cut_to_the_longest_request_the_measured_cache_holds(cap
     assert runner.sizing.context_len == cut and prof.sizing.context_len == cut
     assert result.tokens == target and result.attempts == 1
     assert f"serving requests of at most {cut} tokens" in caplog.text and "131072" in caplog.text
+    assert result.context_cut_from == 131072
+    assert f"max_req_total_len = {cut} tokens (auto: the model's 131072 do not fit" in result.report_text()
 
 
 def test_auto_context_that_fits_is_the_models_own():
@@ -420,6 +422,7 @@ def test_auto_context_that_fits_is_the_models_own():
         runner, prof = make(gpu, AUTO)
         result = prof.run()
     assert result.cfg.max_req_total_len is None and result.cfg.context_len == 131072
+    assert result.context_cut_from is None and "max_req_total_len = 131072 tokens\n" in result.report_text()
     assert not [e for e in runner.events if e[0] == "cut_context"]
 
 
