@@ -599,7 +599,7 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
     if cfg.report_dir == "":
         cfg = cfg.replace(report_dir=None)
-    if serving and cfg.api_key is None and os.environ.get(API_KEY_ENV):
+    if "api_key" in vars(ns) and cfg.api_key is None and os.environ.get(API_KEY_ENV):  # plan takes no key
         cfg = cfg.replace(api_key=os.environ[API_KEY_ENV])
     if cfg.profile_cache in ("", "auto"):
         cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())
