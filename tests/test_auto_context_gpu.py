@@ -41,7 +41,7 @@ def test_auto_context_is_cut_to_what_the_measured_cache_holds(tmp_path):
         engine = LLMEngine(runner)
         out = engine.generate([[5] * 4000, list(range(100, 300))], max_tokens=8)
         assert [len(o) for o in out] == [8, 8] and engine.stats.ooms == 0
-        print(f"auto context: {cut} of 262144 tokens, KV {result.tokens} tokens, {result.attempts} attempt(s)")
+        print(f"auto context: {cut} of 262144 tokens, KV {result.tokens} tokens, attempts {result.attempts}")
     finally:
         runner.teardown()
         torch.cuda.empty_cache()
