@@ -597,7 +597,7 @@ def _domains(text: str) -> tuple[str, ...]:
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
-    if cfg.report_dir == "":
+    if cfg.report_dir == "" or "report_dir" not in vars(ns):  # plan writes no report
         cfg = cfg.replace(report_dir=None)
     if "api_key" in vars(ns) and cfg.api_key is None and os.environ.get(API_KEY_ENV):  # plan takes no key
         cfg = cfg.replace(api_key=os.environ[API_KEY_ENV])

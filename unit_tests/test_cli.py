@@ -269,3 +269,15 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly(argv):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) in (0, 1)
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_plan_checks_no_flag_it_does_not_take(monkeypatch):
+    """plan writes no report and reads no API key: their checks (a writable --report_dir, a sendable
+    $AUTOPROFILE_API_KEY) would name flags that plan refuses."""
+    from autoprofile.config import API_KEY_ENV, config_from_args
+    monkeypatch.setenv(API_KEY_ENV, "not sendable")
+    ns = cli.build_parser().parse_args(["plan", "--gpu", "h100"])
+    cfg = config_from_args(ns, serving=False)
+    assert cfg.report_dir is None and cfg.api_key is None
+    serve = cli.build_parser().parse_args(["serve", "--api_key", "sk-1"])
+    assert config_from_args(serve, serving=False).report_dir == "autoprofile_report"
