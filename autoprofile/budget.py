@@ -287,6 +287,18 @@ def min_usable_tokens(context_len: int, page_size: int, batch_max_tokens: int = 
     return pages * page_size
 
 
+def context_that_fits(tokens: int, context_len: int, page_size: int, batch_max_tokens: int = 0,
+                      decode_rows: int = 0) -> int | None:
+    """The longest request length, at most context_len, whose smallest usable cache (min_usable_tokens)
+    fits a cache of `tokens`: context_len itself, else the whole pages left beside the pad page; None when
+    the prefill batch or the decode rows alone do not fit (no shorter request helps then)."""
+    if min_usable_tokens(context_len, page_size, batch_max_tokens, decode_rows) <= tokens:
+        return context_len
+    if min_usable_tokens(page_size, page_size, batch_max_tokens, decode_rows) > tokens:
+        return None
+    return (tokens // page_size - 1) * page_size
+
+
 # ---------------------------------------------------------------- probe
 def probe_tokens(batch_max_tokens: int, graph_max_batch_size: int, page_size: int,
                  decode_pages: int = 2) -> int:

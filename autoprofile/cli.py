@@ -8,11 +8,13 @@ import argparse
 import difflib
 import logging
 import math
+import os
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
-from autoprofile.config import ConfigError, add_flag, add_server_args, config_from_args
+from autoprofile.config import COMMANDS, ConfigError, add_flag, add_server_args, config_from_args
 
 log = logging.getLogger("autoprofile")
 
@@ -27,6 +29,35 @@ class UsageError(Exception):
         super().__init__(f"{flag}: {message}")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help written as sentences: argparse wraps them (never inside a word, never at a hyphen) and appends
+    every flag's default."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default: " in text:
+            return text
+        return f"{text} (default: {_shown(action.default)})"
+
+
+def _shown(default) -> str:
+    """A default as the user would write it (%-escaped for argparse's formatting)."""
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return ",".join(default) or "none"
+    return str(default).replace("%", "%%") or "''"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that names the flag and suggests a working value instead of exiting on its own."""
 
@@ -34,10 +65,13 @@ class _Parser(argparse.ArgumentParser):
         m = re.match(r"argument (--\w+)(?:/\S+)?: (.*)", message)
         if m:
             flag, why = m.groups()
-            raise UsageError(flag, why if "choose from" in why else f"{why}; {self._suggest(flag)}")
+            raise UsageError(flag, self._explain(flag, why))
         m = re.match(r"unrecognized arguments: (\S+)", message)
         if m:
             flag = m.group(1).split("=")[0]
+            switch = self._switch_before(m.group(1))
+            if switch is not None:
+                raise UsageError(switch, _takes_no_value(switch, m.group(1)))
             raise UsageError(flag, self._unknown(flag))
         m = re.match(r"argument \S+: invalid choice: '([^']*)'", message)
         if m:
@@ -46,6 +80,39 @@ class _Parser(argparse.ArgumentParser):
                                         f"{f'did you mean {near[0]}? ' if near else ''}choose one of "
                                         f"{', '.join(COMMANDS)}")
         raise UsageError("command", f"{message}; try `autoprofile plan --gpu h100` or `autoprofile --help`")
+
+    def _explain(self, flag: str, why: str) -> str:
+        """argparse's complaint about a flag's value, with a value that works."""
+        action = self._action(flag)
+        m = re.match(r"invalid choice: '([^']*)'", why)
+        if m and action is not None:
+            choices = [str(c) for c in action.choices]
+            near = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]}? " if near else ""
+            return f"unknown value '{m.group(1)}'; {hint}choose one of {', '.join(choices)}"
+        m = re.match(r"ignored explicit argument '([^']*)'", why)
+        if m:
+            return _takes_no_value(flag, m.group(1))
+        return f"{why}; {self._suggest(flag)}"
+
+    def _action(self, flag: str) -> argparse.Action | None:
+        """The action of `flag` in the sub-command being parsed (or in this parser)."""
+        parsers = [self, *self._subparsers_of(self._command())]
+        return next((a for p in parsers for a in p._actions if flag in a.option_strings), None)
+
+    def _subparsers_of(self, command: str | None) -> list[argparse.ArgumentParser]:
+        subs = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        return [subs[command]] if command in subs else []
+
+    def _switch_before(self, word: str) -> str | None:
+        """The switch (a flag that takes no value) written just before a stray word: `--disable_cudagraph
+        true`."""
+        argv = getattr(self, "_argv", [])
+        if word.startswith("-"):
+            return None
+        switches = [before for before, a in zip(argv, argv[1:])
+                    if a == word and (action := self._action(before)) is not None and action.nargs == 0]
+        return switches[0] if switches else None
 
     def parse_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -87,7 +154,7 @@ class _Parser(argparse.ArgumentParser):
         return known[near[0]] if near else None
 
     def _suggest(self, flag: str) -> str:
-        action = next((a for a in self._actions if flag in a.option_strings), None)
+        action = self._action(flag)
         if action is not None and action.choices:
             return f"choose one of {', '.join(map(str, action.choices))}"
         if action is not None and action.nargs == 0:  # a switch (store_true): its presence is the value
@@ -97,28 +164,35 @@ class _Parser(argparse.ArgumentParser):
         return f"see `{self.prog} --help`"
 
 
-COMMANDS = ("serve", "profile", "plan")
+def _takes_no_value(switch: str, value: str) -> str:
+    """A switch written with a value (`--disable_cudagraph true`, `--disable_cudagraph=0`)."""
+    if value.lower() in ("0", "false", "no", "off"):
+        return f"takes no value ('{value}' is not one): it is off unless written, so leave it out"
+    return f"takes no value ('{value}' is not one): write the switch alone; try {switch}"
+
+
 RENAMED = {"--kv_dtype": "--kv_cache_dtype"}  # old spelling -> the flag's name now (vLLM's)
 MAX_GPU_MEMORY_GIB = 4096.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     # NOTE: allow_abbrev=False: `--mem` must not silently mean --mem_fraction (no fuzzy flag matching)
-    p = _Parser(prog="autoprofile", description="LLM serving that sizes its KV cache from a measured profile",
-                allow_abbrev=False)
+    kw = dict(allow_abbrev=False, formatter_class=_HelpFormatter)
+    p = _Parser(prog="autoprofile", **kw,
+                description="LLM serving that sizes its KV cache from a measured profile.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,profile,plan}")
-    serve = sub.add_parser("serve", help="profile the GPU, size the KV cache, serve HTTP", allow_abbrev=False)
-    add_server_args(serve)
-    profile = sub.add_parser("profile", help="profile the GPU and print the budget report, then exit",
-                             allow_abbrev=False)
-    add_server_args(profile)
-    plan = sub.add_parser("plan", help="the budget on paper for a card, no GPU needed", allow_abbrev=False)
-    add_server_args(plan)
+    for command, text in (("serve", "Profile the GPU, size the KV cache and serve the OpenAI API over HTTP."),
+                          ("profile", "Profile the GPU, print the budget report and exit."),
+                          ("plan", "The memory budget on paper for a card; needs no GPU.")):
+        add_server_args(sub.add_parser(command, help=text, description=text, **kw), command)
+    plan = sub.choices["plan"]
     from autoprofile.plan import GPUS  # NOTE: plan imports no torch; keeps `plan` usable anywhere
-    add_flag(plan, "gpu", choices=sorted(GPUS), default=None, help="a known card (its driver-reported total)")
-    add_flag(plan, "gpu_memory_gib", type=float, default=None,
-             help=f"or any card's total memory in GiB, in (0, {MAX_GPU_MEMORY_GIB:g}]")
-    add_flag(plan, "json", action="store_true", help="print the plan as JSON")
+    card = plan.add_argument_group("the card (one of the two)")
+    add_flag(card, "gpu", choices=sorted(GPUS), default=None,
+             help="A known card, by the total memory its driver reports.")
+    add_flag(card, "gpu_memory_gib", type=float, default=None,
+             help=f"Any card's total memory in GiB, in (0, {MAX_GPU_MEMORY_GIB:g}].")
+    add_flag(plan, "json", action="store_true", help="Print the plan as JSON.")
     return p
 
 
@@ -128,6 +202,17 @@ def setup_logging() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader left early (`autoprofile plan ... | head -1`): end quietly
+        # NOTE: the interpreter flushes stdout again at exit: point it at devnull, or that flush raises
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)
@@ -162,7 +247,7 @@ def _plan_card(ns: argparse.Namespace):
     if gib is not None and not (math.isfinite(gib) and 0 < gib <= MAX_GPU_MEMORY_GIB):
         raise UsageError("--gpu_memory_gib",
                          f"must be a number of GiB in (0, {MAX_GPU_MEMORY_GIB:g}], got {gib}; "
-                                             "try --gpu_memory_gib 80")
+                         "try --gpu_memory_gib 80")
     return card_for(ns.gpu, ns.gpu_memory_gib)
 
 

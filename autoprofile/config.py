@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from autoprofile.budget import max_indexable_tokens, min_usable_tokens, round_up, running_reqs
+from autoprofile.budget import (context_that_fits, max_indexable_tokens, min_usable_tokens, round_up,
+                                running_reqs)
 from autoprofile.profile_cache import default_folder
 from autoprofile.resize import max_resized_pixels
 from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
-                           find_weights, load_model_config, with_runtime_fp8)
+                           find_weights, load_model_config, unsupported_architecture, with_runtime_fp8)
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
@@ -28,7 +31,10 @@ MAX_GRAPH_BATCH = 1024
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
 API_KEY_ENV = "AUTOPROFILE_API_KEY"  # vLLM's VLLM_API_KEY
+README_REPRODUCIBLE = "Reproducible output"  # the README section --deterministic's help points to
 MAX_SEED = 1 << 62  # torch generators take a 64-bit seed; the stresses add small offsets to it
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -67,7 +73,8 @@ class ServerConfig:
     port: int = 8000
     max_waiting_requests: int = 1024
     seed: int = 0
-    # batch-invariant kernels: a request's tokens do not depend on the requests beside it (README, "Seeds")
+    # batch-invariant kernels: a request's tokens do not depend on the requests beside it (the README section
+    # README_REPRODUCIBLE names)
     deterministic: bool = False
     report_dir: str | None = "autoprofile_report"
     # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's
@@ -240,10 +247,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name}'s FP8 block scales would straddle a shard or a packed part: {problem}; "
            + (f"try --tp {fits}" if cfg.tp > 1 else "list that module in quantization_config's "
               "modules_to_not_convert"))
-    _check(m.runnable or not serving, "model",
-           f"architecture {m.architecture} can be planned (autoprofile plan) but not served; "
-           f"choose a Llama/Qwen model such as "
-           f"{', '.join(n for n in builtin_models() if load_model_config(n).runnable)}")
+    _check(m.runnable or not serving, "model", unsupported_architecture(m.architecture))
     _check(not m.is_mla or not serving or cfg.attention_backend != "aiter", "attention_backend",
            f"{m.name} uses MLA attention, which the native AITER backend does not serve here (its MLA "
            f"ops are not wired); try --attention_backend aiter_triton (or torch)")
@@ -257,11 +261,12 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            "--deterministic (or a bf16 checkpoint without --quantization)")
     _check(m.moe_intermediate_size % cfg.tp == 0, "tp",
            f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
-           f"does not divide (TP splits every expert's intermediate dimension); try --tp 1")
-    _check(m.num_kv_heads % cfg.tp == 0 and m.num_heads % cfg.tp == 0, "tp",
-           f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, --tp {cfg.tp} does not divide "
-           f"them; try --tp "
-           f"{max(d for d in (1, 2, 4, 8) if m.num_kv_heads % d == 0 and m.num_heads % d == 0)}")
+           f"does not divide (TP splits every expert's intermediate dimension); try --tp "
+           f"{nearest_divisor(cfg.tp, m.moe_intermediate_size)}")
+    heads = math.gcd(m.num_heads, m.num_kv_heads)
+    _check(heads % cfg.tp == 0, "tp",
+           f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, which --tp {cfg.tp} does not "
+           f"divide (TP splits the heads); try --tp {nearest_divisor(cfg.tp, heads)}")
     _check(cfg.tokenizer is None or cfg.tokenizer_dir is not None, "tokenizer",
            f"'{cfg.tokenizer}' holds no tokenizer.json; give a folder that does (an HF model folder)")
     if serving:
@@ -275,7 +280,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"try --max_req_total_len {m.max_position_embeddings}")
     if cfg.max_total_token_num is not None:
         floor, n = cfg.min_usable_tokens, cfg.max_total_token_num
-        _check(n >= floor, "max_total_token_num",
+        _check(n >= floor or context_cut(cfg, n) is not None, "max_total_token_num",
                f"{n} tokens is below the smallest usable cache, {floor} tokens: one request of "
                f"--max_req_total_len {cfg.context_len} and one prefill batch of --batch_max_tokens "
                f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
@@ -296,6 +301,38 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def nearest_divisor(n: int, of: int) -> int:
+    """The divisor of `of` nearest to n (the smaller of two as near): the --tp that splits it evenly. Every n
+    divides 0 (a dense model's moe_intermediate_size)."""
+    return min((d for d in range(1, of + 1) if of % d == 0), key=lambda d: (abs(d - n), d), default=n)
+
+
+def context_cut(cfg: ServerConfig, tokens: int) -> int | None:
+    """--max_req_total_len auto (unset): the shorter request length a cache of `tokens` holds when one
+    request of the model's context does not fit (budget.context_that_fits); None when there is nothing to
+    cut (an explicit --max_req_total_len, the model's context fits) or no length helps."""
+    if cfg.max_req_total_len is not None:
+        return None
+    rows = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)
+    fits = context_that_fits(tokens, cfg.context_len, cfg.page_size, cfg.batch_max_tokens, rows)
+    return fits if fits is not None and fits < cfg.context_len else None
+
+
+def with_context_cut(cfg: ServerConfig, tokens: int) -> ServerConfig:
+    """cfg serving the longest requests a cache of `tokens` holds (context_cut), validated again, and
+    logged; cfg itself when nothing is cut. The envelope only shrinks: a measurement at the model's context
+    bounds every step of the shorter one."""
+    fits = context_cut(cfg, tokens)
+    if fits is None:
+        return cfg
+    cut = validate(cfg.replace(max_req_total_len=fits), serving=cfg.model_config.runnable)
+    log.warning("--max_req_total_len auto: one request of %s's context (%d tokens) needs a cache of %d "
+                "tokens, and %d fit; serving requests of at most %d tokens (prompt + output). Set "
+                "--max_req_total_len to choose the length yourself", cfg.model_config.name, cfg.context_len,
+                cfg.min_usable_tokens, tokens, fits)
+    return cut
 
 
 def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
@@ -428,95 +465,129 @@ def add_flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
     p.add_argument(*spellings, dest=name, **kw)
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
+COMMANDS = ("serve", "profile", "plan")
+
+
+def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
+    """The flags `command` uses, in groups: the budget's (every command), loading and measuring (serve and
+    profile), the HTTP server's (serve). argparse refuses a flag that `command` does not take."""
     d = ServerConfig()
-    add_flag(p, "model", default=d.model,
-             help=f"HF-style folder (config.json [+ *.safetensors]) or a built-in: "
-                  f"{', '.join(builtin_models())}")
-    add_flag(p, "tp", type=int, default=d.tp, help="tensor-parallel ranks (one process per GPU)")
-    add_flag(p, "max_total_token_num", type=int, default=None,
-             help="pin the KV cache size in tokens (a multiple of --page_size): skips the probe, still "
-                  "validated")
-    add_flag(p, "mem_fraction", type=float, default=d.mem_fraction,
-             help="multiplier in (0, 1] on the MEASURED KV budget (not a fraction of total GPU memory)")
-    add_flag(p, "batch_max_tokens", type=int, default=d.batch_max_tokens, help="most tokens in one prefill")
-    add_flag(p, "running_max_req_size", type=int, default=None,
-             help="most concurrent requests, each a request slot and a decode row of the stress "
-                  "(default: --graph_max_batch_size, so every decode step replays a graph)")
-    add_flag(p, "max_req_total_len", type=int, default=None,
-             help="longest request, prompt + output (default: the model's max_position_embeddings)")
-    add_flag(p, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
-             help="largest decode batch captured as a CUDA graph")
-    add_flag(p, "disable_cudagraph", action="store_true", help="run decode eagerly")
-    add_flag(p, "disable_prefix_caching", action="store_true",
-             help="never reuse the K/V of full pages that an earlier request with the same prefix computed")
-    add_flag(p, "disable_overlap_schedule", action="store_true",
-             help="run each step and read its tokens back before scheduling the next (on one GPU the engine "
-                  "schedules and launches the next step while the GPU computes; under --tp it never does)")
-    add_flag(p, "attention_backend", default=d.attention_backend,
-             help=f"one of {', '.join(ATTENTION_BACKENDS)}")
-    add_flag(p, "kv_cache_dtype", default=d.kv_cache_dtype,
-             help=f"KV cache dtype, one of {', '.join(KV_DTYPES)} (auto = --dtype; "
-                  "fp8_e4m3 halves the cell: per-tensor K/V scales, see --kv_scales)")
-    add_flag(p, "kv_scales", default=d.kv_scales,
-             help="an FP8 cache's per-layer K/V scales: auto (the checkpoint's k_scale/v_scale if it has "
-                  "them, "
-                  "else first_batch), first_batch (from the first real prefill's K/V), unit (1.0)")
-    add_flag(p, "dtype", default=d.dtype, help=f"weights and activations: one of {', '.join(MODEL_DTYPES)}")
-    add_flag(p, "quantization", default=None,
-             help="quantize a bf16 checkpoint's weights at load: fp8 = e4m3 per-channel weights, dynamic "
-                  "per-token activations (compute capability >= 8.9); an FP8 checkpoint needs no flag")
-    add_flag(p, "page_size", type=int, default=d.page_size, help="tokens per KV page")
-    add_flag(p, "canary_mb", type=int, default=d.canary_mb, help="headroom held through validation (MiB)")
-    add_flag(p, "shrink_ratio", type=float, default=d.shrink_ratio, help="target multiplier per retry")
-    add_flag(p, "max_retries", type=int, default=d.max_retries,
-             help="rebuild+validate retries after the first")
-    add_flag(p, "host", default=d.host)
-    add_flag(p, "port", type=int, default=d.port, help="0 picks a free port")
-    add_flag(p, "max_waiting_requests", type=int, default=d.max_waiting_requests,
-             help="requests queued beyond the running ones; past it the server answers 429")
-    add_flag(p, "seed", type=int, default=d.seed, help="random-weight and sampling seed")
-    add_flag(p, "deterministic", action="store_true",
-             help="batch-invariant kernels (GEMMs, attention, the TP all-reduce): a request's tokens "
-                  "(greedy, or seeded) are the same alone and in any crowd, at a throughput cost "
-                  "(README, \"Seeds\")")
-    add_flag(p, "report_dir", default=d.report_dir, help="where the budget report JSON/PNG go ('' = none)")
-    add_flag(p, "profile_cache", default="auto",
-             help="folder of earlier probes' measurements: a boot of the same code, model, flags and GPU "
-                  "skips the "
-                  "probe and still rebuilds and validates at the target (auto = "
-                  "~/.cache/autoprofile/profiles; "
-                  "'' = always probe)")
-    add_flag(p, "visual_batch_size", type=int, default=d.visual_batch_size,
-             help="images the vision encoder runs in one step (vision-language models; the stress runs this "
-                  "many "
-                  "at --max_image_pixels)")
-    add_flag(p, "min_image_pixels", type=int, default=d.min_image_pixels,
-             help="smaller images are scaled up to this many pixels (Qwen's min_pixels; sides multiples of "
-                  "28)")
-    add_flag(p, "max_image_pixels", type=int, default=d.max_image_pixels,
-             help="larger images are scaled down to this many pixels (Qwen's max_pixels): 28 x 28 pixels per "
-                  "token")
-    add_flag(p, "max_images_per_request", type=int, default=d.max_images_per_request,
-             help="most images in one request; more is a 400")
-    add_flag(p, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
-             help="comma-separated hosts whose http(s) image URLs the server may fetch (default: none; data: "
-                  "URLs "
-                  "always work)")
-    add_flag(p, "load_format", default=d.load_format,
-             help="where the weights come from: auto (the folder's *.safetensors, else *.bin; an "
-                  "index.json's files if present), safetensors, pt (.bin), dummy (seeded random weights; the "
-                  "built-in configs always are)")
-    add_flag(p, "served_model_name", default=None,
-             help="the model name /v1/models lists and responses carry (default: --model); requests may "
-                  "name it or --model")
-    add_flag(p, "api_key", default=None,
-             help=f"a key every /v1/* and /generate request must send as 'Authorization: Bearer <key>' "
-                  f"(/health and /metrics stay open; default: ${API_KEY_ENV}, else no key). Prefer "
-                  f"{API_KEY_ENV}: a flag shows in the process list")
-    add_flag(p, "tokenizer", default=None,
-             help="a folder holding tokenizer.json (default: the model folder's; random-weight models "
-                  "without one get a byte-level tokenizer)")
+    budget = p.add_argument_group("the model and its memory budget")
+    add_flag(budget, "model", default=d.model,
+             help=f"A Hugging Face style folder (config.json, plus *.safetensors weights to serve them) or "
+                  f"the name of a built-in config: {', '.join(builtin_models())}.")
+    add_flag(budget, "tp", type=int, default=d.tp,
+             help="Tensor-parallel ranks, one process and one GPU each.")
+    add_flag(budget, "max_total_token_num", type=int, default=None,
+             help="Pin the KV cache size in tokens (a multiple of --page_size). It skips the probe and is "
+                  "still validated. Unset: the profile measures the largest cache that fits.")
+    add_flag(budget, "mem_fraction", type=float, default=d.mem_fraction,
+             help="A multiplier in (0, 1] on the measured KV budget, not a fraction of the GPU's memory.")
+    add_flag(budget, "batch_max_tokens", type=int, default=d.batch_max_tokens,
+             help="The most tokens one prefill step runs.")
+    add_flag(budget, "running_max_req_size", type=int, default=None,
+             help="The most concurrent requests. Each is a request slot and a decode row of the stress. "
+                  "Unset: --graph_max_batch_size, so that every decode step replays a graph.")
+    add_flag(budget, "max_req_total_len", type=_context_len, default=None, metavar="{auto,N}",
+             help="The longest request in tokens, prompt plus output. auto (unset): the model's "
+                  "max_position_embeddings when a request that long fits the measured KV cache, else the "
+                  "longest that fits (logged, and reported by /health and /v1/models). A number is served "
+                  "as given, or refused when it does not fit. (default: auto)")
+    add_flag(budget, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
+             help="The largest decode batch captured as a CUDA graph.")
+    add_flag(budget, "disable_cudagraph", action="store_true", help="Run every decode step eagerly.")
+    add_flag(budget, "attention_backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+             help="The attention and GEMM kernels. auto: aiter_triton on NVIDIA, aiter on ROCm; torch is "
+                  "the reference (and the CPU's).")
+    add_flag(budget, "kv_cache_dtype", choices=KV_DTYPES, default=d.kv_cache_dtype,
+             help="The KV cache's dtype. auto: --dtype. fp8_e4m3 halves each cell and keeps per-layer K and "
+                  "V scales (see --kv_scales).")
+    add_flag(budget, "dtype", choices=MODEL_DTYPES, default=d.dtype,
+             help="The weights' and activations' dtype.")
+    add_flag(budget, "quantization", choices=QUANTIZATIONS, default=None,
+             help="Quantize a bf16 checkpoint's weights at load. fp8: e4m3 weights with a scale per output "
+                  "channel and activations quantized per token as they run (compute capability 8.9 or "
+                  "newer). A checkpoint quantized already needs no flag.")
+    add_flag(budget, "page_size", type=int, default=d.page_size, help="Tokens per KV page.")
+    add_flag(budget, "canary_mb", type=int, default=d.canary_mb,
+             help="Headroom in MiB held free through the validation.")
+    images = p.add_argument_group("images (vision-language models)")
+    add_flag(images, "visual_batch_size", type=int, default=d.visual_batch_size,
+             help="Images the vision encoder runs in one step. The stress runs this many at "
+                  "--max_image_pixels.")
+    add_flag(images, "min_image_pixels", type=int, default=d.min_image_pixels,
+             help="Smaller images are scaled up to this many pixels (Qwen's min_pixels; sides are multiples "
+                  "of 28).")
+    add_flag(images, "max_image_pixels", type=int, default=d.max_image_pixels,
+             help="Larger images are scaled down to this many pixels (Qwen's max_pixels); each 28 x 28 "
+                  "block is one token.")
+    add_flag(images, "max_images_per_request", type=int, default=d.max_images_per_request,
+             help="The most images in one request; a request with more gets a 400.")
+    if command == "plan":
+        return
+    run = p.add_argument_group("loading and measuring (serve, profile)")
+    add_flag(run, "load_format", choices=LOAD_FORMATS, default=d.load_format,
+             help="Where the weights come from. auto: the folder's *.safetensors (the files its index.json "
+                  "names, if any), else its *.bin; safetensors; pt (.bin files); dummy: seeded random "
+                  "weights, as the built-in configs always have.")
+    add_flag(run, "tokenizer", default=None,
+             help="A folder holding tokenizer.json. Unset: the model folder's; a model with random weights "
+                  "and no tokenizer.json gets a byte-level tokenizer.")
+    add_flag(run, "seed", type=int, default=d.seed, help="The seed of random weights and of sampling.")
+    add_flag(run, "deterministic", action="store_true",
+             help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "
+                  "greedy or seeded, are the same alone and in any crowd, at a cost in throughput. See "
+                  f"the README section \"{README_REPRODUCIBLE}\".")
+    add_flag(run, "kv_scales", choices=KV_SCALES, default=d.kv_scales,
+             help="Where an FP8 cache's per-layer K and V scales come from. auto: the checkpoint's "
+                  "k_scale and v_scale if it has them, else first_batch; first_batch: the first real "
+                  "prefill's K and V; unit: 1.0.")
+    add_flag(run, "disable_prefix_caching", action="store_true",
+             help="Never reuse the K and V of full pages that an earlier request with the same prefix "
+                  "computed.")
+    add_flag(run, "disable_overlap_schedule", action="store_true",
+             help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
+                  "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "
+                  "it never does).")
+    add_flag(run, "shrink_ratio", type=float, default=d.shrink_ratio,
+             help="The KV size of each retry, as a fraction of the last one.")
+    add_flag(run, "max_retries", type=int, default=d.max_retries,
+             help="Rebuild and validate retries after the first attempt.")
+    add_flag(run, "report_dir", default=d.report_dir,
+             help="The folder of the budget report (JSON and PNG); '' writes none.")
+    add_flag(run, "profile_cache", default="auto",
+             help="A folder of earlier probes' measurements: a boot of the same code, model, flags and GPU "
+                  "skips the probe, and still rebuilds and validates at the target. auto: "
+                  "~/.cache/autoprofile/profiles; '' always probes.")
+    if command != "serve":
+        return
+    http = p.add_argument_group("the HTTP server (serve)")
+    add_flag(http, "host", default=d.host,
+             help="The address the HTTP server binds: 0.0.0.0 for every interface.")
+    add_flag(http, "port", type=int, default=d.port, help="The HTTP port; 0 picks a free one.")
+    add_flag(http, "max_waiting_requests", type=int, default=d.max_waiting_requests,
+             help="Requests queued beyond the running ones; past them the server answers 429.")
+    add_flag(http, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
+             help="Comma-separated hosts whose http(s) image URLs the server may fetch; data: URLs always "
+                  "work.")
+    add_flag(http, "served_model_name", default=None,
+             help="The model name /v1/models lists and responses carry; requests may name it or --model. "
+                  "Unset: --model.")
+    add_flag(http, "api_key", default=None,
+             help=f"A key every /v1/* and /generate request must send as 'Authorization: Bearer <key>' "
+                  f"(/health and /metrics stay open). Unset: ${API_KEY_ENV}, else no key. Prefer "
+                  f"{API_KEY_ENV}: a flag shows in the process list.")
+
+
+def _context_len(text: str) -> int | None:
+    """--max_req_total_len: auto (None: config.with_context_cut decides) or a number of tokens."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a number of tokens, got '{text}'; try "
+                                         "--max_req_total_len auto") from None
 
 
 def _domains(text: str) -> tuple[str, ...]:
@@ -526,9 +597,9 @@ def _domains(text: str) -> tuple[str, ...]:
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
-    if cfg.report_dir == "":
+    if cfg.report_dir == "" or "report_dir" not in vars(ns):  # plan writes no report
         cfg = cfg.replace(report_dir=None)
-    if cfg.api_key is None and os.environ.get(API_KEY_ENV):
+    if "api_key" in vars(ns) and cfg.api_key is None and os.environ.get(API_KEY_ENV):  # plan takes no key
         cfg = cfg.replace(api_key=os.environ[API_KEY_ENV])
     if cfg.profile_cache in ("", "auto"):
         cfg = cfg.replace(profile_cache=None if cfg.profile_cache == "" else default_folder())

@@ -224,7 +224,7 @@ def profile_rank(guard: RankGuard, cfg, checkpoint=None):
     runner, result = boot(cfg, guard.rank, guard.world, cpu_group=guard.control, guard=guard,
                           checkpoint=checkpoint, log_report=False)
     runner.teardown()
-    result.cfg = cfg
+    result.cfg = cfg.replace(max_req_total_len=result.cfg.max_req_total_len)  # a cut context (auto) stays
     return result
 
 

@@ -15,8 +15,8 @@ from types import MappingProxyType
 
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib, running_reqs
-from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, decode_rows_text, validate
-from models.config import MLA_ARCHITECTURES, ModelConfig, builtin_models, load_model_config
+from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, context_cut, decode_rows_text, validate
+from models.config import MLA_ARCHITECTURES, ModelConfig, unsupported_architecture
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
 # per thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23):
@@ -437,9 +437,7 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
     configured on this card; None when it can. The flag blamed is the first one whose change fixes it."""
     m = cfg.model_config
     if not m.runnable:
-        ok = ", ".join(n for n in builtin_models() if load_model_config(n).runnable)
-        return "model", (f"architecture {m.architecture} can be planned but not served; choose a dense "
-                         f"Llama/Qwen model such as {ok}")
+        return "model", unsupported_architecture(m.architecture)
     if backend == "aiter" and card.vendor == "nvidia":
         return "attention_backend", (f"'aiter' is AITER's native ROCm kernel set and does not run on "
                                      f"{card.name} "
@@ -486,7 +484,21 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
 
 def make_plan(cfg: ServerConfig, card: Card) -> Plan:
     """Pure: the budget breakdown and the predicted max_total_token_num for `cfg` on `card` (per TP rank),
-    and, when it cannot be served so, the flag to change (Plan.problem_flag / Plan.problem)."""
+    and, when it cannot be served so, the flag to change (Plan.problem_flag / Plan.problem). With
+    --max_req_total_len auto, a context that does not fit is cut as the profiler cuts it (config.context_cut
+    of the predicted or pinned size)."""
+    plan = _plan(cfg, card)
+    fits = context_cut(cfg, cfg.max_total_token_num or plan.tokens)
+    if fits is None:
+        return plan
+    cut = _plan(cfg.replace(max_req_total_len=fits), card)
+    why = (f"--max_req_total_len auto: one request of {cfg.context_len} tokens needs a cache of "
+           f"{cfg.min_usable_tokens} tokens; serving requests of at most {fits} tokens (set "
+           f"--max_req_total_len to choose)")
+    return dataclasses.replace(cut, warnings=(why, *cut.warnings))
+
+
+def _plan(cfg: ServerConfig, card: Card) -> Plan:
     backend = resolve_backend(cfg.attention_backend, card.vendor)
     fixed = fixed_rows(cfg, backend)
     available = card.total - sum(r.bytes for r in fixed)

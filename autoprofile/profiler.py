@@ -20,7 +20,7 @@ import torch.distributed as dist
 from autoprofile import budget, memory, profile_cache
 from autoprofile.tp.votes import describe, gather, gather_errors, is_consequence
 from autoprofile.budget import gib
-from autoprofile.config import ServerConfig
+from autoprofile.config import ConfigError, ServerConfig, with_context_cut
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class ProfileResult:
     kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
     reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
     forced_routings: tuple[str, ...] = ()  # an MoE model's: the routings the stress forced (layers.moe)
+    context_cut_from: int | None = None  # --max_req_total_len auto: the model's context, when it was cut
 
     @property
     def kv_bytes(self) -> int:
@@ -178,6 +179,7 @@ class Profiler:
         self.kv_seen: weakref.ref | None = None
         # when the measurement came from the profile cache: its probe's time
         self.reused_probe: str | None = None
+        self.context_cut_from: int | None = None  # --max_req_total_len auto cut the model's context
 
     def checkpoint(self, point: str) -> None:
         """Timeline sample + test-only fault injection at a named point; remembers the KV buffer built so
@@ -232,6 +234,7 @@ class Profiler:
 
     def run_pinned(self, tokens: int) -> ProfileResult:
         """--max_total_token_num: one build at N, validated; never shrunk silently."""
+        self.cut_context(tokens)
         memory.reset_peak(self.device)
         with self.rec.phase("build+validate"):
             err = self.attempt(tokens)
@@ -313,11 +316,30 @@ class Profiler:
                         "attention "
                         "kernels' 32-bit offsets (the memory would fit more)", local)
         if target < self.min_tokens():
+            # NOTE: --max_req_total_len auto: the longest requests the target holds; the retries cannot
+            # shrink below one such request (shrink_schedule's floor), so a failed validation gives up
+            self.cut_context(target)
+        if target < self.min_tokens():
             raise ProfileError(self.diagnostic(target, target, 0,
                                                f"the measured budget fits {target} tokens, fewer than the "
                                                f"{self.min_tokens()} of the smallest usable cache", m=m,
                                                stage="measure") + self.release_after_give_up())
         return m
+
+    def cut_context(self, tokens: int) -> None:
+        """--max_req_total_len auto: serve the longest requests a cache of `tokens` holds. Every rank cuts
+        to the same length (`tokens` follows the MIN over ranks); the rebuild and the stress run the shorter
+        envelope, whose steps the measurement at the model's context bounds."""
+        try:
+            cut = with_context_cut(self.cfg, tokens)
+        except ConfigError as e:
+            raise ProfileError(f"--max_req_total_len auto: a cache of {tokens} tokens holds shorter requests "
+                               f"only, and then {e}" + self.release_after_give_up()) from None
+        if cut is not self.cfg:
+            self.context_cut_from = self.cfg.context_len
+            self.cfg = cut
+            self.runner.cut_context(cut)
+            self.sizing = self.runner.sizing
 
     def fit(self, sizes: list[int], m: Measurement) -> tuple[int, int]:
         """Rebuild + validate at each size until every rank passes; collective give-up at the end. Every
@@ -481,7 +503,8 @@ class Profiler:
                              list(self.errors), stack, local,
                              kv_scales=getattr(self.runner, "kv_scale_source", None),
                              reused_probe=self.reused_probe,
-                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())))
+                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
+                             context_cut_from=self.context_cut_from)
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

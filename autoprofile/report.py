@@ -48,6 +48,8 @@ def to_dict(result) -> dict:
         "weights": weight_format(result.cfg),
         "kv_scales": result.kv_scales,
         "max_total_token_num": result.tokens,
+        "max_req_total_len": getattr(result.cfg, "context_len", None),
+        "context_cut_from": getattr(result, "context_cut_from", None),
         "kv_gib": gib(result.kv_bytes),
         "cell_bytes": result.cell_bytes,
         "pinned": result.pinned,
@@ -79,6 +81,10 @@ def format_report(result) -> str:
         + (f" (the probe of {result.reused_probe}, from the profile cache)" if result.reused_probe else ""))
     lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
                  f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
+    context, cut = getattr(result.cfg, "context_len", None), getattr(result, "context_cut_from", None)
+    if context is not None:
+        why = f" (auto: the model's {cut} do not fit; one request of {context} and the pad page do)"
+        lines.append(f"  max_req_total_len = {context} tokens" + (why if cut else ""))
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "

@@ -523,6 +523,9 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
 def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     """Start the engine loop (call on the app's event loop) and accept requests."""
     st = app[STATE]
+    context = engine.envelope.max_req_total_len  # --max_req_total_len auto: the profile may have cut it
+    if context != st.cfg.context_len:
+        st.cfg = st.cfg.replace(max_req_total_len=context)
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-# Architectures the engine can run; others (MoE) are known to the budget planner only.
-RUNNABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                          "DeepseekV2ForCausalLM", "Qwen2_5_VLForConditionalGeneration")
+# The architectures the engine serves, by family; `autoprofile plan` also plans any other Llama-shaped one.
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "dense", "Qwen2ForCausalLM": "dense", "Qwen3ForCausalLM": "dense",
+    "Qwen3MoeForCausalLM": "MoE", "DeepseekV2ForCausalLM": "MLA + MoE",
+    "Qwen2_5_VLForConditionalGeneration": "vision-language"}
+RUNNABLE_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM",)  # models.deepseek_v2: MLA attention, its MoE (an fp32 router)
 
 # The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
@@ -22,6 +25,14 @@ FIRST_FOLDED = BYTE_OFFSET + 256
 
 def builtin_models() -> list[str]:
     return sorted(p.name for p in CONFIG_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def unsupported_architecture(architecture: str) -> str:
+    """Why a model of `architecture` cannot be served, and what can: the supported architectures by family."""
+    supported = ", ".join(f"{a} ({family})" for a, family in ARCHITECTURE_FAMILIES.items())
+    return (f"architecture {architecture} is not one the engine serves (`autoprofile plan` can still plan "
+            f"it); the supported architectures are {supported}; try a built-in config such as llama-3.1-8b, "
+            f"qwen3-30b-a3b, deepseek-v2-lite or qwen2.5-vl-7b, or a folder of one of these architectures")
 
 
 @dataclass(frozen=True)

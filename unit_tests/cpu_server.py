@@ -14,7 +14,7 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-from autoprofile.config import ServerConfig, add_server_args, config_from_args
+from autoprofile.config import ServerConfig, add_server_args, config_from_args, with_context_cut
 
 KV_TOKENS = 2048
 WEIGHT_STD = 0.08  # larger than the default 0.02: less degenerate greedy text
@@ -39,8 +39,11 @@ def boot_cpu(cfg: ServerConfig, kv_tokens: int = KV_TOKENS):
     from autoprofile.engine.weights import init_random
     runner = ModelRunner(cfg)
     init_random(runner.model, seed=1, std=WEIGHT_STD)
+    cut = with_context_cut(cfg, kv_tokens)  # --max_req_total_len auto, as Profiler.run_pinned
+    if cut is not cfg:
+        runner.cut_context(cut)
     runner.build(kv_tokens)
-    return runner, CPUResult(cfg, runner.built_tokens, runner.sizing.cell_bytes)
+    return runner, CPUResult(cut, runner.built_tokens, runner.sizing.cell_bytes)
 
 
 def bound_url(lines) -> str | None:

@@ -5,6 +5,7 @@ profiler's own decision logic runs for real against it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from unittest import mock
@@ -83,6 +84,10 @@ class FakeRunner:
 
     def fingerprint(self) -> dict:
         return {"gpu": "fake", "total_memory": self.gpu.total}
+
+    def cut_context(self, cfg) -> None:
+        self.events.append(("cut_context", cfg.context_len))
+        self.sizing = dataclasses.replace(self.sizing, context_len=cfg.context_len)
 
     def build(self, kv_tokens: int, checkpoint=None) -> None:
         checkpoint = checkpoint or (lambda p: None)

@@ -255,3 +255,18 @@ def test_mla_decode_scratch_and_expanded_prefix_arithmetic():
     assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 4 * (slots + partials + 257)
     per_key = (512 + 64) + 16 * (128 + 128) + 16 * (128 + 64) + 16 * 128
     assert budget.mla_expanded_bytes(1000, 16, 512, 64, 128, 128, 2) == 1000 * per_key * 2
+
+
+@pytest.mark.parametrize("tokens", [144, 1008, 1024, 1031, 4111, 4112, 10_000])
+def test_context_that_fits_is_the_longest_whose_smallest_cache_fits(tokens):
+    ctx = budget.context_that_fits(tokens, 4096, 16, 64, 8)
+    longest = max(n for n in range(1, 4097) if budget.min_usable_tokens(n, 16, 64, 8) <= tokens)
+    assert ctx == (4096 if tokens >= 4112 else longest // 16 * 16)  # whole pages
+    assert budget.min_usable_tokens(ctx, 16, 64, 8) <= tokens
+
+
+def test_no_context_fits_when_the_prefill_batch_or_the_rows_alone_do_not():
+    assert budget.context_that_fits(144, 4096, 16, 64, 8) == 128
+    assert budget.context_that_fits(143, 4096, 16, 64, 8) is None  # 8 rows + the pad page: 144
+    assert budget.context_that_fits(272, 4096, 16, 256, 1) == 256
+    assert budget.context_that_fits(271, 4096, 16, 256, 1) is None  # 16 prefill pages + the pad page

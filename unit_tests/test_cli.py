@@ -1,12 +1,20 @@
 """The CLI commands on a CPU machine (the server itself: test_server.py)."""
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from autoprofile import cli
 from autoprofile.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- commands
@@ -93,3 +101,183 @@ def test_serve_exit_code_is_the_servers(mocker):
     mocker.patch("torch.cuda.is_available", return_value=True)
     mocker.patch("autoprofile.server.run_server", return_value=1)
     assert cli.main(["serve", "--model", "tiny"]) == 1
+
+
+# ---------------------------------------------------------------- help and messages (issue 35)
+def _help(command: str, columns: int, monkeypatch, capsys) -> str:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    assert cli.main([command, "--help"]) == 0
+    return capsys.readouterr().out
+
+
+def _subparser(command: str):
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices[command]
+
+
+def _options(command: str) -> set[str]:
+    return {a.option_strings[0] for a in _subparser(command)._actions if a.option_strings} - {"-h"}
+
+
+def _entries(text: str) -> dict[str, str]:
+    """Each option of a --help text and its help, as one line."""
+    out, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            out[current] = line
+        elif current and line.startswith("      "):
+            out[current] += " " + line.strip()
+        else:
+            current = None
+    return out
+
+
+@pytest.mark.parametrize("command", ["serve", "profile", "plan"])
+def test_help_shows_every_flags_default_and_its_text(command, monkeypatch, capsys):
+    entries = _entries(_help(command, 100, monkeypatch, capsys))
+    assert set(entries) - {"-h"} == _options(command)
+    for flag, entry in entries.items():
+        if flag != "-h":
+            assert re.search(r" [A-Z][^()]*.*\. \(default: [^)]+\)$", entry), entry  # a sentence, its default
+    if command == "serve":
+        host, context = entries["--host"], entries["--max_req_total_len"]
+        assert "The address the HTTP server binds" in host and host.endswith("(default: 127.0.0.1)")
+        assert context.endswith("(default: auto)") and entries["--shrink_ratio"].endswith("(default: 0.95)")
+        assert entries["--disable_cudagraph"].endswith("(default: off)")
+
+
+@pytest.mark.parametrize("columns", [40, 57, 64, 79, 100, 131])
+def test_help_is_wrapped_by_argparse_never_at_a_hyphen(columns, monkeypatch, capsys):
+    text = _help("serve", columns, monkeypatch, capsys)
+    assert not [line for line in text.splitlines() if line.rstrip().endswith("-") and line.strip() != "-"]
+    assert "vision-language" in text and "Batch-invariant" in text
+    assert "Batch-invariant kernels (the GEMMs" in " ".join(text.split())  # one sentence, one flow
+
+
+def test_deterministic_points_to_a_readme_section_that_the_lead_keeps(monkeypatch, capsys):
+    from autoprofile.config import README_REPRODUCIBLE
+    text = " ".join(_help("serve", 100, monkeypatch, capsys).split())
+    assert README_REPRODUCIBLE == "Reproducible output"
+    assert f'See the README section "{README_REPRODUCIBLE}".' in text and '"Seeds"' not in text
+
+
+SERVE_ONLY = {"--host", "--port", "--max_waiting_requests", "--allowed_media_domains", "--served_model_name",
+              "--api_key"}
+MEASURING = {"--load_format", "--tokenizer", "--seed", "--deterministic", "--kv_scales",
+             "--disable_prefix_caching", "--disable_overlap_schedule", "--shrink_ratio", "--max_retries",
+             "--report_dir", "--profile_cache"}
+
+
+def test_plan_lists_only_the_flags_plan_uses():
+    plan, profile, serve = _options("plan"), _options("profile"), _options("serve")
+    assert not plan & (SERVE_ONLY | MEASURING) and {"--gpu", "--gpu_memory_gib", "--json"} <= plan
+    assert profile == serve - SERVE_ONLY and plan - {"--gpu", "--gpu_memory_gib", "--json"} < profile
+    # every flag plan takes changes its plan (or names the card): none is there for show
+    from autoprofile import plan as plan_module
+    import inspect
+    used = set(re.findall(r"cfg\.(\w+)", inspect.getsource(plan_module)))
+    derived = {"context_len": "max_req_total_len", "canary_bytes": "canary_mb", "model_config": "model",
+               "kv_dtype_bytes": "kv_cache_dtype", "kv_dtype_name": "kv_cache_dtype"}
+    card = {"--quantization", "--gpu", "--gpu_memory_gib", "--json"}  # quantization: via model_config
+    flags = {f"--{derived.get(u, u)}" for u in used} | card
+    assert plan <= flags, plan - flags
+
+
+@pytest.mark.parametrize("flag, value", [("--host", "0.0.0.0"), ("--port", "9000"), ("--api_key", "k"),
+                                         ("--report_dir", "x"), ("--seed", "1"), ("--profile_cache", "")])
+def test_plan_refuses_a_flag_it_does_not_use(flag, value, capsys):
+    assert cli.main(["plan", "--gpu", "h100", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: {flag} is a flag of `autoprofile serve`, not of `plan`"), err
+
+
+def test_choices_are_argparse_choices():
+    from autoprofile import config
+    from autoprofile.plan import GPUS
+    from models.config import LOAD_FORMATS
+    actions = {a.dest: a for p in ("serve", "plan") for a in _subparser(p)._actions}
+    expect = {"attention_backend": config.ATTENTION_BACKENDS, "kv_cache_dtype": config.KV_DTYPES,
+              "dtype": config.MODEL_DTYPES, "kv_scales": config.KV_SCALES, "load_format": LOAD_FORMATS,
+              "quantization": config.QUANTIZATIONS, "gpu": tuple(sorted(GPUS))}
+    for dest, choices in expect.items():
+        assert tuple(actions[dest].choices) == tuple(choices), dest
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["serve", "--kv_cache_dtype", "fp8"], "--kv_cache_dtype: unknown value 'fp8'; did you mean fp8_e4m3? "
+                                           "choose one of auto, bfloat16, float16, float32, fp8_e4m3"),
+    (["plan", "--gpu", "h300"], "--gpu: unknown value 'h300'; did you mean h200?"),
+    (["serve", "--attention_backend", "flash"], "--attention_backend: unknown value 'flash'; choose one of "
+                                                "auto, aiter, aiter_triton, torch"),
+])
+def test_a_bad_choice_names_the_flag_and_the_choices(argv, text, capsys):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"error: {text}")
+
+
+def test_a_switch_written_with_a_value_says_it_takes_none(capsys):
+    assert cli.main(["serve", "--disable_cudagraph", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --disable_cudagraph: takes no value ('true' is not one)"), err
+    assert "unknown flag" not in err and "try --disable_cudagraph" in err
+    assert cli.main(["serve", "--model", "tiny", "--disable_cudagraph", "--tp", "2", "yes"]) == 2
+    assert "error: yes: unknown flag" in capsys.readouterr().err  # a stray word after a flag with a value
+
+
+@pytest.mark.parametrize("tp, model, heads, fits", [(3, "llama-3.1-8b", "32 query and 8 KV heads", 2),
+                                                    (6, "llama-3.1-8b", "32 query and 8 KV heads", 4),
+                                                    (16, "llama-3.1-8b", "32 query and 8 KV heads", 8),
+                                                    (3, "qwen2.5-7b", "28 query and 4 KV heads", 2),
+                                                    (5, "qwen2.5-7b", "28 query and 4 KV heads", 4)])
+def test_a_tp_that_does_not_divide_the_heads_suggests_the_nearest_that_does(tp, model, heads, fits, capsys):
+    assert cli.main(["serve", "--model", model, "--tp", str(tp)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --tp: {model} has {heads}, which --tp {tp} does not divide"), err
+    assert err.rstrip().endswith(f"try --tp {fits}")
+
+
+def test_nearest_divisor():
+    from autoprofile.config import nearest_divisor
+    assert [nearest_divisor(n, 8) for n in range(1, 12)] == [1, 2, 2, 4, 4, 4, 8, 8, 8, 8, 8]
+    assert nearest_divisor(5, 768) == 4 and nearest_divisor(7, 768) == 6 and nearest_divisor(3, 0) == 3
+
+
+@pytest.mark.parametrize("command", [["serve"], ["plan", "--gpu", "h100"]])
+def test_an_unsupported_architecture_names_the_supported_ones_by_family(command, tmp_path, capsys):
+    config = json.loads((ROOT / "models" / "configs" / "tiny" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"]}))
+    assert cli.main([*command, "--model", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--model: architecture MixtralForCausalLM is not one the engine serves" in err
+    for arch, family in [("LlamaForCausalLM", "dense"), ("Qwen2ForCausalLM", "dense"),
+                         ("Qwen3ForCausalLM", "dense"), ("Qwen3MoeForCausalLM", "MoE"),
+                         ("DeepseekV2ForCausalLM", "MLA + MoE"),
+                         ("Qwen2_5_VLForConditionalGeneration", "vision-language")]:
+        assert f"{arch} ({family})" in err
+    assert "dense Llama/Qwen" not in err
+
+
+@pytest.mark.parametrize("argv", [["plan", "--gpu", "h100"], ["plan", "--gpu", "h100", "--json"],
+                                  ["serve", "--help"]])
+def test_a_reader_that_leaves_early_ends_the_output_quietly(argv):
+    """`autoprofile plan ... | head -1`: the reader closes the pipe before the output is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "autoprofile.cli", *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 1)
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_plan_checks_no_flag_it_does_not_take(monkeypatch):
+    """plan writes no report and reads no API key: their checks (a writable --report_dir, a sendable
+    $AUTOPROFILE_API_KEY) would name flags that plan refuses."""
+    from autoprofile.config import API_KEY_ENV, config_from_args
+    monkeypatch.setenv(API_KEY_ENV, "not sendable")
+    ns = cli.build_parser().parse_args(["plan", "--gpu", "h100"])
+    cfg = config_from_args(ns, serving=False)
+    assert cfg.report_dir is None and cfg.api_key is None
+    serve = cli.build_parser().parse_args(["serve", "--api_key", "sk-1"])
+    assert config_from_args(serve, serving=False).report_dir == "autoprofile_report"

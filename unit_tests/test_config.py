@@ -28,7 +28,7 @@ def assert_cuda_untouched(spy) -> None:
 # (bad argv, flag named, suggested working value as printed, argv with the suggestion applied)
 BAD = [
     (["--tp", "0"], "tp", "--tp 1", ["--tp", "1"]),
-    (["--tp", "3"], "tp", "--tp 8", ["--tp", "8"]),
+    (["--tp", "3"], "tp", "--tp 2", ["--tp", "2"]),  # the nearest --tp that divides 32 and 8 heads
     (["--tp", "16"], "tp", "--tp 8", ["--tp", "8"]),
     (["--tp", "abc"], "tp", "--tp 1", ["--tp", "1"]),
     (["--mem_fraction", "0"], "mem_fraction", "try --mem_fraction 1.0", ["--mem_fraction", "1.0"]),
@@ -100,6 +100,9 @@ BAD = [
 ]
 
 
+SERVE_ONLY = ("host", "port", "max_waiting_requests")
+
+
 def test_at_least_22_bad_cases():
     assert len(BAD) >= 22
 
@@ -109,6 +112,9 @@ def test_at_least_22_bad_cases():
 def test_bad_flag_exits_2_naming_flag_and_fix(command, argv, flag, suggestion, fixed, cuda_spy, capsys):
     assert cli.main([command, *argv]) == 2
     err = capsys.readouterr().err
+    if command == "profile" and flag in SERVE_ONLY:  # not a flag of profile at all
+        assert err.startswith(f"error: --{flag}: --{flag} is a flag of `autoprofile serve`, not of `profile`")
+        return
     assert err.startswith(f"error: --{flag}: "), err
     assert suggestion in err, err
     assert_cuda_untouched(cuda_spy)
@@ -140,9 +146,10 @@ def test_hyphen_spelling_of_every_flag_works(cuda_spy):
     parser = cli.build_parser()
     ns = parser.parse_args(["plan", "--mem-fraction", "0.9", "--max-req-total-len", "4096",
                             "--gpu-memory-gib",
-                            "80", "--graph-max-batch-size", "64", "--disable-cudagraph", "--report-dir", ""])
+                            "80", "--graph-max-batch-size", "64", "--disable-cudagraph", "--page-size", "32"])
     assert (ns.mem_fraction, ns.max_req_total_len, ns.gpu_memory_gib, ns.graph_max_batch_size,
-            ns.disable_cudagraph, ns.report_dir) == (0.9, 4096, 80.0, 64, True, "")
+            ns.disable_cudagraph, ns.page_size) == (0.9, 4096, 80.0, 64, True, 32)
+    assert parser.parse_args(["serve", "--report-dir", ""]).report_dir == ""
     sub = next(a for a in parser._actions if a.dest == "command").choices["serve"]
     for action in sub._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
@@ -271,12 +278,18 @@ def test_a_flag_of_another_command_is_named_as_such_not_suggested_as_itself(cuda
     assert "did you mean" not in capsys.readouterr().err  # serve has no --json to mean
 
 
-@pytest.mark.parametrize("typed", ["--disable-cudagraph=1", "--disable_cudagraph=true",
-                                   "--disable-prefix-caching=0"])
+@pytest.mark.parametrize("typed", [["--disable-cudagraph=1"], ["--disable_cudagraph=true"],
+                                   ["--disable_cudagraph", "true"], ["--disable-prefix-caching=0"],
+                                   ["--disable_prefix_caching", "false"]])
 def test_a_value_given_to_a_switch_gets_a_suggestion_that_parses(typed, cuda_spy, capsys):
-    assert cli.main(["serve", typed]) == 2
+    assert cli.main(["serve", *typed]) == 2
     err = capsys.readouterr().err
-    suggestion = err.split("try ")[1].split()
+    switch = typed[0].split("=")[0].replace("-", "_").replace("__", "--", 1)
+    value = typed[0].split("=")[1] if "=" in typed[0] else typed[1]
+    assert err.startswith(f"error: {switch}: takes no value ('{value}' is not one)"), err
+    on = value in ("1", "true")
+    assert (f"try {switch}" in err) == on and ("leave it out" in err) != on
+    suggestion = [switch] if on else []
     cuda_spy["is_available"].side_effect = None
     cuda_spy["is_available"].return_value = False
     assert cli.main(["serve", *suggestion]) == 1, capsys.readouterr().err  # parsed and validated; no GPU

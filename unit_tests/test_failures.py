@@ -173,11 +173,13 @@ def test_min_usable_tokens_is_whole_pages_for_one_request_plus_the_pad_page():
 
 def test_config_recommends_the_smallest_usable_cache_and_the_cli_accepts_it(mocker, capsys):
     mocker.patch("torch.cuda.is_available", return_value=False)
-    assert cli.main(["serve", "--max_total_token_num", "131072"]) == 2
+    context = ["--max_req_total_len", "131072"]  # explicit: auto would cut it to what 131072 tokens hold
+    assert cli.main(["serve", "--max_total_token_num", "131072", *context]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --max_total_token_num: 131072 tokens is below the smallest usable cache")
     assert "try --max_total_token_num 131088" in err
-    assert cli.main(["serve", "--max_total_token_num", "131088"]) == 1  # validation passed; no GPU here
+    assert cli.main(["serve", "--max_total_token_num", "131088", *context]) == 1  # validated; no GPU here
+    assert cli.main(["serve", "--max_total_token_num", "131072"]) == 1  # auto: a context of 131056
     assert ServerConfig().min_usable_tokens == 131088
 
 
@@ -406,14 +408,15 @@ def test_config_json_that_is_a_folder_names_it(tmp_path, capsys):
     (["--gpu", "h100", "--batch_max_tokens", "999999999999"], "--batch_max_tokens",
      ["--gpu", "h100", "--batch_max_tokens", "8192"]),
     (["--gpu", "h100", "--canary_mb", "999999999"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
-    (["--gpu", "h100", "--canary_mb", "60000"], "--canary_mb", ["--gpu", "h100", "--canary_mb", "256"]),
+    (["--gpu", "h100", "--canary_mb", "60000", "--max_req_total_len", "131072"], "--canary_mb",
+     ["--gpu", "h100", "--canary_mb", "256", "--max_req_total_len", "131072"]),
     (["--gpu", "h100", "--mem_fraction", "0.000001"], "--mem_fraction",
      ["--gpu", "h100", "--mem_fraction", "1.0"]),
     (["--gpu", "h100", "--batch_max_tokens", "1000000"], "--batch_max_tokens", None),
     (["--gpu", "h100", "--attention_backend", "aiter"], "--attention_backend",
      ["--gpu", "h100", "--attention_backend", "aiter_triton"]),
     (["--gpu", "h100", "--max_total_token_num", "600000"], "--max_total_token_num", None),
-    (["--gpu_memory_gib", "24"], "--max_req_total_len", None),
+    (["--gpu_memory_gib", "24", "--max_req_total_len", "131072"], "--max_req_total_len", None),
     (["--gpu_memory_gib", "18"], "--tp", None),
 ])
 def test_plan_bad_input_exits_2_naming_the_flag_and_its_fix_works(argv, flag, fixed, capsys):

@@ -139,10 +139,20 @@ def test_moe_config_plans():
 
 
 def test_too_small_card_names_the_flag_to_change():
-    p = make_plan(validate(ServerConfig()), Card("small", 24 * GiB, "nvidia", "test"))
+    p = make_plan(validate(ServerConfig(max_req_total_len=131072)), Card("small", 24 * GiB, "nvidia", "test"))
     assert p.tokens < p.min_tokens
     assert p.problem_flag == "max_req_total_len" and "try --max_req_total_len" in p.problem
     assert "CANNOT SERVE AS CONFIGURED: --max_req_total_len" in format_plan(p)
+
+
+def test_auto_context_is_cut_as_the_profiler_cuts_it():
+    card = Card("small", 24 * GiB, "nvidia", "test")
+    full = make_plan(validate(ServerConfig(max_req_total_len=131072)), card)
+    p = make_plan(validate(ServerConfig()), card)  # --max_req_total_len auto
+    cut = (full.tokens // 16 - 1) * 16  # the longest request the full context's predicted cache holds
+    assert p.context_len == cut and p.problem is None and p.tokens >= p.min_tokens
+    assert f"serving requests of at most {cut} tokens" in format_plan(p)
+    assert make_plan(validate(ServerConfig()), Card("big", 80 * GiB, "nvidia", "test")).context_len == 131072
 
 
 def test_pinned_size_above_prediction_is_a_problem():

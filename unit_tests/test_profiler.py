@@ -390,3 +390,65 @@ def test_the_report_says_which_routings_an_moe_models_stress_forced(gpu):
     assert "under worst and balanced routing (worst: every token to the same 8 of 128 experts)" in \
         format_report(result)
     assert "routing" not in format_report(dataclasses.replace(result, forced_routings=()))  # a dense model
+
+
+# ---------------------------------------------------------------- --max_req_total_len auto
+AUTO = CFG.replace(max_req_total_len=None)  # llama-3.1-8b's context: 131,072 tokens
+
+
+def test_auto_context_is_cut_to_the_longest_request_the_measured_cache_holds(caplog):
+    gpu = FakeGPU(total=32 * GiB)
+    with gpu.patched(), caplog.at_level("WARNING"):
+        runner, prof = make(gpu, AUTO)
+        result = prof.run()
+    target = builds(runner)[1]
+    assert target < budget.min_usable_tokens(131072, 16, 8192, 256)  # the model's context does not fit
+    cut = (target // 16 - 1) * 16  # one request of it plus the pad page: exactly the target
+    assert result.cfg.max_req_total_len == cut and result.cfg.context_len == cut
+    assert budget.min_usable_tokens(cut, 16, 8192, 256) == target
+    assert ("cut_context", cut) in runner.events  # before the rebuild: the validated envelope is the cut one
+    rebuild = [i for i, e in enumerate(runner.events) if e[0] == "build"][1]
+    assert runner.events.index(("cut_context", cut)) < rebuild
+    assert runner.sizing.context_len == cut and prof.sizing.context_len == cut
+    assert result.tokens == target and result.attempts == 1
+    assert f"serving requests of at most {cut} tokens" in caplog.text and "131072" in caplog.text
+    assert result.context_cut_from == 131072
+    assert f"max_req_total_len = {cut} tokens (auto: the model's 131072 do not fit" in result.report_text()
+
+
+def test_auto_context_that_fits_is_the_models_own():
+    gpu = FakeGPU(total=80 * GiB)
+    with gpu.patched():
+        runner, prof = make(gpu, AUTO)
+        result = prof.run()
+    assert result.cfg.max_req_total_len is None and result.cfg.context_len == 131072
+    assert result.context_cut_from is None and "max_req_total_len = 131072 tokens\n" in result.report_text()
+    assert not [e for e in runner.events if e[0] == "cut_context"]
+
+
+def test_auto_context_cannot_help_when_the_decode_rows_alone_do_not_fit():
+    gpu = FakeGPU(total=32 * GiB)  # about 90,000 KV tokens: fewer than a page for each of 8192 rows
+    with gpu.patched():
+        runner, prof = make(gpu, AUTO.replace(running_max_req_size=8192))
+        with pytest.raises(ProfileError, match="fewer than the 131088"):
+            prof.run()
+    assert not [e for e in runner.events if e[0] == "cut_context"]
+
+
+def test_a_pinned_cache_with_auto_context_is_built_as_given_and_cuts_the_context(gpu):
+    runner, prof = make(gpu, AUTO.replace(max_total_token_num=50_000))
+    result = prof.run()
+    assert builds(runner) == [50_000] and result.pinned
+    assert result.cfg.context_len == (50_000 // 16 - 1) * 16
+
+
+def test_a_boot_from_the_profile_cache_cuts_the_same_context(tmp_path):
+    gpu = FakeGPU(total=32 * GiB)
+    with gpu.patched():
+        runner, prof = make(gpu, AUTO.replace(profile_cache=str(tmp_path)))
+        first = prof.run()
+        shutdown(gpu, runner)
+        runner, prof = make(gpu, AUTO.replace(profile_cache=str(tmp_path)))
+        second = prof.run()
+    assert second.reused_probe is not None
+    assert second.cfg.context_len == first.cfg.context_len < 131072

@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from autoprofile import server
-from autoprofile.config import ServerConfig, validate
+from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving.protocol import generate_body_bytes, max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
@@ -682,3 +682,34 @@ def test_sigterm_during_the_profile_exits_0_at_once():
             proc.kill()
             proc.wait()
     assert "stopped during startup" in rest
+
+
+def test_auto_context_that_does_not_fit_the_cache_is_cut_and_reported():
+    """--max_req_total_len unset (auto): tiny's 4096-token context needs a cache of 4112 tokens; a cache of
+    1024 serves requests of at most 1008 (one such request plus the pad page)."""
+    flags = {k: v for k, v in FLAGS.items() if k != "max_req_total_len"}
+    cfg = validate(ServerConfig(**flags, max_total_token_num=1024))
+    assert cfg.context_len == 4096
+    runner, result = boot_cpu(cfg, kv_tokens=1024)
+    try:
+        engine = LLMEngine.from_config(runner, cfg)
+        assert engine.envelope.max_req_total_len == 1008 == result.cfg.context_len
+
+        async def body(c, app):
+            h, m = await c.get("/health"), await c.get("/v1/models")
+            long = await post(c, "/v1/completions", greedy(n=1008))  # with the prompt: past 1008
+            fits = await post(c, "/v1/completions", greedy(n=8))
+            await idle(app)
+            return await h.json(), await m.json(), long, fits
+        health, models, long, fits = serve(engine, result, body, cfg=cfg)
+    finally:
+        runner.teardown()
+    assert health["max_req_total_len"] == 1008 and models["data"][0]["max_model_len"] == 1008
+    assert long[0] == 400 and "max_tokens" in json.dumps(long[1]) and "1008" in json.dumps(long[1])
+    assert fits[0] == 200
+
+
+def test_an_explicit_context_that_does_not_fit_a_pinned_cache_is_refused():
+    with pytest.raises(ConfigError, match="--max_total_token_num: 1024 tokens is below the smallest usable "
+                                          "cache, 4112 tokens"):
+        validate(ServerConfig(**{**FLAGS, "max_req_total_len": 4096}, max_total_token_num=1024))

@@ -134,6 +134,17 @@ class ModelRunner:
         self.staging = Staging() if self.device.type == "cuda" else None  # pinned buffers of step inputs
 
     # ------------------------------------------------------------ sizing
+    def cut_context(self, cfg: ServerConfig) -> None:
+        """Serve cfg's shorter --max_req_total_len (config.with_context_cut) from the next build on; the
+        model's rope table keeps the longer length it was loaded with."""
+        if self.kv is not None:
+            raise RuntimeError("cut_context() on a built runner: teardown() first")
+        if cfg.context_len > self.cfg.context_len:
+            raise ValueError(f"a context cut only shortens requests: {cfg.context_len} > "
+                             f"{self.cfg.context_len}")
+        self.cfg = cfg
+        self.buckets = budget.decode_buckets(cfg.context_len)
+
     def envelope_for(self, kv_pages: int) -> Envelope:
         cfg = self.cfg
         return Envelope.build(kv_pages=kv_pages, page_size=cfg.page_size, context_len=cfg.context_len,
