@@ -50,6 +50,8 @@ from autoprofile.serving.protocol import (BODY_MARGIN, BODY_OVERHEAD, APIError, 
                                           parse_completion, parse_generate, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import response
+from autoprofile.serving.structured import Grammars
+from autoprofile.serving.tools import ToolStream, parse_calls
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
@@ -73,6 +75,7 @@ class ServerState:
     phase: str = "starting"
     engine: AsyncEngine | None = None
     tokenizer: object = None
+    grammars: Grammars | None = None  # structured output's compiler and cache (serving.structured)
     limits: Limits | None = None
     result: object = None
     dead: str | None = None
@@ -253,9 +256,11 @@ async def _submit(st: ServerState, args: GenerateArgs):
     stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
     if args.images:
         args = await _with_images(st, args)
+    # structured output: a fresh matcher of the request's grammar (compiled off the loop, cached)
+    grammar = await st.grammars.matcher(args.structured) if args.structured is not None else None
     try:
         handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids,
-                                        mm=args.mm)
+                                        mm=args.mm, grammar=grammar)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
@@ -358,7 +363,12 @@ async def _complete(st: ServerState, args: GenerateArgs, handle) -> web.Response
     except EngineFailure as e:
         raise _engine_failure(e) from None
     rid = new_request_id(args.chat)
-    return web.json_response(response(args, rid, "".join(parts), reason, len(args.prompt_ids), tokens))
+    content, calls = "".join(parts), None
+    if args.tools is not None and args.tools.parses:
+        content, calls = parse_calls(content, args.tools.format)
+        calls = calls if args.tools.parallel else calls[:1]
+        reason = "tool_calls" if calls else reason
+    return web.json_response(response(args, rid, content, reason, len(args.prompt_ids), tokens, calls))
 
 
 async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, handle) -> web.StreamResponse:
@@ -370,7 +380,7 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, han
     async def send(body: dict) -> None:
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
-    tokens = 0
+    tokens, calls = 0, ToolStream(args.tools) if args.tools is not None and args.tools.parses else None
     try:
         if args.chat:
             await send(chunk(args, rid, created, None, role=True))
@@ -383,8 +393,14 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, han
             elif out.finished:
                 delta += text.finish()
                 reason = "stop" if text.stopped else _finish_reason(out)
+            new_calls = None
+            if calls is not None:
+                delta, new_calls = _tool_deltas(calls, delta, reason is not None)
+                reason = "tool_calls" if reason is not None and calls.calls else reason
             if delta:
                 await send(chunk(args, rid, created, delta))
+            if new_calls:
+                await send(chunk(args, rid, created, None, tool_calls=new_calls))
             if reason is not None:
                 await send(chunk(args, rid, created, None, finish_reason=reason))
                 break
@@ -399,6 +415,16 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, han
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _tool_deltas(calls: ToolStream, delta: str, last: bool) -> tuple[str, list[dict]]:
+    """A text delta split into content and the tool calls it completes (each with its stream index)."""
+    first = len(calls.calls)
+    content, new = calls.push(delta)
+    if last:
+        rest, more = calls.finish()
+        content, new = content + rest, new + more
+    return content, [{"index": first + k, **c} for k, c in enumerate(new)]
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -463,6 +489,7 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     st = app[STATE]
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg)
+    st.grammars = Grammars(st.tokenizer, cfg.model_config.vocab_size)  # its vocabulary for xgrammar, once
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:

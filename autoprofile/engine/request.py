@@ -47,6 +47,8 @@ class Request:
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
+    # structured output: an xgrammar.GrammarMatcher (engine.grammar), fed each output token once
+    grammar: object | None = None
 
     @property
     def pending(self) -> int:
