@@ -1,5 +1,6 @@
-"""Structured output in the engine (autoprofile.engine.grammar) on the tiny model, CPU, torch backend: every
-sampled answer follows its grammar, on both engines, through preemption; the stress masks every sampled row."""
+"""Structured output in the engine (autoprofile.engine.grammar) on the tiny model, CPU, torch backend:
+every sampled answer follows its grammar, on both engines, through preemption; the stress masks every
+sampled row."""
 from __future__ import annotations
 
 import json
@@ -58,10 +59,9 @@ def test_every_sampled_answer_follows_its_regex_on_both_engines(roomy, grammars,
 @pytest.mark.parametrize("overlap", [False, True])
 def test_json_schema_and_choice_answers_validate(roomy, grammars, overlap):
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer",
-                                                                                 "minimum": 0, "maximum": 99},
-                                               "tag": {"enum": ["x", "y", "zz"]}},
-              "required": ["ok", "n", "tag"]}
+    schema = {"type": "object", "required": ["ok", "n", "tag"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "tag": {"enum": ["x", "y", "zz"]}}}
     engine = LLMEngine(roomy, overlap=overlap)
     answers = _answers(engine, grammars, Spec("json", json.dumps(schema), "s"), PROMPTS, [5, 6, 7, 8], 60)
     for text, reason in answers:

@@ -8,7 +8,6 @@ import asyncio
 import json
 import re
 
-import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -81,9 +80,9 @@ def test_json_object_parses_and_the_completions_endpoint_takes_it_too(run):
         chat = await asyncio.gather(*[oa.chat.completions.create(
             model="tiny", messages=MSG, max_tokens=200, temperature=0.7, seed=s,
             response_format={"type": "json_object"}) for s in range(3)])
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
         comp = await oa.completions.create(model="tiny", prompt="Hi", max_tokens=80, temperature=1.0, seed=3,
-                                           extra_body={"response_format": {"type": "json_schema", "json_schema": {
-                                               "name": "a", "schema": SCHEMA}}})
+                                           extra_body={"response_format": fmt})
         return chat, comp
     chat, comp = run(body)
     for out in chat:
@@ -101,7 +100,8 @@ def test_structured_outputs_choice_regex_grammar_and_guided_fields_constrain(run
             "structured_outputs": {"regex": r"\d{3}-[A-Z]{2}"}}) for s in range(3)]
         ebnf = await oa.completions.create(prompt="G", seed=1, **kw, extra_body={
             "structured_outputs": {"grammar": 'root ::= "<" ("ab" | "c")+ ">"'}})
-        guided = await oa.completions.create(prompt="G", seed=2, **kw, extra_body={"guided_choice": ["yes", "no"]})
+        guided = await oa.completions.create(prompt="G", seed=2, **kw,
+                                             extra_body={"guided_choice": ["yes", "no"]})
         return choice, regex, ebnf, guided
     choice, regex, ebnf, guided = run(body)
     assert all(c.choices[0].text in ("alpha", "beta", "gamma delta") for c in choice)
@@ -116,13 +116,15 @@ def test_an_invalid_schema_regex_or_grammar_is_a_400_naming_the_field(run):
         kw = dict(model="tiny", messages=MSG, max_tokens=8)
         return [await refused(oa.chat.completions.create(**kw, response_format={
                     "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "nope"}}})),
-                await refused(oa.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "a(("}})),
+                await refused(oa.chat.completions.create(**kw, extra_body={
+                    "structured_outputs": {"regex": "a(("}})),
                 await refused(oa.chat.completions.create(**kw, extra_body={
                     "structured_outputs": {"grammar": "root ::= "}})),
                 await refused(oa.chat.completions.create(**kw, response_format={"type": "xml"})),
                 await refused(oa.chat.completions.create(**kw, response_format={"type": "json_object"},
                                                          extra_body={"guided_regex": "a"})),
-                await refused(oa.chat.completions.create(**kw, extra_body={"structured_outputs": {"regx": "a"}}))]
+                await refused(oa.chat.completions.create(**kw, extra_body={
+                    "structured_outputs": {"regx": "a"}}))]
     errs = run(body)
     assert [e.status_code for e in errs] == [400] * 6
     assert [e.param for e in errs] == ["response_format.json_schema.schema", "structured_outputs.regex",

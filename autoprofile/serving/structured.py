@@ -1,11 +1,11 @@
-"""Structured output requests: what a body asks for (OpenAI's `response_format`, vLLM's `structured_outputs`
-and its older `guided_*` fields, a forced tool call), compiled by xgrammar into a grammar, one matcher per
-request for the engine (autoprofile.engine.grammar).
+"""Structured output requests: what a body asks for (OpenAI's `response_format`, vLLM's
+`structured_outputs` and its older `guided_*` fields, a forced tool call), compiled by xgrammar into a
+grammar, one matcher per request for the engine (autoprofile.engine.grammar).
 
     spec = parse_structured(body)                  # None, or a Spec naming the field it came from
     grammars = Grammars(tokenizer, vocab_size)     # the tokenizer's xgrammar.TokenizerInfo, built once
     matcher = await grammars.matcher(spec)         # compiled on a worker thread, cached by its text;
-                                                   # an invalid schema/regex/grammar is a 400 naming spec.param
+                                                   # invalid (schema, regex, grammar): a 400 naming spec.param
 
 JSON is compact (xgrammar's any_whitespace off: no unbounded runs of whitespace), and an object takes only
 the properties its schema names (xgrammar's strict mode; OpenAI's `strict` asks for that too).
@@ -24,7 +24,8 @@ from models.config import BYTE_OFFSET, FIRST_FOLDED
 CACHE_SIZE = 256  # compiled grammars kept, by their kind and text
 FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ def _schema_text(value, param: str) -> str:
 
 def _response_format(value) -> Spec | None:
     if not isinstance(value, dict) or value.get("type") not in FORMATS:
-        raise bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"}"
-                  " or {\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}")
+        raise bad("response_format", "'response_format' must be {\"type\": \"text\"}, "
+                  "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                  "{\"name\", \"schema\", \"strict\"}}")
     extra = set(value) - {"type", "json_schema"}
     if extra:
         raise bad(f"response_format.{min(extra)}", f"unknown field 'response_format.{min(extra)}'")
@@ -69,7 +71,8 @@ def _response_format(value) -> Spec | None:
         raise bad(f"response_format.json_schema.{min(extra)}",
                   f"unknown field 'response_format.json_schema.{min(extra)}'")
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise bad("response_format.json_schema.strict", "'response_format.json_schema.strict' must be a boolean")
+        raise bad("response_format.json_schema.strict",
+                  "'response_format.json_schema.strict' must be a boolean")
     if js.get("schema") is None:
         return Spec("json_object", "", "response_format.json_schema")
     param = "response_format.json_schema.schema"
@@ -133,7 +136,8 @@ def tokenizer_info(tokenizer, vocab_size: int):
                                       stop_token_ids=stop, add_prefix_space=meta["add_prefix_space"])
     encoded = [b"" if i in tokenizer.specials else bytes([i - BYTE_OFFSET]) if i < FIRST_FOLDED
                else tokenizer.decode([i]).encode() for i in range(vocab_size)]
-    return xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+    return xgrammar.TokenizerInfo(encoded, xgrammar.VocabType.RAW, vocab_size=vocab_size,
+                                  stop_token_ids=stop)
 
 
 def _ebnf_literal(text: str) -> str:
@@ -141,7 +145,7 @@ def _ebnf_literal(text: str) -> str:
 
 
 class Grammars:
-    """Compiles specs for one tokenizer (xgrammar.GrammarCompiler), keeps the last CACHE_SIZE by their text."""
+    """Compiles specs for one tokenizer (xgrammar.GrammarCompiler); keeps the last CACHE_SIZE by text."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
         import xgrammar

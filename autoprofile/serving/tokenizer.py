@@ -49,7 +49,8 @@ BYTE_CHAT_TEMPLATE = """\
 {{- '<|assistant|>\\n' + m.content }}
 {%- for c in m.tool_calls %}
 {%- set c = c.function if c.function is defined else c %}
-{{- '<tool_call>\\n{"name": "' + c.name + '", "arguments": ' }}{{- c.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{{- '<tool_call>\\n{"name": "' + c.name + '", "arguments": ' }}{{- c.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '\\n' }}
 {%- elif m.role == 'tool' %}

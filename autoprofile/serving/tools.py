@@ -5,7 +5,7 @@ Formats, chosen from the chat template's text (as vLLM's tool parsers are named)
 - hermes (Qwen2.5, Qwen3): each call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`;
 - llama3_json (Llama 3.1): the reply is `{"name": ..., "parameters": {...}}` (after an optional
   `<|python_tag|>`), several joined by `;`.
-tool_choice "required" or a named function is a grammar (serving.structured, kinds tool_hermes/tool_llama): the
+tool_choice "required" or a named function is a grammar (serving.structured: tool_hermes, tool_llama): the
 reply is exactly one call of a tool the request names, its arguments valid for the tool's parameters, so it
 always parses. "auto" parses what the model writes; "none" renders the tools and parses nothing.
 Streaming (ToolStream): text before a call streams as content; once a call starts it is held and sent whole
@@ -60,8 +60,8 @@ def tool_format(tokenizer) -> str | None:
 
 def _function(i: int, t) -> dict:
     where = f"tools[{i}]"
-    if not (isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"),
-                                                                                         dict)):
+    if not (isinstance(t, dict) and t.get("type", "function") == "function"
+            and isinstance(t.get("function"), dict)):
         raise bad(where, f"'{where}' must be {{\"type\": \"function\", \"function\": {{\"name\", "
                   "\"description\", \"parameters\"}}")
     f = t["function"]
@@ -71,7 +71,8 @@ def _function(i: int, t) -> dict:
                   f"'_', '.' or '-', got {name!r:.80}")
     params = f.get("parameters")
     if params is not None and not isinstance(params, dict):
-        raise bad(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON schema object")
+        raise bad(f"{where}.function.parameters",
+                  f"'{where}.function.parameters' must be a JSON schema object")
     out = {"name": name}
     if isinstance(f.get("description"), str):
         out["description"] = f["description"]
@@ -100,7 +101,8 @@ def parse_tools(body: dict, tokenizer) -> Tools | None:
     functions = tuple(_function(i, t) for i, t in enumerate(tools))
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
-        raise bad("tools", f"'tools' names a function twice: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        twice = sorted(n for n in names if names.count(n) > 1)[0]
+        raise bad("tools", f"'tools' names the function '{twice}' twice")
     fmt = tool_format(tokenizer)
     if fmt is None:
         raise bad("tools", "this model's chat template does not render tools (no tool-call format known for "
@@ -199,8 +201,7 @@ class ToolStream:
         self.calls: list[dict] = []
 
     def _keep(self, calls: list[dict]) -> list[dict]:
-        room = 1 if not self.tools.parallel else len(calls)
-        out = calls[:max(room - self.sent, 0)]
+        out = calls if self.tools.parallel else calls[:max(1 - self.sent, 0)]
         self.sent += len(out)
         self.calls += out
         return out
