@@ -72,6 +72,7 @@ def test_every_sampled_answer_satisfies_the_json_schema(run):
     for out in outs:
         assert out.choices[0].finish_reason == "stop", out
         jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+        assert list(json.loads(out.choices[0].message.content)) == ["ok", "n", "tag"]  # the schema's order
     assert len({o.choices[0].message.content for o in outs}) > 1
 
 

@@ -90,3 +90,52 @@ def test_tools_fields_are_checked_and_a_forced_choice_is_a_grammar():
     with pytest.raises(APIError) as e:
         parse_tools({"tools": [FN]}, plain)
     assert e.value.param == "tools" and "does not render tools" in e.value.message
+
+
+def test_forced_call_grammars_accept_exactly_a_call_of_the_named_tools():
+    pytest.importorskip("xgrammar")
+    from autoprofile.serving.structured import Grammars
+    other = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    llama_tok = ByteTokenizer(4096, eos_token_ids=[2])
+    llama_tok.chat = ChatTemplate('{% if tools %}{"name": ..., "parameters": ...}{% endif %}'
+                                  "{% for m in messages %}{{ m.content }}{% endfor %}")
+    grammars = Grammars(TOK, 4096)
+
+    def accepts(spec, text):
+        m = grammars.new_matcher(spec)
+        return m.accept_string(text) and m.is_completed()
+    required = parse_tools({"tools": [FN, other], "tool_choice": "required"}, TOK).forced
+    assert accepts(required, '<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>')
+    assert accepts(required,
+                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n</tool_call>')
+    assert not accepts(required, '<tool_call>\n{"name": "add", "arguments": {"a": "3"}}\n</tool_call>')
+    assert not accepts(required, '<tool_call>\n{"name": "sub", "arguments": {"a": 3}}\n</tool_call>')
+    choice = {"type": "function", "function": {"name": "add"}}
+    named = parse_tools({"tools": [FN, other], "tool_choice": choice}, llama_tok).forced
+    assert named.kind == "tool_llama"
+    assert accepts(named, '{"name": "add", "parameters": {"a": 3}}')
+    assert not accepts(named, '{"name": "get_weather", "parameters": {"city": "x"}}')
+
+
+def test_grammars_compile_off_the_event_loop_once_per_text():
+    pytest.importorskip("xgrammar")
+    import asyncio
+    import threading
+    from autoprofile.serving.structured import Grammars, Spec
+    grammars = Grammars(TOK, 4096, cache_size=2)
+    threads = []
+    real = grammars._compile
+
+    def compile_(spec):
+        threads.append(threading.current_thread())
+        return real(spec)
+    grammars._compile = compile_
+
+    async def main():
+        return [await grammars.matcher(Spec("regex", r, "regex"))
+                for r in ("a+", "a+", "b+", "a+", "c+", "b+")]
+    matchers = asyncio.run(main())
+    assert threading.main_thread() not in threads
+    assert grammars.compiles == 4  # a+, b+ (a+ again: cached), c+ evicts b+ (least recent): b+ again
+    assert len({id(m) for m in matchers}) == 6  # a fresh matcher per request

@@ -46,7 +46,7 @@ def _schema_text(value, param: str) -> str:
             raise bad(param, f"'{param}' must be a JSON schema (an object, or its JSON text)") from None
     if not isinstance(value, (dict, bool)):
         raise bad(param, f"'{param}' must be a JSON schema object, got {type(value).__name__}")
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=False)  # NOTE: key order is the output's order
 
 
 def _response_format(value) -> Spec | None:

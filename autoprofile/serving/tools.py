@@ -127,7 +127,7 @@ def parse_tools(body: dict, tokenizer) -> Tools | None:
         schema = (_call_schema(picked[0], key) if len(picked) == 1
                   else {"anyOf": [_call_schema(f, key) for f in picked]})
         forced = Spec("tool_hermes" if fmt == HERMES else "tool_llama",
-                      json.dumps(schema, sort_keys=True, ensure_ascii=False), "tools")
+                      json.dumps(schema, ensure_ascii=False), "tools")
     return Tools(functions, choice, name, True if parallel is None else parallel, fmt, forced)
 
 
