@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Literal
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -211,7 +212,7 @@ def test_langchain_bind_tools_and_structured_output(booted):
         ok: bool
         tag: str = pydantic.Field(max_length=4)
 
-    def get_weather(city: str, days: int) -> str:
+    def get_weather(city: Literal["Oslo", "Lima"], days: int) -> str:  # random weights: bounded strings
         """the forecast of a city"""
         return "sunny"
 
@@ -222,14 +223,14 @@ def test_langchain_bind_tools_and_structured_output(booted):
         async with TestClient(TestServer(app)) as c:
             url = str(c.make_url("/v1"))
             assert url.startswith("http://127.0.0.1:")
-            llm = lc.ChatOpenAI(base_url=url, api_key="unused", model="tiny", max_tokens=120, temperature=1.0,
+            llm = lc.ChatOpenAI(base_url=url, api_key="unused", model="tiny", max_tokens=200, temperature=1.0,
                                 seed=3, max_retries=0)
             msg = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke("weather?")
             answer = await llm.with_structured_output(Answer, method="json_schema").ainvoke("answer")
             return msg, answer
     msg, answer = asyncio.run(main())
     (call,) = msg.tool_calls
-    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "days"}
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Oslo", "Lima")
     assert isinstance(call["args"]["days"], int)
     assert isinstance(answer, Answer) and len(answer.tag) <= 4
     assert engine.stats.pages_used == 0
