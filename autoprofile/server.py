@@ -76,6 +76,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     tokenizer: object = None
     grammars: Grammars | None = None  # structured output's compiler and cache (serving.structured)
+    grammars_error: str | None = None  # why there is none
     limits: Limits | None = None
     result: object = None
     dead: str | None = None
@@ -257,7 +258,12 @@ async def _submit(st: ServerState, args: GenerateArgs):
     if args.images:
         args = await _with_images(st, args)
     # structured output: a fresh matcher of the request's grammar (compiled off the loop, cached)
-    grammar = await st.grammars.matcher(args.structured) if args.structured is not None else None
+    grammar = None
+    if args.structured is not None:
+        if st.grammars is None:
+            raise bad(args.structured.param, "structured output is not available with this model's tokenizer "
+                      f"({st.grammars_error})", code="unsupported_value")
+        grammar = await st.grammars.matcher(args.structured)
     try:
         handle = await st.engine.submit(args.prompt_ids, sampling_params(args), args.max_tokens, stop_ids,
                                         mm=args.mm, grammar=grammar)
@@ -489,7 +495,12 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
     st = app[STATE]
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg)
-    st.grammars = Grammars(st.tokenizer, cfg.model_config.vocab_size)  # its vocabulary for xgrammar, once
+    try:  # the tokenizer's vocabulary for xgrammar, once
+        st.grammars = Grammars(st.tokenizer, cfg.model_config.vocab_size)
+    except Exception as e:  # noqa: BLE001 - the server serves on; structured requests get a 400 saying why
+        st.grammars_error = f"{type(e).__name__}: {e}"
+        log.warning("structured output and forced tool calls are off: xgrammar cannot read the tokenizer "
+                    "(%s)", st.grammars_error)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:
