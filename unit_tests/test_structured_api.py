@@ -234,4 +234,3 @@ def test_langchain_bind_tools_and_structured_output(booted):
     assert isinstance(call["args"]["days"], int)
     assert isinstance(answer, Answer) and len(answer.tag) <= 4
     assert engine.stats.pages_used == 0
-
