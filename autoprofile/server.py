@@ -53,6 +53,8 @@ from autoprofile.serving.protocol import choice as choice_body
 from autoprofile.serving.protocol import response
 from autoprofile.serving.choices import Choice, best, merged
 from autoprofile.serving.logprobs import chat_content, completion_block, echo_entries
+from autoprofile.serving.structured import Grammars
+from autoprofile.serving.tools import ToolStream, parse_calls
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
@@ -76,6 +78,8 @@ class ServerState:
     phase: str = "starting"
     engine: AsyncEngine | None = None
     tokenizer: object = None
+    grammars: Grammars | None = None  # structured output's compiler and cache (serving.structured)
+    grammars_error: str | None = None  # why there is none
     limits: Limits | None = None
     result: object = None
     dead: str | None = None
@@ -261,9 +265,16 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
 async def _submit(st: ServerState, args: GenerateArgs, index: int = 0):
     """Queue choice `index` of a request (its images loaded already: _with_images)."""
     stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    # structured output: each choice its own matcher of the request's grammar (compiled off the loop, cached)
+    grammar = None
+    if args.structured is not None:
+        if st.grammars is None:
+            raise bad(args.structured.param, "structured output is not available with this model's tokenizer "
+                      f"({st.grammars_error})", code="unsupported_value")
+        grammar = await st.grammars.matcher(args.structured)
     try:
         handle = await st.engine.submit(args.prompt_ids, sampling_params(args, index), args.max_tokens,
-                                        stop_ids, mm=args.mm)
+                                        stop_ids, mm=args.mm, grammar=grammar)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
@@ -410,14 +421,20 @@ async def _complete(st: ServerState, args: GenerateArgs, choices: list[Choice]) 
     bodies = []
     for i, c in enumerate(best(choices, args.n)):
         text, entries = ("", []) if args.echo_only else ("".join(c.parts), c.entries)
-        bodies.append(choice_body(args, prefix + text, c.reason, i,
-                                  _logprobs_body(st, args, c, entries, echo, 0)))
+        reason, calls = c.reason, None
+        if args.tools is not None and args.tools.parses:
+            text, calls = parse_calls(text, args.tools.format)
+            calls = calls if args.tools.parallel else calls[:1]
+            reason = "tool_calls" if calls else reason
+        bodies.append(choice_body(args, text if text is None else prefix + text, reason, i,
+                                  _logprobs_body(st, args, c, entries, echo, 0), calls))
     tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
     first = bodies[0]
     rid = new_request_id(args.chat)
-    return web.json_response(response(args, rid, first["message"]["content"] if args.chat else first["text"],
-                                      first["finish_reason"], len(args.prompt_ids), tokens,
-                                      first["logprobs"], bodies[1:]))
+    text = first["message"]["content"] if args.chat else first["text"]
+    calls = first["message"].get("tool_calls") if args.chat else None
+    return web.json_response(response(args, rid, text, first["finish_reason"], len(args.prompt_ids), tokens,
+                                      first["logprobs"], bodies[1:], calls))
 
 
 async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
@@ -430,6 +447,8 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
     async def send(body: dict) -> None:
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
+    tools = {c.index: ToolStream(args.tools) for c in choices} \
+        if args.tools is not None and args.tools.parses else {}
     try:
         if args.chat:
             for c in choices:
@@ -442,11 +461,19 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
             if args.echo and c.index not in echoed:
                 echoed.add(c.index)
                 prefix, echo = _echo(st, args, choices)
+            new_calls = None
+            if c.index in tools:
+                calls = tools[c.index]
+                delta, new_calls = _tool_deltas(calls, delta, c.reason is not None)
+                if c.reason is not None and calls.calls:
+                    c.reason = "tool_calls"
             lps = _logprobs_body(st, args, c, new, echo, c.offset) if new or echo else None
             if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
                 c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
             if prefix + delta or lps:
                 await send(chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps))
+            if new_calls:
+                await send(chunk(args, rid, created, None, index=c.index, tool_calls=new_calls))
             if c.reason is not None:
                 await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index))
         if args.include_usage:
@@ -461,6 +488,16 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def _tool_deltas(calls: ToolStream, delta: str, last: bool) -> tuple[str, list[dict]]:
+    """A text delta split into content and the tool calls it completes (each with its stream index)."""
+    first = len(calls.calls)
+    content, new = calls.push(delta)
+    if last:
+        rest, more = calls.finish()
+        content, new = content + rest, new + more
+    return content, [{"index": first + k, **c} for k, c in enumerate(new)]
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -528,6 +565,12 @@ def activate(app: web.Application, engine, result, tokenizer=None) -> None:
         st.cfg = st.cfg.replace(max_req_total_len=context)
     cfg = st.cfg
     st.tokenizer = tokenizer or load_tokenizer(cfg)
+    try:  # the tokenizer's vocabulary for xgrammar, once
+        st.grammars = Grammars(st.tokenizer, cfg.model_config.vocab_size)
+    except Exception as e:  # noqa: BLE001 - the server serves on; structured requests get a 400 saying why
+        st.grammars_error = f"{type(e).__name__}: {e}"
+        log.warning("structured output and forced tool calls are off: xgrammar cannot read the tokenizer "
+                    "(%s)", st.grammars_error)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:

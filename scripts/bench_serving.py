@@ -203,6 +203,16 @@ def image_size(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r:.80}")
+    return value
+
+
 def sampling_fields(args: argparse.Namespace) -> dict:
     """--temperature / --top-p / --top-k as the request's fields (vLLM's benchmark flags)."""
     fields = {"temperature": args.temperature}
@@ -210,7 +220,7 @@ def sampling_fields(args: argparse.Namespace) -> dict:
         fields["top_p"] = args.top_p
     if args.top_k is not None:
         fields["top_k"] = args.top_k
-    return fields
+    return {**fields, **args.extra_body}
 
 
 SOAK_IMAGE_SIZES = ((1400, 1000), (1280, 720), (640, 480), (300, 2000), (2000, 60), (56, 56))
@@ -659,6 +669,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=None, help="every request's top_p")
     p.add_argument("--top-k", type=int, default=None, help="every request's top_k")
+    p.add_argument("--extra-body", type=json_object, default={},
+                   help="fields added to every request's body (vLLM's flag), e.g. "
+                   '\'{"response_format": {"type": "json_schema", "json_schema": {"name": "a", '
+                   '"schema": {...}}}}\'')
     p.add_argument("--metric-percentiles", default="50,90,99")
     p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
     p.add_argument("--request-timeout", type=float, default=900,

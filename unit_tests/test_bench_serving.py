@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -110,6 +111,11 @@ def test_sampled_requests_carry_the_flags_and_complete(booted):  # noqa: F811
     import random
     jobs = bench_serving.random_jobs(3, 8, 4, 0.0, random.Random(0), bench_serving.sampling_fields(args))
     assert [j.sampling for j in jobs] == [{"temperature": 0.8, "top_p": 0.9, "top_k": 20}] * 3
+    fmt = {"response_format": {"type": "json_object"}}
+    extra = bench_serving.parse_args(["--extra-body", json.dumps(fmt)])
+    assert bench_serving.sampling_fields(extra) == {"temperature": 0.0, **fmt}
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--extra-body", "[1]"])
     s = _run_bench(booted, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "16",
                             "--random-output-len", "8", "--temperature", "0.8", "--top-p", "0.9"])
     assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 48

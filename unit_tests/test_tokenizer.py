@@ -156,3 +156,25 @@ def test_streamed_text_is_the_whole_text_cut_at_the_first_completed_stop(text, s
     hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
     assert "".join(parts) == (text[:min(hits)[1]] if hits else text)
     assert stopped == bool(hits)
+
+
+def test_a_tokenizer_json_vocabulary_reaches_xgrammar_as_text(model_dir):
+    """Byte-level BPE pieces ("Ġ" for a space) are given to xgrammar decoded: a grammar's mask allows exactly
+    the tokens whose text continues it; special tokens are never allowed, EOS only at the end."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from autoprofile.serving.structured import Grammars, Spec
+    tok = load_tokenizer(ServerConfig(model=str(model_dir)))
+    vocab = tok.tok.get_vocab_size()
+    m = Grammars(tok, vocab).new_matcher(Spec("regex", "hello world", "regex"))
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert any(tok.decode([i]).startswith(" ") for i in ids)  # a piece that holds the space
+    mask = xgrammar.allocate_token_bitmask(1, vocab)
+    for i in ids:
+        m.fill_next_token_bitmask(mask)
+        allowed = {t for t in range(vocab) if mask[0, t // 32] >> (t % 32) & 1}
+        assert i in allowed and not allowed & tok.special_ids
+        assert all("hello world".startswith(tok.decode(ids[:ids.index(i)]) + tok.decode([t]))
+                   for t in allowed)
+        assert m.accept_token(i)
+    m.fill_next_token_bitmask(mask)
+    assert {t for t in range(vocab) if mask[0, t // 32] >> (t % 32) & 1} == {2, 3}  # the EOS ids

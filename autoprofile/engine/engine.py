@@ -13,7 +13,9 @@ and the tests. Not thread-safe: one thread (the server's engine loop) owns it an
 Overlap (LLMEngine(runner, overlap=True), the server's default on one GPU; SGLang's overlap scheduler): step()
 schedules and launches the next step before it waits for the step in flight, so the host's scheduling, input
 building and token handling run while the GPU computes, and step() returns the outputs of the step before
-(scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs.
+(scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs. A step that samples for
+a request with a grammar (structured output) is read back before the next step is scheduled: the grammar's
+next mask is filled on the host from its tokens (engine.grammar), so such steps do not overlap.
 
 A step that raises ends its prefill rows' requests with finish_reason "error" (a decode step's: all of them);
 a mixed step's decode rows give back the pages it granted them (Scheduler.rollback: the device's page table
@@ -83,7 +85,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,
-                    mm: MultiModalInput | None = None) -> str:
+                    mm: MultiModalInput | None = None, grammar=None) -> str:
         """Queue a request; returns its id. Raises RequestError naming the field ("prompt", "max_tokens",
         "request_id") when it can never be served: empty prompt, ids outside the vocabulary,
         prompt + max_tokens > --max_req_total_len, or more pages than the whole cache holds."""
@@ -110,7 +112,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{arrival}"
         if mm is not None:
             self._check_images(mm, len(prompt))
-        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival, mm=mm)
+        req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival, mm=mm,
+                      grammar=grammar)
         pages = math.ceil(req.max_len / self.envelope.page_size)
         if pages > self.scheduler.allocator.capacity:
             capacity = self.scheduler.allocator.capacity * self.envelope.page_size
@@ -159,6 +162,10 @@ class LLMEngine:
         step, then return the outputs of the one launched before it."""
         ended, self._ended = self._ended, []
         outputs = [self._report(req) for req in ended]
+        if self._inflight is not None and has_grammar(self._inflight[0]):
+            # a grammar's next mask is filled on the host from the tokens before: read them back first
+            before, self._inflight = self._inflight, None
+            outputs += self._collect(*before, outputs)
         with HostTimer(self.clock, "schedule"):
             step = self.scheduler.schedule()
         launched = self._launch(step, outputs) if step is not None else None
@@ -266,3 +273,8 @@ def keep_logprobs(step: Step, sampled: list[int]) -> None:
     for row, entry in zip((r for r in step.all_rows if r.sample), lps):
         if entry is not None and row.applied and not row.request.finished:
             row.request.output_logprobs.append(entry)
+
+
+def has_grammar(step: Step) -> bool:
+    """A row of the step samples for a request with a grammar (structured output: engine.grammar)."""
+    return any(r.sample and r.request is not None and r.request.grammar is not None for r in step.all_rows)

@@ -52,6 +52,8 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # structured output: an xgrammar.GrammarMatcher (engine.grammar), fed each output token once
+    grammar: object | None = None
 
     @property
     def pending(self) -> int:

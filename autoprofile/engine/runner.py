@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from autoprofile import budget
@@ -20,6 +21,7 @@ from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu, 
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
+from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
@@ -124,6 +126,7 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.envelope: Envelope | None = None
         self.req_table: ReqTable | None = None
+        self.bitmask: TokenBitmask | None = None  # structured output's per-row token mask (engine.grammar)
         self.graphs: DecodeGraphs | None = None
         # [encoder_images, image_tokens, hidden]: images awaiting prefill
         self.mm_buffer: torch.Tensor | None = None
@@ -220,6 +223,7 @@ class ModelRunner:
             self.kv_scales_pending = self.kv_scale_source == "first_batch"
             self.envelope = env
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
+            self.bitmask = TokenBitmask(env.sampled_rows, mc.vocab_size, self.device)
             if env.encoder_images:
                 self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size,
                                              dtype=self.dtype,
@@ -245,7 +249,7 @@ class ModelRunner:
             self.graphs.teardown()
         self.graphs = None
         self.backend.teardown()
-        self.req_table = self.kv = self.envelope = self.mm_buffer = None
+        self.req_table = self.kv = self.envelope = self.mm_buffer = self.bitmask = None
         self.built_tokens = None
         if self.device.type == "cuda":
             release_cublas_workspaces()
@@ -294,6 +298,7 @@ class ModelRunner:
                 self.clock.ended()
                 return StepTokens(NO_TOKENS, lps)
             lps, raw = self._sampled_logprobs(rows, logits, lps)  # the raw logits' (before any processor)
+            self._mask(logits, rows)  # structured output (engine.grammar), right before the sampler
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
@@ -334,6 +339,14 @@ class ModelRunner:
         return StepLogprobs(kp=kp, prompt=scores, spans=tuple(spans),
                             prompt_ks=tuple(rows[i].params.prompt_logprobs for i, *_ in spans),
                             prompt_ids=tuple(targets.tolist()))
+
+    def _mask(self, logits: torch.Tensor, rows: list[StepRow]) -> None:
+        """The grammar rows' token bitmask on their logits; the stress masks every sampled row."""
+        if self.stressing:
+            self.bitmask.apply_stress(logits)
+            return
+        self.bitmask.apply(logits, [(i, r.request.grammar) for i, r in enumerate(rows)
+                                    if r.request is not None and r.request.grammar is not None])
 
     def _calibrates(self, step: Step) -> bool:
         """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first

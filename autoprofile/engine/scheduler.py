@@ -31,6 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from autoprofile.engine.grammar import advance
 from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.kv_cache import PageAllocator
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
@@ -355,7 +356,8 @@ class Scheduler:
             at = req.num_known
             req.output_ids[at] = token
             got.append(req)
-            if token in req.stop_token_ids:
+            ended = req.grammar is not None and advance(req.grammar, token)
+            if token in req.stop_token_ids or ended:
                 self.finish(req, "stop")
             elif at + 1 >= req.max_tokens:
                 self.finish(req, "length")

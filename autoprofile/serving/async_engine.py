@@ -208,7 +208,7 @@ class AsyncEngine:
         return self.outstanding + n <= self.capacity
 
     async def submit(self, prompt_ids: Sequence[int], params, max_tokens: int,
-                     stop_token_ids: Sequence[int] = (), mm=None) -> RequestHandle:
+                     stop_token_ids: Sequence[int] = (), mm=None, grammar=None) -> RequestHandle:
         """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it,
         EngineFailure("dead") once the loop is dead."""
         if self.dead is not None:
@@ -221,7 +221,7 @@ class AsyncEngine:
         self._idle.clear()
         added = handle.added = self._loop.create_future()
         self._inbox.put(("add", handle.request_id,
-                         (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm),
+                         (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm, grammar),
                          added))
         try:
             await added
@@ -328,10 +328,10 @@ class AsyncEngine:
                 self._live.discard(cmd[1])
                 self.engine.abort(cmd[1])
             return
-        _, rid, (prompt, params, max_tokens, stop_ids, mm), added = cmd
+        _, rid, (prompt, params, max_tokens, stop_ids, mm, grammar), added = cmd
         try:
             self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid,
-                                    mm=mm)
+                                    mm=mm, **({"grammar": grammar} if grammar is not None else {}))
         except RequestError as e:
             self._post(settle, added, e)
             return

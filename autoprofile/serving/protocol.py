@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autoprofile.serving.errors import APIError, bad
+from autoprofile.serving.structured import parse_structured
+from autoprofile.serving.tools import parse_tools, refuse_unrendered_tool_defs
 
 INT64 = 1 << 63
 MAX_STOP = 16  # stop strings per request
@@ -147,9 +149,9 @@ FIELDS: dict[str, Field] = {
     "echo": _served(COMPLETIONS),
     "presence_penalty": _refused(0), "frequency_penalty": _refused(0), "logit_bias": _refused({}),
     "suffix": _refused(""),
-    "tools": _refused([], CHAT), "tool_choice": _refused("none", CHAT),
-    "parallel_tool_calls": _refused(None, CHAT), "functions": _refused([], CHAT),
-    "function_call": _refused("none", CHAT), "response_format": _refused({"type": "text"}, CHAT),
+    "tools": _served(CHAT), "tool_choice": _served(CHAT), "parallel_tool_calls": _served(CHAT),
+    "functions": _refused([], CHAT), "function_call": _refused("none", CHAT),
+    "response_format": _served(), "structured_outputs": _served(),  # structured output (serving.structured)
     "modalities": _refused(["text"], CHAT),
     **{k: _refused(None, CHAT) for k in ("audio", "reasoning_effort", "web_search_options", "prediction",
                                          "verbosity")},
@@ -158,8 +160,8 @@ FIELDS: dict[str, Field] = {
     "min_tokens": _refused(0), "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
     "bad_words": _refused([]),
-    **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids", "guided_json", "guided_regex",
-                                   "guided_choice", "guided_grammar")},
+    **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids")},
+    **{k: _served() for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     "add_generation_prompt": _refused(True, CHAT), "continue_final_message": _refused(False, CHAT),
     "chat_template": _refused(None, CHAT), "chat_template_kwargs": _refused({}, CHAT),
 }
@@ -253,6 +255,8 @@ class GenerateArgs:
     n: int = 1  # choices returned
     best_of: int = 1  # choices generated (the n with the highest cumulative logprob are returned)
     echo_only: bool = False  # max_tokens 0 with echo: one token is generated and dropped
+    structured: object = None  # serving.structured.Spec: the grammar the output follows
+    tools: object = None  # serving.tools.Tools: the tools the reply may call (chat)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -378,7 +382,7 @@ def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
         raise bad("prompt", "the prompt encodes to no tokens")
     n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
     return GenerateArgs(prompt_ids=ids, max_tokens=n, logprobs=logprobs, echo=echo, prompt_text=prompt_text,
-                        **args)
+                        structured=parse_structured(body), **args)
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -515,11 +519,20 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
     if not (isinstance(messages, list) and messages):
         raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
     images = []
+    structured, tools = parse_structured(body), parse_tools(body, tokenizer)
+    if tools is not None and tools.forced is not None:
+        if structured is not None:
+            raise bad(structured.param, f"'{structured.param}' and 'tool_choice' "
+                      f"{show(body['tool_choice'])} both constrain the output: send one")
+        structured = tools.forced
+    args.update(structured=structured, tools=tools)
     try:
         turns = [_message(i, m, limits, images) for i, m in enumerate(messages)]
         _refuse_special_fields(turns, tokenizer)
         _refuse_unrendered_tools(turns, tokenizer)
-        rendered = tokenizer.render_chat(turns)
+        rendered = tokenizer.render_chat(turns, tools=tools.rendered if tools is not None else None)
+        if tools is not None:
+            refuse_unrendered_tool_defs(tools, rendered.text)
     except ChatTemplateError as e:
         raise bad("messages", str(e)) from None
     if rendered.client is None:
@@ -584,32 +597,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(args: GenerateArgs, text: str, finish_reason: str, index: int = 0, logprobs: dict | None = None
-           ) -> dict:
+def choice(args: GenerateArgs, text: str | None, finish_reason: str, index: int = 0,
+           logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     if args.chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def response(args: GenerateArgs, rid: str, text: str, finish_reason: str, prompt_tokens: int,
-             completion_tokens: int, logprobs: dict | None = None, more: list[dict] = ()) -> dict:
+def response(args: GenerateArgs, rid: str, text: str | None, finish_reason: str, prompt_tokens: int,
+             completion_tokens: int, logprobs: dict | None = None, more: list[dict] = (),
+             tool_calls: list[dict] | None = None) -> dict:
     """more: the choices after the first (n > 1: `choice` bodies, index 1..)."""
     return {"id": rid, "object": "chat.completion" if args.chat else "text_completion",
             "created": int(time.time()),
-            "model": args.model, "choices": [choice(args, text, finish_reason, 0, logprobs), *more],
+            "model": args.model, "choices": [choice(args, text, finish_reason, 0, logprobs, tool_calls), *more],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def chunk(args: GenerateArgs, rid: str, created: int, text: str | None, finish_reason: str | None = None,
           role: bool = False, usage_body: dict | None = None, index: int = 0,
-          logprobs: dict | None = None) -> dict:
-    """One stream chunk of choice `index`: a text delta (with its tokens' logprobs), the closing
-    finish_reason, or (choices empty) the usage."""
+          logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """One stream chunk of choice `index`: a text delta (with its tokens' logprobs), tool calls (each with its
+    index), the closing finish_reason, or (choices empty) the usage."""
     if usage_body is not None:
         choices = []
     elif args.chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
         choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]

@@ -33,8 +33,35 @@ log = logging.getLogger(__name__)
 
 PRINTABLE = 95  # ' ' .. '~'
 # Built-in models have no chat template of their own; this one names each role and ends ready for the reply.
-BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Its tools section and tool turns follow Qwen2.5's template (hermes: <tools>, <tool_call>, <tool_response>),
+# shortened: the tiny models' contexts are a few hundred byte tokens.
+BYTE_CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|system|>\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n' }}{%- endif %}
+{{- '# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\nCall: <tool_call>\\n{"name": <name>, "arguments": <args>}\\n</tool_call>\\n' }}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' and loop.first and tools %}
+{%- elif m.role == 'assistant' and m.tool_calls %}
+{{- '<|assistant|>\\n' + m.content }}
+{%- for c in m.tool_calls %}
+{%- set c = c.function if c.function is defined else c %}
+{{- '<tool_call>\\n{"name": "' + c.name + '", "arguments": ' }}{{- c.arguments | tojson }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '\\n' }}
+{%- elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|user|>' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '\\n' }}{%- endif %}
+{%- else %}
+{{- '<|' + m.role + '|>\\n' + m.content + '\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"""
 CONTEXT_TOKENS = 5  # prompt tokens that give the first output token its detokenization context (as vLLM)
 
 
@@ -104,18 +131,19 @@ class ChatTemplate:
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         self.template = env.from_string(source)
+        self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from jinja2 import TemplateError
         try:
             return self.template.render(messages=messages, add_generation_prompt=True,
                                         bos_token=self.bos_token,
-                                        eos_token=self.eos_token, tools=None)
+                                        eos_token=self.eos_token, tools=tools or None)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
 
-    def render_chat(self, messages: list[dict]) -> RenderedChat:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
         """messages' content: a string (the client's) or a list of pieces (Verbatim: the server's). Rendered
         twice, the second time with a slot for each client text, to learn where those texts lie."""
         nonce = secrets.token_hex(8)
@@ -131,9 +159,9 @@ class ChatTemplate:
                     slots.append(f"\x00{nonce}.{len(texts)}\x00")
                     texts.append((i, p))
             marked.append({**m, "content": "".join(slots)})
-        text = self.render(plain)
+        text = self.render(plain, tools)
         slot = re.compile(f"\x00{nonce}\\.(\\d+)\x00")
-        return RenderedChat(text, client_spans(self.render(marked), slot, [t for _, t in texts], text),
+        return RenderedChat(text, client_spans(self.render(marked, tools), slot, [t for _, t in texts], text),
                             tuple(texts))
 
 
@@ -169,11 +197,11 @@ class ByteTokenizer:
         out.append(raw.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self.chat.render(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self.chat.render(messages, tools)
 
-    def render_chat(self, messages: list[dict]) -> RenderedChat:
-        return self.chat.render_chat(messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
+        return self.chat.render_chat(messages, tools)
 
 
 class HFTokenizer:
@@ -235,11 +263,11 @@ class HFTokenizer:
                                     "chat_template): use /v1/completions")
         return self.chat
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return self._template().render(messages)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        return self._template().render(messages, tools)
 
-    def render_chat(self, messages: list[dict]) -> RenderedChat:
-        return self._template().render_chat(messages)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
+        return self._template().render_chat(messages, tools)
 
 
 def _read_json(path: Path) -> dict:

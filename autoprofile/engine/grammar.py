@@ -1,0 +1,82 @@
+"""Structured output in the engine: a request's grammar matcher (xgrammar.GrammarMatcher, made by the serving
+layer: autoprofile.serving.structured) masks the logits of its sampled rows, and advances by the tokens read
+back.
+
+    mask = TokenBitmask(rows=env.sampled_rows, vocab_size, device)   # one owner: the runner (build/teardown)
+    mask.apply(logits, [(row, matcher), ...])   # before sampling: disallowed tokens' logits = -inf, in place
+    advance(matcher, token)                     # Scheduler.resolve, once per token read back: True = ended
+
+The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinned on CUDA), one copy up,
+xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: after the logits processors,
+right before the sampler; not inside the sampler kernel). The stress (ModelRunner._stress) applies a
+full-size mask to every sampled row of every corner.
+
+A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
+recomputed, preempted request is not fed again: its matcher already holds its tokens). The host fills the
+next mask from the matcher, so the overlapped engine reads a step with grammar rows back before it
+schedules the next step (LLMEngine.step).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return math.ceil(vocab_size / 32)
+
+
+def bitmask_bytes(rows: int, vocab_size: int) -> int:
+    """Device bytes of the mask (the host copy is pinned host memory)."""
+    return rows * bitmask_width(vocab_size) * 4
+
+
+class TokenBitmask:
+    """The per-row token bitmask of the envelope's sampled rows (host + device)."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device):
+        self.rows, self.vocab_size, self.device = rows, vocab_size, device
+        shape = (rows, bitmask_width(vocab_size))
+        self.host = torch.full(shape, -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.dev = self.host if device.type != "cuda" else torch.full(shape, -1, dtype=torch.int32,
+                                                                      device=device)
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
+        """Mask logits [sampled rows, vocab] in place at `rows` [(row index, matcher)]; nothing if empty."""
+        if not rows:
+            return
+        for i, matcher in rows:
+            matcher.fill_next_token_bitmask(self.host, i)
+        self._apply(logits, [i for i, _ in rows])
+
+    def apply_stress(self, logits: torch.Tensor) -> None:
+        """The stress: a mask on every sampled row (each allows every token but id 0: a real mask's work and
+        bytes, the corner's tokens still sampled from the rest of the vocabulary)."""
+        n = logits.shape[0]
+        self.host[:n].fill_(-1)
+        self.host[:n, 0] = -2
+        self._apply(logits, list(range(n)))
+
+    def _apply(self, logits: torch.Tensor, index: list[int]) -> None:
+        import xgrammar
+        if len(index) > self.rows:
+            raise RuntimeError(f"{len(index)} masked rows, the bitmask holds {self.rows}")
+        n = max(index) + 1
+        if self.dev is not self.host:
+            # NOTE: the host rows are written again only once this step is read back (LLMEngine.step)
+            self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, self.dev[:n], vocab_size=self.vocab_size,
+                                             indices=index if len(index) < logits.shape[0] else None)
+
+
+def advance(matcher, token: int) -> bool:
+    """Feed a sampled token to a request's matcher; True when its grammar is done (terminated, or the token
+    was not one it allows: the request ends rather than go on outside its grammar)."""
+    if not matcher.accept_token(token):
+        log.warning("a grammar rejected sampled token %d: the request ends", token)
+        return True
+    return matcher.is_terminated()

@@ -1,0 +1,139 @@
+"""Structured output in the engine (autoprofile.engine.grammar) on the tiny model, CPU, torch backend:
+every sampled answer follows its grammar, on both engines, through preemption; the stress masks every
+sampled row."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.grammar import TokenBitmask, bitmask_width
+from autoprofile.engine.sampling import SamplingParams
+from autoprofile.serving.structured import Grammars, Spec
+from autoprofile.serving.tokenizer import ByteTokenizer
+from unit_tests.test_scheduler import run_all, tiny_runner
+
+pytest.importorskip("xgrammar")
+
+TOK = ByteTokenizer(4096, eos_token_ids=[2], specials=[1])
+WORD = r"[a-e]{12,20}"  # long enough that a tight cache preempts its requests mid-answer
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(TOK, 4096)
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    return tiny_runner(2048)
+
+
+def _answers(engine: LLMEngine, grammars: Grammars, spec: Spec, prompts: list[list[int]], seeds: list[int],
+             max_tokens: int = 40) -> list[tuple[str, str]]:
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s), max_tokens, stop_token_ids={2},
+                              grammar=grammars.new_matcher(spec)) for p, s in zip(prompts, seeds)]
+    out = run_all(engine)
+    return [(TOK.decode(out[i][0]), out[i][1]) for i in ids]
+
+
+PROMPTS = [[(7 * i + j) % 4000 + 3 for j in range(10 + 5 * i)] for i in range(4)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_sampled_answer_follows_its_regex_on_both_engines(roomy, grammars, overlap):
+    spec = Spec("regex", WORD, "regex")
+    engine = LLMEngine(roomy, overlap=overlap)
+    free = LLMEngine(roomy, overlap=overlap).generate(PROMPTS, SamplingParams(temperature=1.0, seed=1), 20)
+    assert not any(re.fullmatch(WORD, TOK.decode(o)) for o in free)  # unconstrained, the model writes noise
+    answers = _answers(engine, grammars, spec, PROMPTS, [1, 2, 3, 4])
+    for text, reason in answers:
+        assert re.fullmatch(WORD, text) and reason == "stop", (text, reason)
+    assert len({t for t, _ in answers}) > 1  # sampled, not one forced string
+    assert engine.stats.pages_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_json_schema_and_choice_answers_validate(roomy, grammars, overlap):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "required": ["ok", "n", "tag"],
+              "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "tag": {"enum": ["x", "y", "zz"]}}}
+    engine = LLMEngine(roomy, overlap=overlap)
+    answers = _answers(engine, grammars, Spec("json", json.dumps(schema), "s"), PROMPTS, [5, 6, 7, 8], 60)
+    for text, reason in answers:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    choices = ["red", "green", "blue"]
+    picked = _answers(engine, grammars, Spec("choice", json.dumps(choices), "c"), PROMPTS * 2, list(range(8)))
+    assert all(t in choices and r == "stop" for t, r in picked), picked
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_survives_preemption_and_the_answer_is_the_unpreempted_one(roomy, grammars, overlap):
+    """A preempted request is recomputed from its prompt and tokens: its matcher must hold each token once
+    (fed again, the grammar would be past its end or refuse the next token)."""
+    spec = Spec("regex", r"[a-e]{30,50}", "regex")
+    prompts = [[(3 * i + j) % 4000 + 3 for j in range(40)] for i in range(3)]
+    seeds = [11, 12, 13]
+    want = _answers(LLMEngine(roomy, overlap=overlap), grammars, spec, prompts, seeds, 60)
+    tight = LLMEngine(tiny_runner(160), overlap=overlap)  # 9 pages: three requests of up to 7 pages each
+    got = _answers(tight, grammars, spec, prompts, seeds, 60)
+    assert tight.stats.preemptions > 0
+    assert got == want
+    for text, reason in got:
+        assert re.fullmatch(r"[a-e]{30,50}", text) and reason == "stop", (text, reason)
+    assert tight.stats.pages_used == 0
+
+
+def test_the_overlapped_engine_reads_a_grammar_step_back_before_the_next_launch(roomy, grammars):
+    engine = LLMEngine(roomy, overlap=True)
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=3), 30, grammar=grammars.new_matcher(
+        Spec("regex", WORD, "regex")))
+    plain = engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=3), 30)
+    seen = []
+    real = roomy.launch
+
+    def launch(step):
+        req = next(r.request for r in step.all_rows if r.request.grammar is not None) if any(
+            r.request.grammar is not None for r in step.all_rows) else None
+        seen.append(req.pending if req is not None else None)
+        return real(step)
+    roomy.launch = launch
+    try:
+        out = run_all(engine)
+    finally:
+        del roomy.launch
+    assert [p for p in seen if p is not None] and all(p == 0 for p in seen if p is not None)
+    assert len(out[plain][0]) == 30
+
+
+def test_the_stress_masks_every_sampled_row_of_every_corner(roomy):
+    widths = []
+    real = TokenBitmask._apply
+
+    def spy(self, logits, index):
+        widths.append((logits.shape[0], len(index)))
+        return real(self, logits, index)
+    TokenBitmask._apply = spy
+    try:
+        shapes = roomy.stress_prefill() + roomy.stress_decode()
+    finally:
+        TokenBitmask._apply = real
+    env = roomy.envelope
+    assert len(widths) == len(shapes) and all(rows == masked for rows, masked in widths)
+    assert max(m for _, m in widths) == env.sampled_rows
+    assert roomy.bitmask.host.shape == (env.sampled_rows, bitmask_width(4096))
+
+
+def test_the_bitmask_masks_only_the_grammar_rows(grammars):
+    mask = TokenBitmask(4, 4096, torch.device("cpu"))
+    logits = torch.zeros(3, 4096)
+    m = grammars.new_matcher(Spec("regex", "b+", "regex"))
+    mask.apply(logits, [(1, m)])
+    allowed = (logits[1] == 0).nonzero().flatten().tolist()
+    assert allowed and {TOK.decode([i]) for i in allowed} == {"b"}
+    assert torch.equal(logits[0], torch.zeros(4096)) and torch.equal(logits[2], torch.zeros(4096))

@@ -1,0 +1,141 @@
+"""The tool-call formats (autoprofile.serving.tools): hermes (Qwen2.5/Qwen3) and llama3_json (Llama 3.1)
+replies parsed into OpenAI tool_calls, whole and streamed at every split point; tools' request fields."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autoprofile.serving.errors import APIError
+from autoprofile.serving.tokenizer import ByteTokenizer, ChatTemplate
+from autoprofile.serving.tools import HERMES, LLAMA, Tools, ToolStream, parse_calls, parse_tools
+
+TOK = ByteTokenizer(4096, eos_token_ids=[2])
+FN = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+HERMES_REPLY = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n'
+                '</tool_call>')
+LLAMA_REPLY = ('{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+               '{"name": "get_weather", "parameters": {}}')
+
+
+def _shape(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_hermes_and_llama_replies_parse_into_tool_calls():
+    content, calls = parse_calls(HERMES_REPLY, HERMES)
+    assert content == "Let me look." and _shape(calls) == [("get_weather", {"city": "Oslo"}),
+                                                           ("get_weather", {"city": "Lima"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    content, calls = parse_calls(LLAMA_REPLY, LLAMA)
+    assert content is None and _shape(calls) == [("get_weather", {"city": "Oslo"}), ("get_weather", {})]
+    assert _shape(parse_calls('<|python_tag|>{"name": "f", "arguments": {"a": 1}}', LLAMA)[1]) == [
+        ("f", {"a": 1})]
+    # text that is no call stays text
+    assert parse_calls("<tool_call>\n{not json}\n</tool_call>", HERMES) == (
+        "<tool_call>\n{not json}\n</tool_call>", [])
+    assert parse_calls("The answer is {x}", LLAMA) == ("The answer is {x}", [])
+    assert parse_calls("plain", HERMES) == ("plain", [])
+
+
+@pytest.mark.parametrize("fmt, reply", [(HERMES, HERMES_REPLY), (LLAMA, LLAMA_REPLY),
+                                        (HERMES, "no call <tool_ at all"), (LLAMA, "  plain words")])
+def test_a_streamed_reply_gives_the_same_content_and_calls_at_every_split(fmt, reply):
+    tools = Tools((FN["function"],), "auto", None, True, fmt, None)
+    want_content, want_calls = parse_calls(reply, fmt)
+    for cut in range(len(reply) + 1):
+        for pieces in ([reply[:cut], reply[cut:]], list(reply) if cut == 0 else None):
+            if pieces is None:
+                continue
+            s = ToolStream(tools)
+            content, calls = "", []
+            for p in pieces:
+                c, new = s.push(p)
+                content, calls = content + c, calls + new
+            c, new = s.finish()
+            content, calls = content + c, calls + new
+            assert _shape(calls) == _shape(want_calls), (cut, pieces)
+            assert content.strip() == (want_content or "").strip(), (cut, content)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    s = ToolStream(Tools((FN["function"],), "auto", None, False, HERMES, None))
+    _, calls = s.push(HERMES_REPLY)
+    assert _shape(calls) == [("get_weather", {"city": "Oslo"})] and s.finish() == ("", [])
+
+
+def test_tools_fields_are_checked_and_a_forced_choice_is_a_grammar():
+    body = {"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    tools = parse_tools(body, TOK)
+    assert tools.format == HERMES and tools.forced.kind == "tool_hermes" and tools.choice == "function"
+    schema = json.loads(tools.forced.source)
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert parse_tools({"tools": [FN]}, TOK).forced is None
+    assert parse_tools({"tools": [FN], "tool_choice": "required"}, TOK).forced is not None
+    for bad_body, param in [({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                             "tool_choice"),
+                            ({"tools": [FN], "tool_choice": "sometimes"}, "tool_choice"),
+                            ({"tool_choice": "required"}, "tool_choice"),
+                            ({"tools": [FN, FN]}, "tools"),
+                            ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+                             "tools[0].function.name"),
+                            ({"tools": [FN], "parallel_tool_calls": "yes"}, "parallel_tool_calls")]:
+        with pytest.raises(APIError) as e:
+            parse_tools(bad_body, TOK)
+        assert e.value.status == 400 and e.value.param == param, (bad_body, e.value.message)
+    plain = ByteTokenizer(4096)
+    plain.chat = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(APIError) as e:
+        parse_tools({"tools": [FN]}, plain)
+    assert e.value.param == "tools" and "does not render tools" in e.value.message
+
+
+def test_forced_call_grammars_accept_exactly_a_call_of_the_named_tools():
+    pytest.importorskip("xgrammar")
+    from autoprofile.serving.structured import Grammars
+    other = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    llama_tok = ByteTokenizer(4096, eos_token_ids=[2])
+    llama_tok.chat = ChatTemplate('{% if tools %}{"name": ..., "parameters": ...}{% endif %}'
+                                  "{% for m in messages %}{{ m.content }}{% endfor %}")
+    grammars = Grammars(TOK, 4096)
+
+    def accepts(spec, text):
+        m = grammars.new_matcher(spec)
+        return m.accept_string(text) and m.is_completed()
+    required = parse_tools({"tools": [FN, other], "tool_choice": "required"}, TOK).forced
+    assert accepts(required, '<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>')
+    assert accepts(required,
+                   '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n</tool_call>')
+    assert not accepts(required, '<tool_call>\n{"name": "add", "arguments": {"a": "3"}}\n</tool_call>')
+    assert not accepts(required, '<tool_call>\n{"name": "sub", "arguments": {"a": 3}}\n</tool_call>')
+    choice = {"type": "function", "function": {"name": "add"}}
+    named = parse_tools({"tools": [FN, other], "tool_choice": choice}, llama_tok).forced
+    assert named.kind == "tool_llama"
+    assert accepts(named, '{"name": "add", "parameters": {"a": 3}}')
+    assert not accepts(named, '{"name": "get_weather", "parameters": {"city": "x"}}')
+
+
+def test_grammars_compile_off_the_event_loop_once_per_text():
+    pytest.importorskip("xgrammar")
+    import asyncio
+    import threading
+    from autoprofile.serving.structured import Grammars, Spec
+    grammars = Grammars(TOK, 4096, cache_size=2)
+    threads = []
+    real = grammars._compile
+
+    def compile_(spec):
+        threads.append(threading.current_thread())
+        return real(spec)
+    grammars._compile = compile_
+
+    async def main():
+        return [await grammars.matcher(Spec("regex", r, "regex"))
+                for r in ("a+", "a+", "b+", "a+", "c+", "b+")]
+    matchers = asyncio.run(main())
+    assert threading.main_thread() not in threads
+    assert grammars.compiles == 4  # a+, b+ (a+ again: cached), c+ evicts b+ (least recent): b+ again
+    assert len({id(m) for m in matchers}) == 6  # a fresh matcher per request
