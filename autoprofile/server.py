@@ -125,7 +125,18 @@ def body_bounds(cfg) -> dict[str, BodyBound]:
 
 
 def sampling_params(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
+                          min_p=args.min_p, min_tokens=args.min_tokens)
+
+
+def text_ids(args, out) -> list[int]:
+    """The ids whose text the client gets: a stop_token_ids token that ended the request is no text."""
+    ids = out.new_token_ids
+    if out.finish_reason == "stop" and ids and ids[-1] in args.stop_token_ids:
+        return ids[:-1]
+    return ids
 
 
 def served_names(cfg) -> tuple[str, ...]:
@@ -250,7 +261,8 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
 
 
 async def _submit(st: ServerState, args: GenerateArgs):
-    stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    eos = () if args.ignore_eos else st.tokenizer.eos_token_ids
+    stop_ids = sorted({*eos, *args.stop_token_ids})
     if args.images:
         args = await _with_images(st, args)
     try:
@@ -346,7 +358,7 @@ async def _complete(st: ServerState, args: GenerateArgs, handle) -> web.Response
     parts, reason, tokens = [], None, 0
     try:
         async for out in handle:
-            parts.append(text.push(out.new_token_ids))
+            parts.append(text.push(text_ids(args, out)))
             tokens = out.completion_tokens
             if text.stopped:
                 reason = "stop"
@@ -375,7 +387,7 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs, han
         if args.chat:
             await send(chunk(args, rid, created, None, role=True))
         async for out in handle:
-            delta, tokens = text.push(out.new_token_ids), out.completion_tokens
+            delta, tokens = text.push(text_ids(args, out)), out.completion_tokens
             reason = None
             if text.stopped:
                 reason = "stop"

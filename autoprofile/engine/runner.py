@@ -24,7 +24,7 @@ from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspace
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
-from autoprofile.engine import stress
+from autoprofile.engine import logits_process, stress
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
@@ -363,6 +363,10 @@ class ModelRunner:
             if not rows:
                 self.clock.ended()
                 return StepTokens(NO_TOKENS)
+            processed = logits_process.processed_rows([r.params for r in rows])
+            if processed:  # penalties, logit_bias, min_tokens, min_p: in place, before the sampler
+                tokens_of = [logits_process.row_tokens(rows[i]) for i in processed]
+                logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens)
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
