@@ -172,8 +172,9 @@ def process_bytes_per_row(vocab_size: int) -> int:
 
 def sampler_workspace_bytes(rows: int, vocab_size: int, dtype_bytes: int = 4) -> int:
     """Worst-case transient bytes of one step's processors then sample() call over `rows` rows of
-    `dtype_bytes` logits (the logits themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS / PROCESS_ROWS rows whatever
-    `rows` (the processors' transients are freed before the sampler runs), + 64 bytes per row of outputs."""
+    `dtype_bytes` logits (the logits themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS / PROCESS_ROWS
+    rows whatever `rows` (the processors' transients are freed before the sampler runs), + 64 bytes per row
+    of outputs."""
     return (max(min(rows, SORT_ROWS) * sort_bytes_per_row(vocab_size, dtype_bytes),
                 min(rows, CHUNK_ROWS) * fast_bytes_per_row(vocab_size),
                 min(rows, PROCESS_ROWS) * process_bytes_per_row(vocab_size)) + 64 * rows)
