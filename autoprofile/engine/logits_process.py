@@ -123,7 +123,7 @@ def _apply_chunk(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[Row
     if nb:
         x.index_put_((b_row, b_ids), b_val, accumulate=True)
     if len(ints[7]):
-        x.index_put_((s_row, s_ids), torch.tensor(float("-inf"), device=dev))
+        x.index_put_((s_row, s_ids), torch.full((), float("-inf"), device=dev))  # a fill: no blocking copy
     if len(ints[3]):  # a penalized row: the counts of its output tokens
         if last_tokens is not None:
             pending = o_ids < 0

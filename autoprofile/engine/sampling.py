@@ -92,7 +92,8 @@ GREEDY = SamplingParams()
 # The sampler's memory worst case (top_k above PREFILTER: the full sort, SORT_ROWS rows at a time)
 # Every stress row runs every logits processor too (their per-row transients: logits_process), with a bias
 # and a min_tokens that masks its stop tokens.
-PROCESSORS = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.01,
+# min_p's memory does not depend on its value; 1e-6 masks nothing that STRESS_WIDE's nucleus would keep.
+PROCESSORS = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=1e-6,
                   min_tokens=1 << 30, logit_bias=((0, 1.0),))
 STRESS = SamplingParams(temperature=0.8, top_p=0.9, top_k=PREFILTER + 1, **PROCESSORS)
 # The other memory-heavy path: top-p without top-k whose nucleus outgrows the prefilter (a temperature
