@@ -352,3 +352,23 @@ def test_bad_values_are_400s_naming_the_field(run, endpoint, field, value):
     e = run(body)
     assert isinstance(e, openai.BadRequestError) and e.param == field, (e.param, e.message)
     assert field in e.message
+
+
+def test_penalized_requests_preempted_mixed_and_overlapped_give_the_plain_engines_tokens():
+    """A cache so small that requests are preempted and recomputed (their counts rebuilt from the tokens they
+    kept), mixed steps, the overlapped engine: the same penalized greedy and seeded tokens as a roomy plain
+    engine, and the penalties change them (the test can fail)."""
+    from unit_tests.test_scheduler import tiny_runner
+    prompts = [[(11 * i + j) % 4000 + 1 for j in range(15 + 9 * i)] for i in range(4)]
+    params = [SamplingParams(presence_penalty=1.1, frequency_penalty=0.7, repetition_penalty=1.4),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=7, repetition_penalty=1.5, min_p=0.1,
+                             min_tokens=30)] * 2
+    roomy = tiny_runner(2048)
+    want = LLMEngine(roomy).generate(prompts, params, max_tokens=40)
+    plain = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=7)] * 2
+    assert want != LLMEngine(roomy).generate(prompts, plain, max_tokens=40)
+    tight = LLMEngine(tiny_runner(160), overlap=True)
+    log = tight.runner.step_log = []
+    assert tight.generate(prompts, params, max_tokens=40) == want
+    assert tight.stats.preemptions > 0 and tight.stats.pages_used == 0
+    assert any(s.prefill_tokens and s.decode_rows for s in log), "no mixed step ran"
