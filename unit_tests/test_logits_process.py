@@ -99,6 +99,13 @@ def test_presence_and_frequency_count_output_tokens_only_and_repetition_both():
     assert x[0].tolist() == [2.0, 1.0, 2.0, 1.0 - 0.5 - 0.5, 1.0 - 0.5 - 0.25, 2.0, 2.0, 2.0]
 
 
+def test_repetition_penalizes_the_prompt_before_any_output_token():
+    """The first token (a prefill row, no output yet): the prompt's tokens are penalized already."""
+    x = torch.tensor([[4.0, -4.0, 4.0, 1.0]])
+    logits_process.apply(x, [0], [_row(SamplingParams(repetition_penalty=4.0), prompt=[0, 1], output=[])])
+    assert x[0].tolist() == [1.0, -16.0, 4.0, 1.0]
+
+
 def test_a_pending_output_token_is_read_from_the_slots_last_token_on_the_device():
     """The overlapped engine: the last output token is PENDING on the host; its count comes from
     ReqTable.last_tokens[slot]."""

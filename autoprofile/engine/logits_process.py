@@ -124,7 +124,7 @@ def _apply_chunk(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[Row
         x.index_put_((b_row, b_ids), b_val, accumulate=True)
     if len(ints[7]):
         x.index_put_((s_row, s_ids), torch.full((), float("-inf"), device=dev))  # a fill: no blocking copy
-    if len(ints[3]):  # a penalized row: the counts of its output tokens
+    if any(t.params.penalized for t in tokens):  # the counts of the output tokens (none yet: zeros)
         if last_tokens is not None:
             pending = o_ids < 0
             o_ids = torch.where(pending, last_tokens[(-1 - o_ids).clamp_(min=0)].long(), o_ids)
