@@ -54,8 +54,10 @@ def row_tokens(row) -> RowTokens:
     if req is None:
         context = np.resize(np.asarray(row.ids, dtype=np.int64), row.start + len(row.ids))
         return RowTokens(row.params, context, context, (), row.slot)
-    return RowTokens(row.params, np.asarray(req.prompt_ids, dtype=np.int64),
-                     np.asarray(req.output_ids, dtype=np.int64), tuple(sorted(req.stop_token_ids)), row.slot)
+    if req.prompt_array is None:  # the prompt never changes: converted once, not every step
+        req.prompt_array = np.asarray(req.prompt_ids, dtype=np.int64)
+    return RowTokens(row.params, req.prompt_array, np.asarray(req.output_ids, dtype=np.int64),
+                     tuple(sorted(req.stop_token_ids)), row.slot)
 
 
 def apply(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[RowTokens],

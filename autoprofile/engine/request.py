@@ -47,6 +47,7 @@ class Request:
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
+    prompt_array: object | None = None  # prompt_ids as an int64 numpy array, made once (logits_process)
 
     @property
     def pending(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 import reprlib
 import secrets
@@ -202,14 +203,22 @@ def _unknown(key: str, table: dict[str, Field], endpoint: str, where: str) -> st
                   and e in FIELDS[key].endpoints), None)
     if other:
         msg += f" for {endpoint} (a field of {other})"
-    close = (difflib.get_close_matches(key, [k for k in known if table[k].kind != UNSUPPORTED], n=1)
-             or difflib.get_close_matches(key, known, n=1))
+    close = _nearest(key, [k for k in known if table[k].kind != UNSUPPORTED]) or _nearest(key, known)
     if close:
         return f"{msg}; did you mean '{where}{close[0]}'?"
     if other:
         return msg
     served = sorted(k for k in known if table[k].kind == SERVED)
     return f"{msg} for {endpoint}; the fields it serves are {', '.join(served)}"
+
+
+def _nearest(key: str, candidates: list[str]) -> list[str]:
+    """difflib's closest candidate; a tie goes to the longer shared prefix (max_completion_tokens: max_tokens,
+    not min_tokens)."""
+    close = difflib.get_close_matches(key, candidates, n=5)
+    ratio = lambda c: difflib.SequenceMatcher(None, key, c).ratio()  # noqa: E731
+    prefix = lambda c: len(os.path.commonprefix([key, c]))  # noqa: E731
+    return sorted(close, key=lambda c: (-ratio(c), -prefix(c)))[:1]
 
 
 @dataclass(frozen=True)
