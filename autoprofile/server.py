@@ -133,12 +133,24 @@ def body_bounds(cfg) -> dict[str, BodyBound]:
 
 def sampling_params(args, index: int = 0) -> SamplingParams:
     """Choice `index`'s parameters (serving.choices): its own seed stream (seed + index); the sampled tokens'
-    logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first choice only."""
+    logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first choice only;
+    the logits processors' fields."""
     seed = None if args.seed is None else args.seed + index
     k = args.logprobs
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=seed,
                           logprobs=0 if k is None and args.best_of > args.n else k,
-                          prompt_logprobs=k if args.echo and index == 0 else None)
+                          prompt_logprobs=k if args.echo and index == 0 else None,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
+                          min_p=args.min_p, min_tokens=args.min_tokens)
+
+
+def text_ids(args, out) -> list[int]:
+    """The ids whose text the client gets: a stop_token_ids token that ended the request is no text."""
+    ids = out.new_token_ids
+    if out.finish_reason == "stop" and ids and ids[-1] in args.stop_token_ids:
+        return ids[:-1]
+    return ids
 
 
 def served_names(cfg) -> tuple[str, ...]:
@@ -264,7 +276,8 @@ async def _with_images(st: ServerState, args: GenerateArgs) -> GenerateArgs:
 
 async def _submit(st: ServerState, args: GenerateArgs, index: int = 0):
     """Queue choice `index` of a request (its images loaded already: _with_images)."""
-    stop_ids = () if args.ignore_eos else sorted(st.tokenizer.eos_token_ids)
+    eos = () if args.ignore_eos else st.tokenizer.eos_token_ids
+    stop_ids = sorted({*eos, *args.stop_token_ids})
     # structured output: each choice its own matcher of the request's grammar (compiled off the loop, cached)
     grammar = None
     if args.structured is not None:
@@ -414,7 +427,7 @@ def _echo(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[s
 async def _complete(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> web.Response:
     try:
         async for c, out in merged(choices):
-            c.advance(out, _finish_reason)
+            c.advance(out, _finish_reason, text_ids(args, out))
     except EngineFailure as e:
         raise _engine_failure(e) from None
     prefix, echo = _echo(st, args, choices)
@@ -454,7 +467,7 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
             for c in choices:
                 await send(chunk(args, rid, created, None, role=True, index=c.index))
         async for c, out in merged(choices):
-            delta, new = c.advance(out, _finish_reason)
+            delta, new = c.advance(out, _finish_reason, text_ids(args, out))
             if args.echo_only:
                 delta, new = "", []
             prefix, echo = "", []

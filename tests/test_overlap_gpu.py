@@ -134,3 +134,26 @@ def test_overlap_serves_the_greedy_tokens_of_one_step_at_a_time(runner):
     want = LLMEngine(runner).generate(prompts, GREEDY, max_tokens=24)
     got = LLMEngine(runner, overlap=True).generate(prompts, GREEDY, max_tokens=24)
     assert got == want
+
+
+PENALIZED = [SamplingParams(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3,
+                            logit_bias=((11, 2.0),)),
+             SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, min_p=0.05, min_tokens=4),
+             GREEDY]
+
+
+def test_sampling_controls_overlapped_never_wait_and_equal_the_plain_engine(runner):
+    """Penalties, logit_bias, min_p and min_tokens (logits_process): their token counts read the PENDING last
+    token on the device, so an overlapped launch never synchronises, and the greedy penalized tokens equal the
+    plain engine's (the same batches, bit for bit)."""
+    rng = random.Random(3)
+    wave = [([rng.randrange(3, 31000) for _ in range(rng.randrange(1, 400))], PENALIZED[i % 3], 20)
+            for i in range(60)]
+    engine, log, out, ids = strict_serve(runner, [wave])
+    assert engine.stats.failed_steps == 0, "a launch synchronised (see the log)"
+    assert {rid: len(t) for rid, t in out.items()} == ids
+    prompts = [p for p, _, _ in wave]
+    want = LLMEngine(runner).generate(prompts, PENALIZED[0], max_tokens=24)
+    got = LLMEngine(runner, overlap=True).generate(prompts, PENALIZED[0], max_tokens=24)
+    assert got == want
+    assert got != LLMEngine(runner).generate(prompts, GREEDY, max_tokens=24)  # the penalties changed tokens

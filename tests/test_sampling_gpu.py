@@ -158,3 +158,76 @@ def test_greedy_is_argmax_and_seeded_rows_are_batch_invariant():
     alone = run([], 0)
     assert run([SamplingParams(temperature=1.0, top_k=5)] * 200, 150) == alone
     assert run([STRESS] * 9, 3) == alone
+
+
+# ---------------------------------------------------------------- the logits processors (logits_process)
+def _processed_case(rows: int, history: int, seed: int = 0):
+    """bf16 logits at Llama 3's vocabulary, rows of mixed controls (a plain one every 7th row), random prompt
+    and output ids (`history` of each, repeats included), EOS 2 a stop token."""
+    from autoprofile.engine.logits_process import RowTokens
+    import numpy as np
+    gen = torch.Generator().manual_seed(seed)
+    kinds = [SamplingParams(temperature=0.9, presence_penalty=0.7, frequency_penalty=0.4,
+                            repetition_penalty=1.3, logit_bias=((5, 30.0), (128000, -100.0)), min_p=0.05,
+                            min_tokens=history + 1),
+             SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5),
+             SamplingParams(temperature=0.6, min_p=0.2), SamplingParams()]
+    params = [kinds[i % 3] if i % 7 else kinds[3] for i in range(rows)]
+    ids = lambda: torch.randint(0, 2000, (history,), generator=gen).numpy().astype(np.int64)  # noqa: E731
+    hist = [(ids(), ids()) for _ in range(rows)]
+    tokens = [RowTokens(p, pr, out, (2,), i) for i, (p, (pr, out)) in enumerate(zip(params, hist))]
+    return _logits(rows, 3.0, seed), params, tokens
+
+
+def test_processors_on_cuda_equal_the_reference():
+    """logits_process.apply on CUDA (bf16 logits, chunks of PROCESS_ROWS) against the per-row reference of
+    unit_tests/test_logits_process.py, computed in fp64 on the CPU from the same logits."""
+    from autoprofile.engine import logits_process
+    from unit_tests.test_logits_process import reference_process
+    rows = logits_process.PROCESS_ROWS + 9
+    logits, params, tokens = _processed_case(rows, 300)
+    want = torch.stack([reference_process(logits[i].float().cpu(), t.prompt.tolist(), t.output.tolist(),
+                                          t.params, t.stop) for i, t in enumerate(tokens)])
+    picked = logits_process.processed_rows(params)
+    logits_process.apply(logits, picked, [tokens[i] for i in picked])
+    got = logits.float().cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=1.6e-2, atol=2e-2)
+    # the fused sampler takes the processed rows: no draw lands on a masked token (min_p, min_tokens, bias)
+    for seed in range(20):
+        tok = sample(logits, _batch(params), torch.Generator("cuda").manual_seed(seed))
+        assert torch.isfinite(logits.gather(1, tok.unsqueeze(1))).all()
+
+
+def test_processors_stay_inside_the_declared_workspace_and_never_sync():
+    """256 rows, every row with every control and 4096-token histories: the peak of processors + sampler
+    (STRESS, as the profiler's stress runs them) within sampler_workspace_bytes + the ids uploaded; no host
+    sync in the processors."""
+    from autoprofile.engine import logits_process
+    from autoprofile.engine.sampling import process_bytes_per_row
+    rows, history = 256, 4096
+    logits, _, tokens = _processed_case(rows, history, 1)
+    tokens = [logits_process.RowTokens(STRESS, t.prompt, t.output, t.stop, t.slot) for t in tokens]
+    batch = _batch([STRESS] * rows)
+
+    def step():
+        logits_process.apply(logits, list(range(rows)), tokens)
+        return sample(logits, batch, torch.Generator("cuda").manual_seed(0))
+
+    step()  # warm
+    uploaded = logits_process.PROCESS_ROWS * 2 * history * 8 * 2  # int64 ids and their rows, pinned copies
+    peak = _peak(step)
+    declared = sampler_workspace_bytes(rows, VOCAB, 2)
+    print(f"processors + sampler at {rows} rows: peak {peak / 2**20:.1f} MiB, declared "
+          f"{declared / 2**20:.1f} MiB (+ {uploaded / 2**20:.1f} MiB of ids)")
+    assert peak <= declared + uploaded
+    processors = _peak(lambda: logits_process.apply(logits, list(range(rows)), tokens))
+    bound = logits_process.PROCESS_ROWS * process_bytes_per_row(VOCAB)
+    print(f"processors alone: {processors / 2**20:.1f} MiB, declared {bound / 2**20:.1f} MiB")
+    assert processors <= bound + uploaded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits_process.apply(logits, list(range(rows)), tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -366,7 +366,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": MSG, "logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),  # in [-2, 2]
     ("/v1/completions", ["prompt", "hi"], 400, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

@@ -106,6 +106,7 @@ class LLMEngine:
                                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds "
                                              f"the {context}-token request limit (--max_req_total_len); "
                                              f"try max_tokens <= {context - len(prompt)}")
+        self._check_processors(params, max_tokens, stop_token_ids)
         if request_id in self._requests:
             raise RequestError("request_id", f"'{request_id}' is already in use")
         arrival = next(self._arrivals)
@@ -123,6 +124,18 @@ class LLMEngine:
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _check_processors(self, params: SamplingParams, max_tokens: int,
+                          stop_token_ids: Iterable[int]) -> None:
+        """Token ids inside the vocabulary (logit_bias, stop_token_ids); min_tokens <= max_tokens (vLLM)."""
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise RequestError("logit_bias", f"keys must be token ids in [0, {vocab})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in stop_token_ids):
+            raise RequestError("stop_token_ids", f"token ids must be integers in [0, {vocab})")
+        if params.min_tokens > max_tokens:
+            raise RequestError("min_tokens", f"min_tokens ({params.min_tokens}) must be <= max_tokens "
+                               f"({max_tokens})")
 
     def _check_images(self, mm: MultiModalInput, prompt_len: int) -> None:
         """Images inside the envelope (what the encoder's stress ran), each inside the prompt, in order."""

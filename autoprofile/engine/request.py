@@ -54,6 +54,7 @@ class Request:
     prompt_logprobs_sent: bool = False
     # structured output: an xgrammar.GrammarMatcher (engine.grammar), fed each output token once
     grammar: object | None = None
+    prompt_array: object | None = None  # prompt_ids as an int64 numpy array, made once (logits_process)
 
     @property
     def pending(self) -> int:

@@ -25,7 +25,7 @@ from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
-from autoprofile.engine import logprobs, stress
+from autoprofile.engine import logits_process, logprobs, stress
 from autoprofile.engine.logprobs import StepLogprobs
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput
@@ -298,6 +298,10 @@ class ModelRunner:
                 self.clock.ended()
                 return StepTokens(NO_TOKENS, lps)
             lps, raw = self._sampled_logprobs(rows, logits, lps)  # the raw logits' (before any processor)
+            processed = logits_process.processed_rows([r.params for r in rows])
+            if processed:  # penalties, logit_bias, min_tokens, min_p: in place, before the sampler
+                tokens_of = [logits_process.row_tokens(rows[i]) for i in processed]
+                logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens)
             self._mask(logits, rows)  # structured output (engine.grammar), right before the sampler
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)

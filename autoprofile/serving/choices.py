@@ -29,9 +29,10 @@ class Choice:
     reason: str | None = None  # set once the choice ended
     offset: int = 0  # completions' text_offset of the next streamed token
 
-    def advance(self, out, finish_reason: Callable) -> tuple[str, list]:
-        """One engine output into the choice: its text delta and its new logprob entries."""
-        delta = self.text.push(out.new_token_ids)
+    def advance(self, out, finish_reason: Callable, ids: list[int] | None = None) -> tuple[str, list]:
+        """One engine output into the choice: its text delta and its new logprob entries; ids: the output's
+        ids that make text (default: all of them)."""
+        delta = self.text.push(out.new_token_ids if ids is None else ids)
         self.tokens = out.completion_tokens
         new = list(out.logprobs or [])
         if out.prompt_logprobs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 import reprlib
 import secrets
@@ -145,9 +146,11 @@ FIELDS: dict[str, Field] = {
     "input_ids": _served(GENERATE), "max_new_tokens": _served(GENERATE),
     **{k: Field(IGNORED) for k in ("user", "metadata", "store", "service_tier", "prompt_cache_key",
                                    "safety_identifier")},
+    **{k: _served(*SAMPLING) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                       "logit_bias", "min_p")},
+    "min_tokens": _served(), "stop_token_ids": _served(),
     "n": _served(), "best_of": _served(COMPLETIONS), "logprobs": _served(), "top_logprobs": _served(CHAT),
     "echo": _served(COMPLETIONS),
-    "presence_penalty": _refused(0), "frequency_penalty": _refused(0), "logit_bias": _refused({}),
     "suffix": _refused(""),
     "tools": _served(CHAT), "tool_choice": _served(CHAT), "parallel_tool_calls": _served(CHAT),
     "functions": _refused([], CHAT), "function_call": _refused("none", CHAT),
@@ -156,8 +159,7 @@ FIELDS: dict[str, Field] = {
     **{k: _refused(None, CHAT) for k in ("audio", "reasoning_effort", "web_search_options", "prediction",
                                          "verbosity")},
     # vLLM's extras
-    "repetition_penalty": _refused(1), "min_p": _refused(0), "stop_token_ids": _refused([]),
-    "min_tokens": _refused(0), "use_beam_search": _refused(False), "length_penalty": _refused(1),
+    "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
     "bad_words": _refused([]),
     **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids")},
@@ -206,14 +208,22 @@ def _unknown(key: str, table: dict[str, Field], endpoint: str, where: str) -> st
                   and e in FIELDS[key].endpoints), None)
     if other:
         msg += f" for {endpoint} (a field of {other})"
-    close = (difflib.get_close_matches(key, [k for k in known if table[k].kind != UNSUPPORTED], n=1)
-             or difflib.get_close_matches(key, known, n=1))
+    close = _nearest(key, [k for k in known if table[k].kind != UNSUPPORTED]) or _nearest(key, known)
     if close:
         return f"{msg}; did you mean '{where}{close[0]}'?"
     if other:
         return msg
     served = sorted(k for k in known if table[k].kind == SERVED)
     return f"{msg} for {endpoint}; the fields it serves are {', '.join(served)}"
+
+
+def _nearest(key: str, candidates: list[str]) -> list[str]:
+    """difflib's closest candidate; a tie goes to the longer shared prefix (max_completion_tokens: max_tokens,
+    not min_tokens)."""
+    close = difflib.get_close_matches(key, candidates, n=5)
+    ratio = lambda c: difflib.SequenceMatcher(None, key, c).ratio()  # noqa: E731
+    prefix = lambda c: len(os.path.commonprefix([key, c]))  # noqa: E731
+    return sorted(close, key=lambda c: (-ratio(c), -prefix(c)))[:1]
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,14 @@ class GenerateArgs:
     echo_only: bool = False  # max_tokens 0 with echo: one token is generated and dropped
     structured: object = None  # serving.structured.Spec: the grammar the output follows
     tools: object = None  # serving.tools.Tools: the tools the reply may call (chat)
+    # logits processors (engine.logits_process); min_tokens <= max_tokens is the engine's check
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # end the request (finish_reason "stop"), not in the text
 
 
 # ---------------------------------------------------------------- request bodies
@@ -295,7 +313,7 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
                        "must be an integer >= -1 (-1 or 0 = off)"), 0),
         seed=seed, stop=tuple(stop), stream=stream, include_usage=include_usage,
         ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
-        model=limits.model_names[0],
+        model=limits.model_names[0], **processors(body, limits), **stop_controls(body, limits),
     )
 
 
@@ -331,6 +349,44 @@ def chat_logprobs(body: dict) -> int | None:
     if top is not None and not on:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     return (top or 0) if on else None
+
+
+def processors(body: dict, limits: Limits) -> dict:
+    """The logits processors' fields (vLLM's ranges): penalties, logit_bias, min_p."""
+    penalty = lambda v: _is_num(v) and -2 <= v <= 2  # noqa: E731
+    return dict(
+        presence_penalty=float(_get(body, "presence_penalty", 0.0, penalty, "must be a number in [-2, 2]")),
+        frequency_penalty=float(_get(body, "frequency_penalty", 0.0, penalty, "must be a number in [-2, 2]")),
+        repetition_penalty=float(_get(body, "repetition_penalty", 1.0, lambda v: _is_num(v) and v > 0,
+                                      "must be a number > 0 (1 = off)")),
+        logit_bias=logit_bias(body, limits.vocab_size),
+        min_p=float(_get(body, "min_p", 0.0, lambda v: _is_num(v) and 0 <= v <= 1,
+                         "must be a number in [0, 1] (0 = off)")))
+
+
+def logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} as sorted (id, bias) pairs."""
+    bias = _get(body, "logit_bias", {}, lambda v: isinstance(v, dict), "must be an object of token id: bias")
+    out = []
+    for key, value in bias.items():
+        tok = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        if not 0 <= tok < vocab:
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids in [0, {vocab}), got {show(key)}")
+        if not (_is_num(value) and -100 <= value <= 100):
+            raise bad("logit_bias", f"'logit_bias' values must be numbers in [-100, 100], got {show(value)} "
+                      f"for token {tok}")
+        out.append((tok, float(value)))
+    return tuple(sorted(out))
+
+
+def stop_controls(body: dict, limits: Limits) -> dict:
+    """vLLM's min_tokens and stop_token_ids (OpenAI endpoints; /generate has no stop)."""
+    stop_ids = _get(body, "stop_token_ids", [], lambda v: isinstance(v, list) and all(
+        _is_int(t) and 0 <= t < limits.vocab_size for t in v),
+        f"must be a list of token ids in [0, {limits.vocab_size})")
+    return dict(min_tokens=_get(body, "min_tokens", 0, lambda v: _is_int(v) and v >= 0,
+                                "must be an integer >= 0"),
+                stop_token_ids=tuple(stop_ids))
 
 
 def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None,
@@ -583,7 +639,7 @@ def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, 
         top_p=float(_get(body, "top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]")),
         top_k=_get(body, "top_k", 0, lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
         seed=_get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64,
-                  "must be a 64-bit integer"))
+                  "must be a 64-bit integer"), **processors(body, limits))
     return ids, n, params
 
 
