@@ -548,6 +548,8 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
     runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=guard.data if guard else group)
     if guard is not None:
         runner = guard.bind(runner)
+    if world_size > 1 and runner.host_kv is not None:  # one page count on every rank: rank 0 schedules them
+        runner.host_kv.num_pages = memory.all_reduce_min(runner.host_kv.num_pages, cpu_group)
     load_s = time.perf_counter() - t0
     log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
     try:
