@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
-from autoprofile.engine.host_kv import GIB, PROCESS_MARGIN, HostKVError, HostKVPool, HostPages, host_kv_bytes, \
-    page_runs
+from autoprofile.engine.host_kv import (GIB, PROCESS_MARGIN, HostKVError, HostKVPool, HostPages,
+                                        host_kv_bytes, page_runs)
 from autoprofile.engine.runner import host_tier
 from autoprofile.engine.scheduler import Step
 from autoprofile.tp import broadcast
@@ -39,7 +39,8 @@ class ContentRunner(StepRunner):
     def __init__(self, env, kv_pages: int, host_pages: int):
         super().__init__(env, kv_pages)
         self.buffer = torch.full((2, 1, kv_pages, 1, PS, 1), -1.0, dtype=torch.float64)
-        self.host_kv = HostKVPool(host_pages, (2, 1, 1, PS, 1), torch.float64, pin=False) if host_pages else None
+        self.host_kv = (HostKVPool(host_pages, (2, 1, 1, PS, 1), torch.float64, pin=False) if host_pages
+                        else None)
         self.checked = 0
 
     def execute(self, step):
@@ -67,11 +68,11 @@ class ContentRunner(StepRunner):
 
     def _cell(self, slot: int, pos: int) -> tuple[float, float]:
         page = self.page_table[slot, pos // PS]
-        return (float(self.buffer[0, 0, page, 0, pos % PS, 0]), float(self.buffer[1, 0, page, 0, pos % PS, 0]))
+        return float(self.buffer[0, 0, page, 0, pos % PS, 0]), float(self.buffer[1, 0, page, 0, pos % PS, 0])
 
 
-def content_engine(kv_pages: int, host_pages: int, overlap: bool = False, **kw) -> tuple[LLMEngine,
-                                                                                          ContentRunner]:
+def content_engine(kv_pages: int, host_pages: int, overlap: bool = False,
+                   **kw) -> tuple[LLMEngine, ContentRunner]:
     env = envelope(kv_pages=kv_pages, page_size=PS, **kw)
     runner = ContentRunner(env, kv_pages, host_pages)
     return LLMEngine(runner, overlap=overlap), runner
@@ -106,8 +107,8 @@ traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces, kv_pages=st.integers(22, 50), host_pages=st.integers(0, 40), batch=st.integers(4, 40),
        running=st.integers(1, 6), overlap=st.booleans())
-def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(trace, kv_pages, host_pages,
-                                                                                   batch, running, overlap):
+def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(
+        trace, kv_pages, host_pages, batch, running, overlap):
     engine, runner = content_engine(kv_pages, host_pages, overlap, context=96, batch=batch, running=running)
     prompts = {}
     arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
