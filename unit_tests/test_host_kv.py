@@ -120,7 +120,7 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
             _, n, max_tokens, abort_after, shared, _ = trace[i]
             prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
             prompt += [(i * 13 + j) % VOCAB for j in range(5)] if turn else []
-            max_tokens = min(max_tokens, 96 - len(prompt))
+            max_tokens = min(max_tokens, min(96, (kv_pages - 1) * PS) - len(prompt))
             if max_tokens < 1:
                 continue
             rid = engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)
