@@ -136,6 +136,7 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
         assert clock < 5000, "no progress"
     assert ended == set(prompts)
     s = engine.stats
+    assert s.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the engine's step)"
     assert s.pages_used == 0 and len(engine.scheduler.free_slots) == running
     if host_pages:
         assert s.host.hit_tokens == engine.scheduler.host.loaded * PS
@@ -161,6 +162,7 @@ def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_cont
     first_row = next(r for s in runner.steps for r in s.rows if r.request.request_id == rid)
     assert first_row.start == 40  # 10 pages back from the host tier: its first chunk starts after them
     assert host.loaded == 10 and engine.stats.host.hit_tokens == 40
+    assert engine.stats.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the step)"
     assert runner.checked >= 40
     tier_invariants(engine)
 
