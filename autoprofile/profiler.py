@@ -110,6 +110,8 @@ class ProfileResult:
     kv_scales: str | None = None  # an FP8 cache's scale source (runner.kv_scale_source); None otherwise
     reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
     forced_routings: tuple[str, ...] = ()  # an MoE model's: the routings the stress forced (layers.moe)
+    host_kv_pages: int = 0  # the prefix cache's host tier (--host_kv), this rank's pages (host memory)
+    host_kv_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -118,6 +120,13 @@ class ProfileResult:
     def report_text(self) -> str:
         from autoprofile.report import format_report
         return format_report(self)
+
+
+def host_tier_size(pool) -> dict[str, int]:
+    """ProfileResult's host tier fields of a runner's HostKVPool (None: off)."""
+    if pool is None:
+        return {}
+    return {"host_kv_pages": pool.num_pages, "host_kv_bytes": pool.num_pages * pool.page_bytes}
 
 
 # ---------------------------------------------------------------- failure texts
@@ -481,7 +490,8 @@ class Profiler:
                              list(self.errors), stack, local,
                              kv_scales=getattr(self.runner, "kv_scale_source", None),
                              reused_probe=self.reused_probe,
-                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())))
+                             forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
+                             **host_tier_size(getattr(self.runner, "host_kv", None)))
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:

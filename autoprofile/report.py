@@ -63,6 +63,8 @@ def to_dict(result) -> dict:
         "stack_limit_bytes": result.stack_limit,
         "local_memory_bytes": result.local_memory,
         "forced_routings": list(result.forced_routings),
+        "host_kv_pages": getattr(result, "host_kv_pages", 0),
+        "host_kv_gib": gib(getattr(result, "host_kv_bytes", 0)),
     }
 
 
@@ -79,6 +81,11 @@ def format_report(result) -> str:
         + (f" (the probe of {result.reused_probe}, from the profile cache)" if result.reused_probe else ""))
     lines.append(f"  max_total_token_num = {result.tokens} tokens ({gib(result.kv_bytes):.2f} GiB KV, "
                  f"{result.cell_bytes} B/token) after {result.attempts} attempt(s); {how}")
+    if getattr(result, "host_kv_pages", 0):
+        tokens = result.host_kv_pages * result.cfg.page_size
+        lines.append(f"  host KV tier (--host_kv {result.cfg.host_kv}): {result.host_kv_pages} pages "
+                     f"({tokens} tokens, {gib(result.host_kv_bytes):.2f} GiB of host memory a rank): "
+                     "the prefix cache's evicted pages, copied back on a hit")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "

@@ -267,3 +267,52 @@ def test_a_bad_host_kv_value_names_the_flag(text):
 def test_the_host_tier_needs_the_prefix_cache():
     with pytest.raises(ConfigError, match="--host_kv: .*needs the prefix cache"):
         validate(ServerConfig(model="tiny", host_kv="auto", disable_prefix_caching=True, report_dir=None))
+
+
+# ---------------------------------------------------------------- the report, /metrics, the benchmark
+def test_the_budget_report_shows_the_tier():
+    from autoprofile.profiler import ProfileResult
+    from autoprofile.report import format_report, to_dict
+    cfg = validate(ServerConfig(model="tiny", host_kv="2", report_dir=None))
+    r = ProfileResult(cfg, 4096, 1024, True, 1, 4096, None, None, {}, [], [], [], host_kv_pages=4096,
+                      host_kv_bytes=2 * GIB)
+    assert "host KV tier (--host_kv 2): 4096 pages (65536 tokens, 2.00 GiB" in format_report(r)
+    assert to_dict(r)["host_kv_pages"] == 4096 and to_dict(r)["host_kv_gib"] == 2.0
+
+
+def test_a_multi_turn_benchmark_against_a_server_with_the_tier():
+    """bench_serving --multi-turn against the CPU server (the tiny model, 20 GPU pages, a host tier): the
+    conversations' later turns come back from the host tier; /metrics counts the tier; every page is free
+    at the end, nothing failed."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from autoprofile import server
+    from unit_tests.cpu_server import boot_cpu
+    from unit_tests.test_bench_serving import bench_serving
+    from unit_tests.test_server import FLAGS
+    cfg = validate(ServerConfig(**FLAGS, host_kv="0.01"))
+    runner, result = boot_cpu(cfg, kv_tokens=336)
+    engine = LLMEngine.from_config(runner, cfg)
+    args = bench_serving.parse_args(["--multi-turn", "4", "--num-turns", "3", "--random-input-len", "40",
+                                     "--random-output-len", "8", "--seed", "3"])
+
+    async def go():
+        async with TestClient(TestServer(server.make_app(cfg, engine, result))) as c:
+            url = str(c.make_url("")).rstrip("/")
+            health = await bench_serving.wait_ready(url, 10, None)
+            summary = await bench_serving.bench(args, url, health)
+            return summary, await (await c.get("/metrics")).text()
+    s, metrics = asyncio.run(go())
+    assert s["completed"] == 12 and s["failed"] == 0
+    assert set(s["ttft_by_turn_ms"]) == {"turn0", "turn1", "turn2"}
+    assert s["total_input_tokens"] == 4 * (40 + 88 + 136)
+    tier = s["server"]["host_kv"]
+    assert tier["hit_tokens"] > 0 and tier["loaded_pages"] > 0 and tier["moved_gib"] > 0
+    assert s["server"]["kv_pages_used_after"] == 0 and s["server"]["oom_while_serving"] == 0
+    assert "autoprofile_host_kv_loaded_pages_total" in metrics
+    assert engine.stats.pages_used == 0
+    tier_invariants(engine)
+    lines = bench_serving.comparison_lines(s, s, ("on", "off"))
+    assert lines[1].startswith("on") and "hit tokens" in lines[1] and "1.00x" in lines[-1]
