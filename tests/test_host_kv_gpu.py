@@ -80,8 +80,8 @@ def test_copy_rate_against_a_plain_pinned_copy():
     pool.transfer(gpu, [], scattered)
     torch.cuda.synchronize()
     loose = time.perf_counter() - t0
-    print(f"host tier save: {gib / tier:.1f} GiB/s; one pinned copy: {gib / link:.1f} GiB/s (device -> host); "
-          f"scattered pages back: {gib / 2 / loose:.1f} GiB/s (host -> device)")
+    print(f"host tier save: {gib / tier:.1f} GiB/s; one pinned copy: {gib / link:.1f} GiB/s (device -> "
+          f"host); scattered pages back: {gib / 2 / loose:.1f} GiB/s (host -> device)")
     assert tier < 2 * link
 
 
