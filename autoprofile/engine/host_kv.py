@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -174,6 +175,22 @@ def page_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def pin_in_place(t: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously.
+    NOTE: not pin_memory=True: torch's pinned allocator rounds a block up to a power of two (52 GiB would
+    pin 64). RuntimeError if CUDA refuses (a locked-memory limit) or is absent."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+    except (AssertionError, AttributeError, RuntimeError) as e:  # no CUDA: AssertionError
+        raise RuntimeError(f"cudaHostRegister is unavailable: {e}") from None
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(err)}")
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
 class HostKVPool:
     """The host tier's pages, [parts, num_layers, num_pages, heads, page, width] like KVCache.buffer (pinned
     when CUDA is up), and the copies between it and the GPU's pages. Host memory only: no GPU buffer (a
@@ -183,7 +200,11 @@ class HostKVPool:
         """page_shape: (parts, num_layers, heads, page, width) of one page on one rank."""
         parts, layers, *cell = page_shape
         self.num_pages = num_pages
-        self.buffer = torch.empty((parts, layers, num_pages, *cell), dtype=dtype, pin_memory=pin)
+        self.buffer = torch.empty((parts, layers, num_pages, *cell), dtype=dtype)
+        if pin:
+            pin_in_place(self.buffer)
+            # unregistered before its memory goes back (the finalizer holds the buffer until then)
+            weakref.finalize(self, unpin, self.buffer)
         self.page_bytes = self.buffer.nbytes // max(num_pages, 1)
         self.stream: torch.cuda.Stream | None = None
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
