@@ -204,7 +204,7 @@ class HostKVPool:
         if pin:
             pin_in_place(self.buffer)
             # unregistered before its memory goes back (the finalizer holds the buffer until then)
-            weakref.finalize(self, unpin, self.buffer)
+            weakref.finalize(self, unpin, self.buffer).atexit = False  # at exit the process's memory goes
         self.page_bytes = self.buffer.nbytes // max(num_pages, 1)
         self.stream: torch.cuda.Stream | None = None
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
