@@ -58,6 +58,9 @@ class ServerConfig:
     disable_cudagraph: bool = False
     disable_prefix_caching: bool = False
     disable_overlap_schedule: bool = False
+    # the prefix cache's host-memory tier (autoprofile.engine.host_kv), per rank: off, auto or GiB. Off by
+    # default: no measurement of the tier's gain on a GPU yet (scripts/bench_serving.py --multi_turn)
+    host_kv: str = "off"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"
@@ -157,6 +160,16 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def parse_host_kv(text: str) -> float | str:
+    """--host_kv: 'auto', 'off' or a positive number of GiB; ValueError otherwise."""
+    if text in ("auto", "off"):
+        return text
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
 def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     """Check every flag and combination; return cfg unchanged or raise ConfigError. CPU only.
 
@@ -177,6 +190,14 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be >= 1, got {cfg.max_total_token_num}; leave it unset to auto-profile")
     _check(cfg.max_req_total_len is None or cfg.max_req_total_len >= 2, "max_req_total_len",
            f"must be >= 2, got {cfg.max_req_total_len}; try --max_req_total_len 4096")
+    try:
+        parse_host_kv(cfg.host_kv)
+    except ValueError:
+        raise ConfigError("host_kv", f"must be auto, off or a number of GiB > 0, got {cfg.host_kv!r}; try "
+                          "--host_kv auto") from None
+    _check(cfg.host_kv == "off" or not cfg.disable_prefix_caching, "host_kv",
+           "the host tier keeps the prefix cache's evicted pages: it needs the prefix cache; drop "
+           "--disable_prefix_caching or use --host_kv off")
     _check(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
            f"unknown backend '{cfg.attention_backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
     _check(cfg.kv_cache_dtype in KV_DTYPES, "kv_cache_dtype",
@@ -549,6 +570,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
                   "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "
                   "it never does).")
+    add_flag(run, "host_kv", default=d.host_kv,
+             help="Pinned host memory per rank for the prefix cache's evicted pages, copied back on a hit: "
+                  "off, a number of GiB, or auto (half the host's available memory less 8 GiB, split over "
+                  "the host's GPUs).")
     add_flag(run, "shrink_ratio", type=float, default=d.shrink_ratio,
              help="The KV size of each retry, as a fraction of the last one.")
     add_flag(run, "max_retries", type=int, default=d.max_retries,

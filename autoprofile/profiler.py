@@ -111,6 +111,8 @@ class ProfileResult:
     reused_probe: str | None = None  # the profile cache's probe time, when this boot reused it
     forced_routings: tuple[str, ...] = ()  # an MoE model's: the routings the stress forced (layers.moe)
     context_cut_from: int | None = None  # --max_req_total_len auto: the model's context, when it was cut
+    host_kv_pages: int = 0  # the prefix cache's host tier (--host_kv), this rank's pages (host memory)
+    host_kv_bytes: int = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -119,6 +121,13 @@ class ProfileResult:
     def report_text(self) -> str:
         from autoprofile.report import format_report
         return format_report(self)
+
+
+def host_tier_size(pool) -> dict[str, int]:
+    """ProfileResult's host tier fields of a runner's HostKVPool (None: off)."""
+    if pool is None:
+        return {}
+    return {"host_kv_pages": pool.num_pages, "host_kv_bytes": pool.num_pages * pool.page_bytes}
 
 
 # ---------------------------------------------------------------- failure texts
@@ -504,7 +513,8 @@ class Profiler:
                              kv_scales=getattr(self.runner, "kv_scale_source", None),
                              reused_probe=self.reused_probe,
                              forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
-                             context_cut_from=self.context_cut_from)
+                             context_cut_from=self.context_cut_from,
+                             **host_tier_size(getattr(self.runner, "host_kv", None)))
 
 
 def local_memory_after_stress(device) -> tuple[int | None, int | None]:
@@ -571,6 +581,8 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
     runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=guard.data if guard else group)
     if guard is not None:
         runner = guard.bind(runner)
+    if world_size > 1 and runner.host_kv is not None:  # one page count on every rank: rank 0 schedules them
+        runner.host_kv.num_pages = memory.all_reduce_min(runner.host_kv.num_pages, cpu_group)
     load_s = time.perf_counter() - t0
     log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
     try:

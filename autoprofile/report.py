@@ -65,6 +65,8 @@ def to_dict(result) -> dict:
         "stack_limit_bytes": result.stack_limit,
         "local_memory_bytes": result.local_memory,
         "forced_routings": list(result.forced_routings),
+        "host_kv_pages": getattr(result, "host_kv_pages", 0),
+        "host_kv_gib": gib(getattr(result, "host_kv_bytes", 0)),
     }
 
 
@@ -85,6 +87,11 @@ def format_report(result) -> str:
     if context is not None:
         why = f" (auto: the model's {cut} do not fit; one request of {context} and the pad page do)"
         lines.append(f"  max_req_total_len = {context} tokens" + (why if cut else ""))
+    if getattr(result, "host_kv_pages", 0):
+        tokens = result.host_kv_pages * result.cfg.page_size
+        lines.append(f"  host KV tier (--host_kv {result.cfg.host_kv}): {result.host_kv_pages} pages "
+                     f"({tokens} tokens, {gib(result.host_kv_bytes):.2f} GiB of host memory a rank): "
+                     "the prefix cache's evicted pages, copied back on a hit")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "

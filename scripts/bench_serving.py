@@ -25,6 +25,16 @@ as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) u
     # 200 requests about one 1200x900 picture, all at once (scripts/tp_images_check.sh: --tp 1 against 2)
     python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-shared-images \
         --random-mm-image-size 1200x900 --random-input-len 64 --random-output-len 64 --num-prompts 200
+Multi-turn chat (--multi-turn N): N conversations of --num-turns turns; each turn sends the whole history
+(every earlier turn's prompt and a --random-output-len reply) plus --random-input-len new tokens, so the
+histories grow past the GPU's KV and a returning conversation finds its prefix in the prefix cache, in the
+host tier (--host_kv) or nowhere. Turns go out at a steady --request-rate (fixed intervals), each once its
+conversation's previous turn is done; it reports TTFT per turn and the host tier's figures. --compare-launch
+runs the same conversations against a second server afterwards (tier on against off, one GPU):
+
+    python3 scripts/bench_serving.py --multi-turn 64 --num-turns 10 --random-input-len 1024 \
+        --random-output-len 128 --request-rate 4 --seed 1 \
+        --launch "autoprofile serve --port 0 --host_kv auto" --compare-launch "autoprofile serve --port 0"
 Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
 """
 from __future__ import annotations
@@ -164,6 +174,69 @@ def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
     return [Job([rng.randrange(*TOKEN_IDS) for _ in range(length(input_len))], length(output_len), "random",
                 dict(sampling)) for _ in range(n)]
+
+
+def conversation_jobs(conversations: int, turns: int, input_len: int, output_len: int, rng: random.Random,
+                      sampling: dict) -> list[list[Job]]:
+    """Multi-turn chat: each conversation's turns, each the history so far (earlier prompts, each followed by
+    an output_len reply of random ids standing for the answer) plus input_len new tokens."""
+    out = []
+    for _ in range(conversations):
+        history, jobs = [], []
+        for t in range(turns):
+            history = history + [rng.randrange(*TOKEN_IDS) for _ in range(input_len)]
+            jobs.append(Job(list(history), output_len, f"turn{t}", dict(sampling)))
+            history = history + [rng.randrange(*TOKEN_IDS) for _ in range(output_len)]
+        out.append(jobs)
+    return out
+
+
+async def run_conversations(url: str, model: str, conversations: list[list[Job]], args,
+                            deadline: float) -> tuple[list[Result], float]:
+    """Turns at a steady --request-rate (one every 1 / rate seconds; inf: as soon as one is ready), each
+    once its conversation's previous turn has ended, conversations in round-robin order."""
+    results: list[Result] = []
+    ready = list(range(len(conversations)))
+    next_turn = [0] * len(conversations)
+    woken = asyncio.Event()
+    interval = 0.0 if args.request_rate == float("inf") else 1.0 / args.request_rate
+
+    async def one(c: int, job: Job) -> None:
+        try:
+            results.append(await send(session, url, model, job, args.ignore_eos, args.request_timeout))
+        finally:
+            next_turn[c] += 1
+            if next_turn[c] < len(conversations[c]):
+                ready.append(c)
+            woken.set()
+
+    start = time.perf_counter()
+    tasks = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        sent, total = 0, sum(map(len, conversations))
+        while sent < total and time.monotonic() < deadline:
+            if not ready:
+                woken.clear()
+                await woken.wait()
+                continue
+            c = ready.pop(0)
+            tasks.append(asyncio.create_task(one(c, conversations[c][next_turn[c]])))
+            sent += 1
+            if interval:
+                await asyncio.sleep(interval)
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0) + args.request_timeout)
+    return results, time.perf_counter() - start
+
+
+def ttft_by_turn(results: list[Result]) -> dict[str, float]:
+    """Median TTFT (ms) of each turn's successful requests."""
+    turns: dict[str, list[float]] = {}
+    for r in results:
+        if r.success and r.kind.startswith("turn"):
+            turns.setdefault(r.kind, []).append(r.ttft * 1000)
+    return {k: statistics.median(v) for k, v in sorted(turns.items(), key=lambda kv: int(kv[0][4:]))}
 
 
 def random_png(width: int, height: int, rng: random.Random) -> bytes:
@@ -531,10 +604,17 @@ async def bench(args, url: str, health: dict) -> dict:
         finally:
             stop.set()
             timeline = await sampler
+    elif args.multi_turn:
+        conversations = conversation_jobs(args.multi_turn, args.num_turns, args.random_input_len,
+                                          args.random_output_len, rng, sampling_fields(args))
+        results, duration = await run_conversations(endpoint, model, conversations, args,
+                                                    time.monotonic() + args.max_duration)
     else:
         jobs = dataset_jobs(args, rng)
         results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
     summary = summarize(results, duration, percentiles)
+    if args.multi_turn:
+        summary["ttft_by_turn_ms"] = ttft_by_turn(results)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
         args.request_rate
     summary["seed"] = args.seed
@@ -573,7 +653,25 @@ def server_figures(before: dict, after: dict) -> dict:
             "preemptions": grew("autoprofile_num_preemptions_total"),
             "requests_running_after": after.get("autoprofile_num_requests_running"),
             "prefix_cache_hit_tokens": grew(PREFIX_HITS),
+            "host_kv": host_kv_figures(grew, after),
             "engine": engine_figures(grew)}
+
+
+def host_kv_figures(grew, after: dict) -> dict | None:
+    """The host tier's figures over the run (autoprofile_host_kv_*; None: the server has no tier): pages,
+    hits, bytes moved, copy time and the copies' rate."""
+    if "autoprofile_host_kv_pages_total" not in after:
+        return None
+    moved = grew("autoprofile_host_kv_moved_bytes_total")
+    seconds = grew("autoprofile_host_kv_copy_seconds_total")
+    return {"pages_total": after["autoprofile_host_kv_pages_total"],
+            "pages_cached_after": after.get("autoprofile_host_kv_pages_cached"),
+            "saved_pages": grew("autoprofile_host_kv_saved_pages_total"),
+            "loaded_pages": grew("autoprofile_host_kv_loaded_pages_total"),
+            "dropped_pages": grew("autoprofile_host_kv_dropped_pages_total"),
+            "hit_tokens": grew("autoprofile_host_kv_hit_tokens_total"),
+            "moved_gib": moved / 2**30, "copy_s": seconds,
+            "copy_gib_per_s": moved / 2**30 / seconds if seconds else None}
 
 
 def engine_figures(grew) -> dict:
@@ -687,6 +785,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="soak: the PNG of reserved memory over time (default: --result-file's *_memory.png)")
     p.add_argument("--result-file", default=None, help="write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="N",
+                   help="multi-turn chat: N conversations of --num-turns turns, each the history so far plus "
+                        "--random-input-len new tokens, at a steady --request-rate")
+    p.add_argument("--num-turns", type=int, default=10, help="turns of each --multi-turn conversation")
+    p.add_argument("--compare-launch", default=None, metavar="CMD",
+                   help="after the --launch server's run, run the same workload against this server (e.g. "
+                        "the same server with --host_kv off) and print both, side by side")
     p.add_argument("--roofline", action="store_true",
                    help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the "
                         "server: the "
@@ -719,6 +824,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             (args.top_k is not None and args.top_k < 0):
         p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p "
                 "0.9)")
+    if not 0 <= args.multi_turn <= 100_000 or not 1 <= args.num_turns <= 1000:
+        p.error("--multi-turn must be in [0, 100000] and --num-turns in [1, 1000] (e.g. --multi-turn 64 "
+                "--num-turns 10)")
+    if args.compare_launch and not args.launch:
+        p.error("--compare-launch needs --launch (the first server of the comparison)")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     return args
@@ -848,10 +958,45 @@ async def scrape_or_none(url: str) -> dict[str, float] | None:
         return None
 
 
+def comparison_lines(a: dict, b: dict, labels: tuple[str, str]) -> list[str]:
+    """Two runs of one workload side by side: TTFT p50/p99, throughput, the host tier's hits."""
+    def tier(s: dict) -> str:
+        h = (s.get("server") or {}).get("host_kv")
+        if not h:
+            return "no host tier"
+        rate = f", {h['copy_gib_per_s']:.1f} GiB/s" if h.get("copy_gib_per_s") else ""
+        return (f"host tier: {h['hit_tokens']:.0f} hit tokens, {h['moved_gib']:.2f} GiB moved in "
+                f"{h['copy_s']:.2f} s{rate}")
+    out = [f"{'':<12}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'req/s':>8}{'tok/s':>10}{'failed':>8}"]
+    for label, s in zip(labels, (a, b)):
+        out.append(f"{label:<12}{s['median_ttft_ms']:>12.1f}{s.get('p99_ttft_ms', 0.0):>12.1f}"
+                   f"{s['request_throughput']:>8.2f}{s['total_token_throughput']:>10.0f}{s['failed']:>8}  "
+                   f"{tier(s)}")
+    if b["median_ttft_ms"] and a["median_ttft_ms"]:
+        out.append(f"TTFT p50 {labels[1]} / {labels[0]}: {b['median_ttft_ms'] / a['median_ttft_ms']:.2f}x; "
+                   f"throughput {labels[0]} / {labels[1]}: "
+                   f"{a['total_token_throughput'] / max(b['total_token_throughput'], 1e-9):.2f}x")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compare_launch:
+        first = run_main(args, args.launch)
+        second = run_main(args, args.compare_launch)
+        print("\n".join(comparison_lines(first[1], second[1], ("--launch", "--compare-launch"))))
+        if args.result_file:
+            with open(args.result_file, "w") as f:
+                json.dump({"launch": first[1], "compare_launch": second[1],
+                           "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
+        return max(first[0], second[0])
+    return run_main(args, args.launch)[0]
+
+
+def run_main(args, launch: str | None) -> tuple[int, dict]:
+    """One run (one server, if launched): (exit code, summary)."""
     rates = measure_rates() if args.roofline else None
-    server = Launched(args.launch) if args.launch else None
+    server = Launched(launch) if launch else None
     try:
         if server is not None:
             server.bound.wait(args.ready_timeout)
@@ -874,7 +1019,7 @@ def main(argv=None) -> int:
     if not args.json:
         shown = ("server", "by_kind", "memory")
         print(json.dumps({k: v for k, v in summary.items() if k in shown}, indent=2))
-    if args.result_file:
+    if args.result_file and not args.compare_launch:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
     problems = soak_verdict(summary) if args.soak_minutes else []
@@ -890,9 +1035,14 @@ def main(argv=None) -> int:
         print(roofline_text(summary, rates, args))
     if server is not None and code != 0:
         problems.append(f"the server exited with code {code} after SIGTERM")
+    if args.multi_turn and "ttft_by_turn_ms" in summary:
+        turns = summary["ttft_by_turn_ms"].items()
+        print("TTFT p50 by turn (ms): " + ", ".join(f"{k} {v:.0f}" for k, v in turns))
+        if reached and summary["server"].get("host_kv"):
+            print(f"host tier: {json.dumps(summary['server']['host_kv'])}")
     for msg in problems:
         print(f"FAIL: {msg}", file=sys.stderr)
-    return 1 if problems else 0
+    return (1 if problems else 0), summary
 
 
 if __name__ == "__main__":

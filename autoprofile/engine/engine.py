@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoprofile.engine.host_kv import HostTierStats
 from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
@@ -53,6 +54,7 @@ class EngineStats:
     ooms: int  # of those, out-of-memory errors (a validated envelope keeps this 0)
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     launched: int = 0  # steps launched (overlap: one ahead of `steps`); none while every request starves
+    host: HostTierStats | None = None  # the prefix cache's host tier (--host_kv); None: off
 
 
 class LLMEngine:
@@ -67,7 +69,9 @@ class LLMEngine:
         self.overlap = overlap
         self._inflight: tuple[Step, object] | None = None  # overlap: the launched step, its tokens in flight
         self.runner, self.envelope = runner, runner.envelope
-        self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching)
+        pool = getattr(runner, "host_kv", None)  # the host tier's pinned pages (--host_kv), or None
+        self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
+                                   host_pages=pool.num_pages if pool is not None else 0)
         self.vocab_size = runner.model_config.vocab_size
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()
@@ -252,7 +256,18 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
                            s.allocator.capacity,
-                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched)
+                           self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched,
+                           self._host_stats())
+
+    def _host_stats(self) -> HostTierStats | None:
+        host, pool = self.scheduler.host, getattr(self.runner, "host_kv", None)
+        if host is None:
+            return None
+        return HostTierStats(pages=host.num_pages, cached=host.num_cached, saved=host.saved,
+                             loaded=host.loaded, dropped=host.dropped,
+                             hit_tokens=self.scheduler.host_hit_tokens,
+                             bytes_moved=getattr(pool, "bytes_moved", 0),
+                             copy_seconds=getattr(pool, "copy_seconds", 0.0))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = GREEDY,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -82,6 +83,9 @@ class PageAllocator:
         # registered page -> its chain id (the parent of the next page's key)
         self._chain: dict[int, int] = {}
         self._ids = itertools.count(1)  # 0: the empty prefix
+        # a registered page that alloc hands out again: on_evict(page, key, chain id) first (the host tier
+        # saves it), while the page still holds its K/V
+        self.on_evict: Callable[[int, tuple, int], None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -99,6 +103,8 @@ class PageAllocator:
                               f"{len(self._free)} of {self.capacity} free")
         pages = [self._free.popitem(last=False)[0] for _ in range(n)]
         for p in pages:
+            if self.on_evict is not None and p in self._key:
+                self.on_evict(p, self._key[p], self._chain[p])
             self._forget(p)
             self._ref[p] = 1
         return pages
@@ -126,15 +132,26 @@ class PageAllocator:
             del self._free[page]
         self._ref[page] += 1
 
-    def register(self, page: int, parent: int, tokens: tuple[int, ...]) -> int:
+    def register(self, page: int, parent: int, tokens: tuple[int, ...], chain: int | None = None) -> int:
         """Cache a held, full page; returns the chain id its successor's key uses. If the same prefix is
-        cached in another page already, that one stays the cached copy and its chain id is returned."""
+        cached in another page already, that one stays the cached copy and its chain id is returned.
+        chain: the id the key had before (a page back from the host tier keeps it: its successors there
+        still hang on it); None: a new one."""
         key = (parent, tokens)
         if key in self._page:
             return self._chain[self._page[key]]
         self._forget(page)
-        self._key[page], self._page[key], self._chain[page] = key, page, next(self._ids)
+        self._key[page], self._page[key] = key, page
+        self._chain[page] = next(self._ids) if chain is None else chain
         return self._chain[page]
+
+    def registered(self) -> dict[tuple, int]:
+        """Every cached key -> its page (the tests' view)."""
+        return dict(self._page)
+
+    def forget(self, page: int) -> None:
+        """The page's K/V is not what its key says (a failed step's copy back): it leaves the cache."""
+        self._forget(page)
 
     def _forget(self, page: int) -> None:
         key = self._key.pop(page, None)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import psutil
 import torch
 
 from autoprofile import budget
@@ -23,6 +24,7 @@ from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
+from autoprofile.engine.host_kv import HostKVError, HostKVPool, host_kv_bytes
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
 from autoprofile.engine import logits_process, logprobs, stress
@@ -66,6 +68,33 @@ class StepTokens:
 
 NO_TOKENS = torch.empty(0, dtype=torch.int64)
 
+
+def host_tier(cfg: ServerConfig, world_size: int, heads: int, width: int, kv_dtype: torch.dtype,
+              pin: bool, available: int | None = None) -> HostKVPool | None:
+    """This rank's host tier (--host_kv), or None (off, or smaller than a page). available: the host's
+    available memory (default: psutil's reading now). ConfigError naming --host_kv when it does not fit
+    or the host refuses to pin it."""
+    mc = cfg.model_config
+    available = psutil.virtual_memory().available if available is None else available
+    gpus = torch.cuda.device_count() if pin else 0
+    try:
+        nbytes = host_kv_bytes(cfg.host_kv, available, world_size, gpus)
+    except HostKVError as e:
+        raise ConfigError("host_kv", str(e)) from None
+    if not nbytes:
+        return None
+    parts = 1 if mc.is_mla else 2
+    try:
+        pool = HostKVPool.for_cache(nbytes, parts, mc.num_layers, heads, cfg.page_size, width, kv_dtype, pin)
+    except RuntimeError as e:  # cudaHostAlloc refused (a locked-memory limit, a container's cap)
+        half = math.floor(nbytes / 2 / 2**30 * 10) / 10
+        raise ConfigError("host_kv", f"the host refused to pin {gib(nbytes):.1f} GiB ({e}); try --host_kv "
+                          f"{half:g} or --host_kv off") from None
+    log.info("host KV tier: %d pages of %d tokens (%.2f GiB %s host memory)", pool.num_pages, cfg.page_size,
+             gib(pool.nbytes), "pinned" if pin else "pageable")
+    return pool if pool.num_pages else None
+
+
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -91,6 +120,10 @@ class ModelRunner:
             problem = fp8_capability_problem(torch.cuda.get_device_capability(self.device), f"--{flag}")
             if problem:
                 raise ConfigError(flag, problem)
+        # the prefix cache's host tier (--host_kv): sized and pinned before any GPU allocation; kept through
+        # teardown (a page's layout does not depend on the KV size)
+        self.host_kv = host_tier(cfg, world_size, self.cache_heads, self.cache_width, self.kv_cache_dtype,
+                                 pin=self.device.type == "cuda")
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device, deterministic=cfg.deterministic)
         # every linear layer's GEMM (--deterministic: batch-invariant, and so is the all-reduce:
@@ -277,6 +310,8 @@ class ModelRunner:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             self.clock.begin("prefill" if step.is_prefill else "decode",
                              sum(len(r.ids) for r in step.rows) + len(step.decode))
+            if step.kv_saves or step.kv_loads:  # before the forward writes the saved pages, reads the loaded
+                self.host_kv.transfer(self.kv.buffer, step.kv_saves, step.kv_loads)
             self.req_table.write(step.page_writes)
             self.routing.set(step.routing)
             if step.encode:

@@ -24,6 +24,12 @@ Prefix caching (on full pages): every full page of computed K/V is registered in
 a request being admitted takes back the longest run of cached pages matching its tokens (never its
 last token: that one must be computed to be sampled), so its first chunk starts after them and attends
 to them like any later chunk (prefill_kv_tokens and max_prefix_len bound it: inside the envelope).
+
+Host tier (--host_kv, autoprofile.engine.host_kv): a cached page that alloc hands out again is first saved
+to a host page under its key (Step.kv_saves); the cached run of an admitted request may continue in the
+host tier: those pages get fresh GPU pages, cached again at once under their keys and chain ids, and copied
+back (Step.kv_loads) before the step's forward reads them. A preempted request's cached pages go the same
+way when alloc takes them; its pages not yet cached (the last partial one, those of a step in flight) go.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 
 from autoprofile.engine.grammar import advance
 from autoprofile.engine.envelope import Envelope, StepShape
+from autoprofile.engine.host_kv import HostPages
 from autoprofile.engine.kv_cache import PageAllocator
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.request import PENDING, Request, RequestStatus
@@ -64,6 +71,9 @@ class Step:
     encode: list[tuple[int, ImageInput]] = field(default_factory=list)
     decode: list[StepRow] = field(default_factory=list)  # a mixed step's decode rows, after its prefill rows
     routing: str = "model"  # an MoE model's routing (layers.moe.ROUTINGS): the stress forces the others
+    # host tier copies, before the forward, saves first: (gpu page, host page), then (host page, gpu page)
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def all_rows(self) -> list[StepRow]:
@@ -106,10 +116,17 @@ def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int,
 
 
 class Scheduler:
-    def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True):
-        """kv_pages: pages of the built cache, the pad page included (never handed out)."""
+    def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0):
+        """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
+        of the host tier (0: none; needs prefix caching)."""
         self.env, self.prefix_caching = envelope, prefix_caching
         self.allocator = PageAllocator(kv_pages)
+        self.host = HostPages(host_pages) if host_pages and prefix_caching else None
+        self._saves: list[tuple[int, int]] = []  # the step being built's host tier copies
+        self._loads: list[tuple[int, int]] = []
+        self.host_hit_tokens = 0  # tokens whose K/V admission found in the host tier
+        if self.host is not None:
+            self.allocator.on_evict = self._spill
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: preemption takes from the tail
@@ -153,6 +170,12 @@ class Scheduler:
             step.decode, step.page_writes = decode.rows, decode.page_writes + step.page_writes
         if step is not None:
             step.running, step.pages_used = len(self.running), self.pages_used
+            step.kv_saves, step.kv_loads = self._saves, self._loads
+        elif self._saves or self._loads:
+            raise AssertionError("host tier copies without a step to carry them")
+        self._saves, self._loads = [], []
+        if self.host is not None:
+            self.host.release_held()
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
@@ -172,7 +195,8 @@ class Scheduler:
             if req.pending:
                 continue  # preempted with a token in flight: its recompute needs the token
             hit, chain = self._cached_prefix(req) if admit else ([], 0)
-            start = len(hit) * ps if admit else req.num_computed
+            back = self._host_prefix(req, len(hit), chain) if admit else []
+            start = (len(hit) + len(back)) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
             encode = []
             if req.mm is not None:
@@ -182,7 +206,7 @@ class Scheduler:
                     continue  # its next image waits for the encoder: later requests may still fit
                 break
             held = hit if admit else req.pages
-            need = math.ceil((start + n) / ps) - len(held)
+            need = math.ceil((start + n) / ps) - len(held)  # the host tier's pages come back into new ones
             free = self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit)
             if need > free:
                 if admit:
@@ -190,8 +214,8 @@ class Scheduler:
                 if not may_preempt or not self._make_room(need, req):
                     continue  # req itself was preempted, or it waits for a step without decode rows
             if admit:
-                self._admit(req, hit, chain, step)
-            self._grow(req, need, step)
+                self._admit(req, hit, chain, step, back)
+            self._grow(req, need - len(back) if admit else need, step)
             row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
                           req.params, req, req.mm)
             if req.mm is not None:
@@ -252,24 +276,59 @@ class Scheduler:
                 chain = found[1]
         return pages, chain
 
-    def _admit(self, req: Request, hit: list[int], chain: int, step: Step) -> None:
+    def _host_prefix(self, req: Request, after: int, chain: int) -> list[tuple[int, int, tuple, int]]:
+        """The host tier's pages continuing req's cached run after its first `after` pages (chain id
+        `chain`): (host page, parent chain id, tokens, chain id) each."""
+        out, ps = [], self.env.page_size
+        if self.host is None:
+            return out
+        for i in range(after, (req.num_tokens - 1) // ps):
+            tokens = req.key(i * ps, (i + 1) * ps)
+            found = self.host.lookup(chain, tokens)
+            if found is None:
+                break
+            out.append((found[0], chain, tokens, found[1]))
+            chain = found[1]
+        return out
+
+    def _admit(self, req: Request, hit: list[int], chain: int, step: Step,
+               back: list[tuple[int, int, tuple, int]] = ()) -> None:
         self.waiting.remove(req)
         req.slot, req.status = self.free_slots.pop(), RequestStatus.RUNNING
         self.running.append(req)
         for p in hit:
             self.allocator.share(p)
-        req.pages, req.num_computed = list(hit), len(hit) * self.env.page_size
-        req.cached_pages, req.chain = len(hit), chain
-        if hit:
-            step.page_writes.append((req.slot, 0, list(hit)))
+        pages = list(hit)
+        if back:
+            for host_page, *_ in back:
+                self.host.take(host_page)  # out of the host tier's LRU before alloc's evictions spill
+            fresh = self.allocator.alloc(len(back))
+            for page, (host_page, parent, tokens, linked) in zip(fresh, back):
+                chain = self.allocator.register(page, parent, tokens, linked)
+                self._loads.append((host_page, page))
+            pages += fresh
+            self.host_hit_tokens += len(back) * self.env.page_size
+        req.pages, req.num_computed = pages, len(pages) * self.env.page_size
+        req.cached_pages, req.chain = len(pages), chain
+        if pages:
+            step.page_writes.append((req.slot, 0, list(pages)))
             self.prefix_hit_tokens += req.num_computed
+
+    def _spill(self, page: int, key: tuple, chain: int) -> None:
+        """alloc takes a cached page: its K/V goes to the host tier first (the step's copies, saves first)."""
+        host_page = self.host.put(key, chain)
+        if host_page is not None:
+            self._saves.append((page, host_page))
 
     def _register(self, req: Request, upto: int) -> None:
         """Put req's newly full pages of K/V computed up to token `upto` in the prefix cache."""
         ps = self.env.page_size
         while self.prefix_caching and req.cached_pages < min(upto, req.num_computed) // ps:
             i = req.cached_pages
-            req.chain = self.allocator.register(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps))
+            key = req.key(i * ps, (i + 1) * ps)
+            # recomputed while the host tier held it: one tier holds it, under the chain id its successors use
+            linked = self.host.discard((req.chain, key)) if self.host is not None else None
+            req.chain = self.allocator.register(req.pages[i], req.chain, key, linked)
             req.cached_pages += 1
 
     def _grow(self, req: Request, n: int, step: Step) -> None:
@@ -317,6 +376,10 @@ class Scheduler:
         granted to requests still running go back, so each holds the pages the table had before the step and
         its next row grows (and writes) them again. Else a row writes K/V through a stale column into a page
         the prefix cache may map to another prompt. Call it after the step's failed requests finished."""
+        for _, host_page in step.kv_saves:  # the copies may not have run: what they moved is unknown
+            self.host.drop(host_page)
+        for _, page in step.kv_loads:
+            self.allocator.forget(page)
         by_slot = {req.slot: req for req in self.running}
         for slot, first, pages in reversed(step.page_writes):
             req = by_slot.get(slot)

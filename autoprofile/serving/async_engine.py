@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autoprofile.engine.host_kv import HostTierStats
 from autoprofile.engine.request import RequestError, RequestOutput
 from autoprofile.engine.step_clock import HostTimer, StepTimes
 
@@ -68,6 +69,7 @@ class Snapshot:
     ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
     errors: int = 0  # failed steps, OOMs included
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    host: HostTierStats | None = None  # the prefix cache's host tier (--host_kv); None: off
     step_times: StepTimes = field(default_factory=StepTimes)  # where the steps' time went (step_clock)
 
 
@@ -411,7 +413,7 @@ class AsyncEngine:
         s = self.engine.stats
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
                                  s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens,
-                                 self.engine.step_times())
+                                 s.host, self.engine.step_times())
 
 
 def since(stamp: float | None) -> float:

@@ -54,7 +54,33 @@ class EngineCollector:
                 ("autoprofile_prefix_cache_hit_tokens", "prompt tokens whose K/V came from the prefix cache",
                  s.prefix_hit_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from host_tier_families(s.host)
         yield from step_time_families(s.step_times)
+
+
+def host_tier_families(t):
+    """The prefix cache's host tier (--host_kv; autoprofile.engine.host_kv.HostTierStats), if on."""
+    if t is None:
+        return
+    for name, doc, value in (
+            ("autoprofile_host_kv_pages_total", "pages of the prefix cache's host tier (this rank)", t.pages),
+            ("autoprofile_host_kv_pages_cached", "host tier pages holding an evicted prefix page now",
+             t.cached)):
+        yield GaugeMetricFamily(name, doc, value=value)
+    for name, doc, value in (
+            ("autoprofile_host_kv_saved_pages", "cached GPU pages copied to the host tier on eviction",
+             t.saved),
+            ("autoprofile_host_kv_loaded_pages", "host tier pages copied back to the GPU (prefix hits)",
+             t.loaded),
+            ("autoprofile_host_kv_dropped_pages", "host tier pages dropped (its LRU, a failed step's copies)",
+             t.dropped),
+            ("autoprofile_host_kv_hit_tokens", "prompt tokens whose K/V came back from the host tier",
+             t.hit_tokens),
+            ("autoprofile_host_kv_moved_bytes", "bytes copied between the GPU and the host tier (this rank)",
+             t.bytes_moved),
+            ("autoprofile_host_kv_copy_seconds", "time of the host tier's copies (CUDA events on the copy "
+             "stream; wall time on a CPU)", t.copy_seconds)):
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 def step_time_families(t):

@@ -1,0 +1,272 @@
+"""The prefix cache's host-memory tier (SGLang's HiCache, vLLM's CPU offload): KV pages that the GPU's prefix
+cache evicts are copied to pinned host memory first, under the same key (chain id before the page, its
+tokens and images' hashes), and a request whose prefix continues there gets them copied back into fresh GPU
+pages, scheduled like a prefill that has already run.
+
+Two owners: HostPages, the bookkeeping (host-side, the scheduler's: which host page holds which key, least
+recently used first), and HostKVPool, the pinned buffer [parts, num_layers, host_pages, heads, page, width]
+(the GPU cache's layout per layer) and the copies (the runner's, one per rank under --tp: each rank keeps its
+own shard, moved by the same page lists that the step broadcast ships). A page lives on one tier: a page
+copied back leaves the host tier (moved, not shared), so every key is in the GPU's prefix cache, in the host
+tier, or gone (dropped by the host tier's LRU).
+
+An FP8 cache's scales are per layer (KVCache.scales), fixed before any page is cached: a page's bytes mean
+the same on both tiers, so the key needs no scale.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from autoprofile.config import parse_host_kv
+
+GIB = 1 << 30
+AUTO_SHARE = 0.5  # --host_kv auto: this share of the host's available memory ...
+PROCESS_MARGIN = 8 * GIB  # ... less this much for the process (weights' host copies, tokenizer, Python)
+
+
+class HostKVError(ValueError):
+    """--host_kv does not fit the host (raised as ConfigError by the runner, naming the flag)."""
+
+
+def host_kv_bytes(flag: str, available: int, ranks_on_host: int, gpus_on_host: int) -> int:
+    """The host tier's bytes for one rank. available: the host's available memory (psutil); ranks_on_host:
+    this server's ranks on the host (--tp); gpus_on_host: the host's GPUs (servers on the other GPUs may take
+    their share too). auto: AUTO_SHARE of available less PROCESS_MARGIN, split over max(ranks, gpus); N GiB:
+    N a rank, HostKVError if ranks x N exceeds available less PROCESS_MARGIN (its message names a value that
+    fits)."""
+    value = parse_host_kv(flag)
+    if value == "off":
+        return 0
+    usable = max(available - PROCESS_MARGIN, 0)
+    if value == "auto":
+        return int(max(AUTO_SHARE * available - PROCESS_MARGIN, 0) / max(ranks_on_host, gpus_on_host, 1))
+    want = int(value * GIB)
+    if want * ranks_on_host > usable:
+        fits = math.floor(usable / max(ranks_on_host, 1) / GIB * 10) / 10
+        each = f" on each of {ranks_on_host} ranks" if ranks_on_host > 1 else ""
+        hint = f"try --host_kv {fits:g} or --host_kv auto" if fits > 0 else "try --host_kv off"
+        raise HostKVError(f"{value:g} GiB of pinned host memory{each} does not fit: the host has "
+                          f"{available / GIB:.1f} GiB available, less {PROCESS_MARGIN // GIB} GiB for the "
+                          f"process; {hint}")
+    return want
+
+
+# ---------------------------------------------------------------- the bookkeeping (no torch)
+@dataclass
+class HostTierStats:
+    pages: int = 0  # pages of the tier
+    cached: int = 0  # pages holding a key now
+    saved: int = 0  # pages copied GPU -> host
+    loaded: int = 0  # pages copied host -> GPU (prefix hits in the host tier)
+    dropped: int = 0  # keys the tier's LRU dropped (or a failed step's copies)
+    hit_tokens: int = 0  # prompt tokens whose K/V came back from the host tier
+    bytes_moved: int = 0  # both directions (the runner's pool counts them)
+    copy_seconds: float = 0.0  # the copies' time (CUDA events on the copy stream; wall time on the CPU)
+
+
+class HostPages:
+    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by a step's
+    copies back to the GPU, free again once that step is built: its own saves must not write them)."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._free = list(range(num_pages))  # a heap: lowest first, so a run of saves gets a run of pages
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._key: dict[int, tuple] = {}  # host page -> key
+        self._page: dict[tuple, int] = {}  # key -> host page
+        self._chain: dict[int, int] = {}  # host page -> its chain id
+        self._held: list[int] = []
+        # every key put here leaves as exactly one of: loaded back, dropped (LRU, a failed step), discarded
+        # (recomputed on the GPU), or is cached still
+        self.saved = self.loaded = self.dropped = self.discarded = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def keys(self) -> dict[tuple, int]:
+        """Every cached key -> its host page (the tests' view)."""
+        return dict(self._page)
+
+    def lookup(self, parent: int, tokens: tuple) -> tuple[int, int] | None:
+        """(host page, chain id) holding `tokens` after the prefix `parent`, or None."""
+        page = self._page.get((parent, tokens))
+        return None if page is None else (page, self._chain[page])
+
+    def put(self, key: tuple, chain: int) -> int | None:
+        """A host page for an evicted GPU page's key (a free one, else the least recently used is dropped);
+        None if the tier has no page to give (all held) or the key is cached here already."""
+        if key in self._page:
+            return None
+        if self._free:
+            page = heapq.heappop(self._free)
+        elif self._lru:
+            page = next(iter(self._lru))
+            self._forget(page)
+            self.dropped += 1
+        else:
+            return None
+        self._key[page], self._page[key], self._chain[page] = key, page, chain
+        self._lru[page] = None
+        self.saved += 1
+        return page
+
+    def take(self, page: int) -> None:
+        """A cached page goes back to the GPU: it leaves the index, held until release_held()."""
+        self._forget(page)
+        self._held.append(page)
+        self.loaded += 1
+
+    def release_held(self) -> None:
+        """The step that copies the held pages back is built: they are free (the copies run in stream
+        order, before any later step's save into them)."""
+        for page in self._held:
+            heapq.heappush(self._free, page)
+        self._held.clear()
+
+    def discard(self, key: tuple) -> int | None:
+        """The key is cached on the GPU again (recomputed): its host page is free; returns its chain id."""
+        page = self._page.get(key)
+        if page is None:
+            return None
+        chain = self._chain[page]
+        self._forget(page)
+        heapq.heappush(self._free, page)
+        self.discarded += 1
+        return chain
+
+    def drop(self, page: int) -> None:
+        """A failed step's save: the page's content is unknown, its key goes."""
+        if page in self._key:
+            self._forget(page)
+            heapq.heappush(self._free, page)
+            self.dropped += 1
+
+    def _forget(self, page: int) -> None:
+        key = self._key.pop(page)
+        del self._page[key], self._chain[page], self._lru[page]
+
+
+# ---------------------------------------------------------------- the pinned buffer and the copies
+def page_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) page pairs as runs (src first, dst first, length) of consecutive pages on both sides, in
+    order: one copy a run and layer."""
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def pin_in_place(t: torch.Tensor) -> None:
+    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously.
+    NOTE: not pin_memory=True: torch's pinned allocator rounds a block up to a power of two (52 GiB would
+    pin 64). RuntimeError if CUDA refuses (a locked-memory limit) or is absent."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+    except (AssertionError, AttributeError, RuntimeError) as e:  # no CUDA: AssertionError
+        raise RuntimeError(f"cudaHostRegister is unavailable: {e}") from None
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(err)}")
+
+
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class HostKVPool:
+    """The host tier's pages, [parts, num_layers, num_pages, heads, page, width] like KVCache.buffer (pinned
+    when CUDA is up), and the copies between it and the GPU's pages. Host memory only: no GPU buffer (a
+    copy of a run of pages is contiguous per layer on both sides, so no gather, no staging)."""
+
+    def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
+        """page_shape: (parts, num_layers, heads, page, width) of one page on one rank."""
+        parts, layers, *cell = page_shape
+        self.num_pages = num_pages
+        self.buffer = torch.empty((parts, layers, num_pages, *cell), dtype=dtype)
+        if pin:
+            pin_in_place(self.buffer)
+            # unregistered before its memory goes back (the finalizer holds the buffer until then)
+            weakref.finalize(self, unpin, self.buffer).atexit = False  # at exit the process's memory goes
+        self.page_bytes = self.buffer.nbytes // max(num_pages, 1)
+        self.stream: torch.cuda.Stream | None = None
+        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.bytes_moved, self.copy_seconds = 0, 0.0
+
+    @classmethod
+    def for_cache(cls, nbytes: int, parts: int, layers: int, heads: int, page: int, width: int,
+                  dtype: torch.dtype, pin: bool) -> HostKVPool:
+        """As many pages as fit nbytes."""
+        page_bytes = parts * layers * heads * page * width * torch.empty(0, dtype=dtype).element_size()
+        return cls(nbytes // page_bytes, (parts, layers, heads, page, width), dtype, pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def transfer(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """saves (gpu page, host page) then loads (host page, gpu page) on `gpu` (KVCache.buffer). On CUDA:
+        on the copy stream, after the work queued on the current stream (the steps that wrote the saved
+        pages, or still read the pages being loaded into), and the current stream waits for them (the
+        step reads the loaded pages, and writes into the pages just saved)."""
+        if not saves and not loads:
+            return
+        n = len(saves) + len(loads)
+        self.bytes_moved += n * self.page_bytes
+        if gpu.device.type != "cuda":
+            t0 = time.perf_counter()
+            self._copy(gpu, saves, loads)
+            self.copy_seconds += time.perf_counter() - t0
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(gpu.device)
+        compute = torch.cuda.current_stream(gpu.device)
+        self.stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            self._copy(gpu, saves, loads)
+            end.record()
+        compute.wait_stream(self.stream)
+        self._timing.append((start, end))
+        self._harvest()
+
+    def _copy(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        host, blocking = self.buffer, gpu.device.type != "cuda"
+        for src, dst, n in page_runs(saves):
+            for part in range(gpu.shape[0]):
+                for layer in range(gpu.shape[1]):
+                    host[part, layer, dst:dst + n].copy_(gpu[part, layer, src:src + n],
+                                                         non_blocking=not blocking)
+        for src, dst, n in page_runs(loads):
+            for part in range(gpu.shape[0]):
+                for layer in range(gpu.shape[1]):
+                    gpu[part, layer, dst:dst + n].copy_(host[part, layer, src:src + n],
+                                                        non_blocking=not blocking)
+
+    def _harvest(self) -> None:
+        """Add the finished copies' event times (never waits)."""
+        done = 0
+        for start, end in self._timing:
+            if not end.query():
+                break
+            self.copy_seconds += start.elapsed_time(end) / 1000
+            done += 1
+        del self._timing[:done]

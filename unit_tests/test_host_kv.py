@@ -1,0 +1,318 @@
+"""The prefix cache's host tier (--host_kv): its bookkeeping under random traffic, the copies' contents, the
+tiny model's tokens served from host-tier pages, and its sizing (a host that cannot hold it: a clear error).
+
+The content runner is test_scheduler's StepRunner with a KV pool whose every cell holds a value derived from
+the request's tokens up to that position: each step first runs its host-tier copies through the real
+HostKVPool (as ModelRunner.launch does), then checks that every position a row attends to holds its value
+(a page copied back must hold exactly what was evicted, in its place), then writes its own positions.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoprofile.config import ConfigError, ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.host_kv import (GIB, PROCESS_MARGIN, HostKVError, HostKVPool, HostPages,
+                                        host_kv_bytes, page_runs)
+from autoprofile.engine.runner import host_tier
+from autoprofile.engine.scheduler import Step
+from autoprofile.tp import broadcast
+from unit_tests.test_scheduler import SHARED, STOPS, VOCAB, StepRunner, envelope, invariants, tiny_runner
+
+PS = 4
+
+
+def cell(tokens: list[int]) -> float:
+    """The K value at the last of `tokens`' positions: a hash of every token up to it (V: + 0.5)."""
+    h = 7
+    for t in tokens:
+        h = (h * 131 + t + 1) % 1_000_003
+    return float(h)
+
+
+class ContentRunner(StepRunner):
+    def __init__(self, env, kv_pages: int, host_pages: int):
+        super().__init__(env, kv_pages)
+        self.buffer = torch.full((2, 1, kv_pages, 1, PS, 1), -1.0, dtype=torch.float64)
+        self.host_kv = (HostKVPool(host_pages, (2, 1, 1, PS, 1), torch.float64, pin=False) if host_pages
+                        else None)
+        self.checked = 0
+
+    def execute(self, step):
+        if step.kv_saves or step.kv_loads:
+            self.host_kv.transfer(self.buffer, step.kv_saves, step.kv_loads)
+        for slot, first, pages in step.page_writes:
+            for i, p in enumerate(pages):
+                self.page_table[slot, first + i] = p
+        for row in step.all_rows:
+            history = row.request.tokens(0, row.start)
+            for pos in range(row.start):  # what the row attends to: cached (GPU or host tier) or computed
+                k, v = self._cell(row.slot, pos)
+                assert (k, v) == (cell(history[:pos + 1]), cell(history[:pos + 1]) + 0.5), \
+                    f"position {pos} of {row.request.request_id} holds the wrong K/V"
+                self.checked += 1
+        for row in step.all_rows:  # the row's own K/V (a PENDING decode input: the slot's last token)
+            ids = [self.last_tokens[row.slot] if t < 0 else t for t in row.ids]
+            history = row.request.tokens(0, row.start) + ids
+            for pos in range(row.start, row.start + len(ids)):
+                page = self.page_table[row.slot, pos // PS]
+                value = cell(history[:pos + 1])
+                self.buffer[0, 0, page, 0, pos % PS, 0] = value
+                self.buffer[1, 0, page, 0, pos % PS, 0] = value + 0.5
+        return super().execute(step)
+
+    def _cell(self, slot: int, pos: int) -> tuple[float, float]:
+        page = self.page_table[slot, pos // PS]
+        return float(self.buffer[0, 0, page, 0, pos % PS, 0]), float(self.buffer[1, 0, page, 0, pos % PS, 0])
+
+
+def content_engine(kv_pages: int, host_pages: int, overlap: bool = False,
+                   **kw) -> tuple[LLMEngine, ContentRunner]:
+    env = envelope(kv_pages=kv_pages, page_size=PS, **kw)
+    runner = ContentRunner(env, kv_pages, host_pages)
+    return LLMEngine(runner, overlap=overlap), runner
+
+
+def tier_invariants(engine: LLMEngine) -> None:
+    """Every GPU page free or held, every host page free or cached (none held between steps), no key on both
+    tiers, and every key the host tier took is cached there still or left it one way."""
+    invariants(engine)
+    s = engine.scheduler
+    a, host = s.allocator, s.host
+    assert a.num_free + s.pages_used == a.capacity
+    if host is None:
+        return
+    assert host.num_held == 0, "host pages held past the step that copies them back"
+    assert host.num_free + host.num_cached == host.num_pages
+    assert not set(a.registered()) & set(host.keys()), "a key on both tiers"
+    assert host.saved == host.num_cached + host.loaded + host.dropped + host.discarded, "a host page lost"
+    assert len(set(host.keys().values())) == host.num_cached
+
+
+# ---------------------------------------------------------------- the bookkeeping under random traffic
+traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
+                            st.integers(1, 70),  # prompt length
+                            st.integers(1, 24),  # max_tokens
+                            st.one_of(st.none(), st.integers(0, 30)),  # abort after this many steps
+                            st.integers(0, 60),  # leading tokens shared with the other requests
+                            st.booleans()),  # returns: again later with its first prompt and more
+                  min_size=1, max_size=20)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, kv_pages=st.integers(22, 50), host_pages=st.integers(0, 40), batch=st.integers(4, 40),
+       running=st.integers(1, 6), overlap=st.booleans())
+def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(
+        trace, kv_pages, host_pages, batch, running, overlap):
+    engine, runner = content_engine(kv_pages, host_pages, overlap, context=96, batch=batch, running=running)
+    prompts = {}
+    arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
+                      + [(wait + 12, i, 1) for i, (wait, *_, again) in enumerate(trace) if again])
+    pending, ended, aborts, clock = list(arrivals), set(), {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= clock:
+            _, i, turn = pending.pop(0)
+            _, n, max_tokens, abort_after, shared, _ = trace[i]
+            prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+            prompt += [(i * 13 + j) % VOCAB for j in range(5)] if turn else []
+            max_tokens = min(max_tokens, min(96, (kv_pages - 1) * PS) - len(prompt))
+            if max_tokens < 1:
+                continue
+            rid = engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)
+            prompts[rid] = prompt
+            if abort_after is not None and not turn:
+                aborts.setdefault(clock + abort_after, []).append(rid)
+        for rid in aborts.pop(clock, []):
+            engine.abort(rid)
+        for o in engine.step():
+            ended |= {o.request_id} if o.finished else set()
+        tier_invariants(engine)
+        clock += 1
+        assert clock < 5000, "no progress"
+    assert ended == set(prompts)
+    s = engine.stats
+    assert s.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the engine's step)"
+    assert s.pages_used == 0 and len(engine.scheduler.free_slots) == running
+    if host_pages:
+        assert s.host.hit_tokens == engine.scheduler.host.loaded * PS
+        assert s.host.bytes_moved == (s.host.saved + s.host.loaded) * runner.host_kv.page_bytes
+    else:
+        assert s.host is None
+
+
+def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_contents():
+    """A prompt whose pages the GPU evicted comes back: they come from the host tier (no recompute of them),
+    each into a GPU page that holds exactly what was evicted (ContentRunner checks every position)."""
+    engine, runner = content_engine(kv_pages=24, host_pages=64, context=96, batch=16, running=2)
+    first = [(3 * j + 1) % VOCAB for j in range(41)]
+    _serve(engine, [first], max_tokens=4)
+    others = [[(5 * j + 7 * k + 2) % VOCAB for j in range(60)] for k in range(3)]
+    _serve(engine, others, max_tokens=4)  # 15 pages each: the first prompt's 10 cached pages go to the host
+    host = engine.scheduler.host
+    assert host.saved >= 10 and host.loaded == 0
+    runner.checked = 0
+    rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
+    while engine.has_unfinished():
+        engine.step()
+    first_row = next(r for s in runner.steps for r in s.rows if r.request.request_id == rid)
+    assert first_row.start == 40  # 10 pages back from the host tier: its first chunk starts after them
+    assert host.loaded == 10 and engine.stats.host.hit_tokens == 40
+    assert engine.stats.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the step)"
+    assert runner.checked >= 40
+    tier_invariants(engine)
+
+
+def _serve(engine, prompts, max_tokens):
+    for p in prompts:
+        engine.add_request(p, max_tokens=max_tokens)
+        while engine.has_unfinished():
+            engine.step()
+
+
+def test_page_runs_group_consecutive_pages_on_both_sides():
+    assert page_runs([(5, 0), (6, 1), (7, 2), (9, 3), (10, 5)]) == [(5, 0, 3), (9, 3, 1), (10, 5, 1)]
+    assert page_runs([]) == []
+
+
+def test_host_pages_drop_the_least_recently_used_and_hold_loaded_pages_until_the_step_is_built():
+    h = HostPages(2)
+    a, b = h.put((0, (1,)), 5), h.put((5, (2,)), 6)
+    assert h.lookup(0, (1,)) == (a, 5) and h.lookup(5, (2,)) == (b, 6)
+    h.take(a)
+    assert h.num_free == 0 and h.num_held == 1 and h.lookup(0, (1,)) is None
+    c = h.put((0, (3,)), 7)  # the held page is not given out: the LRU's b goes
+    assert c == b and h.dropped == 1 and h.lookup(5, (2,)) is None
+    h.release_held()
+    assert h.num_free == 1
+    assert h.discard((0, (3,))) == 7 and h.num_free == 2 and h.discarded == 1
+
+
+def test_a_step_ships_its_host_tier_copies_to_every_rank():
+    step = Step(is_prefill=False, rows=[], kv_saves=[(3, 0), (4, 1)], kv_loads=[(7, 9)])
+    back = broadcast.decode(pickle.loads(pickle.dumps(broadcast.encode(step))))
+    assert back.kv_saves == [(3, 0), (4, 1)] and back.kv_loads == [(7, 9)]
+
+
+# ---------------------------------------------------------------- the tiny model
+def _conversations(engine, max_tokens=6):
+    """Three turns: A, then B and C (whose pages evict A's), then A again with more."""
+    a = [(29 * j) % 4000 + 5 for j in range(70)]
+    b = [(31 * j) % 4000 + 7 for j in range(70)]
+    c = [(37 * j) % 4000 + 9 for j in range(70)]
+    out = [engine.generate([p], max_tokens=max_tokens)[0] for p in (a, b, c)]
+    out.append(engine.generate([a + out[0] + [11, 12, 13]], max_tokens=max_tokens)[0])
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_model_host_tier_hits_give_the_recompute_tokens(deterministic):
+    """The tiny model on the CPU engine, a GPU KV of 10 pages: the returning conversation's prefix comes back
+    from the host tier and its tokens are those of the tier off (recomputed) and of no prefix cache."""
+    fresh = _conversations(LLMEngine(tiny_runner(2048, deterministic=deterministic), prefix_caching=False))
+    off = _conversations(LLMEngine(tiny_runner(176, deterministic=deterministic)))
+    tier = LLMEngine(tiny_runner(176, deterministic=deterministic, host_kv="0.002"))
+    got = _conversations(tier)
+    assert got == off == fresh
+    assert tier.stats.host.hit_tokens >= 64 and tier.stats.host.loaded >= 4
+    assert tier.stats.pages_used == 0
+    tier_invariants(tier)
+
+
+# ---------------------------------------------------------------- sizing
+def test_auto_takes_a_share_of_available_memory_less_a_margin_split_over_the_hosts_gpus():
+    assert host_kv_bytes("off", 100 * GIB, 1, 1) == 0
+    assert host_kv_bytes("auto", 100 * GIB, 1, 1) == 50 * GIB - PROCESS_MARGIN
+    assert host_kv_bytes("auto", 100 * GIB, 2, 8) == (50 * GIB - PROCESS_MARGIN) // 8
+    assert host_kv_bytes("auto", 100 * GIB, 4, 2) == (50 * GIB - PROCESS_MARGIN) // 4
+    assert host_kv_bytes("auto", 10 * GIB, 1, 1) == 0
+    assert host_kv_bytes("1.5", 100 * GIB, 1, 1) == int(1.5 * GIB)
+
+
+def test_a_size_the_host_cannot_hold_names_the_flag_and_a_size_that_fits():
+    with pytest.raises(HostKVError, match=r"try --host_kv 21 "):
+        host_kv_bytes("64", 50 * GIB, 2, 2)  # 2 ranks x 64 > 50 - 8: 21 GiB each fits
+    cfg = validate(ServerConfig(model="tiny", dtype="float32", attention_backend="torch", host_kv="64",
+                                report_dir=None))
+    with pytest.raises(ConfigError, match=r"^--host_kv: 64 GiB of pinned host memory does not fit.*try "
+                                          r"--host_kv 2 "):
+        host_tier(cfg, 1, 2, 32, torch.float32, pin=False, available=10 * GIB)
+    with pytest.raises(ConfigError, match="--host_kv: .*try --host_kv off"):
+        host_tier(cfg, 1, 2, 32, torch.float32, pin=False, available=4 * GIB)
+
+
+def test_the_runner_refuses_a_size_the_host_cannot_hold_before_it_builds_the_model():
+    with pytest.raises(ConfigError, match="--host_kv: 100000 GiB .* does not fit"):
+        tiny_runner(176, host_kv="100000")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works here")
+def test_a_host_that_refuses_to_pin_gets_a_clear_error():
+    cfg = validate(ServerConfig(model="tiny", dtype="float32", attention_backend="torch", host_kv="0.5",
+                                report_dir=None))
+    with pytest.raises(ConfigError, match=r"--host_kv: the host refused to pin 0.5 GiB .*try --host_kv"):
+        host_tier(cfg, 1, 2, 32, torch.float32, pin=True, available=64 * GIB)
+
+
+@pytest.mark.parametrize("text", ["-1", "0", "lots", "inf", "nan"])
+def test_a_bad_host_kv_value_names_the_flag(text):
+    with pytest.raises(ConfigError, match="--host_kv: must be auto, off or a number of GiB"):
+        validate(ServerConfig(model="tiny", host_kv=text, report_dir=None))
+
+
+def test_the_host_tier_needs_the_prefix_cache():
+    with pytest.raises(ConfigError, match="--host_kv: .*needs the prefix cache"):
+        validate(ServerConfig(model="tiny", host_kv="auto", disable_prefix_caching=True, report_dir=None))
+
+
+# ---------------------------------------------------------------- the report, /metrics, the benchmark
+def test_the_budget_report_shows_the_tier():
+    from autoprofile.profiler import ProfileResult
+    from autoprofile.report import format_report, to_dict
+    cfg = validate(ServerConfig(model="tiny", host_kv="2", report_dir=None))
+    r = ProfileResult(cfg, 4096, 1024, True, 1, 4096, None, None, {}, [], [], [], host_kv_pages=4096,
+                      host_kv_bytes=2 * GIB)
+    assert "host KV tier (--host_kv 2): 4096 pages (65536 tokens, 2.00 GiB" in format_report(r)
+    assert to_dict(r)["host_kv_pages"] == 4096 and to_dict(r)["host_kv_gib"] == 2.0
+
+
+def test_a_multi_turn_benchmark_against_a_server_with_the_tier():
+    """bench_serving --multi-turn against the CPU server (the tiny model, 20 GPU pages, a host tier): the
+    conversations' later turns come back from the host tier; /metrics counts the tier; every page is free
+    at the end, nothing failed."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from autoprofile import server
+    from unit_tests.cpu_server import boot_cpu
+    from unit_tests.test_bench_serving import bench_serving
+    from unit_tests.test_server import FLAGS
+    cfg = validate(ServerConfig(**FLAGS, host_kv="0.01"))
+    runner, result = boot_cpu(cfg, kv_tokens=336)
+    engine = LLMEngine.from_config(runner, cfg)
+    args = bench_serving.parse_args(["--multi-turn", "4", "--num-turns", "3", "--random-input-len", "40",
+                                     "--random-output-len", "8", "--seed", "3"])
+
+    async def go():
+        async with TestClient(TestServer(server.make_app(cfg, engine, result))) as c:
+            url = str(c.make_url("")).rstrip("/")
+            health = await bench_serving.wait_ready(url, 10, None)
+            summary = await bench_serving.bench(args, url, health)
+            return summary, await (await c.get("/metrics")).text()
+    s, metrics = asyncio.run(go())
+    assert s["completed"] == 12 and s["failed"] == 0
+    assert set(s["ttft_by_turn_ms"]) == {"turn0", "turn1", "turn2"}
+    assert s["total_input_tokens"] == 4 * (40 + 88 + 136)
+    tier = s["server"]["host_kv"]
+    assert tier["hit_tokens"] > 0 and tier["loaded_pages"] > 0 and tier["moved_gib"] > 0
+    assert s["server"]["kv_pages_used_after"] == 0 and s["server"]["oom_while_serving"] == 0
+    assert "autoprofile_host_kv_loaded_pages_total" in metrics
+    assert engine.stats.pages_used == 0
+    tier_invariants(engine)
+    lines = bench_serving.comparison_lines(s, s, ("on", "off"))
+    assert lines[1].startswith("on") and "hit tokens" in lines[1] and "1.00x" in lines[-1]
