@@ -48,7 +48,7 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(params, 
     assert got.mixed_steps > 0 and got.most_rows >= 8, got
 
 
-FAMILY_CFG = dict(dtype="bfloat16", attention_backend="torch", max_req_total_len=256, batch_max_tokens=32,
+FAMILY_CFG = dict(dtype="float32", attention_backend="torch", max_req_total_len=256, batch_max_tokens=32,
                   graph_max_batch_size=4, running_max_req_size=32, report_dir=None)
 SIDE = 28 * 28
 
