@@ -89,7 +89,7 @@ def test_moe_mla_and_vl_give_a_request_the_same_tokens_alone_and_in_a_crowd(mode
         got = alone_and_in_a_crowd(r, prompt, params, max_tokens=12, crowd=CROWD, overlap=overlap)
     assert len(got.alone) == 12 and len(set(got.alone)) > 3, got  # real text, not one repeated token
     assert got.crowded == got.alone, got
-    assert got.chunks_crowded != got.chunks_alone and got.mixed_steps > 0 and got.most_rows >= 8, got
+    assert got.chunks_crowded != got.chunks_alone and got.mixed_steps > 0 and got.most_rows >= 4, got
 
 
 def test_the_experts_give_a_token_the_same_bits_alone_and_among_others():
