@@ -29,7 +29,8 @@ CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, SMALL), (None, CONFIG))
 
 
 def config_for(m: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """fp32 (an MoE router's logits): SMALL at any M (CONFIG's fp32 tiles overflow an H100's shared memory)."""
+    """fp32 (an MoE router's logits): SMALL at any M (CONFIG's fp32 tiles overflow an H100's shared
+    memory)."""
     if dtype == torch.float32:
         return SMALL
     return next(cfg for most, cfg in CONFIGS if most is None or m <= most)
