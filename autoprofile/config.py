@@ -274,9 +274,6 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"ops are not wired); try --attention_backend aiter_triton (or torch)")
     _check(not m.is_mla or cfg.kv_cache_dtype != "fp8_e4m3", "kv_cache_dtype",
            f"{m.name}'s MLA latent cache has no FP8 path yet; try --kv_cache_dtype auto")
-    _check(not cfg.deterministic or not (m.num_experts or m.is_mla or m.vision is not None), "deterministic",
-           f"{m.name} {deterministic_gap(m)}, which has no batch-invariant path yet; serve it without "
-           f"--deterministic (or --deterministic with a dense text model such as llama-3.1-8b)")
     _check(not cfg.deterministic or m.quant is None, "deterministic",
            f"{m.name}'s FP8 weights ({m.weight_format}) have no batch-invariant GEMM yet; serve it without "
            "--deterministic (or a bf16 checkpoint without --quantization)")
@@ -360,15 +357,6 @@ def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
     """The first FP8 layer whose block scales --tp would split inside a block (ModelConfig.quantized_linears),
     or None."""
     return next((p for q in m.quantized_linears(tp) if (p := q.block_problem(tp))), None)
-
-
-def deterministic_gap(m: ModelConfig) -> str:
-    """What a model runs that --deterministic does not make batch-invariant."""
-    if m.num_experts:
-        return "routes tokens to experts (the expert kernels tile by the step's token count)"
-    if m.is_mla:
-        return "uses MLA attention (its decode splits by the step's rows)"
-    return "encodes images (the vision tower batches a step's images together)"
 
 
 def decode_rows_text(cfg: ServerConfig) -> str:

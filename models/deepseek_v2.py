@@ -45,13 +45,13 @@ class ReplicatedLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.tp.linear_fp8(x, self, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.tp.invariant_linear(x, self.weight, self.bias)
 
 
 class MLAttention(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         super().__init__()
-        self.backend = backend
+        self.backend, self.tp = backend, tp
         self.heads = mc.num_heads // tp.size
         self.nope, self.rope, self.v_dim = mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.v_head_dim
         self.rank = mc.kv_lora_rank
@@ -89,6 +89,8 @@ class MLAttention(nn.Module):
         self.backend.store_latent(latent, kv, meta.slot_mapping)
         if not meta.is_prefill:
             return self.o_proj(self._decode(q_nope, q_pe, kv, meta), residual)
+        if self.backend.paged_prefill:  # --deterministic: every new token a decode row over the cache
+            return self.o_proj(self._paged_prefill(q_nope, q_pe, kv, meta), residual)
         o_decode = None
         if meta.decode is not None:  # a mixed step: its decode rows' tokens come last
             n = q.shape[0] - meta.decode.slot_mapping.shape[0]
@@ -112,14 +114,38 @@ class MLAttention(nn.Module):
         o = self.backend.mla_prefill(q, k, v, meta, self.scale)
         return o.reshape(-1, self.heads * self.v_dim)
 
+    def _paged_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """--deterministic (the backend's paged_prefill): the prefill tokens absorbed, each a decode row over
+        its own prefix in the latent cache (their latents are stored), so a token's attention is the same
+        kernel and splits whatever chunk or step it comes in, a decode step and a preemption's recompute
+        included. A mixed step's decode rows (last) follow as decode rows."""
+        n = q_nope.shape[0] - (0 if meta.decode is None else meta.decode.slot_mapping.shape[0])
+        o = self._decode(q_nope[:n], q_pe[:n], kv, meta.token_rows())
+        if meta.decode is None:
+            return o
+        return torch.cat([o, self._decode(q_nope[n:], q_pe[n:], kv, meta.decode)])
+
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Absorbed: the query into the latent space, the output out of it, per head."""
         w = dense_weight(self.kv_b_proj, q_nope.dtype).view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
+        if self.backend.deterministic:
+            return self._decode_per_head(q_nope, q_pe, kv, meta, w_uk, w_uv)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         o_lat = self.backend.mla_decode(torch.cat([q_lat, q_pe], dim=-1), kv, meta, self.scale, self.rank)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(-1, self.heads * self.v_dim)
+
+    def _decode_per_head(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+                         w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """_decode with each head's absorption through the batch-invariant GEMM (a batched einsum's cuBLAS
+        kernel follows the row count): 2 x heads GEMMs."""
+        w_ku = w_uk.transpose(1, 2).contiguous()  # [H, rank, nope]: the GEMM's [N, K] weight
+        q_lat = torch.stack([self.tp.linear(q_nope[:, h], w_ku[h]) for h in range(self.heads)], dim=1)
+        o_lat = self.backend.mla_decode(torch.cat([q_lat, q_pe], dim=-1), kv, meta, self.scale, self.rank)
+        o = torch.stack([self.tp.linear(o_lat[:, h], w_uv[h]) for h in range(self.heads)], dim=1)
+        return o.reshape(-1, self.heads * self.v_dim)
 
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -148,7 +174,7 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  routing: Routing, layer: int | None = None):
         super().__init__()
-        self.config = mc
+        self.config, self.tp = mc, tp
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), torch.float32)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
@@ -159,7 +185,7 @@ class DeepseekV2MoE(nn.Module):
                                        layer) if shared else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        mc, logits = self.config, nn.functional.linear(x.float(), self.gate.weight)
+        mc, logits = self.config, self.tp.invariant_linear(x.float(), self.gate.weight)
         if mc.topk_method == "greedy":
             weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
         else:

@@ -199,7 +199,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  routing: Routing, layer: int | None = None):
         super().__init__()
-        self.top_k, self.renormalize = mc.num_experts_per_tok, mc.norm_topk_prob
+        self.top_k, self.renormalize, self.tp = mc.num_experts_per_tok, mc.norm_topk_prob, tp
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), dtype)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
@@ -207,7 +207,7 @@ class SparseMoeBlock(nn.Module):
                                 mc.quant_for("mlp.experts", layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(x, self.gate.weight)
+        logits = self.tp.invariant_linear(x, self.gate.weight)
         out = self.experts(x, *self.experts.select(logits, self.renormalize))
         return out if residual is None else residual + out
 

@@ -9,6 +9,15 @@ batch-invariance checked bit for bit (issue 19).
   attention  kernels.triton_unified at its config (or each of ATTENTION_CONFIGS) against torch SDPA
              (T=8192 causal, GQA 32/8 x 128) and the default paged decode (256 rows x 1,024 tokens); its
              "invariant": a token's output the same as a decode row, in a chunk over its prefix, and whole
+
+    PYTHONPATH=. python3 scripts/bench_deterministic.py --families [qwen3-30b-a3b,deepseek-v2-lite,...]
+        [--layers 8]
+
+  families   each model (random weights, its first --layers decoder layers: 0 = all) served through the
+             engine with and without --deterministic: total tok/s at concurrency 1 and 256 (1,024-token
+             random prompts, 128 tokens out, greedy; the overlapped loop as `serve` runs it), and the cost;
+             a vision-language model also times its tower on 8 images of 448 x 448 in one call and one at a
+             time (--deterministic's way)
 """
 from __future__ import annotations
 
@@ -109,13 +118,102 @@ def bench_attention(configs: list[tuple]) -> None:
               f"invariant {inv}", flush=True)
 
 
+FAMILIES = ["qwen3-30b-a3b", "deepseek-v2-lite", "qwen2.5-vl-7b"]
+
+
+def family_folder(name: str, layers: int) -> str:
+    """The builtin config with its first `layers` decoder layers (0: all), in a temporary folder."""
+    import json
+    import tempfile
+
+    from models.config import CONFIG_DIR
+    config = json.loads((CONFIG_DIR / name / "config.json").read_text())
+    if layers:
+        config["num_hidden_layers"] = layers
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def serve_rate(folder: str, deterministic: bool, concurrencies: list[int], prompt: int,
+               out: int) -> tuple[dict[int, float], float | None]:
+    """Total tok/s (prompt + output) at each concurrency through the overlapped engine; a vision model's tower
+    ms for 8 images batched and one at a time (None for text models)."""
+    import gc
+    import random
+    import time
+
+    from autoprofile.config import ServerConfig, validate
+    from autoprofile.engine.engine import LLMEngine
+    from autoprofile.engine.runner import ModelRunner
+    from autoprofile.engine.sampling import GREEDY
+    from autoprofile.engine.weights import init_random
+
+    most = max(concurrencies)
+    cfg = validate(ServerConfig(model=folder, load_format="dummy", attention_backend="aiter_triton",
+                                max_req_total_len=prompt + out, graph_max_batch_size=most,
+                                running_max_req_size=most, report_dir=None, deterministic=deterministic))
+    r = ModelRunner(cfg)
+    init_random(r.model, seed=1, std=0.02)
+    r.build(most * (prompt + out) + 4096)
+    rng = random.Random(0)
+    vocab = min(r.model_config.vocab_size, 30000)
+    rates, tower = {}, None
+    try:
+        engine = LLMEngine(r, overlap=True)
+        warm = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(4)]
+        engine.generate(warm, GREEDY, 8)  # compiles
+        for c in concurrencies:
+            prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(c)]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate(prompts, GREEDY, out)
+            rates[c] = c * (prompt + out) / (time.perf_counter() - start)
+        if r.model_config.vision is not None:
+            grid, visual = (1, 32, 32), r.model.visual
+            x = torch.randn(8 * 32 * 32, r.model_config.vision.patch_dim, device="cuda", dtype=r.dtype)
+            with torch.no_grad():
+                batched = cuda_median_ms(lambda: visual(x, [grid] * 8), iters=5)
+                single = cuda_median_ms(lambda: [visual(p, [grid]) for p in x.chunk(8)], iters=5)
+            tower = (batched, single)
+    finally:
+        r.teardown()
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rates, tower
+
+
+def bench_families(names: list[str], layers: int, concurrencies: list[int], prompt: int = 1024,
+                   out: int = 128) -> None:
+    print(f"| model ({layers or 'all'} layers) | concurrency | total tok/s, default | with --deterministic "
+          f"| cost |\n|---|---|---|---|---|")
+    for name in names:
+        folder = family_folder(name, layers)
+        base, tower = serve_rate(folder, False, concurrencies, prompt, out)
+        det, _ = serve_rate(folder, True, concurrencies, prompt, out)
+        for c in concurrencies:
+            print(f"| {name} | {c} | {base[c]:,.0f} | {det[c]:,.0f} | {1 - det[c] / base[c]:.0%} |",
+                  flush=True)
+        if tower is not None:
+            print(f"| {name} tower, 8 images 448x448 | | {tower[0]:.1f} ms in one call | {tower[1]:.1f} ms "
+                  f"one at a time | {tower[1] / tower[0] - 1:.0%} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gemm_configs", action="store_true", help="sweep GEMM_CONFIGS instead of CONFIG")
     p.add_argument("--attention_configs", action="store_true", help="sweep ATTENTION_CONFIGS")
+    p.add_argument("--families", nargs="?", const=",".join(FAMILIES), default=None,
+                   help="serve each model with and without --deterministic instead (comma-separated)")
+    p.add_argument("--layers", type=int, default=8, help="--families: decoder layers (0 = all)")
+    p.add_argument("--concurrency", default="1,256", help="--families: comma-separated")
     args = p.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
+    if args.families:
+        bench_families(args.families.split(","), args.layers, [int(c) for c in args.concurrency.split(",")])
+        return
     gemm = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
             for m, n, k, w, s in GEMM_CONFIGS] if args.gemm_configs else [
         cfg for _, cfg in triton_matmul.CONFIGS]

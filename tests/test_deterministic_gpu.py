@@ -100,3 +100,94 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_di
     assert got.crowded == got.alone
     assert got.chunks_alone == [512, 512, 176] and got.chunks_crowded != got.chunks_alone, got
     assert got.mixed_steps > 0 and got.graph_steps > 0 and got.most_rows >= 8, got
+
+
+def family_dir(tmp_path_factory, name: str, **overrides) -> str:
+    """A builtin model's config.json with fewer layers (random weights load in seconds; the widths, experts,
+    latent and tower are the real model's)."""
+    from models.config import CONFIG_DIR
+    config = {**json.loads((CONFIG_DIR / name / "config.json").read_text()), **overrides}
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+FAMILIES = {  # the model, fewer layers (deepseek-v2-lite: 1 dense + 3 MoE layers)
+    "qwen3-30b-a3b": dict(num_hidden_layers=4),
+    "deepseek-v2-lite": dict(num_hidden_layers=4),
+    "qwen2.5-vl-7b": dict(num_hidden_layers=4),
+}
+
+
+def family_runner(folder: str, vl: bool) -> ModelRunner:
+    cfg = validate(ServerConfig(model=folder, load_format="dummy", attention_backend="aiter_triton",
+                                max_req_total_len=2048, batch_max_tokens=512, graph_max_batch_size=64,
+                                running_max_req_size=128, report_dir=None, deterministic=True,
+                                **(dict(visual_batch_size=4, max_image_pixels=640 * 640) if vl else {})))
+    r = ModelRunner(cfg)
+    init_random(r.model, seed=1, std=0.02)
+    r.build(262144)
+    return r
+
+
+def image_prompt(mc, seed: int, side: int = 16, text: int = 40) -> tuple[list[int], object]:
+    """Text, one image of side x side patches (side * side / 4 tokens), text; its MultiModalInput."""
+    from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+    from models.qwen2_5_vl import mrope_positions
+    grid = (1, side, side)
+    head = [(37 * i + seed) % 30000 + 3 for i in range(text)]
+    ids = head + [mc.vision_start_token_id] + [mc.image_token_id] * (side * side // 4) + [
+        mc.vision_end_token_id] + head[:20]
+    positions, delta = mrope_positions(ids, [grid], mc)
+    pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return ids, MultiModalInput([ImageInput(pixels, grid, text + 1, seed)], positions, delta)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("params, overlap", [(SamplingParams(temperature=0.9, top_p=0.9, seed=1234), True),
+                                             (GREEDY, False)], ids=["seeded-top-p-overlap", "greedy"])
+def test_each_family_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(tmp_path_factory, family,
+                                                                          params, overlap):
+    """MoE (fixed-tile experts, the slots summed in order), MLA (every token absorbed, fixed splits) and
+    Qwen2.5-VL (the tower one image at a time, with images in the crowd too)."""
+    require_backend("aiter_triton")
+    vl = family == "qwen2.5-vl-7b"
+    r = family_runner(family_dir(tmp_path_factory, family, **FAMILIES[family]), vl)
+    try:
+        mc = r.model_config
+        if vl:
+            prompt, _ = image_prompt(mc, 7, side=40)  # 400 image tokens
+            got = alone_and_in_a_crowd(r, prompt, params, max_tokens=32, crowd=300, overlap=overlap,
+                                       mm=lambda: image_prompt(mc, 7, side=40)[1],
+                                       image_request=lambda i: image_prompt(mc, 100 + i, 8 + 4 * (i % 5)))
+        else:
+            prompt = [(37 * i) % 31000 + 3 for i in range(1200)]
+            got = alone_and_in_a_crowd(r, prompt, params, max_tokens=32, crowd=300, overlap=overlap)
+    finally:
+        r.teardown()
+    assert len(got.alone) == 32 and len(set(got.alone)) > 3
+    assert got.crowded == got.alone, got
+    assert got.chunks_crowded != got.chunks_alone and got.mixed_steps > 0 and got.most_rows >= 8, got
+
+
+def test_200_identical_greedy_image_requests_give_one_answer(tmp_path_factory):
+    """Issue 34: without the flag, 200 identical greedy chat requests with the same image gave 37 answers on
+    qwen2.5-vl-7b. Here all 200 arrive together (the prefix cache shares their pages as they fill) and decode
+    in steps of up to 128 rows."""
+    require_backend("aiter_triton")
+    from autoprofile.engine.engine import LLMEngine
+    r = family_runner(family_dir(tmp_path_factory, "qwen2.5-vl-7b", **FAMILIES["qwen2.5-vl-7b"]), True)
+    try:
+        mc = r.model_config
+        engine = LLMEngine(r, overlap=True)
+        ids = [engine.add_request(image_prompt(mc, 3, side=24)[0], GREEDY, 48,
+                                  mm=image_prompt(mc, 3, side=24)[1]) for _ in range(200)]
+        outs: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id] += o.new_token_ids
+    finally:
+        r.teardown()
+    answers = {tuple(v) for v in outs.values()}
+    assert all(len(v) == 48 for v in outs.values())
+    assert len(answers) == 1, f"{len(answers)} distinct answers"

@@ -4,11 +4,13 @@ mixed steps with decode rows and decodes among up to the envelope's rows, some o
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.multimodal import MultiModalInput
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import StepRow
 
@@ -33,32 +35,43 @@ def model_runner(runner):
 
 
 def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_tokens: int, crowd: int = 300,
-                         seed: int = 0, overlap: bool = False) -> Crowded:
+                         seed: int = 0, overlap: bool = False,
+                         mm: Callable[[], MultiModalInput] | None = None,
+                         image_request: Callable[[int], tuple[list[int], MultiModalInput]] | None = None
+                         ) -> Crowded:
     """runner: a ModelRunner, or under TP rank 0's StepBroadcaster. overlap: the crowd runs on the overlapped
-    engine (the server's default on one device)."""
+    engine (the server's default on one device). A vision-language model: mm makes the request's images (a
+    new MultiModalInput each run: the engine keeps its encoder slots there), image_request(i) the crowd's
+    i-th request with images (every third one: their encoder steps hold other images beside the request's)."""
     rng = random.Random(seed)
     vocab = runner.model_config.vocab_size
     longest = min(3 * len(prompt), runner.cfg.context_len - 2 * max_tokens)
     log = model_runner(runner)
     log.step_log = []
-    alone = LLMEngine(runner).generate([prompt], params, max_tokens)[0]
+    if mm is None:
+        alone = LLMEngine(runner).generate([prompt], params, max_tokens)[0]
+    else:
+        alone = run_one(LLMEngine(runner), prompt, params, max_tokens, mm())
     chunks_alone = [s.prefill_tokens for s in log.step_log if s.prefill_rows]
     others = []
     for i in range(crowd):
         p = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, longest))]
         sp = rng.choice([GREEDY, SamplingParams(temperature=0.8, top_p=0.9),
                          SamplingParams(temperature=1.0, top_p=0.95, seed=i)])
-        others.append((p, sp, rng.randrange(1, 2 * max_tokens)))
+        images = None
+        if image_request is not None and i % 3 == 0:
+            p, images = image_request(i)
+        others.append((p, sp, rng.randrange(1, 2 * max_tokens), images))
     engine = LLMEngine(runner, overlap=overlap)
     half = crowd // 2
-    for p, sp, n in others[:half]:
-        engine.add_request(p, sp, n)
+    for p, sp, n, images in others[:half]:
+        engine.add_request(p, sp, n, mm=images)
     for _ in range(3):  # the crowd is decoding when the request arrives
         engine.step()
-    probe = engine.add_request(prompt, params, max_tokens)
+    probe = engine.add_request(prompt, params, max_tokens, mm=None if mm is None else mm())
     req = engine._requests[probe]
-    for p, sp, n in others[half:]:
-        engine.add_request(p, sp, n)
+    for p, sp, n, images in others[half:]:
+        engine.add_request(p, sp, n, mm=images)
     crowded, rows_with_it, mixed, graphs, chunks = [], [], 0, 0, []
     while engine.has_unfinished():
         computed, before = req.num_computed, len(log.step_log)
@@ -72,6 +85,15 @@ def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_
                 chunks.append(min(req.num_computed, len(prompt)) - computed)
     log.step_log = None
     return Crowded(alone, crowded, max(rows_with_it, default=0), mixed, graphs, chunks_alone, chunks)
+
+
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, max_tokens: int,
+            mm: MultiModalInput) -> list[int]:
+    """One request with images through an idle engine: its tokens."""
+    rid, out = engine.add_request(prompt, params, max_tokens, mm=mm), []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    return out
 
 
 def last_logits_alone_and_beside(runner, prompt: list[int], before: list[int],

@@ -12,10 +12,12 @@ import torch
 
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.attention.torch_sdpa import TorchBackend, tiled_linear
+from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.weights import init_random
 from autoprofile.layers.attention import AttentionMetadata, KVLayer
+from autoprofile.layers.moe import moe_reference
 from autoprofile.layers.parallel import TP, ordered_sum
 from unit_tests.crowd import alone_and_in_a_crowd, crowd_on_tp_ranks
 from unit_tests.interpreter import run_script
@@ -23,6 +25,7 @@ from unit_tests.interpreter import run_script
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 needs_aiter = pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")
 
+CROWD = 60  # the MoE, MLA and VL crowds (their torch paths are slower on the CPU than the dense model's)
 CROWD_CFG = dict(model="tiny", dtype="bfloat16", attention_backend="torch", max_req_total_len=512,
                  batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=64, report_dir=None)
 
@@ -43,6 +46,77 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(params, 
     # the crowd changed what the request ran beside: other chunks, mixed steps, many rows
     assert got.chunks_alone == [64, 64, 22] and got.chunks_crowded != got.chunks_alone, got
     assert got.mixed_steps > 0 and got.most_rows >= 8, got
+
+
+FAMILY_CFG = dict(dtype="float32", attention_backend="torch", max_req_total_len=256, batch_max_tokens=32,
+                  graph_max_batch_size=4, running_max_req_size=32, report_dir=None)
+SIDE = 28 * 28
+
+
+def image_prompt(mc, seed: int, side: int) -> tuple[list[int], MultiModalInput]:
+    """Text, one image of side x side patches (side^2 / 4 tokens), text: the ids and its MultiModalInput."""
+    from models.qwen2_5_vl import mrope_positions
+    grid = (1, side, side)
+    head = [(29 * i + seed) % 400 + 3 for i in range(12)]
+    ids = head + [mc.vision_start_token_id] + [mc.image_token_id] * (side * side // 4) + [
+        mc.vision_end_token_id] + head[:6]
+    positions, delta = mrope_positions(ids, [grid], mc)
+    pixels = torch.randn(side * side, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return ids, MultiModalInput([ImageInput(pixels, grid, len(head) + 1, seed)], positions, delta)
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla", "tiny-vl"])
+@pytest.mark.parametrize("params, overlap", [(SamplingParams(temperature=0.9, top_p=0.9, seed=1234), True),
+                                             (GREEDY, False)], ids=["seeded-top-p-overlap", "greedy"])
+def test_moe_mla_and_vl_give_a_request_the_same_tokens_alone_and_in_a_crowd(model, params, overlap):
+    """MoE: the router and each expert's GEMMs batch-invariant. MLA: every token absorbed over the latent
+    cache (prefill tokens as decode rows), its per-head projections batch-invariant. Qwen2.5-VL: the tower
+    runs one image at a time (a third of the crowd carries images too), the decoder as the dense path."""
+    vl = model == "tiny-vl"
+    extra = dict(visual_batch_size=4, max_images_per_request=1, min_image_pixels=4 * SIDE,
+                 max_image_pixels=36 * SIDE) if vl else {}
+    r = ModelRunner(validate(ServerConfig(model=model, **FAMILY_CFG, **extra, deterministic=True)))
+    init_random(r.model, seed=1, std=0.08)
+    r.build(4096)
+    mc = r.model_config
+    if vl:
+        prompt, _ = image_prompt(mc, 7, 12)  # 36 image tokens inside a 55-token prompt
+        got = alone_and_in_a_crowd(r, prompt, params, max_tokens=12, crowd=CROWD, overlap=overlap,
+                                   mm=lambda: image_prompt(mc, 7, 12)[1],
+                                   image_request=lambda i: image_prompt(mc, 100 + i, 4 + 4 * (i % 2)))
+    else:
+        prompt = [(37 * i) % 4000 + 3 for i in range(70)]
+        got = alone_and_in_a_crowd(r, prompt, params, max_tokens=12, crowd=CROWD, overlap=overlap)
+    assert len(got.alone) == 12 and len(set(got.alone)) > 3, got  # real text, not one repeated token
+    assert got.crowded == got.alone, got
+    assert got.chunks_crowded != got.chunks_alone and got.mixed_steps > 0 and got.most_rows >= 4, got
+
+
+def test_the_experts_give_a_token_the_same_bits_alone_and_among_others():
+    """The torch backend's experts under --deterministic: each expert's GEMMs at a fixed row count (an
+    expert's rows follow the step's tokens)."""
+    torch.manual_seed(0)
+    e, k, h, i, t = 8, 2, 256, 96, 40
+    be = TorchBackend(4, 4, 32, 16, torch.float32, torch.device("cpu"), deterministic=True)
+    x, w13, w2 = torch.randn(t, h), torch.randn(e, 2 * i, h) * h ** -0.5, torch.randn(e, h, i) * i ** -0.5
+    weights, ids = torch.rand(t, k), torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(torch.int32)
+    full = be.fused_moe(x, w13, w2, weights, ids)
+    assert all(torch.equal(be.fused_moe(x[a:b], w13, w2, weights[a:b], ids[a:b]), full[a:b])
+               for a, b in ((0, 1), (5, 6), (0, 3), (7, 40)))
+    torch.testing.assert_close(full, moe_reference(x, w13, w2, weights, ids))
+
+
+@needs_triton
+def test_summed_in_order_adds_each_rows_slots_in_slot_order_in_fp32():
+    from autoprofile.kernels.triton_moe import summed_in_order
+    down = torch.tensor([[[1.0], [2.0 ** -8], [2.0 ** -8]]], dtype=torch.bfloat16)
+    out = torch.empty(1, 1, dtype=torch.bfloat16)
+    # fp32 sums, one rounding: 1 + 2^-7 (bf16's spacing at 1; each add rounded to bf16 would drop both halves)
+    assert summed_in_order(down, out).item() == 1 + 2 ** -7 and out.item() == 1 + 2 ** -7
+    rows = torch.randn(50, 6, 64, dtype=torch.bfloat16)
+    whole = summed_in_order(rows, torch.empty(50, 64, dtype=torch.bfloat16))
+    assert torch.equal(summed_in_order(rows[3:4], torch.empty(1, 64, dtype=torch.bfloat16)), whole[3:4])
+    torch.testing.assert_close(whole.float(), rows.float().sum(1), rtol=1e-2, atol=1e-2)
 
 
 def _crowd_tp(guard, params: SamplingParams, crowd: int):

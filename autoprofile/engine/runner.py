@@ -461,7 +461,13 @@ class ModelRunner:
     # ------------------------------------------------------------ images
     def _encode(self, encode: list[tuple[int, ImageInput]]) -> None:
         """Run the vision encoder on a step's new images (one call) into their encoder buffer slots. Stress
-        images carry no pixels: random patches of their grid (the encoder's memory follows the shape)."""
+        images carry no pixels: random patches of their grid (the encoder's memory follows the shape).
+        --deterministic: one call per image (its GEMMs and attention at that image's shapes alone, whatever
+        else the step encodes); never more memory than the step's images together."""
+        if self.cfg.deterministic and len(encode) > 1:
+            for one in encode:
+                self._encode([one])
+            return
         dev, vis = self.device, self.model_config.vision
         pixels = [im.pixel_values if im.pixel_values is not None else
                   torch.randn(im.patches, vis.patch_dim, device=dev) for _, im in encode]

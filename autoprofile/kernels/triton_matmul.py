@@ -28,7 +28,11 @@ SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps":
 CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, SMALL), (None, CONFIG))
 
 
-def config_for(m: int) -> dict:
+def config_for(m: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """fp32 (an MoE router's logits): SMALL at any M (CONFIG's fp32 tiles overflow an H100's shared
+    memory)."""
+    if dtype == torch.float32:
+        return SMALL
     return next(cfg for most, cfg in CONFIGS if most is None or m <= most)
 
 
@@ -78,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     m = rows.shape[0]
     if m:
-        cfg = config_for(m)
+        cfg = config_for(m, x.dtype)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0),
                              out.stride(0), HAS_BIAS=bias is not None, **cfg)

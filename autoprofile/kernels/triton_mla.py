@@ -31,6 +31,9 @@ from autoprofile import budget
 from autoprofile.kernels.aiter_loader import triton_ops_package
 
 SLOT_BLOCK = 256
+# --deterministic: every row's tokens in this many splits whatever the rows (budget.mla_kv_splits follows the
+# row count, and a row's merged output follows its splits). 16: budget's choice at 16 rows
+INVARIANT_SPLITS = 16
 # No waves_per_eu, matrix_instr_nonkdim, kpack: AMD-only launch options (AITER's MI300 file has them).
 # Tuned on an H100 (scripts/tune_mla_decode.py, ctx 4000): 1.5-2x faster than BLOCK_N 16 / 1 stage / 16 splits
 CONFIG = {"fwd_grouped_kernel_stage1_rope": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},

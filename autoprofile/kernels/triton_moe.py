@@ -65,17 +65,17 @@ def operands(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, qua
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, quant=None) -> torch.Tensor:
+              ids: torch.Tensor, quant=None, deterministic: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference).
     quant (layers.quant.MoeQuant): w13/w2 are float8_e4m3fn with its scales (as layers.quant's
-    moe_reference_fp8)."""
+    moe_reference_fp8). deterministic: batch-invariant (invariant_block_m, summed_in_order)."""
     ops = load_aiter_moe()
     tokens, top_k = ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    block_m = budget.moe_block_m(tokens, top_k, num_experts)
+    block_m = invariant_block_m() if deterministic else budget.moe_block_m(tokens, top_k, num_experts)
     cfg = (CONFIGS if quant is None else FP8_CONFIGS)[block_m]
     sort = triton_moe_sort if tokens * top_k <= SORT_KERNEL_MAX_PAIRS else moe
     sorted_ids, block_experts, padded = sort.sort_by_expert(ids, num_experts, block_m)
@@ -92,4 +92,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     # NOTE: top_k=1: each sorted id is already the (token, slot) row of `act`
     ops.moe(C=down, **operands(act, w2, w2_scale, quant), mul_routed_weight=True, top_k=1,
             config=dict(cfg), **common)
+    if deterministic:
+        return summed_in_order(down, out)
     return torch.sum(down, dim=1, out=out)
+
+
+def invariant_block_m() -> int:
+    """--deterministic: one launch config for every step (the kernels never split K, so a row's products are
+    one accumulator over K in BLOCK_SIZE_K steps: its bits follow the config, which moe_block_m picks by the
+    step's tokens). The large blocks: the stress's corner at the most tokens runs them (moe_scratch_bytes)."""
+    return budget.MOE_LARGE_BLOCK_M
+
+
+def summed_in_order(down: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = sum over k of down [T, k, H], each row's slots added in slot order in fp32, rounded once:
+    torch.sum's reduction kernel picks how it splits the k values by the output count (the step's tokens)."""
+    acc = down[:, 0].float()
+    for j in range(1, down.shape[1]):
+        acc += down[:, j]
+    return out.copy_(acc)

@@ -206,7 +206,7 @@ class AttentionBackend(ABC):
         quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations quantized before each GEMM."""
         if quant is not None:
             return moe_reference_fp8(x, w13, w2, weights, ids, quant)
-        return moe_reference(x, w13, w2, weights, ids)
+        return moe_reference(x, w13, w2, weights, ids, self.gemm or torch.nn.functional.linear)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:

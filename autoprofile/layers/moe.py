@@ -68,10 +68,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, linear=torch.nn.functional.linear) -> torch.Tensor:
     """The torch reference (HF's loop): per expert hit, in expert order, its tokens gathered, SiLU-gated,
     projected down, weighted and added. Its temporaries grow with the tokens one expert holds (the
-    routing): [n_e, 2I] + [n_e, I] + [n_e, H]. Host syncs (the experts hit): not capturable."""
+    routing): [n_e, 2I] + [n_e, I] + [n_e, H]. Host syncs (the experts hit): not capturable. linear: the
+    GEMM (--deterministic: a batch-invariant one; an expert's row count follows the step's tokens)."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     hits = torch.bincount(ids.flatten().long(), minlength=num_experts).tolist()
@@ -79,8 +80,8 @@ def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         if not n:
             continue
         token, slot = torch.where(ids == e)
-        gate, up = torch.nn.functional.linear(x[token], w13[e]).chunk(2, dim=-1)
-        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        gate, up = linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = linear(torch.nn.functional.silu(gate) * up, w2[e])
         out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
     return out
 

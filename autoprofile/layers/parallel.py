@@ -52,6 +52,12 @@ class TP:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
 
+    def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A GEMM outside the sharded layers (an MoE router, MLA's replicated and per-head projections):
+        under --deterministic (ordered_reduce) the batch-invariant one, else F.linear (cuBLAS)."""
+        return self.linear(x, weight, bias) if self.ordered_reduce else F.linear(x, weight, bias)
+
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + all_reduce(x W^T). On one rank with add_in_gemm and more than one row (one row takes the
         GEMV): cuBLAS adds residual in the GEMM's epilogue (beta = 1), in place, rounding once: no [T, out]

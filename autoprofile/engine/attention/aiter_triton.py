@@ -171,16 +171,28 @@ class AiterTritonBackend(AttentionBackend):
 
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
-        """AITER's Triton MLA decode (kernels.triton_mla) at a compiled row count."""
-        rows = self.triton_mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
-        return self.triton_mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len,
-                                          scale, v_dim, rows)
+        """AITER's Triton MLA decode (kernels.triton_mla) at a compiled row count. --deterministic: a fixed
+        split count, and a paged prefill's token rows (MLAttention._paged_prefill) in groups of the
+        envelope's most decode rows, so every launch runs at a compiled row count with a decode's scratch."""
+        mla = self.triton_mla
+        if not self.deterministic:
+            rows = mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
+            return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim,
+                                  rows)
+        group = self.max_decode_rows or q.shape[0]
+        launch = (mla.INVARIANT_SPLITS, mla.CONFIG)
+        parts = [mla.mla_decode(q[a:a + group], kv.k, meta.block_tables[a:a + group],
+                                meta.seq_lens[a:a + group], meta.max_seq_len, scale, v_dim,
+                                mla.padded_rows(min(group, q.shape[0] - a), self.graph_rows,
+                                                self.max_decode_rows), launch)
+                 for a in range(0, q.shape[0], group)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, quant=None) -> torch.Tensor:
         """AITER's Triton MoE kernels (kernels.triton_moe): sizes follow the tokens, never the routing. quant
         (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group."""
-        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant)
+        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
