@@ -23,7 +23,8 @@ def csv_rows() -> list[dict]:
 
 
 def measured(model: str, card: str, kv: str = "auto") -> int:
-    hits = [int(r["tokens"]) for r in csv_rows() if (r["model"], r["card"], r["kv_cache_dtype"]) == (model, card, kv)]
+    key = (model, card, kv)
+    hits = [int(r["tokens"]) for r in csv_rows() if (r["model"], r["card"], r["kv_cache_dtype"]) == key]
     assert len(hits) == 1, f"docs/measured_kv_tokens.csv has {len(hits)} rows for {model} {card} {kv}"
     return hits[0]
 
@@ -68,10 +69,10 @@ def test_plan_table_is_every_csv_row_with_plan_today():
     rows = table(MEASUREMENTS.read_text(), "model|card|KV dtype|measured KV tokens|plan")[1:]
     want = [(r["model"], r["card"], r["kv_cache_dtype"], int(r["tokens"]), r["date"]) for r in csv_rows()]
     got = [(m, c.lower(), kv, number(t), d) for m, c, kv, t, _, _, d in rows]
-    assert got == want, "docs/measurements.md's plan table must list docs/measured_kv_tokens.csv's rows in order"
+    assert got == want, "the plan table must list docs/measured_kv_tokens.csv's rows, in order"
     for (model, card, kv, tokens, _), cells in zip(want, rows):
         plan = planned(model, card, kv)
-        assert number(cells[4]) == plan, f"{model} {card} {kv}: `plan` says {plan:,} today, the table {cells[4]}"
+        assert number(cells[4]) == plan, f"{model} {card} {kv}: `plan` says {plan:,}, the table {cells[4]}"
         assert cells[5] == f"{(plan - tokens) / tokens * 100:+.1f}%", (model, card, kv, cells[5])
 
 
@@ -84,7 +85,8 @@ def test_fp8_kv_table_matches_the_csv():
             assert number(cell) == measured(model, card, kv), f"{model} {card} {kv}: {cell}"
             ratio = re.search(r"\((\d\.\d\d)x\)", cell)
             if ratio:  # the FP8 cache against the bf16 cache on the same card
-                assert float(ratio.group(1)) == round(measured(model, card, kv) / measured(model, card), 2), cell
+                want = round(measured(model, card, kv) / measured(model, card), 2)
+                assert float(ratio.group(1)) == want, cell
 
 
 def test_moe_and_mla_table_matches_the_csv_and_plan():
@@ -95,11 +97,11 @@ def test_moe_and_mla_table_matches_the_csv_and_plan():
         tokens, plan = measured(model, CARDS[card]), planned(model, CARDS[card])
         assert number(kv_cell) == tokens, f"{name}: {kv_cell}, the CSV {tokens:,}"
         assert number(plan_cell) == plan, f"{name}: {plan_cell}, `plan` says {plan:,} today"
-        assert f"({(plan - tokens) / tokens * 100:+.1f}%)".replace("+", "") in plan_cell.replace("+", ""), plan_cell
+        assert f"({(plan - tokens) / tokens * 100:.1f}%)" in plan_cell, plan_cell
 
 
 def deterministic_costs(text: str) -> list[dict[int, int]]:
-    """{concurrency: cost %} of each --deterministic table, after checking its cost against its throughputs."""
+    """{concurrency: cost %} of each --deterministic table, its cost checked against its throughputs."""
     out = []
     for t in tables(text):
         if "with `--deterministic`" not in t[0]:
@@ -117,14 +119,15 @@ def test_deterministic_costs_agree_with_their_throughputs_and_the_text():
     text = MEASUREMENTS.read_text()
     one_gpu, tp2 = deterministic_costs(text)
     assert tp2 == {1: 17, 256: 8}
-    pages = {p.name: p.read_text() for p in (ROOT / "README.md", MEASUREMENTS, ROOT / "docs" / "design.md")}
+    pages = {p.name: p.read_text() for p in (ROOT / "README.md", MEASUREMENTS, ROOT / "docs/design.md")}
+    stated = r"`--deterministic` costs (\d+)% at concurrency 256 and (\d+)% at 1"
     claims = [(name, int(m.group(1)), int(m.group(2))) for name, page in pages.items()
-              for m in re.finditer(r"`--deterministic` costs (\d+)% at concurrency 256 and (\d+)% at 1", page)]
+              for m in re.finditer(stated, page)]
     claims += [(name, int(m.group(1)), one_gpu[1]) for name, page in pages.items()
                for m in re.finditer(r"about (\d+)% of throughput at concurrency 256", page)]
     assert claims, "no text states the --deterministic cost"
     for name, at256, at1 in claims:
-        assert (at256, at1) == (one_gpu[256], one_gpu[1]), f"{name} says {at256}% / {at1}%, the table {one_gpu}"
+        assert (at256, at1) == (one_gpu[256], one_gpu[1]), f"{name}: {at256}% / {at1}%, the table {one_gpu}"
 
 
 def test_every_large_figure_in_the_readme_is_a_checked_measurement():
