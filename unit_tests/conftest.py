@@ -5,6 +5,11 @@ import os
 import sys
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (taskset limits them; os.cpu_count() counts the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_threads_per_worker(cores: int, workers: int) -> int:
     return max(1, cores // max(1, workers))
 
@@ -13,7 +18,7 @@ def cpu_threads_per_worker(cores: int, workers: int) -> int:
 # OpenMP threads spin while they wait for each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    threads = cpu_threads_per_worker(os.cpu_count() or 1, workers)
+    threads = cpu_threads_per_worker(usable_cores(), workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the ranks and servers a test spawns inherit it
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

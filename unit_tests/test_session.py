@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from unit_tests.conftest import cpu_threads_per_worker
+from unit_tests.conftest import cpu_threads_per_worker, usable_cores
 
 
 def test_a_worker_gets_its_share_of_the_cores_and_at_least_one():
@@ -17,6 +17,6 @@ def test_a_worker_gets_its_share_of_the_cores_and_at_least_one():
 
 @pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"), reason="runs under pytest-xdist (-n N)")
 def test_under_xdist_torch_and_what_a_test_spawns_use_the_workers_share():
-    want = cpu_threads_per_worker(os.cpu_count() or 1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    want = cpu_threads_per_worker(usable_cores(), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     assert os.environ["OMP_NUM_THREADS"] == str(want)
     assert torch.get_num_threads() == want
