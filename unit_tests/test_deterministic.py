@@ -30,6 +30,7 @@ CROWD_CFG = dict(model="tiny", dtype="bfloat16", attention_backend="torch", max_
                  batch_max_tokens=64, graph_max_batch_size=4, running_max_req_size=64, report_dir=None)
 
 
+@pytest.mark.slow  # a crowd of 300 requests, three times
 @pytest.mark.parametrize("params, dtype, overlap", [
     (SamplingParams(temperature=0.9, top_p=0.9, seed=1234), "bfloat16", False),
     (SamplingParams(temperature=0.9, top_p=0.9, seed=99), "float32", True),
@@ -219,6 +220,7 @@ def _reduce_worker(rank: int, init: str, queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # three spawned ranks, each importing torch
 def test_ordered_all_reduce_over_three_gloo_ranks_gives_every_rank_the_rank_order_sum(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

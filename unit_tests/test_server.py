@@ -611,6 +611,7 @@ def _cli_flags(**extra) -> list[str]:
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
+@pytest.mark.slow  # a server process: its imports and boot
 def test_sigterm_drains_every_accepted_request_then_exits_0():
     N = 4
     proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags()], cwd=ROOT,
@@ -666,6 +667,7 @@ def test_sigterm_drains_every_accepted_request_then_exits_0():
     assert code == 0
 
 
+@pytest.mark.slow  # a server process: its imports and boot
 def test_sigterm_during_the_profile_exits_0_at_once():
     proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags()], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -118,6 +118,7 @@ def test_a_wedged_loop_is_dead_after_the_watchdogs_limit(faulty, monkeypatch):
     assert not threads[0].is_alive()  # once its step returned, the dead loop ended
 
 
+@pytest.mark.slow  # a server process each: its imports and boot
 @pytest.mark.parametrize("fault", ["abort", "wedge"])
 def test_serve_exits_1_when_the_engine_loop_dies(fault):
     proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", *_cli_flags(), "--inject_fault",
