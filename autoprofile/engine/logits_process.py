@@ -135,7 +135,7 @@ def _apply_chunk(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[Row
         output_seen = counts > 0
         if len(ints[1]):  # repetition: prompt or output
             seen = output_seen.clone()
-            seen[p_row, p_ids] = True
+            seen.index_put_((p_row, p_ids), torch.ones((), dtype=torch.bool, device=dev))  # no blocking copy
             factor = torch.where(seen, rep, 1.0)
             del seen
             x = torch.where(x > 0, x / factor, x * factor)
