@@ -152,7 +152,10 @@ def test_sampling_controls_overlapped_never_wait_and_equal_the_plain_engine(runn
     engine, log, out, ids = strict_serve(runner, [wave])
     assert engine.stats.failed_steps == 0, "a launch synchronised (see the log)"
     assert {rid: len(t) for rid, t in out.items()} == ids
-    prompts = [p for p, _, _ in wave]
+    # at most the 48 running requests: the plain and overlapped engines then build the same batches (more,
+    # and the overlapped engine frees a finished slot one step later: other batches, other greedy tokens
+    # from batch-dependent kernels, with or without penalties; measured on an H100)
+    prompts = [p for p, _, _ in wave][:40]
     want = LLMEngine(runner).generate(prompts, PENALIZED[0], max_tokens=24)
     got = LLMEngine(runner, overlap=True).generate(prompts, PENALIZED[0], max_tokens=24)
     assert got == want
