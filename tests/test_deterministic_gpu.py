@@ -165,7 +165,9 @@ def test_each_family_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(tmp_pa
             got = alone_and_in_a_crowd(r, prompt, params, max_tokens=32, crowd=300, overlap=overlap)
     finally:
         r.teardown()
-    assert len(got.alone) == 32 and len(set(got.alone)) > 3
+    # random weights: greedy MoE settles on two alternating tokens (an H100 run), so ask for at least two:
+    # the comparison then checks where each one falls
+    assert len(got.alone) == 32 and len(set(got.alone)) > 1
     assert got.crowded == got.alone, got
     assert got.chunks_crowded != got.chunks_alone and got.mixed_steps > 0 and got.most_rows >= 8, got
 
