@@ -89,11 +89,17 @@ def varlen_runner(q, k, v, q_lens, k_lens) -> Callable[[], torch.Tensor]:
     from torch.nn.attention.varlen import varlen_attn
     cq, ck = cu(q_lens, q.device), cu(k_lens, q.device)
 
-    def call(kk, vv):
-        return varlen_attn(q, kk, vv, cq, ck, max(q_lens), max(k_lens), is_causal=True)
+    import inspect
+    # torch 2.10 takes is_causal; 2.11+ a window: (-1, 0) is causal (bottom-right), and 2.12 adds enable_gqa
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+
+    def call(kk, vv, **extra):
+        return varlen_attn(q, kk, vv, cq, ck, max(q_lens), max(k_lens), **causal, **extra)
     try:
-        call(k, v)
-        return lambda: call(k, v)
+        call(k, v, **gqa)
+        return lambda: call(k, v, **gqa)
     except RuntimeError:
         ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
         return lambda: call(ke, ve)
