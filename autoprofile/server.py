@@ -181,7 +181,7 @@ async def errors(request: web.Request, handler):
             raise
         msg = (f"the body is larger than {request.app[STATE].max_body} bytes, the largest of this server's "
                "body bounds" if e.status == 413 else
-               f"{request.method} {request.path}: {e.reason}; the endpoints are listed in the README")
+               f"{request.method} {request.path}: {e.reason}; the endpoints are listed in docs/server.md")
         resp = _error_response(APIError(e.status, msg,
                                         type=HTTP_ERROR_TYPES.get(e.status, "invalid_request_error"),
                                         code=e.reason.lower().replace(" ", "_")))

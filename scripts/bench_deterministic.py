@@ -152,7 +152,10 @@ def serve_rate(folder: str, deterministic: bool, concurrencies: list[int], promp
     most = max(concurrencies)
     cfg = validate(ServerConfig(model=folder, load_format="dummy", attention_backend="aiter_triton",
                                 max_req_total_len=prompt + out, graph_max_batch_size=most,
-                                running_max_req_size=most, report_dir=None, deterministic=deterministic))
+                                running_max_req_size=most, report_dir=None, deterministic=deterministic,
+                                # a VL model: its largest image must fit one request (the tower's bench
+                                # images are 448 x 448)
+                                max_image_pixels=448 * 448))
     r = ModelRunner(cfg)
     init_random(r.model, seed=1, std=0.02)
     r.build(most * (prompt + out) + 4096)
