@@ -333,11 +333,13 @@ class ModelRunner:
                 self.clock.ended()
                 return StepTokens(NO_TOKENS, lps)
             lps, raw = self._sampled_logprobs(rows, logits, lps)  # the raw logits' (before any processor)
+            # structured output first (engine.grammar, vLLM's order): min_p then keeps tokens of the grammar's
+            # distribution, never a threshold that only disallowed tokens pass
+            self._mask(logits, rows)
             processed = logits_process.processed_rows([r.params for r in rows])
             if processed:  # penalties, logit_bias, min_tokens, min_p: in place, before the sampler
                 tokens_of = [logits_process.row_tokens(rows[i]) for i in processed]
                 logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens)
-            self._mask(logits, rows)  # structured output (engine.grammar), right before the sampler
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
