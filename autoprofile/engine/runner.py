@@ -2,6 +2,10 @@
 (KV pool, request table, attention-backend state, decode graphs, the envelope); executes the steps the
 scheduler builds (`execute`), refusing any step outside the envelope; runs the stress corners through
 the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -> build(target) -> stress.
+
+Above the house's 500 lines (565) on purpose: the runner is the one owner of the model's GPU state, and each
+per-step feature (logprobs, logits processors, grammar masks, FP8 scales) is one short hook here whose work
+lives in its own module (logprobs, logits_process, grammar); the step inputs live in step_inputs.
 """
 from __future__ import annotations
 
