@@ -66,6 +66,7 @@ def image_prompt(mc, seed: int, side: int) -> tuple[list[int], MultiModalInput]:
     return ids, MultiModalInput([ImageInput(pixels, grid, len(head) + 1, seed)], positions, delta)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla", "tiny-vl"])
 @pytest.mark.parametrize("params, overlap", [(SamplingParams(temperature=0.9, top_p=0.9, seed=1234), True),
                                              (GREEDY, False)], ids=["seeded-top-p-overlap", "greedy"])

@@ -54,6 +54,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or importlib.util.find_spec("aiter") is None,
                     reason="triton and amd-aiter needed")
 def test_aiters_mla_decode_over_our_slots_equals_the_reference():

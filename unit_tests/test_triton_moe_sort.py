@@ -62,6 +62,7 @@ print("ok")
 '''
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 def test_the_one_launch_sort_equals_the_torch_sort_slot_for_slot():
     run_script(SORT)
 

@@ -78,5 +78,6 @@ print("ok")
 '''
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 def test_the_one_launch_router_equals_route_then_the_forced_routing():
     run_script(ROUTE, "cpu")

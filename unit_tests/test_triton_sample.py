@@ -110,6 +110,7 @@ def _interpret(code: str) -> None:
     run_script(code)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 def test_kept_count_and_boundary_follow_the_sampler_rule():
     """Against a full fp64 sort: top-k, top-p and both, ties at the boundary, masked logits, rows of a wider
     buffer, greedy rows (the first index of a tied max, across lanes, blocks and within a lane); every draw a
@@ -117,6 +118,7 @@ def test_kept_count_and_boundary_follow_the_sampler_rule():
     _interpret(BOUNDS)
 
 
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
 def test_draws_follow_the_distribution_and_seeds_fix_them():
     """Draws against the exact kept distribution, per logit value (tied tokens alike; keeping the whole
     tie group would fail it); a row's token depends on its logits, parameters and seed only."""
