@@ -156,10 +156,10 @@ def test_the_stress_processes_the_envelopes_most_sampled_rows_with_every_token_c
     seen = []
     real = logits_process.apply
 
-    def recording(logits, rows, tokens, last_tokens=None):
+    def recording(logits, rows, tokens, last_tokens=None, staging=None):
         seen.append((len(rows), logits.shape[0], sum(len(t.output) for t in tokens),
                      {t.params for t in tokens}))
-        return real(logits, rows, tokens, last_tokens)
+        return real(logits, rows, tokens, last_tokens, staging)
 
     monkeypatch.setattr(logits_process, "apply", recording)
     prefill, decode = runner.stress_prefill(), runner.stress_decode()

@@ -7,9 +7,9 @@ back.
     advance(matcher, token)                     # Scheduler.resolve, once per token read back: True = ended
 
 The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinned on CUDA), one copy up,
-xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: after the logits processors,
-right before the sampler; not inside the sampler kernel). The stress (ModelRunner._stress) applies a
-full-size mask to every sampled row of every corner.
+xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: first, before the logits
+processors and the sampler, so min_p measures the grammar's distribution; not inside the sampler kernel).
+The stress (ModelRunner._stress) applies a full-size mask to every sampled row of every corner.
 
 A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
 recomputed, preempted request is not fed again: its matcher already holds its tokens). The host fills the

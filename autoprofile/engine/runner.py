@@ -343,7 +343,7 @@ class ModelRunner:
             processed = logits_process.processed_rows([r.params for r in rows])
             if processed:  # penalties, logit_bias, min_tokens, min_p: in place, before the sampler
                 tokens_of = [logits_process.row_tokens(rows[i]) for i in processed]
-                logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens)
+                logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens, self.staging)
             if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
                 tokens = logits.argmax(dim=-1)
             else:
