@@ -515,6 +515,18 @@ async def _freed(app) -> float:
     return time.monotonic() - t0
 
 
+def test_stopping_the_server_mid_stream_leaves_no_step_in_flight_and_no_page_held(run, engine):
+    """The app's cleanup stops the engine loop while a stream runs: the overlapped engine has launched a step
+    ahead; stop aborts the request and collects that step, so the runner can be torn down or reused (the
+    `engine` fixture checks: no page held, nothing unfinished)."""
+    async def body(c, app):
+        stream = await c.post("/v1/completions", json=greedy(n=200, ignore_eos=True, stream=True))
+        await stream.content.readline()
+        return app[server.STATE].engine.snapshot.running
+    assert run(body) == 1
+    assert engine.stats.launched == engine.stats.steps
+
+
 def test_a_client_that_disconnects_is_aborted_at_once(run, engine, slow_steps):
     async def body(c, app):
         eng = app[server.STATE].engine

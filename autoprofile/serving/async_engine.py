@@ -309,6 +309,7 @@ class AsyncEngine:
             while cmd is not None:
                 if cmd is _STOP:
                     self._abort_live("internal")
+                    self._settle()
                     return
                 self._apply(cmd)
                 cmd = self._next_nowait()
@@ -317,6 +318,19 @@ class AsyncEngine:
                 self._step()  # publishes after the step
             else:
                 self._publish()
+
+    def _settle(self) -> None:
+        """At stop, after every live request is aborted: collect the step still in flight (overlap launches
+        one ahead) and report the aborted ones, so the engine holds no page and no launched step when the
+        runner is torn down or handed to another engine. A failing step is logged: the loop is ending."""
+        for _ in range(4):  # the in-flight step, then the reports: two calls at most
+            if not self.engine.has_unfinished():
+                return
+            try:
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - shutting down: the runner's teardown frees what is left
+                log.exception("the step in flight at stop failed")
+                return
 
     def _next_nowait(self):
         try:
