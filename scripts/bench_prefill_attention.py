@@ -105,6 +105,24 @@ def varlen_runner(q, k, v, q_lens, k_lens) -> Callable[[], torch.Tensor]:
         return lambda: call(ke, ve)
 
 
+def cudnn_varlen_runner(q, k, v, q_lens, k_lens) -> Callable[[], torch.Tensor]:
+    """cuDNN's ragged attention on the packed tokens (aten._cudnn_attention_forward with cumulative lengths,
+    the call SDPA makes for a jagged nested tensor): what serving would call, no [B, H, L, D] padding. GQA as
+    given, K/V expanded when this torch refuses them. is_causal with q shorter than k: cuDNN aligns the
+    mask top-left, so the chunk row is checked by its err."""
+    cq, ck = cu(q_lens, q.device), cu(k_lens, q.device)
+
+    def call(kk, vv):
+        return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cq, ck, max(q_lens), max(k_lens), False,
+                                                       0.0, True, False, scale=D ** -0.5)[0]
+    try:
+        call(k, v)
+        return lambda: call(k, v)
+    except RuntimeError:
+        ke, ve = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+        return lambda: call(ke, ve)
+
+
 def cell(make_runner: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor | None, base: float | None,
          iters: int) -> tuple[str, float | None, torch.Tensor | None]:
     """'ms (x vs base, err)', the ms, the output; or the reason it could not run."""
@@ -129,7 +147,7 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, {HQ}/{HKV} heads x {D}")
-    names = ["SDPA flash", "SDPA cuDNN", "torch varlen_attn", "triton_prefill (ours)"]
+    names = ["SDPA flash", "SDPA cuDNN", "torch varlen_attn", "triton_prefill (ours)", "cuDNN varlen"]
     print("| shape | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for shape, (q_lens, k_lens) in SHAPES.items():
@@ -138,7 +156,7 @@ def main() -> None:
 
 
 def bench_shape(q_lens: list[int], k_lens: list[int], dev: torch.device, iters: int) -> list[str]:
-    """One row of the table: SDPA flash (the base), SDPA cuDNN, torch varlen_attn, ours."""
+    """One row of the table: SDPA flash (the base), SDPA cuDNN, torch varlen_attn, ours, cuDNN varlen."""
     from torch.nn.attention import SDPBackend
     q, k, v = make(q_lens, k_lens, dev)
     text, base, ref = cell(lambda: sdpa_runner(SDPBackend.FLASH_ATTENTION, q, k, v, q_lens, k_lens), None,
@@ -150,7 +168,8 @@ def bench_shape(q_lens: list[int], k_lens: list[int], dev: torch.device, iters: 
     row = [text]
     for make_runner in (lambda: sdpa_runner(SDPBackend.CUDNN_ATTENTION, q, k, v, q_lens, k_lens),
                         lambda: varlen_runner(q, k, v, q_lens, k_lens),
-                        lambda: triton_runner(q, k, v, q_lens, k_lens)):
+                        lambda: triton_runner(q, k, v, q_lens, k_lens),
+                        lambda: cudnn_varlen_runner(q, k, v, q_lens, k_lens)):
         row.append(cell(make_runner, ref, base, iters)[0])
     return row
 
