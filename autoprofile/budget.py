@@ -136,9 +136,9 @@ def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_
     return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, partition)
 
 
-# Our split-KV decode (kernels.triton_decode): each row's keys in `splits` parts, one program per (row, kv head,
-# split). Enough parts to give the GPU SPLIT_DECODE_PROGRAMS programs, each part at least SPLIT_DECODE_MIN_TOKENS
-# of max_seq_len, at most SPLIT_DECODE_MAX_SPLITS.
+# Our split-KV decode (kernels.triton_decode): each row's keys in `splits` parts, one program per (row, kv
+# head, split). Enough parts to give the GPU SPLIT_DECODE_PROGRAMS programs, each part at least
+# SPLIT_DECODE_MIN_TOKENS of max_seq_len, at most SPLIT_DECODE_MAX_SPLITS.
 SPLIT_DECODE_PROGRAMS = 512
 SPLIT_DECODE_MIN_TOKENS = 128
 SPLIT_DECODE_MAX_SPLITS = 64
@@ -158,8 +158,8 @@ def split_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, split
 
 def split_decode_peak_scratch_bytes(max_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
                                     max_seq_len: int) -> int:
-    """The most any call of 1..max_seqs rows allocates: fewer rows take more splits, so the peak need not be at
-    the most rows (splits > 1 only below SPLIT_DECODE_PROGRAMS rows)."""
+    """The most any call of 1..max_seqs rows allocates: fewer rows take more splits, so the peak need not be
+    at the most rows (splits > 1 only below SPLIT_DECODE_PROGRAMS rows)."""
     return max(split_decode_scratch_bytes(n, q_heads, head_dim, split_decode_splits(n, kv_heads, max_seq_len))
                for n in range(1, min(max_seqs, SPLIT_DECODE_PROGRAMS) + 1))
 

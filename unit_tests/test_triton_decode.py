@@ -1,7 +1,8 @@
-"""Our split-KV paged decode (kernels.triton_decode) on the CPU through Triton's interpreter (TRITON_INTERPRET=1,
-in a subprocess: the flag is read when a kernel module is imported), against float64 attention over the
-dequantised pages gathered per row. The interpreter has no bfloat16 dot: float16 queries here, over FP8 and
-float16 pages; bf16 on the GPU (tests/test_split_decode_gpu.py). Plus the split rule and its scratch (pure)."""
+"""Our split-KV paged decode (kernels.triton_decode) on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1, in a subprocess: the flag is read when a kernel module is imported), against float64
+attention over the dequantised pages gathered per row. The interpreter has no bfloat16 dot: float16 queries
+here, over FP8 and float16 pages; bf16 on the GPU (tests/test_split_decode_gpu.py). Plus the split rule and
+its scratch (pure)."""
 from __future__ import annotations
 
 import importlib.util
@@ -75,7 +76,7 @@ KERNEL = COMMON + r'''
 P = 16
 lens = [1, 2 * P, 5 * P + 3]  # one token, a whole number of pages, ragged
 for cache_dtype in (FP8, torch.float16):
-    for splits in (1, 3):  # 1: stage 1 writes the output; 3: parts then the merge (a 1-token row's empty parts)
+    for splits in (1, 3):  # 1: stage 1 writes the output; 3: parts, then the merge (empty parts past 1 token)
         check(lens, 8, 2, 64, P, cache_dtype, splits, ks=0.37, vs=2.5)
 check(lens, 8, 2, 64, P, FP8, 2, ks=0.37, vs=2.5, block_n=32)  # tiles of two pages
 check([7, 40], 8, 8, 32, P, FP8, 2, ks=3.0, vs=0.5)  # MHA: a group of 1 padded to 16 rows

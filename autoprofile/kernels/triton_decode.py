@@ -44,7 +44,8 @@ DEFAULT = Config()
 STAGE2_WARPS = 4
 
 
-def config(rows: int, kv_heads: int, max_seq_len: int, override: Config | None = None) -> tuple[int, Config]:
+def config(rows: int, kv_heads: int, max_seq_len: int,
+           override: Config | None = None) -> tuple[int, Config]:
     """(splits, stage-1 config) of a call: a pure function of static values (fixed for a captured graph)."""
     cfg = override or DEFAULT
     splits = cfg.splits or budget.split_decode_splits(rows, kv_heads, max_seq_len)
@@ -54,8 +55,8 @@ def config(rows: int, kv_heads: int, max_seq_len: int, override: Config | None =
 @triton.jit(do_not_specialize=["splits", "sm_scale"])
 def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                          lse_ptr, part_ptr, sm_scale, splits,
-                         stride_qb, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt,
-                         stride_table, stride_ob, stride_oh,
+                         stride_qb, stride_qh, stride_kp, stride_kh, stride_kt,
+                         stride_vp, stride_vh, stride_vt, stride_table, stride_ob, stride_oh,
                          Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD: tl.constexpr, HEAD_POW2: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr, DIRECT: tl.constexpr):
@@ -162,7 +163,8 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if q_heads % kv_heads or q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 \
             or v_cache.stride(3) != 1:
         raise ValueError(f"split decode needs Hq divisible by Hkv and unit stride in D: q {tuple(q.shape)} "
-                         f"{q.stride()}, out {out.stride()}, k cache {tuple(k_cache.shape)} {k_cache.stride()}")
+                         f"{q.stride()}, out {out.stride()}, k cache {tuple(k_cache.shape)} "
+                         f"{k_cache.stride()}")
     if (k_scale is None) != (v_scale is None):
         raise ValueError("split decode takes both k_scale and v_scale or neither")
     group = q_heads // kv_heads
