@@ -107,6 +107,43 @@ for splits in (1, 2):
 print("ok")
 '''
 
+BACKEND = COMMON + r'''
+# AiterTritonBackend.decode: FP8 pages (KVLayer.scales [2]) through triton_decode, and float16 pages too
+# with split_decode_bf16; a float16 cache without it stays on AITER's kernels
+import types
+from autoprofile.engine.attention import AttentionMetadata, aiter_triton
+from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
+from autoprofile.layers.attention import KVLayer
+aiter_calls = []  # AITER's Triton modules need a GPU driver to import: a stand-in that records its v1 call
+aiter_triton.load_aiter_triton = lambda: types.SimpleNamespace(
+    seq_partition_size=aiter_triton.SEQ_PARTITION, paged_attn_decode_v1=lambda *a: aiter_calls.append(1))
+calls = []
+real = triton_decode.decode
+triton_decode.decode = lambda *a, **k: calls.append(1) or real(*a, **k)
+gen = torch.Generator().manual_seed(9)
+lens, hq, hkv, d, page = [1, 40, 16], 8, 2, 32, 16
+for cache_dtype, split_bf16 in ((FP8, False), (torch.float16, True), (torch.float16, False)):
+    be = AiterTritonBackend(hq, hkv, d, page, torch.float16, torch.device("cpu"))
+    be.split_decode_bf16 = split_bf16
+    kc, vc, tables = pool(lens, hkv, page, d, cache_dtype, gen)
+    scales = torch.tensor([0.7, 1.9]) if cache_dtype == FP8 else None
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64),
+                             block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32),
+                             max_seq_len=48)
+    q = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).half()[:, :hq * d].view(3, hq, d)
+    before = len(calls)
+    out = be.decode(q, KVLayer(kc, vc, scales), meta)
+    ours = cache_dtype == FP8 or split_bf16
+    assert (len(calls) - before, len(aiter_calls)) == ((1, 0) if ours else (0, 1)), (cache_dtype, split_bf16)
+    if not ours:
+        continue
+    want = reference(q, kc, vc, tables, lens, 1 / math.sqrt(d), *(scales.tolist() if scales is not None
+                                                                  else (1.0, 1.0)))
+    err = float((out.double() - want).abs().max() / want.abs().max())
+    assert err < 5e-3, (cache_dtype, split_bf16, err)
+print("ok")
+'''
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -147,3 +184,10 @@ def test_split_decode_peak_scratch_bounds_every_row_count(L):
         assert budget.split_decode_peak_scratch_bytes(top, hq, hkv, d, L) == max(each)
     assert budget.split_decode_scratch_bytes(3, hq, d, 4) == 3 * hq * 4 * (4 * d + 4)
     assert budget.split_decode_scratch_bytes(300, hq, d, 1) == 0
+
+
+def test_backend_decodes_fp8_pages_through_the_split_kernel():
+    """AiterTritonBackend.decode: FP8 pages (scales from KVLayer.scales) and, with split_decode_bf16, float16
+    pages go through triton_decode, against float64 attention from a strided q; a float16 cache without it
+    stays on AITER's v1 kernel (a stand-in here: AITER's modules need a GPU driver to import)."""
+    run_script(BACKEND)
