@@ -42,6 +42,10 @@ class Config:
 
 DEFAULT = Config()
 STAGE2_WARPS = 4
+# What scripts/bench_decode_attention.py --configs times beside DEFAULT (tests/test_local_memory.py checks
+# that none spills)
+SWEEP = (Config(32, 4, 2), Config(64, 4, 3), Config(64, 8, 2), Config(128, 4, 2), Config(128, 8, 3),
+         Config(64, 4, 2, splits=2), Config(64, 4, 2, splits=4))
 
 
 def config(rows: int, kv_heads: int, max_seq_len: int,
@@ -52,7 +56,7 @@ def config(rows: int, kv_heads: int, max_seq_len: int,
     return splits, cfg
 
 
-@triton.jit(do_not_specialize=["splits", "sm_scale"])
+@triton.jit(do_not_specialize=["splits", "sm_scale", "stride_table"])
 def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                          lse_ptr, part_ptr, sm_scale, splits,
                          stride_qb, stride_qh, stride_kp, stride_kh, stride_kt,
