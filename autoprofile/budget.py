@@ -136,6 +136,34 @@ def triton_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, max_
     return triton_decode_workspace_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes, partition)
 
 
+# Our split-KV decode (kernels.triton_decode): each row's keys in `splits` parts, one program per (row, kv
+# head, split). Enough parts to give the GPU SPLIT_DECODE_PROGRAMS programs, each part at least
+# SPLIT_DECODE_MIN_TOKENS of max_seq_len, at most SPLIT_DECODE_MAX_SPLITS.
+SPLIT_DECODE_PROGRAMS = 512
+SPLIT_DECODE_MIN_TOKENS = 128
+SPLIT_DECODE_MAX_SPLITS = 64
+
+
+def split_decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
+    """Parts of each row's keys: static values only (a captured graph replays one count)."""
+    want = -(-SPLIT_DECODE_PROGRAMS // max(num_seqs * kv_heads, 1))
+    return max(1, min(want, -(-max_seq_len // SPLIT_DECODE_MIN_TOKENS), SPLIT_DECODE_MAX_SPLITS))
+
+
+def split_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, splits: int) -> int:
+    """One split decode call's scratch: each split's fp32 partial output and log-sum-exp per query head;
+    none at one split (the program writes the output)."""
+    return 0 if splits == 1 else num_seqs * q_heads * splits * (4 * head_dim + 4)
+
+
+def split_decode_peak_scratch_bytes(max_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
+                                    max_seq_len: int) -> int:
+    """The most any call of 1..max_seqs rows allocates: fewer rows take more splits, so the peak need not be
+    at the most rows (splits > 1 only below SPLIT_DECODE_PROGRAMS rows)."""
+    return max(split_decode_scratch_bytes(n, q_heads, head_dim, split_decode_splits(n, kv_heads, max_seq_len))
+               for n in range(1, min(max_seqs, SPLIT_DECODE_PROGRAMS) + 1))
+
+
 def persistent_workspace_bytes(backend: str, max_reqs: int, longest: int, q_heads: int, head_dim: int) -> int:
     """The persistent workspace each backend declares (its workspace_bytes; only native AITER has one)."""
     if backend != "aiter":

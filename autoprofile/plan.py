@@ -241,6 +241,13 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
                    f"MLA decode: token slots of {gmbs} seqs x {ctx} tokens, partials of "
                    f"{budget.mla_kv_splits(gmbs)} splits")
+    if backend == "aiter_triton" and cfg.kv_dtype_bytes == 1:  # FP8 pages: our split decode
+        kv_heads = max(m.num_kv_heads // tp, 1)
+        rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)
+        n = budget.split_decode_peak_scratch_bytes(rows, q_heads, kv_heads, m.head_dim, ctx)
+        return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
+                   f"split decode partials at the most of 1..{rows} rows x {q_heads} heads (fewer rows split "
+                   "more)" if n else "split decode runs one split here: no scratch")
     if backend == "aiter_triton":
         part = budget.TRITON_PARTITION if cfg.disable_cudagraph else \
             budget.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)

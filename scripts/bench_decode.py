@@ -83,6 +83,8 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     runner = ModelRunner(cfg)
     if args.cublas:  # the linear layers through F.linear (cuBLAS) instead of the backend's GEMM
         runner.tp.matmul = None
+    if args.split_decode_bf16:  # bf16 pages through our split decode too (FP8 pages always take it)
+        runner.backend.split_decode_bf16 = True
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
     runner.build(tokens)
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     copy = bench_attention.copy_bandwidth(args.copy_bytes)
     bw = copy["GB_per_s"] * 1e9
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
-                 "kv_cache_dtype": args.kv_cache_dtype,
+                 "kv_cache_dtype": args.kv_cache_dtype, "split_decode_bf16": args.split_decode_bf16,
                  "copy_GB_per_s": copy["GB_per_s"], "ctx": args.ctx, "steps": {}, "targets": TARGETS}
     for context in args.contexts:
         runner = build(args, context)
@@ -170,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels")
     p.add_argument("--cublas", action="store_true",
                    help="linear layers through cuBLAS, not the backend's GEMM (aiter_triton: the one-row GEMV)")
+    p.add_argument("--split_decode_bf16", action="store_true",
+                   help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) "
+                        "instead of AITER's v1/v2; FP8 pages always do")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],
@@ -178,7 +183,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill_tokens", type=int, default=8192)
     p.add_argument("--copy_bytes", type=int, default=2 << 30)
     p.add_argument("--json", type=Path, default=None, help="write the JSON here (else it follows the table)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.split_decode_bf16 and args.backend != "aiter_triton":
+        p.error(f"--split_decode_bf16 is aiter_triton's, not --backend {args.backend}; "
+                "try --backend aiter_triton")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

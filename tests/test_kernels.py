@@ -421,8 +421,8 @@ def fp8_pages(kc: torch.Tensor, vc: torch.Tensor) -> KVLayer:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("b,longest,max_seq_len", DECODE_CASES)
 def test_paged_decode_over_fp8_pages(name, b, longest, max_seq_len, captured, nan_empty):
-    """AITER's kernels read FP8 pages (k_scale = v_scale = 1.0 passed by value, the real scales applied to
-    q and to the output): against the float64 reference over the dequantised pages, both decode paths."""
+    """FP8 pages: the backends' decode (aiter_triton: our split decode, kernels.triton_decode, the scales read
+    from their device tensor) against the float64 reference over the dequantised pages."""
     gen = torch.Generator(device="cuda").manual_seed(b * longest + 1)
     be = make(name)
     lens = mixed_lens(b, longest, gen)

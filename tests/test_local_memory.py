@@ -151,6 +151,30 @@ torch.cuda.synchronize()
 print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 '''
 
+SPLIT_DECODE = KERNELS + r'''
+import math
+import torch
+from autoprofile.kernels import triton_decode
+from autoprofile.layers.attention import FP8_MAX, quantize
+torch.empty(1, device="cuda")
+hq, hkv, d, page = 32, 8, 128, 16
+for rows, ctx in ((1, 131072), (256, 1024)):  # several splits (stage 2 too), one split
+    pages = rows * ctx // page
+    kc = torch.randn(pages, hkv, page, d, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(pages, device="cuda").to(torch.int32).view(rows, -1)
+    seq_lens = torch.full((rows,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
+    scales = torch.stack([kc.abs().max(), kc.abs().max()]).float() / FP8_MAX
+    k8 = quantize(kc, scales[0], torch.float8_e4m3fn)
+    for cfg in (triton_decode.DEFAULT, *triton_decode.SWEEP):
+        triton_decode.decode(torch.empty_like(q), q, k8, k8, tables, seq_lens, ctx, 1 / math.sqrt(d),
+                             scales[0], scales[1], cfg)
+        triton_decode.decode(torch.empty_like(q), q, kc, kc, tables, seq_lens, ctx, 1 / math.sqrt(d),
+                             override=cfg)
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
+'''
+
 
 def run_fresh(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
@@ -250,4 +274,16 @@ def test_no_fp8_kernel_spills_past_the_bound():
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_quant_token_kernel", "_quant_group_kernel", "_gemv_fp8_kernel", "_gemm_fp8_kernel",
             "_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
+    assert spilling(got["kernels"]) == []
+
+
+def test_no_split_decode_kernel_spills_past_the_bound():
+    """Our split decode (kernels.triton_decode: FP8 and bf16 pages, llama-3.1-8b's 32/8 heads of 128, one
+    split and several, the default launch config and every one bench_decode_attention.py --configs times):
+    no variant needs more than 1 KiB of local memory per thread."""
+    got = run_fresh(SPLIT_DECODE)
+    for k in sorted(got["kernels"], key=lambda k: -k["local"]):
+        print(k)
+    names = {k["kernel"] for k in got["kernels"]}
+    assert {"_split_decode_kernel", "_merge_splits_kernel"} <= names, names
     assert spilling(got["kernels"]) == []

@@ -88,6 +88,16 @@ def test_triton_scratch_is_the_declared_v2_formula():
     assert row(short.fixed, "decode attention scratch").bytes == 0
 
 
+def test_fp8_cache_declares_the_split_decode_peak_scratch():
+    """FP8 pages decode through our split kernel: the plan declares the most any row count allocates (a few
+    rows split most), not AITER's v2 partials."""
+    p = plan_for("h100", kv_cache_dtype="fp8_e4m3")
+    got = row(p.fixed, "decode attention scratch").bytes
+    assert got == budget.split_decode_peak_scratch_bytes(256, 32, 8, 128, 131072) > 0
+    assert got == max(budget.split_decode_scratch_bytes(n, 32, 128, budget.split_decode_splits(n, 8, 131072))
+                      for n in range(1, 257))
+
+
 def test_tp2_halves_weights_and_cell():
     one, two = plan_for(), plan_for(tp=2)
     split = weight_split(validate(ServerConfig()).model_config)

@@ -3,11 +3,13 @@ varlen prefill (and the prefill on ROCm or at head sizes that are no power of tw
 beside them: the varlen prefill on NVIDIA (triton_prefill), RMSNorm, SiLU * up, RoPE + KV store, the decode
 reduce.
 
-The decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
+A bf16/fp16 cache's decode calls paged_attn_decode_v1 directly with float scales: AITER's wrapper
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
 the wrapper's own rule, from static values only (batch, heads, max_seq_len), so a captured graph
 replays the same kernels. The v2 path (decode_v2) launches AITER's partition kernel and our reduce
-(triton_reduce): AITER's reduce spills (DESIGN.md, "Local memory is memory").
+(triton_reduce): AITER's reduce spills (DESIGN.md, "Local memory is memory"). An FP8 cache's decode is our
+split-KV kernel (triton_decode): AITER's converts every FP8 element through fp32 and runs per query head;
+ours reads each page once per GQA group and takes the scales as device tensors.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.kernels import triton_prefill, triton_reduce
+from autoprofile.kernels import triton_decode, triton_prefill, triton_reduce
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import Routing
@@ -99,6 +101,9 @@ class AiterTritonBackend(AttentionBackend):
     name = "aiter_triton"
     moe_capturable = True
     batch_invariant_on_gpu = True
+    # bf16/fp16 caches through our split decode (triton_decode) too, in place of AITER's v1/v2; FP8 caches
+    # always take it. Off until measured against AITER on the GPU (scripts/bench_decode_attention.py).
+    split_decode_bf16 = False
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device, deterministic: bool = False):
@@ -221,6 +226,13 @@ class AiterTritonBackend(AttentionBackend):
         return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
                                                   partition)
 
+    @staticmethod
+    def split_workspace_bytes(num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
+                              max_seq_len: int) -> int:
+        """Scratch one split decode call (an FP8 cache's, or split_decode_bf16) allocates: the splits'
+        partials (budget.split_decode_scratch_bytes; none at one split), eager and captured alike."""
+        return triton_decode.scratch_bytes(num_seqs, q_heads, kv_heads, head_dim, max_seq_len)
+
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """With a cached prefix, cu_seqlens_k differs from cu_seqlens: the causal mask is aligned bottom-right
@@ -242,21 +254,21 @@ class AiterTritonBackend(AttentionBackend):
         """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs.
 
-        An FP8 cache: AITER's kernels convert its K/V to the compute type, with k_scale = v_scale = 1.0
-        passed by value (a float baked into a captured graph); the real scales, device values that the
-        first batch may set after capture, are applied around them: q * k_scale before, out * v_scale
-        after (softmax(q.(k8 s_k)) (v8 s_v) = softmax((q s_k).k8) v8 s_v)."""
+        An FP8 cache (or split_decode_bf16): our split decode (triton_decode), which reads the scales, device
+        values that the first batch may set after capture, inside the kernel. Else AITER's v1 or v2."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
         if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
             return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.query_starts(), out)
         k_cache, v_cache = kv.k, kv.v
-        if kv.scales is not None:
-            q = q * kv.scales[0]  # a 0-d fp32 tensor: the product stays in q.dtype
         # q may be a view of the packed projection: the kernels take its row and head strides (unit dim
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = output_rows(out, q)
+        if kv.scales is not None or self.split_decode_bf16:
+            scales = (kv.scales[0], kv.scales[1]) if kv.scales is not None else (None, None)
+            return triton_decode.decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.max_seq_len, self.scale, *scales)
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
@@ -266,8 +278,6 @@ class AiterTritonBackend(AttentionBackend):
                                               meta.max_seq_len) if meta.captured else SEQ_PARTITION
             decode_v2(self.ops.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                       meta.max_seq_len, self.compute_type, self.num_kv_heads, self.scale, partition)
-        if kv.scales is not None:
-            out.mul_(kv.scales[1])
         return out
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:
