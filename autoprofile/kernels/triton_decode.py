@@ -27,7 +27,7 @@ import triton.language as tl
 
 from autoprofile import budget
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jit function reads no plain global
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: the query group is padded up to it
 
 
