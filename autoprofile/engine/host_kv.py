@@ -16,6 +16,7 @@ the same on both tiers, so the key needs no scale.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 import weakref
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from autoprofile.config import parse_host_kv
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 AUTO_SHARE = 0.5  # --host_kv auto: this share of the host's available memory ...
@@ -175,12 +178,19 @@ def page_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
+
+
 def pin_in_place(t: torch.Tensor) -> None:
-    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously.
+    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously, and
+    map it into the device's address space (cudaHostRegisterMapped, stated rather than left to the platform's
+    default): the page-transfer kernel reads and writes it from the GPU. Portable: every device's context
+    sees it pinned.
     NOTE: not pin_memory=True: torch's pinned allocator rounds a block up to a power of two (52 GiB would
     pin 64). RuntimeError if CUDA refuses (a locked-memory limit) or is absent."""
     try:
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes,
+                                                   HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
     except (AssertionError, AttributeError, RuntimeError) as e:  # no CUDA: AssertionError
         raise RuntimeError(f"cudaHostRegister is unavailable: {e}") from None
     if int(err) != 0:
@@ -191,10 +201,48 @@ def unpin(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+class PageLists:
+    """The copies' page lists on their way to the page-transfer kernel: int32 [src ids | dst ids] of the
+    saves, then of the loads, in pinned host memory that the device reads through its mapped address (no GPU
+    memory). A buffer is written again only once the copies that read it have run (its event, never waited
+    for); while every buffer is still queued, one more is made (as step_inputs.Staging does)."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.pin_memory = pin_memory
+
+    def stage(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]
+              ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(buffer index, saves [2, ns], loads [2, nl]) views of one buffer; done(index, event) once the
+        copies that read them are queued."""
+        n = 2 * (len(saves) + len(loads))
+        free = [i for i, (b, ev) in enumerate(self.buffers) if b.numel() >= n and (ev is None or ev.query())]
+        if free:
+            i = free[0]
+        else:
+            size = 1 << max(10, (n - 1).bit_length())
+            self.buffers.append((torch.empty(size, dtype=torch.int32, pin_memory=self.pin_memory), None))
+            i = len(self.buffers) - 1
+        buf = self.buffers[i][0]
+        views = []
+        at = 0
+        for pairs in (saves, loads):
+            view = buf[at:at + 2 * len(pairs)].view(2, len(pairs))
+            if pairs:
+                view.copy_(torch.tensor(pairs, dtype=torch.int32).T)
+            views.append(view)
+            at += 2 * len(pairs)
+        return i, views[0], views[1]
+
+    def done(self, i: int, event: torch.cuda.Event) -> None:
+        self.buffers[i] = (self.buffers[i][0], event)
+
+
 class HostKVPool:
     """The host tier's pages, [parts, num_layers, num_pages, heads, page, width] like KVCache.buffer (pinned
-    when CUDA is up), and the copies between it and the GPU's pages. Host memory only: no GPU buffer (a
-    copy of a run of pages is contiguous per layer on both sides, so no gather, no staging)."""
+    when CUDA is up, and mapped), and the copies between it and the GPU's pages: on CUDA one page-transfer
+    kernel launch a direction (kernels.triton_kv_copy; its page lists in pinned host memory, PageLists), else
+    one copy per run of pages, part and layer. Host memory only: no GPU buffer."""
 
     def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
         """page_shape: (parts, num_layers, heads, page, width) of one page on one rank."""
@@ -209,6 +257,10 @@ class HostKVPool:
         self.stream: torch.cuda.Stream | None = None
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes_moved, self.copy_seconds = 0, 0.0
+        # the page-transfer kernel (one launch a direction); False: the per-run copies (the GPU test compares)
+        self.use_kernel = pin
+        self._copy_pages = None
+        self._lists = PageLists(pin_memory=pin)
 
     @classmethod
     def for_cache(cls, nbytes: int, parts: int, layers: int, heads: int, page: int, width: int,
@@ -221,34 +273,67 @@ class HostKVPool:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def transfer(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
-        """saves (gpu page, host page) then loads (host page, gpu page) on `gpu` (KVCache.buffer). On CUDA:
-        on the copy stream, after the work queued on the current stream (the steps that wrote the saved
-        pages, or still read the pages being loaded into), and the current stream waits for them (the
-        step reads the loaded pages, and writes into the pages just saved)."""
+    def transfer(self, gpu: torch.Tensor, saves: list[tuple[int, int]],
+                 loads: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """saves (gpu page, host page) then loads (host page, gpu page) on `gpu` (KVCache.buffer). On CUDA: on
+        the copy stream, after the work queued on the current stream (the steps that wrote the saved pages,
+        or still read the pages being loaded into); the current stream waits for the SAVES (a step writes into
+        the pages just saved), never for the loads. Returns the loads' event (None: no loads, or the CPU's
+        copies, done when this returns): the scheduler keeps every step off the loaded pages until it has
+        completed (Scheduler.loads_done). Copies of one pool run in the order they were issued (one stream):
+        a later save into a host page runs after an earlier load from it."""
         if not saves and not loads:
-            return
-        n = len(saves) + len(loads)
-        self.bytes_moved += n * self.page_bytes
+            return None
+        self.bytes_moved += (len(saves) + len(loads)) * self.page_bytes
         if gpu.device.type != "cuda":
             t0 = time.perf_counter()
             self._copy(gpu, saves, loads)
             self.copy_seconds += time.perf_counter() - t0
-            return
+            return None
         if self.stream is None:
             self.stream = torch.cuda.Stream(gpu.device)
         compute = torch.cuda.current_stream(gpu.device)
         self.stream.wait_stream(compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        saved = torch.cuda.Event()
+        staged = self._lists.stage(saves, loads) if self._kernel() is not None else None
         with torch.cuda.stream(self.stream):
             start.record()
-            self._copy(gpu, saves, loads)
+            if staged is None:
+                self._copy(gpu, saves, [])
+            elif saves:
+                self._kernel()(gpu, self.buffer, staged[1])
+            saved.record()
+            if staged is None:
+                self._copy(gpu, [], loads)
+            elif loads:
+                self._kernel()(self.buffer, gpu, staged[2])
             end.record()
+        if staged is not None:
+            self._lists.done(staged[0], end)
         compute.wait_stream(self.stream)
         self._timing.append((start, end))
         self._harvest()
+        return end if loads else None
+
+    def _kernel(self):
+        """The page-transfer kernel's launcher (kernels.triton_kv_copy.copy_pages), or None: the per-run
+        copies (use_kernel False, or Triton missing)."""
+        if not self.use_kernel:
+            return None
+        if self._copy_pages is None:
+            try:
+                from autoprofile.kernels.triton_kv_copy import copy_pages
+            except ImportError as e:
+                log.warning("host KV tier: no page-transfer kernel (%s); one copy per run of pages and layer",
+                            e)
+                self.use_kernel = False
+                return None
+            self._copy_pages = copy_pages
+        return self._copy_pages
 
     def _copy(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The per-run copies (the CPU's, and the fallback): one copy per run of pages, part and layer."""
         host, blocking = self.buffer, gpu.device.type != "cuda"
         for src, dst, n in page_runs(saves):
             for part in range(gpu.shape[0]):
