@@ -75,8 +75,8 @@ class HostTierStats:
 
 
 class HostPages:
-    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by a step's
-    copies back to the GPU, free again once that step is built: its own saves must not write them)."""
+    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by copies back
+    to the GPU, free again once they have run: release(); no save writes them before)."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
@@ -85,7 +85,7 @@ class HostPages:
         self._key: dict[int, tuple] = {}  # host page -> key
         self._page: dict[tuple, int] = {}  # key -> host page
         self._chain: dict[int, int] = {}  # host page -> its chain id
-        self._held: list[int] = []
+        self._held: set[int] = set()
         # every key put here leaves as exactly one of: loaded back, dropped (LRU, a failed step), discarded
         # (recomputed on the GPU), or is cached still
         self.saved = self.loaded = self.dropped = self.discarded = 0
@@ -130,17 +130,16 @@ class HostPages:
         return page
 
     def take(self, page: int) -> None:
-        """A cached page goes back to the GPU: it leaves the index, held until release_held()."""
+        """A cached page goes back to the GPU: it leaves the index, held until release()."""
         self._forget(page)
-        self._held.append(page)
+        self._held.add(page)
         self.loaded += 1
 
-    def release_held(self) -> None:
-        """The step that copies the held pages back is built: they are free (the copies run in stream
-        order, before any later step's save into them)."""
-        for page in self._held:
+    def release(self, pages: list[int]) -> None:
+        """The copies back from these held pages have run: they are free."""
+        for page in pages:
+            self._held.remove(page)
             heapq.heappush(self._free, page)
-        self._held.clear()
 
     def discard(self, key: tuple) -> int | None:
         """The key is cached on the GPU again (recomputed): its host page is free; returns its chain id."""
@@ -254,7 +253,8 @@ class HostKVPool:
             # unregistered before its memory goes back (the finalizer holds the buffer until then)
             weakref.finalize(self, unpin, self.buffer).atexit = False  # at exit the process's memory goes
         self.page_bytes = self.buffer.nbytes // max(num_pages, 1)
-        self.stream: torch.cuda.Stream | None = None
+        self.stream: torch.cuda.Stream | None = None  # the saves'
+        self.load_stream: torch.cuda.Stream | None = None
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes_moved, self.copy_seconds = 0, 0.0
         # the page-transfer kernel (one launch a direction); False: the per-run copies (the GPU test compares)
@@ -290,31 +290,50 @@ class HostKVPool:
             self._copy(gpu, saves, loads)
             self.copy_seconds += time.perf_counter() - t0
             return None
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(gpu.device)
+        if self.stream is None:  # saves and loads on streams of their own: no save waits for a load
+            self.stream, self.load_stream = torch.cuda.Stream(gpu.device), torch.cuda.Stream(gpu.device)
         compute = torch.cuda.current_stream(gpu.device)
-        self.stream.wait_stream(compute)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        saved = torch.cuda.Event()
         staged = self._lists.stage(saves, loads) if self._kernel() is not None else None
+        saved = torch.cuda.Event()
+        self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            start.record()
-            if staged is None:
-                self._copy(gpu, saves, [])
-            elif saves:
-                self._kernel()(gpu, self.buffer, staged[1])
+            self._timed(lambda: self._move(gpu, saves, staged, save=True), bool(saves))
             saved.record()
-            if staged is None:
-                self._copy(gpu, [], loads)
-            elif loads:
-                self._kernel()(self.buffer, gpu, staged[2])
-            end.record()
+        if saves:
+            compute.wait_event(saved)
+        if not loads:
+            if staged is not None:
+                self._lists.done(staged[0], saved)
+            return None
+        # a load writes GPU pages that earlier steps may still use (the stream before), and reads host pages
+        # that saves before it wrote (the save stream, in order: `saved` follows them all)
+        self.load_stream.wait_stream(compute)
+        self.load_stream.wait_event(saved)
+        with torch.cuda.stream(self.load_stream):
+            loaded = self._timed(lambda: self._move(gpu, loads, staged, save=False), True)
         if staged is not None:
-            self._lists.done(staged[0], end)
-        compute.wait_stream(self.stream)
-        self._timing.append((start, end))
-        self._harvest()
-        return end if loads else None
+            self._lists.done(staged[0], loaded)
+        return loaded
+
+    def _timed(self, copy, run: bool) -> torch.cuda.Event:
+        """Run the copies between two timing events on the current stream; the end event."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if run:
+            copy()
+        end.record()
+        if run:
+            self._timing.append((start, end))
+            self._harvest()
+        return end
+
+    def _move(self, gpu: torch.Tensor, pairs: list[tuple[int, int]], staged, save: bool) -> None:
+        if staged is None:
+            self._copy(gpu, pairs if save else [], [] if save else pairs)
+        elif save:
+            self._kernel()(gpu, self.buffer, staged[1])
+        else:
+            self._kernel()(self.buffer, gpu, staged[2])
 
     def _kernel(self):
         """The page-transfer kernel's launcher (kernels.triton_kv_copy.copy_pages), or None: the per-run
@@ -348,10 +367,10 @@ class HostKVPool:
 
     def _harvest(self) -> None:
         """Add the finished copies' event times (never waits)."""
-        done = 0
+        left = []
         for start, end in self._timing:
-            if not end.query():
-                break
-            self.copy_seconds += start.elapsed_time(end) / 1000
-            done += 1
-        del self._timing[:done]
+            if end.query():
+                self.copy_seconds += start.elapsed_time(end) / 1000
+            else:
+                left.append((start, end))
+        self._timing = left
