@@ -116,6 +116,26 @@ def test_kernel_and_per_run_copies_move_the_same_bytes():
     assert torch.equal(pools[0].buffer[:, :, 30:35], gpu[:, :, 90:95].cpu())
 
 
+def test_loads_run_beside_the_compute_stream():
+    """The current stream waits for a transfer's saves, never for its loads: a long kernel queued on the save
+    stream (the loads wait for it) leaves the compute stream free: the loads' event is not done while the
+    compute stream's work is."""
+    dev = torch.device("cuda")
+    gpu = torch.randn((PAGE[0], 2, 16, *PAGE[2:]), dtype=torch.bfloat16, device=dev)
+    pool = HostKVPool(8, (PAGE[0], 2, *PAGE[2:]), torch.bfloat16, pin=True)
+    pool.transfer(gpu, [(1, 0)], [])  # the copy stream exists, the kernel is compiled
+    torch.cuda.synchronize()
+    with torch.cuda.stream(pool.stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream is busy
+    event = pool.transfer(gpu, [], [(0, 5)])
+    compute_done = torch.cuda.Event()
+    compute_done.record()
+    compute_done.synchronize()  # the compute stream's work ran without the loads
+    assert not event.query()
+    event.synchronize()
+    assert torch.equal(gpu[:, :, 5], gpu[:, :, 1])
+
+
 def _conversations(engine, max_tokens=16):
     """A, then B and C (their pages evict A's), then A again with its answer and more."""
     a, b, c = ([(k * j) % 31000 + 3 for j in range(900)] for k in (37, 41, 43))
