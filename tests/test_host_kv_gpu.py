@@ -54,35 +54,86 @@ def test_copies_move_pages_exactly_in_stream_order_without_gpu_memory_or_a_sync(
     assert pool.bytes_moved == 6 * pool.page_bytes and pool.copy_seconds > 0
 
 
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def test_copy_rate_against_a_plain_pinned_copy():
-    """One run of 512 pages (the layout's copies: one per run, part and layer) against one copy of the same
-    bytes: printed, and within 2x of it; scattered pages (runs of one: 64 KiB copies) printed."""
+    """One run of 512 pages saved (the page-transfer kernel: one launch) against one pinned copy of the same
+    bytes: within 2x of it. Scattered pages back (lone pages, host -> device): the kernel against the per-run
+    copies (one cudaMemcpyAsync per page, part and layer: 64 KiB each), faster. All printed."""
     dev = torch.device("cuda")
     pages = 512  # 1 GiB of llama-3.1-8b pages
     gpu = torch.empty((PAGE[0], PAGE[1], pages, *PAGE[2:]), dtype=torch.bfloat16, device=dev)
     pool = HostKVPool(pages, PAGE, torch.bfloat16, pin=True)
+    assert pool.use_kernel
     plain = torch.empty(gpu.numel(), dtype=torch.bfloat16, pin_memory=True)
     pairs = [(p, p) for p in range(pages)]
-    for _ in range(2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pool.transfer(gpu, pairs, [])
-        torch.cuda.synchronize()
-        tier = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        plain.copy_(gpu.view(-1), non_blocking=True)
-        torch.cuda.synchronize()
-        link = time.perf_counter() - t0
-    gib = gpu.nbytes / 2**30
     scattered = [(2 * p, p) for p in range(pages // 2)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    pool.transfer(gpu, [], scattered)
-    torch.cuda.synchronize()
-    loose = time.perf_counter() - t0
-    print(f"host tier save: {gib / tier:.1f} GiB/s; one pinned copy: {gib / link:.1f} GiB/s (device -> "
-          f"host); scattered pages back: {gib / 2 / loose:.1f} GiB/s (host -> device)")
+    for _ in range(2):  # the first round compiles the kernel
+        tier = _timed(lambda: pool.transfer(gpu, pairs, []))
+        link = _timed(lambda: plain.copy_(gpu.view(-1), non_blocking=True))
+        up = _timed(lambda: gpu.view(-1).copy_(plain, non_blocking=True))
+        kernel = _timed(lambda: pool.transfer(gpu, [], scattered))
+    pool.use_kernel = False
+    runs = _timed(lambda: pool.transfer(gpu, [], scattered))
+    runs_save = _timed(lambda: pool.transfer(gpu, pairs, []))
+    gib = gpu.nbytes / 2**30
+    print(f"host tier save (kernel): {gib / tier:.1f} GiB/s, per-run copies {gib / runs_save:.1f} GiB/s; one "
+          f"pinned copy: {gib / link:.1f} GiB/s device -> host, {gib / up:.1f} GiB/s host -> device; "
+          f"scattered pages back: kernel {gib / 2 / kernel:.1f} GiB/s, per-run copies "
+          f"{gib / 2 / runs:.1f} GiB/s")
     assert tier < 2 * link
+    assert kernel < runs
+
+
+def test_kernel_and_per_run_copies_move_the_same_bytes():
+    """Random scattered saves and loads (runs and lone pages, both directions in one transfer) through the
+    kernel and through the per-run copies: the same host and GPU contents."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    gpu = torch.randn((PAGE[0], 4, 96, *PAGE[2:]), dtype=torch.bfloat16, device=dev)
+    pools = [HostKVPool(40, (PAGE[0], 4, *PAGE[2:]), torch.bfloat16, pin=True) for _ in range(2)]
+    pools[1].use_kernel = False
+    gpus = [gpu.clone(), gpu.clone()]
+    for pool in pools:
+        pool.buffer.zero_()
+    src = torch.randperm(95, generator=g)[:30].add(1).tolist()
+    dst = torch.randperm(40, generator=g)[:30].tolist()
+    saves = list(zip(src, dst)) + [(90 + i, 30 + i) for i in range(5)]
+    loads = list(zip(dst[:10], torch.randperm(95, generator=g)[:10].add(1).tolist()))
+    for pool, cache in zip(pools, gpus):
+        pool.transfer(cache, saves, [])
+        event = pool.transfer(cache, [], loads)
+        event.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    assert torch.equal(gpus[0], gpus[1])
+    assert torch.equal(pools[0].buffer[:, :, 30:35], gpu[:, :, 90:95].cpu())
+
+
+def test_loads_run_beside_the_compute_stream():
+    """The current stream waits for a transfer's saves, never for its loads: a long kernel queued on the save
+    stream (the loads wait for it) leaves the compute stream free: the loads' event is not done while the
+    compute stream's work is."""
+    dev = torch.device("cuda")
+    gpu = torch.randn((PAGE[0], 2, 16, *PAGE[2:]), dtype=torch.bfloat16, device=dev)
+    pool = HostKVPool(8, (PAGE[0], 2, *PAGE[2:]), torch.bfloat16, pin=True)
+    pool.transfer(gpu, [(1, 0)], [])  # the copy stream exists, the kernel is compiled
+    torch.cuda.synchronize()
+    with torch.cuda.stream(pool.stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream is busy
+    event = pool.transfer(gpu, [], [(0, 5)])
+    compute_done = torch.cuda.Event()
+    compute_done.record()
+    compute_done.synchronize()  # the compute stream's work ran without the loads
+    assert not event.query()
+    event.synchronize()
+    assert torch.equal(gpu[:, :, 5], gpu[:, :, 1])
 
 
 def _conversations(engine, max_tokens=16):

@@ -2,13 +2,16 @@
 tiny model's tokens served from host-tier pages, and its sizing (a host that cannot hold it: a clear error).
 
 The content runner is test_scheduler's StepRunner with a KV pool whose every cell holds a value derived from
-the request's tokens up to that position: each step first runs its host-tier copies through the real
-HostKVPool (as ModelRunner.launch does), then checks that every position a row attends to holds its value
-(a page copied back must hold exactly what was evicted, in its place), then writes its own positions.
+the request's tokens up to that position: each step first runs its saves through the real HostKVPool (as
+ModelRunner.launch does), then checks that every position a row attends to holds its value (a page copied back
+must hold exactly what was evicted, in its place), then writes its own positions. Its loads land later, as
+the GPU's do beside the steps: a load lands (its copies run) only when the engine polls it and a coin says
+so (loads_ready); until then no step may read or write its GPU pages, nor a save write its host pages.
 """
 from __future__ import annotations
 
 import pickle
+import random
 
 import pytest
 import torch
@@ -22,7 +25,9 @@ from autoprofile.engine.host_kv import (GIB, PROCESS_MARGIN, HostKVError, HostKV
 from autoprofile.engine.runner import host_tier
 from autoprofile.engine.scheduler import Step
 from autoprofile.tp import broadcast
-from unit_tests.test_scheduler import SHARED, STOPS, VOCAB, StepRunner, envelope, invariants, tiny_runner
+from autoprofile.engine.request import RequestStatus
+from unit_tests.test_scheduler import (SHARED, STOPS, VOCAB, StepRunner, envelope, invariants, run_all,
+                                       tiny_runner)
 
 PS = 4
 
@@ -36,16 +41,41 @@ def cell(tokens: list[int]) -> float:
 
 
 class ContentRunner(StepRunner):
-    def __init__(self, env, kv_pages: int, host_pages: int):
+    def __init__(self, env, kv_pages: int, host_pages: int, land: float = 1.0, seed: int = 0):
+        """land: the chance that a load in flight lands at a poll."""
         super().__init__(env, kv_pages)
+        self.in_flight: dict[int, list[tuple[int, int]]] = {}  # load id -> (host page, gpu page), not landed
+        self.land, self.rng = land, random.Random(seed)
+        self.loads_seen = 0
         self.buffer = torch.full((2, 1, kv_pages, 1, PS, 1), -1.0, dtype=torch.float64)
         self.host_kv = (HostKVPool(host_pages, (2, 1, 1, PS, 1), torch.float64, pin=False) if host_pages
                         else None)
         self.checked = 0
 
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        done = set()
+        for i in ids:
+            if i in self.in_flight and self.rng.random() >= self.land:
+                continue
+            pairs = self.in_flight.pop(i, [])
+            self.host_kv.transfer(self.buffer, [], pairs)
+            done.add(i)
+        return done
+
     def execute(self, step):
-        if step.kv_saves or step.kv_loads:
-            self.host_kv.transfer(self.buffer, step.kv_saves, step.kv_loads)
+        gpu_loading = {g for pairs in self.in_flight.values() for _, g in pairs}
+        host_loading = {h for pairs in self.in_flight.values() for h, _ in pairs}
+        assert not gpu_loading & {g for g, _ in step.kv_saves}, "a save reads a page still loading"
+        assert not host_loading & {h for _, h in step.kv_saves}, "a save writes a host page still being read"
+        for row in step.all_rows:
+            pages = row.request.pages[:-(-(row.start + len(row.ids)) // PS)]
+            assert not gpu_loading & set(pages), "a row reads or writes a page before its load landed"
+        if step.kv_saves:
+            self.host_kv.transfer(self.buffer, step.kv_saves, [])
+        if step.kv_loads:
+            assert step.kv_load_id and step.kv_load_id not in self.in_flight
+            self.in_flight[step.kv_load_id] = list(step.kv_loads)
+            self.loads_seen += 1
         for slot, first, pages in step.page_writes:
             for i, p in enumerate(pages):
                 self.page_table[slot, first + i] = p
@@ -71,10 +101,10 @@ class ContentRunner(StepRunner):
         return float(self.buffer[0, 0, page, 0, pos % PS, 0]), float(self.buffer[1, 0, page, 0, pos % PS, 0])
 
 
-def content_engine(kv_pages: int, host_pages: int, overlap: bool = False,
+def content_engine(kv_pages: int, host_pages: int, overlap: bool = False, land: float = 1.0, seed: int = 0,
                    **kw) -> tuple[LLMEngine, ContentRunner]:
     env = envelope(kv_pages=kv_pages, page_size=PS, **kw)
-    runner = ContentRunner(env, kv_pages, host_pages)
+    runner = ContentRunner(env, kv_pages, host_pages, land, seed)
     return LLMEngine(runner, overlap=overlap), runner
 
 
@@ -87,8 +117,11 @@ def tier_invariants(engine: LLMEngine) -> None:
     assert a.num_free + s.pages_used == a.capacity
     if host is None:
         return
-    assert host.num_held == 0, "host pages held past the step that copies them back"
-    assert host.num_free + host.num_cached == host.num_pages
+    held = [h for load in s.loads.values() for h in load.host_pages]
+    assert host.num_held == len(held) == len(set(held)), "host pages held past their loads, or not by one"
+    assert host.num_free + host.num_cached + host.num_held == host.num_pages
+    gpu = [g for load in s.loads.values() for g in load.gpu_pages]
+    assert all(not a.is_free(g) for g in gpu), "a page still loading is free (alloc could hand it out)"
     assert not set(a.registered()) & set(host.keys()), "a key on both tiers"
     assert host.saved == host.num_cached + host.loaded + host.dropped + host.discarded, "a host page lost"
     assert len(set(host.keys().values())) == host.num_cached
@@ -106,10 +139,15 @@ traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces, kv_pages=st.integers(22, 50), host_pages=st.integers(0, 40), batch=st.integers(4, 40),
-       running=st.integers(1, 6), overlap=st.booleans())
+       running=st.integers(1, 6), overlap=st.booleans(), land=st.sampled_from([1.0, 0.5, 0.2]),
+       seed=st.integers(0, 99))
 def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(
-        trace, kv_pages, host_pages, batch, running, overlap):
-    engine, runner = content_engine(kv_pages, host_pages, overlap, context=96, batch=batch, running=running)
+        trace, kv_pages, host_pages, batch, running, overlap, land, seed):
+    """Random arrivals, returning conversations, aborts (some while loading), preemptions, loads that land
+    late: after every step each page is on one tier or free, nothing is lost, and every position a row
+    reads holds its K/V (ContentRunner)."""
+    engine, runner = content_engine(kv_pages, host_pages, overlap, land, seed, context=96, batch=batch,
+                                    running=running)
     prompts = {}
     arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
                       + [(wait + 12, i, 1) for i, (wait, *_, again) in enumerate(trace) if again])
@@ -138,6 +176,7 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
     s = engine.stats
     assert s.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the engine's step)"
     assert s.pages_used == 0 and len(engine.scheduler.free_slots) == running
+    assert not runner.in_flight and not engine.scheduler.loads
     if host_pages:
         assert s.host.hit_tokens == engine.scheduler.host.loaded * PS
         assert s.host.bytes_moved == (s.host.saved + s.host.loaded) * runner.host_kv.page_bytes
@@ -167,6 +206,100 @@ def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_cont
     tier_invariants(engine)
 
 
+def _evicted_conversation(engine):
+    """A prompt of 41 tokens served, then three others whose pages push its 10 cached pages to the host."""
+    first = [(3 * j + 1) % VOCAB for j in range(41)]
+    _serve(engine, [first], max_tokens=4)
+    _serve(engine, [[(5 * j + 7 * k + 2) % VOCAB for j in range(60)] for k in range(3)], max_tokens=4)
+    assert engine.scheduler.host.saved >= 10
+    return first
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_loading_from_the_host_tier_waits_while_others_run_and_an_abort_gives_its_pages_back(
+        overlap):
+    """Its loads do not land: it has no row while another request runs to its end; aborted, its pages stay
+    held until the loads land (the copies may still write them), then every page is back."""
+    engine, runner = content_engine(kv_pages=24, host_pages=64, overlap=overlap, context=96, batch=16,
+                                    running=3)
+    first = _evicted_conversation(engine)
+    runner.land = 0.0
+    rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
+    other = engine.add_request([(11 * j) % VOCAB for j in range(9)], max_tokens=6)
+    done = set()
+    for _ in range(12):
+        done |= {o.request_id for o in engine.step() if o.finished}
+        tier_invariants(engine)
+    s = engine.scheduler
+    loading = [r for load in s.loads.values() for r in load.requests]
+    assert [r.request_id for r in loading] == [rid] and loading[0].status is RequestStatus.LOADING
+    assert other in done, "the other request ran beside the loads"
+    assert not any(r.request.request_id == rid for st_ in runner.steps for r in st_.all_rows)
+    held = s.pages_used
+    assert held == 10 and runner.in_flight
+    assert engine.abort(rid)
+    assert s.pages_used == held and len(s.free_slots) == 3, "pages wait for the copies, the slot does not"
+    tier_invariants(engine)
+    runner.land = 1.0
+    while engine.has_unfinished():
+        engine.step()
+    assert s.pages_used == 0 and not s.loads and not runner.in_flight
+    assert engine.stats.failed_steps == 0
+    tier_invariants(engine)
+
+
+class FailingLoads(ContentRunner):
+    """Its first step that carries loads raises before any copy."""
+
+    failed = False
+
+    def execute(self, step):
+        if step.kv_loads and not self.failed:
+            self.failed = True
+            raise RuntimeError("injected: the step carrying the loads failed")
+        return super().execute(step)
+
+
+def test_a_failed_step_sends_its_loading_requests_back_to_wait_and_they_recompute():
+    env = envelope(kv_pages=24, page_size=PS, context=96, batch=16, running=2)
+    runner = FailingLoads(env, 24, 64)
+    engine = LLMEngine(runner)
+    first = _evicted_conversation(engine)
+    rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
+    reasons = {}
+    while engine.has_unfinished():
+        reasons |= {o.request_id: o.finish_reason for o in engine.step() if o.finished}
+        tier_invariants(engine)
+    assert runner.failed and engine.stats.failed_steps == 1
+    assert reasons[rid] == "length", "the loading request was not a row of the failed step: it runs again"
+    rows = [r for st_ in runner.steps for r in st_.all_rows if r.request.request_id == rid]
+    assert rows[0].start == 0, "its pages' contents were unknown: recomputed from the start"
+    assert engine.stats.pages_used == 0 and not engine.scheduler.loads
+    tier_invariants(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_preempted_requests_full_pages_go_to_the_host_tier_and_come_back_from_it(overlap):
+    """Two requests outgrow 11 pages: the younger is preempted; its full pages enter the prefix cache, the
+    older one's growth saves them to the host, and the younger comes back through the host hit (ContentRunner
+    checks every position it reads). The tokens are those of a cache that never preempts."""
+    prompts = [[(7 * j + 3 * k) % VOCAB for j in range(18)] for k in range(2)]
+    engine, runner = content_engine(kv_pages=12, host_pages=64, overlap=overlap, context=48, batch=32,
+                                    running=2)
+    for p in prompts:
+        engine.add_request(p, max_tokens=22)
+    got = run_all(engine, check=tier_invariants)
+    roomy, _ = content_engine(kv_pages=40, host_pages=0, overlap=overlap, context=48, batch=32, running=2)
+    for p in prompts:
+        roomy.add_request(p, max_tokens=22)
+    assert got == run_all(roomy)
+    s = engine.stats
+    assert s.preemptions > 0 and roomy.stats.preemptions == 0
+    assert s.host.loaded > 0 and s.host.hit_tokens > 0, "the preempted pages came back from the host"
+    assert s.failed_steps == 0 and s.pages_used == 0
+    tier_invariants(engine)
+
+
 def _serve(engine, prompts, max_tokens):
     for p in prompts:
         engine.add_request(p, max_tokens=max_tokens)
@@ -187,15 +320,17 @@ def test_host_pages_drop_the_least_recently_used_and_hold_loaded_pages_until_the
     assert h.num_free == 0 and h.num_held == 1 and h.lookup(0, (1,)) is None
     c = h.put((0, (3,)), 7)  # the held page is not given out: the LRU's b goes
     assert c == b and h.dropped == 1 and h.lookup(5, (2,)) is None
-    h.release_held()
+    h.release([a])
     assert h.num_free == 1
     assert h.discard((0, (3,))) == 7 and h.num_free == 2 and h.discarded == 1
 
 
 def test_a_step_ships_its_host_tier_copies_to_every_rank():
-    step = Step(is_prefill=False, rows=[], kv_saves=[(3, 0), (4, 1)], kv_loads=[(7, 9)])
+    step = Step(is_prefill=False, rows=[], kv_saves=[(3, 0), (4, 1)], kv_loads=[(7, 9)], kv_load_id=5,
+                kv_ready=[2, 4])
     back = broadcast.decode(pickle.loads(pickle.dumps(broadcast.encode(step))))
     assert back.kv_saves == [(3, 0), (4, 1)] and back.kv_loads == [(7, 9)]
+    assert back.kv_load_id == 5 and back.kv_ready == [2, 4]
 
 
 # ---------------------------------------------------------------- the tiny model

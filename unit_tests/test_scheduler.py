@@ -117,11 +117,14 @@ def run_all(engine: LLMEngine, check=None) -> dict[str, tuple[list[int], str]]:
 
 def invariants(engine: LLMEngine) -> None:
     s = engine.scheduler
-    held = [p for r in s.running for p in r.pages]
-    assert all(len(r.pages) == len(set(r.pages)) for r in s.running), "a request holds a page once"
+    loading = [r for load in s.loads.values() for r in load.requests]  # the host tier's (host_kv)
+    drained = [p for load in s.loads.values() for p in load.drained]
+    held = [p for r in s.running + loading for p in r.pages] + drained
+    assert all(len(r.pages) == len(set(r.pages)) for r in s.running + loading), "a request holds a page once"
     assert len(set(held)) == s.pages_used, "every held page is counted (shared prefix pages once)"
+    assert all(r.status is RequestStatus.LOADING for r in loading)
     assert all(not r.pages and r.slot is None for r in s.waiting), "waiting requests hold nothing"
-    slots = [r.slot for r in s.running]
+    slots = [r.slot for r in s.running + loading]
     assert len(slots) == len(set(slots)) and len(slots) + len(s.free_slots) == s.env.running_reqs
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
 

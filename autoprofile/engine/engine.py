@@ -184,6 +184,7 @@ class LLMEngine:
             before, self._inflight = self._inflight, None
             outputs += self._collect(*before, outputs)
         with HostTimer(self.clock, "schedule"):
+            self._poll_loads()
             step = self.scheduler.schedule()
         launched = self._launch(step, outputs) if step is not None else None
         before, self._inflight = self._inflight, launched if self.overlap else None
@@ -194,6 +195,14 @@ class LLMEngine:
         if not self.has_unfinished() or (step is None and before is None):
             self.clock.idle()
         return outputs
+
+    def _poll_loads(self) -> None:
+        """The host tier's loads that the runner has finished (never waits): their requests run from now on.
+        A runner without loads_ready copies synchronously: its loads are done."""
+        pending = self.scheduler.pending_loads
+        if pending:
+            ready = getattr(self.runner, "loads_ready", None)
+            self.scheduler.loads_done(ready(pending) if ready is not None else pending)
 
     def _launch(self, step: Step, outputs: list[RequestOutput]) -> tuple[Step, object] | None:
         try:

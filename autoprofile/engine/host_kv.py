@@ -16,6 +16,7 @@ the same on both tiers, so the key needs no scale.
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 import weakref
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from autoprofile.config import parse_host_kv
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 AUTO_SHARE = 0.5  # --host_kv auto: this share of the host's available memory ...
@@ -72,8 +75,8 @@ class HostTierStats:
 
 
 class HostPages:
-    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by a step's
-    copies back to the GPU, free again once that step is built: its own saves must not write them)."""
+    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by copies back
+    to the GPU, free again once they have run: release(); no save writes them before)."""
 
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
@@ -82,7 +85,7 @@ class HostPages:
         self._key: dict[int, tuple] = {}  # host page -> key
         self._page: dict[tuple, int] = {}  # key -> host page
         self._chain: dict[int, int] = {}  # host page -> its chain id
-        self._held: list[int] = []
+        self._held: set[int] = set()
         # every key put here leaves as exactly one of: loaded back, dropped (LRU, a failed step), discarded
         # (recomputed on the GPU), or is cached still
         self.saved = self.loaded = self.dropped = self.discarded = 0
@@ -127,17 +130,16 @@ class HostPages:
         return page
 
     def take(self, page: int) -> None:
-        """A cached page goes back to the GPU: it leaves the index, held until release_held()."""
+        """A cached page goes back to the GPU: it leaves the index, held until release()."""
         self._forget(page)
-        self._held.append(page)
+        self._held.add(page)
         self.loaded += 1
 
-    def release_held(self) -> None:
-        """The step that copies the held pages back is built: they are free (the copies run in stream
-        order, before any later step's save into them)."""
-        for page in self._held:
+    def release(self, pages: list[int]) -> None:
+        """The copies back from these held pages have run: they are free."""
+        for page in pages:
+            self._held.remove(page)
             heapq.heappush(self._free, page)
-        self._held.clear()
 
     def discard(self, key: tuple) -> int | None:
         """The key is cached on the GPU again (recomputed): its host page is free; returns its chain id."""
@@ -175,12 +177,19 @@ def page_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
+
+
 def pin_in_place(t: torch.Tensor) -> None:
-    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously.
+    """Page-lock a host tensor's memory (cudaHostRegister), so copies to and from it run asynchronously, and
+    map it into the device's address space (cudaHostRegisterMapped, stated rather than left to the platform's
+    default): the page-transfer kernel reads and writes it from the GPU. Portable: every device's context
+    sees it pinned.
     NOTE: not pin_memory=True: torch's pinned allocator rounds a block up to a power of two (52 GiB would
     pin 64). RuntimeError if CUDA refuses (a locked-memory limit) or is absent."""
     try:
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes,
+                                                   HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED)
     except (AssertionError, AttributeError, RuntimeError) as e:  # no CUDA: AssertionError
         raise RuntimeError(f"cudaHostRegister is unavailable: {e}") from None
     if int(err) != 0:
@@ -191,10 +200,48 @@ def unpin(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
+class PageLists:
+    """The copies' page lists on their way to the page-transfer kernel: int32 [src ids | dst ids] of the
+    saves, then of the loads, in pinned host memory that the device reads through its mapped address (no GPU
+    memory). A buffer is written again only once the copies that read it have run (its event, never waited
+    for); while every buffer is still queued, one more is made (as step_inputs.Staging does)."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.pin_memory = pin_memory
+
+    def stage(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]
+              ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(buffer index, saves [2, ns], loads [2, nl]) views of one buffer; done(index, event) once the
+        copies that read them are queued."""
+        n = 2 * (len(saves) + len(loads))
+        free = [i for i, (b, ev) in enumerate(self.buffers) if b.numel() >= n and (ev is None or ev.query())]
+        if free:
+            i = free[0]
+        else:
+            size = 1 << max(10, (n - 1).bit_length())
+            self.buffers.append((torch.empty(size, dtype=torch.int32, pin_memory=self.pin_memory), None))
+            i = len(self.buffers) - 1
+        buf = self.buffers[i][0]
+        views = []
+        at = 0
+        for pairs in (saves, loads):
+            view = buf[at:at + 2 * len(pairs)].view(2, len(pairs))
+            if pairs:
+                view.copy_(torch.tensor(pairs, dtype=torch.int32).T)
+            views.append(view)
+            at += 2 * len(pairs)
+        return i, views[0], views[1]
+
+    def done(self, i: int, event: torch.cuda.Event) -> None:
+        self.buffers[i] = (self.buffers[i][0], event)
+
+
 class HostKVPool:
     """The host tier's pages, [parts, num_layers, num_pages, heads, page, width] like KVCache.buffer (pinned
-    when CUDA is up), and the copies between it and the GPU's pages. Host memory only: no GPU buffer (a
-    copy of a run of pages is contiguous per layer on both sides, so no gather, no staging)."""
+    when CUDA is up, and mapped), and the copies between it and the GPU's pages: on CUDA one page-transfer
+    kernel launch a direction (kernels.triton_kv_copy; its page lists in pinned host memory, PageLists), else
+    one copy per run of pages, part and layer. Host memory only: no GPU buffer."""
 
     def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
         """page_shape: (parts, num_layers, heads, page, width) of one page on one rank."""
@@ -206,9 +253,14 @@ class HostKVPool:
             # unregistered before its memory goes back (the finalizer holds the buffer until then)
             weakref.finalize(self, unpin, self.buffer).atexit = False  # at exit the process's memory goes
         self.page_bytes = self.buffer.nbytes // max(num_pages, 1)
-        self.stream: torch.cuda.Stream | None = None
+        self.stream: torch.cuda.Stream | None = None  # the saves'
+        self.load_stream: torch.cuda.Stream | None = None
         self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.bytes_moved, self.copy_seconds = 0, 0.0
+        # the page-transfer kernel (one launch a direction); False: the per-run copies (the GPU test compares)
+        self.use_kernel = pin
+        self._copy_pages = None
+        self._lists = PageLists(pin_memory=pin)
 
     @classmethod
     def for_cache(cls, nbytes: int, parts: int, layers: int, heads: int, page: int, width: int,
@@ -221,34 +273,86 @@ class HostKVPool:
     def nbytes(self) -> int:
         return self.buffer.nbytes
 
-    def transfer(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
-        """saves (gpu page, host page) then loads (host page, gpu page) on `gpu` (KVCache.buffer). On CUDA:
-        on the copy stream, after the work queued on the current stream (the steps that wrote the saved
-        pages, or still read the pages being loaded into), and the current stream waits for them (the
-        step reads the loaded pages, and writes into the pages just saved)."""
+    def transfer(self, gpu: torch.Tensor, saves: list[tuple[int, int]],
+                 loads: list[tuple[int, int]]) -> torch.cuda.Event | None:
+        """saves (gpu page, host page) then loads (host page, gpu page) on `gpu` (KVCache.buffer). On CUDA: on
+        the copy stream, after the work queued on the current stream (the steps that wrote the saved pages,
+        or still read the pages being loaded into); the current stream waits for the SAVES (a step writes into
+        the pages just saved), never for the loads. Returns the loads' event (None: no loads, or the CPU's
+        copies, done when this returns): the scheduler keeps every step off the loaded pages until it has
+        completed (Scheduler.loads_done). Copies of one pool run in the order they were issued (one stream):
+        a later save into a host page runs after an earlier load from it."""
         if not saves and not loads:
-            return
-        n = len(saves) + len(loads)
-        self.bytes_moved += n * self.page_bytes
+            return None
+        self.bytes_moved += (len(saves) + len(loads)) * self.page_bytes
         if gpu.device.type != "cuda":
             t0 = time.perf_counter()
             self._copy(gpu, saves, loads)
             self.copy_seconds += time.perf_counter() - t0
-            return
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(gpu.device)
+            return None
+        if self.stream is None:  # saves and loads on streams of their own: no save waits for a load
+            self.stream, self.load_stream = torch.cuda.Stream(gpu.device), torch.cuda.Stream(gpu.device)
         compute = torch.cuda.current_stream(gpu.device)
+        staged = self._lists.stage(saves, loads) if self._kernel() is not None else None
+        saved = torch.cuda.Event()
         self.stream.wait_stream(compute)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            start.record()
-            self._copy(gpu, saves, loads)
-            end.record()
-        compute.wait_stream(self.stream)
-        self._timing.append((start, end))
-        self._harvest()
+            self._timed(lambda: self._move(gpu, saves, staged, save=True), bool(saves))
+            saved.record()
+        if saves:
+            compute.wait_event(saved)
+        if not loads:
+            if staged is not None:
+                self._lists.done(staged[0], saved)
+            return None
+        # a load writes GPU pages that earlier steps may still use (the stream before), and reads host pages
+        # that saves before it wrote (the save stream, in order: `saved` follows them all)
+        self.load_stream.wait_stream(compute)
+        self.load_stream.wait_event(saved)
+        with torch.cuda.stream(self.load_stream):
+            loaded = self._timed(lambda: self._move(gpu, loads, staged, save=False), True)
+        if staged is not None:
+            self._lists.done(staged[0], loaded)
+        return loaded
+
+    def _timed(self, copy, run: bool) -> torch.cuda.Event:
+        """Run the copies between two timing events on the current stream; the end event."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if run:
+            copy()
+        end.record()
+        if run:
+            self._timing.append((start, end))
+            self._harvest()
+        return end
+
+    def _move(self, gpu: torch.Tensor, pairs: list[tuple[int, int]], staged, save: bool) -> None:
+        if staged is None:
+            self._copy(gpu, pairs if save else [], [] if save else pairs)
+        elif save:
+            self._kernel()(gpu, self.buffer, staged[1])
+        else:
+            self._kernel()(self.buffer, gpu, staged[2])
+
+    def _kernel(self):
+        """The page-transfer kernel's launcher (kernels.triton_kv_copy.copy_pages), or None: the per-run
+        copies (use_kernel False, or Triton missing)."""
+        if not self.use_kernel:
+            return None
+        if self._copy_pages is None:
+            try:
+                from autoprofile.kernels.triton_kv_copy import copy_pages
+            except ImportError as e:
+                log.warning("host KV tier: no page-transfer kernel (%s); one copy per run of pages and layer",
+                            e)
+                self.use_kernel = False
+                return None
+            self._copy_pages = copy_pages
+        return self._copy_pages
 
     def _copy(self, gpu: torch.Tensor, saves: list[tuple[int, int]], loads: list[tuple[int, int]]) -> None:
+        """The per-run copies (the CPU's, and the fallback): one copy per run of pages, part and layer."""
         host, blocking = self.buffer, gpu.device.type != "cuda"
         for src, dst, n in page_runs(saves):
             for part in range(gpu.shape[0]):
@@ -263,10 +367,10 @@ class HostKVPool:
 
     def _harvest(self) -> None:
         """Add the finished copies' event times (never waits)."""
-        done = 0
+        left = []
         for start, end in self._timing:
-            if not end.query():
-                break
-            self.copy_seconds += start.elapsed_time(end) / 1000
-            done += 1
-        del self._timing[:done]
+            if end.query():
+                self.copy_seconds += start.elapsed_time(end) / 1000
+            else:
+                left.append((start, end))
+        self._timing = left

@@ -16,6 +16,7 @@ PENDING = -1
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted (its pages were freed; it is recomputed when resumed)
     RUNNING = "running"  # holds a request slot and the pages of its computed tokens
+    LOADING = "loading"  # holds a slot and pages whose K/V is coming back from the host tier (no row yet)
     FINISHED = "finished"
 
 

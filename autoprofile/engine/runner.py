@@ -172,6 +172,7 @@ class ModelRunner:
         # tests: set to a list to record each logprob buffer's rows: ("sampled" | "prompt", rows, top-k)
         self.logprob_log: list | None = None
         self.staging = Staging() if self.device.type == "cuda" else None  # pinned buffers of step inputs
+        self._loads: dict[int, torch.cuda.Event] = {}  # the host tier's loads in flight, by load id
 
     # ------------------------------------------------------------ sizing
     def cut_context(self, cfg: ServerConfig) -> None:
@@ -312,10 +313,13 @@ class ModelRunner:
             self.step_log.append(shape)
         # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if not step.all_rows:  # the host tier's copies and the page writes of requests loading
+                self._copy_pages(step)
+                self.req_table.write(step.page_writes)
+                return StepTokens(NO_TOKENS)
             self.clock.begin("prefill" if step.is_prefill else "decode",
                              sum(len(r.ids) for r in step.rows) + len(step.decode))
-            if step.kv_saves or step.kv_loads:  # before the forward writes the saved pages, reads the loaded
-                self.host_kv.transfer(self.kv.buffer, step.kv_saves, step.kv_loads)
+            self._copy_pages(step)
             self.req_table.write(step.page_writes)
             self.routing.set(step.routing)
             if step.encode:
@@ -356,6 +360,25 @@ class ModelRunner:
             out = StepTokens(tokens, lps)
             self.clock.ended()
             return out
+
+    def _copy_pages(self, step: Step) -> None:
+        """The host tier's copies of a step: the forward waits for the loads it may read (kv_ready: done on
+        rank 0, which polled them; a worker's own may still run) and for the saves, never for the loads it
+        issues (their event, polled through loads_ready)."""
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for load_id in step.kv_ready:
+            event = self._loads.pop(load_id, None)
+            if event is not None:
+                compute.wait_event(event)
+        if step.kv_saves or step.kv_loads:
+            event = self.host_kv.transfer(self.kv.buffer, step.kv_saves, step.kv_loads)
+            if event is not None:
+                self._loads[step.kv_load_id] = event
+
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        """Which of these host tier loads have landed (an event query each, never a wait); an id this rank
+        never issued (its step failed before the copies) is done."""
+        return {i for i in ids if i not in self._loads or self._loads[i].query()}
 
     def _sampled_logprobs(self, rows: list[StepRow], logits: torch.Tensor,
                           lps: StepLogprobs | None) -> tuple[StepLogprobs | None, torch.Tensor | None]:

@@ -26,13 +26,22 @@ last token: that one must be computed to be sampled), so its first chunk starts 
 to them like any later chunk (prefill_kv_tokens and max_prefix_len bound it: inside the envelope).
 
 Host tier (--host_kv, autoprofile.engine.host_kv): a cached page that alloc hands out again is first saved
-to a host page under its key (Step.kv_saves); the cached run of an admitted request may continue in the
-host tier: those pages get fresh GPU pages, cached again at once under their keys and chain ids, and copied
-back (Step.kv_loads) before the step's forward reads them. A preempted request's cached pages go the same
-way when alloc takes them; its pages not yet cached (the last partial one, those of a step in flight) go.
+to a host page under its key (Step.kv_saves; the step's forward waits for the saves); the cached run of an
+admitted request may continue in the host tier: those pages get fresh GPU pages, cached again at once under
+their keys and chain ids, and are copied back (Step.kv_loads, one HostLoad of id Step.kv_load_id) beside the
+steps that follow: the request is LOADING (its slot and pages its own, no row) until the runner reports the
+copies done (loads_done, polled by the engine before each schedule; never waited for), then runs its
+remaining prefill like a request whose prefix was cached on the GPU. Until then no step reads those pages (a
+request whose GPU prefix hit includes one waits) and no save writes their host pages; a request that leaves
+while loading (abort, a failed step) gives its pages back once the copies are done. Step.kv_ready lists the
+loads done since the step before: every rank's forward waits for its own copies of them (--tp).
+A preempted request's full pages (every token known and computed or in flight) enter the prefix cache under
+their keys, so alloc saves them to the host tier when it takes them, and the request comes back through the
+GPU or host hit of any other; its last partial page goes.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,6 +83,8 @@ class Step:
     # host tier copies, before the forward, saves first: (gpu page, host page), then (host page, gpu page)
     kv_saves: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    kv_load_id: int = 0  # the loads' id (0: none): the runner reports it done (ModelRunner.loads_ready)
+    kv_ready: list[int] = field(default_factory=list)  # load ids done since the step before
 
     @property
     def all_rows(self) -> list[StepRow]:
@@ -104,6 +115,16 @@ class Step:
                          mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
 
 
+@dataclass
+class HostLoad:
+    """One step's copies back from the host tier, in flight until the runner reports them done: no step reads
+    its GPU pages, no save writes its host pages before."""
+    requests: list[Request] = field(default_factory=list)  # LOADING, waiting for it
+    gpu_pages: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    drained: list[int] = field(default_factory=list)  # pages of requests that left while loading: freed after
+
+
 def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int, int, int]]:
     """The image tokens of a chunk [start, start + n) of a request whose images are all resident:
     (index in the chunk, encoder buffer slot, first token in the image, count) per image."""
@@ -125,6 +146,13 @@ class Scheduler:
         self._saves: list[tuple[int, int]] = []  # the step being built's host tier copies
         self._loads: list[tuple[int, int]] = []
         self.host_hit_tokens = 0  # tokens whose K/V admission found in the host tier
+        self.loads: dict[int, HostLoad] = {}  # in flight, by load id
+        self._load: HostLoad | None = None  # the step being built's
+        self._load_of: dict[Request, HostLoad] = {}  # LOADING requests
+        self._load_ids = itertools.count(1)
+        self._loading_pages: set[int] = set()  # GPU pages of the loads in flight
+        self._ready: list[int] = []  # load ids done, for the next step's kv_ready
+        self._fresh: set[Request] = set()  # back from the host tier, no row yet: the next is a prefill row
         if self.host is not None:
             self.allocator.on_evict = self._spill
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
@@ -140,7 +168,29 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loads)
+
+    @property
+    def pending_loads(self) -> list[int]:
+        """Ids of the host tier's loads in flight (the engine asks the runner which are done)."""
+        return list(self.loads)
+
+    def loads_done(self, ids) -> None:
+        """The runner's copies of these loads have run: their requests run from the next step on; their host
+        pages, and the pages of requests that left while loading, are free."""
+        for i in ids:
+            load = self.loads.pop(i, None)
+            if load is None:
+                continue
+            self.host.release(load.host_pages)
+            self._loading_pages.difference_update(load.gpu_pages)
+            self.allocator.free(load.drained)
+            for req in load.requests:
+                del self._load_of[req]
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._fresh.add(req)
+            self._ready.append(i)
 
     def finish(self, req: Request, reason: str) -> None:
         """Finished, or aborted: its pages and slot are free when this returns (a step still in flight may
@@ -152,6 +202,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.LOADING:
+            self._leave_loading(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     @property
@@ -164,18 +216,24 @@ class Scheduler:
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
         step = self._schedule_prefill(budget, may_preempt=decode is None) if budget > 0 else None
+        writes = []
+        if step is not None and not step.rows:  # only admissions whose pages come back from the host tier
+            writes, step = step.page_writes, None
         if step is None:
             step = decode
         elif decode is not None:
             step.decode, step.page_writes = decode.rows, decode.page_writes + step.page_writes
+        if step is None and (writes or self._saves or self._loads):
+            step = Step(is_prefill=False, rows=[])  # the page writes and copies alone
         if step is not None:
+            step.page_writes += writes
             step.running, step.pages_used = len(self.running), self.pages_used
             step.kv_saves, step.kv_loads = self._saves, self._loads
-        elif self._saves or self._loads:
-            raise AssertionError("host tier copies without a step to carry them")
-        self._saves, self._loads = [], []
-        if self.host is not None:
-            self.host.release_held()
+            step.kv_ready, self._ready = self._ready, []
+            if self._load is not None:
+                step.kv_load_id = next(self._load_ids)
+                self.loads[step.kv_load_id] = self._load
+        self._saves, self._loads, self._load = [], [], None
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
@@ -185,7 +243,7 @@ class Scheduler:
         env, ps = self.env, self.env.page_size
         tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
         step = Step(is_prefill=True, rows=[])
-        partial = [r for r in self.running if r.num_tokens - r.num_computed > 1]
+        partial = [r for r in self.running if r.num_tokens - r.num_computed > 1 or r in self._fresh]
         for req in partial + list(self.waiting):
             if len(step.rows) == env.prefill_rows or tokens_left == 0:
                 break
@@ -195,8 +253,15 @@ class Scheduler:
             if req.pending:
                 continue  # preempted with a token in flight: its recompute needs the token
             hit, chain = self._cached_prefix(req) if admit else ([], 0)
+            if self._loading_pages.intersection(hit):
+                continue  # its prefix is coming back from the host tier for another request: wait for it
             back = self._host_prefix(req, len(hit), chain) if admit else []
-            start = (len(hit) + len(back)) * ps if admit else req.num_computed
+            if back:  # the copies first: its first chunk runs in a step after them
+                if len(back) > self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit):
+                    break  # admission never preempts: wait for pages
+                self._admit(req, hit, chain, step, back)
+                continue
+            start = len(hit) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
             encode = []
             if req.mm is not None:
@@ -206,7 +271,7 @@ class Scheduler:
                     continue  # its next image waits for the encoder: later requests may still fit
                 break
             held = hit if admit else req.pages
-            need = math.ceil((start + n) / ps) - len(held)  # the host tier's pages come back into new ones
+            need = math.ceil((start + n) / ps) - len(held)
             free = self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit)
             if need > free:
                 if admit:
@@ -214,8 +279,9 @@ class Scheduler:
                 if not may_preempt or not self._make_room(need, req):
                     continue  # req itself was preempted, or it waits for a step without decode rows
             if admit:
-                self._admit(req, hit, chain, step, back)
-            self._grow(req, need - len(back) if admit else need, step)
+                self._admit(req, hit, chain, step)
+            self._fresh.discard(req)
+            self._grow(req, need, step)
             row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
                           req.params, req, req.mm)
             if req.mm is not None:
@@ -226,12 +292,13 @@ class Scheduler:
             step.rows.append(row)
             tokens_left -= n
             kv_left -= start + n
-        return step if step.rows else None
+        return step if step.rows or step.page_writes else None
 
     def _schedule_decode(self) -> Step | None:
         step = Step(is_prefill=False, rows=[])
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
+            if (req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1
+                    or req in self._fresh):
                 continue  # preempted by an older request of this step, or still in prefill
             if len(req.output_ids) >= req.max_tokens:
                 continue  # its last token is in flight (overlap): it finishes when read back
@@ -280,7 +347,7 @@ class Scheduler:
         """The host tier's pages continuing req's cached run after its first `after` pages (chain id
         `chain`): (host page, parent chain id, tokens, chain id) each."""
         out, ps = [], self.env.page_size
-        if self.host is None:
+        if self.host is None or req.params.prompt_logprobs is not None:  # as _cached_prefix
             return out
         for i in range(after, (req.num_tokens - 1) // ps):
             tokens = req.key(i * ps, (i + 1) * ps)
@@ -293,26 +360,53 @@ class Scheduler:
 
     def _admit(self, req: Request, hit: list[int], chain: int, step: Step,
                back: list[tuple[int, int, tuple, int]] = ()) -> None:
+        """Admitted: RUNNING, or LOADING when its cached run continues in the host tier (`back`)."""
         self.waiting.remove(req)
-        req.slot, req.status = self.free_slots.pop(), RequestStatus.RUNNING
-        self.running.append(req)
+        req.slot = self.free_slots.pop()
         for p in hit:
             self.allocator.share(p)
         pages = list(hit)
         if back:
-            for host_page, *_ in back:
-                self.host.take(host_page)  # out of the host tier's LRU before alloc's evictions spill
-            fresh = self.allocator.alloc(len(back))
-            for page, (host_page, parent, tokens, linked) in zip(fresh, back):
-                chain = self.allocator.register(page, parent, tokens, linked)
-                self._loads.append((host_page, page))
+            fresh, chain = self._load_back(back)
             pages += fresh
             self.host_hit_tokens += len(back) * self.env.page_size
+            req.status, self._load_of[req] = RequestStatus.LOADING, self._load
+            self._load.requests.append(req)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
         req.pages, req.num_computed = pages, len(pages) * self.env.page_size
         req.cached_pages, req.chain = len(pages), chain
         if pages:
             step.page_writes.append((req.slot, 0, list(pages)))
             self.prefix_hit_tokens += req.num_computed
+
+    def _load_back(self, back: list[tuple[int, int, tuple, int]]) -> tuple[list[int], int]:
+        """Fresh GPU pages for the host tier's `back`, cached at once under their keys and chain ids, their
+        copies queued in the step's load; returns them and the chain id after them."""
+        if self._load is None:
+            self._load = HostLoad()
+        for host_page, *_ in back:
+            self.host.take(host_page)  # out of the host tier's LRU before alloc's evictions spill
+        fresh = self.allocator.alloc(len(back))
+        chain = 0
+        for page, (host_page, parent, tokens, linked) in zip(fresh, back):
+            chain = self.allocator.register(page, parent, tokens, linked)
+            self._loads.append((host_page, page))
+        self._load.gpu_pages += fresh
+        self._load.host_pages += [host_page for host_page, *_ in back]
+        self._loading_pages.update(fresh)
+        return fresh, chain
+
+    def _leave_loading(self, req: Request) -> None:
+        """A LOADING request leaves (finished, or sent back to wait): its pages go back once its load is
+        done (the copies may still write them), its slot now."""
+        load = self._load_of.pop(req)
+        load.requests.remove(req)
+        load.drained += req.pages
+        self.free_slots.append(req.slot)
+        self._free_images(req, done_before=None)
+        req.pages, req.slot, req.cached_pages, req.chain = [], None, 0, 0
 
     def _spill(self, page: int, key: tuple, chain: int) -> None:
         """alloc takes a cached page: its K/V goes to the host tier first (the step's copies, saves first)."""
@@ -347,6 +441,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        """Back to wait; its full pages enter the prefix cache first (those of a step in flight too: a later
+        step or save reads them after it, in stream order), so alloc saves them to the host tier when it
+        takes them and the request's recompute finds them; a page holding a token not read back yet goes."""
+        self._register(req, upto=req.num_tokens - req.pending)
         self._release(req)
         self.running.remove(req)
         req.status, req.num_computed = RequestStatus.WAITING, 0
@@ -355,6 +453,7 @@ class Scheduler:
         self.waiting.appendleft(req)  # youngest preempted first, so older ones end up ahead of it
 
     def _release(self, req: Request) -> None:
+        self._fresh.discard(req)
         self.allocator.free(req.pages)  # cached pages stay cached until alloc needs them
         self.free_slots.append(req.slot)
         self._free_images(req, done_before=None)
@@ -380,6 +479,11 @@ class Scheduler:
             self.host.drop(host_page)
         for _, page in step.kv_loads:
             self.allocator.forget(page)
+        load = self.loads.get(step.kv_load_id)
+        for req in list(load.requests) if load is not None else ():  # they wait again: recomputed
+            self._leave_loading(req)
+            req.status, req.num_computed = RequestStatus.WAITING, 0
+            self.waiting.appendleft(req)
         by_slot = {req.slot: req for req in self.running}
         for slot, first, pages in reversed(step.page_writes):
             req = by_slot.get(slot)

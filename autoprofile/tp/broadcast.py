@@ -33,9 +33,10 @@ def encode(step: Step) -> tuple:
     rows = [[(r.slot, r.start, r.ids, r.sample, r.params, None, _row_images(r), r.spans) for r in part]
             for part in (step.rows, step.decode)]
     encode_images = [(slot, _image_meta(im), im.pixel_values is not None) for slot, im in step.encode]
-    # the host tier's copies (page ids): each rank moves its own shard of the same pages
+    # the host tier's copies (page ids): each rank moves its own shard of the same pages, its forward waits
+    # for its own copies of the loads rank 0 found done (kv_ready)
     return (step.is_prefill, rows, step.page_writes, step.running, step.pages_used, encode_images,
-            step.routing, step.kv_saves, step.kv_loads)
+            step.routing, step.kv_saves, step.kv_loads, step.kv_load_id, step.kv_ready)
 
 
 def pixels(step: Step) -> list[torch.Tensor]:
@@ -46,7 +47,7 @@ def pixels(step: Step) -> list[torch.Tensor]:
 
 def decode(msg: tuple, pixel_values: Sequence[torch.Tensor] = ()) -> Step:
     (is_prefill, (rows, decode_rows), page_writes, running, pages_used, encode_images, routing, kv_saves,
-     kv_loads) = msg
+     kv_loads, kv_load_id, kv_ready) = msg
     if len(pixel_values) != sum(has_pixels for _, _, has_pixels in encode_images):
         raise ValueError(f"the step encodes {len(encode_images)} images; {len(pixel_values)} pixel tensors "
                          "came with it")
@@ -55,7 +56,7 @@ def decode(msg: tuple, pixel_values: Sequence[torch.Tensor] = ()) -> Step:
               for slot, meta, has_pixels in encode_images]
     return Step(is_prefill, [_step_row(r) for r in rows], page_writes, running, pages_used, images,
                 decode=[_step_row(r) for r in decode_rows], routing=routing, kv_saves=kv_saves,
-                kv_loads=kv_loads)
+                kv_loads=kv_loads, kv_load_id=kv_load_id, kv_ready=kv_ready)
 
 
 def _image_meta(im: ImageInput) -> tuple:
