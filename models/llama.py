@@ -155,12 +155,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:  # RoPE in place on the packed projection, K/V to the cache: q, k, v are views
             q, k, v = self.backend.rope_store(qkv, *rope, kv, meta.slot_mapping)
         else:  # Qwen3: per-head RMSNorm before RoPE
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
-            q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
-            k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k, v, kv, meta.slot_mapping)
+            q, k, v = self.backend.norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                                   *rope, kv, meta.slot_mapping)
         if meta.is_prefill:
             o = o_prefill = None
             if meta.decode is not None:  # a mixed step: decode rows last, one output for both

@@ -59,3 +59,65 @@ print("ok")
 
 def test_fused_rope_store_matches_the_torch_ops():
     run_script(CHECK)
+
+
+QK_NORM = r'''
+import torch
+from autoprofile.kernels import triton_rope
+from autoprofile.layers.attention import KVLayer
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+torch.manual_seed(0)
+
+
+def reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d):
+    """Qwen3's path as the model ran it before the fusion: per-head RMSNorm (fp32, rounded), then HF's
+    rotate_half RoPE in fp32 (rounded)."""
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    def rope(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = rope(norm(q.reshape(t, hq, d), q_w))
+    k = rope(norm(k.reshape(t, hkv, d), k_w))
+    return q, k, v.reshape(t, hkv, d)
+
+
+for dtype, hq, hkv, d, t in [(torch.float32, 8, 2, 32, 5), (torch.float16, 4, 1, 64, 3),
+                             (torch.float16, 6, 6, 16, 1)]:
+    page, pages, eps = 16, 6, 1e-6
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d) * 3).to(dtype)
+    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    table = torch.randn(64, d)
+    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    slots = torch.randperm((pages - 1) * page)[:t] + page
+    pages_of, offs = slots // page, slots % page
+    want = reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
+    be = TorchBackend(hq, hkv, d, page, dtype, torch.device("cpu"))
+    caches = [torch.zeros(pages, hkv, page, d, dtype=dtype) for _ in range(4)]
+    ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+    base = be.norm_rope_store(ref_qkv, q_w, k_w, eps, cos, sin, KVLayer(caches[0], caches[1]), slots)
+    got = triton_rope.rope_store(got_qkv, cos, sin, caches[2], caches[3], slots, hq, hkv, d,
+                                 qk_norm=(q_w, k_w, eps))
+    for a, b, c in zip(got, base, want):
+        torch.testing.assert_close(b, c, rtol=0, atol=0)  # the backend's torch ops: the old path, bit for bit
+        torch.testing.assert_close(a, c, **tol)
+    torch.testing.assert_close(caches[2][pages_of, :, offs], want[1], **tol)  # K normed and rotated
+    torch.testing.assert_close(caches[3][pages_of, :, offs], want[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[2], caches[0], **tol)
+    assert got[0].data_ptr() == got_qkv.data_ptr()  # in place: views of the packed projection
+    assert not torch.equal(got[0], qkv[:, :hq * d].view(t, hq, d))
+print("ok")
+'''
+
+
+def test_fused_qk_norm_rope_store_matches_the_torch_ops():
+    """Qwen3's per-head q/k RMSNorm + RoPE + KV store in the one kernel equals the unfused ops."""
+    run_script(QK_NORM)

@@ -183,6 +183,21 @@ class AttentionBackend(ABC):
         self.store_kv(k, v, kv, slot_mapping)
         return q, k, v
 
+    def norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rope_store with Qwen3's per-head RMSNorm (weights q_norm, k_norm [D]) of q and k before RoPE:
+        q, k [T, H, D] normed (rounded to the model dtype), then rotated (fp32), K/V to the cache."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = self.rms_norm(q.reshape(-1, d), q_norm, eps).view(t, hq, d)
+        k = self.rms_norm(k.reshape(-1, d), k_norm, eps).view(t, hkv, d)
+        rope_(q, cos, sin)
+        rope_(k, cos, sin)
+        v = v.reshape(t, hkv, d)
+        self.store_kv(k, v, kv, slot_mapping)
+        return q, k, v
+
     def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens) in the model's dtype
         (an FP8 cache dequantised): materialised per layer; the stress runs it at

@@ -212,6 +212,16 @@ class AiterTritonBackend(AttentionBackend):
         return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
                                            self.num_kv_heads, self.head_dim, kv.scales)
 
+    def norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Qwen3's q/k norm, RoPE and the KV store in the one rope_store kernel (two norms, ~20 torch ops and
+        two index_puts per layer before); q, k, v are views of qkv, normed and rotated in place."""
+        if self.triton_rope is None or self.calibrating:
+            return super().norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, kv, slot_mapping)
+        return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps))
+
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
                                  out_bytes: int, partition: int = SEQ_PARTITION) -> int:
