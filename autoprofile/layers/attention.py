@@ -242,6 +242,21 @@ class AttentionBackend(ABC):
         """Write latents [T, L] into the cache at slot_mapping."""
         kv.k[slot_mapping // self.page_size, 0, slot_mapping % self.page_size] = latent.to(kv.k.dtype)
 
+    def mla_rope_store(self, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                       nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA between its projections and attention: q [T, H, nope + rope]'s rope channels rotated
+        (DeepSeek's pairs (2i, 2i + 1), fp32; cos, sin [T, 1, rope / 2]); the latent from kv_a [T, rank + rope]:
+        RMSNorm(c) * norm_weight | the rotated k_pe, stored at slot_mapping. Returns (q_pe [T, H, rope], the
+        latent [T, rank + rope]); a backend may return views of q and kv_a, rotated and normed in place."""
+        rope = q.shape[-1] - nope
+        c, k_pe = kv_a.split([kv_a.shape[-1] - rope, rope], dim=-1)
+        q_pe = rope_interleaved(q[..., nope:], cos, sin)
+        k_pe = rope_interleaved(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+        latent = torch.cat([self.rms_norm(c, norm_weight, eps), k_pe], dim=-1)
+        self.store_latent(latent, kv, slot_mapping)
+        return q_pe, latent
+
     def gather_latent(self, kv: KVLayer, slots: torch.Tensor) -> torch.Tensor:
         """Latents [N, L] of the cache slots (a chunk's prefix + its new tokens)."""
         return kv.k[slots // self.page_size, 0, slots % self.page_size]
@@ -311,3 +326,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     half = x.shape[-1] // 2
     x[..., :half].copy_(r1)
     x[..., half:].copy_(r2)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product), in fp32:
+    the same operations as models.llama.apply_rope_interleaved."""
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)

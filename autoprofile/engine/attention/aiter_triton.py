@@ -123,6 +123,7 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.kernels import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+        self.mla_rope = triton_rope  # MLA's kernel: its rope width is checked per call
         from autoprofile.kernels import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
@@ -221,6 +222,17 @@ class AiterTritonBackend(AttentionBackend):
             return super().norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, kv, slot_mapping)
         return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
                                            self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps))
+
+    def mla_rope_store(self, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                       nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton kernel (triton_rope.mla_rope_store) instead of the rope ops, the norm, the cat and the
+        latent's index_put (~25 small kernels per layer); in place: views of q and kv_a."""
+        rope = q.shape[-1] - nope
+        if (rope & (rope - 1) or kv.k.dtype != kv_a.dtype or q.stride(-1) != 1 or kv_a.stride(-1) != 1
+                or kv_a.stride(0) != kv_a.shape[1]):
+            return super().mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv, slot_mapping, nope)
+        return self.mla_rope.mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv.k, slot_mapping, nope)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
