@@ -188,9 +188,8 @@ class DeepseekV2MoE(nn.Module):
         else:
             weights, ids = route_group_limited(logits, mc)
             ids = self.experts.force(ids)
-        out = self.experts(x, weights, ids)
-        out = out + self.shared_experts(x) if self.shared_experts is not None else out
-        return out if residual is None else residual + out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, weights, ids, add=(shared, residual))  # one sum on aiter_triton (moe_sum)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

@@ -204,8 +204,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.tp.invariant_linear(x, self.gate.weight)
-        out = self.experts(x, *self.experts.select(logits, self.renormalize))
-        return out if residual is None else residual + out
+        return self.experts(x, *self.experts.select(logits, self.renormalize), add=(residual,))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -254,6 +253,7 @@ class LlamaModel(nn.Module):
     def decode_layers(self, x: torch.Tensor, rope, meta: AttentionMetadata,
                       kv_layers: Sequence[KVLayer]) -> torch.Tensor:
         """The decoder layers and the final norm."""
+        meta.new_forward()
         for layer, kv in zip(self.layers, kv_layers, strict=True):
             x = layer(x, rope, meta, kv)
         return self.norm(x)

@@ -75,6 +75,21 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor | None = None
     # derived once per forward by the first layer that asks (token_rows), shared by the rest
     _token_rows: AttentionMetadata | None = field(default=None, init=False, repr=False)
+    # what a backend derives from this metadata once per forward for every layer (once()); cleared by the model
+    # at each forward's start (new_forward), so a captured graph's forward derives it inside the capture
+    _per_forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def new_forward(self) -> None:
+        """A forward starts: forget what the last one derived (once()), here and in the decode rows' metadata."""
+        self._per_forward.clear()
+        if self.decode is not None:
+            self.decode.new_forward()
+
+    def once(self, key, make):
+        """make()'s value, computed by the first layer of a forward that asks for `key`, shared by the rest."""
+        if key not in self._per_forward:
+            self._per_forward[key] = make()
+        return self._per_forward[key]
 
     def query_starts(self) -> torch.Tensor:
         """query_start_loc, made once per eager forward (the first layer that asks) when not given."""
@@ -215,13 +230,20 @@ class AttentionBackend(ABC):
         return torch.nn.functional.silu(gate) * up
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, quant: MoeQuant | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, quant: MoeQuant | None = None,
+                  add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """The experts (layers.moe): x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], the routing's
-        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H].
-        quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations quantized before each GEMM."""
+        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H], plus
+        each tensor of `add` [T, H] in order (a layer's shared experts and residual: a backend may sum them
+        with the top-k in one kernel). quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations
+        quantized before each GEMM."""
         if quant is not None:
-            return moe_reference_fp8(x, w13, w2, weights, ids, quant)
-        return moe_reference(x, w13, w2, weights, ids, self.gemm or torch.nn.functional.linear)
+            out = moe_reference_fp8(x, w13, w2, weights, ids, quant)
+        else:
+            out = moe_reference(x, w13, w2, weights, ids, self.gemm or torch.nn.functional.linear)
+        for a in add:
+            out = out + a
+        return out
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:

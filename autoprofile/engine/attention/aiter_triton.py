@@ -176,10 +176,13 @@ class AiterTritonBackend(AttentionBackend):
         split count, and a paged prefill's token rows (MLAttention._paged_prefill) in groups of the
         envelope's most decode rows, so every launch runs at a compiled row count with a decode's scratch."""
         mla = self.triton_mla
-        if not self.deterministic:
+        if not self.deterministic:  # the token slots, as the rows' tables have them: once per step
             rows = mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
+            page = kv.k.shape[2]
+            slots = meta.once(("mla_slots", rows, page), lambda: mla.padded_slots(
+                meta.block_tables, meta.seq_lens, page, meta.max_seq_len, rows))
             return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim,
-                                  rows)
+                                  rows, slots=slots)
         group = self.max_decode_rows or q.shape[0]
         launch = (mla.INVARIANT_SPLITS, mla.CONFIG)
         parts = [mla.mla_decode(q[a:a + group], kv.k, meta.block_tables[a:a + group],
@@ -190,10 +193,11 @@ class AiterTritonBackend(AttentionBackend):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, quant=None) -> torch.Tensor:
+                  ids: torch.Tensor, quant=None, add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """AITER's Triton MoE kernels (kernels.triton_moe): sizes follow the tokens, never the routing. quant
-        (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group."""
-        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic)
+        (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group. The addends
+        join the top-k sum's one kernel (moe_sum)."""
+        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic, add)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
