@@ -111,8 +111,8 @@ def tiny_decode(name: str, dtype=torch.float16, ctx: int = 40, seed: int = 0):
 
 
 def ops_per_layer(name: str) -> tuple[Counter, Counter, int]:
-    """(ops of one decode forward, ops of the same forward with one more layer's worth... ) : the forward's
-    op counts, those of its last (MoE) layer alone, and the number of layers."""
+    """(the op counts of one decode forward, those of its last layer alone (an MoE layer in the tiny configs),
+    the number of layers)."""
     model, _, run = tiny_decode(name)
     run()  # warm (lazy imports, caches)
     counter = OpCounter()
