@@ -21,8 +21,7 @@ from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.parallel import TP, ColumnParallelLinear, RowParallelLinear, new_param
 from autoprofile.layers.quant import dequantize_weight
 from models.config import Fp8Scheme, ModelConfig
-from models.llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm,
-                          apply_rope_interleaved, yarn_mscale)
+from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, yarn_mscale
 
 
 def mla_softmax_scale(mc: ModelConfig) -> float:
@@ -81,12 +80,10 @@ class MLAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(-1, self.heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_pe = apply_rope_interleaved(q_pe, *rope)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        k_pe = apply_rope_interleaved(k_pe.unsqueeze(1), *rope).squeeze(1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
-        self.backend.store_latent(latent, kv, meta.slot_mapping)
+        q_nope = q[..., :self.nope]
+        q_pe, latent = self.backend.mla_rope_store(q, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+                                                   self.kv_a_layernorm.eps, *rope, kv, meta.slot_mapping,
+                                                   self.nope)
         if not meta.is_prefill:
             return self.o_proj(self._decode(q_nope, q_pe, kv, meta), residual)
         if self.backend.paged_prefill:  # --deterministic: every new token a decode row over the cache
@@ -191,9 +188,8 @@ class DeepseekV2MoE(nn.Module):
         else:
             weights, ids = route_group_limited(logits, mc)
             ids = self.experts.force(ids)
-        out = self.experts(x, weights, ids)
-        out = out + self.shared_experts(x) if self.shared_experts is not None else out
-        return out if residual is None else residual + out
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, weights, ids, add=(shared, residual))  # one sum on aiter_triton (moe_sum)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

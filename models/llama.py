@@ -155,12 +155,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:  # RoPE in place on the packed projection, K/V to the cache: q, k, v are views
             q, k, v = self.backend.rope_store(qkv, *rope, kv, meta.slot_mapping)
         else:  # Qwen3: per-head RMSNorm before RoPE
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
-            q = apply_rope(q.reshape(-1, self.num_heads, self.head_dim), *rope)
-            k = apply_rope(k.reshape(-1, self.num_kv_heads, self.head_dim), *rope)
-            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k, v, kv, meta.slot_mapping)
+            q, k, v = self.backend.norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                                   *rope, kv, meta.slot_mapping)
         if meta.is_prefill:
             o = o_prefill = None
             if meta.decode is not None:  # a mixed step: decode rows last, one output for both
@@ -208,8 +204,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.tp.invariant_linear(x, self.gate.weight)
-        out = self.experts(x, *self.experts.select(logits, self.renormalize))
-        return out if residual is None else residual + out
+        return self.experts(x, *self.experts.select(logits, self.renormalize), add=(residual,))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -258,6 +253,7 @@ class LlamaModel(nn.Module):
     def decode_layers(self, x: torch.Tensor, rope, meta: AttentionMetadata,
                       kv_layers: Sequence[KVLayer]) -> torch.Tensor:
         """The decoder layers and the final norm."""
+        meta.new_forward()
         for layer, kv in zip(self.layers, kv_layers, strict=True):
             x = layer(x, rope, meta, kv)
         return self.norm(x)

@@ -75,6 +75,49 @@ def step_weight_bytes(runner: ModelRunner, batch: int) -> float:
     return total - experts * runner.model_config.unreached_expert_share(batch)
 
 
+GIB = 1 << 30
+
+
+def fit_batches(batches: list[int], ctx: int, page_size: int, cell_bytes: int, free_bytes: int,
+                weight_bytes: int, headroom_bytes: int) -> tuple[list[int], int, str | None]:
+    """(the batches whose rows fit the card, the KV tokens to build, a note when some do not fit). Each of b
+    rows holds ctx tokens and a page more; the KV gets what the free memory leaves after the weights and the
+    headroom (graphs, activations, scratch). Raises SystemExit naming the flags when not even the smallest fits
+    (an MoE model's 57.5 GB of bf16 weights leave an 80 GB card about 20 GB)."""
+    def tokens(b: int) -> int:
+        return b * (ctx + page_size) + 4 * page_size
+
+    room = max(free_bytes - weight_bytes - headroom_bytes, 0) // cell_bytes
+    fits = [b for b in batches if tokens(b) <= room]
+    if not fits:
+        raise SystemExit(f"bench_decode: {free_bytes / GIB:.1f} GiB free - {weight_bytes / GIB:.1f} GiB of weights "
+                         f"- {headroom_bytes / GIB:.1f} GiB headroom leaves KV for {room} tokens; batch "
+                         f"{min(batches)} at --ctx {ctx} needs {tokens(min(batches))}: lower --ctx (e.g. "
+                         f"--ctx {max(room // max(min(batches), 1) - 2 * page_size, 0)}) or --kv_headroom_gib")
+    note = None
+    if len(fits) < len(batches):
+        largest = max((room - 4 * page_size) // (ctx + page_size), 0)
+        note = (f"KV capped at {room} tokens ({free_bytes / GIB:.1f} GiB free, {weight_bytes / GIB:.1f} GiB of "
+                f"weights, {headroom_bytes / GIB:.1f} GiB headroom): skipping batches "
+                f"{[b for b in batches if b not in fits]} at --ctx {ctx} (the largest that fits: {largest})")
+    return fits, tokens(max(fits)), note
+
+
+def fit_to_card(args: argparse.Namespace) -> None:
+    """args.batches cut to what this card holds beside the model's weights (plan.weight_bytes), said on stderr."""
+    from autoprofile import budget, plan
+    from models.config import load_model_config
+
+    mc = load_model_config(args.model)
+    cell = budget.cell_bytes_for(mc, 1 if args.kv_cache_dtype == "fp8_e4m3" else 2)
+    free, _ = torch.cuda.mem_get_info()
+    args.batches, _, note = fit_batches(args.batches, args.ctx, 16, cell, free, plan.weight_bytes(mc, 2, 1),
+                                        int(args.kv_headroom_gib * GIB))
+    if note:
+        print(note, file=sys.stderr)
+    args.fit_note = note
+
+
 def build(args: argparse.Namespace, context: int) -> ModelRunner:
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", attention_backend=args.backend,
                                 max_req_total_len=context, graph_max_batch_size=max(args.batches),
@@ -182,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--prefill_tokens", type=int, default=8192)
     p.add_argument("--copy_bytes", type=int, default=2 << 30)
+    p.add_argument("--kv_headroom_gib", type=float, default=8.0,
+                   help="memory kept beside the weights and the KV for graphs, activations and scratch; batches "
+                        "whose KV does not fit the rest are skipped (said on stderr and in the JSON)")
     p.add_argument("--json", type=Path, default=None, help="write the JSON here (else it follows the table)")
     args = p.parse_args(argv)
     if args.split_decode_bf16 and args.backend != "aiter_triton":
@@ -194,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_decode needs a CUDA GPU")
+    fit_to_card(args)
     with torch.inference_mode():
         r = run(args)
+    r["skipped"] = args.fit_note
     r["ctx_list"], r["batches"] = args.contexts, args.batches
     first, last = args.contexts[0], args.contexts[-1]
     ms = {key: step["ms"] for key, step in r["steps"].items()}

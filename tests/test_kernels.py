@@ -506,3 +506,63 @@ def test_fused_silu_mul_equals_the_torch_ops(rows, nan_empty):
     assert got.shape == want.shape and got.dtype == torch.bfloat16 and not got.isnan().any()
     assert rel_err(got, want) < 1e-2
     assert torch.equal(be.silu_mul(x[:1]), got[:1])
+
+
+# ---------------------------------------------------------------- issue 34: the MoE/MLA decode fusions, bf16
+def test_qwen3_norm_rope_store_matches_the_torch_ops_in_bf16():
+    """Qwen3's q/k norm + RoPE + KV store (one kernel) against the base backend's torch ops, qwen3-30b-a3b's
+    heads (32 q, 4 kv, head_dim 128)."""
+    from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+    torch.manual_seed(0)
+    hq, hkv, d, t, page = 32, 4, 128, 3, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 3
+    q_w, k_w = (torch.rand(d, device="cuda") + 0.5).bfloat16(), (torch.rand(d, device="cuda") + 0.5).bfloat16()
+    cos, sin = torch.randn(t, 1, d // 2, device="cuda"), torch.randn(t, 1, d // 2, device="cuda")
+    slots = torch.tensor([17, 40, 95], device="cuda")
+    caches = [torch.zeros(8, hkv, page, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    ref = TorchBackend(hq, hkv, d, page, torch.bfloat16, torch.device("cuda"))
+    want = ref.norm_rope_store(qkv.clone(), q_w, k_w, 1e-6, cos, sin, KVLayer(caches[0], caches[1]), slots)
+    got = make("aiter_triton", hq, hkv).norm_rope_store(qkv.clone(), q_w, k_w, 1e-6, cos, sin,
+                                                        KVLayer(caches[2], caches[3]), slots)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(caches[2].float(), caches[0].float(), rtol=2e-2, atol=3e-2)
+    assert torch.equal(caches[3], caches[1])
+
+
+def test_mla_rope_store_matches_the_torch_ops_in_bf16():
+    """MLA's rope + latent norm + latent store (one kernel) at deepseek-v2-lite's widths (16 heads, nope 128,
+    rope 64, rank 512)."""
+    from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+    if not aiter_installed():
+        pytest.skip("amd-aiter not installed")
+    torch.manual_seed(0)
+    heads, nope, rope, rank, t, page = 16, 128, 64, 512, 2, 16
+    q = torch.randn(t, heads, nope + rope, device="cuda", dtype=torch.bfloat16) * 2
+    kv_a = torch.randn(t, rank + rope, device="cuda", dtype=torch.bfloat16) * 2
+    w = (torch.rand(rank, device="cuda") + 0.5).bfloat16()
+    cos, sin = torch.randn(t, 1, rope // 2, device="cuda"), torch.randn(t, 1, rope // 2, device="cuda")
+    slots = torch.tensor([5, 33], device="cuda")
+    caches = [torch.zeros(4, 1, page, rank + rope, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ref = TorchBackend(heads, heads, nope + rope, page, torch.bfloat16, torch.device("cuda"))
+    want = ref.mla_rope_store(q.clone(), kv_a.clone(), w, 1e-6, cos, sin, KVLayer(caches[0], caches[0]), slots,
+                              nope)
+    be = AiterTritonBackend(heads, heads, nope + rope, 16, torch.bfloat16, torch.device("cuda"))
+    got = be.mla_rope_store(q.clone(), kv_a.clone(), w, 1e-6, cos, sin, KVLayer(caches[1], caches[1]), slots,
+                            nope)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(caches[1].float(), caches[0].float(), rtol=2e-2, atol=3e-2)
+
+
+def test_moe_sum_adds_the_top_k_the_shared_experts_and_the_residual_in_bf16():
+    from autoprofile.kernels import triton_moe
+
+    torch.manual_seed(0)
+    down = torch.randn(3, 8, 2048, device="cuda", dtype=torch.bfloat16)
+    shared, residual = (torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = triton_moe.moe_sum(down, torch.empty_like(shared), (shared, residual))
+    want = down.float().sum(1) + shared.float() + residual.float()
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=2e-2)

@@ -46,3 +46,42 @@ print("ok")
 
 def test_aiters_fused_moe_kernels_over_our_sort_equal_the_reference():
     run_script(EXPERTS)
+
+
+SUM = r'''
+import torch
+from autoprofile.kernels import triton_moe
+from autoprofile.layers.moe import moe_reference, route
+
+torch.manual_seed(0)
+E, K, H, I = 8, 3, 48, 24
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 3e-3)):
+    for tokens in (1, 5):
+        w13 = (torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype)
+        w2 = (torch.randn(E, H, I) * I ** -0.5).to(dtype)
+        x = torch.randn(tokens, H).to(dtype)
+        shared, residual = torch.randn(tokens, H).to(dtype), (torch.randn(tokens, H) * 4).to(dtype)
+        weights, ids = route(torch.randn(tokens, E), K, True)
+        experts = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+        for add in ((), (residual,), (shared, residual)):
+            got = triton_moe.fused_moe(x, w13, w2, weights.to(dtype), ids, add=add).float()
+            want = experts + sum(a.float() for a in add) if add else experts
+            err = float((got - want).norm() / want.norm())
+            assert err < tol, (dtype, tokens, len(add), err)
+        # the sum kernel alone: every top-k row and both addends, rounded once
+        down = torch.randn(tokens, K, H).to(dtype)
+        out = triton_moe.moe_sum(down, torch.empty(tokens, H, dtype=dtype), (shared, residual))
+        want = (down.float().sum(1) + shared.float() + residual.float()).to(dtype)
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+try:
+    triton_moe.moe_sum(down, torch.empty(tokens, H, dtype=dtype), (shared, residual, shared))
+except ValueError as e:
+    assert "at most 2" in str(e)
+else:
+    raise AssertionError("three addends accepted")
+print("ok")
+'''
+
+
+def test_the_top_k_sum_with_the_shared_experts_and_the_residual_in_one_kernel():
+    run_script(SUM)

@@ -59,3 +59,111 @@ print("ok")
 
 def test_fused_rope_store_matches_the_torch_ops():
     run_script(CHECK)
+
+
+QK_NORM = r'''
+import torch
+from autoprofile.kernels import triton_rope
+from autoprofile.layers.attention import KVLayer
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+torch.manual_seed(0)
+
+
+def reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d):
+    """Qwen3's path as the model ran it before the fusion: per-head RMSNorm (fp32, rounded), then HF's
+    rotate_half RoPE in fp32 (rounded)."""
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    def rope(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    t = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = rope(norm(q.reshape(t, hq, d), q_w))
+    k = rope(norm(k.reshape(t, hkv, d), k_w))
+    return q, k, v.reshape(t, hkv, d)
+
+
+for dtype, hq, hkv, d, t in [(torch.float32, 8, 2, 32, 5), (torch.float16, 4, 1, 64, 3),
+                             (torch.float16, 6, 6, 16, 1)]:
+    page, pages, eps = 16, 6, 1e-6
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d) * 3).to(dtype)
+    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    table = torch.randn(64, d)
+    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    slots = torch.randperm((pages - 1) * page)[:t] + page
+    pages_of, offs = slots // page, slots % page
+    want = reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
+    be = TorchBackend(hq, hkv, d, page, dtype, torch.device("cpu"))
+    caches = [torch.zeros(pages, hkv, page, d, dtype=dtype) for _ in range(4)]
+    ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+    base = be.norm_rope_store(ref_qkv, q_w, k_w, eps, cos, sin, KVLayer(caches[0], caches[1]), slots)
+    got = triton_rope.rope_store(got_qkv, cos, sin, caches[2], caches[3], slots, hq, hkv, d,
+                                 qk_norm=(q_w, k_w, eps))
+    for a, b, c in zip(got, base, want):
+        torch.testing.assert_close(b, c, rtol=0, atol=0)  # the backend's torch ops: the old path, bit for bit
+        torch.testing.assert_close(a, c, **tol)
+    torch.testing.assert_close(caches[2][pages_of, :, offs], want[1], **tol)  # K normed and rotated
+    torch.testing.assert_close(caches[3][pages_of, :, offs], want[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[2], caches[0], **tol)
+    assert got[0].data_ptr() == got_qkv.data_ptr()  # in place: views of the packed projection
+    assert not torch.equal(got[0], qkv[:, :hq * d].view(t, hq, d))
+print("ok")
+'''
+
+
+def test_fused_qk_norm_rope_store_matches_the_torch_ops():
+    """Qwen3's per-head q/k RMSNorm + RoPE + KV store in the one kernel equals the unfused ops."""
+    run_script(QK_NORM)
+
+
+MLA = r'''
+import torch
+from autoprofile.kernels import triton_rope
+from autoprofile.layers.attention import KVLayer
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+from models.llama import apply_rope_interleaved
+
+torch.manual_seed(0)
+for dtype, heads, nope, rope, rank, t in [(torch.float32, 4, 16, 8, 32, 3), (torch.float16, 8, 32, 32, 128, 2),
+                                         (torch.float16, 3, 8, 16, 24, 1)]:  # 3 heads, rank 24: no powers of 2
+    page, pages, eps = 16, 5, 1e-6
+    q = (torch.randn(t, heads * (nope + rope)) * 2).to(dtype).view(t, heads, nope + rope)
+    kv_a = (torch.randn(t, rank + rope) * 2).to(dtype)
+    w = (torch.rand(rank) + 0.5).to(dtype)
+    table = torch.randn(64, rope)
+    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    slots = torch.randperm((pages - 1) * page)[:t] + page
+    # the model's ops before the fusion
+    xf = kv_a[:, :rank].float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype)
+    want_latent = torch.cat([normed, apply_rope_interleaved(kv_a[:, None, rank:], cos, sin)[:, 0]], dim=-1)
+    want_q_pe = apply_rope_interleaved(q[..., nope:], cos, sin)
+    be = TorchBackend(heads, 1, rank + rope, page, dtype, torch.device("cpu"))
+    caches = [torch.zeros(pages, 1, page, rank + rope, dtype=dtype) for _ in range(2)]
+    base = be.mla_rope_store(q.clone(), kv_a.clone(), w, eps, cos, sin, KVLayer(caches[0], caches[0]), slots, nope)
+    torch.testing.assert_close(base[0], want_q_pe, rtol=0, atol=0)
+    torch.testing.assert_close(base[1], want_latent, rtol=0, atol=0)
+    got_q, got_kv = q.clone(), kv_a.clone()
+    q_pe, latent = triton_rope.mla_rope_store(got_q, got_kv, w, eps, cos, sin, caches[1], slots, nope)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
+    torch.testing.assert_close(q_pe, want_q_pe, **tol)
+    torch.testing.assert_close(latent, want_latent, **tol)
+    torch.testing.assert_close(got_q[..., :nope], q[..., :nope], rtol=0, atol=0)  # q_nope untouched
+    assert q_pe.data_ptr() == got_q[..., nope:].data_ptr() and latent.data_ptr() == got_kv.data_ptr()
+    torch.testing.assert_close(caches[1][slots // page, 0, slots % page], want_latent, **tol)
+    torch.testing.assert_close(caches[1], caches[0], **tol)  # nothing else written
+print("ok")
+'''
+
+
+def test_fused_mla_rope_norm_and_latent_store_match_the_torch_ops():
+    """MLA's q/k rope, the latent's norm and its cache store in one kernel equal the unfused ops."""
+    run_script(MLA)

@@ -85,18 +85,28 @@ def launch_for(rows: int) -> tuple[int, dict]:
     return budget.mla_kv_splits(rows), CONFIG
 
 
+def padded_slots(tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, max_seq_len: int,
+                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_slots of the rows padded to `rows` with zero-length rows: the same for every layer of a step."""
+    if rows > seq_lens.shape[0]:
+        seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(rows - seq_lens.shape[0])])
+    return kv_slots(tables, seq_lens, page_size, max_seq_len)
+
+
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                max_seq_len: int, scale: float, v_dim: int, rows: int,
-               launch: tuple[int, dict] | None = None) -> torch.Tensor:
+               launch: tuple[int, dict] | None = None,
+               slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, H, L] against the latent cache [pages, 1, page, L] -> [B, H, v_dim], computed at `rows` rows
-    (>= B; padding rows have no tokens). `launch` overrides launch_for(rows) (scripts/tune_mla_decode.py)."""
+    (>= B; padding rows have no tokens). `launch` overrides launch_for(rows) (scripts/tune_mla_decode.py).
+    slots: padded_slots(tables, seq_lens, page, max_seq_len, rows) made once for every layer of a step (None:
+    made here)."""
     b, heads, width = q.shape
     page = latents.shape[2]
     if rows > b:  # zero-length rows: their outputs are dropped
         q = torch.cat([q, q.new_zeros(rows - b, heads, width)])
-        seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(rows - b)])
     buffer = latents.view(-1, 1, width)  # one head: (page, 1, offset) is slot page * page_size + offset
-    indptr, indices = kv_slots(tables, seq_lens, page, max_seq_len)
+    indptr, indices = slots if slots is not None else padded_slots(tables, seq_lens, page, max_seq_len, rows)
     out = q.new_empty(rows, heads, v_dim)
     splits, config = launch or launch_for(rows)
     partial = torch.empty(rows, heads, splits, v_dim + 1, dtype=torch.float32, device=q.device)

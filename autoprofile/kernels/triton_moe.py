@@ -6,7 +6,8 @@
                              layers.moe's torch ops (same outputs)
   fused_moe_silu             gate_up projection per block, silu(gate) * up fused: [T * k, I]
   fused_moe                  down projection per block, scaled by the routing weight: [T, k, H]
-then a sum over k. Every buffer's size follows the step's tokens T alone, whatever the routing: at most
+then a sum over k (moe_sum, with the addends a layer adds to the experts' output: the shared experts', the
+residual). Every buffer's size follows the step's tokens T alone, whatever the routing: at most
 T * k + E * (BLOCK_SIZE_M - 1) sorted slots (budget.moe_scratch_bytes), so the stress's corners at the most
 tokens hold the most any routing can. No host sync: decode graphs capture it.
 
@@ -25,6 +26,7 @@ follow T alone: budget.moe_fp8_scratch_bytes.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from autoprofile import budget
@@ -64,11 +66,52 @@ def operands(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, qua
     return dict(A=a_q, B=w, A_scale=a_scale, B_scale=w_scale.unsqueeze(-1), block_shape=[1, a.shape[-1]])
 
 
+SUM_BLOCK = 1024  # hidden channels a moe_sum program adds
+
+
+@triton.jit
+def _moe_sum_kernel(down_ptr, a_ptr, b_ptr, out_ptr, H, stride_a, stride_b, K: tl.constexpr,
+                    ADDS: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(down_ptr + (t * K + j) * H + cols, mask=live, other=0.0).to(tl.float32)
+    if ADDS >= 1:
+        acc += tl.load(a_ptr + t * stride_a + cols, mask=live, other=0.0).to(tl.float32)
+    if ADDS >= 2:
+        acc += tl.load(b_ptr + t * stride_b + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def moe_sum(down: torch.Tensor, out: torch.Tensor, add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """out [T, H] = the top-k rows of down [T, k, H] (contiguous) plus each addend [T, H] (at most two: the
+    shared experts' output, the residual), accumulated in fp32 and rounded once: one launch where torch took a
+    reduction and an add per addend."""
+    tokens, top_k, hidden = down.shape
+    if len(add) > 2:
+        raise ValueError(f"moe_sum adds at most 2 tensors to the experts' output, got {len(add)}")
+    for a in add:
+        if a.shape != out.shape or a.stride(-1) != 1:
+            raise ValueError(f"an addend of shape {tuple(a.shape)} does not fit the experts' output "
+                             f"{tuple(out.shape)} (or has no unit stride in its last dim)")
+    a, b = (tuple(add) + (out, out))[:2]
+    if tokens:
+        _moe_sum_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+            down, a, b, out, hidden, a.stride(0), b.stride(0), K=top_k, ADDS=len(add), BLOCK=SUM_BLOCK,
+            num_warps=4)
+    return out
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, quant=None, deterministic: bool = False) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference).
+              ids: torch.Tensor, quant=None, deterministic: bool = False,
+              add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference),
+    plus each tensor of `add` [T, H] (at most 2), summed with the top-k rows in one kernel (moe_sum).
     quant (layers.quant.MoeQuant): w13/w2 are float8_e4m3fn with its scales (as layers.quant's
-    moe_reference_fp8). deterministic: batch-invariant (invariant_block_m, summed_in_order)."""
+    moe_reference_fp8). deterministic: batch-invariant (invariant_block_m, summed_in_order, then the addends
+    in order)."""
     ops = load_aiter_moe()
     tokens, top_k = ids.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
@@ -93,8 +136,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     ops.moe(C=down, **operands(act, w2, w2_scale, quant), mul_routed_weight=True, top_k=1,
             config=dict(cfg), **common)
     if deterministic:
-        return summed_in_order(down, out)
-    return torch.sum(down, dim=1, out=out)
+        out = summed_in_order(down, out)
+        for a in add:
+            out = out + a
+        return out
+    return moe_sum(down, out, add)
 
 
 def invariant_block_m() -> int:

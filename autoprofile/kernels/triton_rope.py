@@ -1,5 +1,6 @@
 """One Triton kernel for what each attention layer does between the QKV projection and attention: RoPE
-in place on the packed projection's q and k heads, and K/V written to the paged cache. In torch ops that
+in place on the packed projection's q and k heads (Qwen3: each head RMS-normed first), and K/V written to the
+paged cache. In torch ops that
 is ~15 small kernels per layer (rotation in fp32, casts, index arithmetic, two index_puts), which
 dominate a batch-1 decode step's launch count.
 
@@ -19,11 +20,12 @@ from autoprofile.layers.attention import FP8_MAX
 
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr,
+                       q_norm_ptr, k_norm_ptr, eps,
                        stride_t, stride_cos, stride_sin,
                        stride_cp, stride_ch, stride_co,  # cache strides: page, head, offset (dim: 1)
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                        NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr, QUANT: tl.constexpr,
-                       FP8_MAX: tl.constexpr):
+                       QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_t
     j = tl.arange(0, HALF)
@@ -34,6 +36,15 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
     first = row + h[:, None] * (2 * HALF) + j[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3: each head RMS-normed (q_norm, k_norm weights), rounded as the norm kernel rounds
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        is_q = (h < NQ)[:, None]
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + j).to(tl.float32)[None, :],
+                      tl.load(k_norm_ptr + j).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + j).to(tl.float32)[None, :],
+                      tl.load(k_norm_ptr + HALF + j).to(tl.float32)[None, :])
+        x1 = (x1 * inv * w1).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * inv * w2).to(qkv_ptr.dtype.element_ty).to(tl.float32)
     r1 = x1 * c[None, :] - x2 * s[None, :]
     r2 = x2 * c[None, :] + x1 * s[None, :]
     tl.store(first, r1.to(qkv_ptr.dtype.element_ty), mask=mask)
@@ -65,22 +76,88 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-               head_dim: int, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+               head_dim: int, scales: torch.Tensor | None = None,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
     """qkv [T, (Hq + 2*Hkv) * D] with unit stride in its last dim; cos, sin [T, 1, D/2] (any row stride);
-    caches [pages, Hkv, page, D] with unit stride in D; scales: an FP8 cache's [2] fp32 (k, v). Returns
-    q, k, v views of qkv."""
+    caches [pages, Hkv, page, D] with unit stride in D; scales: an FP8 cache's [2] fp32 (k, v); qk_norm:
+    (q_norm weight [D], k_norm weight [D], eps): Qwen3's per-head RMSNorm of q and k before RoPE
+    (AttentionBackend.norm_rope_store). Returns q, k, v views of qkv."""
     t, d = qkv.shape[0], head_dim
     if t:
         assert qkv.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        q_w, k_w, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
         _rope_store_kernel[(t,)](
             qkv, cos, sin, slot_mapping, k_cache, v_cache, slot_mapping if scales is None else scales,
+            q_w, k_w, float(eps),
             qkv.stride(0), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             NQ=num_q_heads, NKV=num_kv_heads, HALF=d // 2, PAGE=k_cache.shape[2],
             NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
-            NKV_POW2=triton.next_power_of_2(num_kv_heads), QUANT=scales is not None, FP8_MAX=FP8_MAX,
+            NKV_POW2=triton.next_power_of_2(num_kv_heads), QUANT=scales is not None,
+            QK_NORM=qk_norm is not None, FP8_MAX=FP8_MAX,
             num_warps=4)
     q = qkv[:, :num_q_heads * d].view(t, num_q_heads, d)
     k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
     v = qkv[:, (num_q_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
     return q, k, v
+
+
+@triton.jit
+def _mla_rope_store_kernel(q_ptr, kv_ptr, norm_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, eps,
+                           stride_qt, stride_qh, stride_kvt, stride_cos, stride_sin, stride_cp, stride_co,
+                           H: tl.constexpr, H_POW2: tl.constexpr, NOPE: tl.constexpr, RANK: tl.constexpr,
+                           RANK_POW2: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + t * stride_cos + i).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_sin + i).to(tl.float32)[None, :]
+    # q's rope channels, every head: pairs (2i, 2i + 1) rotated in place
+    h = tl.arange(0, H_POW2)[:, None]
+    q = q_ptr + t * stride_qt + h * stride_qh + NOPE + 2 * i[None, :]
+    heads = h < H
+    even = tl.load(q, mask=heads, other=0.0).to(tl.float32)
+    odd = tl.load(q + 1, mask=heads, other=0.0).to(tl.float32)
+    tl.store(q, (even * c - odd * s).to(q_ptr.dtype.element_ty), mask=heads)
+    tl.store(q + 1, (even * s + odd * c).to(q_ptr.dtype.element_ty), mask=heads)
+    # the latent: RMSNorm of its first RANK channels, its rope key rotated; in place and into the cache
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    dst = cache_ptr + (slot // PAGE) * stride_cp + (slot % PAGE) * stride_co
+    row = kv_ptr + t * stride_kvt
+    r = tl.arange(0, RANK_POW2)
+    live = r < RANK
+    x = tl.load(row + r, mask=live, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / RANK + eps)
+    w = tl.load(norm_ptr + r, mask=live, other=0.0).to(tl.float32)
+    normed = (x * inv * w).to(kv_ptr.dtype.element_ty)
+    tl.store(row + r, normed, mask=live)
+    tl.store(dst + r, normed.to(cache_ptr.dtype.element_ty), mask=live)
+    k = RANK + 2 * i
+    even = tl.load(row + k).to(tl.float32)
+    odd = tl.load(row + k + 1).to(tl.float32)
+    k_even = (even * tl.reshape(c, (HALF,)) - odd * tl.reshape(s, (HALF,))).to(kv_ptr.dtype.element_ty)
+    k_odd = (even * tl.reshape(s, (HALF,)) + odd * tl.reshape(c, (HALF,))).to(kv_ptr.dtype.element_ty)
+    tl.store(row + k, k_even)
+    tl.store(row + k + 1, k_odd)
+    tl.store(dst + k, k_even.to(cache_ptr.dtype.element_ty))
+    tl.store(dst + k + 1, k_odd.to(cache_ptr.dtype.element_ty))
+
+
+def mla_rope_store(q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's per-layer work between the projections and attention in one launch, in place
+    (AttentionBackend.mla_rope_store): q [T, H, nope + rope] (unit stride in its last dim) gets its rope
+    channels rotated (pairs (2i, 2i + 1), fp32); kv_a [T, rank + rope] (contiguous rows) becomes the latent,
+    RMSNorm(c) * norm_weight | rotated k_pe, written to the latent cache [pages, 1, page, rank + rope] at
+    slot_mapping. cos, sin [T, 1, rope / 2]. Returns (q's rope part, the latent): views of q and kv_a."""
+    t, heads, width = q.shape
+    rope = width - nope
+    rank = kv_a.shape[1] - rope
+    if t:
+        assert q.stride(-1) == 1 and kv_a.stride(-1) == 1 and cache.stride(-1) == 1
+        _mla_rope_store_kernel[(t,)](
+            q, kv_a, norm_weight, cos, sin, slot_mapping, cache, float(eps), q.stride(0), q.stride(1),
+            kv_a.stride(0), cos.stride(0), sin.stride(0), cache.stride(0), cache.stride(2),
+            H=heads, H_POW2=triton.next_power_of_2(heads), NOPE=nope, RANK=rank,
+            RANK_POW2=triton.next_power_of_2(rank), HALF=rope // 2, PAGE=cache.shape[2], num_warps=4)
+    return q[..., nope:], kv_a

@@ -75,6 +75,21 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor | None = None
     # derived once per forward by the first layer that asks (token_rows), shared by the rest
     _token_rows: AttentionMetadata | None = field(default=None, init=False, repr=False)
+    # what a backend derives from this metadata once per forward for every layer (once()); cleared by the model
+    # at each forward's start (new_forward), so a captured graph's forward derives it inside the capture
+    _per_forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def new_forward(self) -> None:
+        """A forward starts: forget what the last one derived (once()), here and in the decode rows' metadata."""
+        self._per_forward.clear()
+        if self.decode is not None:
+            self.decode.new_forward()
+
+    def once(self, key, make):
+        """make()'s value, computed by the first layer of a forward that asks for `key`, shared by the rest."""
+        if key not in self._per_forward:
+            self._per_forward[key] = make()
+        return self._per_forward[key]
 
     def query_starts(self) -> torch.Tensor:
         """query_start_loc, made once per eager forward (the first layer that asks) when not given."""
@@ -183,6 +198,21 @@ class AttentionBackend(ABC):
         self.store_kv(k, v, kv, slot_mapping)
         return q, k, v
 
+    def norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """rope_store with Qwen3's per-head RMSNorm (weights q_norm, k_norm [D]) of q and k before RoPE:
+        q, k [T, H, D] normed (rounded to the model dtype), then rotated (fp32), K/V to the cache."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = self.rms_norm(q.reshape(-1, d), q_norm, eps).view(t, hq, d)
+        k = self.rms_norm(k.reshape(-1, d), k_norm, eps).view(t, hkv, d)
+        rope_(q, cos, sin)
+        rope_(k, cos, sin)
+        v = v.reshape(t, hkv, d)
+        self.store_kv(k, v, kv, slot_mapping)
+        return q, k, v
+
     def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens) in the model's dtype
         (an FP8 cache dequantised): materialised per layer; the stress runs it at
@@ -200,13 +230,20 @@ class AttentionBackend(ABC):
         return torch.nn.functional.silu(gate) * up
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, quant: MoeQuant | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, quant: MoeQuant | None = None,
+                  add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """The experts (layers.moe): x [T, H], w13 [E, 2I, H] (gate | up), w2 [E, H, I], the routing's
-        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H].
-        quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations quantized before each GEMM."""
+        weights [T, k] and expert ids [T, k] -> sum over k of weight * down(silu(gate) * up) [T, H], plus
+        each tensor of `add` [T, H] in order (a layer's shared experts and residual: a backend may sum them
+        with the top-k in one kernel). quant: FP8 experts' scales (w13/w2 float8_e4m3fn), activations
+        quantized before each GEMM."""
         if quant is not None:
-            return moe_reference_fp8(x, w13, w2, weights, ids, quant)
-        return moe_reference(x, w13, w2, weights, ids, self.gemm or torch.nn.functional.linear)
+            out = moe_reference_fp8(x, w13, w2, weights, ids, quant)
+        else:
+            out = moe_reference(x, w13, w2, weights, ids, self.gemm or torch.nn.functional.linear)
+        for a in add:
+            out = out + a
+        return out
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +263,21 @@ class AttentionBackend(ABC):
     def store_latent(self, latent: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor) -> None:
         """Write latents [T, L] into the cache at slot_mapping."""
         kv.k[slot_mapping // self.page_size, 0, slot_mapping % self.page_size] = latent.to(kv.k.dtype)
+
+    def mla_rope_store(self, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                       nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA between its projections and attention: q [T, H, nope + rope]'s rope channels rotated
+        (DeepSeek's pairs (2i, 2i + 1), fp32; cos, sin [T, 1, rope / 2]); the latent from kv_a [T, rank + rope]:
+        RMSNorm(c) * norm_weight | the rotated k_pe, stored at slot_mapping. Returns (q_pe [T, H, rope], the
+        latent [T, rank + rope]); a backend may return views of q and kv_a, rotated and normed in place."""
+        rope = q.shape[-1] - nope
+        c, k_pe = kv_a.split([kv_a.shape[-1] - rope, rope], dim=-1)
+        q_pe = rope_interleaved(q[..., nope:], cos, sin)
+        k_pe = rope_interleaved(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+        latent = torch.cat([self.rms_norm(c, norm_weight, eps), k_pe], dim=-1)
+        self.store_latent(latent, kv, slot_mapping)
+        return q_pe, latent
 
     def gather_latent(self, kv: KVLayer, slots: torch.Tensor) -> torch.Tensor:
         """Latents [N, L] of the cache slots (a chunk's prefix + its new tokens)."""
@@ -296,3 +348,11 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     half = x.shape[-1] // 2
     x[..., :half].copy_(r1)
     x[..., half:].copy_(r2)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product), in fp32:
+    the same operations as models.llama.apply_rope_interleaved."""
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)

@@ -235,13 +235,20 @@ class FusedMoE(nn.Module):
         """A model's own router's ids [T, k] as the current routing has them."""
         return self.routing.apply(ids, self.num_experts)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.quant is None:
-            out = self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
-        else:
-            quant = MoeQuant(self.gate_up_proj_scale, self.down_proj_scale, self.quant)
-            out = self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, quant=quant)
-        return self.tp.all_reduce(out)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                add: tuple[torch.Tensor | None, ...] = ()) -> torch.Tensor:
+        """The experts' output plus each tensor of `add` [T, H] in order (None: skipped); on one rank the
+        backend sums them with the top-k rows (one kernel on aiter_triton), over TP after the all-reduce."""
+        add = tuple(a for a in add if a is not None)
+        quant = None if self.quant is None else MoeQuant(self.gate_up_proj_scale, self.down_proj_scale,
+                                                         self.quant)
+        if self.tp.size == 1:
+            return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, quant=quant, add=add)
+        out = self.tp.all_reduce(self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                                        quant=quant))
+        for a in add:
+            out = out + a
+        return out
 
 
 def expert_scale_shapes(scheme: Fp8Scheme, experts: int, shard: int,

@@ -128,6 +128,7 @@ class AiterTritonBackend(AttentionBackend):
         from autoprofile.kernels import triton_rope
 
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
+        self.mla_rope = triton_rope  # MLA's kernel: its rope width is checked per call
         from autoprofile.kernels import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
@@ -180,10 +181,13 @@ class AiterTritonBackend(AttentionBackend):
         split count, and a paged prefill's token rows (MLAttention._paged_prefill) in groups of the
         envelope's most decode rows, so every launch runs at a compiled row count with a decode's scratch."""
         mla = self.triton_mla
-        if not self.deterministic:
+        if not self.deterministic:  # the token slots, as the rows' tables have them: once per step
             rows = mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
+            page = kv.k.shape[2]
+            slots = meta.once(("mla_slots", rows, page), lambda: mla.padded_slots(
+                meta.block_tables, meta.seq_lens, page, meta.max_seq_len, rows))
             return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim,
-                                  rows)
+                                  rows, slots=slots)
         group = self.max_decode_rows or q.shape[0]
         launch = (mla.INVARIANT_SPLITS, mla.CONFIG)
         parts = [mla.mla_decode(q[a:a + group], kv.k, meta.block_tables[a:a + group],
@@ -194,10 +198,11 @@ class AiterTritonBackend(AttentionBackend):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, quant=None) -> torch.Tensor:
+                  ids: torch.Tensor, quant=None, add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """AITER's Triton MoE kernels (kernels.triton_moe): sizes follow the tokens, never the routing. quant
-        (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group."""
-        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic)
+        (layers.quant.MoeQuant): FP8 experts, their inputs quantized per token or per 128-group. The addends
+        join the top-k sum's one kernel (moe_sum)."""
+        return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic, add)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +221,27 @@ class AiterTritonBackend(AttentionBackend):
             return super().rope_store(qkv, cos, sin, kv, slot_mapping)
         return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
                                            self.num_kv_heads, self.head_dim, kv.scales)
+
+    def norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Qwen3's q/k norm, RoPE and the KV store in the one rope_store kernel (two norms, ~20 torch ops and
+        two index_puts per layer before); q, k, v are views of qkv, normed and rotated in place."""
+        if self.triton_rope is None or self.calibrating:
+            return super().norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, kv, slot_mapping)
+        return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps))
+
+    def mla_rope_store(self, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                       nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton kernel (triton_rope.mla_rope_store) instead of the rope ops, the norm, the cat and the
+        latent's index_put (~25 small kernels per layer); in place: views of q and kv_a."""
+        rope = q.shape[-1] - nope
+        if (rope & (rope - 1) or kv.k.dtype != kv_a.dtype or q.stride(-1) != 1 or kv_a.stride(-1) != 1
+                or kv_a.stride(0) != kv_a.shape[1]):
+            return super().mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv, slot_mapping, nope)
+        return self.mla_rope.mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv.k, slot_mapping, nope)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
