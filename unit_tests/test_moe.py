@@ -200,9 +200,9 @@ class ExpertLoad:
         self.backend, self.real, self.most = runner.backend, runner.backend.fused_moe, []
         runner.backend.fused_moe = self
 
-    def __call__(self, x, w13, w2, weights, ids):
+    def __call__(self, x, w13, w2, weights, ids, **kw):
         self.most.append(int(torch.bincount(ids.flatten().long(), minlength=w13.shape[0]).max()))
-        return self.real(x, w13, w2, weights, ids)
+        return self.real(x, w13, w2, weights, ids, **kw)
 
     def close(self):
         del self.backend.fused_moe
