@@ -9,13 +9,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import EnvelopeError
+from autoprofile.engine.request import PENDING
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.weights import init_random
 from autoprofile.serving import async_engine
@@ -115,6 +116,32 @@ class FailingStepRunner(StepRunner):
     def __init__(self, env, kv_pages: int, fail: dict[int, str]):
         super().__init__(env, kv_pages)
         self.fail, self.launches, self.stale, self.failed_rows = fail, 0, [], []
+        # the K/V each page slot holds: the token written there, None once a step that wrote it failed (its
+        # forward raised or its read back did: what the device holds there is unknown)
+        self.content: dict[tuple[int, int], int | None] = {}
+        self.doomed: set[str] = set()  # requests of failed rows (overlap launches their next row before it knows)
+
+    def _slots(self, row, start: int, end: int) -> list[tuple[int, int]]:
+        ps = self.envelope.page_size
+        return [(row.request.pages[i // ps], i % ps) for i in range(start, end)]
+
+    def _check_reads(self, step) -> None:
+        """Every row reads the K/V of its tokens before row.start from its pages (a prefix-cache hit's too)."""
+        for row in step.all_rows:
+            if row.request.request_id in self.doomed:
+                continue  # it ends with "error" whatever it reads
+            known = row.request.tokens(0, row.start)
+            held = [self.content.get(at) for at in self._slots(row, 0, row.start)]
+            if held != known:
+                bad = next(i for i, (h, k) in enumerate(zip(held, known)) if h != k)
+                raise AssertionError(f"a row reads position {bad} of its request from a page holding "
+                                     f"{held[bad]}, not its token {known[bad]}")
+
+    def _write(self, step, valid: bool) -> None:
+        for row in step.all_rows:
+            ids = [self.last_tokens.get(row.slot) if t == PENDING else t for t in row.ids]
+            for at, t in zip(self._slots(row, row.start, row.start + len(row.ids)), ids):
+                self.content[at] = t if valid else None
 
     def launch(self, step) -> SimpleNamespace:
         how = self.fail.get(self.launches)
@@ -140,25 +167,72 @@ class FailingStepRunner(StepRunner):
                 for slot, first, pages in step.page_writes:
                     for i, p in enumerate(pages):
                         self.page_table[slot, first + i] = p
+                self._write(step, valid=False)
+                self.doomed |= {row.request.request_id for row in step.rows}
                 raise RuntimeError("injected: the forward failed")
             raise EnvelopeError("injected: refused before the page table learned the step's pages")
         try:
-            return super().execute(step)
+            self._check_reads(step)
+            self._write(step, valid=True)
+            tokens = super().execute(step)
         except AssertionError as e:
             self.stale.append(e)
             raise
+        if how == "readback":
+            self._write(step, valid=False)
+            self.doomed |= {row.request.request_id for row in step.all_rows}
+        return tokens
 
 
 def readback_failed():
     raise RuntimeError("injected: the tokens' copy to the host failed")
 
 
+def serve_trace(trace, fail: dict[int, str], kv_pages: int, batch: int, running: int, overlap: bool):
+    """The trace's requests through the fake engine whose chosen steps fail: (outputs by trace index, the
+    runner, the trace indices of the failed steps' failed rows)."""
+    env = envelope(kv_pages=kv_pages, page_size=4, context=96, batch=batch, running=running)
+    runner = FailingStepRunner(env, kv_pages, fail)
+    engine = LLMEngine(runner, overlap=overlap)
+    pending = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
+    ids, out, clock = {}, {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= clock:
+            _, i = pending.pop(0)
+            _, n, max_tokens, shared = trace[i]
+            prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+            ids[engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)] = i
+        for o in engine.step():
+            tokens, _ = out.get(ids[o.request_id], ([], ""))
+            out[ids[o.request_id]] = (tokens + o.new_token_ids, o.finish_reason)
+        invariants(engine)
+        clock += 1
+        assert clock < 5000, "no progress"
+    assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
+    failed = {ids[r.request.request_id] for rows in runner.failed_rows for r in rows}
+    return out, runner, failed
+
+
+def check_failures(trace, fail, kv_pages, batch, running, overlap) -> None:
+    want, _, _ = serve_trace(trace, {}, kv_pages, batch, running, overlap)
+    got, runner, failed = serve_trace(trace, fail, kv_pages, batch, running, overlap)
+    assert not runner.stale, runner.stale[0]
+    errors = {i for i, (_, reason) in got.items() if reason == "error"}
+    assert errors <= failed
+    # a request that stopped on a token (overlap) may have had one more row in a failed step
+    assert all(got[i] == want[i] and want[i][1] == "stop" for i in failed - errors)
+    assert {i: v for i, v in got.items() if i not in failed} == {i: want[i] for i in got if i not in failed}
+
+
+TRACE = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
+                           st.integers(1, 60),  # prompt length
+                           st.integers(1, 30),  # max_tokens
+                           st.integers(0, 40)),  # leading tokens shared with the other requests
+                 min_size=1, max_size=12)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
-                                st.integers(1, 60),  # prompt length
-                                st.integers(1, 30),  # max_tokens
-                                st.integers(0, 40)),  # leading tokens shared with the other requests
-                      min_size=1, max_size=12),
+@given(trace=TRACE,
        fail=st.dictionaries(st.integers(0, 60), st.sampled_from(["early", "late", "readback"]), max_size=6),
        kv_pages=st.integers(25, 60), batch=st.integers(2, 32), running=st.integers(2, 6),
        overlap=st.booleans())
@@ -166,38 +240,26 @@ def test_failed_steps_leave_every_surviving_row_on_the_pages_the_device_knows(
         trace, fail, kv_pages, batch, running, overlap):
     """Random arrivals (shared prefixes, preemption, mixed steps), random steps failing before or after the
     page-table write or on their read back: every row that runs finds its request's pages in the device's
-    table; only requests of the failed steps' failed rows (prefill rows; every row of a decode step or of an
-    overlapped read back) end with "error", every other request gets the tokens it gets when nothing fails;
-    at the end every page and slot is free."""
-    def serve(fail: dict[int, str]):
-        env = envelope(kv_pages=kv_pages, page_size=4, context=96, batch=batch, running=running)
-        runner = FailingStepRunner(env, kv_pages, fail)
-        engine = LLMEngine(runner, overlap=overlap)
-        pending = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
-        ids, out, clock = {}, {}, 0
-        while pending or engine.has_unfinished():
-            while pending and pending[0][0] <= clock:
-                _, i = pending.pop(0)
-                _, n, max_tokens, shared = trace[i]
-                prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
-                ids[engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)] = i
-            for o in engine.step():
-                tokens, _ = out.get(ids[o.request_id], ([], ""))
-                out[ids[o.request_id]] = (tokens + o.new_token_ids, o.finish_reason)
-            invariants(engine)
-            clock += 1
-            assert clock < 5000, "no progress"
-        assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
-        failed = {ids[r.request.request_id] for rows in runner.failed_rows for r in rows}
-        return out, runner, failed
-    want, _, _ = serve({})
-    got, runner, failed = serve(fail)
-    assert not runner.stale, runner.stale[0]
-    errors = {i for i, (_, reason) in got.items() if reason == "error"}
-    assert errors <= failed
-    # a request that stopped on a token (overlap) may have had one more row in a failed step
-    assert all(got[i] == want[i] and want[i][1] == "stop" for i in failed - errors)
-    assert {i: v for i, v in got.items() if i not in failed} == {i: want[i] for i in got if i not in failed}
+    table and reads its tokens' K/V there (a prefix-cache hit's too); only requests of the failed steps'
+    failed rows (prefill rows; every row of a decode step or of an overlapped read back) end with "error",
+    every other request gets the tokens it gets when nothing fails; at the end every page and slot is free."""
+    check_failures(trace, fail, kv_pages, batch, running, overlap)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 60), st.integers(1, 30),
+                                st.integers(8, 40)),  # every prompt shares two pages or more
+                      min_size=2, max_size=12),
+       fail=st.dictionaries(st.integers(0, 60), st.just("readback"), min_size=2, max_size=10),
+       kv_pages=st.integers(25, 32), batch=st.integers(2, 32), running=st.integers(2, 6))
+@example(trace=[(1, 1, 1, 8), (2, 48, 3, 24), (0, 55, 13, 20), (1, 55, 3, 24), (0, 9, 13, 8)],  # found
+         fail={17: "readback", 18: "readback"}, kv_pages=28, batch=11, running=4)
+def test_failed_read_backs_leave_no_cached_page_of_unknown_kv(trace, fail, kv_pages, batch, running):
+    """Overlapped read backs failing under preemption in a small cache, prompts sharing their first pages: a
+    page that only a failed step wrote never enters the prefix cache, so no later prompt reads its unknown K/V
+    (found: a preempted and readmitted request's old row cached, when read back, the pages its new rows were
+    filling in a step that then failed)."""
+    check_failures(trace, fail, kv_pages, batch, running, overlap=True)
 
 
 # ---------------------------------------------------------------- a loop that can never step

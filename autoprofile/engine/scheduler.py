@@ -67,6 +67,7 @@ class StepRow:
     # image tokens of this row: (index in ids, encoder buffer slot, first token in the image, count)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     applied: bool = False  # Scheduler.launched counted it (its request was running when the step launched)
+    preemptions: int = 0  # its request's preemptions when the step launched: a later one leaves these pages
 
 
 @dataclass
@@ -441,10 +442,10 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Back to wait; its full pages enter the prefix cache first (those of a step in flight too: a later
-        step or save reads them after it, in stream order), so alloc saves them to the host tier when it
-        takes them and the request's recompute finds them; a page holding a token not read back yet goes."""
-        self._register(req, upto=req.num_tokens - req.pending)
+        """Back to wait. Its pages go back; the full ones that steps already read back put in the prefix cache
+        (resolve), so alloc saves them to the host tier when it takes them and the request's recompute finds
+        them. Pages filled only by a step still in flight are not cached: that step may yet fail, and a
+        cached page of unknown K/V would be served to the next prompt that shares it."""
         self._release(req)
         self.running.remove(req)
         req.status, req.num_computed = RequestStatus.WAITING, 0
@@ -500,7 +501,7 @@ class Scheduler:
             req = row.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted while the step was built
-            row.applied = True
+            row.applied, row.preemptions = True, req.num_preemptions
             req.num_computed = row.start + len(row.ids)
             self._free_images(req, done_before=req.num_computed)
             if row.sample:
@@ -516,7 +517,9 @@ class Scheduler:
             req, token = row.request, next(it) if row.sample else None
             if not row.applied or req.finished:
                 continue
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING and req.num_preemptions == row.preemptions:
+                # (preempted since the launch and admitted again: its pages now are other pages, filled by
+                # steps still in flight, which may yet fail; their own read back caches them)
                 self._register(req, upto=row.start + len(row.ids))
             if token is None:
                 continue
