@@ -51,6 +51,14 @@ class ContentRunner(StepRunner):
         self.host_kv = (HostKVPool(host_pages, (2, 1, 1, PS, 1), torch.float64, pin=False) if host_pages
                         else None)
         self.checked = 0
+        self.waited: list[int] = []
+        self.wait_lands = True  # False: a wait returns with the load still in flight (a test's stuck copy)
+
+    def wait_load(self, load_id: int) -> None:
+        """As ModelRunner.wait_load: the load lands (its event synchronized)."""
+        self.waited.append(load_id)
+        if self.wait_lands:
+            self.host_kv.transfer(self.buffer, [], self.in_flight.pop(load_id, []))
 
     def loads_ready(self, ids: list[int]) -> set[int]:
         done = set()
@@ -223,7 +231,7 @@ def test_a_request_loading_from_the_host_tier_waits_while_others_run_and_an_abor
     engine, runner = content_engine(kv_pages=24, host_pages=64, overlap=overlap, context=96, batch=16,
                                     running=3)
     first = _evicted_conversation(engine)
-    runner.land = 0.0
+    runner.land, runner.wait_lands = 0.0, False
     rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
     other = engine.add_request([(11 * j) % VOCAB for j in range(9)], max_tokens=6)
     done = set()
@@ -240,7 +248,7 @@ def test_a_request_loading_from_the_host_tier_waits_while_others_run_and_an_abor
     assert engine.abort(rid)
     assert s.pages_used == held and len(s.free_slots) == 3, "pages wait for the copies, the slot does not"
     tier_invariants(engine)
-    runner.land = 1.0
+    runner.land, runner.wait_lands = 1.0, True
     while engine.has_unfinished():
         engine.step()
     assert s.pages_used == 0 and not s.loads and not runner.in_flight
@@ -275,6 +283,24 @@ def test_a_failed_step_sends_its_loading_requests_back_to_wait_and_they_recomput
     rows = [r for st_ in runner.steps for r in st_.all_rows if r.request.request_id == rid]
     assert rows[0].start == 0, "its pages' contents were unknown: recomputed from the start"
     assert engine.stats.pages_used == 0 and not engine.scheduler.loads
+    tier_invariants(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_alone_with_its_loads_in_flight_waits_for_them_instead_of_polling(overlap):
+    """Nothing else to run: the engine waits for the load's event (runner.wait_load) instead of returning at
+    once to poll it again (a busy loop); the loads never land by a poll here, so only that wait serves it."""
+    engine, runner = content_engine(kv_pages=24, host_pages=64, overlap=overlap, context=96, batch=16,
+                                    running=3)
+    first = _evicted_conversation(engine)
+    runner.land = 0.0
+    rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
+    finished, calls = {}, 0
+    while engine.has_unfinished() and calls < 20:
+        finished.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+        calls += 1
+    assert finished == {rid: "length"} and len(runner.waited) == 1
+    assert engine.stats.host.hit_tokens > 0 and engine.stats.pages_used == 0
     tier_invariants(engine)
 
 

@@ -194,7 +194,17 @@ class LLMEngine:
             outputs += self._collect(*launched, outputs)
         if not self.has_unfinished() or (step is None and before is None):
             self.clock.idle()
+        if step is None and before is None and self.scheduler.pending_loads:
+            self._wait_loads()
         return outputs
+
+    def _wait_loads(self) -> None:
+        """Nothing launched and nothing in flight, only host tier loads: wait for the first of them to land
+        (the runner's event) instead of coming straight back to poll it, a busy loop on the host."""
+        wait = getattr(self.runner, "wait_load", None)
+        if wait is not None:
+            with HostTimer(self.clock, "wait"):
+                wait(self.scheduler.pending_loads[0])
 
     def _poll_loads(self) -> None:
         """The host tier's loads that the runner has finished (never waits): their requests run from now on.

@@ -375,6 +375,12 @@ class ModelRunner:
             if event is not None:
                 self._loads[step.kv_load_id] = event
 
+    def wait_load(self, load_id: int) -> None:
+        """Until this host tier load has landed (its event; an id this rank never issued is done)."""
+        event = self._loads.get(load_id)
+        if event is not None:
+            event.synchronize()
+
     def loads_ready(self, ids: list[int]) -> set[int]:
         """Which of these host tier loads have landed (an event query each, never a wait); an id this rank
         never issued (its step failed before the copies) is done."""
