@@ -13,6 +13,7 @@ from autoprofile.kernels.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
 from autoprofile.layers.attention import FP8_MAX, KVLayer, dequantize, quantize
+from tests.conftest import capture
 from unit_tests.test_attention_cpu import ref_attention, ref_rms_norm, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -181,14 +182,7 @@ def test_decode_graph_replay_equals_eager(name, b, max_seq_len):
     be = make(name)
     kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)  # every page valid for any later length
     q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        be.decode(q, KVLayer(kc, vc), meta)  # warm-up: compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = be.decode(q, KVLayer(kc, vc), meta)
+    graph, out = capture(lambda: be.decode(q, KVLayer(kc, vc), meta))
     for trial in range(2):  # new inputs into the static buffers, then replay
         q.copy_(torch.randn(q.shape, generator=gen, device="cuda", dtype=torch.bfloat16))
         meta.seq_lens.copy_(torch.randint(1, max_seq_len + 1, (b,), generator=gen, device="cuda"))
@@ -448,14 +442,7 @@ def test_fp8_decode_graph_reads_the_scales_set_after_capture(b, max_seq_len):
     kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)
     layer = fp8_pages(kc, vc)
     q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        be.decode(q, layer, meta)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = be.decode(q, layer, meta)
+    graph, out = capture(lambda: be.decode(q, layer, meta))
     graph.replay()
     first = out.clone()
     layer.scales.mul_(torch.tensor([0.5, 3.0], device="cuda"))  # in place, as KVCache.set_scales writes

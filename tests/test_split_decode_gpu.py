@@ -11,6 +11,7 @@ from autoprofile import budget
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.kernels import triton_decode
 from autoprofile.layers.attention import KVLayer, dequantize
+from tests.conftest import capture
 from tests.test_kernels import (BF16_TOL, HKV, HQ, D, compiled, fp8_pages, make, mixed_lens,
                                 nan_empty, packed_qkv, paged, ref_decode_one)  # noqa: F401 (a fixture)
 from unit_tests.test_attention_cpu import rel_err
@@ -77,14 +78,7 @@ def test_split_decode_graph_follows_the_scales_set_after_capture(b, max_seq_len)
     kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)
     layer = fp8_pages(kc, vc)
     q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        be.decode(q, layer, meta)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = be.decode(q, layer, meta)
+    graph, out = capture(lambda: be.decode(q, layer, meta))
     graph.replay()
     first = out.clone()
     layer.scales.mul_(torch.tensor([0.5, 3.0], device="cuda"))
