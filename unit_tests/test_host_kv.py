@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.host_kv import (GIB, PROCESS_MARGIN, HostKVError, HostKVPool, HostPages,
-                                        host_kv_bytes, page_runs)
-from autoprofile.engine.runner import host_tier
+                                        host_kv_bytes, host_tier, page_runs)
 from autoprofile.engine.scheduler import Step
 from autoprofile.tp import broadcast
 from autoprofile.engine.request import RequestStatus

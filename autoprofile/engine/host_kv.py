@@ -25,7 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from autoprofile.config import parse_host_kv
+import psutil
+
+from autoprofile.budget import gib
+from autoprofile.config import ConfigError, ServerConfig, parse_host_kv
 
 log = logging.getLogger(__name__)
 
@@ -374,3 +377,29 @@ class HostKVPool:
             else:
                 left.append((start, end))
         self._timing = left
+
+
+def host_tier(cfg: ServerConfig, world_size: int, heads: int, width: int, kv_dtype: torch.dtype,
+              pin: bool, available: int | None = None) -> HostKVPool | None:
+    """This rank's host tier (--host_kv), or None (off, or smaller than a page). available: the host's
+    available memory (default: psutil's reading now). ConfigError naming --host_kv when it does not fit
+    or the host refuses to pin it."""
+    mc = cfg.model_config
+    available = psutil.virtual_memory().available if available is None else available
+    gpus = torch.cuda.device_count() if pin else 0
+    try:
+        nbytes = host_kv_bytes(cfg.host_kv, available, world_size, gpus)
+    except HostKVError as e:
+        raise ConfigError("host_kv", str(e)) from None
+    if not nbytes:
+        return None
+    parts = 1 if mc.is_mla else 2
+    try:
+        pool = HostKVPool.for_cache(nbytes, parts, mc.num_layers, heads, cfg.page_size, width, kv_dtype, pin)
+    except RuntimeError as e:  # cudaHostAlloc refused (a locked-memory limit, a container's cap)
+        half = math.floor(nbytes / 2 / 2**30 * 10) / 10
+        raise ConfigError("host_kv", f"the host refused to pin {gib(nbytes):.1f} GiB ({e}); try --host_kv "
+                          f"{half:g} or --host_kv off") from None
+    log.info("host KV tier: %d pages of %d tokens (%.2f GiB %s host memory)", pool.num_pages, cfg.page_size,
+             gib(pool.nbytes), "pinned" if pin else "pageable")
+    return pool if pool.num_pages else None

@@ -3,7 +3,7 @@
 scheduler builds (`execute`), refusing any step outside the envelope; runs the stress corners through
 the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -> build(target) -> stress.
 
-Above the house's 500 lines (565) on purpose: the runner is the one owner of the model's GPU state, and each
+Above the house's 500 lines (575) on purpose: the runner is the one owner of the model's GPU state, and each
 per-step feature (logprobs, logits processors, grammar masks, FP8 scales) is one short hook here whose work
 lives in its own module (logprobs, logits_process, grammar); the step inputs live in step_inputs.
 """
@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-import psutil
 import torch
 
 from autoprofile import budget
@@ -28,7 +27,7 @@ from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
-from autoprofile.engine.host_kv import HostKVError, HostKVPool, host_kv_bytes
+from autoprofile.engine.host_kv import host_tier
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
 from autoprofile.engine import logits_process, logprobs, stress
@@ -71,32 +70,6 @@ class StepTokens:
 
 
 NO_TOKENS = torch.empty(0, dtype=torch.int64)
-
-
-def host_tier(cfg: ServerConfig, world_size: int, heads: int, width: int, kv_dtype: torch.dtype,
-              pin: bool, available: int | None = None) -> HostKVPool | None:
-    """This rank's host tier (--host_kv), or None (off, or smaller than a page). available: the host's
-    available memory (default: psutil's reading now). ConfigError naming --host_kv when it does not fit
-    or the host refuses to pin it."""
-    mc = cfg.model_config
-    available = psutil.virtual_memory().available if available is None else available
-    gpus = torch.cuda.device_count() if pin else 0
-    try:
-        nbytes = host_kv_bytes(cfg.host_kv, available, world_size, gpus)
-    except HostKVError as e:
-        raise ConfigError("host_kv", str(e)) from None
-    if not nbytes:
-        return None
-    parts = 1 if mc.is_mla else 2
-    try:
-        pool = HostKVPool.for_cache(nbytes, parts, mc.num_layers, heads, cfg.page_size, width, kv_dtype, pin)
-    except RuntimeError as e:  # cudaHostAlloc refused (a locked-memory limit, a container's cap)
-        half = math.floor(nbytes / 2 / 2**30 * 10) / 10
-        raise ConfigError("host_kv", f"the host refused to pin {gib(nbytes):.1f} GiB ({e}); try --host_kv "
-                          f"{half:g} or --host_kv off") from None
-    log.info("host KV tier: %d pages of %d tokens (%.2f GiB %s host memory)", pool.num_pages, cfg.page_size,
-             gib(pool.nbytes), "pinned" if pin else "pageable")
-    return pool if pool.num_pages else None
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
