@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoprofile import launch
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.tp import broadcast
@@ -51,7 +52,8 @@ def _serve_with_tier(guard, model_dir: str):
     if guard.rank:
         broadcast.worker_loop(guarded)  # both engines' steps, until rank 0's stop
         return dict(bytes_moved=pool.bytes_moved, page_bytes=pool.page_bytes, pages=pool.num_pages,
-                    shape=tuple(pool.buffer.shape), buffer=pool.buffer.numpy().copy(), loads=len(runner._loads))
+                    shape=tuple(pool.buffer.shape), buffer=pool.buffer.numpy().copy(),
+                    loads=len(runner._loads))
     broadcaster = broadcast.StepBroadcaster(guarded)
     runner.host_kv = None  # the tier off: recompute
     off = LLMEngine(broadcaster)
@@ -109,3 +111,37 @@ def test_tp2_ranks_each_keep_their_shard_of_the_host_tier_and_give_the_tp1_token
     # at the end every page is back: none used, none held by a load, no load in flight on any rank
     assert tier["pages_used"] == 0 and tier["held"] == 0 and tier["loads"] == 0
     assert r0["loads"] == r1["loads"] == 0
+
+
+# ---------------------------------------------------------------- one page count on every rank (boot)
+CASES = [([7, 5], 5), ([7, 0], None), ([0, 5], None), ([4, 4], 4)]  # each rank's pages as host_tier left them
+
+
+def _agree(guard):
+    """Each case's tiers (0: None, as for --host_kv auto near the threshold) agreed as boot does, each
+    followed by a vote as the profiler's first collective: what each rank ends with."""
+    from types import SimpleNamespace
+
+    from autoprofile import memory
+    from autoprofile.engine.host_kv import HostKVPool
+    from autoprofile.profiler import agree_host_tier
+    out = []
+    for pages, _ in CASES:
+        n = pages[guard.rank]
+        pool = HostKVPool(n, (2, 1, 1, 4, 1), torch.float32, pin=False) if n else None
+        runner = SimpleNamespace(cfg=SimpleNamespace(host_kv="auto"), host_kv=pool)
+        agree_host_tier(runner, 2, guard.control)
+        ok = memory.all_ok(True, guard.control)  # a rank that skipped the agreement pairs it with this
+        out.append((None if runner.host_kv is None else runner.host_kv.num_pages, ok))
+    return out
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_one_host_tier_page_count_or_none_when_a_rank_has_none():
+    """Rank 0 schedules the pages every rank copies: a rank with fewer would be written past its buffer, a
+    rank without a tier would fail its first copy (or, skipping the agreement, pair the others' reduction with
+    its next collective)."""
+    out = launch.launch(_agree, 2, (), device="cpu", timeout_s=60)
+    assert all(o.ok for o in out), out
+    want = [(pages, True) for _, pages in CASES]
+    assert out[0].value == out[1].value == want
