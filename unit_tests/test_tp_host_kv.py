@@ -12,7 +12,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.tp import broadcast
 from unit_tests.test_engine_cpu import QWEN_SMALL, small_cfg, write_checkpoint
-from unit_tests.test_tp import run
+from unit_tests.test_tp import TIMEOUT
 
 KV_TOKENS = 176  # 11 pages of 16, one the pad page: a conversation's 5 pages, twice, evict the first's
 HOST_KV = "0.002"  # GiB a rank: 131 pages at --tp 1, 262 at --tp 2 (a rank's page holds half the heads)
@@ -69,6 +69,12 @@ def _serve_with_tier(guard, model_dir: str):
 
 @pytest.mark.slow
 def test_tp2_ranks_each_keep_their_shard_of_the_host_tier_and_give_the_tp1_tokens(tmp_path):
+    check_tp2_host_tier(tmp_path, "cpu")
+
+
+def check_tp2_host_tier(tmp_path, device: str) -> None:
+    """The checks, on gloo ranks (cpu) or on 2 GPUs (cuda: tests/test_tp_host_kv_gpu.py, the pinned pools'
+    page-transfer kernel on its streams, each worker's forward waiting for its own loads)."""
     write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
     one = ModelRunner(small_cfg(model=str(tmp_path / "qwen"), **FLAGS))
     one.build(KV_TOKENS)
@@ -78,7 +84,7 @@ def test_tp2_ranks_each_keep_their_shard_of_the_host_tier_and_give_the_tp1_token
     assert ref_tier["hit_tokens"] >= 64, "the --tp 1 reference did not use the tier: the test proves nothing"
     assert len({t for out in want for t in out}) > 3, "degenerate greedy text"
 
-    out, _ = run(_serve_with_tier, 2, str(tmp_path / "qwen"))
+    out = launch.launch(_serve_with_tier, 2, (str(tmp_path / "qwen"),), device=device, timeout_s=TIMEOUT)
     assert all(o.ok for o in out), out
     r0, r1 = out[0].value, out[1].value
     assert r0["failed"] == 0
