@@ -566,6 +566,24 @@ def _graph_pool_bytes(samples: list[Sample]) -> int:
 
 
 # ---------------------------------------------------------------- entry points
+def agree_host_tier(runner, world_size: int, group) -> None:
+    """Under --tp: one host tier page count on every rank (rank 0's scheduler hands out the pages every rank
+    copies), the smallest; none on any rank if a rank has none (--host_kv auto reads each rank's available
+    memory at its own moment: near the threshold one rank's tier may be empty). Every rank joins the
+    collective whenever --host_kv is not off, with or without a pool of its own: a rank that skipped it would
+    pair the others' reduction with its next collective."""
+    if world_size == 1 or runner.cfg.host_kv == "off":
+        return
+    pool = runner.host_kv
+    pages = memory.all_reduce_min(pool.num_pages if pool is not None else 0, group)
+    if pages == 0:
+        if pool is not None:
+            log.info("host KV tier: off on every rank (another rank's tier holds no page)")
+        runner.host_kv = None
+    else:
+        pool.num_pages = pages
+
+
 def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_group=None,
          checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
@@ -579,10 +597,9 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 
     t0 = time.perf_counter()
     runner = ModelRunner(cfg, rank=rank, world_size=world_size, group=guard.data if guard else group)
+    agree_host_tier(runner, world_size, cpu_group)
     if guard is not None:
         runner = guard.bind(runner)
-    if world_size > 1 and runner.host_kv is not None:  # one page count on every rank: rank 0 schedules them
-        runner.host_kv.num_pages = memory.all_reduce_min(runner.host_kv.num_pages, cpu_group)
     load_s = time.perf_counter() - t0
     log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
     try:
