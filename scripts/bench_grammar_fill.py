@@ -1,8 +1,8 @@
 """Structured output's host-side mask fill (autoprofile.engine.grammar.TokenBitmask.fill), CPU only: the
 median time to fill the next-token bitmask of 1, 16, 64, 256 rows of a JSON schema grammar, each row's
 matcher advanced to a random place of one answer, filled one row at a time (the matcher's own call, as before) and
-batched (xgrammar.BatchGrammarMatcher on 1 thread and on fill_threads()), side by side; every batched fill
-is checked bit-identical to the per-row one.
+batched (xgrammar.BatchGrammarMatcher on 1 thread and on fill_threads()), side by side (runs interleaved);
+every batched fill is checked bit-identical to the per-row one. speedup: per-row / batched on fill_threads().
 
     python3 scripts/bench_grammar_fill.py                      # a 128k byte-level vocabulary
     python3 scripts/bench_grammar_fill.py --vocab 32000 --rows 1,16,64,256 --repeats 30
@@ -99,14 +99,17 @@ def matchers(compiled, tokens: list[int], n: int, seed: int) -> list:
     return out
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
+def median_ms(fns: list, repeats: int) -> list[float]:
+    """The median ms of each fn, their runs interleaved (a shared host's load drifts alike over all)."""
+    for fn in fns:
+        fn()  # warm
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 def main() -> None:
@@ -163,9 +166,7 @@ def main() -> None:
             # the batched call even for one row (TokenBitmask.fill takes the matcher's own call there)
             mask._batch.batch_fill_next_token_bitmask([m for _, m in pairs], mask.host, [i for i, _ in pairs])
 
-        a = median_ms(per_row, args.repeats)
-        b = median_ms(lambda: batched(one), args.repeats)
-        c = median_ms(lambda: batched(many), args.repeats)
+        a, b, c = median_ms([per_row, lambda: batched(one), lambda: batched(many)], args.repeats)
         if not (torch.equal(ref.host, one.host) and torch.equal(ref.host, many.host)):
             raise SystemExit(f"{n} rows: the batched fill differs from the per-row fill")
         print(f"{n:>5} {a:>11.3f} {b:>14.3f} {c:>15.3f} {a / c:>7.2f}x")
