@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from autoprofile.engine.grammar import TokenBitmask, bitmask_width, fill_threads  # noqa: E402
+from autoprofile.engine.grammar import TokenBitmask, fill_threads  # noqa: E402
 
 SCHEMA = {"type": "object", "required": ["id", "name", "email", "tags", "score", "active", "address"],
           "properties": {"id": {"type": "integer"}, "name": {"type": "string"},

@@ -1,8 +1,8 @@
 """GPU: structured output's token bitmask (autoprofile.engine.grammar) on CUDA logits before the fused Triton
-sampler: the batched host fill equals the per-row one, the CUDA mask equals the CPU one, every sampled token of a grammar row is one its grammar allows
-(greedy, top-k/top-p and seeded rows, bf16 logits of a 152k vocabulary); and the overlapped engine on a
-llama-shaped model with decode graphs answers JSON schemas that validate, beside free rows, after a stress
-that masks every sampled row."""
+sampler: the batched host fill equals the per-row one, the CUDA mask equals the CPU one, every sampled token of
+a grammar row is one its grammar allows (greedy, top-k/top-p and seeded rows, bf16 logits of a 152k
+vocabulary); and the overlapped engine on a llama-shaped model with decode graphs answers JSON schemas that
+validate, beside free rows, after a stress that masks every sampled row."""
 from __future__ import annotations
 
 import json

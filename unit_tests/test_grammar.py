@@ -216,8 +216,8 @@ def test_several_rows_fill_in_one_batched_call_on_the_process_cores(grammars, mo
     assert made == [min(len(os.sched_getaffinity(0)), 8)] == [fill_threads()]
 
 
-def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_sampler(roomy, grammars,
-                                                                                         monkeypatch):
+def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_sampler(
+        roomy, grammars, monkeypatch):
     """On CUDA the host fills the grammar rows' masks while the GPU runs the forward: the runner fills after
     it has launched the model, and masks before the logits processors and the sampler (vLLM's order)."""
     import autoprofile.engine.runner as runner_module
