@@ -1,8 +1,8 @@
 """GPU: structured output's token bitmask (autoprofile.engine.grammar) on CUDA logits before the fused Triton
-sampler: the CUDA mask equals the CPU one, every sampled token of a grammar row is one its grammar allows
-(greedy, top-k/top-p and seeded rows, bf16 logits of a 152k vocabulary); and the overlapped engine on a
-llama-shaped model with decode graphs answers JSON schemas that validate, beside free rows, after a stress
-that masks every sampled row."""
+sampler: the batched host fill equals the per-row one, the CUDA mask equals the CPU one, every sampled token of
+a grammar row is one its grammar allows (greedy, top-k/top-p and seeded rows, bf16 logits of a 152k
+vocabulary); and the overlapped engine on a llama-shaped model with decode graphs answers JSON schemas that
+validate, beside free rows, after a stress that masks every sampled row."""
 from __future__ import annotations
 
 import json
@@ -50,6 +50,10 @@ def test_cuda_mask_equals_cpu_and_the_fused_sampler_draws_only_allowed_tokens():
     logits = torch.randn(rows, vocab, device=dev, dtype=torch.bfloat16)
     ref = logits.float().cpu()
     mask.apply(logits, list(matchers.items()))
+    per_row = torch.full_like(mask.host, -1)
+    for i, m in matchers.items():  # the batched fill (pinned host rows) against each matcher's own call
+        m.fill_next_token_bitmask(per_row, i)
+    assert mask._batch is not None and torch.equal(mask.host[picked], per_row[picked])
     xgrammar.apply_token_bitmask_inplace(ref, mask.host, indices=picked)
     assert torch.equal(logits.float().cpu(), ref)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50),

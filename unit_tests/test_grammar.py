@@ -4,13 +4,16 @@ sampled row."""
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from autoprofile.engine.engine import LLMEngine
-from autoprofile.engine.grammar import TokenBitmask, bitmask_width
+from autoprofile.engine.grammar import TokenBitmask, bitmask_width, fill_threads
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.structured import Grammars, Spec
 from autoprofile.serving.tokenizer import ByteTokenizer
@@ -137,3 +140,102 @@ def test_the_bitmask_masks_only_the_grammar_rows(grammars):
     allowed = (logits[1] == 0).nonzero().flatten().tolist()
     assert allowed and {TOK.decode([i]) for i in allowed} == {"b"}
     assert torch.equal(logits[0], torch.zeros(4096)) and torch.equal(logits[2], torch.zeros(4096))
+
+
+# ---------------------------------------------------------------- the batched fill (BatchGrammarMatcher)
+SPECS = [Spec("regex", WORD, "regex"), Spec("regex", r"[a-e]{30,50}", "regex"), Spec("regex", "b+", "regex"),
+         Spec("json", json.dumps({"type": "object", "required": ["ok", "n", "tag"], "properties": {
+             "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+             "tag": {"enum": ["x", "y", "zz"]}}}), "s"),
+         Spec("json", json.dumps({"type": "object", "required": ["name", "tags"], "properties": {
+             "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}), "s"),
+         Spec("choice", json.dumps(["red", "green", "blue"]), "c"), Spec("json_object", "", "j")]
+
+
+def _allowed(row: torch.Tensor) -> list[int]:
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:4096]
+    return np.nonzero(bits)[0].tolist()
+
+
+def _random_matchers(grammars, n: int, seed: int) -> list:
+    """n matchers of random SPECS, each advanced by 0..25 random tokens its own mask allows (never EOS)."""
+    rng = random.Random(seed)
+    one = torch.empty(1, bitmask_width(4096), dtype=torch.int32)
+    out = []
+    for _ in range(n):
+        m = grammars.new_matcher(rng.choice(SPECS))
+        for _ in range(rng.randint(0, 25)):
+            m.fill_next_token_bitmask(one, 0)
+            allowed = [t for t in _allowed(one[0]) if t not in TOK.eos_token_ids]
+            if not allowed:
+                break
+            assert m.accept_token(rng.choice(allowed))
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_batched_fill_is_bit_identical_to_the_per_row_fill(grammars, seed):
+    rng = random.Random(seed)
+    ms = _random_matchers(grammars, 24, seed)
+    index = sorted(rng.sample(range(32), len(ms)))  # scattered rows, as the grammar rows of a step are
+    rows = list(zip(index, ms))
+    want = torch.full((32, bitmask_width(4096)), 7, dtype=torch.int32)
+    for i, m in rows:  # the reference: each matcher's own call
+        m.fill_next_token_bitmask(want, i)
+    mask = TokenBitmask(32, 4096, torch.device("cpu"))
+    mask.host.fill_(7)
+    mask.fill(rows)
+    assert mask._batch is not None  # several rows went through the batched call
+    assert torch.equal(mask.host, want)
+    assert any(len(_allowed(want[i])) > 100 for i in index) and any(len(_allowed(want[i])) < 10 for i in index)
+    one = TokenBitmask(32, 4096, torch.device("cpu"))
+    one.fill(rows[:1])
+    assert one._batch is None and torch.equal(one.host[index[0]], want[index[0]])
+
+
+def test_several_rows_fill_in_one_batched_call_on_the_process_cores(grammars, monkeypatch):
+    import xgrammar
+    made, calls = [], []
+
+    class Spy(xgrammar.BatchGrammarMatcher):
+        def __init__(self, max_threads):
+            made.append(max_threads)
+            super().__init__(max_threads)
+
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, indices=None, debug_print=False):
+            calls.append(list(indices))
+            return super().batch_fill_next_token_bitmask(matchers, bitmask, indices, debug_print)
+    monkeypatch.setattr(xgrammar, "BatchGrammarMatcher", Spy)
+    mask = TokenBitmask(8, 4096, torch.device("cpu"))
+    ms = _random_matchers(grammars, 3, 9)
+    mask.apply(torch.zeros(8, 4096), [(1, ms[0]), (4, ms[1]), (6, ms[2])])
+    mask.apply(torch.zeros(8, 4096), [(2, ms[0]), (3, ms[1])])
+    mask.apply(torch.zeros(8, 4096), [(5, ms[2])])  # one row: the matcher's own call
+    assert calls == [[1, 4, 6], [2, 3]]
+    assert made == [min(len(os.sched_getaffinity(0)), 8)] == [fill_threads()]
+
+
+def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_sampler(
+        roomy, grammars, monkeypatch):
+    """On CUDA the host fills the grammar rows' masks while the GPU runs the forward: the runner fills after
+    it has launched the model, and masks before the logits processors and the sampler (vLLM's order)."""
+    import autoprofile.engine.runner as runner_module
+    events = []
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            events.append(name)
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(roomy.model, "forward", spy("forward", roomy.model.forward))
+    monkeypatch.setattr(TokenBitmask, "fill", spy("fill", TokenBitmask.fill))
+    monkeypatch.setattr(runner_module.logits_process, "apply", spy("process", runner_module.logits_process.apply))
+    monkeypatch.setattr(runner_module, "sample", spy("sample", runner_module.sample))
+    engine = LLMEngine(roomy)
+    params = SamplingParams(temperature=1.0, seed=4, presence_penalty=0.5)
+    for p in PROMPTS[:2]:
+        engine.add_request(p, params, 8, grammar=grammars.new_matcher(SPECS[0]))
+    run_all(engine)
+    steps = "".join({"forward": "F", "fill": "M", "process": "P", "sample": "S"}[e] for e in events)
+    assert steps.count("M") >= 8 and re.fullmatch(r"(FMPS)+", steps), steps

@@ -9,6 +9,9 @@ back.
 The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinned on CUDA), one copy up,
 xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: first, before the logits
 processors and the sampler, so min_p measures the grammar's distribution; not inside the sampler kernel).
+Several rows are filled in one call on xgrammar's C++ threads (BatchGrammarMatcher, as vLLM and SGLang fill
+them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The runner
+masks after it has launched the forward: on CUDA the host fills while the GPU computes.
 The stress (ModelRunner._stress) applies a full-size mask to every sampled row of every corner.
 
 A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
@@ -20,10 +23,20 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+MAX_FILL_THREADS = 8
+
+
+def fill_threads() -> int:
+    """xgrammar's threads for a batched fill: the cores this process may run on, at most MAX_FILL_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_FILL_THREADS))
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -44,14 +57,26 @@ class TokenBitmask:
         self.host = torch.full(shape, -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.dev = self.host if device.type != "cuda" else torch.full(shape, -1, dtype=torch.int32,
                                                                       device=device)
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made at the first fill of several rows
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
         """Mask logits [sampled rows, vocab] in place at `rows` [(row index, matcher)]; nothing if empty."""
         if not rows:
             return
-        for i, matcher in rows:
-            matcher.fill_next_token_bitmask(self.host, i)
+        self.fill(rows)
         self._apply(logits, [i for i, _ in rows])
+
+    def fill(self, rows: list[tuple[int, object]]) -> None:
+        """Write each matcher's next-token mask into its host row: one row by its own call, several in one
+        batched call on xgrammar's threads (the same bits)."""
+        if len(rows) == 1:
+            i, matcher = rows[0]
+            matcher.fill_next_token_bitmask(self.host, i)
+            return
+        if self._batch is None:
+            import xgrammar
+            self._batch = xgrammar.BatchGrammarMatcher(fill_threads())
+        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], self.host, [i for i, _ in rows])
 
     def apply_stress(self, logits: torch.Tensor) -> None:
         """The stress: a mask on every sampled row (each allows every token but id 0: a real mask's work and
