@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import pickle
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.envelope import EnvelopeError
 from autoprofile.engine.host_kv import (GIB, PROCESS_MARGIN, HostKVError, HostKVPool, HostPages,
                                         host_kv_bytes, host_tier, page_runs)
 from autoprofile.engine.scheduler import Step
@@ -51,6 +53,7 @@ class ContentRunner(StepRunner):
                         else None)
         self.checked = 0
         self.waited: list[int] = []
+        self.doomed: set[str] = set()  # requests of failed rows (FailingContentRunner)
         self.wait_lands = True  # False: a wait returns with the load still in flight (a test's stuck copy)
 
     def wait_load(self, load_id: int) -> None:
@@ -87,6 +90,8 @@ class ContentRunner(StepRunner):
             for i, p in enumerate(pages):
                 self.page_table[slot, first + i] = p
         for row in step.all_rows:
+            if row.request.request_id in self.doomed:
+                continue  # a failed step's request: it ends with "error" whatever it reads
             history = row.request.tokens(0, row.start)
             for pos in range(row.start):  # what the row attends to: cached (GPU or host tier) or computed
                 k, v = self._cell(row.slot, pos)
@@ -132,6 +137,60 @@ def tier_invariants(engine: LLMEngine) -> None:
     assert not set(a.registered()) & set(host.keys()), "a key on both tiers"
     assert host.saved == host.num_cached + host.loaded + host.dropped + host.discarded, "a host page lost"
     assert len(set(host.keys().values())) == host.num_cached
+
+
+class FailingContentRunner(ContentRunner):
+    """ContentRunner whose chosen launches fail (as test_failed_step's FailingStepRunner): "early" before
+    anything (an EnvelopeError: no copy, no page-table write), "late" after the copies and the page-table
+    writes (the forward raising), "readback" once the step ran (its tokens' copy to the host raising). A step
+    that failed "late" or on its read back leaves its rows' positions unknown (NaN). A row reading the wrong
+    K/V is recorded in `stale` (the engine turns the assertion into a failed step)."""
+
+    def __init__(self, env, kv_pages: int, host_pages: int, land: float, seed: int, fail: dict[int, str]):
+        super().__init__(env, kv_pages, host_pages, land, seed)
+        self.fail, self.launches, self.stale, self.failed_rows = fail, 0, [], []
+
+    def launch(self, step):
+        how = self.fail.get(self.launches)
+        tokens = self._run(step)
+        if how == "readback":
+            return SimpleNamespace(result=readback_failed)
+        return SimpleNamespace(result=lambda: tokens)
+
+    def execute(self, step):
+        tokens = self._run(step)
+        if self.fail.get(self.launches - 1) == "readback":
+            readback_failed()
+        return tokens
+
+    def _run(self, step):
+        at, self.launches = self.launches, self.launches + 1
+        how = self.fail.get(at)
+        if how == "early":
+            self.failed_rows.append(step.rows)
+            self.doomed |= {row.request.request_id for row in step.rows}
+            raise EnvelopeError("injected: refused before anything ran")
+        last = dict(self.last_tokens)
+        try:
+            tokens = super().execute(step)
+        except AssertionError as e:
+            self.stale.append(e)
+            raise
+        if how in ("late", "readback"):
+            rows = step.rows if how == "late" else step.all_rows
+            self.failed_rows.append(rows)
+            self.doomed |= {row.request.request_id for row in rows}
+            for row in step.all_rows:  # what the failed forward left in the step's positions is unknown
+                for pos in range(row.start, row.start + len(row.ids)):
+                    self.buffer[:, 0, self.page_table[row.slot, pos // PS], 0, pos % PS, 0] = float("nan")
+            if how == "late":
+                self.last_tokens = last  # the step's tokens never existed
+                raise RuntimeError("injected: the forward failed")
+        return tokens
+
+
+def readback_failed():
+    raise RuntimeError("injected: the tokens' copy to the host failed")
 
 
 # ---------------------------------------------------------------- the bookkeeping under random traffic
@@ -189,6 +248,56 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
         assert s.host.bytes_moved == (s.host.saved + s.host.loaded) * runner.host_kv.page_bytes
     else:
         assert s.host is None
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, kv_pages=st.integers(22, 40), host_pages=st.integers(4, 40), batch=st.integers(4, 40),
+       running=st.integers(1, 6), overlap=st.booleans(), land=st.sampled_from([1.0, 0.5, 0.2]),
+       seed=st.integers(0, 99),
+       fail=st.dictionaries(st.integers(0, 80), st.sampled_from(["early", "late", "readback"]), max_size=8))
+@example(trace=[(0, 1, 1, None, 0, False)] * 3 + [(0, 41, 1, None, 4, False), (0, 41, 1, None, 0, False),
+                (0, 5, 1, None, 4, False)], kv_pages=22, host_pages=4, batch=14, running=1, overlap=False,
+         land=1.0, seed=0, fail={0: "early", 1: "early", 8: "early"})  # a failed step's saves never ran
+def test_failed_steps_beside_the_host_tier_leave_no_row_reading_unknown_kv(
+        trace, kv_pages, host_pages, batch, running, overlap, land, seed, fail):
+    """Random traffic through the tier (returning conversations, aborts, preemption, late loads) with random
+    steps failing before anything, after the copies and page-table writes, or on their read back: no row of
+    a request that survives reads a position whose K/V is not its own (a failed step's unknown K/V never
+    reaches the prefix cache or the host tier), only the failed rows' requests end with "error", and at the
+    end every page and slot is back and no load is in flight."""
+    env = envelope(kv_pages=kv_pages, page_size=PS, context=96, batch=batch, running=running)
+    runner = FailingContentRunner(env, kv_pages, host_pages, land, seed, fail)
+    engine = LLMEngine(runner, overlap=overlap)
+    arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
+                      + [(wait + 12, i, 1) for i, (wait, *_, again) in enumerate(trace) if again])
+    pending, reasons, aborts, ids, clock = list(arrivals), {}, {}, {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= clock:
+            _, i, turn = pending.pop(0)
+            _, n, max_tokens, abort_after, shared, _ = trace[i]
+            prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
+            prompt += [(i * 13 + j) % VOCAB for j in range(5)] if turn else []
+            max_tokens = min(max_tokens, min(96, (kv_pages - 1) * PS) - len(prompt))
+            if max_tokens < 1:
+                continue
+            rid = engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)
+            ids[rid] = (i, turn)
+            if abort_after is not None and not turn:
+                aborts.setdefault(clock + abort_after, []).append(rid)
+        for rid in aborts.pop(clock, []):
+            engine.abort(rid)
+        for o in engine.step():
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        tier_invariants(engine)
+        clock += 1
+        assert clock < 5000, "no progress"
+    assert not runner.stale, runner.stale[0]
+    failed = {r.request.request_id for rows in runner.failed_rows for r in rows}
+    assert {rid for rid, why in reasons.items() if why == "error"} <= failed
+    assert set(reasons) == set(ids)
+    assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
+    assert not runner.in_flight and not engine.scheduler.loads
 
 
 def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_contents():
