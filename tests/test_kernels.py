@@ -434,27 +434,6 @@ def test_paged_decode_over_fp8_pages(name, b, longest, max_seq_len, captured, na
         assert err < BF16_TOL, f"{name} fp8 request {i} (len {n}): rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (32, 16384)])  # v1, v2
-def test_fp8_decode_graph_reads_the_scales_set_after_capture(b, max_seq_len):
-    """--kv_scales first_batch sets the scales after the graphs were captured: a replay must use them."""
-    gen = torch.Generator(device="cuda").manual_seed(b)
-    be = make("aiter_triton")
-    kc, vc, meta = paged([max_seq_len] * b, max_seq_len, gen)
-    layer = fp8_pages(kc, vc)
-    q = torch.randn(b, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    graph, out = capture(lambda: be.decode(q, layer, meta))
-    graph.replay()
-    first = out.clone()
-    layer.scales.mul_(torch.tensor([0.5, 3.0], device="cuda"))  # in place, as KVCache.set_scales writes
-    graph.replay()
-    eager = be.decode(q, layer, meta)
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager) and not torch.equal(out, first)
-    kd, vd = dequantize(layer.k, layer.scales[0], torch.float32), dequantize(layer.v, layer.scales[1],
-                                                                             torch.float32)
-    assert rel_err(out[0], ref_decode_one(q[0], kd, vd, meta.block_tables[0], max_seq_len)) < BF16_TOL
-
-
 @pytest.mark.parametrize("t", [1, 256, 8192])
 def test_fused_rope_store_into_fp8_pages_equals_the_torch_ops(t):
     """The fused kernel's FP8 store (K/V divided by the scales, saturated) against the torch ops: the

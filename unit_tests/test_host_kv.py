@@ -203,21 +203,12 @@ traces = st.lists(st.tuples(st.integers(0, 6),  # steps to wait before arriving
                   min_size=1, max_size=20)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(trace=traces, kv_pages=st.integers(22, 50), host_pages=st.integers(0, 40), batch=st.integers(4, 40),
-       running=st.integers(1, 6), overlap=st.booleans(), land=st.sampled_from([1.0, 0.5, 0.2]),
-       seed=st.integers(0, 99))
-def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(
-        trace, kv_pages, host_pages, batch, running, overlap, land, seed):
-    """Random arrivals, returning conversations, aborts (some while loading), preemptions, loads that land
-    late: after every step each page is on one tier or free, nothing is lost, and every position a row
-    reads holds its K/V (ContentRunner)."""
-    engine, runner = content_engine(kv_pages, host_pages, overlap, land, seed, context=96, batch=batch,
-                                    running=running)
-    prompts = {}
+def serve_traffic(engine: LLMEngine, trace, kv_pages: int) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """The trace's requests (and its returning conversations' second turns, their first prompt and more) at
+    their steps, its aborts at theirs, the tier's invariants after every step: (prompt, finish reason) by id."""
     arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
                       + [(wait + 12, i, 1) for i, (wait, *_, again) in enumerate(trace) if again])
-    pending, ended, aborts, clock = list(arrivals), set(), {}, 0
+    pending, prompts, reasons, aborts, clock = list(arrivals), {}, {}, {}, 0
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= clock:
             _, i, turn = pending.pop(0)
@@ -234,11 +225,27 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
         for rid in aborts.pop(clock, []):
             engine.abort(rid)
         for o in engine.step():
-            ended |= {o.request_id} if o.finished else set()
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
         tier_invariants(engine)
         clock += 1
         assert clock < 5000, "no progress"
-    assert ended == set(prompts)
+    return prompts, reasons
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces, kv_pages=st.integers(22, 50), host_pages=st.integers(0, 40), batch=st.integers(4, 40),
+       running=st.integers(1, 6), overlap=st.booleans(), land=st.sampled_from([1.0, 0.5, 0.2]),
+       seed=st.integers(0, 99))
+def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evicted(
+        trace, kv_pages, host_pages, batch, running, overlap, land, seed):
+    """Random arrivals, returning conversations, aborts (some while loading), preemptions, loads that land
+    late: after every step each page is on one tier or free, nothing is lost, and every position a row
+    reads holds its K/V (ContentRunner)."""
+    engine, runner = content_engine(kv_pages, host_pages, overlap, land, seed, context=96, batch=batch,
+                                    running=running)
+    prompts, reasons = serve_traffic(engine, trace, kv_pages)
+    assert set(reasons) == set(prompts)
     s = engine.stats
     assert s.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the engine's step)"
     assert s.pages_used == 0 and len(engine.scheduler.free_slots) == running
@@ -250,14 +257,18 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
         assert s.host is None
 
 
+# found: the host pages of a failed step's saves (which never ran) kept their keys, and a later hit read them
+SAVES_NEVER_RAN = [(0, 1, 1, None, 0, False)] * 3 + [(0, 41, 1, None, 4, False), (0, 41, 1, None, 0, False),
+                                                     (0, 5, 1, None, 4, False)]
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces, kv_pages=st.integers(22, 40), host_pages=st.integers(4, 40), batch=st.integers(4, 40),
        running=st.integers(1, 6), overlap=st.booleans(), land=st.sampled_from([1.0, 0.5, 0.2]),
        seed=st.integers(0, 99),
        fail=st.dictionaries(st.integers(0, 80), st.sampled_from(["early", "late", "readback"]), max_size=8))
-@example(trace=[(0, 1, 1, None, 0, False)] * 3 + [(0, 41, 1, None, 4, False), (0, 41, 1, None, 0, False),
-                (0, 5, 1, None, 4, False)], kv_pages=22, host_pages=4, batch=14, running=1, overlap=False,
-         land=1.0, seed=0, fail={0: "early", 1: "early", 8: "early"})  # a failed step's saves never ran
+@example(trace=SAVES_NEVER_RAN, kv_pages=22, host_pages=4, batch=14, running=1, overlap=False, land=1.0, seed=0,
+         fail={0: "early", 1: "early", 8: "early"})
 def test_failed_steps_beside_the_host_tier_leave_no_row_reading_unknown_kv(
         trace, kv_pages, host_pages, batch, running, overlap, land, seed, fail):
     """Random traffic through the tier (returning conversations, aborts, preemption, late loads) with random
@@ -268,34 +279,11 @@ def test_failed_steps_beside_the_host_tier_leave_no_row_reading_unknown_kv(
     env = envelope(kv_pages=kv_pages, page_size=PS, context=96, batch=batch, running=running)
     runner = FailingContentRunner(env, kv_pages, host_pages, land, seed, fail)
     engine = LLMEngine(runner, overlap=overlap)
-    arrivals = sorted([(wait, i, 0) for i, (wait, *_) in enumerate(trace)]
-                      + [(wait + 12, i, 1) for i, (wait, *_, again) in enumerate(trace) if again])
-    pending, reasons, aborts, ids, clock = list(arrivals), {}, {}, {}, 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= clock:
-            _, i, turn = pending.pop(0)
-            _, n, max_tokens, abort_after, shared, _ = trace[i]
-            prompt = (SHARED[:shared] + [(i * 7 + j) % VOCAB for j in range(n)])[:n]
-            prompt += [(i * 13 + j) % VOCAB for j in range(5)] if turn else []
-            max_tokens = min(max_tokens, min(96, (kv_pages - 1) * PS) - len(prompt))
-            if max_tokens < 1:
-                continue
-            rid = engine.add_request(prompt, max_tokens=max_tokens, stop_token_ids=STOPS)
-            ids[rid] = (i, turn)
-            if abort_after is not None and not turn:
-                aborts.setdefault(clock + abort_after, []).append(rid)
-        for rid in aborts.pop(clock, []):
-            engine.abort(rid)
-        for o in engine.step():
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
-        tier_invariants(engine)
-        clock += 1
-        assert clock < 5000, "no progress"
+    prompts, reasons = serve_traffic(engine, trace, kv_pages)
     assert not runner.stale, runner.stale[0]
     failed = {r.request.request_id for rows in runner.failed_rows for r in rows}
     assert {rid for rid, why in reasons.items() if why == "error"} <= failed
-    assert set(reasons) == set(ids)
+    assert set(reasons) == set(prompts)
     assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
     assert not runner.in_flight and not engine.scheduler.loads
 
