@@ -4,11 +4,14 @@ both engines. Every step stays inside the envelope (the runner refuses any other
 request slot comes back, and every request ends with its own tokens and one logprob entry per token."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.envelope import EnvelopeError
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.structured import Grammars, Spec
 from autoprofile.serving.tokenizer import ByteTokenizer
@@ -94,3 +97,78 @@ def test_mixed_features_stay_inside_the_envelope_and_give_every_page_back(tight,
             assert len(out) >= min(f["min_tokens"], max_tokens) + 1  # min_tokens masked the stop ids before
         if f["grammar"] and reason == "stop" and not stopped_by_id:
             assert len(out) >= 3  # a grammar's answer ends only where the regex may (at least 3 letters)
+
+
+def readback_failed():
+    raise RuntimeError("injected: the tokens' copy to the host failed")
+
+
+class FailingLaunches:
+    """The runner's launch failing at chosen launches: "early" (refused before anything runs: its prefill rows,
+    or every row of a decode step, fail), "readback" (the step ran; its tokens' read back raises: every row may
+    fail). `failed`: the requests of the rows that may end in error."""
+
+    def __init__(self, runner, fail: dict[int, str]):
+        self.real, self.fail, self.launches, self.failed = runner.launch, fail, 0, set()
+
+    def __call__(self, step):
+        how, self.launches = self.fail.get(self.launches), self.launches + 1
+        if how == "early":
+            self.failed |= {row.request.request_id for row in step.rows}
+            raise EnvelopeError("injected: refused before anything ran")
+        tokens = self.real(step)
+        if how == "readback":
+            self.failed |= {row.request.request_id for row in step.all_rows}
+            return SimpleNamespace(result=readback_failed, logprobs=None)
+        return tokens
+
+
+def _serve(engine, grammars, reqs) -> tuple[dict[int, tuple[list[int], int, str]], dict[str, int]]:
+    """Each request's (tokens, logprob entries, finish reason) by its index in reqs; the indices by id."""
+    ids = {}
+    for i, (plen, max_tokens, f) in enumerate(reqs):
+        prompt = [(31 * i + 7 * j) % 4000 + 3 for j in range(plen)]
+        grammar = grammars.new_matcher(Spec("regex", WORD, "regex")) if f["grammar"] else None
+        ids[engine.add_request(prompt, _params(f, max_tokens, i), max_tokens, stop_token_ids=f["stop"],
+                               grammar=grammar)] = i
+    out, steps = {i: ([], 0, "") for i in ids.values()}, 0
+    while engine.has_unfinished():
+        steps += 1
+        assert steps < 2000, "no progress"
+        for o in engine.step():
+            tokens, entries, _ = out[ids[o.request_id]]
+            out[ids[o.request_id]] = (tokens + o.new_token_ids, entries + len(o.logprobs or ()),
+                                      o.finish_reason or "")
+        invariants(engine)
+    assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == engine.scheduler.env.running_reqs
+    return out, ids
+
+
+@pytest.fixture(scope="module")
+def tight_invariant():
+    return tiny_runner(320, deterministic=True)  # a row's logits do not depend on its step's other rows
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reqs=requests, overlap=st.booleans(),
+       fail=st.dictionaries(st.integers(0, 40), st.sampled_from(["early", "readback"]), min_size=1, max_size=4))
+def test_failed_steps_leave_every_other_requests_features_as_they_were(tight_invariant, grammars, reqs, overlap,
+                                                                       fail):
+    """The same traffic with steps failing (refused before they run, or their read back failing): every request
+    outside the failed rows gets the tokens, logprob entries and finish reason it gets when nothing fails
+    (penalties, grammars, seeded draws and logprobs untouched by another request's failure); the failed rows'
+    requests end in "error" or as before; every page and slot comes back."""
+    want, _ = _serve(LLMEngine(tight_invariant, overlap=overlap), grammars, reqs)
+    failing = FailingLaunches(tight_invariant, fail)
+    tight_invariant.launch = failing
+    try:
+        engine = LLMEngine(tight_invariant, overlap=overlap)
+        got, ids = _serve(engine, grammars, reqs)
+        failed = {ids[rid] for rid in failing.failed}
+    finally:
+        del tight_invariant.launch
+    for i, (tokens, entries, reason) in got.items():
+        if reason == "error":
+            assert i in failed, (i, got[i], want[i])
+        elif i not in failed:
+            assert got[i] == want[i], (i, got[i], want[i])
