@@ -19,6 +19,7 @@ from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHea
                                          VocabParallelEmbedding, new_param)
 from models.config import Fp8Scheme, ModelConfig
 
+
 def packed_quant(mc: ModelConfig, prefix: str, parts: tuple[str, ...],
                  layer: int | None = None) -> Fp8Scheme | None:
     """The FP8 scheme of a packed projection (q/k/v, gate/up): its parts' (a checkpoint converts all or
@@ -109,13 +110,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
-
-
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product); fp32."""
-    xf = x.float()
-    even, odd = xf[..., 0::2], xf[..., 1::2]
-    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

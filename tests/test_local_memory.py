@@ -175,6 +175,34 @@ torch.cuda.synchronize()
 print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 '''
 
+FUSED = KERNELS + r"""
+import torch
+from autoprofile.engine.host_kv import HostKVPool
+from autoprofile.kernels import triton_kv_copy, triton_moe, triton_rope
+torch.empty(1, device="cuda")
+bf = dict(device="cuda", dtype=torch.bfloat16)
+for t in (1, 8192):  # Qwen3-30B-A3B's q/k norm + RoPE + store (32/4 heads of 128); DeepSeek-V2's MLA
+    qkv = torch.randn(t, (32 + 2 * 4) * 128, **bf)
+    cos, sin = torch.rand(t, 1, 64, device="cuda"), torch.rand(t, 1, 64, device="cuda")
+    cache = torch.zeros(t // 16 + 1, 4, 16, 128, **bf)
+    slots = torch.arange(t, device="cuda")
+    triton_rope.rope_store(qkv, cos, sin, cache, cache, slots, 32, 4, 128,
+                           qk_norm=(torch.ones(128, **bf), torch.ones(128, **bf), 1e-6))
+    q, kv_a = torch.randn(t, 16, 192, **bf), torch.randn(t, 512 + 64, **bf)
+    latents = torch.zeros(t // 16 + 1, 1, 16, 576, **bf)
+    triton_rope.mla_rope_store(q, kv_a, torch.ones(512, **bf), 1e-6, cos[..., :32], sin[..., :32], latents,
+                               slots, 128)
+    down, res = torch.randn(t, 8, 2048, **bf), torch.randn(t, 2048, **bf)
+    triton_moe.moe_sum(down, torch.empty(t, 2048, **bf), (res, res))
+gpu = torch.randn(2, 4, 64, 8, 16, 128, **bf)  # the host tier's page copies, both directions
+pool = HostKVPool(32, (2, 4, 8, 16, 128), torch.bfloat16, pin=True)
+pairs = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device="cuda")
+triton_kv_copy.copy_pages(gpu, pool.buffer, pairs)
+triton_kv_copy.copy_pages(pool.buffer, gpu, pairs)
+torch.cuda.synchronize()
+print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
+"""
+
 
 def run_fresh(code: str, *args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
@@ -225,7 +253,8 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
     if model is SMALL_MOE:
         moe_kernels = {"_fused_moe_silu_kernel", "_fused_moe_kernel",  # AITER's experts
-                       "_route_kernel", "_sort_by_expert_kernel"}  # our router and expert sort
+                       "_route_kernel", "_sort_by_expert_kernel",  # our router and expert sort
+                       "_moe_sum_kernel", "_rope_store_kernel"}  # the top-k sum; Qwen3's q/k norm + RoPE
         assert moe_kernels <= names, names
     assert spilling(got["kernels"]) == []
     assert got["before"] == memory.STACK_BOUND
@@ -286,4 +315,16 @@ def test_no_split_decode_kernel_spills_past_the_bound():
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_split_decode_kernel", "_merge_splits_kernel"} <= names, names
+    assert spilling(got["kernels"]) == []
+
+
+def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
+    """This session's fused kernels (Qwen3's q/k norm + RoPE + store, MLA's RoPE + latent norm + store, the MoE
+    top-k sum with its addends) and the host tier's page copies, at one token and at a prefill's 8,192: no
+    variant needs more than 1 KiB of local memory per thread."""
+    got = run_fresh(FUSED)
+    for k in sorted(got["kernels"], key=lambda k: -k["local"]):
+        print(k)
+    names = {k["kernel"] for k in got["kernels"]}
+    assert {"_rope_store_kernel", "_mla_rope_store_kernel", "_moe_sum_kernel", "_copy_pages_kernel"} <= names
     assert spilling(got["kernels"]) == []

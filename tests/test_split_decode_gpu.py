@@ -102,8 +102,8 @@ def test_split_decode_graph_follows_the_scales_set_after_capture(b, max_seq_len)
 
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 @pytest.mark.parametrize("b,max_seq_len", [(1, 1024), (4, 131072), (30, 4096), (256, 1024), (256, 4096)])
-def test_split_decode_scratch_is_split_workspace_bytes(cache, b, max_seq_len):
-    """What one call allocates besides its output is split_workspace_bytes (budget.split_decode_scratch_bytes
+def test_split_decode_scratch_is_what_the_budget_says(cache, b, max_seq_len):
+    """What one call allocates besides its output is triton_decode.scratch_bytes (budget.split_decode_scratch_bytes
     at the budget's splits; none at one split), up to the allocator's 512-byte rounding, and never more
     than the plan's peak over 1..256 rows."""
     be = backend(cache)
@@ -117,7 +117,7 @@ def test_split_decode_scratch_is_split_workspace_bytes(cache, b, max_seq_len):
     be.decode(q, layer, meta)
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
-    expected = AiterTritonBackend.split_workspace_bytes(b, HQ, HKV, D, max_seq_len)
+    expected = triton_decode.scratch_bytes(b, HQ, HKV, D, max_seq_len)
     assert (expected == 0) is (budget.split_decode_splits(b, HKV, max_seq_len) == 1)
     assert expected <= scratch <= expected + 3 * 512, (scratch, expected)
     assert expected <= budget.split_decode_peak_scratch_bytes(256, HQ, HKV, D, max_seq_len)

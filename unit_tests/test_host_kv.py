@@ -573,3 +573,21 @@ def test_a_multi_turn_benchmark_against_a_server_with_the_tier():
     tier_invariants(engine)
     lines = bench_serving.comparison_lines(s, s, ("on", "off"))
     assert lines[1].startswith("on") and "hit tokens" in lines[1] and "1.00x" in lines[-1]
+
+
+def test_teardown_waits_for_the_loads_still_writing_kv_pages_and_forgets_them():
+    """A load in flight writes KV pages on the copy stream, which the allocator does not know of: teardown
+    (which frees the KV) waits for it first, and a rebuilt runner starts with no load in flight."""
+    class Load:
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
+    runner = tiny_runner(176, host_kv="0.002")
+    load = Load()
+    runner._loads[7] = load
+    runner.teardown()
+    assert load.waited and not runner._loads
+    runner.build(176)
+    assert runner.loads_ready([7]) == {7}  # an id this runner does not hold is done
+    runner.teardown()

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from autoprofile.engine.step_inputs import pick_buffer, prefill_inputs, upload
+from autoprofile.engine.pinned import pick_buffer
+from autoprofile.engine.step_inputs import prefill_inputs, upload
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 

@@ -128,7 +128,7 @@ import torch
 from autoprofile.kernels import triton_rope
 from autoprofile.layers.attention import KVLayer
 from autoprofile.engine.attention.torch_sdpa import TorchBackend
-from models.llama import apply_rope_interleaved
+from autoprofile.layers.attention import rope_interleaved
 
 torch.manual_seed(0)
 for dtype, heads, nope, rope, rank, t in [(torch.float32, 4, 16, 8, 32, 3), (torch.float16, 8, 32, 32, 128, 2),
@@ -144,8 +144,8 @@ for dtype, heads, nope, rope, rank, t in [(torch.float32, 4, 16, 8, 32, 3), (tor
     # the model's ops before the fusion
     xf = kv_a[:, :rank].float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(dtype)
-    want_latent = torch.cat([normed, apply_rope_interleaved(kv_a[:, None, rank:], cos, sin)[:, 0]], dim=-1)
-    want_q_pe = apply_rope_interleaved(q[..., nope:], cos, sin)
+    want_latent = torch.cat([normed, rope_interleaved(kv_a[:, None, rank:], cos, sin)[:, 0]], dim=-1)
+    want_q_pe = rope_interleaved(q[..., nope:], cos, sin)
     be = TorchBackend(heads, 1, rank + rope, page, dtype, torch.device("cpu"))
     caches = [torch.zeros(pages, 1, page, rank + rope, dtype=dtype) for _ in range(2)]
     base = be.mla_rope_store(q.clone(), kv_a.clone(), w, eps, cos, sin, KVLayer(caches[0], caches[0]), slots, nope)

@@ -23,12 +23,12 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 import psutil
+import torch
 
 from autoprofile.budget import gib
 from autoprofile.config import ConfigError, ServerConfig, parse_host_kv
+from autoprofile.engine.pinned import PinnedBuffers
 
 log = logging.getLogger(__name__)
 
@@ -203,31 +203,20 @@ def unpin(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
-class PageLists:
+class PageLists(PinnedBuffers):
     """The copies' page lists on their way to the page-transfer kernel: int32 [src ids | dst ids] of the
     saves, then of the loads, in pinned host memory that the device reads through its mapped address (no GPU
-    memory). A buffer is written again only once the copies that read it have run (its event, never waited
-    for); while every buffer is still queued, one more is made (as step_inputs.Staging does)."""
+    memory; engine.pinned's reuse rule)."""
 
     def __init__(self, pin_memory: bool = True):
-        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self.pin_memory = pin_memory
+        super().__init__(torch.int32, 10, pin_memory)
 
     def stage(self, saves: list[tuple[int, int]], loads: list[tuple[int, int]]
               ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(buffer index, saves [2, ns], loads [2, nl]) views of one buffer; done(index, event) once the
+        """(buffer index, saves [2, ns], loads [2, nl]) views of one buffer; release(index, event) once the
         copies that read them are queued."""
-        n = 2 * (len(saves) + len(loads))
-        free = [i for i, (b, ev) in enumerate(self.buffers) if b.numel() >= n and (ev is None or ev.query())]
-        if free:
-            i = free[0]
-        else:
-            size = 1 << max(10, (n - 1).bit_length())
-            self.buffers.append((torch.empty(size, dtype=torch.int32, pin_memory=self.pin_memory), None))
-            i = len(self.buffers) - 1
-        buf = self.buffers[i][0]
-        views = []
-        at = 0
+        i, buf = self.take(2 * (len(saves) + len(loads)))
+        views, at = [], 0
         for pairs in (saves, loads):
             view = buf[at:at + 2 * len(pairs)].view(2, len(pairs))
             if pairs:
@@ -235,9 +224,6 @@ class PageLists:
             views.append(view)
             at += 2 * len(pairs)
         return i, views[0], views[1]
-
-    def done(self, i: int, event: torch.cuda.Event) -> None:
-        self.buffers[i] = (self.buffers[i][0], event)
 
 
 class HostKVPool:
@@ -283,8 +269,8 @@ class HostKVPool:
         or still read the pages being loaded into); the current stream waits for the SAVES (a step writes into
         the pages just saved), never for the loads. Returns the loads' event (None: no loads, or the CPU's
         copies, done when this returns): the scheduler keeps every step off the loaded pages until it has
-        completed (Scheduler.loads_done). Copies of one pool run in the order they were issued (one stream):
-        a later save into a host page runs after an earlier load from it."""
+        completed (Scheduler.loads_done). A host page being loaded from is held (HostPages.take) until its
+        load has landed, so no later save writes it meanwhile."""
         if not saves and not loads:
             return None
         self.bytes_moved += (len(saves) + len(loads)) * self.page_bytes
@@ -300,34 +286,33 @@ class HostKVPool:
         saved = torch.cuda.Event()
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self._timed(lambda: self._move(gpu, saves, staged, save=True), bool(saves))
+            if saves:
+                self._timed(lambda: self._move(gpu, saves, staged, save=True))
             saved.record()
         if saves:
             compute.wait_event(saved)
         if not loads:
             if staged is not None:
-                self._lists.done(staged[0], saved)
+                self._lists.release(staged[0], saved)
             return None
         # a load writes GPU pages that earlier steps may still use (the stream before), and reads host pages
         # that saves before it wrote (the save stream, in order: `saved` follows them all)
         self.load_stream.wait_stream(compute)
         self.load_stream.wait_event(saved)
         with torch.cuda.stream(self.load_stream):
-            loaded = self._timed(lambda: self._move(gpu, loads, staged, save=False), True)
+            loaded = self._timed(lambda: self._move(gpu, loads, staged, save=False))
         if staged is not None:
-            self._lists.done(staged[0], loaded)
+            self._lists.release(staged[0], loaded)
         return loaded
 
-    def _timed(self, copy, run: bool) -> torch.cuda.Event:
+    def _timed(self, copy) -> torch.cuda.Event:
         """Run the copies between two timing events on the current stream; the end event."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if run:
-            copy()
+        copy()
         end.record()
-        if run:
-            self._timing.append((start, end))
-            self._harvest()
+        self._timing.append((start, end))
+        self._harvest()
         return end
 
     def _move(self, gpu: torch.Tensor, pairs: list[tuple[int, int]], staged, save: bool) -> None:

@@ -255,7 +255,12 @@ class ModelRunner:
                  gib(self.kv_bytes), env.running_reqs, decode)
 
     def teardown(self) -> None:
-        """Graphs, attention state, request table, KV; idempotent. Weights stay."""
+        """Graphs, attention state, request table, KV; idempotent. Weights stay (and the host tier's pool).
+        Host tier loads still writing into the KV pages are waited for first: the allocator only knows the
+        compute stream's use of the pages."""
+        for event in self._loads.values():
+            event.synchronize()
+        self._loads.clear()
         if self.graphs is not None:
             self.graphs.teardown()
         self.graphs = None

@@ -35,9 +35,9 @@ remaining prefill like a request whose prefix was cached on the GPU. Until then 
 request whose GPU prefix hit includes one waits) and no save writes their host pages; a request that leaves
 while loading (abort, a failed step) gives its pages back once the copies are done. Step.kv_ready lists the
 loads done since the step before: every rank's forward waits for its own copies of them (--tp).
-A preempted request's full pages (every token known and computed or in flight) enter the prefix cache under
-their keys, so alloc saves them to the host tier when it takes them, and the request comes back through the
-GPU or host hit of any other; its last partial page goes.
+A preempted request's full pages that steps already read back are in the prefix cache under their keys (a
+page only a step still in flight filled is not: that step may fail), so alloc saves them to the host tier
+when it takes them, and the request comes back through the GPU or host hit of any other.
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from autoprofile.engine.pinned import PinnedBuffers
 from autoprofile.engine.scheduler import StepRow
 
 
@@ -59,45 +60,20 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device,
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
 
 
-def pick_buffer(buffers: list[tuple[int, bool]], n: int) -> tuple[int | None, bool]:
-    """Staging's choice for n elements among its buffers [(capacity, free)]: (index, grow). The smallest free
-    buffer that holds n (grow False); else a free one to replace by a larger one (grow True); else (None,
-    True): a new buffer (every buffer's copy is still queued)."""
-    fits = [(cap, i) for i, (cap, free) in enumerate(buffers) if free and cap >= n]
-    if fits:
-        return min(fits)[1], False
-    free = [i for i, (_, ok) in enumerate(buffers) if ok]
-    return (free[0] if free else None), True
-
-
-class Staging:
+class Staging(PinnedBuffers):
     """Pinned int64 host buffers that a step's inputs go up from (one owner: the runner; host memory, no GPU
-    memory). A buffer is written again only once the copy that read it has run (its event), so no launch
-    waits for the GPU; when every buffer is still queued, one more is made. Under --tp 2 (2 H100s, c256) a
-    fresh pin_memory() per prefill step cost 7.4-11.0 ms of the host's launch (with the prefix keys' indices
-    in the upload; 0.34 ms without), unhidden where steps do not overlap."""
+    memory; engine.pinned's reuse rule). Under --tp 2 (2 H100s, c256) a fresh pin_memory() per prefill step
+    cost 7.4-11.0 ms of the host's launch (with the prefix keys' indices in the upload; 0.34 ms without),
+    unhidden where steps do not overlap."""
 
     def __init__(self, new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event, pin_memory: bool = True):
-        """new_event, pin_memory: the tests' seam (on the CPU, a fake event and pageable buffers)."""
-        self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        self.new_event, self.pin_memory = new_event, pin_memory
+        super().__init__(torch.int64, 16, pin_memory, new_event)
 
     def copy(self, parts: list[np.ndarray], n: int, device: torch.device) -> torch.Tensor:
         """The concatenated parts (n elements) on `device` (the current CUDA device: the event is recorded on
         its stream), copied from a pinned buffer."""
-        i, grow = pick_buffer([(b.numel(), ev is None or ev.query()) for b, ev in self.buffers], n)
-        if grow:
-            size = 1 << max(16, (n - 1).bit_length())  # powers of two: few sizes, each made once
-            buf = torch.empty(size, dtype=torch.int64, pin_memory=self.pin_memory)
-            if i is None:
-                i = len(self.buffers)
-                self.buffers.append((buf, None))
-            else:
-                self.buffers[i] = (buf, None)
-        buf = self.buffers[i][0]
+        i, buf = self.take(n)
         np.concatenate(parts, out=buf.numpy()[:n])
         flat = buf[:n].to(device, non_blocking=True)
-        done = self.new_event()
-        done.record()
-        self.buffers[i] = (buf, done)
+        self.release(i)
         return flat

@@ -73,8 +73,6 @@ class AttentionMetadata:
     # decode rows as one-token varlen queries, [0, 1, ..., B] int32 (vLLM's name): a captured graph's metadata
     # carries its static buffer (cuda_graph.DecodeGraphs); None: query_starts() derives it
     query_start_loc: torch.Tensor | None = None
-    # derived once per forward by the first layer that asks (token_rows), shared by the rest
-    _token_rows: AttentionMetadata | None = field(default=None, init=False, repr=False)
     # what a backend derives from this metadata once per forward for every layer (once()); cleared by the model
     # at each forward's start (new_forward), so a captured graph's forward derives it inside the capture
     _per_forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -100,17 +98,16 @@ class AttentionMetadata:
 
     def token_rows(self) -> AttentionMetadata:
         """A paged prefill (block_tables and seq_lens per request) as decode metadata with one row per new
-        token: its request's pages, and its own length (causal). Made once per forward."""
-        if self._token_rows is None:
+        token: its request's pages, and its own length (causal). Made once per forward (once())."""
+        def make() -> AttentionMetadata:
             q_lens = self.cu_seqlens.diff().long()
             before = (self.seq_lens.long() - q_lens).repeat_interleave(q_lens)  # tokens before each chunk
             start = self.cu_seqlens[:-1].long().repeat_interleave(q_lens)
             pos = torch.arange(int(self.cu_seqlens[-1]), device=self.seq_lens.device) - start + before
-            self._token_rows = AttentionMetadata(
-                is_prefill=False, slot_mapping=self.slot_mapping,
-                block_tables=self.block_tables.repeat_interleave(q_lens, dim=0),
-                seq_lens=(pos + 1).to(torch.int32), max_seq_len=int(self.seq_lens.max()))
-        return self._token_rows
+            return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping,
+                                     block_tables=self.block_tables.repeat_interleave(q_lens, dim=0),
+                                     seq_lens=(pos + 1).to(torch.int32), max_seq_len=int(self.seq_lens.max()))
+        return self.once("token_rows", make)
 
     def keys(self) -> tuple[torch.Tensor, int]:
         """(cu_seqlens_k, max_seqlen_k) of what a prefill attends to: the gathered prefix + new tokens,
@@ -351,8 +348,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product), in fp32:
-    the same operations as models.llama.apply_rope_interleaved."""
+    """GPT-J-style rotation of x [T, H, D]: channel pairs (2i, 2i + 1) (DeepSeek's complex product), in fp32."""
     xf = x.float()
     even, odd = xf[..., 0::2], xf[..., 1::2]
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)

@@ -323,7 +323,7 @@ class AsyncEngine:
         """At stop, after every live request is aborted: collect the step still in flight (overlap launches
         one ahead) and report the aborted ones, so the engine holds no page and no launched step when the
         runner is torn down or handed to another engine. A failing step is logged: the loop is ending."""
-        for _ in range(4):  # the in-flight step, then the reports: two calls at most
+        for _ in range(4):  # the in-flight step, the reports, a host tier load landing: a few calls
             if not self.engine.has_unfinished():
                 return
             try:

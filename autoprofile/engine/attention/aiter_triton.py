@@ -17,7 +17,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.kernels import triton_decode, triton_prefill, triton_reduce
+from autoprofile.kernels import triton_decode, triton_prefill, triton_reduce, triton_rope
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import Routing
@@ -125,10 +125,7 @@ class AiterTritonBackend(AttentionBackend):
         self.prefill_config, self.prefill_config_short = (
             triton_prefill.configs(triton_prefill.capability()) if self.triton_prefill is not None
             else (prefill_config(), prefill_config(short=True)))
-        from autoprofile.kernels import triton_rope
-
         self.triton_rope = triton_rope if head_dim & (head_dim - 1) == 0 else None  # tl.arange: powers of two
-        self.mla_rope = triton_rope  # MLA's kernel: its rope width is checked per call
         from autoprofile.kernels import triton_act, triton_mla, triton_moe, triton_norm, triton_route
 
         self.triton_act, self.triton_norm = triton_act, triton_norm
@@ -241,7 +238,7 @@ class AiterTritonBackend(AttentionBackend):
         if (rope & (rope - 1) or kv.k.dtype != kv_a.dtype or q.stride(-1) != 1 or kv_a.stride(-1) != 1
                 or kv_a.stride(0) != kv_a.shape[1]):
             return super().mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv, slot_mapping, nope)
-        return self.mla_rope.mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv.k, slot_mapping, nope)
+        return triton_rope.mla_rope_store(q, kv_a, norm_weight, eps, cos, sin, kv.k, slot_mapping, nope)
 
     @staticmethod
     def per_call_workspace_bytes(num_seqs: int, q_heads: int, head_dim: int, max_seq_len: int,
@@ -251,13 +248,6 @@ class AiterTritonBackend(AttentionBackend):
         captures graphs at the serving max_seq_len and measures it."""
         return budget.triton_decode_scratch_bytes(num_seqs, q_heads, head_dim, max_seq_len, out_bytes,
                                                   partition)
-
-    @staticmethod
-    def split_workspace_bytes(num_seqs: int, q_heads: int, kv_heads: int, head_dim: int,
-                              max_seq_len: int) -> int:
-        """Scratch one split decode call (an FP8 cache's, or split_decode_bf16) allocates: the splits'
-        partials (budget.split_decode_scratch_bytes; none at one split), eager and captured alike."""
-        return triton_decode.scratch_bytes(num_seqs, q_heads, kv_heads, head_dim, max_seq_len)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv: KVLayer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
