@@ -3,7 +3,7 @@
 scheduler builds (`execute`), refusing any step outside the envelope; runs the stress corners through
 the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -> build(target) -> stress.
 
-Above the house's 500 lines (575) on purpose: the runner is the one owner of the model's GPU state, and each
+Above the house's 500 lines (576) on purpose: the runner is the one owner of the model's GPU state, and each
 per-step feature (logprobs, logits processors, grammar masks, FP8 scales) is one short hook here whose work
 lives in its own module (logprobs, logits_process, grammar); the step inputs live in step_inputs.
 """
