@@ -562,8 +562,9 @@ def test_page_allocator_caches_registered_pages_until_it_needs_them():
     a.share(p1)
     assert a.num_free == 3 and not a.is_free(p1)
     a.free([p1])
-    evicted = a.alloc(3)  # least recently freed first: the untouched page 4, then p2, then q
-    assert evicted == [4, p2, q] and a.lookup(c1, (3, 4)) is None and a.lookup(0, (1, 2)) == (p1, c1)
+    # least recently freed first, a freed run's tail before its head: the untouched page 4, then q, then p2
+    evicted = a.alloc(3)
+    assert evicted == [4, q, p2] and a.lookup(c1, (3, 4)) is None and a.lookup(0, (1, 2)) == (p1, c1)
     with pytest.raises(ValueError, match="double free"):
         a.free([p1])
 

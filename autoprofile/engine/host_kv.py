@@ -88,6 +88,7 @@ class HostPages:
         self._key: dict[int, tuple] = {}  # host page -> key
         self._page: dict[tuple, int] = {}  # key -> host page
         self._chain: dict[int, int] = {}  # host page -> its chain id
+        self._children: dict[int, set[int]] = {}  # chain id -> the cached host pages whose key follows it
         self._held: set[int] = set()
         # every key put here leaves as exactly one of: loaded back, dropped (LRU, a failed step), discarded
         # (recomputed on the GPU), or is cached still
@@ -122,12 +123,12 @@ class HostPages:
         if self._free:
             page = heapq.heappop(self._free)
         elif self._lru:
-            page = next(iter(self._lru))
-            self._forget(page)
-            self.dropped += 1
+            self._drop_from(next(iter(self._lru)))
+            page = heapq.heappop(self._free)
         else:
             return None
         self._key[page], self._page[key], self._chain[page] = key, page, chain
+        self._children.setdefault(key[0], set()).add(page)
         self._lru[page] = None
         self.saved += 1
         return page
@@ -158,6 +159,15 @@ class HostPages:
     def drop(self, page: int) -> None:
         """A failed step's save: the page's content is unknown, its key goes."""
         if page in self._key:
+            self._drop_from(page)
+
+    def _drop_from(self, page: int) -> None:
+        """The page goes, and with it the pages cached after it: their keys hang on its
+        chain id, which no tier holds any more (ids are never reused), so no lookup can reach them."""
+        stack = [page]
+        while stack:
+            page = stack.pop()
+            stack += self._children.get(self._chain[page], ())
             self._forget(page)
             heapq.heappush(self._free, page)
             self.dropped += 1
@@ -165,6 +175,10 @@ class HostPages:
     def _forget(self, page: int) -> None:
         key = self._key.pop(page)
         del self._page[key], self._chain[page], self._lru[page]
+        children = self._children[key[0]]
+        children.discard(page)
+        if not children:
+            del self._children[key[0]]
 
 
 # ---------------------------------------------------------------- the pinned buffer and the copies

@@ -110,7 +110,10 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
+        """pages: in a request's order. The last goes back first, so alloc evicts a prefix's tail before its
+        head (vLLM frees in reverse too): a head evicted first strands every cached page after it, and a
+        working set a little over the cache (conversations returning in turn) would hit nothing."""
+        for p in reversed(pages):
             if not PAD_PAGE < p < self.num_pages or not self._ref[p]:
                 raise ValueError(f"page {p} is not allocated (double free?)")
             self._ref[p] -= 1
