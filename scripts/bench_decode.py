@@ -128,6 +128,11 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
         runner.tp.matmul = None
     if args.split_decode_bf16:  # bf16 pages through our split decode too (FP8 pages always take it)
         runner.backend.split_decode_bf16 = True
+    if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
+        from autoprofile import budget
+        from autoprofile.kernels import triton_moe
+        triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": budget.MOE_SMALL_BLOCK_M,
+                                                        **args.moe_small_config}
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
     runner.build(tokens)
@@ -218,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split_decode_bf16", action="store_true",
                    help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) "
                         "instead of AITER's v1/v2; FP8 pages always do")
+    p.add_argument("--moe_small_config", type=json.loads, default=None,
+                   help='the bf16 experts\' launch config for steps of few tokens instead of kernels.triton_moe\'s, '
+                        'e.g. \'{"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, '
+                        '"num_stages": 3}\' (scripts/tune_moe.py)')
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])
     p.add_argument("--ctx", type=int, default=1024, help="tokens of context per row")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[131072, 4096],

@@ -1,0 +1,136 @@
+"""The bf16 experts' launch configs at decode's few tokens (kernels.triton_moe: sort, AITER's fused gate_up +
+SiLU, its down projection, our top-k sum), side by side in one run: each config checked against the torch
+reference (layers.moe.moe_reference), then timed as a CUDA graph's replay of LAYERS layers (distinct weights,
+so L2 holds none between layers; CUDA events, median), against the floor of reading the experts the tokens
+reach once at the copy bandwidth.
+
+    PYTHONPATH=. python3 scripts/tune_moe.py [--models deepseek-v2-lite,qwen3-30b-a3b] [--tokens 1,8]
+        [--json out.json]
+
+Only the small-block configs (budget.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are swept: the
+block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so BLOCK_SIZE_M stays.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention  # noqa: E402 - the copy bandwidth
+from cuda_timing import cuda_median_ms  # noqa: E402
+
+from autoprofile import budget  # noqa: E402
+from autoprofile.kernels import triton_moe  # noqa: E402
+from autoprofile.layers.moe import moe_reference  # noqa: E402
+
+# (experts, hidden, expert intermediate, top-k)
+SHAPES = {"deepseek-v2-lite": (64, 2048, 1408, 6), "qwen3-30b-a3b": (128, 2048, 768, 8)}
+LAYERS = 8
+
+
+def candidates() -> list[dict]:
+    out = []
+    for n, k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5)):
+        out.append({"BLOCK_SIZE_M": budget.MOE_SMALL_BLOCK_M, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
+                    "GROUP_SIZE_M": 1, "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return (weights / weights.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda()
+
+
+def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
+    experts, hidden, inter, top_k = SHAPES[model]
+    gen = torch.Generator().manual_seed(0)
+    w13 = [torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+           for _ in range(LAYERS)]
+    w2 = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = routing(tokens, experts, top_k, gen)
+    reached = len(set(ids.flatten().tolist()))
+    floor_us = reached * 3 * hidden * inter * 2 / bytes_per_s * 1e6
+    want = moe_reference(x.float(), w13[0].float(), w2[0].float(), weights, ids)
+    rows = []
+    default = dict(triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M])
+    for cfg in [default] + candidates():
+        triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = cfg
+        try:
+            got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            if err > 2e-2:
+                rows.append({"config": cfg, "error": f"max rel error {err:.3g}"})
+                continue
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for layer in range(LAYERS):
+                    triton_moe.fused_moe(x, w13[layer], w2[layer], weights, ids)
+            us = cuda_median_ms(graph.replay, iters) * 1e3 / LAYERS
+            rows.append({"config": cfg, "us": us, "floor_fraction": floor_us / us})
+            del graph
+        except Exception as e:  # noqa: BLE001 - a config the compiler refuses (shared memory) is a row
+            rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+    triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = default
+    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    return {"model": model, "tokens": tokens, "experts_reached": reached, "floor_us": floor_us,
+            "default": rows[0], "best": timed[:5], "rows": rows[1:],
+            "errors": [r for r in rows if "error" in r][:5]}
+
+
+def pick(results: list[dict]) -> dict | None:
+    """The candidate with the least geometric mean of its time over the default's across every (model,
+    tokens) swept, timed in all of them; None if none beats the default."""
+    scores: dict[str, list[float]] = {}
+    for r in results:
+        for row in r["rows"]:
+            if "us" in row and "us" in r["default"]:
+                scores.setdefault(json.dumps(row["config"]), []).append(row["us"] / r["default"]["us"])
+    full = {c: math.prod(v) ** (1 / len(v)) for c, v in scores.items() if len(v) == len(results)}
+    best = min(full, key=full.get, default=None)
+    return None if best is None or full[best] >= 1.0 else {"config": json.loads(best), "ratio": full[best]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="deepseek-v2-lite,qwen3-30b-a3b")
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 8])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_moe needs a CUDA GPU")
+    copy = bench_attention.copy_bandwidth(2 << 30)
+    print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s")
+    results = []
+    with torch.inference_mode():
+        for model in args.models.split(","):
+            for tokens in args.tokens:
+                r = sweep(model, tokens, args.iters, copy["GB_per_s"] * bench_attention.GB)
+                results.append(r)
+                d = r["default"]
+                print(f"{model} T={tokens}: {r['experts_reached']} experts, floor {r['floor_us']:.1f} us; "
+                      f"default {d.get('us', float('nan')):.1f} us")
+                for b in r["best"]:
+                    c = b["config"]
+                    print(f"   {b['us']:7.1f} us  {b['floor_fraction']:.2f} of floor  N{c['BLOCK_SIZE_N']} "
+                          f"K{c['BLOCK_SIZE_K']} w{c['num_warps']} s{c['num_stages']}")
+                for e in r["errors"]:
+                    print(f"   refused {e['config']}: {e['error']}")
+    best = pick(results)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "pick": best}, indent=2))
+    if best is not None:  # the last line: the config (less BLOCK_SIZE_M) for bench_decode --moe_small_config
+        print(f"pick ({best['ratio']:.3f} of the default's time, geometric mean):")
+        print(json.dumps({k: v for k, v in best["config"].items() if k != "BLOCK_SIZE_M"}))
+
+
+if __name__ == "__main__":
+    main()
