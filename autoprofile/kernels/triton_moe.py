@@ -13,8 +13,7 @@ tokens hold the most any routing can. No host sync: decode graphs capture it.
 
 Not AITER's moe_align_block_size_triton: its token count is a constexpr (a compile per step size while
 serving) and it leaves the padding unwritten. The GEMM kernels' token count (num_valid_tokens) follows the
-step: unspecialized (aiter_loader), so the stress's compiles serve every step. Launch configs are vLLM's
-defaults for unquantized experts.
+step: unspecialized (aiter_loader), so the stress's compiles serve every step. Launch configs: CONFIGS below.
 
 FP8 experts (quant: layers.quant.MoeQuant): each GEMM's input is quantized first (kernels.triton_fp8: per
 (token, 128-group) for "block" weights, per token otherwise) and AITER's kernels run use_fp8_w8a8 on their
@@ -34,9 +33,13 @@ from autoprofile.kernels import triton_fp8, triton_moe_sort
 from autoprofile.kernels.aiter_loader import load_aiter_moe
 from autoprofile.layers import moe
 
-# Per rows-per-block (budget.moe_block_m): vLLM's default launch configs for unquantized experts
+# Per rows-per-block (budget.moe_block_m). Small blocks (steps of few tokens): the least geometric mean of 144
+# configs' times over deepseek-v2-lite's and qwen3-30b-a3b's experts at 1 and 8 tokens (scripts/tune_moe.py on
+# an H100: 0.94 of vLLM's default's time; at 1 token 0.97 and 0.82); large blocks: vLLM's default launch config
+# for unquantized experts
 CONFIGS = {
-    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1},
+    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                               "num_warps": 4, "num_stages": 3},
     budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
 }
 # Pairs (T * k) up to which the sort is our one-program kernel; past them layers.moe's torch ops, faster there
