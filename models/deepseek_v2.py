@@ -182,7 +182,7 @@ class DeepseekV2MoE(nn.Module):
                                        layer) if shared else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        mc, logits = self.config, self.tp.invariant_linear(x.float(), self.gate.weight)
+        mc, logits = self.config, self.tp.router_logits(x, self.gate.weight)
         if mc.topk_method == "greedy":
             weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
         else:

@@ -128,6 +128,8 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
         runner.tp.matmul = None
     if args.split_decode_bf16:  # bf16 pages through our split decode too (FP8 pages always take it)
         runner.backend.split_decode_bf16 = True
+    if args.cublas_router:  # an fp32 router's logits as before the router GEMV: x.float() through cuBLAS
+        runner.tp.router_matmul = None
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
         from autoprofile import budget
         from autoprofile.kernels import triton_moe
@@ -223,6 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split_decode_bf16", action="store_true",
                    help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) "
                         "instead of AITER's v1/v2; FP8 pages always do")
+    p.add_argument("--cublas_router", action="store_true",
+                   help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's GEMV")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
                    help='the bf16 experts\' launch config for steps of few tokens instead of kernels.triton_moe\'s, '
                         'e.g. \'{"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, '

@@ -532,3 +532,17 @@ def test_moe_sum_adds_the_top_k_the_shared_experts_and_the_residual_in_bf16():
     out = triton_moe.moe_sum(down, torch.empty_like(shared), (shared, residual))
     want = down.float().sum(1) + shared.float() + residual.float()
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=2e-2)
+
+
+def test_the_router_gemv_reads_a_bf16_row_and_writes_fp32_logits():
+    """DeepSeek's fp32 router at a batch-1 decode: one kernel reading x in bf16 (no fp32 copy), fp32 logits as
+    F.linear over x in fp32 gives them; under --deterministic the backend gives none (its own GEMM serves)."""
+    from autoprofile.kernels import triton_gemv
+    torch.manual_seed(0)
+    w = torch.randn(64, 2048, device="cuda") * 2048 ** -0.5
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    got = triton_gemv.router_linear(x, w)
+    want = torch.nn.functional.linear(x.float(), w)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    backend = AiterTritonBackend(16, 16, 128, 16, torch.bfloat16, torch.device("cuda"), deterministic=True)
+    assert backend.router_gemm is None

@@ -31,6 +31,15 @@ x, w = torch.randn(3, 64), torch.randn(8, 64)
 assert torch.equal(triton_gemv.linear(x, w), torch.nn.functional.linear(x, w))
 col = torch.randn(64, 2)[:, :1].T  # one row, not contiguous
 assert torch.allclose(triton_gemv.linear(col, w), col @ w.T, atol=1e-5)
+# an fp32 router (DeepSeek's): x read in its own dtype, fp32 logits; more rows: F.linear over x in fp32
+w = torch.randn(64, 2048) * 2048 ** -0.5
+x = torch.randn(1, 2048).to(torch.float16)
+got = triton_gemv.router_linear(x, w)
+want = torch.nn.functional.linear(x.float(), w)
+assert got.dtype == torch.float32 and got.shape == (1, 64)
+assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+rows = torch.randn(5, 2048).to(torch.float16)
+assert torch.equal(triton_gemv.router_linear(rows, w), torch.nn.functional.linear(rows.float(), w))
 print("ok")
 '''
 

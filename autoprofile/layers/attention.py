@@ -147,6 +147,12 @@ class AttentionBackend(ABC):
         return None
 
     @property
+    def router_gemm(self):
+        """(x, fp32 weight) -> fp32 logits for an fp32 router (TP.router_matmul), reading x in its own dtype;
+        None: x.float() through TP.invariant_linear."""
+        return None
+
+    @property
     def fp8_gemm(self):
         """The FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y (TP.fp8_matmul):
         the torch reference here; a GPU backend's kernels."""

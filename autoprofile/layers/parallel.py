@@ -43,6 +43,9 @@ class TP:
     # FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y, the backend's fp8_gemm;
     # None: layers.quant.fp8_linear_reference
     fp8_matmul: Callable | None = None
+    # an fp32 router's logits (x, weight) -> fp32 (the backend's router_gemm); None: x.float() through
+    # invariant_linear
+    router_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def linear_fp8(self, x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) through a quantized layer's weight, weight_scale, quant and input_scale."""
@@ -57,6 +60,12 @@ class TP:
         """A GEMM outside the sharded layers (an MoE router, MLA's replicated and per-head projections):
         under --deterministic (ordered_reduce) the batch-invariant one, else F.linear (cuBLAS)."""
         return self.linear(x, weight, bias) if self.ordered_reduce else F.linear(x, weight, bias)
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of an fp32 router weight (replicated: no all-reduce)."""
+        if self.router_matmul is not None:
+            return self.router_matmul(x, weight)
+        return self.invariant_linear(x.float(), weight)
 
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + all_reduce(x W^T). On one rank with add_in_gemm and more than one row (one row takes the

@@ -147,6 +147,11 @@ class AiterTritonBackend(AttentionBackend):
         return self.triton_matmul.linear if self.deterministic else self.triton_gemv.linear
 
     @property
+    def router_gemm(self):
+        """One row through our GEMV (fp32 out, no fp32 copy of x); None under --deterministic (its GEMM)."""
+        return None if self.deterministic else self.triton_gemv.router_linear
+
+    @property
     def fp8_gemm(self):
         """FP8 weights (TP.fp8_matmul, kernels.triton_fp8): one row through our W8A16 GEMV (one byte a
         weight), more rows quantized, then cuBLASLt's row-wise _scaled_mm ("channel") or our block-scaled
