@@ -44,7 +44,7 @@ class ReplicatedLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.tp.linear_fp8(x, self, self.bias)
-        return self.tp.invariant_linear(x, self.weight, self.bias)
+        return self.tp.linear(x, self.weight, self.bias)
 
 
 class MLAttention(nn.Module):

@@ -197,7 +197,7 @@ class SparseMoeBlock(nn.Module):
                                 mc.quant_for("mlp.experts", layer))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.tp.invariant_linear(x, self.gate.weight)
+        logits = self.tp.linear(x, self.gate.weight)
         return self.experts(x, *self.experts.select(logits, self.renormalize), add=(residual,))
 
 

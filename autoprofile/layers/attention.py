@@ -149,7 +149,7 @@ class AttentionBackend(ABC):
     @property
     def router_gemm(self):
         """(x, fp32 weight) -> fp32 logits for an fp32 router (TP.router_matmul), reading x in its own dtype;
-        None: x.float() through TP.invariant_linear."""
+        None: x.float() through TP.linear."""
         return None
 
     @property

@@ -44,7 +44,7 @@ class TP:
     # None: layers.quant.fp8_linear_reference
     fp8_matmul: Callable | None = None
     # an fp32 router's logits (x, weight) -> fp32 (the backend's router_gemm); None: x.float() through
-    # invariant_linear
+    # linear
     router_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def linear_fp8(self, x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,19 +53,16 @@ class TP:
         return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Every GEMM of the model's layers, sharded or replicated (routers, MLA's kv_a_proj): the backend's
+        (aiter_triton: one row through our GEMV, where cuBLAS took 3.3-5.0 us for a router or kv_a_proj at a
+        batch-1 decode; --deterministic: batch-invariant), else F.linear."""
         return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
-
-    def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A GEMM outside the sharded layers (an MoE router, MLA's replicated and per-head projections):
-        under --deterministic (ordered_reduce) the batch-invariant one, else F.linear (cuBLAS)."""
-        return self.linear(x, weight, bias) if self.ordered_reduce else F.linear(x, weight, bias)
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits of an fp32 router weight (replicated: no all-reduce)."""
         if self.router_matmul is not None:
             return self.router_matmul(x, weight)
-        return self.invariant_linear(x.float(), weight)
+        return self.linear(x.float(), weight)
 
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + all_reduce(x W^T). On one rank with add_in_gemm and more than one row (one row takes the
