@@ -130,9 +130,9 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
         if self.backend.deterministic:
             return self._decode_per_head(q_nope, q_pe, kv, meta, w_uk, w_uv)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        o_lat = self.backend.mla_decode(torch.cat([q_lat, q_pe], dim=-1), kv, meta, self.scale, self.rank)
-        return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(-1, self.heads * self.v_dim)
+        o_lat = self.backend.mla_decode(self.backend.mla_absorb(q_nope, q_pe, w_uk), kv, meta, self.scale,
+                                        self.rank)
+        return self.backend.mla_unabsorb(o_lat, w_uv)
 
     def _decode_per_head(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
                          w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:

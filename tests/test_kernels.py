@@ -546,3 +546,23 @@ def test_the_router_gemv_reads_a_bf16_row_and_writes_fp32_logits():
     assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     backend = AiterTritonBackend(16, 16, 128, 16, torch.bfloat16, torch.device("cuda"), deterministic=True)
     assert backend.router_gemm is None
+
+
+def test_mla_absorption_kernels_equal_the_einsums_at_deepseek_widths():
+    """DeepSeek-V2's widths (16 heads, nope 128, rope 64, rank 512, v 128) in bf16, every row count the
+    kernels take: the backend's absorb and unabsorb against the einsums (and the cat) they replace; past
+    MAX_ROWS the backend gives the einsums' values."""
+    from autoprofile.kernels import triton_mla_absorb
+    torch.manual_seed(0)
+    be = AiterTritonBackend(16, 16, 192, 16, torch.bfloat16, torch.device("cuda"))
+    w_uk, w_uv = (torch.randn(16, 256, 512, device="cuda", dtype=torch.bfloat16) * 0.05).split([128, 128], 1)
+    for t in range(1, triton_mla_absorb.MAX_ROWS + 2):
+        q = torch.randn(t, 16, 192, device="cuda", dtype=torch.bfloat16)
+        got = be.mla_absorb(q[..., :128], q[..., 128:], w_uk)
+        want = torch.cat([torch.einsum("thn,hnr->thr", q[..., :128].float(), w_uk.float()),
+                          q[..., 128:].float()], dim=-1)
+        assert rel_err(got.float(), want) < 1e-2
+        o_lat = torch.randn(t, 16, 512, device="cuda", dtype=torch.bfloat16)
+        got = be.mla_unabsorb(o_lat, w_uv)
+        want = torch.einsum("thr,hvr->thv", o_lat.float(), w_uv.float()).reshape(t, -1)
+        assert got.shape == (t, 16 * 128) and rel_err(got.float(), want) < 1e-2

@@ -178,7 +178,7 @@ print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 FUSED = KERNELS + r"""
 import torch
 from autoprofile.engine.host_kv import HostKVPool
-from autoprofile.kernels import triton_kv_copy, triton_moe, triton_rope
+from autoprofile.kernels import triton_kv_copy, triton_mla_absorb, triton_moe, triton_rope
 torch.empty(1, device="cuda")
 bf = dict(device="cuda", dtype=torch.bfloat16)
 for t in (1, 8192):  # Qwen3-30B-A3B's q/k norm + RoPE + store (32/4 heads of 128); DeepSeek-V2's MLA
@@ -194,6 +194,10 @@ for t in (1, 8192):  # Qwen3-30B-A3B's q/k norm + RoPE + store (32/4 heads of 12
                                slots, 128)
     down, res = torch.randn(t, 8, 2048, **bf), torch.randn(t, 2048, **bf)
     triton_moe.moe_sum(down, torch.empty(t, 2048, **bf), (res, res))
+w_uk, w_uv = torch.randn(16, 256, 512, **bf).split([128, 128], dim=1)  # MLA's absorption at its most rows
+q = torch.randn(triton_mla_absorb.MAX_ROWS, 16, 192, **bf)
+triton_mla_absorb.absorb(q[..., :128], q[..., 128:], w_uk)
+triton_mla_absorb.unabsorb(torch.randn(triton_mla_absorb.MAX_ROWS, 16, 512, **bf), w_uv)
 gpu = torch.randn(2, 4, 64, 8, 16, 128, **bf)  # the host tier's page copies, both directions
 pool = HostKVPool(32, (2, 4, 8, 16, 128), torch.bfloat16, pin=True)
 pairs = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device="cuda")
@@ -326,5 +330,6 @@ def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
-    assert {"_rope_store_kernel", "_mla_rope_store_kernel", "_moe_sum_kernel", "_copy_pages_kernel"} <= names
+    assert {"_rope_store_kernel", "_mla_rope_store_kernel", "_moe_sum_kernel", "_copy_pages_kernel",
+            "_absorb_kernel", "_unabsorb_kernel"} <= names
     assert spilling(got["kernels"]) == []

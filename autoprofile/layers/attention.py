@@ -292,6 +292,16 @@ class AttentionBackend(ABC):
         decompressed from the latents) -> [T, H, Dv], causal as prefill()."""
         raise NotImplementedError(f"the {self.name} backend has no MLA path; use --attention_backend torch")
 
+    def mla_absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """MLA's absorbed decode input: each head's q_nope [T, H, nope] into the latent space through its W_UK
+        (w_uk [H, nope, rank]), q_pe [T, H, rope] beside it -> [T, H, rank + rope]."""
+        return torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+
+    def mla_unabsorb(self, o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """Its output [T, H, rank] out of the latent space through each head's W_UV (w_uv [H, v, rank]) ->
+        [T, H * v]."""
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(o_lat.shape[0], -1)
+
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
         """Absorbed MLA decode: q [B, H, L] (each head's query in the latent space) attends to the cached

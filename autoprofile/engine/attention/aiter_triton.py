@@ -17,7 +17,7 @@ import torch
 
 from autoprofile import budget
 from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.kernels import triton_decode, triton_prefill, triton_reduce, triton_rope
+from autoprofile.kernels import triton_decode, triton_mla_absorb, triton_prefill, triton_reduce, triton_rope
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import Routing
@@ -233,6 +233,18 @@ class AiterTritonBackend(AttentionBackend):
             return super().norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, kv, slot_mapping)
         return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
                                            self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps))
+
+    def mla_absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """Up to triton_mla_absorb.MAX_ROWS rows: one kernel (the weights read once, q_pe copied beside);
+        more: the einsum and the cat."""
+        if self.deterministic or not triton_mla_absorb.absorb_serves(q_nope, q_pe, w_uk):
+            return super().mla_absorb(q_nope, q_pe, w_uk)
+        return triton_mla_absorb.absorb(q_nope, q_pe, w_uk)
+
+    def mla_unabsorb(self, o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        if self.deterministic or not triton_mla_absorb.unabsorb_serves(o_lat, w_uv):
+            return super().mla_unabsorb(o_lat, w_uv)
+        return triton_mla_absorb.unabsorb(o_lat, w_uv)
 
     def mla_rope_store(self, q: torch.Tensor, kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
