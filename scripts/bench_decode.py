@@ -226,9 +226,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) "
                         "instead of AITER's v1/v2; FP8 pages always do")
     p.add_argument("--cublas_router", action="store_true",
-                   help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's GEMV")
+                   help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's "
+                        "GEMV")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
-                   help='the bf16 experts\' launch config for steps of few tokens instead of kernels.triton_moe\'s, '
+                   help='the bf16 experts\' launch config for steps of few tokens instead of '
+                        'kernels.triton_moe\'s, '
                         'e.g. \'{"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, '
                         '"num_stages": 3}\' (scripts/tune_moe.py)')
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])

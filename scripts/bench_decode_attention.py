@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy-bandwidth timer
+from cuda_timing import graphed  # noqa: E402
 
 from autoprofile.engine.attention import AttentionMetadata  # noqa: E402
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend  # noqa: E402
@@ -63,19 +64,6 @@ def aiter_fp8(be: AiterTritonBackend, q: torch.Tensor, kv: KVLayer, meta: Attent
     real scales applied around them."""
     out = be.decode(q * kv.scales[0], KVLayer(kv.k, kv.v), meta)
     return out.mul_(kv.scales[1])
-
-
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (warmed on a side stream first): the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def median_ms(replays: list[Callable[[], None]]) -> float:

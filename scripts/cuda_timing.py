@@ -1,4 +1,5 @@
-"""The benchmarks' one timer: CUDA events around each call, the median of `iters` calls after a warm-up."""
+"""The benchmarks' one timer: CUDA events around each call, the median of `iters` calls after a warm-up; and
+the one graph capture they time (graphed)."""
 from __future__ import annotations
 
 import statistics
@@ -20,3 +21,16 @@ def cuda_median_ms(fn: Callable[[], object], iters: int, warmup: int = 5) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (warmed on a side stream first): the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

@@ -8,7 +8,8 @@ reach once at the copy bandwidth.
         [--json out.json]
 
 Only the small-block configs (budget.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are swept: the
-block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so BLOCK_SIZE_M stays.
+block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so BLOCK_SIZE_M
+stays.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy bandwidth
-from cuda_timing import cuda_median_ms  # noqa: E402
+from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 
 from autoprofile import budget  # noqa: E402
 from autoprofile.kernels import triton_moe  # noqa: E402
@@ -53,7 +54,8 @@ def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
     gen = torch.Generator().manual_seed(0)
     w13 = [torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
            for _ in range(LAYERS)]
-    w2 = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    w2 = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+          for _ in range(LAYERS)]
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, experts, top_k, gen)
     reached = len(set(ids.flatten().tolist()))
@@ -69,13 +71,11 @@ def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
             if err > 2e-2:
                 rows.append({"config": cfg, "error": f"max rel error {err:.3g}"})
                 continue
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for layer in range(LAYERS):
-                    triton_moe.fused_moe(x, w13[layer], w2[layer], weights, ids)
-            us = cuda_median_ms(graph.replay, iters) * 1e3 / LAYERS
+            replay = graphed(lambda: [triton_moe.fused_moe(x, w13[layer], w2[layer], weights, ids)
+                                      for layer in range(LAYERS)])
+            us = cuda_median_ms(replay, iters) * 1e3 / LAYERS
             rows.append({"config": cfg, "us": us, "floor_fraction": floor_us / us})
-            del graph
+            del replay
         except Exception as e:  # noqa: BLE001 - a config the compiler refuses (shared memory) is a row
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
     triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = default

@@ -5,8 +5,8 @@ mla_absorb / mla_unabsorb.
               beside it: the decode kernel's input [T, H, rank + rope] in one launch
   unabsorb    the output out of it, o = o_lat W_UV^T per head [T, H * v]
 
-At a batch-1 decode on an H100 (scripts/profile_decode.py, deepseek-v2-lite) cuBLAS's batched GEMMs took 5.7 and
-3.3 us a layer for about 2 MB of weights each, and the concatenation another 2.0. Here a program holds one
+At a batch-1 decode on an H100 (scripts/profile_decode.py, deepseek-v2-lite) cuBLAS's batched GEMMs took 5.7
+and 3.3 us a layer for about 2 MB of weights each, and the concatenation another 2.0. Here a program holds one
 head's slice of the weight in registers and runs every row against it: one read of the weights whatever the
 rows. Up to MAX_ROWS rows; more: the einsums (cuBLAS), whose tiles then pay. Products and sums in fp32, one
 rounding to the output's dtype (as cuBLAS). The row count is not specialized: one compile serves every count.
@@ -24,8 +24,8 @@ UNABSORB_BLOCK_V = 16  # output channels a program of unabsorb writes
 
 
 @triton.jit(do_not_specialize=["T"])
-def _absorb_kernel(qn_ptr, qpe_ptr, w_ptr, out_ptr, T, H, stride_qn_t, stride_qn_h, stride_qpe_t, stride_qpe_h,
-                   stride_w_h, NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+def _absorb_kernel(qn_ptr, qpe_ptr, w_ptr, out_ptr, T, H, stride_qn_t, stride_qn_h, stride_qpe_t,
+                   stride_qpe_h, stride_w_h, NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
                    BLOCK_R: tl.constexpr):
     h = tl.program_id(0)
     rb = tl.program_id(1)
@@ -68,8 +68,9 @@ def absorb_serves(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) 
     """absorb takes the step: few rows, power-of-two widths that its block divides, unit last strides."""
     rows, _, nope = q_nope.shape
     rank, rope = w_uk.shape[2], q_pe.shape[2]
-    return (0 < rows <= MAX_ROWS and _pow2(nope) and _pow2(rope) and rank % ABSORB_BLOCK_R == 0 and _pow2(rank)
-            and q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1 and _head_rows(w_uk))
+    return (0 < rows <= MAX_ROWS and _pow2(nope) and _pow2(rope) and _pow2(rank)
+            and rank % ABSORB_BLOCK_R == 0 and q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
+            and _head_rows(w_uk))
 
 
 def unabsorb_serves(o_lat: torch.Tensor, w_uv: torch.Tensor) -> bool:

@@ -33,10 +33,10 @@ from autoprofile.kernels import triton_fp8, triton_moe_sort
 from autoprofile.kernels.aiter_loader import load_aiter_moe
 from autoprofile.layers import moe
 
-# Per rows-per-block (budget.moe_block_m). Small blocks (steps of few tokens): the least geometric mean of 144
-# configs' times over deepseek-v2-lite's and qwen3-30b-a3b's experts at 1 and 8 tokens (scripts/tune_moe.py on
-# an H100: 0.94 of vLLM's default's time; at 1 token 0.97 and 0.82); large blocks: vLLM's default launch config
-# for unquantized experts
+# Per rows-per-block (budget.moe_block_m). Small blocks (steps of few tokens): of 36 configs, the least
+# geometric mean of times over deepseek-v2-lite's and qwen3-30b-a3b's experts at 1 and 8 tokens
+# (scripts/tune_moe.py on an H100: 0.94 of vLLM's default's time; at 1 token 0.97 and 0.82); large blocks:
+# vLLM's default launch config for unquantized experts
 CONFIGS = {
     budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
                                "num_warps": 4, "num_stages": 3},
