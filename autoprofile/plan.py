@@ -176,17 +176,21 @@ def resolve_backend(name: str, vendor: str) -> str:
 def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> int:
     """Largest live set inside one decoder layer for `tokens` tokens on one rank: residual + normed input
     + fp32 RMSNorm temporary, then the larger of attention (qkv, attention output, o_proj output) and
-    the MLP (gate_up, activation, down output; MoE: top-k copies of the hidden state in and out)."""
+    the MLP (gate_up, activation, down output; MoE: top-k copies of the hidden state in and out). FP8: the
+    widest input a quantization kernel of its own makes, and a dense MLP's activation in FP8 where SiLU-mul's
+    kernel quantizes it (ModelConfig.fp8_activation_bytes, dense_mlp_fp8_act)."""
     h = m.hidden_size
     q = m.num_heads * m.head_dim // tp
     kv = max(m.num_kv_heads // tp, 1) * m.head_dim
-    attn = (q + 2 * kv) + q + h
+    attn = tokens * ((q + 2 * kv) + q + h) * dtype_bytes
     if m.num_experts:
         inter = m.num_experts_per_tok * m.moe_intermediate_size // tp
-        mlp = 3 * inter + h + 2 * m.num_experts_per_tok * h
+        mlp = tokens * (3 * inter + h + 2 * m.num_experts_per_tok * h) * dtype_bytes
     else:
-        mlp = 3 * (m.intermediate_size // tp) + h
-    return tokens * ((2 * h + max(attn, mlp)) * dtype_bytes + 4 * h) + m.fp8_activation_bytes(tokens, tp)
+        inter = m.intermediate_size // tp
+        act = m.dense_mlp_fp8_act(tokens, tp)
+        mlp = tokens * (2 * inter + h) * dtype_bytes + (tokens * inter * dtype_bytes if act is None else act)
+    return tokens * (2 * h * dtype_bytes + 4 * h) + max(attn, mlp) + m.fp8_activation_bytes(tokens, tp)
 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
@@ -254,6 +258,11 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
         n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
+        small = min(max(running_reqs(cfg.running_max_req_size, gmbs), gmbs), budget.SPLIT_DECODE_ROWS)
+        split = budget.split_decode_peak_scratch_bytes(small, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
+                                                       ctx)
+        if split > n:
+            n, note = split, f"split decode partials at the most of 1..{small} rows x {q_heads} heads"
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})", note)
     if backend == "torch":
         kv_heads = max(m.num_kv_heads // tp, 1)

@@ -66,6 +66,20 @@ class QuantLinear:
     experts: int
     scheme: Fp8Scheme
     split: bool = True  # False: replicated on every rank (MLA's q_a_proj, kv_a_proj_with_mqa)
+    # its one producer (the RMSNorm before a dense qkv_proj or gate_up_proj, SiLU-mul before down_proj)
+    # quantizes its input in its own kernel, for dynamic activations (models.llama.reader_quant)
+    fused: bool = False
+
+    @property
+    def input_fused(self) -> bool:
+        return self.fused and self.scheme.activation in ("token", "group")
+
+    def input_bytes(self, tokens: int) -> int:
+        """Its quantized input x_q [T, K] (1 byte each) and the fp32 scales ([T, K / block_k] per group, [T, 1]
+        per token, none static)."""
+        s, k = self.scheme, self.in_features
+        groups = {"group": -(-k // s.block[1]) if s.block else 1, "token": 1, "static": 0}[s.activation]
+        return tokens * (k + 4 * groups)
 
     @property
     def weight_elements(self) -> int:
@@ -212,12 +226,12 @@ class ModelConfig:
         h, out = self.hidden_size, []
 
         def add(layer: int, names: tuple[str, ...], parts: list[int], k: int, row: bool = False,
-                experts: int = 0, split: bool = True, every_layer: bool = False) -> None:
+                experts: int = 0, split: bool = True, every_layer: bool = False, fused: bool = False) -> None:
             """every_layer: the model asks quant_for about all layers at once (attention)."""
             schemes = {self.quant_for(n, None if every_layer else layer) for n in names}
             if schemes != {None}:
                 out.append(QuantLinear(f"model.layers.{layer}.{names[0]}", tuple(parts), k, row, experts,
-                                       self.quant, split))
+                                       self.quant, split, fused))
 
         for i in range(self.num_layers):
             if self.is_mla:
@@ -235,7 +249,7 @@ class ModelConfig:
             else:
                 q, kv = self.num_heads * self.head_dim // tp, self.num_kv_heads * self.head_dim // tp
                 add(i, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv], h,
-                    every_layer=True)
+                    every_layer=True, fused=True)
                 add(i, ("self_attn.o_proj",), [h], q, row=True, every_layer=True)
             if self.is_moe_layer(i):
                 inter = self.moe_intermediate_size // tp
@@ -245,20 +259,25 @@ class ModelConfig:
             else:
                 mlps = [("mlp", self.intermediate_size)]
             for prefix, size in mlps:
-                if size:
-                    add(i, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), [size // tp] * 2, h)
-                    add(i, (f"{prefix}.down_proj",), [h], size // tp, row=True)
+                if size:  # a dense MLP's norm feeds gate_up alone (an MoE layer's: router and experts too)
+                    add(i, (f"{prefix}.gate_proj", f"{prefix}.up_proj"), [size // tp] * 2, h,
+                        fused=not self.is_moe_layer(i))
+                    add(i, (f"{prefix}.down_proj",), [h], size // tp, row=True, fused=True)
         return out
 
     def fp8_activation_bytes(self, tokens: int, tp: int = 1) -> int:
-        """A step's activation quantization temporaries on one rank: the widest FP8 layer input x_q [T, K] (1
-        byte each) and its fp32 scales ([T, K / block_k] per group, [T, 1] per token, none static)."""
-        layers = self.quantized_linears(tp)
-        if not layers:
-            return 0
-        k, s = max(q.in_features for q in layers), self.quant
-        groups = {"group": -(-k // s.block[1]) if s.block else 1, "token": 1, "static": 0}[s.activation]
-        return tokens * (k + 4 * groups)
+        """A step's activation quantization temporaries on one rank beside the model-dtype live set: the
+        widest FP8 layer input that a kernel of its own quantizes (QuantLinear.input_bytes). An input its
+        producer quantizes replaces that producer's model-dtype output (dense_mlp_fp8_act)."""
+        own = [q.input_bytes(tokens) for q in self.quantized_linears(tp) if not q.input_fused]
+        return max(own, default=0)
+
+    def dense_mlp_fp8_act(self, tokens: int, tp: int = 1) -> int | None:
+        """A dense MLP's activation as SiLU-mul's kernel leaves it for an FP8 down_proj with dynamic
+        activations (x_q and scales, in place of [T, I] in the model dtype); None: in the model dtype."""
+        downs = [q for q in self.quantized_linears(tp) if q.input_fused and q.row_parallel and not q.experts
+                 and q.name.endswith("mlp.down_proj")]
+        return max((q.input_bytes(tokens) for q in downs), default=None)
 
     @property
     def weight_format(self) -> str:

@@ -15,6 +15,7 @@ from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import FusedMoE, Routing
+from autoprofile.layers.quant import Fp8Rows, fused_input_quant
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
 from models.config import Fp8Scheme, ModelConfig
@@ -119,13 +120,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- layers
+def reader_quant(layer: nn.Module | None) -> Fp8Scheme | None:
+    """What a producer read by `layer` alone quantizes its rows with (None: nothing, it passes bf16)."""
+    return None if layer is None else fused_input_quant(layer.quant)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, backend: AttentionBackend, dtype: torch.dtype):
         super().__init__()
         self.eps, self.backend = eps, backend
         self.weight = new_param((size,), dtype)
+        # the FP8 scheme of the one layer that reads this norm (layers.quant.fused_input_quant), set by the
+        # decoder layer: past one row the norm's kernel quantizes its rows for it (one row: the W8A16 GEMV
+        # reads them as they are)
+        self.quant: Fp8Scheme | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
+        if self.quant is not None and x.shape[0] > 1:
+            return self.backend.rms_norm_quant(x, self.weight, self.eps, self.quant)
         return self.backend.rms_norm(x, self.weight, self.eps)
 
 
@@ -178,9 +190,13 @@ class LlamaMLP(nn.Module):
                                                  packed_quant(mc, prefix, ("gate_proj", "up_proj"), layer))
         self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype,
                                            mc.quant_for(f"{prefix}.down_proj", layer))
+        self.down_quant = fused_input_quant(self.down_proj.quant)  # SiLU-mul's kernel quantizes for it
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)), residual)
+    def forward(self, x: torch.Tensor | Fp8Rows, residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.down_quant is not None and gate_up.shape[0] > 1:
+            return self.down_proj(self.backend.silu_mul_quant(gate_up, self.down_quant), residual)
+        return self.down_proj(self.backend.silu_mul(gate_up), residual)
 
 
 class SparseMoeBlock(nn.Module):
@@ -214,6 +230,10 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(mc, backend, tp, dtype, layer=layer)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        # an FP8 layer that alone reads a norm takes its rows quantized by the norm's kernel
+        self.input_layernorm.quant = reader_quant(getattr(self.self_attn, "qkv_proj", None))
+        if isinstance(self.mlp, LlamaMLP):  # (experts and MLA's projections: more than one reader)
+            self.post_attention_layernorm.quant = reader_quant(self.mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
         """x + attention, then + MLP: each sum may be made in place in x (TP.linear_add), which the layer owns

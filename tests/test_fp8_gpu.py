@@ -115,6 +115,49 @@ def test_our_gemm_equals_the_reference_on_both_configs_and_fp16(scheme):
         assert rel_err(got, want) < 1e-2, (m, rel_err(got, want))
 
 
+@pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["token", "group"])
+@pytest.mark.parametrize("m", [2, 300])
+def test_norm_and_silu_quantize_their_rows_as_the_unfused_path(scheme, m):
+    """bf16 on the GPU (the interpreter test runs fp16): RMSNorm and SiLU-mul that quantize their own rows
+    give the bytes and scales of the unfused kernels' output quantized (llama-3.1-8b's sizes); a linear layer over
+    those rows gives what it gives over the unfused output, and its residual is added in place."""
+    from autoprofile.kernels import triton_act, triton_fp8, triton_norm
+    def quant(t):
+        return triton_fp8.quantize_per_token(t) if scheme is CHANNEL else triton_fp8.quantize_per_group(t, 128)
+    x = torch.randn(m, 4096, device="cuda").bfloat16() * 3
+    w = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
+    gu = torch.randn(m, 2 * 14336, device="cuda").bfloat16() * 4
+    for got, unfused in ((triton_fp8.rms_norm_quant(x, w, 1e-5, scheme), triton_norm.rms_norm(x, w, 1e-5)),
+                         (triton_fp8.silu_mul_quant(gu, scheme), triton_act.silu_mul(gu))):
+        q, s = quant(unfused)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.scale, s)
+        assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+    wq, ws = weights(4096, 14336, scheme)
+    rows = triton_fp8.silu_mul_quant(gu, scheme)
+    want = triton_fp8.linear(triton_act.silu_mul(gu), wq, ws, scheme)
+    assert torch.equal(triton_fp8.linear(rows, wq, ws, scheme), want)
+    res = torch.randn(m, 4096, device="cuda").bfloat16()
+    keep = res.clone()
+    assert triton_fp8.linear(rows, wq, ws, scheme, residual=res) is res and torch.equal(res, keep + want)
+
+
+@pytest.mark.parametrize("n, k", LLAMA[:4])
+def test_the_gemv_adds_the_residual_in_its_epilogue(n, k):
+    """One row with a residual (a row-parallel layer at batch 1): added in the GEMV's fp32 epilogue, in place,
+    for the FP8 GEMV and the bf16 one (triton_gemv.linear_add)."""
+    from autoprofile.kernels import triton_fp8, triton_gemv
+    wq, ws = weights(n, k, CHANNEL)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    res = torch.randn(1, n, device="cuda").bfloat16()
+    want = x.float() @ ref["dequantize_weight"](wq, ws, CHANNEL).T + res.float()
+    got = triton_fp8.linear(x, wq, ws, CHANNEL, residual=res)
+    assert got is res and rel_err(res, want) < 5e-3
+    w = torch.randn(n, k, device="cuda").bfloat16() * k ** -0.5
+    res = torch.randn(1, n, device="cuda").bfloat16()
+    want = x.float() @ w.float().T + res.float()
+    assert triton_gemv.linear_add(x, w, res) is res and rel_err(res, want) < 5e-3
+
+
 def compiled(kernel) -> int:
     return sum(len(cache[0]) for cache in kernel.device_caches.values())
 

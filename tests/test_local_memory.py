@@ -140,6 +140,12 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
             x = torch.randn(m, k, device="cuda").bfloat16()
             triton_fp8.linear(x, wq, ws, scheme)
             triton_fp8.gemm(*triton_fp8.quantize_per_token(x), wq, ws, scheme.block, torch.float16)
+            res = torch.zeros(1, n, device="cuda").bfloat16()
+            triton_fp8.linear(x[:1].contiguous(), wq, ws, scheme, residual=res)
+    for m in (1, 300):  # the producers that quantize their rows: llama-3.1-8b's hidden and intermediate sizes
+        triton_fp8.rms_norm_quant(torch.randn(m, 4096, device="cuda").bfloat16(),
+                                  torch.ones(4096, device="cuda").bfloat16(), 1e-5, scheme)
+        triton_fp8.silu_mul_quant(torch.randn(m, 2 * 14336, device="cuda").bfloat16(), scheme)
     e, h, i = 32, 2048, 768  # the FP8 experts at both launch configs
     w13, s13 = ref["quantize_weight"](torch.randn(e, 2 * i, h, device="cuda") * 0.02, scheme)
     w2, s2 = ref["quantize_weight"](torch.randn(e, h, i, device="cuda") * 0.02, scheme)
@@ -298,7 +304,8 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
 
 
 def test_no_fp8_kernel_spills_past_the_bound():
-    """triton_fp8 (quant, GEMV, both GEMM configs, at llama-3.1-8b's widest shapes) and the FP8 experts
+    """triton_fp8 (quant, GEMV with and without its residual, both GEMM configs, the norm and SiLU-mul that
+    quantize their rows, at llama-3.1-8b's widest shapes) and the FP8 experts
     (AITER's block-scaled path, both launch configs), channel and block scales: none needs more than 1 KiB
     of local memory per thread."""
     got = run_fresh(FP8)
@@ -306,7 +313,8 @@ def test_no_fp8_kernel_spills_past_the_bound():
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_quant_token_kernel", "_quant_group_kernel", "_gemv_fp8_kernel", "_gemm_fp8_kernel",
-            "_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
+            "_rms_norm_quant_kernel", "_silu_mul_quant_kernel", "_fused_moe_silu_kernel",
+            "_fused_moe_kernel"} <= names, names
     assert spilling(got["kernels"]) == []
 
 

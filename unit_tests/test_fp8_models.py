@@ -311,3 +311,31 @@ def test_runtime_quantization_of_a_bf16_checkpoint(hf_models, tmp_path):
     plain = ours(tmp_path)
     err, agree = compare(prefill_logits(model), prefill_logits(plain))
     assert err < TOLERANCE and agree >= 0.9, (err, agree)
+
+
+def test_a_layer_read_by_one_producer_takes_its_rows_quantized_by_that_producer():
+    """models.llama.reader_quant: a dense layer's norms quantize for qkv_proj and gate_up_proj, SiLU-mul for
+    down_proj (dynamic activations); a norm read by more than one layer (MLA's projections, an MoE layer's
+    router and experts) passes its bf16 rows, and static activations keep the layer's own quantization."""
+    def built(name: str):
+        mc = load_model_config(name)
+        backend = get_backend_class("torch")(mc.num_heads, mc.num_kv_heads, mc.head_dim, PAGE,
+                                             torch.float32, torch.device("meta"))
+        with torch.device("meta"):
+            return model_class(mc)(mc, backend, dtype=torch.float32), mc
+
+    model, mc = built("tiny-fp8")
+    for layer in model.model.layers:
+        assert layer.input_layernorm.quant == mc.quant == layer.post_attention_layernorm.quant
+        assert layer.mlp.down_quant == mc.quant
+    model, mc = built("tiny-moe-fp8")
+    kinds = [(layer.post_attention_layernorm.quant, getattr(layer.mlp, "down_quant", "experts"))
+             for layer in model.model.layers]
+    assert all(layer.input_layernorm.quant == mc.quant for layer in model.model.layers)
+    assert kinds == [(mc.quant, mc.quant) if mc.is_moe_layer(i) is False else (None, "experts")
+                     for i in range(mc.num_layers)]
+    model, mc = built("tiny-mla-fp8")
+    assert all(layer.input_layernorm.quant is None for layer in model.model.layers)
+    static = Fp8Scheme("channel", None, "static")
+    from autoprofile.layers.quant import fused_input_quant
+    assert fused_input_quant(static) is None and fused_input_quant(None) is None

@@ -84,8 +84,9 @@ def test_triton_scratch_is_the_declared_v2_formula():
     p = plan_for("h100")
     assert row(p.fixed, "decode attention scratch").bytes == budget.triton_decode_workspace_bytes(
         256, 32, 128, 131072, 2)
-    short = plan_for("h100", max_req_total_len=1024)  # one 1024-token partition: v1, no scratch
-    assert row(short.fixed, "decode attention scratch").bytes == 0
+    short = plan_for("h100", max_req_total_len=1024)  # one 1024-token partition: v1, no scratch; up to 32
+    split = budget.split_decode_peak_scratch_bytes(budget.SPLIT_DECODE_ROWS, 32, 8, 128, 1024)  # rows: split
+    assert row(short.fixed, "decode attention scratch").bytes == split > 0
 
 
 def test_fp8_cache_declares_the_split_decode_peak_scratch():
@@ -321,11 +322,13 @@ def test_fp8_weight_bytes_are_the_engine_s_parameters(variant, tmp_path):
 
 
 def test_fp8_activation_quantization_is_in_the_prefill_estimate():
-    """x_q [T, K] fp8 + its fp32 scales per T for the widest FP8 layer input (llama: down_proj's 14,336
-    columns with one per-token scale; Qwen3-30B-A3B: o_proj's 4,096 in 32 groups of 128)."""
+    """x_q [T, K] fp8 + its fp32 scales per T for the widest FP8 layer input that a quantization kernel of
+    its own makes (llama: o_proj's 4,096 columns with one per-token scale; Qwen3-30B-A3B: o_proj's 4,096 in
+    32 groups of 128); a dense MLP's activation is SiLU-mul's FP8 rows (14,336 bytes and a scale a token, in
+    place of 14,336 bf16 values)."""
     bf16 = row(plan_for(model="llama-3.1-8b").fixed, "prefill activation peak").bytes
     fp8 = row(plan_for(model="llama-3.1-8b", quantization="fp8").fixed, "prefill activation peak").bytes
-    assert fp8 - bf16 == 8192 * (14336 + 4)
+    assert fp8 - bf16 == 8192 * (4096 + 4) + 8192 * (14336 + 4 - 2 * 14336)
     block = row(plan_for(model="qwen3-30b-a3b-fp8").fixed, "prefill activation peak").bytes
     plain = row(plan_for(model="qwen3-30b-a3b").fixed, "prefill activation peak").bytes
     assert block - plain == 8192 * (4096 + 4 * 32)  # widest input: o_proj's 32 heads x 128, 32 groups

@@ -109,9 +109,10 @@ print("ok")
 
 BACKEND = COMMON + r'''
 # AiterTritonBackend.decode: FP8 pages (KVLayer.scales [2]) through triton_decode, and float16 pages too
-# with split_decode_bf16; a float16 cache without it stays on AITER's kernels
+# with split_decode_bf16 or at up to split_decode_rows rows; a float16 cache past them stays on AITER's
 import types
 from autoprofile.engine.attention import AttentionMetadata, aiter_triton
+from autoprofile import budget
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.layers.attention import KVLayer
 aiter_calls = []  # AITER's Triton modules need a GPU driver to import: a stand-in that records its v1 call
@@ -122,9 +123,11 @@ real = triton_decode.decode
 triton_decode.decode = lambda *a, **k: calls.append(1) or real(*a, **k)
 gen = torch.Generator().manual_seed(9)
 lens, hq, hkv, d, page = [1, 40, 16], 8, 2, 32, 16
-for cache_dtype, split_bf16 in ((FP8, False), (torch.float16, True), (torch.float16, False)):
+for cache_dtype, split_bf16, split_rows in ((FP8, False, 0), (torch.float16, True, 0),
+                                            (torch.float16, False, 3), (torch.float16, False, 2)):
     be = AiterTritonBackend(hq, hkv, d, page, torch.float16, torch.device("cpu"))
-    be.split_decode_bf16 = split_bf16
+    assert be.split_decode_rows == budget.SPLIT_DECODE_ROWS
+    be.split_decode_bf16, be.split_decode_rows = split_bf16, split_rows
     kc, vc, tables = pool(lens, hkv, page, d, cache_dtype, gen)
     scales = torch.tensor([0.7, 1.9]) if cache_dtype == FP8 else None
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64),
@@ -133,7 +136,7 @@ for cache_dtype, split_bf16 in ((FP8, False), (torch.float16, True), (torch.floa
     q = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).half()[:, :hq * d].view(3, hq, d)
     before = len(calls)
     out = be.decode(q, KVLayer(kc, vc, scales), meta)
-    ours = cache_dtype == FP8 or split_bf16
+    ours = cache_dtype == FP8 or split_bf16 or 3 <= split_rows
     assert (len(calls) - before, len(aiter_calls)) == ((1, 0) if ours else (0, 1)), (cache_dtype, split_bf16)
     if not ours:
         continue

@@ -141,6 +141,55 @@ for scheme, H, I in ((Scheme("channel"), 96, 40), (Scheme("block", (128, 128), "
 print("ok")
 '''
 
+FUSED = FP8_CAST + REFERENCE + r'''
+from autoprofile.kernels import triton_act, triton_fp8 as f, triton_norm
+from autoprofile.layers.quant import Fp8Rows
+
+torch.manual_seed(0)
+token, group = Scheme("channel"), Scheme("block", (128, 128), "group")
+
+
+def same(got, q, s):
+    assert isinstance(got, Fp8Rows) and got.dtype == torch.float16
+    assert got.scale.shape == s.shape and torch.equal(got.scale, s), (got.scale - s).abs().max()
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+
+
+# the producers' rows quantized in their kernels: the bytes and scales of the unfused path (the producer's
+# fp16 output through the reference quantization), per token and per 128-group, odd widths, a zero row
+for m, n in [(3, 4096), (2, 130), (4, 1000)]:
+    x = (torch.randn(m, n) * 3).half()
+    x[1] = 0
+    w = (torch.rand(n) + 0.5).half()
+    normed = triton_norm.rms_norm(x, w, 1e-6)
+    gu = (torch.randn(m, 2 * n) * 4).half()
+    act = triton_act.silu_mul(gu)
+    for scheme, quant in ((token, quantize_per_token), (group, lambda t: quantize_per_group(t, 128))):
+        same(f.rms_norm_quant(x, w, 1e-6, scheme), *quant(normed.float()))
+        same(f.silu_mul_quant(gu, scheme), *quant(act.float()))
+# linear over Fp8Rows: what it gives for the producer's output; a residual is added in place (one row: in
+# the GEMV's epilogue, rounded once)
+wt = torch.randn(96, 1000) * 0.05
+for scheme in (token, group):
+    wq, ws = quantize_weight(wt, scheme)
+    x = torch.randn(5, 1000).half()
+    q, s = quantize_per_token(x.float()) if scheme is token else quantize_per_group(x.float(), 128)
+    rows = Fp8Rows(q, s, torch.float16)
+    got = f.linear(rows, wq, ws, scheme)
+    want = f.linear(x, wq, ws, scheme)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
+    res = torch.randn(5, 96).half()
+    keep = res.clone()
+    out = f.linear(rows, wq, ws, scheme, residual=res)
+    assert out is res and torch.equal(res, keep + want)
+    one, res1 = torch.randn(1, 1000).half(), torch.randn(1, 96).half()
+    keep1 = res1.clone()
+    out = f.linear(one, wq, ws, scheme, residual=res1)
+    want1 = one.float() @ dequantize_weight(wq, ws, scheme).T + keep1.float()
+    assert out is res1 and torch.allclose(res1.float(), want1, rtol=2e-3, atol=2e-3), (res1 - want1).abs().max()
+print("ok")
+'''
+
 
 def test_fp8_quant_gemv_and_gemm_equal_the_references():
     run_script(KERNELS)
@@ -149,3 +198,7 @@ def test_fp8_quant_gemv_and_gemm_equal_the_references():
 @pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")
 def test_fp8_experts_through_aiters_block_scaled_path_equal_the_reference():
     run_script(EXPERTS)
+
+
+def test_norm_and_silu_quantize_their_rows_as_the_unfused_path_does():
+    run_script(FUSED)

@@ -26,9 +26,17 @@ for n, k, bias, dtype in [(6, 4096, False, torch.float32), (37, 2050, True, torc
     tol = 1e-4 if dtype == torch.float32 else 2e-3
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (n, k, (got.float() - want).abs().max())
     assert triton_gemv.gemv(x[0], w, b).shape == (n,)
+    # the residual add in the epilogue, in place (TP.linear_add at one row)
+    res = torch.randn(1, n).to(dtype)
+    want_add = want + res.float()
+    out = triton_gemv.linear_add(x, w, res) if b is None else triton_gemv.gemv(x, w, b, residual=res)
+    assert out is res and torch.allclose(res.float(), want_add, rtol=tol, atol=tol), (n, k)
 # more than one row, or a strided row: cuBLAS (F.linear), the same values
 x, w = torch.randn(3, 64), torch.randn(8, 64)
 assert torch.equal(triton_gemv.linear(x, w), torch.nn.functional.linear(x, w))
+rows_res = torch.randn(3, 8)
+want = rows_res + torch.nn.functional.linear(x, w)
+assert triton_gemv.linear_add(x, w, rows_res) is rows_res and torch.allclose(rows_res, want, atol=1e-5)
 col = torch.randn(64, 2)[:, :1].T  # one row, not contiguous
 assert torch.allclose(triton_gemv.linear(col, w), col @ w.T, atol=1e-5)
 # an fp32 router (DeepSeek's): x read in its own dtype, fp32 logits; more rows: F.linear over x in fp32

@@ -22,24 +22,25 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.triton_matmul import grouped_tile
+from autoprofile.layers.quant import Fp8Rows
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr objects
 SCALE_MIN = tl.constexpr(1e-12)
 QUANT_BLOCK, QUANT_WARPS = 2048, 4  # elements of a row per step of the quant kernels
 QUANT_GROUPS = 16  # 128-groups per step of the group kernel
-# One row (BLOCK_N, BLOCK_K, warps) by the weight's shape, from a sweep of 96 configs on an H200 (fraction
-# of the copy floor, llama-3.1-8b: qkv 0.62 and gate_up 0.82 at 4/512/w2, o 0.54 at 4/1024/w2, down 0.66 at
-# 4/2048/w4; bf16's GEMV 0.72-1.0); the bf16 GEMV's 8 KiB steps gave 0.33-0.53, and building fp32 from the
-# bytes' bits never won. Up to 4,096 rows a weight has few programs: longer K steps keep more bytes in flight.
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 2
+# One row (BLOCK_N, BLOCK_K, warps) by the weight's shape, from a sweep of 46 configs on an H100 (fraction of
+# the copy floor, llama-3.1-8b, 32 weights a graph: qkv 0.73 and gate_up 0.91 at 4/512/w1; o 0.68 and down
+# 0.86 at 2/1024/w1, where the H200's picks gave 0.65 and 0.76); manual prefetch of the next K step and
+# num_stages 3 never won; the bf16 GEMV's 8 KiB steps gave 0.33-0.53. Up to 4,096 rows a weight has few
+# programs: two rows a program make more of them.
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 1
 GEMV_FEW_ROWS = 4096
+GEMV_FEW = (2, 1024, 1)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    if n > GEMV_FEW_ROWS:
-        return GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS
-    return (4, 2048, 4) if k > 8192 else (4, 1024, 2)
+    return (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS) if n > GEMV_FEW_ROWS else GEMV_FEW
 
 
 # (most rows, config): the first that holds M; None: any
@@ -135,9 +136,9 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 @triton.jit
-def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr,
-                     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr,
+                     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -158,22 +159,29 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.const
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # y_ptr may be r_ptr: each program reads its rows before it writes them
+        y += tl.load(r_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
-         bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (weight * weight_scale)^T (+ bias) for one contiguous row x [1, K] (or [K]) in bf16/fp16;
-    weight fp8 [N, K] contiguous; weight_scale fp32 [N] (block None) or [ceil(N/bn), ceil(K/bk)]."""
+    weight fp8 [N, K] contiguous; weight_scale fp32 [N] (block None) or [ceil(N/bn), ceil(K/bk)].
+    residual (contiguous, N elements): y is added to it in the epilogue, in place (rounded once), and it is
+    returned."""
     n, k = weight.shape
     block_n, block_k, num_warps = config or gemv_config(n, k)
     scale_n, scale_k = block if block is not None else (block_n, 1)
     assert scale_n % block_n == 0, f"{block_n} GEMV rows a program must divide the scale block's {scale_n}"
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.numel() == n, "the GEMV adds into one contiguous row"
+    out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, n, k,
-        HAS_BIAS=bias is not None, BLOCKWISE=block is not None, SCALE_N=scale_n, SCALE_K=scale_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, out, n, k,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
+        SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
@@ -263,23 +271,144 @@ def quantize_activation(rows: torch.Tensor, scheme, input_scale: torch.Tensor | 
     return quantize_per_token(rows)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scheme,
-           input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """TP.fp8_matmul on CUDA: x [..., K] bf16/fp16, weight fp8 [N, K] -> [..., N] in x's dtype.
+def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor, scheme,
+           input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """TP.fp8_matmul on CUDA: x [..., K] bf16/fp16 (or Fp8Rows: quantized by the kernel that made them),
+    weight fp8 [N, K] -> [..., N] in x's dtype; with residual, that is added to residual in place (one row:
+    in the GEMV's epilogue) and residual is returned.
 
     One contiguous row: the W8A16 GEMV (x is not quantized). More: the scheme's activation quantization,
     then cuBLASLt's row-wise _scaled_mm ("channel") or our block-scaled GEMM ("block")."""
     n, k = weight.shape
     block = tuple(scheme.block) if scheme.weight == "block" else None
     scale = weight_scale if block is not None else weight_scale.reshape(n)
-    if x.numel() == k and x.is_contiguous():
-        return gemv(x, weight, scale, block, bias)
-    rows = _rows(x)
-    x_q, x_s = quantize_activation(rows, scheme, input_scale)
-    if block is None and scaled_mm_serves(x.dtype, n, k):
-        y = torch._scaled_mm(x_q, weight.t(), scale_a=x_s, scale_b=scale.view(1, n), out_dtype=x.dtype)
+    if isinstance(x, Fp8Rows):
+        (x_q, x_s), dtype, lead = (x.q, x.scale), x.dtype, x.q.shape[:-1]
+    elif x.numel() == k and x.is_contiguous():
+        return gemv(x, weight, scale, block, bias, residual=residual)
+    else:
+        (x_q, x_s), dtype, lead = quantize_activation(_rows(x), scheme, input_scale), x.dtype, x.shape[:-1]
+    if block is None and scaled_mm_serves(dtype, n, k):
+        y = torch._scaled_mm(x_q, weight.t(), scale_a=x_s, scale_b=scale.view(1, n), out_dtype=dtype)
         if bias is not None:
             y += bias
     else:
-        y = gemm(x_q, x_s, weight, scale, block, x.dtype, bias)
-    return y.view(*x.shape[:-1], n)
+        y = gemm(x_q, x_s, weight, scale, block, dtype, bias)
+    y = y.view(*lead, n)
+    return y if residual is None else residual.add_(y)
+
+
+# ---------------------------------------------------------------- producers that quantize their own output
+# An FP8 layer read by one producer (the decoder's RMSNorm before qkv_proj, SiLU-mul before down_proj) takes
+# its rows quantized by that producer's kernel (layers.quant.Fp8Rows): no [M, K] bf16 tensor, no second pass
+# over it. Each value is rounded to the model dtype first, so the bytes and scales equal the unfused path's
+# (the producer's output quantized by quantize_per_token / quantize_per_group).
+
+@triton.jit
+def _quant_store(y, q_row, offs, ok, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """y [BLOCK] (fp32, 0 past the row) -> fp8 at q_row + offs; returns the scale of each GROUP values."""
+    g = tl.reshape(tl.abs(y), (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.math.div_rn(tl.max(g, axis=1), FP8_MAX), SCALE_MIN)
+    inv = tl.reshape(tl.broadcast_to(tl.math.div_rn(1.0, scale)[:, None], (BLOCK // GROUP, GROUP)), (BLOCK,))
+    q = tl.clamp(y * inv, -FP8_MAX, FP8_MAX)
+    tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=ok)
+    return scale
+
+
+@triton.jit
+def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, stride_x, eps, N: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = (x * inv * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as triton_norm's
+    scale = _quant_store(y, q_ptr + row * N, cols, ok, GROUP, BLOCK)
+    NG: tl.constexpr = (N + GROUP - 1) // GROUP
+    gs = tl.arange(0, BLOCK // GROUP)
+    tl.store(s_ptr + row * NG + gs, scale, mask=gs < NG)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, INTER: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * INTER
+    cols = tl.arange(0, BLOCK)
+    NG: tl.constexpr = (INTER + GROUP - 1) // GROUP
+    if PER_ROW:  # one scale a row: the row's amax first, then the values again (from L2)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, INTER, BLOCK):
+            ok = cols < INTER - c
+            gate = tl.load(x_row + c + cols, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_row + INTER + c + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX), SCALE_MIN)
+        inv = tl.math.div_rn(1.0, scale)
+        for c in range(0, INTER, BLOCK):
+            ok = cols < INTER - c
+            gate = tl.load(x_row + c + cols, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_row + INTER + c + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            q = tl.clamp(y * inv, -FP8_MAX, FP8_MAX)
+            tl.store(q_row + c + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + row, scale)
+    else:  # a scale per GROUP columns: each step's groups are whole (GROUP divides BLOCK)
+        gs = tl.arange(0, BLOCK // GROUP)
+        for c in range(0, INTER, BLOCK):
+            ok = cols < INTER - c
+            gate = tl.load(x_row + c + cols, mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_row + INTER + c + cols, mask=ok, other=0.0).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            y = tl.where(ok, y, 0.0)
+            scale = _quant_store(y, q_row + c, cols, ok, GROUP, BLOCK)
+            g = c // GROUP + gs
+            tl.store(s_ptr + row * NG + g, scale, mask=g < NG)
+
+
+def _fp8_rows(m: int, k: int, groups: int, dtype: torch.dtype, device) -> Fp8Rows:
+    return Fp8Rows(torch.empty(m, k, dtype=FP8, device=device),
+                   torch.empty(m, groups, dtype=torch.float32, device=device), dtype)
+
+
+def _group(scheme, k: int) -> int | None:
+    """The activation group of a fused producer: None per token ("token"), else the block's K."""
+    assert scheme.activation in ("token", "group"), f"no fused quantization for {scheme.activation}"
+    if scheme.activation == "token":
+        return None
+    group = scheme.block[1]
+    assert group & (group - 1) == 0, f"FP8 activation groups must be a power of two, not {group}"
+    return group
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, scheme) -> Fp8Rows:
+    """RMSNorm(x) * weight (triton_norm's output) quantized as the scheme's activations, x [M, N]."""
+    rows = _rows(x)
+    m, n = rows.shape
+    block = triton.next_power_of_2(n)
+    group = _group(scheme, n)
+    out = _fp8_rows(m, n, 1 if group is None else triton.cdiv(n, group), x.dtype, x.device)
+    if m:
+        _rms_norm_quant_kernel[(m,)](rows, weight, out.q, out.scale, rows.stride(0), eps, N=n,
+                                     GROUP=min(group or block, block), BLOCK=block,
+                                     num_warps=min(max(block // 512, 1), 16))
+    return out
+
+
+def silu_mul_quant(x: torch.Tensor, scheme) -> Fp8Rows:
+    """silu(gate) * up of x [M, 2 * I] (triton_act's output) quantized as the scheme's activations."""
+    rows = x.reshape(-1, x.shape[-1])
+    assert rows.stride(-1) == 1
+    m, inter = rows.shape[0], rows.shape[1] // 2
+    group = _group(scheme, inter)
+    out = _fp8_rows(m, inter, 1 if group is None else triton.cdiv(inter, group), x.dtype, x.device)
+    if m:
+        block = QUANT_BLOCK if group is None else max(group, QUANT_BLOCK // group * group)
+        _silu_mul_quant_kernel[(m,)](rows, out.q, out.scale, rows.stride(0), INTER=inter,
+                                     GROUP=group or block, BLOCK=block, PER_ROW=group is None,
+                                     num_warps=QUANT_WARPS)
+    return out

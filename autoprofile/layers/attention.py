@@ -8,7 +8,8 @@ from typing import NamedTuple
 import torch
 
 from autoprofile.layers.moe import Routing, moe_reference, route
-from autoprofile.layers.quant import MoeQuant, fp8_linear_reference, moe_reference_fp8
+from autoprofile.layers.quant import (Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference, moe_reference_fp8,
+                                      quantize_input)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -147,6 +148,11 @@ class AttentionBackend(ABC):
         return None
 
     @property
+    def gemm_add(self):
+        """(x, weight, residual) -> residual += x W^T in place (TP.matmul_add); None: cuBLAS's addmm_."""
+        return None
+
+    @property
     def router_gemm(self):
         """(x, fp32 weight) -> fp32 logits for an fp32 router (TP.router_matmul), reading x in its own dtype;
         None: x.float() through TP.linear."""
@@ -232,6 +238,11 @@ class AttentionBackend(ABC):
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    def silu_mul_quant(self, x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
+        """silu_mul's rows quantized for the FP8 layer that reads them (layers.quant.fused_input_quant)."""
+        out = self.silu_mul(x)
+        return Fp8Rows(*quantize_input(out.reshape(-1, out.shape[-1]), scheme), out.dtype)
+
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, quant: MoeQuant | None = None,
                   add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
@@ -259,6 +270,11 @@ class AttentionBackend(ABC):
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+    def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Fp8Scheme) -> Fp8Rows:
+        """rms_norm's rows quantized for the FP8 layer that reads them (layers.quant.fused_input_quant)."""
+        out = self.rms_norm(x, weight, eps)
+        return Fp8Rows(*quantize_input(out.reshape(-1, out.shape[-1]), scheme), out.dtype)
 
     # ------------------------------------------------------------ MLA (DeepSeek-V2): a latent cache
     # The cache of an MLA model holds one latent per token and layer: KVLayer.k [num_pages, 1, page_size, L]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autoprofile.layers.quant import FP8, Fp8Scheme, fp8_linear_reference, quantize_weight
+from autoprofile.layers.quant import FP8, Fp8Rows, Fp8Scheme, fp8_linear_reference, quantize_weight
 
 
 @dataclass
@@ -37,9 +37,12 @@ class TP:
     # follows the message size); the runner sets both
     matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     ordered_reduce: bool = False
-    # a row-parallel layer's residual add in cuBLAS's GEMM epilogue (linear_add); the runner sets it (not
-    # under --deterministic, whose GEMM is its own)
+    # a row-parallel layer's residual add in the GEMM's epilogue (linear_add; FP8: in place after it); the
+    # runner sets it (not under --deterministic, whose GEMM is its own)
     add_in_gemm: bool = False
+    # residual += x W^T in place (the backend's gemm_add: one row through our GEMV's epilogue); None:
+    # cuBLAS's addmm_
+    matmul_add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y, the backend's fp8_gemm;
     # None: layers.quant.fp8_linear_reference
     fp8_matmul: Callable | None = None
@@ -47,10 +50,12 @@ class TP:
     # linear
     router_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def linear_fp8(self, x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias) through a quantized layer's weight, weight_scale, quant and input_scale."""
+    def linear_fp8(self, x: torch.Tensor | Fp8Rows, layer: nn.Module, bias: torch.Tensor | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) through a quantized layer's weight, weight_scale, quant and input_scale; x may come
+        quantized (Fp8Rows); with residual: added to it in place, and it is returned (one rank only)."""
         fn = fp8_linear_reference if self.fp8_matmul is None else self.fp8_matmul
-        return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias)
+        return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias, residual)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every GEMM of the model's layers, sharded or replicated (routers, MLA's kv_a_proj): the backend's
@@ -65,12 +70,16 @@ class TP:
         return self.linear(x.float(), weight)
 
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + all_reduce(x W^T). On one rank with add_in_gemm and more than one row (one row takes the
-        GEMV): cuBLAS adds residual in the GEMM's epilogue (beta = 1), in place, rounding once: no [T, out]
-        temporary and one pass fewer over the residual stream (a prefill step of 8 x 1,024 tokens spent 4.0 of
-        186 ms in residual adds on an H100)."""
-        if self.size == 1 and self.add_in_gemm and x.shape[0] > 1:
-            return residual.addmm_(x, weight.t())
+        """residual + all_reduce(x W^T). On one rank with add_in_gemm, in place, rounding once: the backend's
+        matmul_add (aiter_triton: one row in our GEMV's epilogue, where a GEMV and an add kernel ran), else
+        cuBLAS adds residual in the GEMM's epilogue (beta = 1) past one row: no [T, out] temporary and one
+        pass fewer over the residual stream (a prefill step of 8 x 1,024 tokens spent 4.0 of 186 ms in
+        residual adds on an H100)."""
+        if self.size == 1 and self.add_in_gemm:
+            if self.matmul_add is not None:
+                return self.matmul_add(x, weight, residual)
+            if x.shape[0] > 1:
+                return residual.addmm_(x, weight.t())
         return residual + self.all_reduce(self.linear(x, weight))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +338,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """y, or residual + y (TP.linear_add: in place in residual where the GEMM adds it)."""
-        if self.quant is not None:  # NOTE: no residual in the FP8 GEMM's epilogue
+        if self.quant is not None:
+            if residual is not None and self.bias is None and self.tp.size == 1 and self.tp.add_in_gemm:
+                return self.tp.linear_fp8(x, self, residual=residual)  # in place (one row: GEMV epilogue)
             y = self.tp.all_reduce(self.tp.linear_fp8(x, self))
         elif residual is not None and self.bias is None:
             return self.tp.linear_add(x, self.weight, residual)

@@ -20,8 +20,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # a zero row's scale: its values quantize to zeros, not NaN
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Scheme", "MoeQuant", "dequantize_weight", "expand_block_scale",
-           "fp8_capability_problem", "fp8_linear_reference", "moe_reference_fp8", "quantize_per_group",
+__all__ = ["FP8", "FP8_MAX", "Fp8Rows", "Fp8Scheme", "MoeQuant", "dequantize_weight", "expand_block_scale",
+           "fp8_capability_problem", "fp8_linear_reference", "fused_input_quant", "moe_reference_fp8",
+           "quantize_per_group",
            "quantize_per_token", "quantize_weight", "weight_scale_shape"]
 
 
@@ -46,6 +47,27 @@ class MoeQuant:
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
     scheme: Fp8Scheme
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations [M, K] quantized by the kernel that made them (an RMSNorm's or SiLU-mul's output, for the
+    one FP8 linear layer that reads them): q fp8 [M, K] and scale fp32 as quantize_input gives them for the
+    layer's scheme; dtype: the model's, the layer's output dtype."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def fused_input_quant(scheme: Fp8Scheme | None) -> Fp8Scheme | None:
+    """The scheme a producer (norm, SiLU-mul) quantizes its rows with for an FP8 layer that reads them alone;
+    None where the layer quantizes nothing (bf16) or takes the checkpoint's static scale."""
+    return scheme if scheme is not None and scheme.activation in ("token", "group") else None
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -128,18 +150,23 @@ def dequantize_input(x_q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme) 
     return x_q.float() * scale
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, scheme: Fp8Scheme,
-                         input_scale: torch.Tensor | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A8: x [..., K] quantized as the scheme says, both sides dequantized to fp32, matmul in fp32, + bias;
-    in x's dtype."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    x_q, x_scale = quantize_input(x2, scheme, input_scale)
+def fp8_linear_reference(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         scheme: Fp8Scheme, input_scale: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x [..., K] quantized as the scheme says (or Fp8Rows, quantized already), both sides dequantized
+    to fp32, matmul in fp32, + bias; in x's dtype. residual: the result is added to it, in place, and it is
+    returned."""
+    if isinstance(x, Fp8Rows):
+        x_q, x_scale, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+    else:
+        x_q, x_scale = quantize_input(x.reshape(-1, x.shape[-1]), scheme, input_scale)
+        dtype, lead = x.dtype, x.shape[:-1]
     y = dequantize_input(x_q, x_scale, scheme) @ dequantize_weight(weight, weight_scale, scheme).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+    y = y.to(dtype).reshape(*lead, weight.shape[0])
+    return y if residual is None else residual.add_(y)
 
 
 def moe_reference_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

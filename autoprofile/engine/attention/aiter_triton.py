@@ -21,6 +21,7 @@ from autoprofile.kernels import triton_decode, triton_mla_absorb, triton_prefill
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import Routing
+from autoprofile.layers.quant import Fp8Rows, Fp8Scheme
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
@@ -101,9 +102,10 @@ class AiterTritonBackend(AttentionBackend):
     name = "aiter_triton"
     moe_capturable = True
     batch_invariant_on_gpu = True
-    # bf16/fp16 caches through our split decode (triton_decode) too, in place of AITER's v1/v2; FP8 caches
-    # always take it. Off until measured against AITER on the GPU (scripts/bench_decode_attention.py).
+    # bf16/fp16 caches through our split decode (triton_decode) at up to SPLIT_DECODE_ROWS rows, AITER's
+    # v1/v2 past them (split_decode_bf16: at every row count); FP8 caches always take it
     split_decode_bf16 = False
+    split_decode_rows = budget.SPLIT_DECODE_ROWS
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device, deterministic: bool = False):
@@ -145,6 +147,12 @@ class AiterTritonBackend(AttentionBackend):
         """--deterministic: the fixed-tile GEMM; else one row through our GEMV (the batch-1 decode: cuBLAS
         leaves bandwidth behind there), more through cuBLAS."""
         return self.triton_matmul.linear if self.deterministic else self.triton_gemv.linear
+
+    @property
+    def gemm_add(self):
+        """One row: the residual added in our GEMV's epilogue; more: cuBLAS's addmm_. None under
+        --deterministic (its GEMM)."""
+        return None if self.deterministic else self.triton_gemv.linear_add
 
     @property
     def router_gemm(self):
@@ -214,6 +222,10 @@ class AiterTritonBackend(AttentionBackend):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """One Triton kernel (triton_act) instead of silu, a [T, I] temporary and the product."""
         return self.triton_act.silu_mul(x)
+
+    def silu_mul_quant(self, x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
+        """One Triton kernel: SiLU-mul's rows quantized in it (triton_fp8), no [T, I] bf16 tensor."""
+        return self.triton_fp8.silu_mul_quant(x, scheme)
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -287,8 +299,9 @@ class AiterTritonBackend(AttentionBackend):
         """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs.
 
-        An FP8 cache (or split_decode_bf16): our split decode (triton_decode), which reads the scales, device
-        values that the first batch may set after capture, inside the kernel. Else AITER's v1 or v2."""
+        An FP8 cache, or a bf16 one at up to split_decode_rows rows: our split decode (triton_decode), which
+        reads the scales, device values that the first batch may set after capture, inside the kernel. Else
+        AITER's v1 or v2."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
         if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
@@ -298,7 +311,7 @@ class AiterTritonBackend(AttentionBackend):
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = output_rows(out, q)
-        if kv.scales is not None or self.split_decode_bf16:
+        if kv.scales is not None or self.split_decode_bf16 or q.shape[0] <= self.split_decode_rows:
             scales = (kv.scales[0], kv.scales[1]) if kv.scales is not None else (None, None)
             return triton_decode.decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.max_seq_len, self.scale, *scales)
@@ -319,3 +332,7 @@ class AiterTritonBackend(AttentionBackend):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
         return self.triton_norm.rms_norm(x, weight, eps)
+
+    def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Fp8Scheme) -> Fp8Rows:
+        """One Triton kernel: the norm's rows quantized in it (triton_fp8)."""
+        return self.triton_fp8.rms_norm_quant(x, weight, eps, scheme)
