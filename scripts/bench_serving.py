@@ -854,7 +854,13 @@ def ms(fn, n=20):
     return s.elapsed_time(e) / n
 gemm = 2 * 8192 ** 3 / (ms(lambda: a @ b) * 1e-3)
 copy = 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
-print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy,
+fp8 = None  # cuBLASLt's FP8 GEMM with row-wise scales (FP8 weights' prefill), where the GPU has FP8
+if torch.cuda.get_device_capability() >= (8, 9):
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    fp8 = 2 * 8192 ** 3 / (ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                       out_dtype=torch.bfloat16)) * 1e-3)
+print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy, "fp8_gemm_flops_per_s": fp8,
                   "device": torch.cuda.get_device_name()}))
 """
 
@@ -881,6 +887,14 @@ def ttft_floor(requests: int, burst: int, prefill_s: float, quantile: float) -> 
     return floors[max(math.ceil(quantile * requests) - 1, 0)]
 
 
+def fp8_params(m, expert_share: float) -> float:
+    """FP8 weights a token (expert_share = top_k / E) or a step (the share of experts its rows reach) computes
+    with or reads: the dense FP8 layers' and that share of the FP8 experts' (0 for a bf16 model)."""
+    layers = m.quantized_linears()
+    return (sum(q.weight_elements for q in layers if not q.experts)
+            + expert_share * sum(q.weight_elements for q in layers if q.experts))
+
+
 def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: float, input_len: float,
              output_len: float, concurrency: int) -> dict:
     """The run's floor on this GPU: the prefill's FLOPs over the measured GEMM rate, plus each decode step's
@@ -889,20 +903,27 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: floa
     experts it reaches) x prompt tokens + causal attention (2 x layers x q heads x (qk + v head widths) x
     L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of `concurrency`, each wave
     output_len - 1 steps over rows at input_len + output_len / 2 tokens on average, each step reading the
-    weights its rows reach (m.params_read) at `param_bytes` a parameter."""
+    weights its rows reach (m.params_read) at `param_bytes` a parameter. FP8 weights (m.quant): their GEMMs
+    at the measured FP8 rate (fp8_gemm_flops_per_s; the bf16 one where it is missing), one byte a weight."""
     n = summary["completed"]
     embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
     dense = m.params_per_token() - embed
     qk, v = m.attention_dims()
     attn = m.num_layers * m.num_heads * (qk + v) * input_len ** 2
+    share = m.num_experts_per_tok / m.num_experts if m.num_experts else 0.0
+    fp8_flops = n * 2 * fp8_params(m, share) * input_len
     prefill_flops = n * (2 * dense * input_len + attn + 2 * m.vocab_size * m.hidden_size)
     rows = min(concurrency, n)
     steps = -(-n // rows) * max(output_len - 1, 0)
-    step_bytes = m.params_read(rows) * param_bytes + rows * (input_len + output_len / 2) * cell_bytes
-    prefill_s = prefill_flops / rates["gemm_flops_per_s"]
+    fp8_read = fp8_params(m, 1 - m.unreached_expert_share(rows))
+    step_bytes = ((m.params_read(rows) - fp8_read) * param_bytes + fp8_read
+                  + rows * (input_len + output_len / 2) * cell_bytes)
+    fp8_rate = rates.get("fp8_gemm_flops_per_s") or rates["gemm_flops_per_s"]
+    prefill_s = (prefill_flops - fp8_flops) / rates["gemm_flops_per_s"] + fp8_flops / fp8_rate
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
     ttft_p99 = ttft_floor(n, rows, prefill_s / n, 0.99)
     return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
+            "fp8_pflop": fp8_flops / 1e15, "fp8_tflops": fp8_rate / 1e12 if fp8_flops else None,
             "ttft_p99_floor_s": ttft_p99,
             "prefill_s": prefill_s, "decode_steps": steps,
             "decode_step_ms": step_bytes / rates["copy_bytes_per_s"] * 1e3,
@@ -912,7 +933,10 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: floa
 
 
 def roofline_line(r: dict) -> str:
-    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {r['gemm_tflops']:.0f} TFLOP/s = "
+    rate = f"{r['gemm_tflops']:.0f} TFLOP/s"
+    if r.get("fp8_tflops"):
+        rate = f"({r['fp8_pflop']:.2f} of them FP8 at {r['fp8_tflops']:.0f}, the rest at {rate})"
+    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {rate} = "
             f"{r['prefill_s']:.1f} s"
             f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s "
             f"copy) = "

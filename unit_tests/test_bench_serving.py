@@ -322,6 +322,31 @@ def test_an_moe_models_roofline_counts_the_experts_its_tokens_reach():
     assert llama.params_read(1) == llama.params_per_token() == llama.num_params()
 
 
+def test_an_fp8_models_roofline_reads_a_byte_a_weight_and_computes_at_the_fp8_rate():
+    """llama-3.1-8b-fp8: its quantized linears' FLOPs at the measured FP8 GEMM rate (the bf16 rate where it
+    was not measured), one byte a quantized weight in each decode step; the embedding, lm_head and attention
+    stay bf16. qwen3-30b-a3b-fp8: the experts its tokens reach."""
+    from models.config import load_model_config
+    bf16, fp8 = load_model_config("llama-3.1-8b"), load_model_config("llama-3.1-8b-fp8")
+    rates = {"gemm_flops_per_s": 800e12, "copy_bytes_per_s": 3.0e12, "fp8_gemm_flops_per_s": 1600e12}
+    args = ({"completed": 1000, "duration": 30.0}, rates)
+    a, b = (bench_serving.roofline(*args, m, 131072, 2, 1024, 128, 256) for m in (bf16, fp8))
+    linear = sum(q.weight_elements for q in fp8.quantized_linears())
+    assert linear == 32 * ((6144 + 4096 + 2 * 14336) * 4096 + 4096 * 14336)
+    assert b["prefill_pflop"] == a["prefill_pflop"] and b["fp8_pflop"] * 1e15 == 1000 * 2 * linear * 1024
+    assert b["prefill_s"] == pytest.approx(a["prefill_s"] - b["fp8_pflop"] * 1e15 / 1600e12)
+    assert (a["decode_step_ms"] - b["decode_step_ms"]) * 1e-3 == pytest.approx(linear / 3.0e12)
+    assert "FP8 at 1600" in bench_serving.roofline_line(b) and "FP8" not in bench_serving.roofline_line(a)
+    slow = bench_serving.roofline(args[0], {**rates, "fp8_gemm_flops_per_s": None}, fp8, 131072, 2, 1024,
+                                  128, 256)
+    assert slow["prefill_s"] == pytest.approx(a["prefill_s"])
+    moe = load_model_config("qwen3-30b-a3b-fp8")
+    one = bench_serving.roofline({"completed": 1, "duration": 1.0}, rates, moe, 98304, 2, 1024, 2, 1)
+    experts = sum(q.weight_elements for q in moe.quantized_linears() if q.experts)
+    dense = sum(q.weight_elements for q in moe.quantized_linears() if not q.experts)
+    assert one["fp8_pflop"] * 1e15 == pytest.approx(2 * 1024 * (dense + experts * 8 / 128))
+
+
 def test_mla_attention_flops_use_its_expanded_widths():
     from models.config import load_model_config
     m = load_model_config("deepseek-v2-lite")

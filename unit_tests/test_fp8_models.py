@@ -339,3 +339,18 @@ def test_a_layer_read_by_one_producer_takes_its_rows_quantized_by_that_producer(
     static = Fp8Scheme("channel", None, "static")
     from autoprofile.layers.quant import fused_input_quant
     assert fused_input_quant(static) is None and fused_input_quant(None) is None
+
+
+def test_the_gpu_accuracy_script_compares_an_fp8_model_with_its_dequantized_twin():
+    """scripts/fp8_accuracy.py (issue 31's check on llama-3.1-8b on the GPU) on tiny-fp8 on the CPU: the twin
+    holds the FP8 weights dequantized, so prompt and one-row logits differ only by activation quantization."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "fp8_accuracy.py"), "--model", "tiny-fp8",
+                          "--backend", "torch", "--device", "cpu", "--prompts", "1", "--prompt_len", "48",
+                          "--steps", "4"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["prompt_logits_rel_err"] < TOLERANCE and got["decode_logits_rel_err"] < TOLERANCE, got
+    assert got["prompt_decisive_agree"] >= 0.9 and got["decode_decisive_agree"] >= 0.9, got

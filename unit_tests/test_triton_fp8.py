@@ -167,6 +167,9 @@ for m, n in [(3, 4096), (2, 130), (4, 1000)]:
     for scheme, quant in ((token, quantize_per_token), (group, lambda t: quantize_per_group(t, 128))):
         same(f.rms_norm_quant(x, w, 1e-6, scheme), *quant(normed.float()))
         same(f.silu_mul_quant(gu, scheme), *quant(act.float()))
+    f.SILU_QUANT_ROW = 128  # rows past it: the two-pass kernel (amax, then the values again)
+    same(f.silu_mul_quant(gu, token), *quantize_per_token(act.float()))
+    f.SILU_QUANT_ROW = 16384
 # linear over Fp8Rows: what it gives for the producer's output; a residual is added in place (one row: in
 # the GEMV's epilogue, rounded once)
 wt = torch.randn(96, 1000) * 0.05

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.triton_matmul import grouped_tile
+from autoprofile.kernels.triton_norm import normed_row
 from autoprofile.layers.quant import Fp8Rows
 
 FP8 = torch.float8_e4m3fn
@@ -29,6 +30,9 @@ FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr 
 SCALE_MIN = tl.constexpr(1e-12)
 QUANT_BLOCK, QUANT_WARPS = 2048, 4  # elements of a row per step of the quant kernels
 QUANT_GROUPS = 16  # 128-groups per step of the group kernel
+# SiLU-mul per token: rows up to this wide in registers, one pass (llama-3.1-8b's 14,336: a prefill step of 7
+# x 1,024 tokens spent 324 us a layer reading gate|up twice, on an H100); wider rows: amax, then again
+SILU_QUANT_ROW = 16384
 # One row (BLOCK_N, BLOCK_K, warps) by the weight's shape, from a sweep of 46 configs on an H100 (fraction of
 # the copy floor, llama-3.1-8b, 32 weights a graph: qkv 0.73 and gate_up 0.91 at 4/512/w1; o 0.68 and down
 # 0.86 at 2/1024/w1, where the H200's picks gave 0.65 and 0.76); manual prefetch of the next K step and
@@ -320,12 +324,8 @@ def _quant_store(y, q_row, offs, ok, GROUP: tl.constexpr, BLOCK: tl.constexpr):
 def _rms_norm_quant_kernel(x_ptr, w_ptr, q_ptr, s_ptr, stride_x, eps, N: tl.constexpr, GROUP: tl.constexpr,
                            BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = (x * inv * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as triton_norm's
+    y, cols, ok = normed_row(x_ptr, w_ptr, row, stride_x, eps, N, BLOCK)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # triton_norm's output, rounded as it stores it
     scale = _quant_store(y, q_ptr + row * N, cols, ok, GROUP, BLOCK)
     NG: tl.constexpr = (N + GROUP - 1) // GROUP
     gs = tl.arange(0, BLOCK // GROUP)
@@ -339,7 +339,16 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, INTER: tl.constexpr, G
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * INTER
     cols = tl.arange(0, BLOCK)
     NG: tl.constexpr = (INTER + GROUP - 1) // GROUP
-    if PER_ROW:  # one scale a row: the row's amax first, then the values again (from L2)
+    if PER_ROW and BLOCK >= INTER:  # one scale a row, the whole row in registers: one pass
+        ok = cols < INTER
+        gate = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_row + INTER + cols, mask=ok, other=0.0).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), SCALE_MIN)
+        q = tl.clamp(y * tl.math.div_rn(1.0, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + row, scale)
+    elif PER_ROW:  # a longer row: its amax first, then the values again
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for c in range(0, INTER, BLOCK):
             ok = cols < INTER - c
@@ -407,8 +416,13 @@ def silu_mul_quant(x: torch.Tensor, scheme) -> Fp8Rows:
     group = _group(scheme, inter)
     out = _fp8_rows(m, inter, 1 if group is None else triton.cdiv(inter, group), x.dtype, x.device)
     if m:
-        block = QUANT_BLOCK if group is None else max(group, QUANT_BLOCK // group * group)
+        whole = triton.next_power_of_2(inter)
+        if group is None and whole <= SILU_QUANT_ROW:  # the row in registers, 32 values a thread
+            block, warps = whole, max(QUANT_WARPS, whole // 1024)
+        else:
+            block = QUANT_BLOCK if group is None else max(group, QUANT_BLOCK // group * group)
+            warps = QUANT_WARPS
         _silu_mul_quant_kernel[(m,)](rows, out.q, out.scale, rows.stride(0), INTER=inter,
                                      GROUP=group or block, BLOCK=block, PER_ROW=group is None,
-                                     num_warps=QUANT_WARPS)
+                                     num_warps=warps)
     return out

@@ -17,14 +17,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def normed_row(x_ptr, w_ptr, row, stride_x, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` of x [.., N] RMS-normed and times the weight, in fp32 ([BLOCK], 0 past N); its columns and
+    their mask. Also the norm of triton_fp8's rms_norm_quant."""
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    return x * inv * w, cols, mask
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    y, cols, mask = normed_row(x_ptr, w_ptr, row, stride_x, eps, N, BLOCK)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
