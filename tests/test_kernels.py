@@ -199,10 +199,12 @@ def test_decode_graph_replay_equals_eager(name, b, max_seq_len):
 @pytest.mark.parametrize("captured", [False, True])
 @pytest.mark.parametrize("b,max_seq_len", [(64, 2048), (8, 4096), (32, 16384), (4, 131072)])
 def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len, captured):
-    """What one aiter_triton decode allocates besides its output is per_call_workspace_bytes (v2: the
-    budget's triton_decode_workspace_bytes, in AITER's partitions eager and in triton_decode_partition's
-    inside a graph; v1: nothing), up to the allocator's 512-byte rounding."""
+    """What one aiter_triton decode through AITER's kernels allocates besides its output is
+    per_call_workspace_bytes (v2: the budget's triton_decode_workspace_bytes, in AITER's partitions eager and
+    in triton_decode_partition's inside a graph; v1: nothing), up to the allocator's 512-byte rounding. (bf16
+    rows up to split_decode_rows take our split decode: tests/test_split_decode_gpu.py.)"""
     be = make("aiter_triton")
+    be.split_decode_rows = 0
     kc, vc, meta = paged([17] * b, max_seq_len, torch.Generator(device="cuda").manual_seed(b))
     meta.captured = captured
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
