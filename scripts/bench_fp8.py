@@ -32,8 +32,8 @@ ref: dict = {}  # the torch references (a private copy of layers.quant's)
 exec(compile(REFERENCE, "reference", "exec"), ref)
 CHANNEL = ref["Scheme"]("channel")
 BLOCK = ref["Scheme"]("block", (128, 128), "group")
-GEMV_SWEEP = [(4, 512, 2), (4, 1024, 2), (8, 1024, 4), (8, 512, 2), (4, 2048, 4), (2, 4096, 8),
-              (16, 256, 4)]
+GEMV_SWEEP = [(4, 512, 1), (2, 1024, 1), (4, 512, 2), (4, 1024, 2), (8, 1024, 4), (8, 512, 2), (4, 2048, 4),
+              (2, 4096, 8), (16, 256, 4)]  # the first two: triton_fp8.gemv_config's (an H100 sweep of 46)
 GEMM_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=s)
               for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                                    (128, 64, 4, 4), (64, 256, 8, 3))]

@@ -9,8 +9,12 @@ dequantized weights, both with random weights drawn from one seed (no download).
   2. greedy decode, teacher-forced: --steps tokens, one at a time (the one-row path), each model fed the
      reference's token; the share of steps whose argmax agrees, and the logits' relative error.
 
-    PYTHONPATH=. python3 scripts/fp8_accuracy.py [--model llama-3.1-8b-fp8]
-    PYTHONPATH=. python3 scripts/fp8_accuracy.py --model tiny-fp8 --backend torch --device cpu   # a smoke test
+--against reference compares the same FP8 weights through the torch backend's fp8_linear_reference instead
+(W8A8 in fp32: what the kernels alone change); for a bf16 --model, the backend's kernels against the torch backend
+(rounding alone: how much this random model amplifies a perturbation).
+
+    PYTHONPATH=. python3 scripts/fp8_accuracy.py [--model llama-3.1-8b-fp8] [--against reference]
+    PYTHONPATH=. python3 scripts/fp8_accuracy.py --model tiny-fp8 --backend torch --device cpu  # smoke test
 """
 from __future__ import annotations
 
@@ -88,6 +92,14 @@ def decisive(ref: torch.Tensor, margin: float) -> torch.Tensor:
     return (top[:, 0] - top[:, 1]) >= margin * ref.std(dim=-1)
 
 
+def score(out: dict, got: torch.Tensor, want: torch.Tensor, margin: float) -> None:
+    """Append the logits' relative error and the argmax agreement (all rows, decisive rows) to `out`."""
+    same = got.argmax(-1) == want.argmax(-1)
+    out["err"].append(rel_err(got, want))
+    out["agree"].append(float(same.float().mean()))
+    out["decisive"].append(float(same[decisive(want, margin)].float().mean()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b-fp8")
@@ -120,11 +132,7 @@ def main() -> None:
     for _ in range(args.prompts):
         ids = torch.randint(3, mc.vocab_size, (args.prompt_len,), generator=gen).tolist()
         got, want = (logits(m, ids, kv, 0, device) for m, kv in zip((fp8, ref), caches))
-        for out, (g, w) in ((prompt, (got, want)),):
-            sure = decisive(w, args.margin)
-            out["err"].append(rel_err(g, w))
-            out["agree"].append(float((g.argmax(-1) == w.argmax(-1)).float().mean()))
-            out["decisive"].append(float((g.argmax(-1) == w.argmax(-1))[sure].float().mean()))
+        score(prompt, got, want, args.margin)
         token = int(want[-1].argmax())
         steps_g, steps_w = [], []
         for step in range(args.steps):
@@ -133,12 +141,9 @@ def main() -> None:
             steps_g.append(g)
             steps_w.append(w)
             token = int(w.argmax())  # teacher-forced: both models take the reference's token
-        g, w = torch.stack(steps_g), torch.stack(steps_w)
-        sure = decisive(w, args.margin)
-        decode["err"].append(rel_err(g, w))
-        decode["agree"].append(float((g.argmax(-1) == w.argmax(-1)).float().mean()))
-        decode["decisive"].append(float((g.argmax(-1) == w.argmax(-1))[sure].float().mean()))
-    summary = {"model": args.model, "weights": mc.weight_format, "backend": args.backend, "against": args.against,
+        score(decode, torch.stack(steps_g), torch.stack(steps_w), args.margin)
+    summary = {"model": args.model, "weights": mc.weight_format, "backend": args.backend,
+               "against": args.against,
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "prompt_logits_rel_err": max(prompt["err"]), "prompt_argmax_agree": min(prompt["agree"]),
                "prompt_decisive_agree": min(prompt["decisive"]),
