@@ -9,9 +9,9 @@ dequantized weights, both with random weights drawn from one seed (no download).
   2. greedy decode, teacher-forced: --steps tokens, one at a time (the one-row path), each model fed the
      reference's token; the share of steps whose argmax agrees, and the logits' relative error.
 
---against reference compares the same FP8 weights through the torch backend's fp8_linear_reference instead
-(W8A8 in fp32: what the kernels alone change); for a bf16 --model, the backend's kernels against the torch backend
-(rounding alone: how much this random model amplifies a perturbation).
+--against reference compares the same FP8 weights through the torch backend's fp8_linear_reference
+instead (W8A8 in fp32: what the kernels alone change); for a bf16 --model, the backend's kernels against
+the torch backend (rounding alone: how much this random model amplifies a perturbation).
 
     PYTHONPATH=. python3 scripts/fp8_accuracy.py [--model llama-3.1-8b-fp8] [--against reference]
     PYTHONPATH=. python3 scripts/fp8_accuracy.py --model tiny-fp8 --backend torch --device cpu  # smoke test
