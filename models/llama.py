@@ -193,10 +193,14 @@ class LlamaMLP(nn.Module):
         self.down_quant = fused_input_quant(self.down_proj.quant)  # SiLU-mul's kernel quantizes for it
 
     def forward(self, x: torch.Tensor | Fp8Rows, residual: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        # gate_up [T, 2I] is a temporary of the call: freed before down_proj runs
+        return self.down_proj(self.activation(self.gate_up_proj(x)), residual)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Rows:
+        """SiLU(gate) * up; past one row quantized in SiLU-mul's kernel for an FP8 down_proj."""
         if self.down_quant is not None and gate_up.shape[0] > 1:
-            return self.down_proj(self.backend.silu_mul_quant(gate_up, self.down_quant), residual)
-        return self.down_proj(self.backend.silu_mul(gate_up), residual)
+            return self.backend.silu_mul_quant(gate_up, self.down_quant)
+        return self.backend.silu_mul(gate_up)
 
 
 class SparseMoeBlock(nn.Module):
