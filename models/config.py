@@ -47,6 +47,11 @@ class Fp8Scheme:
     block: tuple[int, int] | None = None
     activation: str = "token"
 
+    @property
+    def dynamic(self) -> bool:
+        """Activations quantized per step ("token", "group"), not by the checkpoint's scale ("static")."""
+        return self.activation != "static"
+
     def describe(self) -> str:
         """e.g. 'fp8_e4m3 (block 128x128, dynamic per-group activations)' (report, /health)."""
         layout = f"block {self.block[0]}x{self.block[1]}" if self.weight == "block" else "per-channel"
@@ -72,7 +77,7 @@ class QuantLinear:
 
     @property
     def input_fused(self) -> bool:
-        return self.fused and self.scheme.activation in ("token", "group")
+        return self.fused and self.scheme.dynamic
 
     def input_bytes(self, tokens: int) -> int:
         """Its quantized input x_q [T, K] (1 byte each) and the fp32 scales ([T, K / block_k] per group, [T, 1]

@@ -126,8 +126,8 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     runner = ModelRunner(cfg)
     if args.cublas:  # the linear layers through F.linear (cuBLAS) instead of the backend's GEMM
         runner.tp.matmul = None
-    if args.split_decode_bf16:  # bf16 pages through our split decode too (FP8 pages always take it)
-        runner.backend.split_decode_bf16 = True
+    if args.split_decode_rows is not None:  # bf16 pages' split decode up to N rows (FP8 pages always)
+        runner.backend.split_decode_rows = args.split_decode_rows
     if args.cublas_router:  # an fp32 router's logits as before the router GEMV: x.float() through cuBLAS
         runner.tp.router_matmul = None
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     copy = bench_attention.copy_bandwidth(args.copy_bytes)
     bw = copy["GB_per_s"] * 1e9
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": args.backend,
-                 "kv_cache_dtype": args.kv_cache_dtype, "split_decode_bf16": args.split_decode_bf16,
+                 "kv_cache_dtype": args.kv_cache_dtype, "split_decode_rows": args.split_decode_rows,
                  "copy_GB_per_s": copy["GB_per_s"], "ctx": args.ctx, "steps": {}, "targets": TARGETS}
     for context in args.contexts:
         runner = build(args, context)
@@ -222,9 +222,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels")
     p.add_argument("--cublas", action="store_true",
                    help="linear layers through cuBLAS, not the backend's GEMM (aiter_triton: the one-row GEMV)")
-    p.add_argument("--split_decode_bf16", action="store_true",
-                   help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) "
-                        "instead of AITER's v1/v2; FP8 pages always do")
+    p.add_argument("--split_decode_rows", type=int, default=None,
+                   help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) at "
+                        "up to N rows, AITER's v1/v2 past them (0: AITER's at every row count, 100000: ours "
+                        "at every one; default: the backend's budget.SPLIT_DECODE_ROWS); FP8 pages always "
+                        "take ours")
     p.add_argument("--cublas_router", action="store_true",
                    help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's "
                         "GEMV")
@@ -245,8 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "whose KV does not fit the rest are skipped (said on stderr and in the JSON)")
     p.add_argument("--json", type=Path, default=None, help="write the JSON here (else it follows the table)")
     args = p.parse_args(argv)
-    if args.split_decode_bf16 and args.backend != "aiter_triton":
-        p.error(f"--split_decode_bf16 is aiter_triton's, not --backend {args.backend}; "
+    if args.split_decode_rows is not None and args.backend != "aiter_triton":
+        p.error(f"--split_decode_rows is aiter_triton's, not --backend {args.backend}; "
                 "try --backend aiter_triton")
     return args
 

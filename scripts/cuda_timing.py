@@ -1,5 +1,5 @@
 """The benchmarks' one timer: CUDA events around each call, the median of `iters` calls after a warm-up; and
-the one graph capture they time (graphed)."""
+the one graph capture they time (graphed) and the GPU tests replay (capture)."""
 from __future__ import annotations
 
 import statistics
@@ -23,14 +23,20 @@ def cuda_median_ms(fn: Callable[[], object], iters: int, warmup: int = 5) -> flo
     return statistics.median(times)
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (warmed on a side stream first): the replay."""
+def capture(call: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """call() run once on a side stream (compiles, allocates its workspaces outside the capture), then
+    captured: (the graph, what the captured call returned: its output buffers, which each replay writes)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        out = call()
+    return graph, out
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (capture): the replay."""
+    return capture(fn)[0].replay

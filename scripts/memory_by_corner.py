@@ -52,8 +52,7 @@ def main() -> None:
     runner.stressing = True
     try:
         for kind, steps in (("prefill", stress.prefill_steps), ("decode", stress.decode_steps)):
-            for step in steps(runner.envelope, runner.kv.num_pages - 1, runner.model_config.vocab_size,
-                              cfg.seed, runner.forced_routings):
+            for step in runner.corners(steps):
                 torch.cuda.reset_peak_memory_stats()
                 runner.execute(step)
                 shape = step.shape(runner.envelope.graph_rows)

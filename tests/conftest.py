@@ -20,20 +20,6 @@ def require_backend(name: str) -> None:
             pytest.skip(f"AITER Triton kernels unavailable: {e}")
 
 
-def capture(call):
-    """call() run once on a side stream (compiles, allocates its workspaces outside the capture), then captured:
-    (the graph, what the captured call returned: its output buffers, which each replay writes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
-
-
 def release_gpu() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -13,7 +13,7 @@ from autoprofile.kernels.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
 from autoprofile.layers.attention import FP8_MAX, KVLayer, dequantize, quantize
-from tests.conftest import capture
+from scripts.cuda_timing import capture
 from unit_tests.test_attention_cpu import ref_attention, ref_rms_norm, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

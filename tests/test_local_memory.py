@@ -146,6 +146,8 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
         triton_fp8.rms_norm_quant(torch.randn(m, 4096, device="cuda").bfloat16(),
                                   torch.ones(4096, device="cuda").bfloat16(), 1e-5, scheme)
         triton_fp8.silu_mul_quant(torch.randn(m, 2 * 14336, device="cuda").bfloat16(), scheme)
+        # past SILU_QUANT_ROW: the per-token two-pass kernel (qwen2.5-72b's 29,568)
+        triton_fp8.silu_mul_quant(torch.randn(m, 2 * 29568, device="cuda").bfloat16(), scheme)
     e, h, i = 32, 2048, 768  # the FP8 experts at both launch configs
     w13, s13 = ref["quantize_weight"](torch.randn(e, 2 * i, h, device="cuda") * 0.02, scheme)
     w2, s2 = ref["quantize_weight"](torch.randn(e, h, i, device="cuda") * 0.02, scheme)

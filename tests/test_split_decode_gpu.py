@@ -1,7 +1,7 @@
 """GPU: our split-KV paged decode (kernels.triton_decode) at llama-3.1-8b's attention shapes (32/8 heads of
 128, pages of 16), through AiterTritonBackend.decode as serving calls it (FP8 pages always; bf16 pages with
-split_decode_bf16), against the float64 reference over the dequantised pages; in a CUDA graph whose scales
-change after capture; its scratch is what the budget says; one compile per variant."""
+split_decode_rows past every row count), against the float64 reference over the dequantised pages; in a
+CUDA graph whose scales change after capture; its scratch is what the budget says; one compile per variant."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from autoprofile import budget
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.kernels import triton_decode
 from autoprofile.layers.attention import KVLayer, dequantize
-from tests.conftest import capture
+from scripts.cuda_timing import capture
 from tests.test_kernels import (BF16_TOL, HKV, HQ, D, compiled, fp8_pages, make, mixed_lens,
                                 nan_empty, packed_qkv, paged, ref_decode_one)  # noqa: F401 (a fixture)
 from unit_tests.test_attention_cpu import rel_err
@@ -29,7 +29,7 @@ CASES = [  # (batch, longest seq_len, static max_seq_len, ragged)
 
 def backend(cache: str) -> AiterTritonBackend:
     be = make("aiter_triton")
-    be.split_decode_bf16 = cache == "bf16"
+    be.split_decode_rows = 1 << 30  # bf16 pages through the split kernel at every row count
     return be
 
 

@@ -109,7 +109,7 @@ print("ok")
 
 BACKEND = COMMON + r'''
 # AiterTritonBackend.decode: FP8 pages (KVLayer.scales [2]) through triton_decode, and float16 pages too
-# with split_decode_bf16 or at up to split_decode_rows rows; a float16 cache past them stays on AITER's
+# at up to split_decode_rows rows; a float16 cache past them stays on AITER's
 import types
 from autoprofile.engine.attention import AttentionMetadata, aiter_triton
 from autoprofile import budget
@@ -123,11 +123,10 @@ real = triton_decode.decode
 triton_decode.decode = lambda *a, **k: calls.append(1) or real(*a, **k)
 gen = torch.Generator().manual_seed(9)
 lens, hq, hkv, d, page = [1, 40, 16], 8, 2, 32, 16
-for cache_dtype, split_bf16, split_rows in ((FP8, False, 0), (torch.float16, True, 0),
-                                            (torch.float16, False, 3), (torch.float16, False, 2)):
+for cache_dtype, split_rows in ((FP8, 0), (torch.float16, 3), (torch.float16, 2)):
     be = AiterTritonBackend(hq, hkv, d, page, torch.float16, torch.device("cpu"))
     assert be.split_decode_rows == budget.SPLIT_DECODE_ROWS
-    be.split_decode_bf16, be.split_decode_rows = split_bf16, split_rows
+    be.split_decode_rows = split_rows
     kc, vc, tables = pool(lens, hkv, page, d, cache_dtype, gen)
     scales = torch.tensor([0.7, 1.9]) if cache_dtype == FP8 else None
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(3, dtype=torch.int64),
@@ -136,14 +135,14 @@ for cache_dtype, split_bf16, split_rows in ((FP8, False, 0), (torch.float16, Tru
     q = torch.randn(3, (hq + 2 * hkv) * d, generator=gen).half()[:, :hq * d].view(3, hq, d)
     before = len(calls)
     out = be.decode(q, KVLayer(kc, vc, scales), meta)
-    ours = cache_dtype == FP8 or split_bf16 or 3 <= split_rows
-    assert (len(calls) - before, len(aiter_calls)) == ((1, 0) if ours else (0, 1)), (cache_dtype, split_bf16)
+    ours = cache_dtype == FP8 or 3 <= split_rows
+    assert (len(calls) - before, len(aiter_calls)) == ((1, 0) if ours else (0, 1)), (cache_dtype, split_rows)
     if not ours:
         continue
     want = reference(q, kc, vc, tables, lens, 1 / math.sqrt(d), *(scales.tolist() if scales is not None
                                                                   else (1.0, 1.0)))
     err = float((out.double() - want).abs().max() / want.abs().max())
-    assert err < 5e-3, (cache_dtype, split_bf16, err)
+    assert err < 5e-3, (cache_dtype, split_rows, err)
 print("ok")
 '''
 
@@ -190,7 +189,7 @@ def test_split_decode_peak_scratch_bounds_every_row_count(L):
 
 
 def test_backend_decodes_fp8_pages_through_the_split_kernel():
-    """AiterTritonBackend.decode: FP8 pages (scales from KVLayer.scales) and, with split_decode_bf16, float16
-    pages go through triton_decode, against float64 attention from a strided q; a float16 cache without it
-    stays on AITER's v1 kernel (a stand-in here: AITER's modules need a GPU driver to import)."""
+    """AiterTritonBackend.decode: FP8 pages (scales from KVLayer.scales) and, at up to split_decode_rows rows,
+    float16 pages go through triton_decode, against float64 attention from a strided q; a float16 cache past
+    them stays on AITER's v1 kernel (a stand-in here: AITER's modules need a GPU driver to import)."""
     run_script(BACKEND)

@@ -3,7 +3,7 @@
 scheduler builds (`execute`), refusing any step outside the envelope; runs the stress corners through
 the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -> build(target) -> stress.
 
-Above the house's 500 lines (576) on purpose: the runner is the one owner of the model's GPU state, and each
+Above the house's 500 lines (580) on purpose: the runner is the one owner of the model's GPU state, and each
 per-step feature (logprobs, logits processors, grammar masks, FP8 scales) is one short hook here whose work
 lives in its own module (logprobs, logits_process, grammar); the step inputs live in step_inputs.
 """
@@ -554,13 +554,16 @@ class ModelRunner:
         """The decode corners (autoprofile.engine.stress), executed as serving executes steps."""
         return self._stress(stress.decode_steps)
 
+    def corners(self, steps) -> list[Step]:
+        """The corners a stress function (engine.stress.prefill_steps, decode_steps) gives for this build."""
+        return steps(self.envelope, self.kv.num_pages - 1, self.model_config.vocab_size, self.cfg.seed,
+                     self.forced_routings)
+
     def _stress(self, steps) -> list[StepShape]:
         self._require_built()
         self.stressing = True
         try:
-            return [self._run_corner(step) for step in steps(self.envelope, self.kv.num_pages - 1,
-                                                             self.model_config.vocab_size, self.cfg.seed,
-                                                             self.forced_routings)]
+            return [self._run_corner(step) for step in self.corners(steps)]
         finally:
             self.stressing = False
             self.routing.set("model")

@@ -289,7 +289,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
     scale = weight_scale if block is not None else weight_scale.reshape(n)
     if isinstance(x, Fp8Rows):
         (x_q, x_s), dtype, lead = (x.q, x.scale), x.dtype, x.q.shape[:-1]
-    elif x.numel() == k and x.is_contiguous():
+    elif x.numel() == k and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         return gemv(x, weight, scale, block, bias, residual=residual)
     else:
         (x_q, x_s), dtype, lead = quantize_activation(_rows(x), scheme, input_scale), x.dtype, x.shape[:-1]
@@ -386,7 +386,7 @@ def _fp8_rows(m: int, k: int, groups: int, dtype: torch.dtype, device) -> Fp8Row
 
 def _group(scheme, k: int) -> int | None:
     """The activation group of a fused producer: None per token ("token"), else the block's K."""
-    assert scheme.activation in ("token", "group"), f"no fused quantization for {scheme.activation}"
+    assert scheme.dynamic, f"no fused quantization for {scheme.activation} activations"
     if scheme.activation == "token":
         return None
     group = scheme.block[1]

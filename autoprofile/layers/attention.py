@@ -9,7 +9,7 @@ import torch
 
 from autoprofile.layers.moe import Routing, moe_reference, route
 from autoprofile.layers.quant import (Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference, moe_reference_fp8,
-                                      quantize_input)
+                                      quantized_rows)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -240,8 +240,7 @@ class AttentionBackend(ABC):
 
     def silu_mul_quant(self, x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
         """silu_mul's rows quantized for the FP8 layer that reads them (layers.quant.fused_input_quant)."""
-        out = self.silu_mul(x)
-        return Fp8Rows(*quantize_input(out.reshape(-1, out.shape[-1]), scheme), out.dtype)
+        return quantized_rows(self.silu_mul(x), scheme)
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, quant: MoeQuant | None = None,
@@ -273,8 +272,7 @@ class AttentionBackend(ABC):
 
     def rms_norm_quant(self, x: torch.Tensor, weight: torch.Tensor, eps: float, scheme: Fp8Scheme) -> Fp8Rows:
         """rms_norm's rows quantized for the FP8 layer that reads them (layers.quant.fused_input_quant)."""
-        out = self.rms_norm(x, weight, eps)
-        return Fp8Rows(*quantize_input(out.reshape(-1, out.shape[-1]), scheme), out.dtype)
+        return quantized_rows(self.rms_norm(x, weight, eps), scheme)
 
     # ------------------------------------------------------------ MLA (DeepSeek-V2): a latent cache
     # The cache of an MLA model holds one latent per token and layer: KVLayer.k [num_pages, 1, page_size, L]

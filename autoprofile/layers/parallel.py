@@ -37,8 +37,8 @@ class TP:
     # follows the message size); the runner sets both
     matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     ordered_reduce: bool = False
-    # a row-parallel layer's residual add in the GEMM's epilogue (linear_add; FP8: in place after it); the
-    # runner sets it (not under --deterministic, whose GEMM is its own)
+    # a row-parallel layer's residual add in the GEMM's epilogue, in place (linear_add); the runner sets it
+    # (not under --deterministic, whose GEMM is its own)
     add_in_gemm: bool = False
     # residual += x W^T in place (the backend's gemm_add: one row through our GEMV's epilogue); None:
     # cuBLAS's addmm_
@@ -69,18 +69,24 @@ class TP:
             return self.router_matmul(x, weight)
         return self.linear(x.float(), weight)
 
-    def linear_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + all_reduce(x W^T). On one rank with add_in_gemm, in place, rounding once: the backend's
-        matmul_add (aiter_triton: one row in our GEMV's epilogue, where a GEMV and an add kernel ran), else
-        cuBLAS adds residual in the GEMM's epilogue (beta = 1) past one row: no [T, out] temporary and one
-        pass fewer over the residual stream (a prefill step of 8 x 1,024 tokens spent 4.0 of 186 ms in
-        residual adds on an H100)."""
-        if self.size == 1 and self.add_in_gemm:
+    def linear_add(self, x: torch.Tensor | Fp8Rows, layer: nn.Module, residual: torch.Tensor) -> torch.Tensor:
+        """residual + all_reduce(x W^T) through a row-parallel layer without bias (its weight, or its FP8
+        weight and scales). On one rank with add_in_gemm, in place, rounding once: no [T, out] temporary and
+        one pass fewer over the residual stream (a prefill step of 8 x 1,024 tokens spent 4.0 of 186 ms in
+        residual adds on an H100). bf16: the backend's matmul_add (aiter_triton: one row in our GEMV's
+        epilogue, where a GEMV and an add kernel ran), else cuBLAS's epilogue (beta = 1) past one row; FP8:
+        the FP8 GEMM's (one row: the GEMV's epilogue, more: in place after it)."""
+        in_place = self.size == 1 and self.add_in_gemm
+        if layer.quant is not None:
+            if in_place:
+                return self.linear_fp8(x, layer, residual=residual)
+            return residual + self.all_reduce(self.linear_fp8(x, layer))
+        if in_place:
             if self.matmul_add is not None:
-                return self.matmul_add(x, weight, residual)
+                return self.matmul_add(x, layer.weight, residual)
             if x.shape[0] > 1:
-                return residual.addmm_(x, weight.t())
-        return residual + self.all_reduce(self.linear(x, weight))
+                return residual.addmm_(x, layer.weight.t())
+        return residual + self.all_reduce(self.linear(x, layer.weight))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -338,14 +344,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """y, or residual + y (TP.linear_add: in place in residual where the GEMM adds it)."""
-        if self.quant is not None:
-            if residual is not None and self.bias is None and self.tp.size == 1 and self.tp.add_in_gemm:
-                return self.tp.linear_fp8(x, self, residual=residual)  # in place (one row: GEMV epilogue)
-            y = self.tp.all_reduce(self.tp.linear_fp8(x, self))
-        elif residual is not None and self.bias is None:
-            return self.tp.linear_add(x, self.weight, residual)
-        else:
-            y = self.tp.all_reduce(self.tp.linear(x, self.weight))
+        if residual is not None and self.bias is None:
+            return self.tp.linear_add(x, self, residual)
+        y = self.tp.all_reduce(self.tp.linear_fp8(x, self) if self.quant is not None else
+                               self.tp.linear(x, self.weight))
         y = y + self.bias if self.bias is not None else y
         return y if residual is None else residual + y
 

@@ -22,8 +22,8 @@ MIN_SCALE = 1e-12  # a zero row's scale: its values quantize to zeros, not NaN
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Rows", "Fp8Scheme", "MoeQuant", "dequantize_weight", "expand_block_scale",
            "fp8_capability_problem", "fp8_linear_reference", "fused_input_quant", "moe_reference_fp8",
-           "quantize_per_group",
-           "quantize_per_token", "quantize_weight", "weight_scale_shape"]
+           "quantize_per_group", "quantize_per_token", "quantize_weight", "quantized_rows",
+           "weight_scale_shape"]
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper have FP8 tensor cores (cuBLASLt's e4m3 GEMMs)
@@ -67,7 +67,7 @@ class Fp8Rows:
 def fused_input_quant(scheme: Fp8Scheme | None) -> Fp8Scheme | None:
     """The scheme a producer (norm, SiLU-mul) quantizes its rows with for an FP8 layer that reads them alone;
     None where the layer quantizes nothing (bf16) or takes the checkpoint's static scale."""
-    return scheme if scheme is not None and scheme.activation in ("token", "group") else None
+    return scheme if scheme is not None and scheme.dynamic else None
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -141,6 +141,12 @@ def quantize_input(x: torch.Tensor, scheme: Fp8Scheme,
     if scheme.activation == "group":
         return quantize_per_group(x, scheme.block[1])
     return quantize_per_token(x)
+
+
+def quantized_rows(out: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
+    """A producer's output [..., K] quantized as the scheme's activations (the torch path of the fused
+    producers: AttentionBackend.rms_norm_quant, silu_mul_quant)."""
+    return Fp8Rows(*quantize_input(out.reshape(-1, out.shape[-1]), scheme), out.dtype)
 
 
 def dequantize_input(x_q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:

@@ -102,9 +102,8 @@ class AiterTritonBackend(AttentionBackend):
     name = "aiter_triton"
     moe_capturable = True
     batch_invariant_on_gpu = True
-    # bf16/fp16 caches through our split decode (triton_decode) at up to SPLIT_DECODE_ROWS rows, AITER's
-    # v1/v2 past them (split_decode_bf16: at every row count); FP8 caches always take it
-    split_decode_bf16 = False
+    # bf16/fp16 caches through our split decode (triton_decode) at up to this many rows, AITER's v1/v2 past
+    # them (a benchmark's 0: AITER at every row count); FP8 caches always take it
     split_decode_rows = budget.SPLIT_DECODE_ROWS
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -311,7 +310,7 @@ class AiterTritonBackend(AttentionBackend):
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = output_rows(out, q)
-        if kv.scales is not None or self.split_decode_bf16 or q.shape[0] <= self.split_decode_rows:
+        if kv.scales is not None or q.shape[0] <= self.split_decode_rows:
             scales = (kv.scales[0], kv.scales[1]) if kv.scales is not None else (None, None)
             return triton_decode.decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.max_seq_len, self.scale, *scales)
