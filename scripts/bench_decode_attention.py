@@ -92,6 +92,7 @@ def methods(configs: bool) -> dict[str, tuple[str, Callable]]:
         for cfg in triton_decode.SWEEP:
             tag = f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             tag += f" x{cfg.splits}" if cfg.splits else ""
+            tag += " f16" if cfg.f16_dots else ""
             out[f"ours fp8 {tag}"] = ("fp8", ours("fp8", cfg))
             out[f"ours bf16 {tag}"] = ("bf16", ours("bf16", cfg))
     return out

@@ -10,17 +10,24 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.kernels import pdl
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -32,5 +39,6 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _silu_mul_kernel[(rows.shape[0], triton.cdiv(inter, BLOCK))](rows, out, rows.stride(0), out.stride(0),
-                                                                     INTER=inter, BLOCK=BLOCK, num_warps=4)
+                                                                     INTER=inter, BLOCK=BLOCK, num_warps=4,
+                                                                     **pdl.launch())
     return out.view(*x.shape[:-1], inter)

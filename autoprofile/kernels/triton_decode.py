@@ -2,9 +2,11 @@
 
 Stage 1: one program per (row, kv head, split) holds the kv head's whole query group (Hq / Hkv rows, padded
 to >= 16 for tl.dot) and walks its part of the row's keys in tiles of BLOCK_N tokens, so each K/V page is
-read once per group. K/V tiles are loaded as their own bytes (one a value for FP8) and converted in registers
-to the query's dtype (bf16/fp16), never through fp32; scores and the online softmax are fp32 from tl.dot, P
-goes back to the query's dtype for the P.V dot. An FP8 cache's scales are device tensors read inside the
+read once per group. K/V tiles are loaded as their own bytes (one a value for FP8) and converted in registers,
+never through fp32: FP8 pages to fp16, with q and P in fp16 too (Config.f16_dots: one PTX conversion a pair
+of values where bf16 takes two; V's tile joined from its converted pairs, _e4m3x2_to_f16; a query beyond
+fp16's 65,504 would overflow), bf16/fp16 pages in the query's dtype. Scores and the online softmax are fp32
+from tl.dot. An FP8 cache's scales are device tensors read inside the
 kernel (a captured graph follows scales set after capture): k_scale folds into the score scale, v_scale into
 the output.
 
@@ -19,6 +21,7 @@ picks it, a benchmark passes its own.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +29,10 @@ import triton
 import triton.language as tl
 
 from autoprofile import budget
+from autoprofile.kernels import pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jit function reads no plain global
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs no inline PTX
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: the query group is padded up to it
 
 
@@ -38,17 +43,21 @@ class Config:
     num_warps: int = 4
     num_stages: int = 2
     splits: int | None = None
+    f16_dots: bool = False  # FP8 pages: both dots in fp16 (q, P and the converted pages)
 
 
-# H100, scripts/bench_decode_attention.py --configs, FP8 pages: of the 8 configs, 128-key tiles were the fastest at
-# 64 and 256 rows (256 x 1024: 0.256 ms against 0.294 for 64-key tiles; 256 x 4096: 0.954 against 1.105) and
-# within 5% of the best at 1 row x 1024 (8 splits)
-DEFAULT = Config(128, 4, 2)
+# H100, scripts/bench_decode_attention.py --configs (2026-11-27), FP8 pages, dots in fp16: 128-key tiles in 3
+# stages were the fastest of 11 at 1 and 256 rows (256 x 1,024: 0.226 ms, 0.79 of the copy rate, against 0.258
+# with bf16 dots; 256 x 4,096: 0.811, 0.88, against 0.963); 64-key tiles won at 64 x 1,024 (0.069 against
+# 0.084); bf16 pages: 3 stages within 1% of 2
+DEFAULT = Config(128, 4, 3, f16_dots=True)
 STAGE2_WARPS = 4
 # What scripts/bench_decode_attention.py --configs times beside DEFAULT (tests/test_local_memory.py checks
 # that none spills)
-SWEEP = (Config(32, 4, 2), Config(64, 4, 2), Config(64, 4, 3), Config(128, 8, 3), Config(128, 4, 3),
-         Config(128, 4, 2, splits=2), Config(64, 4, 2, splits=2), Config(64, 4, 2, splits=4))
+SWEEP = (Config(128, 4, 2), Config(32, 4, 2, f16_dots=True), Config(64, 4, 2, f16_dots=True),
+         Config(64, 4, 3, f16_dots=True), Config(128, 8, 2, f16_dots=True), Config(128, 4, 2, f16_dots=True),
+         Config(256, 4, 2, f16_dots=True), Config(256, 8, 3, f16_dots=True),
+         Config(128, 4, 2, splits=2, f16_dots=True), Config(64, 4, 2, splits=4, f16_dots=True))
 
 
 def config(rows: int, kv_heads: int, max_seq_len: int,
@@ -59,6 +68,25 @@ def config(rows: int, kv_heads: int, max_seq_len: int,
     return splits, cfg
 
 
+@triton.jit
+def _e4m3x2_to_f16(pairs, ASM: tl.constexpr):
+    """int16 pairs of FP8 e4m3 values [.., n] -> fp16 [.., 2n] (even, odd interleaved, joined): the values
+    reach the P.V dot as fp16, whose transposing shared-memory loads are ldmatrix's. Converted by Triton after
+    the load (the PTX of an H100 build), a V tile took one-byte shared loads (V's keys are its strided dim),
+    and the FP8 decode read 0.69 of the copy rate at 256 x 1,024 where bf16 pages read 0.95. ASM: one PTX
+    conversion per pair, opaque to Triton's layout passes; else (Triton's interpreter) Triton's own, the same
+    values."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }", "=h,=h,h", [pairs],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = ((pairs >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    x = tl.join(lo, hi)
+    return tl.reshape(x, (x.shape[0], x.shape[1] * 2))
+
+
 @triton.jit(do_not_specialize=["splits", "sm_scale", "stride_table"])
 def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                          lse_ptr, part_ptr, sm_scale, splits,
@@ -66,7 +94,10 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
                          stride_vp, stride_vh, stride_vt, stride_table, stride_ob, stride_oh,
                          Q_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD: tl.constexpr, HEAD_POW2: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr, DIRECT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr, DIRECT: tl.constexpr,
+                         F16_DOTS: tl.constexpr = False, ASM: tl.constexpr = True, PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl): every program, those past a short row's end too
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,6 +113,8 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
         live_d = d < HEAD
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=live_g[:, None] & live_d[None, :], other=0.0)
+        if F16_DOTS:
+            q = q.to(tl.float16)
         qk_scale = sm_scale * LOG2E
         if HAS_SCALES:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -104,10 +137,19 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_head + page[:, None] * stride_vp + off[:, None] * stride_vt + d[None, :],
-                        mask=live_t[:, None] & live_d[None, :], other=0.0)
+            if F16_DOTS:  # pairs of FP8 values as int16 (HEAD is even and the strides are)
+                d2 = tl.arange(0, HEAD_POW2 // 2)
+                v_pairs = v_head.to(tl.pointer_type(tl.int16), bitcast=True)
+                v = _e4m3x2_to_f16(tl.load(v_pairs + page[:, None] * (stride_vp // 2) + off[:, None] * (
+                    stride_vt // 2) + d2[None, :], mask=live_t[:, None] & (d2 < HEAD // 2)[None, :], other=0),
+                    ASM)
+            else:
+                v = tl.load(v_head + page[:, None] * stride_vp + off[:, None] * stride_vt + d[None, :],
+                            mask=live_t[:, None] & live_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m = m_new
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         acc = acc / l_sum[:, None]
         if HAS_SCALES:
             acc = acc * tl.load(v_scale_ptr)
@@ -124,7 +166,9 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
 @triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(out_ptr, lse_ptr, part_ptr, seq_lens_ptr, splits, stride_ob, stride_oh,
                          Q_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_POW2: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -192,9 +236,12 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         out.stride(0), out.stride(1),
         Q_HEADS=q_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD=head_dim, HEAD_POW2=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=cfg.block_n,
-        HAS_SCALES=has_scales, DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SCALES=has_scales, DIRECT=direct, F16_DOTS=cfg.f16_dots and has_scales, ASM=not INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch())
     if not direct:
         _merge_splits_kernel[(rows, q_heads)](
             out, lse, part, seq_lens, splits, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD=head_dim,
-            HEAD_POW2=triton.next_power_of_2(head_dim), BLOCK_N=cfg.block_n, num_warps=STAGE2_WARPS)
+            HEAD_POW2=triton.next_power_of_2(head_dim), BLOCK_N=cfg.block_n, num_warps=STAGE2_WARPS,
+            **pdl.launch())
     return out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.kernels import pdl
 from autoprofile.kernels.triton_matmul import grouped_tile
 from autoprofile.kernels.triton_norm import normed_row
 from autoprofile.layers.quant import Fp8Rows
@@ -142,7 +143,10 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 @triton.jit
 def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr,
-                     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -158,6 +162,8 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: t
             x *= tl.load(s_row + (k + ks) // SCALE_K, mask=k_ok, other=0.0)
         w = tl.load(w_rows + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if not BLOCKWISE:
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
@@ -185,7 +191,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bloc
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out, out, n, k,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
-        SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **pdl.launch())
     return out
 
 

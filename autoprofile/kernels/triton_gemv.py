@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from autoprofile.kernels import pdl
+
 # scripts/bench_gemv.py --sweep on an H100, llama-3.1-8b's shapes (32 distinct weights a shape, so L2 holds
 # none), against cuBLAS: qkv 1.13x, o_proj 1.25x, gate_up 1.08x, down_proj 1.07x, lm_head 1.31x (best or
 # within 3% of the best of 7 configs on each)
@@ -21,7 +23,9 @@ BLOCK_N, BLOCK_K, WARPS = 2, 2048, 8
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -32,6 +36,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr
         w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -52,7 +58,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                                                             device=x.device)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, out, out, n, k,
                                              HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS)
+                                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
+                                             **pdl.launch())
     return out
 
 

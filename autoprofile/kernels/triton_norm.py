@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.kernels import pdl
+
 
 @triton.jit
 def normed_row(x_ptr, w_ptr, row, stride_x, eps, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -29,9 +31,14 @@ def normed_row(x_ptr, w_ptr, row, stride_x, eps, N: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     y, cols, mask = normed_row(x_ptr, w_ptr, row, stride_x, eps, N, BLOCK)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -45,5 +52,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), eps, N=n,
                                            BLOCK=block,
-                                           num_warps=min(max(block // 512, 1), 16))
+                                           num_warps=min(max(block // 512, 1), 16), **pdl.launch())
     return out.view(x.shape)

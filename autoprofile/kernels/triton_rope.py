@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from autoprofile.kernels import pdl
 from autoprofile.layers.attention import FP8_MAX
 
 
@@ -25,7 +26,9 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
                        stride_cp, stride_ch, stride_co,  # cache strides: page, head, offset (dim: 1)
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                        NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr, QUANT: tl.constexpr,
-                       QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr):
+                       QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_t
     j = tl.arange(0, HALF)
@@ -95,7 +98,7 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache:
             NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
             NKV_POW2=triton.next_power_of_2(num_kv_heads), QUANT=scales is not None,
             QK_NORM=qk_norm is not None, FP8_MAX=FP8_MAX,
-            num_warps=4)
+            num_warps=4, **pdl.launch())
     q = qkv[:, :num_q_heads * d].view(t, num_q_heads, d)
     k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
     v = qkv[:, (num_q_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)

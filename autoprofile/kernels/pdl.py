@@ -1,0 +1,36 @@
+"""Programmatic dependent launch (PDL) for the kernels of a decode step, on Hopper and later GPUs.
+
+A batch-1 decode step is ~350 small kernels in one CUDA graph; between two of them the GPU drains the first
+grid, then launches the next, and the SMs wait. Launched with PDL (`launch_pdl`), a kernel's programs may be
+scheduled while the kernel before it still runs; each one first waits (`griddepcontrol.wait`, `gdc_wait`)
+until that kernel has completed and its writes are visible, so the launch's latency overlaps the tail of the
+kernel before instead of following it. A kernel signals (`gdc_launch_dependents`) once its programs' main
+work is done, so the next kernel's programs never take an SM from one of its own still waiting.
+
+Rule for a kernel that takes `PDL`: `gdc_wait()` before its first read of anything an earlier kernel writes
+and before its first write, in every program (a program that skips its work still waits: the kernel's end must
+follow the one before's). Only constant data (weights) may be read before it. A kernel launched without PDL
+(torch's, NCCL's) waits for the whole kernel before it as always.
+
+`AUTOPROFILE_PDL=0` turns it off (a benchmark's side-by-side, a driver that mishandles it); off on the CPU
+and in Triton's interpreter.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton.language.extra.cuda  # noqa: F401  (the kernels' tl.extra.cuda.gdc_wait, gdc_launch_dependents)
+
+
+@functools.cache
+def enabled() -> bool:
+    if os.environ.get("AUTOPROFILE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def launch() -> dict:
+    """A launch's keyword arguments: the kernel's PDL constexpr, and launch_pdl where it is on."""
+    return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
