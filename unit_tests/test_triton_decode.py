@@ -193,3 +193,13 @@ def test_backend_decodes_fp8_pages_through_the_split_kernel():
     float16 pages go through triton_decode, against float64 attention from a strided q; a float16 cache past
     them stays on AITER's v1 kernel (a stand-in here: AITER's modules need a GPU driver to import)."""
     run_script(BACKEND)
+
+
+def test_fp8_pages_take_64_key_tiles_at_few_rows_and_an_override_wins():
+    from autoprofile.kernels import triton_decode as td
+
+    for rows, fp8, want in ((1, True, td.DEFAULT), (2, True, td.FP8_FEW), (td.FP8_FEW_ROWS, True, td.FP8_FEW),
+                            (td.FP8_FEW_ROWS + 1, True, td.DEFAULT), (64, False, td.DEFAULT)):
+        assert td.config(rows, 8, 4096, fp8=fp8)[1] == want, (rows, fp8)
+    assert td.FP8_FEW.block_n < td.DEFAULT.block_n and td.FP8_FEW.f16_dots
+    assert td.config(64, 8, 4096, td.SWEEP[0], fp8=True)[1] == td.SWEEP[0]

@@ -51,6 +51,10 @@ class Config:
 # with bf16 dots; 256 x 4,096: 0.811, 0.88, against 0.963); 64-key tiles won at 64 x 1,024 (0.069 against
 # 0.084); bf16 pages: 3 stages within 1% of 2
 DEFAULT = Config(128, 4, 3, f16_dots=True)
+# FP8 pages at 2 to FP8_FEW_ROWS rows: 64-key tiles (H100, x 1,024 keys: 8 rows 0.021 ms against 0.022 at
+# DEFAULT, 32 rows 0.046 against 0.050, 64 rows 0.069 against 0.084, 128 rows 0.122 against 0.125; 64 x 4,096:
+# 0.225 against 0.262); one row and 256 rows: DEFAULT
+FP8_FEW, FP8_FEW_ROWS = Config(64, 4, 2, f16_dots=True), 128
 STAGE2_WARPS = 4
 # What scripts/bench_decode_attention.py --configs times beside DEFAULT (tests/test_local_memory.py checks
 # that none spills)
@@ -60,10 +64,11 @@ SWEEP = (Config(128, 4, 2), Config(32, 4, 2, f16_dots=True), Config(64, 4, 2, f1
          Config(128, 4, 2, splits=2, f16_dots=True), Config(64, 4, 2, splits=4, f16_dots=True))
 
 
-def config(rows: int, kv_heads: int, max_seq_len: int,
-           override: Config | None = None) -> tuple[int, Config]:
-    """(splits, stage-1 config) of a call: a pure function of static values (fixed for a captured graph)."""
-    cfg = override or DEFAULT
+def config(rows: int, kv_heads: int, max_seq_len: int, override: Config | None = None,
+           fp8: bool = False) -> tuple[int, Config]:
+    """(splits, stage-1 config) of a call (fp8: FP8 pages): a pure function of static values (fixed for a
+    captured graph)."""
+    cfg = override or (FP8_FEW if fp8 and 1 < rows <= FP8_FEW_ROWS else DEFAULT)
     splits = cfg.splits or budget.split_decode_splits(rows, kv_heads, max_seq_len)
     return splits, cfg
 
@@ -219,7 +224,7 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k_scale is None) != (v_scale is None):
         raise ValueError("split decode takes both k_scale and v_scale or neither")
     group = q_heads // kv_heads
-    splits, cfg = config(rows, kv_heads, max_seq_len, override)
+    splits, cfg = config(rows, kv_heads, max_seq_len, override, fp8=k_scale is not None)
     if rows == 0:
         return out
     direct = splits == 1
