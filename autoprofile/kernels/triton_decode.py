@@ -6,9 +6,8 @@ read once per group. K/V tiles are loaded as their own bytes (one a value for FP
 never through fp32: FP8 pages to fp16, with q and P in fp16 too (Config.f16_dots: one PTX conversion a pair
 of values where bf16 takes two; V's tile joined from its converted pairs, _e4m3x2_to_f16; a query beyond
 fp16's 65,504 would overflow), bf16/fp16 pages in the query's dtype. Scores and the online softmax are fp32
-from tl.dot. An FP8 cache's scales are device tensors read inside the
-kernel (a captured graph follows scales set after capture): k_scale folds into the score scale, v_scale into
-the output.
+from tl.dot. An FP8 cache's scales are device tensors read inside the kernel (a captured graph follows scales
+set after capture): k_scale folds into the score scale, v_scale into the output.
 
 Each row's tokens split evenly in `splits` parts (rounded up to BLOCK_N tokens; parts past a short row's end
 exit at once). One split: stage 1 writes the output and nothing else runs. More: stage 1 writes each part's
@@ -234,6 +233,9 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         lse = torch.empty(rows, q_heads, splits, dtype=torch.float32, device=q.device)
         part = torch.empty(rows, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     has_scales = k_scale is not None
+    # V read as int16 pairs of FP8 values: an even head_dim and even strides (a contiguous cache's)
+    f16_dots = cfg.f16_dots and has_scales and head_dim % 2 == 0 and all(st % 2 == 0 for st in
+                                                                         v_cache.stride()[:3])
     _split_decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if has_scales else seq_lens,
         v_scale if has_scales else seq_lens, out, lse, part, scale, splits,
@@ -241,7 +243,7 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         out.stride(0), out.stride(1),
         Q_HEADS=q_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD=head_dim, HEAD_POW2=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=cfg.block_n,
-        HAS_SCALES=has_scales, DIRECT=direct, F16_DOTS=cfg.f16_dots and has_scales, ASM=not INTERPRETED,
+        HAS_SCALES=has_scales, DIRECT=direct, F16_DOTS=f16_dots, ASM=not INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch())
     if not direct:
