@@ -48,9 +48,11 @@ def reference(q, kc, vc, tables, lens, scale, ks, vs):
     return out
 
 def check(lens, hq, hkv, d, page, cache_dtype, splits, ks=1.0, vs=1.0, block_n=16, max_seq_len=None,
-          strided=False, tol=5e-3):
+          strided=False, tol=5e-3, f16_dots=False, odd_v=False):
     gen = torch.Generator().manual_seed(sum(lens) + hq + d + splits)
     kc, vc, tables = pool(lens, hkv, page, d, cache_dtype, gen)
+    if odd_v:  # V a view with odd strides (unit stride in D): no int16 pairs there
+        vc = torch.cat([vc, vc[..., :1]], dim=-1)[..., :d]
     rows = len(lens)
     if strided:  # a view of a packed projection, like the model's
         q = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).half()[:, :hq * d].view(rows, hq, d)
@@ -59,7 +61,7 @@ def check(lens, hq, hkv, d, page, cache_dtype, splits, ks=1.0, vs=1.0, block_n=1
     out = torch.full((rows, hq, d), float("nan"), dtype=torch.float16)
     scales = torch.tensor([ks, vs]) if cache_dtype == FP8 else None
     k_scale, v_scale = (scales[0], scales[1:2]) if scales is not None else (None, None)  # 0-d and [1]
-    cfg = triton_decode.Config(block_n=block_n, splits=splits)
+    cfg = triton_decode.Config(block_n=block_n, splits=splits, f16_dots=f16_dots)
     scale = 1 / math.sqrt(d)
     triton_decode.decode(out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
                          max_seq_len or max(lens), scale, k_scale, v_scale, cfg)
@@ -82,6 +84,9 @@ check(lens, 8, 2, 64, P, FP8, 2, ks=0.37, vs=2.5, block_n=32)  # tiles of two pa
 check([7, 40], 8, 8, 32, P, FP8, 2, ks=3.0, vs=0.5)  # MHA: a group of 1 padded to 16 rows
 check([50, 17], 8, 2, 48, P, FP8, 2, ks=1.5, vs=1.5)  # head_dim not a power of two
 check([33, 70], 8, 2, 32, 32, torch.float16, 4, strided=True, max_seq_len=96)  # pages of 32, a strided q
+for odd_v in (False, True):  # FP8 pages' fp16 dots (V as int16 pairs); odd V strides: the bf16-dot path
+    check(lens, 8, 2, 64, P, FP8, 3, ks=0.37, vs=2.5, f16_dots=True, odd_v=odd_v)
+check([50, 17], 8, 2, 48, P, FP8, 2, ks=1.5, vs=1.5, f16_dots=True)  # pairs masked past a head_dim of 48
 print("ok")
 '''
 
@@ -152,7 +157,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 def test_split_decode_equals_attention_over_the_dequantised_pages():
     """FP8 and float16 pages, scales != 1 (a 0-d k_scale, a [1] v_scale), one split (direct) and several (the
     merge, with empty parts past a 1-token row), one-token / whole-page / ragged rows on shuffled tables,
-    tiles of two pages, MHA, head_dim 48, pages of 32 and a strided q."""
+    tiles of two pages, MHA, head_dim 48, pages of 32 and a strided q; FP8 pages' fp16 dots, V with odd
+    strides among them."""
     run_script(KERNEL)
 
 

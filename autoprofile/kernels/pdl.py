@@ -24,9 +24,15 @@ import torch
 import triton.language.extra.cuda  # noqa: F401  (the kernels' tl.extra.cuda.gdc_wait, gdc_launch_dependents)
 
 
+def interpreted() -> bool:
+    """Kernels run through Triton's interpreter (TRITON_INTERPRET=1, read when a kernel module is imported):
+    no PTX, inline or griddepcontrol."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.cache
 def enabled() -> bool:
-    if os.environ.get("AUTOPROFILE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("AUTOPROFILE_PDL", "1") == "0" or interpreted():
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 

@@ -20,7 +20,6 @@ picks it, a benchmark passes its own.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,6 @@ from autoprofile import budget
 from autoprofile.kernels import pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jit function reads no plain global
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs no inline PTX
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: the query group is padded up to it
 
 
@@ -243,7 +241,7 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         out.stride(0), out.stride(1),
         Q_HEADS=q_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD=head_dim, HEAD_POW2=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=cfg.block_n,
-        HAS_SCALES=has_scales, DIRECT=direct, F16_DOTS=f16_dots, ASM=not INTERPRETED,
+        HAS_SCALES=has_scales, DIRECT=direct, F16_DOTS=f16_dots, ASM=not pdl.interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch())
     if not direct:
