@@ -115,6 +115,16 @@ for n, k in [(37, 300), (130, 1000), (256, 128)]:
     got = f.linear(x.unsqueeze(0), wq, ws, static, input_scale=scale)
     assert got.shape == (1, 5, n)
     assert torch.allclose(got[0], fp8_linear_reference(x, wq, ws, static, scale), rtol=1e-4, atol=1e-3)
+# one row over K past the GEMV's first weight tile (loaded before the PDL wait) and its K steps: 3 tiles of
+# 1,024 at 37 rows (2/1024/w1), a masked last one
+for scheme in (channel, block):
+    w = torch.randn(37, 2500) * 0.1
+    wq, ws = quantize_weight(w, scheme)
+    x = torch.randn(1, 2500)
+    got = f.linear(x, wq, ws, scheme)
+    want = x @ dequantize_weight(wq, ws, scheme).T
+    assert f.gemv_config(37, 2500)[1] < 2500
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (scheme, (got - want).abs().max())
 print("ok")
 '''
 

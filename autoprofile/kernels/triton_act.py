@@ -18,16 +18,13 @@ BLOCK = 1024
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTER: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -98,8 +98,7 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
                          HEAD: tl.constexpr, HEAD_POW2: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, HAS_SCALES: tl.constexpr, DIRECT: tl.constexpr,
                          F16_DOTS: tl.constexpr = False, ASM: tl.constexpr = True, PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl): every program, those past a short row's end too
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,8 +149,6 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
                             mask=live_t[:, None] & live_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m = m_new
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         acc = acc / l_sum[:, None]
         if HAS_SCALES:
             acc = acc * tl.load(v_scale_ptr)
@@ -169,8 +166,7 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
 def _merge_splits_kernel(out_ptr, lse_ptr, part_ptr, seq_lens_ptr, splits, stride_ob, stride_oh,
                          Q_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_POW2: tl.constexpr,
                          BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)

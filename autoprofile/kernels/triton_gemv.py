@@ -24,8 +24,7 @@ BLOCK_N, BLOCK_K, WARPS = 2, 2048, 8
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -36,8 +35,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr
         w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)

@@ -33,12 +33,9 @@ def normed_row(x_ptr, w_ptr, row, stride_x, eps, N: tl.constexpr, BLOCK: tl.cons
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     y, cols, mask = normed_row(x_ptr, w_ptr, row, stride_x, eps, N, BLOCK)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -27,8 +27,7 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
                        NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
                        NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr, QUANT: tl.constexpr,
                        QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_t
     j = tl.arange(0, HALF)
