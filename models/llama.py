@@ -16,8 +16,8 @@ from torch import nn
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import FusedMoE, Routing
 from autoprofile.layers.quant import Fp8Rows, fused_input_quant
-from autoprofile.layers.parallel import (TP, ColumnParallelLinear, NormedRow, ParallelLMHead,
-                                         RowParallelLinear, VocabParallelEmbedding, new_param)
+from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                         VocabParallelEmbedding, new_param)
 from models.config import Fp8Scheme, ModelConfig
 
 
@@ -120,11 +120,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # ---------------------------------------------------------------- layers
-def fused_norm_reader(layer: nn.Module | None, tp: TP) -> nn.Module | None:
-    """The one linear layer reading a norm, where its GEMM takes one row's norm (TP.takes_normed_row)."""
-    return layer if layer is not None and tp.takes_normed_row(layer) else None
-
-
 def reader_quant(layer: nn.Module | None) -> Fp8Scheme | None:
     """What a producer read by `layer` alone quantizes its rows with (None: nothing, it passes bf16)."""
     return None if layer is None else fused_input_quant(layer.quant)
@@ -139,13 +134,8 @@ class RMSNorm(nn.Module):
         # decoder layer: past one row the norm's kernel quantizes its rows for it (one row: the W8A16 GEMV
         # reads them as they are)
         self.quant: Fp8Scheme | None = None
-        # that one linear layer, where its GEMM takes one row's norm (TP.takes_normed_row): at one row the
-        # norm is left to it (a NormedRow), one kernel fewer
-        self.reader: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows | NormedRow:
-        if x.shape[0] == 1 and self.reader is not None and x.is_contiguous():
-            return NormedRow(x, self.weight, self.eps, self.backend.rms_norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if self.quant is not None and x.shape[0] > 1:
             return self.backend.rms_norm_quant(x, self.weight, self.eps, self.quant)
         return self.backend.rms_norm(x, self.weight, self.eps)
@@ -244,14 +234,10 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(mc, backend, tp, dtype, layer=layer)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
-        # an FP8 layer that alone reads a norm takes its rows quantized by the norm's kernel, and one row's
-        # norm in its GEMV where the backend's does that
-        qkv = getattr(self.self_attn, "qkv_proj", None)
-        self.input_layernorm.quant = reader_quant(qkv)
-        self.input_layernorm.reader = fused_norm_reader(qkv, tp)
+        # an FP8 layer that alone reads a norm takes its rows quantized by the norm's kernel
+        self.input_layernorm.quant = reader_quant(getattr(self.self_attn, "qkv_proj", None))
         if isinstance(self.mlp, LlamaMLP):  # (experts and MLA's projections: more than one reader)
             self.post_attention_layernorm.quant = reader_quant(self.mlp.gate_up_proj)
-            self.post_attention_layernorm.reader = fused_norm_reader(self.mlp.gate_up_proj, tp)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayer) -> torch.Tensor:
         """x + attention, then + MLP: each sum may be made in place in x (TP.linear_add), which the layer owns

@@ -108,7 +108,6 @@ class ModelRunner:
         self.tp.matmul, self.tp.ordered_reduce = self.backend.gemm, cfg.deterministic
         self.tp.fp8_matmul, self.tp.router_matmul = self.backend.fp8_gemm, self.backend.router_gemm
         self.tp.matmul_add = self.backend.gemm_add
-        self.tp.norm_matmul, self.tp.fp8_norm_matmul = self.backend.gemm_norm, self.backend.fp8_gemm_norm
         self.tp.add_in_gemm = not cfg.deterministic  # residual adds in cuBLAS's epilogue (TP.linear_add)
         self.is_vl = mc.vision is not None  # a vision-language model: images in, M-RoPE positions
         with torch.device(self.device):

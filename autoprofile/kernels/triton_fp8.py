@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels import pdl
-from autoprofile.kernels.triton_gemv import load_x, norm_scale
 from autoprofile.kernels.triton_matmul import grouped_tile
 from autoprofile.kernels.triton_norm import normed_row
 from autoprofile.layers.quant import Fp8Rows
@@ -142,10 +141,9 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 @triton.jit
-def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCKWISE: tl.constexpr,
-                     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr,
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr,
+                     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,8 +156,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K,
     # before still runs (kernels.pdl)
     w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
     pdl.begin(PDL)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    x, ss = load_x(x_ptr, g_ptr, ks, ks < K, ss, NORM)
+    x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
     if BLOCKWISE:
         x *= tl.load(s_row + ks // SCALE_K, mask=ks < K, other=0.0)
     # NOTE: the first step peeled; a loop from 0 that loads under `if k > 0` made w a loop-carried tile and
@@ -167,14 +164,12 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K,
     acc = w.to(tl.float32) * x[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         k_ok = ks < K - k
-        x, ss = load_x(x_ptr, g_ptr, k + ks, k_ok, ss, NORM)
+        x = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
         if BLOCKWISE:
             x *= tl.load(s_row + (k + ks) // SCALE_K, mask=k_ok, other=0.0)
         w = tl.load(w_rows + k + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if NORM:  # RMSNorm(x) W^T = rsqrt(mean(x^2) + eps) * (x * g) W^T (triton_gemv's)
-        y *= norm_scale(ss, K, eps)
     if not BLOCKWISE:
         y *= tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
@@ -186,12 +181,11 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
          bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-         residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (weight * weight_scale)^T (+ bias) for one contiguous row x [1, K] (or [K]) in bf16/fp16;
     weight fp8 [N, K] contiguous; weight_scale fp32 [N] (block None) or [ceil(N/bn), ceil(K/bk)].
     residual (contiguous, N elements): y is added to it in the epilogue, in place (rounded once), and it is
-    returned. norm (an RMSNorm's weight [K], eps): over RMSNorm(x) * weight instead (triton_gemv.gemv's)."""
+    returned."""
     n, k = weight.shape
     block_n, block_k, num_warps = config or gemv_config(n, k)
     scale_n, scale_k = block if block is not None else (block_n, 1)
@@ -199,11 +193,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bloc
     if residual is not None:
         assert residual.is_contiguous() and residual.numel() == n, "the GEMV adds into one contiguous row"
     out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    g, eps = norm if norm is not None else (weight_scale, 0.0)
     _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, out, g, float(eps), n, k,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=norm is not None,
-        BLOCKWISE=block is not None,
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, out, n, k,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
         SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         **pdl.launch())
     return out
@@ -321,17 +313,6 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
         y = gemm(x_q, x_s, weight, scale, block, dtype, bias)
     y = y.view(*lead, n)
     return y if residual is None else residual.add_(y)
-
-
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                weight_scale: torch.Tensor, scheme, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm(x) * norm_weight through an FP8 layer, for one contiguous row: the norm in the W8A16 GEMV
-    (TP.fp8_norm_matmul; triton_gemv.norm_linear's)."""
-    n, k = weight.shape
-    assert x.numel() == k and x.is_contiguous(), "the norm is fused into the one-row GEMV only"
-    block = tuple(scheme.block) if scheme.weight == "block" else None
-    return gemv(x, weight, weight_scale if block is not None else weight_scale.reshape(n), block, bias,
-                norm=(norm_weight, eps))
 
 
 # ---------------------------------------------------------------- producers that quantize their own output

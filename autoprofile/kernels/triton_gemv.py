@@ -22,41 +22,20 @@ BLOCK_N, BLOCK_K, WARPS = 2, 2048, 8
 
 
 @triton.jit
-def load_x(x_ptr, g_ptr, offs, ok, ss, NORM: tl.constexpr):
-    """x[offs] in fp32, times the RMSNorm weight g where the norm is fused (NORM), and ss plus x^2: the
-    row's sum of squares, whose rsqrt the epilogue applies (norm_scale)."""
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        ss += x * x
-        x *= tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    return x, ss
-
-
-@triton.jit
-def norm_scale(ss, K, eps):
-    """RMSNorm's 1 / rms of a row from its sum of squares (triton_norm.normed_row's)."""
-    return tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K, HAS_BIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr = False):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pdl.begin(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_ok = ks < K - k
-        x, ss = load_x(x_ptr, g_ptr, k + ks, k_ok, ss, NORM)
+        x = tl.load(x_ptr + k + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if NORM:  # RMSNorm(x) W^T = rsqrt(mean(x^2) + eps) * (x * g) W^T
-        y *= norm_scale(ss, K, eps)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # y_ptr may be r_ptr: each program reads its rows before it writes them
@@ -65,22 +44,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, g_ptr, eps, N, K, HAS_BIAS: 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [K] or [1, K] (contiguous), weight [N, K] (contiguous) -> [N] or [1, N] in out_dtype (None: x's).
     Both are read in their own dtypes and multiplied in fp32. residual (contiguous, N elements): the product
-    is added to it in the epilogue, in place (rounded once), and it is returned. norm (an RMSNorm's weight
-    [K], eps): the product is over RMSNorm(x) * weight, in fp32 (the norm's output is not rounded to x's
-    dtype first, as the norm kernel's is)."""
+    is added to it in the epilogue, in place (rounded once), and it is returned."""
     n, k = weight.shape
     if residual is not None:
         assert residual.is_contiguous() and residual.numel() == n, "the GEMV adds into one contiguous row"
     out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype,
                                                             device=x.device)
-    g, eps = norm if norm is not None else (weight, 0.0)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, out, out, g,
-                                             float(eps), n, k, HAS_BIAS=bias is not None,
-                                             HAS_RESIDUAL=residual is not None, NORM=norm is not None,
+    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, out, out, n, k,
+                                             HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                                              BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
                                              **pdl.launch())
     return out
@@ -95,14 +69,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if one_row(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm(x) * norm_weight, times W^T (+ b), for one contiguous row: the norm in the GEMV
-    (TP.norm_matmul: a batch-1 decode's input norms, one kernel fewer each)."""
-    assert one_row(x, weight), "the norm is fused into the one-row GEMV only"
-    return gemv(x, weight, bias, norm=(norm_weight, eps))
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -159,18 +159,6 @@ class AttentionBackend(ABC):
         return None
 
     @property
-    def gemm_norm(self):
-        """(x, norm weight, eps, weight, bias) -> RMSNorm(x) W^T (+ b) for one row, the norm in the GEMM
-        (TP.norm_matmul); None: the norm runs as its own kernel."""
-        return None
-
-    @property
-    def fp8_gemm_norm(self):
-        """gemm_norm through an FP8 layer (x, norm weight, eps, weight, weight_scale, scheme, bias) -> y
-        (TP.fp8_norm_matmul); None: the norm runs."""
-        return None
-
-    @property
     def fp8_gemm(self):
         """The FP8 weights' GEMM (x, weight, weight_scale, scheme, input_scale, bias) -> y (TP.fp8_matmul):
         the torch reference here; a GPU backend's kernels."""

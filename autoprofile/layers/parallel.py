@@ -20,25 +20,6 @@ from torch import nn
 from autoprofile.layers.quant import FP8, Fp8Rows, Fp8Scheme, fp8_linear_reference, quantize_weight
 
 
-@dataclass(frozen=True)
-class NormedRow:
-    """One row's RMSNorm left to the one linear layer that reads it (a batch-1 decode's input norms): x [1, K]
-    (the residual stream, read when the layer runs), the norm's weight and eps, and the norm itself (the
-    backend's rms_norm) for a GEMM that cannot take it (TP.linear / linear_fp8 without norm_matmul)."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.x.shape
-
-    def normed(self) -> torch.Tensor:
-        return self.norm(self.x, self.weight, self.eps)
-
-
 @dataclass
 class TP:
     """This rank's place in the tensor-parallel group (group None = the default group).
@@ -68,39 +49,18 @@ class TP:
     # an fp32 router's logits (x, weight) -> fp32 (the backend's router_gemm); None: x.float() through
     # linear
     router_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # one row's RMSNorm fused into the GEMV that reads it (a NormedRow): (x, norm weight, eps, weight, bias)
-    # -> y, and the FP8 one (x, norm weight, eps, weight, weight_scale, scheme, bias); the backend's
-    # (aiter_triton, not under --deterministic, whose GEMM reads the norm's rounded rows); None: the norm runs
-    norm_matmul: Callable | None = None
-    fp8_norm_matmul: Callable | None = None
-
-    def takes_normed_row(self, layer: nn.Module) -> bool:
-        """Whether `layer` (a linear layer without residual) runs one row's RMSNorm in its GEMM."""
-        fused = self.norm_matmul if getattr(layer, "quant", None) is None else self.fp8_norm_matmul
-        return fused is not None
 
     def linear_fp8(self, x: torch.Tensor | Fp8Rows, layer: nn.Module, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) through a quantized layer's weight, weight_scale, quant and input_scale; x may come
         quantized (Fp8Rows); with residual: added to it in place, and it is returned (one rank only)."""
-        if isinstance(x, NormedRow):
-            if self.fp8_norm_matmul is not None and residual is None:
-                return self.fp8_norm_matmul(x.x, x.weight, x.eps, layer.weight, layer.weight_scale,
-                                            layer.quant, bias)
-            x = x.normed()
         fn = fp8_linear_reference if self.fp8_matmul is None else self.fp8_matmul
         return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias, residual)
 
-    def linear(self, x: torch.Tensor | NormedRow, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Every GEMM of the model's layers, sharded or replicated (routers, MLA's kv_a_proj): the backend's
         (aiter_triton: one row through our GEMV, where cuBLAS took 3.3-5.0 us for a router or kv_a_proj at a
-        batch-1 decode; --deterministic: batch-invariant), else F.linear. A NormedRow: through norm_matmul,
-        else normed first."""
-        if isinstance(x, NormedRow):
-            if self.norm_matmul is not None:
-                return self.norm_matmul(x.x, x.weight, x.eps, weight, bias)
-            x = x.normed()
+        batch-1 decode; --deterministic: batch-invariant), else F.linear."""
         return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -159,17 +159,6 @@ class AiterTritonBackend(AttentionBackend):
         return None if self.deterministic else self.triton_gemv.router_linear
 
     @property
-    def gemm_norm(self):
-        """One row's RMSNorm in our GEMV (a batch-1 decode: one kernel fewer a norm). None under
-        --deterministic: its GEMM reads the norm's rounded rows at every row count."""
-        return None if self.deterministic else self.triton_gemv.norm_linear
-
-    @property
-    def fp8_gemm_norm(self):
-        """gemm_norm's FP8 twin: the norm in the W8A16 GEMV."""
-        return None if self.deterministic else self.triton_fp8.norm_linear
-
-    @property
     def fp8_gemm(self):
         """FP8 weights (TP.fp8_matmul, kernels.triton_fp8): one row through our W8A16 GEMV (one byte a
         weight), more rows quantized, then cuBLASLt's row-wise _scaled_mm ("channel") or our block-scaled
