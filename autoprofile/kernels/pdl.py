@@ -10,12 +10,12 @@ Rule for a kernel that takes `PDL`: `begin(PDL)` before its first read of anythi
 and before its first write, in every program (a program that skips its work still waits: the kernel's end must
 follow the one before's). Only constant data (weights) may be read before it: the FP8 GEMV loads its first
 weight tile there, while the kernel before still runs. begin() also signals (`gdc_launch_dependents`) at once:
-the next kernel's programs are scheduled once every program of this one has started, and they wait in their
-own begin() for this one to complete, so at most two kernels run ahead of the one computing. (Signalled after
-the main loop instead, the next kernel's prologue overlapped only this one's epilogue: llama-3.1-8b-fp8's
-batch-1 replay 3.545 ms, against 3.514 with the early signal and the FP8 GEMV's first tile loaded before the
-wait, on an H100.) A kernel launched without PDL (torch's, NCCL's) waits for the whole kernel before it as
-always.
+the next kernel's programs are scheduled once every program of this one has passed its wait, and they wait
+in their own begin() for this one to complete, so one kernel at most waits ahead of the one computing.
+(Signalled after the main loop instead, the next kernel's prologue overlapped only this one's epilogue:
+llama-3.1-8b-fp8's batch-1 replay 3.553 ms, against 3.497 with the early signal and the FP8 GEMV's first tile
+loaded before the wait, on an H100; bf16's unchanged.) A kernel launched without PDL (torch's, NCCL's) waits
+for the whole kernel before it as always.
 
 `AUTOPROFILE_PDL=0` turns it off (a benchmark's side-by-side, a driver that mishandles it); off on the CPU
 and in Triton's interpreter.
