@@ -23,6 +23,7 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_sample    sample_batch: the one-kernel sampler engine.sampling (torch path)     test_triton_sample
   triton_kv_copy   copy_pages: KV pages GPU <-> host     engine.host_kv.HostKVPool._copy   test_triton_kv_copy
   triton_decode    decode: split-KV paged decode         float64 attention (in its test)   test_triton_decode
-  pdl              launch: dependent launch (Hopper)    (none: a launch attribute)        test_pdl
+  pdl              launch, begin: dependent launch      (none: a launch attribute)        test_pdl (GPU:
+                   (Hopper), a kernel's wait + signal                                      test_pdl_gpu)
   aiter_loader     AITER's Triton modules without its ROCm-only package __init__        test_unspecialize
 """
