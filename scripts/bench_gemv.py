@@ -16,6 +16,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402 - the copy-bandwidth timer
+from cuda_timing import capture  # noqa: E402
 from autoprofile.kernels import triton_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -24,14 +25,8 @@ SWEEP = [(2, 2048, 8), (2, 2048, 4), (1, 4096, 8), (2, 4096, 8), (4, 2048, 8), (
 
 
 def graph_us(fn, layers: int) -> float:
-    """Microseconds per call: `layers` calls captured in one graph, replayed 10 times."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Microseconds per call: `layers` calls captured in one graph (capture), replayed 10 times."""
+    graph, _ = capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy bandwidth
-from cuda_timing import cuda_median_ms  # noqa: E402
+from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 
 from autoprofile.kernels import triton_mla  # noqa: E402
 from autoprofile.engine.attention.torch_sdpa import TorchBackend  # noqa: E402
@@ -82,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             want = ref_backend.mla_decode(q, KVLayer(latents, latents), meta, scale, RANK)
             err = float((got.float() - want.float()).norm() / want.float().norm())
-            graph = torch.cuda.CUDAGraph()  # as serving runs it: eager, the host's launches would be timed
-            with torch.cuda.graph(graph):
-                run()
-            ms = cuda_median_ms(graph.replay, args.iters)
-            del graph
+            replay = graphed(run)  # as serving runs it: eager, the host's launches would be timed
+            ms = cuda_median_ms(replay, args.iters)
+            del replay
             stage1 = cfg["fwd_grouped_kernel_stage1_rope"]
             results.append({"rows": rows, "ctx": args.ctx, "splits": splits, **stage1, "ms": ms,
                             "floor_ms": floor, "of_floor": floor / ms, "rel_err": err,

@@ -30,6 +30,11 @@ def normed_row(x_ptr, w_ptr, row, stride_x, eps, N: tl.constexpr, BLOCK: tl.cons
     return x * inv * w, cols, mask
 
 
+def num_warps(block: int) -> int:
+    """Warps of a one-row-a-program norm over `block` columns (also triton_fp8's rms_norm_quant)."""
+    return min(max(block // 512, 1), 16)
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr = False):
@@ -49,5 +54,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), eps, N=n,
                                            BLOCK=block,
-                                           num_warps=min(max(block // 512, 1), 16), **pdl.launch())
+                                           num_warps=num_warps(block), **pdl.launch())
     return out.view(x.shape)
