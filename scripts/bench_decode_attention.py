@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     copy = bench_attention.copy_bandwidth(args.copy_bytes)
     r: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "copy_GB_per_s": copy["GB_per_s"], "default": dataclasses.asdict(triton_decode.DEFAULT),
+               "fp8": dataclasses.asdict(triton_decode.FP8),
                "shapes": {}}
     calls = methods(args.configs)
     for b, ctx in args.shapes:
@@ -140,8 +141,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(r: dict) -> str:
     lines = [f"{r['device']}  torch {r['torch']}  HBM copy (D2D, read+write): {r['copy_GB_per_s']:.0f} GB/s",
-             f"llama-3.1-8b attention ({HQ}/{HKV} heads of {D}, pages of {PAGE}); ours' default "
-             f"{r['default']}"]
+             f"llama-3.1-8b attention ({HQ}/{HKV} heads of {D}, pages of {PAGE}); ours' config: bf16 pages "
+             f"{r['default']}, FP8 pages {r['fp8']}"]
     for key, row in r["shapes"].items():
         lines.append(f"\nbatch {row['batch']} x ctx {row['ctx']} (ours: {row['splits']} splits)")
         lines.append(f"{'method':<34}{'ms':>9}{'KV GB/s':>10}{'of copy':>9}")

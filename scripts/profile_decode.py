@@ -1,6 +1,6 @@
 """Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler.
 
-    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager]
+    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager] [--kv_cache_dtype fp8_e4m3]
     PYTHONPATH=. python3 scripts/profile_decode.py --prefill 7 [--prefill_len 1024] --batch 240
 
 --prefill N profiles a mixed step instead (eager, as serving runs it): N fresh requests of --prefill_len
@@ -68,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager", action="store_true", help="run the step without its CUDA graph")
     p.add_argument("--prefill", type=int, default=0, help="fresh requests of a mixed step (0: a decode step)")
     p.add_argument("--prefill_len", type=int, default=1024)
+    p.add_argument("--kv_cache_dtype", default="auto", help="auto or fp8_e4m3")
     args = p.parse_args(argv)
     fresh = args.prefill * args.prefill_len
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
                                 graph_max_batch_size=max(args.batch, 1), disable_cudagraph=args.eager,
                                 batch_max_tokens=max(fresh + args.batch, 8192),
-                                running_max_req_size=max(args.prefill + args.batch, 1), report_dir=None))
+                                running_max_req_size=max(args.prefill + args.batch, 1),
+                                kv_cache_dtype=args.kv_cache_dtype, report_dir=None))
     runner = ModelRunner(cfg)
     runner.build((args.batch + args.prefill) * (max(args.ctx, args.prefill_len) + cfg.page_size)
                  + 4 * cfg.page_size)

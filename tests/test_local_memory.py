@@ -174,7 +174,7 @@ for rows, ctx in ((1, 131072), (256, 1024)):  # several splits (stage 2 too), on
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     scales = torch.stack([kc.abs().max(), kc.abs().max()]).float() / FP8_MAX
     k8 = quantize(kc, scales[0], torch.float8_e4m3fn)
-    for cfg in (triton_decode.DEFAULT, *triton_decode.SWEEP):
+    for cfg in (triton_decode.DEFAULT, triton_decode.FP8, *triton_decode.SWEEP):
         triton_decode.decode(torch.empty_like(q), q, k8, k8, tables, seq_lens, ctx, 1 / math.sqrt(d),
                              scales[0], scales[1], cfg)
         triton_decode.decode(torch.empty_like(q), q, kc, kc, tables, seq_lens, ctx, 1 / math.sqrt(d),

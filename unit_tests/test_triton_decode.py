@@ -201,11 +201,11 @@ def test_backend_decodes_fp8_pages_through_the_split_kernel():
     run_script(BACKEND)
 
 
-def test_fp8_pages_take_64_key_tiles_at_few_rows_and_an_override_wins():
+def test_fp8_pages_take_their_own_config_at_every_row_count_and_an_override_wins():
     from autoprofile.kernels import triton_decode as td
 
-    for rows, fp8, want in ((1, True, td.DEFAULT), (2, True, td.FP8_FEW), (td.FP8_FEW_ROWS, True, td.FP8_FEW),
-                            (td.FP8_FEW_ROWS + 1, True, td.DEFAULT), (64, False, td.DEFAULT)):
-        assert td.config(rows, 8, 4096, fp8=fp8)[1] == want, (rows, fp8)
-    assert td.FP8_FEW.block_n < td.DEFAULT.block_n and td.FP8_FEW.f16_dots
+    for rows in (1, 2, 64, 128, 256):
+        assert td.config(rows, 8, 4096, fp8=True)[1] == td.FP8, rows
+        assert td.config(rows, 8, 4096, fp8=False)[1] == td.DEFAULT, rows
+    assert td.FP8.f16_dots and not td.DEFAULT.f16_dots
     assert td.config(64, 8, 4096, td.SWEEP[0], fp8=True)[1] == td.SWEEP[0]

@@ -43,29 +43,27 @@ class Config:
     f16_dots: bool = False  # FP8 pages: both dots in fp16 (q, P and the converted pages)
 
 
-# H100, scripts/bench_decode_attention.py --configs (2026-11-27), FP8 pages, dots in fp16: 128-key tiles in 3
-# stages were the fastest of 11 at 1 and 256 rows (256 x 1,024: 0.226 ms, 0.79 of the copy rate, against 0.258
-# with bf16 dots; 256 x 4,096: 0.811, 0.88, against 0.963); 64-key tiles won at 64 x 1,024 (0.069 against
-# 0.084); bf16 pages: 3 stages within 1% of 2
-DEFAULT = Config(128, 4, 3, f16_dots=True)
-# FP8 pages at 2 to FP8_FEW_ROWS rows: 64-key tiles (H100, x 1,024 keys: 8 rows 0.021 ms against 0.022 at
-# DEFAULT, 32 rows 0.046 against 0.050, 64 rows 0.069 against 0.084, 128 rows 0.122 against 0.125; 64 x 4,096:
-# 0.225 against 0.262); one row and 256 rows: DEFAULT
-FP8_FEW, FP8_FEW_ROWS = Config(64, 4, 2, f16_dots=True), 128
+# H100, scripts/bench_decode_attention.py --configs (2026-11-27, each tile's pages carried from the iteration
+# before: two K/V buffers): FP8 pages, dots in fp16: 64-key tiles, 2 warps, 3 stages the fastest at 1 to 256
+# rows (256 x 1,024: 0.211 ms, 0.84 of the copy rate, against 0.226 for 128-key tiles, 4 warps before; 256 x
+# 4,096: 0.753, 0.95, against 0.811); bf16 pages (ours up to budget.SPLIT_DECODE_ROWS rows): 32-key tiles, 4
+# warps (1 x 4,096: 0.019 ms against 0.021; 8 x 1,024: 0.026 against 0.029; 32 x 1,024: 0.066 against 0.068)
+DEFAULT = Config(32, 4, 3)
+FP8 = Config(64, 2, 3, f16_dots=True)
 STAGE2_WARPS = 4
-# What scripts/bench_decode_attention.py --configs times beside DEFAULT (tests/test_local_memory.py checks
+# What scripts/bench_decode_attention.py --configs times beside DEFAULT and FP8 (tests/test_local_memory.py checks
 # that none spills)
-SWEEP = (Config(128, 4, 2), Config(32, 4, 2, f16_dots=True), Config(64, 4, 2, f16_dots=True),
-         Config(64, 4, 3, f16_dots=True), Config(128, 8, 2, f16_dots=True), Config(128, 4, 2, f16_dots=True),
-         Config(256, 4, 2, f16_dots=True), Config(256, 8, 3, f16_dots=True),
-         Config(128, 4, 2, splits=2, f16_dots=True), Config(64, 4, 2, splits=4, f16_dots=True))
+SWEEP = (Config(128, 4, 3), Config(64, 4, 3), Config(32, 2, 3), Config(128, 4, 3, f16_dots=True),
+         Config(64, 4, 3, f16_dots=True), Config(64, 4, 2, f16_dots=True), Config(32, 2, 3, f16_dots=True),
+         Config(32, 4, 3, f16_dots=True), Config(64, 4, 4, f16_dots=True), Config(128, 8, 3, f16_dots=True),
+         Config(64, 2, 3, splits=2, f16_dots=True), Config(64, 2, 3, splits=4, f16_dots=True))
 
 
 def config(rows: int, kv_heads: int, max_seq_len: int, override: Config | None = None,
            fp8: bool = False) -> tuple[int, Config]:
     """(splits, stage-1 config) of a call (fp8: FP8 pages): a pure function of static values (fixed for a
     captured graph)."""
-    cfg = override or (FP8_FEW if fp8 and 1 < rows <= FP8_FEW_ROWS else DEFAULT)
+    cfg = override or (FP8 if fp8 else DEFAULT)
     splits = cfg.splits or budget.split_decode_splits(rows, kv_heads, max_seq_len)
     return splits, cfg
 
@@ -125,10 +123,17 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_POW2], tl.float32)
+        # Each tile's pages are loaded one iteration ahead and carried: a page load in the same iteration as the
+        # K/V loads it addresses leaves Triton's pipeliner one K/V buffer and a wait for every load (the TTGIR
+        # of an H100 build), so a program's loads never overlapped its dots; carried, the K/V loads get
+        # num_stages - 1 buffers (256 x 1,024 FP8: 0.226 -> 0.211 ms, with FP8's config)
+        t = start + tl.arange(0, BLOCK_N)
+        next_page = tl.load(table + t // PAGE, mask=t < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             t = n0 + tl.arange(0, BLOCK_N)
             live_t = t < end
-            page = tl.load(table + t // PAGE, mask=live_t, other=0).to(tl.int64)
+            page = next_page.to(tl.int64)
+            next_page = tl.load(table + (t + BLOCK_N) // PAGE, mask=t + BLOCK_N < end, other=0)
             off = t % PAGE
             k = tl.load(k_head + page[None, :] * stride_kp + off[None, :] * stride_kt + d[:, None],
                         mask=live_t[None, :] & live_d[:, None], other=0.0)
