@@ -1,6 +1,7 @@
 """Where one decode step's GPU time goes: the kernels of a llama-3.1-8b decode step under torch.profiler.
 
-    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager] [--kv_cache_dtype fp8_e4m3]
+    PYTHONPATH=. python3 scripts/profile_decode.py [--batch 1] [--ctx 1024] [--top 20] [--eager]
+        [--kv_cache_dtype fp8_e4m3]
     PYTHONPATH=. python3 scripts/profile_decode.py --prefill 7 [--prefill_len 1024] --batch 240
 
 --prefill N profiles a mixed step instead (eager, as serving runs it): N fresh requests of --prefill_len

@@ -51,8 +51,8 @@ class Config:
 DEFAULT = Config(32, 4, 3)
 FP8 = Config(64, 2, 3, f16_dots=True)
 STAGE2_WARPS = 4
-# What scripts/bench_decode_attention.py --configs times beside DEFAULT and FP8 (tests/test_local_memory.py checks
-# that none spills)
+# What scripts/bench_decode_attention.py --configs times beside DEFAULT and FP8 (tests/test_local_memory.py
+# checks that none spills)
 SWEEP = (Config(128, 4, 3), Config(64, 4, 3), Config(32, 2, 3), Config(128, 4, 3, f16_dots=True),
          Config(64, 4, 3, f16_dots=True), Config(64, 4, 2, f16_dots=True), Config(32, 2, 3, f16_dots=True),
          Config(32, 4, 3, f16_dots=True), Config(64, 4, 4, f16_dots=True), Config(128, 8, 3, f16_dots=True),
@@ -123,9 +123,9 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_POW2], tl.float32)
-        # Each tile's pages are loaded one iteration ahead and carried: a page load in the same iteration as the
-        # K/V loads it addresses leaves Triton's pipeliner one K/V buffer and a wait for every load (the TTGIR
-        # of an H100 build), so a program's loads never overlapped its dots; carried, the K/V loads get
+        # Each tile's pages are loaded one iteration ahead and carried: a page load in the same iteration as
+        # the K/V loads it addresses leaves Triton's pipeliner one K/V buffer and a wait for every load (the
+        # TTGIR of an H100 build), so a program's loads never overlapped its dots; carried, the K/V loads get
         # num_stages - 1 buffers (256 x 1,024 FP8: 0.226 -> 0.211 ms, with FP8's config)
         t = start + tl.arange(0, BLOCK_N)
         next_page = tl.load(table + t // PAGE, mask=t < end, other=0)
