@@ -528,10 +528,14 @@ class ModelRunner:
         holds a row at --max_req_total_len, so it runs the largest bucket, the largest scratch)."""
         dev = self.device
         longest = max(r.start for r in rows) + 1
-        # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs)
-        host = torch.tensor([[r.ids[0], r.start, r.slot, 1,
-                              r.mm.delta if r.mm is not None else 0] for r in rows],
-                            dtype=torch.int64, pin_memory=dev.type == "cuda")
+        # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs). Built
+        # through a flat numpy array: torch.tensor over a nested list took twice as long (~0.17 ms at 256
+        # rows, host time a synchronous step adds before its graph launches)
+        flat = [v for r in rows
+                for v in (r.ids[0], r.start, r.slot, 1, r.mm.delta if r.mm is not None else 0)]
+        host = torch.from_numpy(np.array(flat, dtype=np.int64)).view(len(rows), 5)
+        if dev.type == "cuda":
+            host = host.pin_memory()
         self.clock.launched()
         if self.graphs is not None and len(rows) <= self.graphs.max_bs:
             return self.graphs.replay(host, longest), self.graphs.inputs[:len(rows), 2]
