@@ -216,25 +216,31 @@ def moe_fp8_scratch_bytes(tokens: int, top_k: int, inter: int, hidden: int, grou
 
 
 # --------------------------------------------------------------- MLA (kernels.triton_mla, models.deepseek_v2)
-MLA_SPLIT_PROGRAMS = 256  # rows x splits the decode aims at: a few programs per SM of an H100 (132 SMs)
-MLA_MIN_SPLITS, MLA_MAX_SPLITS = 4, 32
+MLA_SPLIT_PROGRAMS = 132  # rows x splits the decode aims at: one program per SM of an H100
+MLA_MAX_SPLITS = 32
 
 
 def mla_kv_splits(rows: int) -> int:
-    """Splits of each row's tokens in MLA's decode at a compiled row count: a power of two near
-    MLA_SPLIT_PROGRAMS / rows, within [4, 32] (tuned on an H100: scripts/tune_mla_decode.py). Fewer rows may
-    hold more partials than more rows (8 rows x 32 > 9 x 16): the probe measures them all, since every
-    compiled count runs in it (each graph's capture, the stress's corner at the most rows)."""
-    target = max(MLA_SPLIT_PROGRAMS // max(rows, 1), 1)
-    return min(MLA_MAX_SPLITS, max(MLA_MIN_SPLITS, 1 << (target.bit_length() - 1)))
+    """Splits of each row's tokens in MLA's decode (kernels.triton_mla) at a padded row count:
+    ceil(MLA_SPLIT_PROGRAMS / rows), at most MLA_MAX_SPLITS (H100, deepseek-v2-lite's widths: 1 split at 256
+    rows, 3 at 64, 9 at 16, 32 at 1 were the fastest measured; a row's split holds at least
+    triton_mla.MIN_SPLIT_TOKENS, so a short row leaves the later splits empty)."""
+    return min(MLA_MAX_SPLITS, -(-MLA_SPLIT_PROGRAMS // max(rows, 1)))
 
 
 def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int, max_seq_len: int) -> int:
-    """One MLA decode call's scratch: the packed token slots (rows x max_seq_len int32: rows sharing a cached
-    prefix read the same slots, so not capped by the cache) and the splits' fp32 partial outputs and
-    log-sums (rows x heads x splits x (kv_lora_rank + 1)), the row offsets (int32)."""
+    """One MLA decode call's scratch at a padded row count: the splits' fp32 partial outputs and log2-sums
+    (rows x heads x splits x (kv_lora_rank + 1)); none at one split (the kernel writes the output).
+    max_seq_len: unused (the kernel reads the block tables; no per-token scratch)."""
     splits = mla_kv_splits(rows)
-    return 4 * (rows * max_seq_len + rows * heads * splits * (kv_lora_rank + 1) + rows + 1)
+    return 0 if splits == 1 else 4 * rows * heads * splits * (kv_lora_rank + 1)
+
+
+def mla_decode_peak_scratch_bytes(max_rows: int, heads: int, kv_lora_rank: int) -> int:
+    """The most any call of 1..max_rows (padded) rows allocates: fewer rows take more splits, so the peak
+    sits below MLA_SPLIT_PROGRAMS rows, not at the most rows (none past them: one split)."""
+    return max(mla_decode_scratch_bytes(n, heads, kv_lora_rank, 0)
+               for n in range(1, min(max_rows, MLA_SPLIT_PROGRAMS) + 1))
 
 
 def mla_expanded_bytes(keys: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, v_dim: int,

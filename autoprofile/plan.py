@@ -241,10 +241,11 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     q_heads = m.num_heads // tp
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
     if backend == "aiter_triton" and m.is_mla:
-        n = budget.mla_decode_scratch_bytes(gmbs, q_heads, m.kv_lora_rank, ctx)
+        rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)
+        n = budget.mla_decode_peak_scratch_bytes(rows, q_heads, m.kv_lora_rank)
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
-                   f"MLA decode: token slots of {gmbs} seqs x {ctx} tokens, partials of "
-                   f"{budget.mla_kv_splits(gmbs)} splits")
+                   f"MLA decode: the splits' partials, at most over 1..{rows} rows "
+                   f"({budget.MLA_SPLIT_PROGRAMS} programs: {budget.mla_kv_splits(1)} splits at 1 row)")
     if backend == "aiter_triton" and cfg.kv_dtype_bytes == 1:  # FP8 pages: our split decode
         kv_heads = max(m.num_kv_heads // tp, 1)
         rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)

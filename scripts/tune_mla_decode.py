@@ -1,7 +1,7 @@
-"""MLA's absorbed decode (kernels.triton_mla: AITER's grouped stage-1 kernel + its split merge) over launch
-configs, side by side in one run: each config checked against the torch reference on fresh random latents,
-then timed as a CUDA graph's replay (CUDA events, median), with the bytes floor (each row's latents read once:
-rows x ctx x 576 x 2 B).
+"""MLA's absorbed decode (kernels.triton_mla: our kernel over the paged latents, the splits' merge) over
+launch configs, side by side in one run: each config checked against the torch reference on fresh random
+latents, then timed as a CUDA graph's replay (CUDA events, median), with the bytes floor (each row's latents
+read once: rows x ctx x 576 x 2 B).
 
     PYTHONPATH=. python3 scripts/tune_mla_decode.py [--rows 1,16,64,256] [--ctx 4000] [--json out.json]
 
@@ -40,14 +40,12 @@ def inputs(rows: int, ctx: int, seed: int):
 
 
 def configs(rows: int):
-    """The current launch, then stage-1 block sizes x pipeline stages x splits (more splits for fewer rows:
+    """The current launch, then block sizes x warps x pipeline stages x splits (more splits for fewer rows:
     each (row, split) is one program, and the card has ~132 SMs)."""
     yield triton_mla.launch_for(rows)
-    splits = (16, 32, 64, 128) if rows <= 4 else (8, 16, 32, 64) if rows <= 32 else (4, 8, 16)
-    for block_n, stages, n in itertools.product((16, 32), (1, 2), splits):
-        yield n, {"fwd_grouped_kernel_stage1_rope": {"BLOCK_N": block_n, "BLOCK_H": 16, "num_warps": 4,
-                                                     "num_stages": stages},
-                  "fwd_kernel_stage2": {"num_warps": 4, "num_stages": 1}}
+    splits = (8, 16, 32) if rows <= 4 else (4, 8, 16) if rows <= 32 else (1, 2, 3, 4)
+    for block_n, warps, stages, n in itertools.product((16, 32, 64), (4, 8), (2, 3), splits):
+        yield n, {"BLOCK_N": block_n, "BLOCK_H": 16, "num_warps": warps, "num_stages": stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,16 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 got = run()
             except Exception as e:  # noqa: BLE001 - a config the card cannot launch (shared memory)
-                stage1 = cfg["fwd_grouped_kernel_stage1_rope"]
-                print(f"rows {rows} splits {splits} {stage1}: {type(e).__name__}")
+                print(f"rows {rows} splits {splits} {cfg}: {type(e).__name__}")
                 continue
             want = ref_backend.mla_decode(q, KVLayer(latents, latents), meta, scale, RANK)
             err = float((got.float() - want.float()).norm() / want.float().norm())
             replay = graphed(run)  # as serving runs it: eager, the host's launches would be timed
             ms = cuda_median_ms(replay, args.iters)
             del replay
-            stage1 = cfg["fwd_grouped_kernel_stage1_rope"]
-            results.append({"rows": rows, "ctx": args.ctx, "splits": splits, **stage1, "ms": ms,
+            results.append({"rows": rows, "ctx": args.ctx, "splits": splits, **cfg, "ms": ms,
                             "floor_ms": floor, "of_floor": floor / ms, "rel_err": err,
                             "current": (splits, cfg) == current})
     print(f"{torch.cuda.get_device_name()}: MLA decode, {HEADS} heads, ctx {args.ctx}")

@@ -1,7 +1,7 @@
-"""GPU: MLA through the aiter_triton backend (AITER's Triton MLA decode over our packed slots; AITER's varlen
-flash attention with MLA's widths for the expanded prefill) against the torch reference, at DeepSeek-V2-Lite's
-widths (16 heads, latent 512 + rope 64, q/k 192, v 128), bf16. Until these pass, MLA models run on the torch
-backend only (config.validate refuses the others)."""
+"""GPU: MLA through the aiter_triton backend (our MLA decode over the paged latent cache, kernels.triton_mla;
+AITER's varlen flash attention with MLA's widths for the expanded prefill) against the torch reference, at
+DeepSeek-V2-Lite's widths (16 heads, latent 512 + rope 64, q/k 192, v 128), bf16. Until these pass, MLA models
+run on the torch backend only (config.validate refuses the others)."""
 from __future__ import annotations
 
 import pytest
@@ -85,15 +85,15 @@ print("RESULT " + json.dumps({"before": before, "after": after, "kernels": compi
 
 
 def test_the_mla_decode_kernels_do_not_spill():
-    """Local memory is memory (issue 18): AITER's MLA decode stages and our slot kernel at V2-Lite's widths
-    need at most memory.STACK_BOUND bytes per thread, and the stack limit stays."""
+    """Local memory is memory (issue 18): our MLA decode and its splits' merge at V2-Lite's widths need at
+    most memory.STACK_BOUND bytes per thread, and the stack limit stays."""
     require_backend("aiter_triton")
     from autoprofile import memory
     from tests.test_local_memory import KERNELS, run_fresh, spilling
     got = run_fresh(KERNELS + MLA_KERNELS)
     names = {k["kernel"] for k in got["kernels"]}
     print(got["kernels"])
-    assert {"_fwd_grouped_kernel_stage1_rope", "_fwd_kernel_stage2", "_kv_slots_kernel"} <= names, names
+    assert {"_mla_decode_kernel", "_merge_splits_kernel"} <= names, names
     assert spilling(got["kernels"]) == [] and got["after"] <= memory.STACK_BOUND, got
 
 

@@ -104,9 +104,9 @@ def image_requests(mc, n: int) -> list[tuple]:
 
 @pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla", "tiny-vl"])
 def test_moe_mla_and_vl_launches_never_wait_for_the_gpu(model):
-    """The server serves MoE (AITER's Triton experts, our router), MLA (latent cache, AITER's MLA decode and
-    varlen prefill) and vision-language models (images encoded in a step, M-RoPE positions) overlapped too:
-    their launches, prefill, mixed, graph and eager decode, never synchronise either."""
+    """The server serves MoE (AITER's Triton experts, our router), MLA (latent cache, our MLA decode,
+    AITER's varlen prefill) and vision-language models (images encoded in a step, M-RoPE positions)
+    overlapped too: their launches, prefill, mixed, graph and eager decode, never synchronise either."""
     require_backend("aiter_triton")
     cfg = validate(ServerConfig(model=model, attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=512, graph_max_batch_size=16, running_max_req_size=32,

@@ -240,19 +240,24 @@ def test_the_target_never_passes_the_kernels_32_bit_offsets():
     assert budget.solve_target_tokens(1 << 30, small) < bound  # below the bound the memory decides
 
 
-def test_mla_splits_are_powers_of_two_near_256_programs():
+def test_mla_splits_fill_one_program_per_sm_and_the_peak_scratch_sits_below_it():
     splits = {rows: budget.mla_kv_splits(rows) for rows in range(1, 1025)}
-    lo, hi = budget.MLA_MIN_SPLITS, budget.MLA_MAX_SPLITS
-    assert all(s & (s - 1) == 0 and lo <= s <= hi for s in splits.values())
-    assert splits[1] == 32 and splits[16] == 16 and splits[32] == 8 and splits[256] == 4  # the H100 tuning
-    assert all(rows * s <= 256 or s == budget.MLA_MIN_SPLITS for rows, s in splits.items())
+    assert splits[1] == 32 and splits[16] == 9 and splits[64] == 3 and splits[256] == 1  # the H100 tuning
+    assert all(1 <= s <= budget.MLA_MAX_SPLITS for s in splits.values())
+    assert all(rows * s >= budget.MLA_SPLIT_PROGRAMS or s == budget.MLA_MAX_SPLITS
+               for rows, s in splits.items())
     assert all(splits[r] >= splits[r + 1] for r in range(1, 1024))
+    assert all(s == 1 for rows, s in splits.items() if rows >= budget.MLA_SPLIT_PROGRAMS)
+    # deepseek-v2-lite: 16 heads, latent 512; one split writes the output, more their fp32 partials
+    assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 0
+    assert budget.mla_decode_scratch_bytes(64, 16, 512, 163840) == 4 * 64 * 16 * 3 * 513
+    peak = budget.mla_decode_peak_scratch_bytes(256, 16, 512)
+    assert peak == max(budget.mla_decode_scratch_bytes(n, 16, 512, 0) for n in range(1, 257))
+    assert peak > budget.mla_decode_scratch_bytes(256, 16, 512, 0)  # fewer rows, more splits: not at 256
 
 
-def test_mla_decode_scratch_and_expanded_prefix_arithmetic():
-    # deepseek-v2-lite: 16 heads, latent 512 + rope 64, nope 128, v 128; 256 rows at 163840 tokens
-    slots, partials = 256 * 163840, 256 * 16 * 4 * 513
-    assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 4 * (slots + partials + 257)
+def test_mla_expanded_prefix_arithmetic():
+    # deepseek-v2-lite: 16 heads, latent 512 + rope 64, nope 128, v 128
     per_key = (512 + 64) + 16 * (128 + 128) + 16 * (128 + 64) + 16 * 128
     assert budget.mla_expanded_bytes(1000, 16, 512, 64, 128, 128, 2) == 1000 * per_key * 2
 

@@ -170,12 +170,14 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
 @triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(out_ptr, lse_ptr, part_ptr, seq_lens_ptr, splits, stride_ob, stride_oh,
                          Q_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_POW2: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, MIN_PER: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Stage 2 of a split decode (ours, and triton_mla's): stage 1 split each row's keys in parts of
+    cdiv(max(cdiv(seq_len, splits), MIN_PER), BLOCK_N) * BLOCK_N tokens."""
     pdl.begin(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + row)
-    per = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.maximum(tl.cdiv(seq_len, splits), MIN_PER), BLOCK_N) * BLOCK_N
     live = tl.cdiv(seq_len, per)  # stage 1's parts that held a key (the rest wrote nothing)
     d = tl.arange(0, HEAD_POW2)
     base = (row.to(tl.int64) * Q_HEADS + head) * splits
@@ -246,8 +248,16 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch())
     if not direct:
-        _merge_splits_kernel[(rows, q_heads)](
-            out, lse, part, seq_lens, splits, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD=head_dim,
-            HEAD_POW2=triton.next_power_of_2(head_dim), BLOCK_N=cfg.block_n, num_warps=STAGE2_WARPS,
-            **pdl.launch())
+        merge_splits(out, lse, part, seq_lens, splits, cfg.block_n)
     return out
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, seq_lens: torch.Tensor,
+                 splits: int, block_n: int, min_per: int = 1) -> None:
+    """out [B, H, D] (unit stride in D) from stage 1's parts: part [B, H, splits, D] fp32 and lse [B, H,
+    splits] (log2 units), each row's keys split as stage 1 split them (block_n, min_per)."""
+    rows, q_heads, head_dim = out.shape
+    _merge_splits_kernel[(rows, q_heads)](
+        out, lse, part, seq_lens, splits, out.stride(0), out.stride(1), Q_HEADS=q_heads, HEAD=head_dim,
+        HEAD_POW2=triton.next_power_of_2(head_dim), BLOCK_N=block_n, MIN_PER=min_per, num_warps=STAGE2_WARPS,
+        **pdl.launch())

@@ -1,79 +1,110 @@
-"""MLA's absorbed decode through AITER's Triton kernel (aiter.ops.triton.mla_decode_rope, SGLang's grouped
-decode), the aiter_triton backend's mla_decode.
+"""MLA's absorbed decode over the paged latent cache (our kernel), the aiter_triton backend's mla_decode.
 
-The kernel reads the cache token by token through kv_indptr / kv_indices (page size 1). Our pages become
-token slots: `kv_slots` runs one program per row and block of tokens, each row's slots packed after the rows
-before it. Each row's tokens are split in parts; a second kernel merges the splits. The latents are
-the keys, and their first kv_lora_rank channels the values: the rope part only scores. Fewer rows get more
-splits (budget.mla_kv_splits: rows x splits near 256 programs).
+One program per (row, block of BLOCK_H query heads, split) walks its part of the row's tokens in tiles of
+BLOCK_N: each tile's latents [BLOCK_N, kv_lora_rank + rope] are loaded once, scored against the absorbed query
+(q_lat . latent + q_pe . rope part) and reused as the values (the latent's first kv_lora_rank channels). The
+tile's pages come from the block table, loaded one iteration ahead and carried (as triton_decode: loaded in
+the same iteration as the latents they address, Triton's pipeliner gives the latents one buffer and waits for
+every copy; carried, two). Scores and the online softmax are fp32 from tl.dot.
 
-The launch takes the row count as a constexpr, so every distinct count is a compile. Rows are padded with
-zero-length rows to `padded_rows`: the decode-graph ladder's sizes up to the captured ones, the envelope's
-most decode rows above. The graphs' captures and the stress's corner at the most rows then compile every
-size a step can take.
+It replaced AITER's Triton MLA decode (aiter.ops.triton.mla_decode_rope, SGLang's grouped decode) with our
+packed token slots: that kernel reads the latents twice a tile (as keys [C, N] and as values [N, C]), its slot
+load sat in the same iteration as the loads it addresses (one buffer, the TTGIR of an H100 build), and it
+needed a slot-packing kernel and rows x max_seq_len int32 of scratch. On an H100 (2026-11-27,
+deepseek-v2-lite's widths, graph replays side by side): 1.14-1.45x AITER's at 1 to 256 rows x 1,024 and 4,000
+tokens; 256 x 1,024 0.115 ms (0.87 of the copy rate) against 0.166 (0.60).
 
-Scratch per call (in a graph, its pool; measured by the probe at the most rows and the largest bucket): the
-packed slots, rows x max_seq_len int32 (not capped by the cache's slots: rows sharing a cached prefix read
-the same slots, so the rows' tokens together can outnumber the cache), and the splits' partial outputs, rows
-x heads x splits x (kv_lora_rank + 1) fp32: budget.mla_decode_scratch_bytes.
+Each row's tokens split in `splits` parts of at least MIN_SPLIT_TOKENS (rounded up to BLOCK_N; parts past a
+row's end exit at once): the split points follow the row's own length, so a fixed split count
+(INVARIANT_SPLITS, --deterministic) gives a row the same result whatever else the step holds. One split: the
+program writes the output. More: each part's normalized fp32 output and log2-sum-exp, merged by
+triton_decode's merge kernel. Splits follow budget.mla_kv_splits(rows) at the compiled row count
+(padded_rows): static values, so a captured graph replays one count. Scratch per call:
+budget.mla_decode_scratch_bytes.
 """
 from __future__ import annotations
 
 import bisect
-import functools
-import importlib
 
 import torch
 import triton
 import triton.language as tl
 
 from autoprofile import budget
-from autoprofile.kernels.aiter_loader import triton_ops_package
+from autoprofile.kernels import pdl, triton_decode
 
-SLOT_BLOCK = 256
 # --deterministic: every row's tokens in this many splits whatever the rows (budget.mla_kv_splits follows the
-# row count, and a row's merged output follows its splits). 16: budget's choice at 16 rows
+# row count, and a row's merged output follows its splits)
 INVARIANT_SPLITS = 16
-# No waves_per_eu, matrix_instr_nonkdim, kpack: AMD-only launch options (AITER's MI300 file has them).
-# Tuned on an H100 (scripts/tune_mla_decode.py, ctx 4000): 1.5-2x faster than BLOCK_N 16 / 1 stage / 16 splits
-CONFIG = {"fwd_grouped_kernel_stage1_rope": {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2},
-          "fwd_kernel_stage2": {"num_warps": 4, "num_stages": 1}}
+# H100, deepseek-v2-lite's widths (an uncommitted side-by-side of BLOCK_N 16/32/64, 4/8 warps, 3 stages):
+# 32-key tiles, 4 warps, 3 stages (two latent buffers) the fastest at 1 to 256 rows
+CONFIG = {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3}
+MIN_SPLIT_TOKENS = 128  # a split holds at least this many of a row's tokens (4 tiles)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@functools.cache
-def _decode_fn():
-    triton_ops_package()
-    return importlib.import_module("aiter.ops.triton.mla_decode_rope").decode_attention_fwd_grouped_rope
-
-
-@triton.jit(do_not_specialize=["stride_table"])
-def _kv_slots_kernel(tables_ptr, seq_lens_ptr, indptr_ptr, out_ptr, stride_table, PAGE: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = t < tl.load(seq_lens_ptr + row)
-    start = tl.load(indptr_ptr + row)
-    page = tl.load(tables_ptr + row * stride_table + t // PAGE, mask=live, other=0)
-    tl.store(out_ptr + start + t, page * PAGE + t % PAGE, mask=live)
-
-
-def kv_slots(tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-             max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_indptr [rows + 1], kv_indices) int32: row r's token slots at kv_indices[indptr[r]:indptr[r + 1]].
-    seq_lens may have more rows than tables (zero-length padding rows past them)."""
-    rows = seq_lens.shape[0]
-    indptr = torch.zeros(rows + 1, dtype=torch.int32, device=seq_lens.device)
-    indptr[1:] = seq_lens.cumsum(0)
-    indices = torch.empty(rows * max_seq_len, dtype=torch.int32, device=seq_lens.device)
-    grid = (tables.shape[0], triton.cdiv(max_seq_len, SLOT_BLOCK))
-    _kv_slots_kernel[grid](tables, seq_lens, indptr, indices, tables.stride(0), PAGE=page_size,
-                           BLOCK=SLOT_BLOCK)
-    return indptr, indices
+@triton.jit(do_not_specialize=["splits", "sm_scale", "stride_table"])
+def _mla_decode_kernel(q_ptr, lat_ptr, tables_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_ptr, sm_scale,
+                       splits, stride_qb, stride_qh, stride_lp, stride_lt, stride_table, stride_ob, stride_oh,
+                       HEADS: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr,
+                       RANK_POW2: tl.constexpr,
+                       ROPE: tl.constexpr, ROPE_POW2: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       MIN_PER: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.begin(PDL)
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    per = tl.cdiv(tl.maximum(tl.cdiv(seq_len, splits), MIN_PER), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    if start < end:
+        c = tl.arange(0, RANK_POW2)
+        r = tl.arange(0, ROPE_POW2)
+        live_h = h < HEADS
+        live_c = c < RANK
+        live_r = r < ROPE
+        q_row = q_ptr + row.to(tl.int64) * stride_qb + h[:, None] * stride_qh
+        q_c = tl.load(q_row + c[None, :], mask=live_h[:, None] & live_c[None, :], other=0.0)
+        q_r = tl.load(q_row + RANK + r[None, :], mask=live_h[:, None] & live_r[None, :], other=0.0)
+        qk_scale = sm_scale * LOG2E
+        table = tables_ptr + row.to(tl.int64) * stride_table
+        t = start + tl.arange(0, BLOCK_N)
+        next_page = tl.load(table + t // PAGE, mask=t < end, other=0)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, RANK_POW2], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            live_t = t < end
+            page = next_page.to(tl.int64)
+            next_page = tl.load(table + (t + BLOCK_N) // PAGE, mask=t + BLOCK_N < end, other=0)
+            tok = lat_ptr + page * stride_lp + (t % PAGE) * stride_lt  # [BLOCK_N]
+            lat = tl.load(tok[:, None] + c[None, :], mask=live_t[:, None] & live_c[None, :], other=0.0)
+            pe = tl.load(tok[:, None] + RANK + r[None, :], mask=live_t[:, None] & live_r[None, :], other=0.0)
+            s = tl.dot(q_c, tl.trans(lat))
+            s = tl.dot(q_r, tl.trans(pe), s) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 units
+            s = tl.where(live_t[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+            m = m_new
+        acc = acc / l_sum[:, None]
+        mask = live_h[:, None] & live_c[None, :]
+        if DIRECT:
+            tl.store(out_ptr + row.to(tl.int64) * stride_ob + h[:, None] * stride_oh + c[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            at = (row.to(tl.int64) * HEADS + h) * splits + split  # [BLOCK_H]
+            tl.store(part_ptr + at[:, None] * RANK + c[None, :], acc, mask=mask)
+            tl.store(lse_ptr + at, m + tl.log2(l_sum), mask=live_h)
 
 
 def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
-    """The compiled row count a decode of `rows` rows runs at: the graph ladder's next size while one holds
-    it, else the envelope's most decode rows."""
+    """The row count a decode of `rows` rows takes its splits (and declares its scratch) at: the graph
+    ladder's next size while one holds it, else the envelope's most decode rows."""
     if rows <= graph_rows:
         ladder = budget.batch_ladder(graph_rows)
         return ladder[bisect.bisect_left(ladder, rows)]
@@ -81,36 +112,41 @@ def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
 
 
 def launch_for(rows: int) -> tuple[int, dict]:
-    """(splits of each row's tokens, the kernels' launch config) at a compiled row count."""
+    """(splits of each row's tokens, the kernel's launch config) at a padded row count."""
     return budget.mla_kv_splits(rows), CONFIG
-
-
-def padded_slots(tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int, max_seq_len: int,
-                 rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_slots of the rows padded to `rows` with zero-length rows: the same for every layer of a step."""
-    if rows > seq_lens.shape[0]:
-        seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(rows - seq_lens.shape[0])])
-    return kv_slots(tables, seq_lens, page_size, max_seq_len)
 
 
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                max_seq_len: int, scale: float, v_dim: int, rows: int,
-               launch: tuple[int, dict] | None = None,
-               slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q [B, H, L] against the latent cache [pages, 1, page, L] -> [B, H, v_dim], computed at `rows` rows
-    (>= B; padding rows have no tokens). `launch` overrides launch_for(rows) (scripts/tune_mla_decode.py).
-    slots: padded_slots(tables, seq_lens, page, max_seq_len, rows) made once for every layer of a step (None:
-    made here)."""
+               launch: tuple[int, dict] | None = None) -> torch.Tensor:
+    """q [B, H, L] (L = kv_lora_rank + rope; unit stride in L) against the latent cache [pages, 1, page, L]
+    (contiguous) -> [B, H, v_dim], v_dim = kv_lora_rank; tables [B, >= pages of the longest row] int32,
+    seq_lens [B] int32, each >= 1 and <= max_seq_len. Splits and config at `rows` (>= B: padded_rows)
+    unless `launch` gives them (scripts/tune_mla_decode.py, --deterministic's INVARIANT_SPLITS)."""
     b, heads, width = q.shape
-    page = latents.shape[2]
-    if rows > b:  # zero-length rows: their outputs are dropped
-        q = torch.cat([q, q.new_zeros(rows - b, heads, width)])
-    buffer = latents.view(-1, 1, width)  # one head: (page, 1, offset) is slot page * page_size + offset
-    indptr, indices = slots if slots is not None else padded_slots(tables, seq_lens, page, max_seq_len, rows)
-    out = q.new_empty(rows, heads, v_dim)
-    splits, config = launch or launch_for(rows)
-    partial = torch.empty(rows, heads, splits, v_dim + 1, dtype=torch.float32, device=q.device)
-    config = {k: dict(v) for k, v in config.items()}  # AITER writes its block sizes into it
-    _decode_fn()(q, buffer, buffer[..., :v_dim], out, indptr, indices, None, v_dim, width - v_dim, None, None,
-                 partial, splits, scale, 0.0, False, False, config)
-    return out[:b]
+    if q.stride(2) != 1 or not latents.is_contiguous() or width != latents.shape[-1] or not 0 < v_dim < width:
+        raise ValueError(f"MLA decode needs q [B, H, L] with unit stride in L over a contiguous latent cache "
+                         f"[pages, 1, page, L], 0 < v_dim < L: q {tuple(q.shape)} {q.stride()}, latents "
+                         f"{tuple(latents.shape)}, v_dim {v_dim}")
+    splits, cfg = launch or launch_for(rows)
+    out = q.new_empty(b, heads, v_dim)
+    if b == 0:
+        return out
+    direct = splits == 1
+    if direct:
+        lse = part = out  # unused
+    else:
+        lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+        part = torch.empty(b, heads, splits, v_dim, dtype=torch.float32, device=q.device)
+    rope = width - v_dim
+    block_n = cfg["BLOCK_N"]
+    _mla_decode_kernel[(b, triton.cdiv(heads, cfg["BLOCK_H"]), splits)](
+        q, latents, tables, seq_lens, out, lse, part, scale, splits, q.stride(0), q.stride(1),
+        latents.stride(0), latents.stride(2), tables.stride(0), out.stride(0), out.stride(1),
+        HEADS=heads, BLOCK_H=cfg["BLOCK_H"], RANK=v_dim, RANK_POW2=triton.next_power_of_2(v_dim), ROPE=rope,
+        ROPE_POW2=max(16, triton.next_power_of_2(rope)), PAGE=latents.shape[2], BLOCK_N=block_n,
+        MIN_PER=MIN_SPLIT_TOKENS, DIRECT=direct, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl.launch())
+    if not direct:
+        triton_decode.merge_splits(out, lse, part, seq_lens, splits, block_n, MIN_SPLIT_TOKENS)
+    return out

@@ -186,17 +186,15 @@ class AiterTritonBackend(AttentionBackend):
 
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
                    v_dim: int) -> torch.Tensor:
-        """AITER's Triton MLA decode (kernels.triton_mla) at a compiled row count. --deterministic: a fixed
-        split count, and a paged prefill's token rows (MLAttention._paged_prefill) in groups of the
-        envelope's most decode rows, so every launch runs at a compiled row count with a decode's scratch."""
+        """Our MLA decode over the paged latent cache (kernels.triton_mla), its splits at the padded row
+        count. --deterministic: a fixed split count, and a paged prefill's token rows
+        (MLAttention._paged_prefill) in groups of the envelope's most decode rows, so every launch holds a
+        decode's scratch at most."""
         mla = self.triton_mla
-        if not self.deterministic:  # the token slots, as the rows' tables have them: once per step
+        if not self.deterministic:
             rows = mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
-            page = kv.k.shape[2]
-            slots = meta.once(("mla_slots", rows, page), lambda: mla.padded_slots(
-                meta.block_tables, meta.seq_lens, page, meta.max_seq_len, rows))
             return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim,
-                                  rows, slots=slots)
+                                  rows)
         group = self.max_decode_rows or q.shape[0]
         launch = (mla.INVARIANT_SPLITS, mla.CONFIG)
         parts = [mla.mla_decode(q[a:a + group], kv.k, meta.block_tables[a:a + group],
