@@ -157,14 +157,24 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
         acc = acc / l_sum[:, None]
         if HAS_SCALES:
             acc = acc * tl.load(v_scale_ptr)
-        mask = live_g[:, None] & live_d[None, :]
-        if DIRECT:
-            tl.store(out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            at = (row.to(tl.int64) * Q_HEADS + heads) * splits + split  # [GROUP_PAD]
-            tl.store(part_ptr + at[:, None] * HEAD + d[None, :], acc, mask=mask)
-            tl.store(lse_ptr + at, m + tl.log2(l_sum), mask=live_g)
+        store_part(out_ptr, lse_ptr, part_ptr, acc, m, l_sum, row, heads, d,
+                   live_g[:, None] & live_d[None, :], live_g, splits, split, stride_ob, stride_oh, Q_HEADS,
+                   HEAD, DIRECT)
+
+
+@triton.jit
+def store_part(out_ptr, lse_ptr, part_ptr, acc, m, l_sum, row, heads, cols, mask, live_heads, splits, split,
+               stride_ob, stride_oh, Q_HEADS: tl.constexpr, HEAD: tl.constexpr, DIRECT: tl.constexpr):
+    """A split decode program's end (ours, triton_mla's): its normalized acc [heads, cols] to the output
+    (DIRECT: one split), else to its split's fp32 part with the log2-sum-exp m + log2(l_sum), the layout
+    _merge_splits_kernel reads."""
+    if DIRECT:
+        tl.store(out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        at = (row.to(tl.int64) * Q_HEADS + heads) * splits + split
+        tl.store(part_ptr + at[:, None] * HEAD + cols[None, :], acc, mask=mask)
+        tl.store(lse_ptr + at, m + tl.log2(l_sum), mask=live_heads)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -228,11 +238,7 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if rows == 0:
         return out
     direct = splits == 1
-    if direct:
-        lse = part = out  # unused
-    else:
-        lse = torch.empty(rows, q_heads, splits, dtype=torch.float32, device=q.device)
-        part = torch.empty(rows, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse, part = split_scratch(out, splits)
     has_scales = k_scale is not None
     # V read as int16 pairs of FP8 values: an even head_dim and even strides (a contiguous cache's)
     f16_dots = cfg.f16_dots and has_scales and head_dim % 2 == 0 and all(st % 2 == 0 for st in
@@ -250,6 +256,16 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if not direct:
         merge_splits(out, lse, part, seq_lens, splits, cfg.block_n)
     return out
+
+
+def split_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse [B, H, splits], part [B, H, splits, D]) fp32 of a split decode into out [B, H, D]: the splits'
+    log2-sum-exps and outputs (budget.split_decode_scratch_bytes); one split needs none (out stands in)."""
+    if splits == 1:
+        return out, out
+    rows, heads, dim = out.shape
+    return (torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device),
+            torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=out.device))
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, seq_lens: torch.Tensor,

@@ -92,14 +92,9 @@ def _mla_decode_kernel(q_ptr, lat_ptr, tables_ptr, seq_lens_ptr, out_ptr, lse_pt
             acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
             m = m_new
         acc = acc / l_sum[:, None]
-        mask = live_h[:, None] & live_c[None, :]
-        if DIRECT:
-            tl.store(out_ptr + row.to(tl.int64) * stride_ob + h[:, None] * stride_oh + c[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            at = (row.to(tl.int64) * HEADS + h) * splits + split  # [BLOCK_H]
-            tl.store(part_ptr + at[:, None] * RANK + c[None, :], acc, mask=mask)
-            tl.store(lse_ptr + at, m + tl.log2(l_sum), mask=live_h)
+        triton_decode.store_part(out_ptr, lse_ptr, part_ptr, acc, m, l_sum, row, h, c,
+                                 live_h[:, None] & live_c[None, :], live_h, splits, split, stride_ob,
+                                 stride_oh, HEADS, RANK, DIRECT)
 
 
 def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
@@ -133,11 +128,7 @@ def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq
     if b == 0:
         return out
     direct = splits == 1
-    if direct:
-        lse = part = out  # unused
-    else:
-        lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
-        part = torch.empty(b, heads, splits, v_dim, dtype=torch.float32, device=q.device)
+    lse, part = triton_decode.split_scratch(out, splits)
     rope = width - v_dim
     block_n = cfg["BLOCK_N"]
     _mla_decode_kernel[(b, triton.cdiv(heads, cfg["BLOCK_H"]), splits)](
