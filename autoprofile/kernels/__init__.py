@@ -16,7 +16,7 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_route     route_topk: MoE router              layers.moe.route                  test_triton_route
   triton_moe_sort  sort_by_expert: expert sort         layers.moe.sort_by_expert         test_triton_moe_sort
   triton_moe       fused_moe: AITER's fused experts    layers.moe.moe_reference          test_triton_moe
-  triton_mla       mla_decode: AITER's MLA decode      engine.attention.torch_sdpa       test_triton_mla
+  triton_mla       mla_decode: MLA absorbed decode     engine.attention.torch_sdpa       test_triton_mla
   triton_prefill   prefill: varlen prefill attention   engine.attention.torch_sdpa       test_triton_prefill
   triton_reduce    reduce_partitions: split decode     float64 attention (in its test)   test_triton_reduce
   triton_unified   attention: AITER's, batch-invariant engine.attention.torch_sdpa       test_deterministic

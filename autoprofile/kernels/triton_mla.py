@@ -7,12 +7,13 @@ tile's pages come from the block table, loaded one iteration ahead and carried (
 the same iteration as the latents they address, Triton's pipeliner gives the latents one buffer and waits for
 every copy; carried, two). Scores and the online softmax are fp32 from tl.dot.
 
-It replaced AITER's Triton MLA decode (aiter.ops.triton.mla_decode_rope, SGLang's grouped decode) with our
-packed token slots: that kernel reads the latents twice a tile (as keys [C, N] and as values [N, C]), its slot
+It replaced AITER's Triton MLA decode (aiter.ops.triton.mla_decode_rope, SGLang's grouped decode) over token
+slots we packed: that kernel reads the latents twice a tile (as keys [C, N] and as values [N, C]), its slot
 load sat in the same iteration as the loads it addresses (one buffer, the TTGIR of an H100 build), and it
 needed a slot-packing kernel and rows x max_seq_len int32 of scratch. On an H100 (2026-11-27,
-deepseek-v2-lite's widths, graph replays side by side): 1.14-1.45x AITER's at 1 to 256 rows x 1,024 and 4,000
-tokens; 256 x 1,024 0.115 ms (0.87 of the copy rate) against 0.166 (0.60).
+deepseek-v2-lite's widths, graph replays side by side with the served kernel, its slots made once): 1.10-1.49x
+at 1 to 256 rows x 1,024 and 4,000 tokens; 256 x 1,024 0.118 ms (0.85 of the bytes floor) against 0.145
+(0.69).
 
 Each row's tokens split in `splits` parts of at least MIN_SPLIT_TOKENS (rounded up to BLOCK_N; parts past a
 row's end exit at once): the split points follow the row's own length, so a fixed split count
