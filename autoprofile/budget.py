@@ -218,6 +218,9 @@ def moe_fp8_scratch_bytes(tokens: int, top_k: int, inter: int, hidden: int, grou
 # --------------------------------------------------------------- MLA (kernels.triton_mla, models.deepseek_v2)
 MLA_SPLIT_PROGRAMS = 132  # rows x splits the decode aims at: one program per SM of an H100
 MLA_MAX_SPLITS = 32
+# --deterministic: every row's tokens in this many splits whatever the rows (a row's merged output follows its
+# splits; mla_kv_splits follows the row count); triton_mla.INVARIANT_SPLITS
+MLA_INVARIANT_SPLITS = 16
 
 
 def mla_kv_splits(rows: int) -> int:
@@ -232,7 +235,11 @@ def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int, max_seq_l
     """One MLA decode call's scratch at a padded row count: the splits' fp32 partial outputs and log2-sums
     (rows x heads x splits x (kv_lora_rank + 1)); none at one split (the kernel writes the output).
     max_seq_len: unused (the kernel reads the block tables; no per-token scratch)."""
-    splits = mla_kv_splits(rows)
+    return mla_partials_bytes(rows, heads, kv_lora_rank, mla_kv_splits(rows))
+
+
+def mla_partials_bytes(rows: int, heads: int, kv_lora_rank: int, splits: int) -> int:
+    """The splits' fp32 partial outputs and log2-sums of an MLA decode call; none at one split."""
     return 0 if splits == 1 else 4 * rows * heads * splits * (kv_lora_rank + 1)
 
 

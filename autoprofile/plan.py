@@ -242,12 +242,18 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
     if backend == "aiter_triton" and m.is_mla:
         rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)
-        n = budget.mla_decode_peak_scratch_bytes(rows, q_heads, m.kv_lora_rank)
+        if cfg.deterministic:  # a fixed split count for up to the most decode rows (and a paged prefill's
+            # token rows in groups of them)
+            n = budget.mla_partials_bytes(rows, q_heads, m.kv_lora_rank, budget.MLA_INVARIANT_SPLITS)
+            what = f"{budget.MLA_INVARIANT_SPLITS} splits (--deterministic) of {rows} rows"
+        else:
+            n = budget.mla_decode_peak_scratch_bytes(rows, q_heads, m.kv_lora_rank)
+            what = (f"at most over 1..{rows} rows ({budget.MLA_SPLIT_PROGRAMS} programs: "
+                    f"{budget.mla_kv_splits(1)} splits at 1 row)")
         n += budget.mla_unmeasured_reserve_bytes(gmbs, ctx)
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
-                   f"MLA decode: the splits' partials, at most over 1..{rows} rows "
-                   f"({budget.MLA_SPLIT_PROGRAMS} programs: {budget.mla_kv_splits(1)} splits at 1 row), and "
-                   f"the old kernel's token slots ({gmbs} x {ctx}) until re-measured")
+                   f"MLA decode: the splits' partials, {what}, and the old kernel's token slots ({gmbs} x "
+                   f"{ctx}) until re-measured")
     if backend == "aiter_triton" and cfg.kv_dtype_bytes == 1:  # FP8 pages: our split decode
         kv_heads = max(m.num_kv_heads // tp, 1)
         rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)

@@ -99,6 +99,22 @@ def test_fp8_cache_declares_the_split_decode_peak_scratch():
                       for n in range(1, 257))
 
 
+def test_mla_declares_its_peak_partials_and_more_under_deterministic():
+    """MLA's decode scratch: the splits' partials at their most over the row counts a step may take (fewer
+    rows, more splits), the old kernel's token slots until re-measured, and --deterministic's 16 splits at
+    the most decode rows."""
+    cfg = validate(ServerConfig(model="deepseek-v2-lite"), serving=False)
+    got = row(make_plan(cfg, GPUS["h100"]).fixed, "decode attention scratch").bytes
+    reserve = budget.mla_unmeasured_reserve_bytes(cfg.graph_max_batch_size, cfg.context_len)
+    rows = max(budget.running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size),
+               cfg.graph_max_batch_size)
+    peak = max(budget.mla_decode_scratch_bytes(n, 16, 512, 0) for n in range(1, rows + 1))
+    assert got - reserve == peak > budget.mla_decode_scratch_bytes(rows, 16, 512, 0)
+    det = plan_for("h100", model="deepseek-v2-lite", deterministic=True)
+    fixed = budget.mla_partials_bytes(rows, 16, 512, budget.MLA_INVARIANT_SPLITS)
+    assert row(det.fixed, "decode attention scratch").bytes - reserve == fixed > peak
+
+
 def test_tp2_halves_weights_and_cell():
     one, two = plan_for(), plan_for(tp=2)
     split = weight_split(validate(ServerConfig()).model_config)

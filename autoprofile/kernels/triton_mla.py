@@ -34,9 +34,7 @@ import triton.language as tl
 from autoprofile import budget
 from autoprofile.kernels import pdl, triton_decode
 
-# --deterministic: every row's tokens in this many splits whatever the rows (budget.mla_kv_splits follows the
-# row count, and a row's merged output follows its splits)
-INVARIANT_SPLITS = 16
+INVARIANT_SPLITS = budget.MLA_INVARIANT_SPLITS  # --deterministic's splits, whatever the rows
 # H100, deepseek-v2-lite's widths (an uncommitted side-by-side of BLOCK_N 16/32/64, 4/8 warps, 3 stages):
 # 32-key tiles, 4 warps, 3 stages (two latent buffers) the fastest at 1 to 256 rows
 CONFIG = {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3}
