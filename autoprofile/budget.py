@@ -10,6 +10,7 @@ Terms (bytes unless named tokens):
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -231,13 +232,6 @@ def mla_kv_splits(rows: int) -> int:
     return min(MLA_MAX_SPLITS, -(-MLA_SPLIT_PROGRAMS // max(rows, 1)))
 
 
-def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int, max_seq_len: int) -> int:
-    """One MLA decode call's scratch at a padded row count: the splits' fp32 partial outputs and log2-sums
-    (rows x heads x splits x (kv_lora_rank + 1)); none at one split (the kernel writes the output).
-    max_seq_len: unused (the kernel reads the block tables; no per-token scratch)."""
-    return mla_partials_bytes(rows, heads, kv_lora_rank, mla_kv_splits(rows))
-
-
 def mla_partials_bytes(rows: int, heads: int, kv_lora_rank: int, splits: int) -> int:
     """The splits' fp32 partial outputs and log2-sums of an MLA decode call; none at one split."""
     return 0 if splits == 1 else 4 * rows * heads * splits * (kv_lora_rank + 1)
@@ -252,11 +246,16 @@ def mla_unmeasured_reserve_bytes(rows: int, max_seq_len: int) -> int:
     return 4 * (rows * max_seq_len + rows + 1)
 
 
-def mla_decode_peak_scratch_bytes(max_rows: int, heads: int, kv_lora_rank: int) -> int:
-    """The most any call of 1..max_rows (padded) rows allocates: fewer rows take more splits, so the peak
-    sits below MLA_SPLIT_PROGRAMS rows, not at the most rows (none past them: one split)."""
-    return max(mla_decode_scratch_bytes(n, heads, kv_lora_rank, 0)
-               for n in range(1, min(max_rows, MLA_SPLIT_PROGRAMS) + 1))
+@functools.cache
+def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int) -> int:
+    """One MLA decode call's scratch at a padded row count (kernels.triton_mla, outside --deterministic):
+    the most partials any count of 1..rows takes (fewer rows take more splits: one split from 132 rows, 262
+    row-splits at 131), held by the call whether its own splits need them or not. So its scratch grows
+    with its rows, and the stress's corners at the most decode rows hold what any call of fewer rows
+    holds (an eager decode in a mixed step, a graph's capture). Cached: a pure function of ints, asked
+    every call."""
+    return max(mla_partials_bytes(n, heads, kv_lora_rank, mla_kv_splits(n))
+               for n in range(1, min(rows, MLA_SPLIT_PROGRAMS) + 1))
 
 
 def mla_expanded_bytes(keys: int, heads: int, kv_lora_rank: int, rope_dim: int, nope_dim: int, v_dim: int,

@@ -240,15 +240,15 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     gmbs, ctx, tp = cfg.graph_max_batch_size, cfg.context_len, cfg.tp
     q_heads = m.num_heads // tp
     where = "graph pool" if not cfg.disable_cudagraph else "eager decode peak"
+    rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)  # the most decode rows
     if backend == "aiter_triton" and m.is_mla:
-        rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)
         if cfg.deterministic:  # a fixed split count for up to the most decode rows (and a paged prefill's
             # token rows in groups of them)
             n = budget.mla_partials_bytes(rows, q_heads, m.kv_lora_rank, budget.MLA_INVARIANT_SPLITS)
             what = f"{budget.MLA_INVARIANT_SPLITS} splits (--deterministic) of {rows} rows"
         else:
-            n = budget.mla_decode_peak_scratch_bytes(rows, q_heads, m.kv_lora_rank)
-            what = (f"at most over 1..{rows} rows ({budget.MLA_SPLIT_PROGRAMS} programs: "
+            n = budget.mla_decode_scratch_bytes(rows, q_heads, m.kv_lora_rank)
+            what = (f"the most of 1..{rows} rows ({budget.MLA_SPLIT_PROGRAMS} programs: "
                     f"{budget.mla_kv_splits(1)} splits at 1 row)")
         n += budget.mla_unmeasured_reserve_bytes(gmbs, ctx)
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
@@ -256,7 +256,6 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
                    f"{ctx}) until re-measured")
     if backend == "aiter_triton" and cfg.kv_dtype_bytes == 1:  # FP8 pages: our split decode
         kv_heads = max(m.num_kv_heads // tp, 1)
-        rows = max(running_reqs(cfg.running_max_req_size, gmbs), gmbs)
         n = budget.split_decode_peak_scratch_bytes(rows, q_heads, kv_heads, m.head_dim, ctx)
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
                    f"split decode partials at the most of 1..{rows} rows x {q_heads} heads (fewer rows split "
@@ -267,7 +266,7 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
         n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
-        small = min(max(running_reqs(cfg.running_max_req_size, gmbs), gmbs), budget.SPLIT_DECODE_ROWS)
+        small = min(rows, budget.SPLIT_DECODE_ROWS)
         split = budget.split_decode_peak_scratch_bytes(small, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
                                                        ctx)
         if split > n:

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                      block_tables=tables, seq_lens=lens, max_seq_len=args.ctx)
 
             def run():
-                return triton_mla.mla_decode(q, latents, tables, lens, args.ctx, scale, RANK, rows,
+                return triton_mla.mla_decode(q, latents, tables, lens, scale, RANK, rows,
                                              (splits, cfg))
             try:
                 got = run()

@@ -77,7 +77,7 @@ for rows in (1, 64):
     q = torch.randn(rows, 16, 576, device="cuda").bfloat16()
     tables = torch.randint(1, 512, (rows, 256), device="cuda", dtype=torch.int32)
     lens = torch.full((rows,), 4000, device="cuda", dtype=torch.int32)
-    triton_mla.mla_decode(q, latents, tables, lens, 4096, 0.1, 512, rows)
+    triton_mla.mla_decode(q, latents, tables, lens, 0.1, 512, rows)
 torch.cuda.synchronize()
 after = memory.stack_limit_bytes()
 print("RESULT " + json.dumps({"before": before, "after": after, "kernels": compiled_kernels()}))

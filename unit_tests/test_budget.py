@@ -249,11 +249,14 @@ def test_mla_splits_fill_one_program_per_sm_and_the_peak_scratch_sits_below_it()
     assert all(splits[r] >= splits[r + 1] for r in range(1, 1024))
     assert all(s == 1 for rows, s in splits.items() if rows >= budget.MLA_SPLIT_PROGRAMS)
     # deepseek-v2-lite: 16 heads, latent 512; one split writes the output, more their fp32 partials
-    assert budget.mla_decode_scratch_bytes(256, 16, 512, 163840) == 0
-    assert budget.mla_decode_scratch_bytes(64, 16, 512, 163840) == 4 * 64 * 16 * 3 * 513
-    peak = budget.mla_decode_peak_scratch_bytes(256, 16, 512)
-    assert peak == max(budget.mla_decode_scratch_bytes(n, 16, 512, 0) for n in range(1, 257))
-    assert peak > budget.mla_decode_scratch_bytes(256, 16, 512, 0)  # fewer rows, more splits: not at 256
+    partials = {n: budget.mla_partials_bytes(n, 16, 512, splits[n]) for n in range(1, 257)}
+    assert partials[256] == 0 and partials[64] == 4 * 64 * 16 * 3 * 513
+    # a call's scratch: the most partials of 1..rows, so it grows with the rows (the stress's corner at the
+    # most rows holds what any call of fewer rows holds), though fewer rows split more
+    scratch = [budget.mla_decode_scratch_bytes(n, 16, 512) for n in range(1, 257)]
+    assert scratch == [max(partials[k] for k in range(1, n + 1)) for n in range(1, 257)]
+    assert all(a <= b for a, b in zip(scratch, scratch[1:]))
+    assert scratch[-1] == partials[131] > partials[132] == 0
 
 
 def test_mla_expanded_prefix_arithmetic():

@@ -108,8 +108,9 @@ def test_mla_declares_its_peak_partials_and_more_under_deterministic():
     reserve = budget.mla_unmeasured_reserve_bytes(cfg.graph_max_batch_size, cfg.context_len)
     rows = max(budget.running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size),
                cfg.graph_max_batch_size)
-    peak = max(budget.mla_decode_scratch_bytes(n, 16, 512, 0) for n in range(1, rows + 1))
-    assert got - reserve == peak > budget.mla_decode_scratch_bytes(rows, 16, 512, 0)
+    peak = max(budget.mla_partials_bytes(n, 16, 512, budget.mla_kv_splits(n)) for n in range(1, rows + 1))
+    assert got - reserve == budget.mla_decode_scratch_bytes(rows, 16, 512) == peak
+    assert peak > budget.mla_partials_bytes(rows, 16, 512, budget.mla_kv_splits(rows))
     det = plan_for("h100", model="deepseek-v2-lite", deterministic=True)
     fixed = budget.mla_partials_bytes(rows, 16, 512, budget.MLA_INVARIANT_SPLITS)
     assert row(det.fixed, "decode attention scratch").bytes - reserve == fixed > peak

@@ -27,7 +27,7 @@ def check(q, latents, tables, lens, ctx, r, rows, tol, launch=None):
     ref = TorchBackend(H, H, latents.shape[-1], PAGE, q.dtype, torch.device("cpu"))
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.zeros(len(lens), dtype=torch.long),
                              block_tables=tables, seq_lens=lens, max_seq_len=ctx)
-    got = triton_mla.mla_decode(q, latents, tables, lens, ctx, 0.2, r, rows, launch).float()
+    got = triton_mla.mla_decode(q, latents, tables, lens, 0.2, r, rows, launch).float()
     want = ref.mla_decode(q, KVLayer(latents, latents), meta, 0.2, r).float()
     err = float((got - want).abs().max() / want.abs().max())
     assert got.shape == (len(lens), H, r) and err < tol, (q.dtype, len(lens), rows, launch, err)
@@ -53,6 +53,26 @@ crowd = check(q, latents, tables, lens, 512, 32, 4, 1e-5, launch)
 for i in range(4):
     alone = check(q[i:i + 1], latents, tables[i:i + 1], lens[i:i + 1], 512, 32, 1, 1e-5, launch)
     assert torch.equal(alone[0], crowd[i]), i
+# a call's scratch: at a padded count it holds the most any count of 1..rows takes (budget), even at one
+# split; a fixed launch (--deterministic) holds its own partials
+from autoprofile import budget
+from autoprofile.kernels import triton_decode
+held, carve = [], triton_decode.split_scratch
+def spy(out, splits, reserve_bytes=0):
+    got = carve(out, splits, reserve_bytes)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in got if t is not out}
+    held.append(sum(storages.values()))
+    return got
+triton_decode.split_scratch = spy
+q = torch.randn(6, H, 48)
+lens = torch.tensor([300, 37, 512, 16, 5, 128], dtype=torch.int32)
+tables = torch.stack([torch.randperm(PAGES - 1)[:32] + 1 for _ in range(6)]).int()
+for rows in (8, 256):  # 17 splits; one split, the reserve only
+    check(q, latents, tables, lens, 512, 32, rows, 1e-5)
+    assert held[-1] == budget.mla_decode_scratch_bytes(rows, H, 32) > 0, (rows, held)
+check(q, latents, tables, lens, 512, 32, 256, 1e-5, launch)
+assert held[-1] == budget.mla_partials_bytes(6, H, 32, triton_mla.INVARIANT_SPLITS), held
+triton_decode.split_scratch = carve
 # rows sharing one cached prefix (4 pages)
 shared = torch.arange(1, 5, dtype=torch.int32).repeat(6, 1)
 lens = torch.full((6,), 4 * PAGE, dtype=torch.int32)

@@ -258,14 +258,25 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
-def split_scratch(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_scratch(out: torch.Tensor, splits: int,
+                  reserve_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [B, H, splits], part [B, H, splits, D]) fp32 of a split decode into out [B, H, D]: the splits'
-    log2-sum-exps and outputs (budget.split_decode_scratch_bytes); one split needs none (out stands in)."""
-    if splits == 1:
-        return out, out
+    log2-sum-exps and outputs (budget.split_decode_scratch_bytes); one split needs none (out stands in).
+    reserve_bytes: the call holds at least this many bytes (one buffer the two are carved from, the rest
+    unread) while it runs: triton_mla's, so that its scratch grows with its rows
+    (budget.mla_decode_scratch_bytes)."""
     rows, heads, dim = out.shape
-    return (torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device),
-            torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=out.device))
+    need = 0 if splits == 1 else rows * heads * splits * (dim + 1)
+    if not reserve_bytes:
+        if not need:
+            return out, out
+        return (torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device),
+                torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=out.device))
+    flat = torch.empty(max(need, -(-reserve_bytes // 4)), dtype=torch.float32, device=out.device)
+    if not need:
+        return flat, flat  # unread (one split writes out): the reserve alone
+    parts = rows * heads * splits * dim
+    return flat[parts:need].view(rows, heads, splits), flat[:parts].view(rows, heads, splits, dim)
 
 
 def merge_splits(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, seq_lens: torch.Tensor,

@@ -21,7 +21,8 @@ row's end exit at once): the split points follow the row's own length, so a fixe
 program writes the output. More: each part's normalized fp32 output and log2-sum-exp, merged by
 triton_decode's merge kernel. Splits follow budget.mla_kv_splits(rows) at the compiled row count
 (padded_rows): static values, so a captured graph replays one count. Scratch per call:
-budget.mla_decode_scratch_bytes.
+budget.mla_decode_scratch_bytes (the most any count of 1..rows takes, held whatever the call's own splits
+need: it grows with the rows, so the stress's corner at the most rows holds the most).
 """
 from __future__ import annotations
 
@@ -111,11 +112,11 @@ def launch_for(rows: int) -> tuple[int, dict]:
 
 
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-               max_seq_len: int, scale: float, v_dim: int, rows: int,
+               scale: float, v_dim: int, rows: int,
                launch: tuple[int, dict] | None = None) -> torch.Tensor:
     """q [B, H, L] (L = kv_lora_rank + rope; unit stride in L) against the latent cache [pages, 1, page, L]
     (contiguous) -> [B, H, v_dim], v_dim = kv_lora_rank; tables [B, >= pages of the longest row] int32,
-    seq_lens [B] int32, each >= 1 and <= max_seq_len. Splits and config at `rows` (>= B: padded_rows)
+    seq_lens [B] int32, each >= 1 (the tables hold its pages). Splits and config at `rows` (>= B: padded_rows)
     unless `launch` gives them (scripts/tune_mla_decode.py, --deterministic's INVARIANT_SPLITS)."""
     b, heads, width = q.shape
     if q.stride(2) != 1 or not latents.is_contiguous() or width != latents.shape[-1] or not 0 < v_dim < width:
@@ -127,7 +128,9 @@ def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq
     if b == 0:
         return out
     direct = splits == 1
-    lse, part = triton_decode.split_scratch(out, splits)
+    # --deterministic's (and a tuning launch's) fixed splits: partials grow with the rows as they are
+    lse, part = triton_decode.split_scratch(
+        out, splits, 0 if launch else budget.mla_decode_scratch_bytes(rows, heads, v_dim))
     rope = width - v_dim
     block_n = cfg["BLOCK_N"]
     _mla_decode_kernel[(b, triton.cdiv(heads, cfg["BLOCK_H"]), splits)](

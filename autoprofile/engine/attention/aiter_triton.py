@@ -193,12 +193,11 @@ class AiterTritonBackend(AttentionBackend):
         mla = self.triton_mla
         if not self.deterministic:
             rows = mla.padded_rows(q.shape[0], self.graph_rows, self.max_decode_rows)
-            return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, v_dim,
-                                  rows)
+            return mla.mla_decode(q, kv.k, meta.block_tables, meta.seq_lens, scale, v_dim, rows)
         group = self.max_decode_rows or q.shape[0]
         launch = (mla.INVARIANT_SPLITS, mla.CONFIG)
         parts = [mla.mla_decode(q[a:a + group], kv.k, meta.block_tables[a:a + group],
-                                meta.seq_lens[a:a + group], meta.max_seq_len, scale, v_dim,
+                                meta.seq_lens[a:a + group], scale, v_dim,
                                 mla.padded_rows(min(group, q.shape[0] - a), self.graph_rows,
                                                 self.max_decode_rows), launch)
                  for a in range(0, q.shape[0], group)]
