@@ -47,10 +47,10 @@ from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
 from autoprofile.serving.protocol import (BODY_MARGIN, BODY_OVERHEAD, APIError, GenerateArgs, Limits, bad,
                                           chunk, decode_json, generate_body_bytes, max_body_bytes, parse_chat,
-                                          parse_completion, parse_generate, with_image_ids)
+                                          parse_completion, parse_generate, show, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import choice as choice_body
-from autoprofile.serving.protocol import response
+from autoprofile.serving.protocol import response, usage
 from autoprofile.serving.choices import Choice, best, merged
 from autoprofile.serving.logprobs import chat_content, completion_block, echo_entries
 from autoprofile.serving.structured import Grammars
@@ -227,9 +227,18 @@ def _accepting(app: web.Application) -> ServerState:
     return st
 
 
+def _json_only(request: web.Request) -> None:
+    """A 415 for a body that is not declared JSON (vLLM's rule): it is not parsed."""
+    if request.headers.get("Content-Type", "").partition(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"the body must be JSON sent with 'Content-Type: application/json', got "
+                       f"{show(request.headers.get('Content-Type'))}", param="Content-Type",
+                       code="unsupported_media_type")
+
+
 async def _read(request: web.Request, bound: BodyBound) -> bytearray:
     """The body (not copied: json.loads takes a bytearray), a 413 as soon as it is over the bound (announced
-    or read)."""
+    or read); a 415 unless it is declared JSON."""
+    _json_only(request)
     if (request.content_length or 0) > bound.limit:
         raise bound.error()
     raw = bytearray()
@@ -340,11 +349,22 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def model_card(st: ServerState) -> dict:
+    return {"id": served_names(st.cfg)[0], "object": "model", "created": st.created, "owned_by": "autoprofile",
+            "root": st.cfg.model, "max_model_len": st.cfg.context_len}
+
+
 async def models(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    return web.json_response({"object": "list", "data": [
-        {"id": served_names(st.cfg)[0], "object": "model", "created": st.created, "owned_by": "autoprofile",
-         "root": st.cfg.model, "max_model_len": st.cfg.context_len}]})
+    return web.json_response({"object": "list", "data": [model_card(request.app[STATE])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model under any name a request may give, else a 404."""
+    st, name = request.app[STATE], request.match_info["model"]
+    if name not in served_names(st.cfg):
+        raise APIError(404, f"the model '{name:.200}' does not exist; this server serves "
+                       f"'{served_names(st.cfg)[0]}' (GET /v1/models)", param="model", code="model_not_found")
+    return web.json_response(model_card(st))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -360,28 +380,38 @@ async def _openai(request: web.Request, parse) -> web.StreamResponse:
     args = await _parsed(request, st.bounds["openai"], parse, st.limits, st.tokenizer)
     if args.images:
         args = await _with_images(st, args)
-    choices = await _start(st, args)
+    prompts = [args, *args.others]
+    _room(st, args, args.best_of * len(prompts))
+    groups: list[tuple[GenerateArgs, list[Choice]]] = []
     try:
+        for k, a in enumerate(prompts):  # a list of prompts: prompt k's choices are indexed from k * n
+            groups.append((a, await _start(st, a, k * a.n)))
         if args.stream:
-            return await _stream(request, st, args, choices)
-        return await _complete(st, args, choices)
+            return await _stream(request, st, args, groups)
+        return await _complete(st, args, groups)
     finally:
-        for c in choices:
-            c.handle.close()
+        for _, choices in groups:
+            for c in choices:
+                c.handle.close()
 
 
-async def _start(st: ServerState, args: GenerateArgs) -> list[Choice]:
-    """Submit the request's best_of choices: the first alone, the others once its first token is back (its
-    prompt's full pages are then in the prefix cache: serving.choices)."""
-    count = args.best_of
+def _room(st: ServerState, args: GenerateArgs, count: int) -> None:
+    """A 400 for more choices (best_of per prompt) than the server ever holds, a 429 for more than it has
+    room for now."""
     if count > st.engine.capacity:
-        raise bad("best_of" if args.best_of > args.n else "n",
-                  f"{count} choices can never run together: this server holds at most {st.engine.capacity} "
-                  f"requests ({st.engine.max_running} running + {st.engine.max_waiting} waiting); ask for at "
-                  f"most {st.engine.capacity}")
+        param = "prompt" if args.others else "best_of" if args.best_of > args.n else "n"
+        raise bad(param, f"{count} choices can never run together: this server holds at most "
+                  f"{st.engine.capacity} requests ({st.engine.max_running} running + {st.engine.max_waiting} "
+                  f"waiting); ask for at most {st.engine.capacity}")
     if not st.engine.has_room(count):
         raise _queue_full(QueueFull(f"{count} choices, {st.engine.outstanding} requests outstanding, limit "
                                     f"{st.engine.capacity}"))
+
+
+async def _start(st: ServerState, args: GenerateArgs, base: int = 0) -> list[Choice]:
+    """Submit a prompt's best_of choices (indexed from base): the first alone, the others once its first token
+    is back (its prompt's full pages are then in the prefix cache: serving.choices)."""
+    count = args.best_of
     handles, head = [await _submit(st, args)], []
     try:
         if count > 1:
@@ -395,7 +425,7 @@ async def _start(st: ServerState, args: GenerateArgs) -> list[Choice]:
         for h in handles:
             h.close()
         raise
-    return [Choice(i, h, TextStream(st.tokenizer, args.prompt_ids, args.stop), head if i == 0 else [])
+    return [Choice(base + i, h, TextStream(st.tokenizer, args.prompt_ids, args.stop), head if i == 0 else [])
             for i, h in enumerate(handles)]
 
 
@@ -424,9 +454,32 @@ def _echo(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[s
     return text, echo_entries(args.prompt_ids, choices[0].prompt if args.logprobs is not None else None)
 
 
-async def _complete(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> web.Response:
+async def _complete(st: ServerState, args: GenerateArgs,
+                    groups: list[tuple[GenerateArgs, list[Choice]]]) -> web.Response:
+    """Every prompt's n choices, indexed prompt by prompt (OpenAI's order), usage summed over the prompts."""
+    bodies, tokens = [], 0
+    for k, (a, choices) in enumerate(groups):
+        more, used = await _choice_bodies(st, a, choices)
+        for i, b in enumerate(more):
+            b["index"] = k * a.n + i
+        bodies, tokens = bodies + more, tokens + used
+    first = bodies[0]
+    text = first["message"]["content"] if args.chat else first["text"]
+    calls = first["message"].get("tool_calls") if args.chat else None
+    body = response(args, new_request_id(args.chat), text, first["finish_reason"],
+                    sum(len(a.prompt_ids) for a, _ in groups), tokens, first["logprobs"], bodies[1:], calls)
+    body["choices"][0] = first
+    if args.return_token_ids and args.chat:
+        body["prompt_token_ids"] = args.prompt_ids
+    return web.json_response(body)
+
+
+async def _choice_bodies(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[list[dict], int]:
+    """One prompt's returned choices (its n best of best_of) and the completion tokens of all it generated."""
+    ids: dict[int, list[int]] = {c.index: [] for c in choices}
     try:
         async for c, out in merged(choices):
+            ids[c.index] += out.new_token_ids
             c.advance(out, _finish_reason, text_ids(args, out))
     except EngineFailure as e:
         raise _engine_failure(e) from None
@@ -439,25 +492,28 @@ async def _complete(st: ServerState, args: GenerateArgs, choices: list[Choice]) 
             text, calls = parse_calls(text, args.tools.format)
             calls = calls if args.tools.parallel else calls[:1]
             reason = "tool_calls" if calls else reason
-        bodies.append(choice_body(args, text if text is None else prefix + text, reason, i,
-                                  _logprobs_body(st, args, c, entries, echo, 0), calls))
-    tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
-    first = bodies[0]
-    rid = new_request_id(args.chat)
-    text = first["message"]["content"] if args.chat else first["text"]
-    calls = first["message"].get("tool_calls") if args.chat else None
-    return web.json_response(response(args, rid, text, first["finish_reason"], len(args.prompt_ids), tokens,
-                                      first["logprobs"], bodies[1:], calls))
+        body = choice_body(args, text if text is None else prefix + text, reason, i,
+                           _logprobs_body(st, args, c, entries, echo, 0), calls)
+        if args.return_token_ids:
+            body |= {"token_ids": ids[c.index]} if args.chat else \
+                {"prompt_token_ids": args.prompt_ids, "token_ids": ids[c.index]}
+        bodies.append(body)
+    return bodies, 0 if args.echo_only else sum(c.tokens for c in choices)
 
 
 async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
-                  choices: list[Choice]) -> web.StreamResponse:
+                  groups: list[tuple[GenerateArgs, list[Choice]]]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     rid, created = new_request_id(args.chat), int(time.time())
+    owner = {c.index: (a, choices) for a, choices in groups for c in choices}  # each choice's prompt
+    choices = [c for _, group in groups for c in group]
     echoed: set[int] = set()
+    started: set[int] = set()
 
-    async def send(body: dict) -> None:
+    async def send(body: dict, c: Choice | None = None) -> None:
+        if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
+            body["usage"] = usage(len(owner[c.index][0].prompt_ids), c.tokens)
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
     tools = {c.index: ToolStream(args.tools) for c in choices} \
@@ -465,35 +521,45 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
     try:
         if args.chat:
             for c in choices:
-                await send(chunk(args, rid, created, None, role=True, index=c.index))
+                body = chunk(args, rid, created, None, role=True, index=c.index)
+                if args.return_token_ids:
+                    body["prompt_token_ids"] = args.prompt_ids
+                await send(body, c)
         async for c, out in merged(choices):
-            delta, new = c.advance(out, _finish_reason, text_ids(args, out))
+            a, group = owner[c.index]
+            delta, new = c.advance(out, _finish_reason, text_ids(a, out))
+            ids = out.new_token_ids if args.return_token_ids else []
             if args.echo_only:
                 delta, new = "", []
             prefix, echo = "", []
-            if args.echo and c.index not in echoed:
+            if a.echo and c.index not in echoed:
                 echoed.add(c.index)
-                prefix, echo = _echo(st, args, choices)
+                prefix, echo = _echo(st, a, group)
             new_calls = None
             if c.index in tools:
                 calls = tools[c.index]
                 delta, new_calls = _tool_deltas(calls, delta, c.reason is not None)
                 if c.reason is not None and calls.calls:
                     c.reason = "tool_calls"
-            lps = _logprobs_body(st, args, c, new, echo, c.offset) if new or echo else None
+            lps = _logprobs_body(st, a, c, new, echo, c.offset) if new or echo else None
             if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
                 c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
-            if prefix + delta or lps:
-                await send(chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps))
+            if prefix + delta or lps or ids:
+                body = chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps)
+                if ids:
+                    body["choices"][0]["token_ids"] = ids
+                if ids and not args.chat and c.index not in started:
+                    body["choices"][0]["prompt_token_ids"] = a.prompt_ids
+                started.add(c.index)
+                await send(body, c)
             if new_calls:
-                await send(chunk(args, rid, created, None, index=c.index, tool_calls=new_calls))
+                await send(chunk(args, rid, created, None, index=c.index, tool_calls=new_calls), c)
             if c.reason is not None:
-                await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index))
+                await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index), c)
         if args.include_usage:
             tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
-            await send(chunk(args, rid, created, None, usage_body={
-                "prompt_tokens": len(args.prompt_ids), "completion_tokens": tokens,
-                "total_tokens": len(args.prompt_ids) + tokens}))
+            await send(chunk(args, rid, created, None,
+                             usage_body=usage(sum(len(a.prompt_ids) for a, _ in groups), tokens)))
     except EngineFailure as e:
         await send(_engine_failure(e).body())
     except ConnectionResetError:  # the client went away: close() aborts the request
@@ -559,6 +625,7 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)

@@ -346,7 +346,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": 12}, 400, "prompt"),
     ("/v1/completions", {}, 400, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),  # one prompt per request
+    ("/v1/completions", {"prompt": ["a", 5]}, 400, "prompt"),  # neither a list of prompts nor of ids
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
@@ -395,6 +395,7 @@ BAD = [  # (path, body, status, param)
     ("/generate", {"input_ids": [[1]] * (RUNNING + 2 + 1)}, 400, "input_ids"),  # more than running + waiting
 ]
 DEEP = 100_000  # levels of nesting: past the JSON parser's recursion limit
+JSON = {"Content-Type": "application/json"}
 
 
 def test_at_least_15_distinct_4xx_cases():
@@ -404,11 +405,11 @@ def test_at_least_15_distinct_4xx_cases():
 def test_client_mistakes_are_4xx_error_objects_naming_the_field(run):
     async def body(c, app):
         out = [(await c.post(path, json=b), path) for path, b, _, _ in BAD]
-        out += [(await c.post("/v1/completions", data=b"{not json"), "json"),
-                (await c.post("/v1/chat/completions", data=b"\xff\xfe"), "bytes"),
-                (await c.post("/v1/completions", data=b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
-                 "deep"),
-                (await c.post("/generate", data=b"[" * DEEP + b"]" * DEEP), "deep body"),
+        out += [(await c.post("/v1/completions", data=b"{not json", headers=JSON), "json"),
+                (await c.post("/v1/chat/completions", data=b"\xff\xfe", headers=JSON), "bytes"),
+                (await c.post("/v1/completions", data=b'{"prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+                              headers=JSON), "deep"),
+                (await c.post("/generate", data=b"[" * DEEP + b"]" * DEEP, headers=JSON), "deep body"),
                 (await c.get("/v1/nothing"), "unknown path"),
                 (await c.get("/v1/completions"), "wrong method")]
         return [(r.status, await r.json()) for r, _ in out], await (await c.get("/metrics")).text()
@@ -442,7 +443,7 @@ def test_a_body_past_the_bound_is_413_and_the_longest_valid_one_is_not(run):
         limit = app[server.STATE].bounds["openai"].limit
         longest = json.dumps(greedy([4095] * 255, n=1), indent=4) + " " * 1000
         ok = await c.post("/v1/completions", data=longest, headers={"Content-Type": "application/json"})
-        over = await c.post("/v1/completions", data=b'{"prompt": [1]}' + b" " * limit)
+        over = await c.post("/v1/completions", data=b'{"prompt": [1]}' + b" " * limit, headers=JSON)
         return limit, ok.status, over.status, await over.json()
     limit, ok, status, data = run(body)
     assert limit == max_body_bytes(256, 4096)
@@ -462,8 +463,9 @@ def test_generate_takes_a_full_queue_of_longest_prompts_and_413s_past_that(boote
         st = app[server.STATE]
         bound = st.bounds["generate"].limit
         full = json.dumps({"input_ids": [[4095] * 255] * st.engine.capacity, "max_new_tokens": 1}, indent=4)
-        ok = await c.post("/generate", data=json.dumps({"input_ids": prompts, "max_new_tokens": 1}))
-        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * bound)
+        ok = await c.post("/generate", data=json.dumps({"input_ids": prompts, "max_new_tokens": 1}),
+                          headers=JSON)
+        over = await c.post("/generate", data=b'{"input_ids": [[1]]}' + b" " * bound, headers=JSON)
         sizes = st.engine.capacity, bound, len(full)
         return *sizes, ok.status, await ok.json(), over.status, await over.json()
     capacity, bound, full, ok, out, status, data = serve(engine, booted[1], body, cfg)

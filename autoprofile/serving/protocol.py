@@ -161,14 +161,14 @@ FIELDS: dict[str, Field] = {
     # vLLM's extras
     "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
-    "bad_words": _refused([]),
+    "bad_words": _refused([]), "return_token_ids": _served(),
     **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids")},
     **{k: _served() for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     "add_generation_prompt": _refused(True, CHAT), "continue_final_message": _refused(False, CHAT),
     "chat_template": _refused(None, CHAT), "chat_template_kwargs": _refused({}, CHAT),
 }
 STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(), "include_obfuscation": Field(IGNORED),
-                                    "continuous_usage_stats": _refused(False)}
+                                    "continuous_usage_stats": _served()}
 # a chat message's own fields (name, tool_calls and tool_call_id go to the chat template)
 MESSAGE_FIELDS: dict[str, Field] = {
     **{k: _served() for k in ("role", "content", "name", "tool_calls", "tool_call_id")},
@@ -275,6 +275,9 @@ class GenerateArgs:
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()  # end the request (finish_reason "stop"), not in the text
+    others: list[GenerateArgs] = field(default_factory=list)  # completions: the other prompts of the body
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
 
 
 # ---------------------------------------------------------------- request bodies
@@ -295,6 +298,8 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         raise bad("stream_options", "'stream_options' is only allowed with stream: true")
     check_fields(opts, endpoint, STREAM_OPTIONS, "stream_options.")
     include_usage = _get(opts, "include_usage", False, lambda v: isinstance(v, bool), "must be true or false")
+    continuous = _get(opts, "continuous_usage_stats", False, lambda v: isinstance(v, bool),
+                      "must be true or false")
     stop = _get(body, "stop", [], lambda v: isinstance(v, (str, list)),
                 "must be a string or a list of strings")
     stop = [stop] if isinstance(stop, str) else stop
@@ -312,6 +317,9 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         top_k=max(_get(body, "top_k", 0, lambda v: _is_int(v) and v >= -1,
                        "must be an integer >= -1 (-1 or 0 = off)"), 0),
         seed=seed, stop=tuple(stop), stream=stream, include_usage=include_usage,
+        continuous_usage=include_usage and continuous,  # vLLM's: only with include_usage
+        return_token_ids=_get(body, "return_token_ids", False, lambda v: isinstance(v, bool),
+                              "must be true or false"),
         ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
         model=limits.model_names[0], **processors(body, limits), **stop_controls(body, limits),
     )
@@ -412,33 +420,46 @@ def _token_ids(v, vocab: int) -> bool:
     return isinstance(v, list) and bool(v) and all(_is_int(t) and 0 <= t < vocab for t in v)
 
 
+def _prompts(prompt) -> list:
+    """/v1/completions' prompt as a list of prompts: a string or a list of token ids is one; a list of those
+    (OpenAI's batch) is several."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return prompt
+    return [prompt]
+
+
 def parse_completion(body: object, limits: Limits, tokenizer) -> GenerateArgs:
-    """POST /v1/completions: prompt is a string or a list of token ids (or a list holding one of those)."""
+    """POST /v1/completions: prompt is a string or a list of token ids, or a list of those (several prompts:
+    the first prompt's args, the others' in its `others`)."""
     args = _common(body, limits, COMPLETIONS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", f"one prompt per request is supported, got {len(prompt)}",
-                  code="unsupported_value")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompts = _prompts(body.get("prompt"))
     logprobs, echo = completion_logprobs(body)
     # max_tokens 0 with echo: the prompt's logprobs alone (one token is generated and dropped)
     if echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0:
         body = {**body, "max_tokens": 1}
         args["echo_only"] = True
+    structured = parse_structured(body)
+    one = [_completion(body, p, f"prompt[{i}]" if len(prompts) > 1 else "prompt", limits, tokenizer,
+                       dict(args, logprobs=logprobs, echo=echo, structured=structured))
+           for i, p in enumerate(prompts)]
+    one[0].others = one[1:]
+    return one[0]
+
+
+def _completion(body: dict, prompt, param: str, limits: Limits, tokenizer, args: dict) -> GenerateArgs:
+    """One prompt of a completions request."""
     prompt_text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, str) and prompt:
-        ids = tokenizer.encode(text(prompt, "prompt"), add_special_tokens=True)
+        ids = tokenizer.encode(text(prompt, param), add_special_tokens=True)
     elif _token_ids(prompt, limits.vocab_size):
         ids = prompt
     else:
-        raise bad("prompt", f"'prompt' must be a non-empty string or a non-empty list of token ids in "
-                  f"[0, {limits.vocab_size}) (or a list holding one of those), got {show(prompt)}")
+        raise bad(param, f"'{param}' must be a non-empty string or a non-empty list of token ids in "
+                  f"[0, {limits.vocab_size}) (or a list of those), got {show(prompt)}")
     if not ids:
-        raise bad("prompt", "the prompt encodes to no tokens")
-    n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-    return GenerateArgs(prompt_ids=ids, max_tokens=n, logprobs=logprobs, echo=echo, prompt_text=prompt_text,
-                        structured=parse_structured(body), **args)
+        raise bad(param, f"'{param}' encodes to no tokens")
+    n = _max_tokens(body, "max_tokens", len(ids), limits, COMPLETIONS_DEFAULT_MAX_TOKENS, param)
+    return GenerateArgs(prompt_ids=ids, max_tokens=n, prompt_text=prompt_text, prompt_param=param, **args)
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")

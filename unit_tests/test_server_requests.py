@@ -1,0 +1,117 @@
+"""What clients send today (issue 47): model retrieval, lists of prompts, the body's media type, and vLLM's
+extensions (/tokenize, /detokenize, /version, continuous usage, token ids, chat template controls), against
+the real server and engine on the tiny model (CPU, torch backend)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from autoprofile import server
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.engine import LLMEngine
+from unit_tests.cpu_server import boot_cpu
+from unit_tests.test_server import FLAGS, post, sse
+
+CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=4, served_model_name="served"))
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+def greedy(prompt="Hello", max_tokens=4, **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+
+
+@pytest.fixture(scope="module")
+def booted():
+    runner, result = boot_cpu(CFG)
+    yield runner, result
+    runner.teardown()
+
+
+@pytest.fixture
+def run(booted):
+    """body(client, app) against a server over a fresh engine; every test leaves no page held."""
+    from unit_tests.test_server import serve
+    eng = LLMEngine.from_config(booted[0], CFG)
+    yield lambda body, **kw: serve(eng, booted[1], body, **{"cfg": CFG, **kw})
+    assert eng.stats.pages_used == 0 and not eng.has_unfinished()
+
+
+# ---------------------------------------------------------------- GET /v1/models/{model}
+def test_models_retrieve_answers_every_name_a_request_may_give(run):
+    async def body(c, app):
+        url = str(c.make_url("/v1"))
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            got = [await client.models.retrieve(name) for name in ("served", "tiny")]
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.models.retrieve("llama")
+        return got, missing.value
+    got, missing = run(body)
+    assert [m.id for m in got] == ["served", "served"] and got[0].max_model_len == 256
+    assert missing.code == "model_not_found" and missing.param == "model" and "'served'" in missing.message
+
+
+# ---------------------------------------------------------------- several prompts
+def test_a_list_of_prompts_gets_n_choices_each_indexed_prompt_by_prompt_usage_summed(run):
+    async def body(c, app):
+        alone = [await post(c, "/v1/completions", greedy(p, 4)) for p in ("Hello", [5, 6, 7])]
+        both = await post(c, "/v1/completions", greedy(["Hello", [5, 6, 7]], 4, n=2))
+        ids = await post(c, "/v1/completions", greedy([[5, 6, 7], [8, 9]], 3))
+        return alone, both, ids
+    alone, (status, both), (ids_status, ids) = run(body)
+    assert status == 200 and ids_status == 200, (both, ids)
+    texts = [a[1]["choices"][0]["text"] for a in alone]
+    assert [(ch["index"], ch["text"]) for ch in both["choices"]] == \
+        [(0, texts[0]), (1, texts[0]), (2, texts[1]), (3, texts[1])]  # greedy: n copies of each prompt's text
+    prompt_tokens = sum(a[1]["usage"]["prompt_tokens"] for a in alone)
+    assert both["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
+                             "total_tokens": prompt_tokens + 16}
+    assert [ch["index"] for ch in ids["choices"]] == [0, 1] and ids["usage"]["prompt_tokens"] == 5
+
+
+def test_a_list_of_prompts_streams_every_choice_with_its_index(run):
+    async def body(c, app):
+        one = await post(c, "/v1/completions", greedy([9, 10], 4))
+        events = await sse(c, "/v1/completions", greedy(["Hello", [9, 10]], 4, stream=True,
+                                                        stream_options={"include_usage": True}))
+        return one[1], events
+    one, events = run(body)
+    text = {0: "", 1: ""}
+    for e in events[:-2]:
+        text[e["choices"][0]["index"]] += e["choices"][0]["text"]
+    assert text[1] == one["choices"][0]["text"] and text[0]
+    assert events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("prompt, param", [(["Hello", ""], "prompt[1]"), ([[1, 2], [4096]], "prompt[1]"),
+                                           ([], "prompt")])
+def test_a_bad_prompt_of_a_list_is_a_400_naming_it(run, prompt, param):
+    async def body(c, app):
+        return await post(c, "/v1/completions", greedy(prompt, 4))
+    status, err = run(body)
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_more_choices_than_the_server_holds_is_a_400_naming_the_prompt(run):
+    async def body(c, app):
+        return await post(c, "/v1/completions", greedy(["a"] * 7, 4, n=2))  # 14 > 8 running + 4 waiting
+    status, err = run(body)
+    assert status == 400 and err["error"]["param"] == "prompt" and "at most 12" in err["error"]["message"]
+
+
+# ---------------------------------------------------------------- the body's media type
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_declared_json_is_415_and_not_parsed(run, path, content_type):
+    async def body(c, app):
+        raw = json.dumps({"input_ids": [[1, 2]], "max_new_tokens": 2} if path == "/generate" else
+                         {"messages": MSG, "max_tokens": 2} if "chat" in path else greedy()).encode()
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        r = await c.post(path, data=raw, headers=headers, skip_auto_headers=["Content-Type"])
+        ok = await c.post(path, data=raw, headers={"Content-Type": "application/json; charset=utf-8"})
+        return r.status, await r.json(), ok.status
+    status, err, ok = run(body)
+    assert status == 415 and err["error"]["param"] == "Content-Type", err
+    assert err["error"]["code"] == "unsupported_media_type" and "application/json" in err["error"]["message"]
+    assert ok == 200
