@@ -115,3 +115,45 @@ def test_a_body_not_declared_json_is_415_and_not_parsed(run, path, content_type)
     assert status == 415 and err["error"]["param"] == "Content-Type", err
     assert err["error"]["code"] == "unsupported_media_type" and "application/json" in err["error"]["message"]
     assert ok == 200
+
+
+# ---------------------------------------------------------------- vLLM's extensions
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(run, booted):
+    async def body(c, app):
+        comp = await post(c, "/v1/completions", greedy([5, 6, 7], 4, return_token_ids=True, n=2))
+        chat = await post(c, "/v1/chat/completions", {"messages": MSG, "max_tokens": 3, "temperature": 0,
+                                                      "return_token_ids": True})
+        plain = await post(c, "/v1/completions", greedy([5, 6, 7], 4))
+        events = await sse(c, "/v1/completions", greedy([5, 6, 7], 4, return_token_ids=True, stream=True))
+        tok = app[server.STATE].tokenizer
+        return comp[1], chat[1], plain[1], events, tok
+    comp, chat, plain, events, tok = run(body)
+    for ch in comp["choices"]:
+        assert ch["prompt_token_ids"] == [5, 6, 7] and len(ch["token_ids"]) == 4
+        assert tok.decode(ch["token_ids"]) == ch["text"]
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    ids = chat["choices"][0]["token_ids"]
+    assert len(ids) == chat["usage"]["completion_tokens"] == 3
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    streamed = [t for e in events[:-1] for t in e["choices"][0].get("token_ids", [])]
+    assert streamed == comp["choices"][0]["token_ids"]
+    assert events[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(run, path):
+    req = greedy([5, 6, 7], 5) if "completions" == path[4:] else {"messages": MSG, "max_tokens": 5,
+                                                                    "temperature": 0}
+
+    async def body(c, app):
+        both = await sse(c, path, req | {"stream": True, "stream_options": {
+            "include_usage": True, "continuous_usage_stats": True}})
+        alone = await sse(c, path, req | {"stream": True, "stream_options": {"continuous_usage_stats": True}})
+        return both, alone
+    both, alone = run(body)
+    chunks, final = both[:-2], both[-2]
+    assert all(e["usage"] is not None for e in chunks), chunks
+    done = [e["usage"]["completion_tokens"] for e in chunks]
+    assert done == sorted(done) and done[-1] == final["usage"]["completion_tokens"] == 5
+    assert all(e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for e in chunks)
+    assert all("usage" not in e for e in alone[:-1])  # vLLM's rule: only with include_usage
