@@ -14,7 +14,9 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
+from autoprofile import __version__
 from autoprofile.config import COMMANDS, ConfigError, add_flag, add_server_args, config_from_args
+from models.config import unsupported_architecture
 
 log = logging.getLogger("autoprofile")
 
@@ -180,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     kw = dict(allow_abbrev=False, formatter_class=_HelpFormatter)
     p = _Parser(prog="autoprofile", **kw,
                 description="LLM serving that sizes its KV cache from a measured profile.")
+    p.add_argument("--version", action="version", version=f"autoprofile {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{serve,profile,plan}")
     for command, text in (("serve", "Profile the GPU, size the KV cache and serve the OpenAI API over HTTP."),
                           ("profile", "Profile the GPU, print the budget report and exit."),
@@ -214,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `autoprofile`: its usage, then what to type
+        parser.print_help()
+        print(f"error: command: say which one: {', '.join(COMMANDS)}; try `autoprofile plan --gpu h100` or "
+              "`autoprofile serve --help`", file=sys.stderr)
+        return EXIT_USAGE
     try:
         ns = parser.parse_args(argv)
         cfg = config_from_args(ns, serving=ns.command != "plan")
@@ -258,6 +266,9 @@ def _gpu_present() -> bool:
 
 def _cmd_plan(cfg, card, as_json: bool) -> int:
     from autoprofile.plan import format_plan, make_plan
+    if not cfg.model_config.runnable:  # nothing in the plan would be served: the error alone
+        print(f"error: --model: {unsupported_architecture(cfg.model_config.architecture)}", file=sys.stderr)
+        return EXIT_USAGE
     p = make_plan(cfg, card)
     print(p.to_json() if as_json else format_plan(p))
     if p.problem:  # the model cannot be served as configured: name the flag and a value that works

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -257,7 +258,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     try:
         m = load_model_config(cfg.model)
     except ValueError as e:
-        raise ConfigError("model", f"{e}") from None
+        raise ConfigError("model", f"{e}{did_you_mean(cfg.model)}") from None
     _check(cfg.quantization is None or m.quant is None, "quantization",
            f"{m.name} is quantized already ({m.quant_method}: {m.weight_format}); leave --quantization unset "
            "to serve its own scheme")
@@ -407,6 +408,14 @@ def _validate_weights(cfg: ServerConfig) -> None:
                           f"{other}") from None
 
 
+def did_you_mean(model: str) -> str:
+    """"; did you mean NAME?" for a --model that is neither a folder nor a built-in name but close to one."""
+    if Path(model, "config.json").is_file():
+        return ""
+    near = difflib.get_close_matches(model.lower(), builtin_models(), n=1, cutoff=0.6)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
 def weights_source(cfg: ServerConfig) -> str:
     """Where the weights come from, for the boot log."""
     if cfg.load_format == "dummy":
@@ -520,6 +529,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(budget, "page_size", type=int, default=d.page_size, help="Tokens per KV page.")
     add_flag(budget, "canary_mb", type=int, default=d.canary_mb,
              help="Headroom in MiB held free through the validation.")
+    add_flag(budget, "deterministic", action="store_true",
+             help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "
+                  "greedy or seeded, are the same alone and in any crowd, at a cost in throughput. See "
+                  f"the README section \"{README_REPRODUCIBLE}\".")
     images = p.add_argument_group("images (vision-language models)")
     add_flag(images, "visual_batch_size", type=int, default=d.visual_batch_size,
              help="Images the vision encoder runs in one step. The stress runs this many at "
@@ -543,10 +556,6 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="A folder holding tokenizer.json. Unset: the model folder's; a model with random weights "
                   "and no tokenizer.json gets a byte-level tokenizer.")
     add_flag(run, "seed", type=int, default=d.seed, help="The seed of random weights and of sampling.")
-    add_flag(run, "deterministic", action="store_true",
-             help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "
-                  "greedy or seeded, are the same alone and in any crowd, at a cost in throughput. See "
-                  f"the README section \"{README_REPRODUCIBLE}\".")
     add_flag(run, "kv_scales", choices=KV_SCALES, default=d.kv_scales,
              help="Where an FP8 cache's per-layer K and V scales come from. auto: the checkpoint's "
                   "k_scale and v_scale if it has them, else first_batch; first_batch: the first real "

@@ -86,7 +86,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device)
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device,
+                                     lambda: self.grammars.stats if self.grammars else None)
         self.bounds = body_bounds(self.cfg)
         self.max_body = max(b.limit for b in self.bounds.values())  # aiohttp's client_max_size
         self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
@@ -350,8 +351,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def model_card(st: ServerState) -> dict:
-    return {"id": served_names(st.cfg)[0], "object": "model", "created": st.created, "owned_by": "autoprofile",
-            "root": st.cfg.model, "max_model_len": st.cfg.context_len}
+    return {"id": served_names(st.cfg)[0], "object": "model", "created": st.created,
+            "owned_by": "autoprofile", "root": st.cfg.model, "max_model_len": st.cfg.context_len}
 
 
 async def models(request: web.Request) -> web.Response:
@@ -474,7 +475,8 @@ async def _complete(st: ServerState, args: GenerateArgs,
     return web.json_response(body)
 
 
-async def _choice_bodies(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[list[dict], int]:
+async def _choice_bodies(st: ServerState, args: GenerateArgs,
+                         choices: list[Choice]) -> tuple[list[dict], int]:
     """One prompt's returned choices (its n best of best_of) and the completion tokens of all it generated."""
     ids: dict[int, list[int]] = {c.index: [] for c in choices}
     try:
@@ -512,7 +514,7 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
     started: set[int] = set()
 
     async def send(body: dict, c: Choice | None = None) -> None:
-        if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
+        if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: its usage so far
             body["usage"] = usage(len(owner[c.index][0].prompt_ids), c.tokens)
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 

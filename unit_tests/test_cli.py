@@ -164,7 +164,7 @@ def test_deterministic_points_to_a_readme_section_that_the_lead_keeps(monkeypatc
 
 SERVE_ONLY = {"--host", "--port", "--max_waiting_requests", "--allowed_media_domains", "--served_model_name",
               "--api_key"}
-MEASURING = {"--load_format", "--tokenizer", "--seed", "--deterministic", "--kv_scales",
+MEASURING = {"--load_format", "--tokenizer", "--seed", "--kv_scales",
              "--disable_prefix_caching", "--disable_overlap_schedule", "--shrink_ratio", "--max_retries",
              "--report_dir", "--profile_cache"}
 
@@ -241,6 +241,55 @@ def test_nearest_divisor():
     from autoprofile.config import nearest_divisor
     assert [nearest_divisor(n, 8) for n in range(1, 12)] == [1, 2, 2, 4, 4, 4, 8, 8, 8, 8, 8]
     assert nearest_divisor(5, 768) == 4 and nearest_divisor(7, 768) == 6 and nearest_divisor(3, 0) == 3
+
+
+def test_plan_takes_deterministic_and_plans_its_fixed_splits(capsys):
+    assert cli.main(["plan", "--gpu", "h100", "--model", "deepseek-v2-lite", "--deterministic"]) == 0
+    assert "splits (--deterministic)" in capsys.readouterr().out
+    assert cli.main(["plan", "--gpu", "h100", "--model", "deepseek-v2-lite"]) == 0
+    assert "(--deterministic)" not in capsys.readouterr().out
+
+
+def test_plan_of_an_unsupported_architecture_prints_the_error_alone(tmp_path, capsys):
+    config = json.loads((ROOT / "models" / "configs" / "tiny" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"]}))
+    for extra in ([], ["--json"]):
+        assert cli.main(["plan", "--gpu", "h100", "--model", str(tmp_path), *extra]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith("error: --model: architecture MixtralForCausalLM") and \
+            err.count("\n") == 1, (out, err)
+
+
+@pytest.mark.parametrize("typed, meant", [("llama-3.1-8", "llama-3.1-8b"), ("Qwen3-8B-", "qwen3-8b"),
+                                          ("deepseek-v2-light", "deepseek-v2-lite")])
+def test_a_mistyped_model_name_gets_a_did_you_mean(typed, meant, capsys):
+    assert cli.main(["plan", "--gpu", "h100", "--model", typed]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --model: no config.json at '{typed}'") and \
+        err.rstrip().endswith(f"did you mean {meant}?"), err
+    assert cli.main(["plan", "--gpu", "h100", "--model", "zzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_a_bare_autoprofile_prints_its_usage(capsys):
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: autoprofile") and "{serve,profile,plan}" in out and "--version" in out
+    assert err.startswith("error: command: say which one: serve, profile, plan; try") and err.count("\n") == 1
+
+
+def test_version_is_the_packages(capsys):
+    import tomllib
+    from autoprofile import __version__
+    assert cli.main(["--version"]) == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out == f"autoprofile {version}\n" and __version__ == version
+
+
+def test_the_license_is_apache_2_0_in_full():
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.split()) > 1500
 
 
 @pytest.mark.parametrize("command", [["serve"], ["plan", "--gpu", "h100"]])
