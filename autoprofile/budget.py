@@ -53,9 +53,17 @@ def cache_shape(model, tp: int = 1) -> tuple[int, int]:
 
 
 def cell_bytes_for(model, dtype_bytes: int, tp: int = 1) -> int:
+    """A token's K/V over the layers that hold a KV cache (a hybrid model's attention layers only)."""
     if model.is_mla:
-        return mla_cell_bytes(model.num_layers, model.kv_lora_rank, model.qk_rope_head_dim, dtype_bytes)
-    return kv_cell_bytes(model.num_layers, model.num_kv_heads, model.head_dim, dtype_bytes, tp)
+        return mla_cell_bytes(model.attention_layers, model.kv_lora_rank, model.qk_rope_head_dim, dtype_bytes)
+    return kv_cell_bytes(model.attention_layers, model.num_kv_heads, model.head_dim, dtype_bytes, tp)
+
+
+def state_cache_bytes(model, slots: int, dtype_bytes: int, tp: int = 1) -> tuple[int, int]:
+    """A hybrid model's state cache (engine.state_cache): its (conv, ssm) tensors' bytes for `slots` request
+    slots and the pad slot; (0, 0) for a model without linear layers."""
+    n = (slots + 1) * model.linear_layers
+    return n * model.conv_state_bytes(tp, dtype_bytes), n * model.ssm_state_bytes(tp)
 
 
 # ---------------------------------------------------------------- sizes derived from T
@@ -401,6 +409,7 @@ class Sizing:
     decode_rows: int  # rows of one decode step (envelope.decode_rows)
     workspace: Callable[[int, int], int] | None = None  # (decode_rows, longest_seq) -> declared bytes
     max_tokens: int | None = None  # the kernels' 32-bit offset bound (max_indexable_tokens)
+    state: tuple[int, int] = (0, 0)  # a hybrid model's state cache: its two tensors (state_cache_bytes)
 
     def workspace_reserved(self, tokens: int) -> int:
         """The backend's declared persistent workspace at T, as the caching allocator reserves it."""
@@ -411,10 +420,11 @@ class Sizing:
         return reserved_bytes(req_table_bytes(self.running_reqs, self.context_len, self.page_size))
 
     def overhead(self, tokens: int) -> int:
-        """Declared bytes built beside the KV (workspace, request table), as the caching allocator
-        reserves them (a 1 MiB table and a 2 MiB one differ by a 20 MiB segment: counted here, not
-        discovered as an OOM in validation)."""
-        return self.workspace_reserved(tokens) + self.table_reserved(tokens)
+        """Declared bytes built beside the KV (workspace, request table, a hybrid model's state slots), as
+        the caching allocator reserves them (a 1 MiB table and a 2 MiB one differ by a 20 MiB segment:
+        counted here, not discovered as an OOM in validation)."""
+        return (self.workspace_reserved(tokens) + self.table_reserved(tokens)
+                + sum(map(reserved_bytes, self.state)))
 
     def sized_bytes(self, tokens: int) -> int:
         return tokens * self.cell_bytes + self.overhead(tokens)

@@ -282,6 +282,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"{m.name}'s experts have moe_intermediate_size {m.moe_intermediate_size}, which --tp {cfg.tp} "
            f"does not divide (TP splits every expert's intermediate dimension); try --tp "
            f"{nearest_divisor(cfg.tp, m.moe_intermediate_size)}")
+    if m.is_hybrid:
+        _validate_hybrid(cfg, m)
     heads = math.gcd(m.num_heads, m.num_kv_heads)
     _check(heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, which --tp {cfg.tp} does not "
@@ -320,6 +322,24 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def _validate_hybrid(cfg: ServerConfig, m) -> None:
+    """A hybrid model (Gated DeltaNet + attention): what its state cache does not serve yet."""
+    _check(cfg.host_kv == "off", "host_kv",
+           f"{m.name} is a hybrid model, whose prefix cache is off (a cached prefix needs its recurrent state "
+           "too): the host tier has nothing to keep; use --host_kv off")
+    _check(not cfg.deterministic, "deterministic",
+           f"{m.name} is a hybrid model: its Gated DeltaNet kernels are not batch-invariant yet; serve it "
+           "without --deterministic")
+    _check(m.quant is None, "quantization" if m.quant_method == "runtime" else "model",
+           f"{m.name} is a hybrid model: its FP8 weights are not served yet; use a bf16 checkpoint "
+           "(without --quantization)")
+    heads = math.gcd(m.linear_num_key_heads, m.linear_num_value_heads)
+    _check(heads % cfg.tp == 0, "tp",
+           f"{m.name} has {m.linear_num_key_heads} key and {m.linear_num_value_heads} value heads in its "
+           f"linear-attention layers, which --tp {cfg.tp} does not divide; try --tp "
+           f"{nearest_divisor(cfg.tp, heads)}")
 
 
 def nearest_divisor(n: int, of: int) -> int:

@@ -1,7 +1,7 @@
 """Model definitions (Llama-family decoders with dense or MoE MLPs, DeepSeek-V2 with MLA) and their HF-style
 config.json files."""
 
-from models.config import MLA_ARCHITECTURES
+from models.config import HYBRID_ARCHITECTURES, MLA_ARCHITECTURES
 
 VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 
@@ -11,6 +11,12 @@ def model_class(mc):
     if mc.architecture in VL_ARCHITECTURES:
         from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
         return Qwen2_5_VLForConditionalGeneration
+    if mc.architecture == "DeepseekV3ForCausalLM":
+        from models.deepseek_v2 import DeepseekV3ForCausalLM
+        return DeepseekV3ForCausalLM
+    if mc.architecture in HYBRID_ARCHITECTURES:
+        from models.qwen3_5 import Qwen3_5ForCausalLM
+        return Qwen3_5ForCausalLM
     if mc.architecture in MLA_ARCHITECTURES:
         from models.deepseek_v2 import DeepseekV2ForCausalLM
         return DeepseekV2ForCausalLM

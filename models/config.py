@@ -12,9 +12,23 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLM": "dense", "Qwen2ForCausalLM": "dense", "Qwen3ForCausalLM": "dense",
     "Qwen3MoeForCausalLM": "MoE", "DeepseekV2ForCausalLM": "MLA + MoE",
-    "Qwen2_5_VLForConditionalGeneration": "vision-language"}
+    "Qwen2_5_VLForConditionalGeneration": "vision-language",
+    "DeepseekV3ForCausalLM": "MLA + MoE (noaux_tc router)",
+    "Qwen3_5ForCausalLM": "hybrid (Gated DeltaNet + attention)",
+    "Qwen3_5MoeForCausalLM": "hybrid MoE (Gated DeltaNet + attention)",
+    "Qwen3_5ForConditionalGeneration": "hybrid (its text model)",
+    "Qwen3_5MoeForConditionalGeneration": "hybrid MoE (its text model)",
+}
 RUNNABLE_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM",)  # models.deepseek_v2: MLA attention, its MoE (an fp32 router)
+MLA_ARCHITECTURES = (  # models.deepseek_v2: MLA attention, its MoE (an fp32 router)
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+# models.qwen3_5: Gated DeltaNet layers (a recurrent state per request) beside gated attention layers
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                        "Qwen3_5MoeForConditionalGeneration")
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
+STATE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # mamba_ssm_dtype -> bytes
 
 # The byte-level tokenizer every model without a tokenizer.json gets (autoprofile.serving.tokenizer): ids 0,
 # 1, 2 are specials (pad, bos, eos in ByT5's numbering and in the tiny model's), then the 256 bytes. Here,
@@ -206,6 +220,21 @@ class ModelConfig:
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    # hybrid (Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet: a causal conv1d over q|k|v, the
+    # gated delta rule over a [v_heads, k_dim, v_dim] state in state_dtype, a gated RMSNorm) or "full_attention"
+    # (gated attention: q_proj also gives a sigmoid output gate; RoPE on rotary_dim channels); norms weigh
+    # 1 + weight (zero_centered_norm); MoE layers add a sigmoid-gated shared expert
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    state_dtype: str = "float32"
+    rotary_dim: int = 0  # 0: head_dim
+    attn_output_gate: bool = False
+    zero_centered_norm: bool = False
+    shared_expert_intermediate_size: int = 0
     # FP8 weights: the scheme, where it came from ("fp8": HF's quantization_config, "compressed-tensors",
     # "runtime": --quantization fp8 on bf16 weights) and the checkpoint's modules left unconverted (names
     # or "re:" patterns, HF's modules_to_not_convert / compressed-tensors' ignore)
@@ -293,6 +322,51 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (a recurrent state per request, no KV)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache (every layer of a model that is not hybrid)."""
+        return self.num_layers - self.linear_layers
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(map(self.is_linear_layer, range(self.num_layers)))
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's causal conv1d: q | k | v."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def conv_state_bytes(self, tp: int = 1, dtype_bytes: int = 2) -> int:
+        """One request's conv window in one linear layer on one TP rank: kernel - 1 inputs of conv_dim
+        channels, in the model dtype."""
+        return self.conv_dim // tp * (self.linear_conv_kernel_dim - 1) * dtype_bytes
+
+    def ssm_state_bytes(self, tp: int = 1) -> int:
+        """One request's delta-rule matrices in one linear layer on one TP rank: [v_heads, k_dim, v_dim] in
+        state_dtype."""
+        return (self.linear_num_value_heads // tp * self.linear_key_head_dim * self.linear_value_head_dim
+                * STATE_DTYPES[self.state_dtype])
+
+    def state_bytes(self, tp: int = 1, dtype_bytes: int = 2) -> int:
+        """One request's state on one TP rank, over every linear layer (0 without any)."""
+        return self.linear_layers * (self.conv_state_bytes(tp, dtype_bytes) + self.ssm_state_bytes(tp))
+
     def is_moe_layer(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule: experts in every decoder_sparse_step-th layer except mlp_only_layers."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
@@ -325,8 +399,16 @@ class ModelConfig:
                                                                                 + self.v_head_dim)
             return query + latent + heads * self.v_head_dim * h
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        gate = q if self.attn_output_gate else 0
+        attn = h * (q + gate) + 2 * h * kv + q * h + (q + gate + 2 * kv if self.attention_bias else 0)
         return attn + (2 * self.head_dim if self.qk_norm else 0)
+
+    def linear_attention_params(self) -> int:
+        """One Gated DeltaNet layer's parameters: in_proj_qkv, in_proj_z, in_proj_b and _a, the conv1d,
+        dt_bias, A_log, the gated norm and out_proj."""
+        h, hv = self.hidden_size, self.linear_num_value_heads
+        return (h * (self.conv_dim + self.linear_value_dim + 2 * hv) + self.conv_dim * self.linear_conv_kernel_dim
+                + 2 * hv + self.linear_value_head_dim + self.linear_value_dim * h)
 
     def routed_expert_params(self) -> int:
         """Every MoE layer's routed experts (gate, up and down projections): a token reaches top_k of them."""
@@ -359,13 +441,16 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (exact for the supported decoders; MoE counts all experts)."""
         h, L = self.hidden_size, self.num_layers
-        attn = self.attention_params()
+        mixers = self.attention_layers * self.attention_params()
+        mixers += self.linear_layers * self.linear_attention_params() if self.linear_layers else 0
         experts = (self.num_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
         experts += h * self.num_experts
+        if self.shared_expert_intermediate_size:  # Qwen3.5's shared expert and its sigmoid gate
+            experts += 3 * h * self.shared_expert_intermediate_size + h
         moe = self.moe_layers
         mlp = moe * experts + (L - moe) * 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + 2 * h) + mlp + embed + h
+        return mixers + L * 2 * h + mlp + embed + h
 
 
 def ignored(name: str, patterns: tuple[str, ...]) -> bool:
@@ -625,6 +710,8 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
     archs = f.get("architectures", ["LlamaForCausalLM"])
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) and a for a in archs):
         f.fail("architectures", f"must be a non-empty list of names, got {archs!r}")
+    if archs[0] in HYBRID_ARCHITECTURES:  # Qwen3.5-MoE's router always renormalises its top-k
+        d = f.d = {"norm_topk_prob": True, **d}
     model_type = f.str("model_type", "llama")
     hidden = f.int("hidden_size")
     heads = f.int("num_attention_heads")
@@ -669,19 +756,56 @@ def from_hf_dict(d: dict, name: str = "custom", path: str | None = None,
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in attention_bias.
         attention_bias=f.bool("attention_bias", model_type in ("qwen2", "qwen2_5_vl")),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe") or archs[0] in HYBRID_ARCHITECTURES,
         torch_dtype=f.str("torch_dtype", None) if d.get("torch_dtype") is not None else f.str("dtype",
                                                                                               "bfloat16"),
         num_experts=num_experts,
         num_experts_per_tok=per_tok,
         moe_intermediate_size=moe_inter,
-        **_moe_layout(f, num_experts),
+        **_moe_layout(f, num_experts, archs[0]),
         **_mla_fields(f, archs[0]),
-        **_vision_fields(f, heads, hidden),
+        **_hybrid_fields(f, archs[0]),
+        **({} if archs[0] in HYBRID_ARCHITECTURES else _vision_fields(f, heads, hidden)),
         **_quant_fields(f, num_experts),
         path=path,
         raw=d,
     )
+
+
+def _hybrid_fields(f: _Fields, architecture: str) -> dict:
+    """A hybrid model's layer types, Gated DeltaNet widths, state dtype and partial RoPE; {} for any other."""
+    if architecture not in HYBRID_ARCHITECTURES:
+        return {}
+    layers = f.int("num_hidden_layers")
+    interval = f.int("full_attention_interval", 4)
+    types = f.get("layer_types", ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                  for i in range(layers)])
+    if not isinstance(types, list) or len(types) != layers:
+        f.fail("layer_types", f"must list one type per layer ({layers}), got {str(types)[:80]}")
+    unknown = sorted({t for t in types if t not in HYBRID_LAYER_TYPES}, key=str)
+    if unknown:
+        f.fail("layer_types", f"holds {unknown[0]!r}, a layer type the engine does not serve; supported: "
+                              f"{', '.join(HYBRID_LAYER_TYPES)}")
+    state = f.str("mamba_ssm_dtype", "float32")
+    if state not in STATE_DTYPES:
+        f.fail("mamba_ssm_dtype", f"is {state!r}; supported: {', '.join(STATE_DTYPES)} (Qwen3.5: float32)")
+    k_heads, v_heads = f.int("linear_num_key_heads"), f.int("linear_num_value_heads")
+    if v_heads % k_heads:
+        f.fail("linear_num_value_heads", f"({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
+    rope = {**(f.dict("rope_parameters") or {}), **(f.dict("rope_scaling") or {})}
+    factor = f.d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    head_dim = f.int("head_dim", f.int("hidden_size") // f.int("num_attention_heads"))
+    rotary = int(head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor <= 1 else 0
+    if rotary < 2 or rotary % 2:
+        f.fail("partial_rotary_factor", f"({factor!r}) must give an even number of rotary channels of the "
+                                        f"{head_dim}-wide head; Qwen3.5's is 0.25")
+    return {"layer_types": tuple(types), "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads,
+            "linear_key_head_dim": f.int("linear_key_head_dim"),
+            "linear_value_head_dim": f.int("linear_value_head_dim"),
+            "linear_conv_kernel_dim": f.int("linear_conv_kernel_dim", 4, lo=2), "state_dtype": state,
+            "rotary_dim": rotary, "attn_output_gate": f.bool("attn_output_gate", True),
+            "zero_centered_norm": True,
+            "shared_expert_intermediate_size": f.int("shared_expert_intermediate_size", 0, lo=0)}
 
 
 def _mla_fields(f: _Fields, architecture: str) -> dict:

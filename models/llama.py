@@ -163,6 +163,13 @@ class LlamaAttention(nn.Module):
         else:  # Qwen3: per-head RMSNorm before RoPE
             q, k, v = self.backend.norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                                    *rope, kv, meta.slot_mapping)
+        o = self.attend(q, k, v, meta, kv)
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               kv: KVLayer) -> torch.Tensor:
+        """Attention of q [T, H, D] over the new k, v (in the cache already) and the cached prefixes: prefill
+        rows, a mixed step's decode rows after them, or decode rows alone."""
         if meta.is_prefill:
             o = o_prefill = None
             if meta.decode is not None:  # a mixed step: decode rows last, one output for both
@@ -176,7 +183,7 @@ class LlamaAttention(nn.Module):
             o = o_prefill if o is None else o
         else:
             o = self.backend.decode(q, kv, meta)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)
+        return o
 
 
 class LlamaMLP(nn.Module):

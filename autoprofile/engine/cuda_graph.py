@@ -43,9 +43,11 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Ten
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
-    def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int, rope_delta: bool = False):
+    def __init__(self, max_bs: int, req_table: ReqTable, max_seq_len: int, rope_delta: bool = False,
+                 state_pad: int | None = None):
         """req_table: the runner's; every replay reads its page table (drop the graphs before it).
-        rope_delta: the model's rope positions are position + the rows' delta column (M-RoPE models)."""
+        rope_delta: the model's rope positions are position + the rows' delta column (M-RoPE models).
+        state_pad: a hybrid model's pad state slot (engine.state_cache): padding rows read and write it."""
         device = req_table.page_table.device
         pages_per_req, page_size = req_table.pages_per_req, req_table.page_size
         self.keys = decode_graph_keys(max_bs, max_seq_len)  # capture order
@@ -65,6 +67,8 @@ class DecodeGraphs:
         # decode rows as one-token varlen queries (--deterministic's unified attention): static, as a
         # captured graph must read memory that outlives the capture
         self.query_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.state_pad = state_pad
+        self.state_slots = torch.zeros(max_bs, dtype=torch.int64, device=device) if state_pad is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab]: the one static output of every graph
         self.pool = None
@@ -89,7 +93,8 @@ class DecodeGraphs:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs, :self.columns(bucket)],
                                  seq_lens=self.seq_lens[:bs], max_seq_len=bucket, captured=True,
-                                 query_start_loc=self.query_starts[:bs + 1])
+                                 query_start_loc=self.query_starts[:bs + 1],
+                                 state_slots=self.state_slots[:bs] if self.state_slots is not None else None)
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
                 show_progress: bool = True) -> None:
@@ -133,6 +138,9 @@ class DecodeGraphs:
         self.block_tables[:bs, :cols].copy_(tables)
         self.slot_mapping[:bs].copy_(slot_mapping)
         self.seq_lens[:bs].copy_(seq_lens)
+        if self.state_slots is not None:
+            real = self.inputs[:bs, 3] != 0
+            self.state_slots[:bs].copy_(torch.where(real, self.inputs[:bs, 2], self.state_pad))
         if self.rope_positions is not self.positions:
             torch.add(self.positions[:bs], self.inputs[:bs, 4], out=self.rope_positions[:bs])
 
@@ -155,7 +163,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.logits = self.pool = None
         self.inputs = self.input_ids = self.positions = self.rope_positions = self.req_table = None
-        self.slot_mapping = self.block_tables = self.seq_lens = None
+        self.slot_mapping = self.block_tables = self.seq_lens = self.state_slots = None
         release_cublas_workspaces()
 
 

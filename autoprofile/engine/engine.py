@@ -69,6 +69,12 @@ class LLMEngine:
         self.overlap = overlap
         self._inflight: tuple[Step, object] | None = None  # overlap: the launched step, its tokens in flight
         self.runner, self.envelope = runner, runner.envelope
+        if prefix_caching and runner.model_config.is_hybrid:
+            # NOTE: a cached prefix of a hybrid model needs its recurrent state at the prefix's end too (state
+            # checkpoints are not built yet): its pages alone cannot resume a prompt
+            log.info("prefix caching off: %s is a hybrid model (a prefix resumes only with its state)",
+                     runner.model_config.name)
+            prefix_caching = False
         pool = getattr(runner, "host_kv", None)  # the host tier's pinned pages (--host_kv), or None
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
                                    host_pages=pool.num_pages if pool is not None else 0)

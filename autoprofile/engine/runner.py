@@ -35,6 +35,7 @@ from autoprofile.engine.logprobs import StepLogprobs
 from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
 from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
+from autoprofile.engine.state_cache import StateCache, layer_caches
 from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.step_inputs import Staging, prefill_inputs, upload
 from autoprofile.engine.weights import load_weights
@@ -135,6 +136,8 @@ class ModelRunner:
         self.generator = make_generator(cfg.seed, self.device)  # serving draws; stresses use their own
         # built by build(), dropped by teardown()
         self.kv: KVCache | None = None
+        self.state: StateCache | None = None  # a hybrid model's state slots (beside the KV)
+        self.caches: list | None = None  # one per model layer: its KVLayer, or a hybrid's StateLayer
         self.envelope: Envelope | None = None
         self.req_table: ReqTable | None = None
         self.bitmask: TokenBitmask | None = None  # structured output's per-row token mask (engine.grammar)
@@ -184,7 +187,9 @@ class ModelRunner:
             context_len=cfg.context_len, page_size=cfg.page_size,
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
             workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
-            max_tokens=budget.max_indexable_tokens(self.cache_heads, self.cache_width, cfg.page_size))
+            max_tokens=budget.max_indexable_tokens(self.cache_heads, self.cache_width, cfg.page_size),
+            state=budget.state_cache_bytes(mc, env.running_reqs, self.dtype.itemsize, self.tp.size)
+            if mc.is_hybrid else (0, 0))
 
     def fingerprint(self) -> dict | None:
         """What a probe's measurement depends on besides the code, model and flags
@@ -229,8 +234,12 @@ class ModelRunner:
         env = self.envelope_for(pages)
         try:
             checkpoint("kv_alloc")
-            self.kv = KVCache(mc.num_layers, pages, self.cache_heads, cfg.page_size, self.cache_width,
+            self.kv = KVCache(mc.attention_layers, pages, self.cache_heads, cfg.page_size, self.cache_width,
                               self.kv_cache_dtype, self.device, latent=mc.is_mla)
+            self.caches = self.kv.layers
+            if mc.is_hybrid:
+                self.state = StateCache(mc, env.running_reqs, self.tp.size, self.dtype, self.device)
+                self.caches = layer_caches(mc, self.kv.layers, self.state.layers)
             self.kv.set_scales(self.checkpoint_kv_scales if self.kv_scale_source == "checkpoint" else None)
             self.kv_scales_pending = self.kv_scale_source == "first_batch"
             self.envelope = env
@@ -243,7 +252,8 @@ class ModelRunner:
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size), env.graph_rows)
             if env.graph_rows:
                 self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len,
-                                           rope_delta=self.is_vl)
+                                           rope_delta=self.is_vl,
+                                           state_pad=self.state.pad if self.state is not None else None)
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
             self.backend.seal()
@@ -252,8 +262,9 @@ class ModelRunner:
             raise
         self.built_tokens = pages * cfg.page_size
         decode = f"{len(self.graphs.graphs)} decode graphs" if self.graphs else "eager decode"
-        log.info("built: %d KV tokens (%.2f GiB), %d request slots, %s", self.built_tokens,
-                 gib(self.kv_bytes), env.running_reqs, decode)
+        state = f" with their state ({gib(self.state.nbytes):.2f} GiB)" if self.state is not None else ""
+        log.info("built: %d KV tokens (%.2f GiB), %d request slots%s, %s", self.built_tokens,
+                 gib(self.kv_bytes), env.running_reqs, state, decode)
 
     def teardown(self) -> None:
         """Graphs, attention state, request table, KV; idempotent. Weights stay (and the host tier's pool).
@@ -267,6 +278,7 @@ class ModelRunner:
         self.graphs = None
         self.backend.teardown()
         self.req_table = self.kv = self.envelope = self.mm_buffer = self.bitmask = None
+        self.state = self.caches = None
         self.built_tokens = None
         if self.device.type == "cuda":
             release_cublas_workspaces()
@@ -421,7 +433,7 @@ class ModelRunner:
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv.layers))
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.caches))
 
     def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
@@ -450,16 +462,20 @@ class ModelRunner:
             meta.decode = self._decode_meta(positions[n:], parts["decode_slots"],
                                             int(host["positions"][n:].max()) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
+        if self.state is not None:  # rows continue from their slot's state; a request's first chunk from zeros
+            meta.state_slots = parts["slots"]
+            self.state.reset(to_device(torch.tensor([r.slot for r in rows if r.start == 0], dtype=torch.int64),
+                                       dev))
         ids = parts["ids"]
         if decode:
             ids = torch.cat([ids[:n], self.req_table.feed(ids[n:], parts["decode_slots"])])
         self.clock.launched()
         if self.is_vl:
             rope = to_device(torch.cat([self._mrope(r) for r in rows + decode], dim=1), dev)
-            hidden = self.model(ids, rope, meta, self.kv.layers,
+            hidden = self.model(ids, rope, meta, self.caches,
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
-            hidden = self.model(ids, positions, meta, self.kv.layers)
+            hidden = self.model(ids, positions, meta, self.caches)
         prompt = self._prompt_logprobs(rows, hidden, host["cu"])
         return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"], prompt
 
@@ -470,7 +486,8 @@ class ModelRunner:
         cols = math.ceil(bucket / self.cfg.page_size)
         tables, slot_mapping, seq_lens = self.req_table.decode_metadata(pos, slots, cols)
         return AttentionMetadata(is_prefill=False, slot_mapping=slot_mapping, block_tables=tables,
-                                 seq_lens=seq_lens, max_seq_len=bucket)
+                                 seq_lens=seq_lens, max_seq_len=bucket,
+                                 state_slots=slots if self.state is not None else None)
 
     # ------------------------------------------------------------ images
     def _encode(self, encode: list[tuple[int, ImageInput]]) -> None:

@@ -74,6 +74,9 @@ class AttentionMetadata:
     # decode rows as one-token varlen queries, [0, 1, ..., B] int32 (vLLM's name): a captured graph's metadata
     # carries its static buffer (cuda_graph.DecodeGraphs); None: query_starts() derives it
     query_start_loc: torch.Tensor | None = None
+    # a hybrid model's rows' state slots [rows] int64 (engine.state_cache; a mixed step's decode rows: in
+    # `decode`'s); a padded graph row's is the pad slot
+    state_slots: torch.Tensor | None = None
     # what a backend derives from this metadata once per forward for every layer (once()); cleared by the model
     # at each forward's start (new_forward), so a captured graph's forward derives it inside the capture
     _per_forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)

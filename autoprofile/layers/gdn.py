@@ -1,0 +1,188 @@
+"""Gated DeltaNet's operations (Qwen3.5's linear-attention layers) over a per-request state read and written in
+place by request slot: the causal depthwise conv1d with its window of the last kernel - 1 inputs, and the gated
+delta rule with its [v_heads, k_dim, v_dim] matrix.
+
+Rows come as a step lays them out: prefill rows (chunks of any length, split by cu_seqlens; a chunk continues
+from its slot's state, which the runner zeroes before a request's first chunk) and one-token decode rows. The
+torch code here is the reference (CPU, and a GPU without flash-linear-attention); on CUDA the delta rule runs
+fla-core's Triton kernels (`chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`) over the rows' states
+gathered by slot, written back after. No host sync: the decode path is CUDA-graph capturable.
+
+The recurrence, per value head (q, k l2-normalised, q scaled by k_dim^-1/2; g <= 0 the log decay, beta in
+(0, 1)):  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens of the reference's chunked form (fla's chunk size too)
+
+
+class StateLayer(NamedTuple):
+    """One linear layer's state cache: conv [slots, conv_dim, kernel - 1] (the model dtype) and ssm
+    [slots, v_heads, k_dim, v_dim] (the checkpoint's mamba_ssm_dtype), indexed by request slot."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@functools.cache
+def fla_ops():
+    """fla-core's delta-rule kernels, or None (not installed: the torch reference runs)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+# ---------------------------------------------------------------- conv1d
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                 cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """SiLU(causal depthwise conv1d) of prefill rows x [T, C] (rows split by cu_seqlens [N+1]), each row's
+    window continuing from conv[slots[i]] [C, K-1]; the windows' last K-1 inputs written back. weight [C, K]."""
+    t, k = x.shape[0], weight.shape[1]
+    cu = cu_seqlens.long()
+    tokens = torch.arange(t, device=x.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)  # each token's row
+    pos = tokens - cu[seq]  # its position in the row's chunk
+    row_slots = slots[seq]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(k):  # window element j of token t: input at pos - (K-1) + j, from the chunk or the state
+        back = pos - (k - 1) + j
+        inside = x[(tokens - (k - 1) + j).clamp(min=0)]
+        before = conv[row_slots, :, (back + k - 1).clamp(0, k - 2)]
+        out += torch.where((back >= 0).unsqueeze(1), inside, before).float() * weight[:, j].float()
+    lens = cu[1:] - cu[:-1]
+    last = torch.stack([_window_input(x, conv, slots, cu, lens, k, j) for j in range(k - 1)], dim=-1)
+    conv.index_copy_(0, slots, last.to(conv.dtype))
+    return F.silu(out).to(x.dtype)
+
+
+def _window_input(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor,
+                  k: int, j: int) -> torch.Tensor:
+    """Input j of each row's window after its chunk (the state a later chunk or decode row continues from):
+    [N, C]."""
+    back = lens - (k - 1) + j
+    inside = x[(cu[:-1] + back).clamp(0, max(x.shape[0] - 1, 0))]
+    before = conv[slots, :, (back + k - 1).clamp(0, k - 2)]
+    return torch.where((back >= 0).unsqueeze(1), inside, before)
+
+
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token a row: x [B, C] after each row's window conv[slots] [B, C, K-1]; the window moves on."""
+    window = torch.cat([conv[slots], x.unsqueeze(-1).to(conv.dtype)], dim=-1)  # [B, C, K]
+    out = (window.float() * weight.float()).sum(-1)
+    conv.index_copy_(0, slots, window[..., 1:])
+    return F.silu(out).to(x.dtype)
+
+
+# ---------------------------------------------------------------- the gated delta rule
+def _expand(q: torch.Tensor, k: torch.Tensor, v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [T, Hk, D] -> [T, Hv, D]: each key head serves Hv / Hk consecutive value heads."""
+    rep = v_heads // q.shape[1]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1))
+
+
+def _normed(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q, k l2-normalised over their channels (eps 1e-6, as fla), q scaled by D^-1/2."""
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       ssm: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens, each
+    from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's dtype."""
+    q, k = _expand(q, k, v.shape[1])
+    ops = fla_ops() if q.is_cuda else None
+    if ops is not None:
+        state = ssm[slots].float()
+        o, final = ops[0](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
+                          beta.unsqueeze(0), initial_state=state, output_final_state=True,
+                          cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
+        ssm.index_copy_(0, slots, final.to(ssm.dtype))
+        return o.squeeze(0).to(v.dtype)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        slot = slots[i:i + 1]
+        o, state = chunked_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], ssm[slot][0].float())
+        out[a:b] = o.to(v.dtype)
+        ssm.index_copy_(0, slot, state.unsqueeze(0).to(ssm.dtype))
+    return out
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of T tokens from state [H, Dk, Dv] (fp32), CHUNK tokens at a time: within a chunk the values
+    the rule writes, u = beta (v - S^T k), solve one unit-lower-triangular system; -> (o [T, H, Dv] fp32, the
+    final state)."""
+    q, k = _normed(q, k)
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for a in range(0, q.shape[0], chunk):
+        b = min(a + chunk, q.shape[0])
+        qc, kc, vc = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, C, D]
+        gc, bc = g[a:b].t().cumsum(-1), beta[a:b].t()  # [H, C]: cumulative log decay, beta
+        n = b - a
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.exp((gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")))  # i >= j
+        # u_i + sum_{j<i} beta_i decay_ij (k_i . k_j) u_j = beta_i (v_i - exp(G_i) S^T k_i)
+        a_mat = (bc.unsqueeze(-1) * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
+        rhs = bc.unsqueeze(-1) * (vc - torch.exp(gc).unsqueeze(-1) * (kc @ state))
+        eye = torch.eye(n, device=q.device).expand_as(a_mat)
+        u = torch.linalg.solve_triangular(eye + a_mat, rhs, upper=False, unitriangular=True)
+        attn = decay * (qc @ kc.transpose(-1, -2))  # causal (decay is 0 above the diagonal)
+        out[a:b] = (torch.exp(gc).unsqueeze(-1) * (qc @ state) + attn @ u).transpose(0, 1)
+        last = gc[:, -1:]
+        state = torch.exp(last).unsqueeze(-1) * state + (kc * torch.exp(last - gc).unsqueeze(-1)).transpose(
+            -1, -2) @ u
+    return out, state
+
+
+def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token a row: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv]; each row's state ssm[slots[b]] is
+    advanced in place. -> o [B, Hv, Dv] in v's dtype."""
+    q, k = _expand(q, k, v.shape[1])
+    ops = fla_ops() if q.is_cuda else None
+    if ops is not None:
+        rows = torch.arange(q.shape[0] + 1, device=q.device)
+        o, final = ops[1](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
+                          beta.unsqueeze(0), initial_state=ssm[slots].float(), output_final_state=True,
+                          cu_seqlens=rows, use_qk_l2norm_in_kernel=True)
+        ssm.index_copy_(0, slots, final.to(ssm.dtype))
+        return o.squeeze(0).to(v.dtype)
+    q, k = _normed(q, k)
+    state = ssm[slots].float() * torch.exp(g.float())[..., None, None]  # [B, H, Dk, Dv]
+    delta = beta.float().unsqueeze(-1) * (v.float() - torch.einsum("bhk,bhkv->bhv", k, state))
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    ssm.index_copy_(0, slots, state.to(ssm.dtype))
+    return torch.einsum("bhk,bhkv->bhv", q, state).to(v.dtype)
+
+
+def recurrent_reference(q, k, v, g, beta, state):
+    """The rule one token at a time (the tests' reference for the chunked form): one row, [T, H, D]."""
+    q, k = _normed(*_expand(q, k, v.shape[1]))
+    out = []
+    for t in range(q.shape[0]):
+        state = state * torch.exp(g[t].float())[:, None, None]
+        delta = beta[t].float().unsqueeze(-1) * (v[t].float() - torch.einsum("hk,hkv->hv", k[t], state))
+        state = state + k[t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out.append(torch.einsum("hk,hkv->hv", q[t], state))
+    return torch.stack(out), state
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The output norm: RMSNorm(x) over each head's channels (fp32), times weight (in x's dtype first, as
+    HF), times SiLU(gate) in fp32. x, gate [..., D]."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((weight * normed).float() * F.silu(gate.float())).to(x.dtype)

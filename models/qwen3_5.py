@@ -1,0 +1,232 @@
+"""Qwen3.5 (dense and MoE), the text model of its ConditionalGeneration checkpoints: a hybrid of Gated DeltaNet
+layers (linear attention over a recurrent state per request: autoprofile.layers.gdn) and gated attention layers
+(Qwen3's attention with a sigmoid output gate from q_proj, q/k RMSNorm, RoPE on the first rotary_dim channels
+of each head). Norms weigh 1 + weight (zero-centred), folded into the weight at load; MoE layers add a shared
+expert scaled by a sigmoid gate.
+
+The model takes one cache per layer (`forward`'s caches): a KVLayer for an attention layer, a gdn.StateLayer for
+a linear one. AttentionMetadata.state_slots gives each row's state slot (a mixed step's decode rows in
+meta.decode.state_slots). Text only: a checkpoint's vision tower and multi-token-prediction layers are skipped
+at load, with one log line each.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import nn
+
+from autoprofile.layers import gdn
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, rope_
+from autoprofile.layers.moe import Routing
+from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked, load_column,
+                                         new_param, read_rows, source_shape)
+from models.config import ModelConfig
+from models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, SparseMoeBlock
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- loaders
+def load_plus_one(param: nn.Parameter, src, part: int = 0) -> None:
+    """A zero-centred norm's weight w, kept as 1 + w (computed in fp32, as HF's forward does)."""
+    copy_checked(param.data, ((src if isinstance(src, torch.Tensor) else src[:]).float() + 1.0).to(param.dtype))
+
+
+def load_split_parts(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], rank: int,
+                     ranks: int) -> None:
+    """One checkpoint tensor of packed parts (q | k | v rows) -> this rank's rows of each part, in order."""
+    out, full = 0, 0
+    for size in sizes:
+        shard = size // ranks
+        copy_checked(param.data.narrow(0, out, shard), read_rows(src, full + rank * shard, shard, 0))
+        out, full = out + shard, full + size
+
+
+def split_parts(param: nn.Parameter, sizes: list[int], tp: TP) -> nn.Parameter:
+    param.weight_loader, param.num_parts = partial(load_split_parts, sizes=sizes, rank=tp.rank,
+                                                   ranks=tp.size), 1
+    return param
+
+
+# ---------------------------------------------------------------- gated attention
+class GatedAttention(LlamaAttention):
+    """q_proj gives each head's query and its output gate ([q_h | gate_h] per head); o = attention * sigmoid
+    (gate) before o_proj."""
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.backend, self.head_dim, self.rotary_dim = backend, mc.head_dim, mc.rotary_dim
+        self.num_heads, self.num_kv_heads = mc.num_heads // tp.size, mc.num_kv_heads // tp.size
+        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [2 * q, kv, kv], mc.attention_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype)
+        self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype)
+        self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype)
+        for norm in (self.q_norm, self.k_norm):
+            norm.weight.weight_loader = load_plus_one
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv: KVLayer, residual: torch.Tensor | None = None) -> torch.Tensor:
+        t, d, h, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qg, k, v = self.qkv_proj(x).split([2 * h * d, hkv * d, hkv * d], dim=-1)
+        qg = qg.view(t, h, 2, d)
+        q = self.q_norm(qg[:, :, 0].reshape(-1, d)).view(t, h, d)
+        k = self.k_norm(k.reshape(-1, d)).view(t, hkv, d)
+        rope_(q[..., :self.rotary_dim], *rope)
+        rope_(k[..., :self.rotary_dim], *rope)
+        v = v.reshape(t, hkv, d)
+        self.backend.store_kv(k, v, kv, meta.slot_mapping)
+        o = self.attend(q, k, v, meta, kv).reshape(t, h, d)
+        o = o * torch.sigmoid(qg[:, :, 1].float()).to(o.dtype)
+        return self.o_proj(o.reshape(t, h * d), residual)
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear attention: in_proj_qkv -> causal conv1d (SiLU) -> q, k, v; in_proj_z the output gate,
+    in_proj_b (beta = sigmoid) and in_proj_a (g = -exp(A_log) softplus(a + dt_bias)); the gated delta rule
+    over the row's state; the gated RMSNorm; out_proj. Heads split over TP ranks as attention heads."""
+
+    def __init__(self, mc: ModelConfig, tp: TP, dtype: torch.dtype):
+        super().__init__()
+        hk, hv = mc.linear_num_key_heads, mc.linear_num_value_heads
+        if hk % tp.size or hv % tp.size:
+            raise ValueError(f"linear_num_key_heads {hk} and linear_num_value_heads {hv} must be divisible by "
+                             f"{tp.size} TP ranks")
+        self.k_heads, self.v_heads = hk // tp.size, hv // tp.size
+        self.k_dim, self.v_dim, self.eps = mc.linear_key_head_dim, mc.linear_value_head_dim, mc.rms_norm_eps
+        kd, vd, h = mc.linear_key_dim, mc.linear_value_dim, mc.hidden_size
+        parts = [kd, kd, vd]
+        self.in_proj_qkv = ColumnParallelLinear(h, parts, False, tp, dtype)
+        split_parts(self.in_proj_qkv.weight, parts, tp)
+        self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype)
+        self.in_proj_ba = ColumnParallelLinear(h, [hv, hv], False, tp, dtype)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = split_parts(new_param((sum(parts) // tp.size, 1, mc.linear_conv_kernel_dim), dtype),
+                                         parts, tp)
+        heads = partial(load_column, shard_sizes=[self.v_heads], rank=tp.rank)
+        self.A_log = new_param((self.v_heads,), torch.float32, heads)
+        self.dt_bias = new_param((self.v_heads,), torch.float32, heads)
+        self.norm = nn.Module()
+        self.norm.weight = new_param((self.v_dim,), dtype)
+        self.out_proj = RowParallelLinear(vd, h, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: gdn.StateLayer,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        qkv, z, ba = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_ba(x)
+        b, a = ba.float().chunk(2, dim=-1)
+        beta = torch.sigmoid(b).to(x.dtype)
+        g = -self.A_log.float().exp() * torch.nn.functional.softplus(a + self.dt_bias.float())
+        weight = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)
+        o = torch.empty(t, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        decode = meta if not meta.is_prefill else meta.decode  # the decode rows' metadata, after n prefill tokens
+        n = t - (decode.state_slots.shape[0] if decode is not None else 0)
+        if n:
+            c = gdn.conv_prefill(qkv[:n], weight, state.conv, meta.state_slots, meta.cu_seqlens)
+            o[:n] = gdn.delta_rule_prefill(*self._qkv(c), g[:n], beta[:n], state.ssm, meta.state_slots,
+                                           meta.cu_seqlens)
+        if decode is not None:
+            c = gdn.conv_decode(qkv[n:], weight, state.conv, decode.state_slots)
+            o[n:] = gdn.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm, decode.state_slots)
+        o = gdn.gated_rms_norm(o, z.view(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(t, -1), residual)
+
+    def _qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kd = self.k_heads * self.k_dim
+        q, k, v = c.split([kd, kd, self.v_heads * self.v_dim], dim=-1)
+        return (q.reshape(-1, self.k_heads, self.k_dim), k.reshape(-1, self.k_heads, self.k_dim),
+                v.reshape(-1, self.v_heads, self.v_dim))
+
+
+# ---------------------------------------------------------------- MoE with a gated shared expert
+class SharedExpertMoe(SparseMoeBlock):
+    """Qwen3.5-MoE's block: the routed experts (renormalised top-k) plus a shared expert whose output is
+    scaled by sigmoid(shared_expert_gate x)."""
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 routing: Routing, layer: int | None = None):
+        super().__init__(mc, backend, tp, dtype, routing, layer)
+        self.shared_expert = LlamaMLP(mc, backend, tp, dtype, mc.shared_expert_intermediate_size,
+                                      "mlp.shared_expert", layer)
+        self.shared_expert_gate = nn.Module()
+        self.shared_expert_gate.weight = new_param((1, mc.hidden_size), dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.tp.linear(x, self.gate.weight)
+        gate = torch.sigmoid(self.tp.linear(x, self.shared_expert_gate.weight).float()).to(x.dtype)
+        shared = self.shared_expert(x) * gate
+        return self.experts(x, *self.experts.select(logits, self.renormalize), add=(shared, residual))
+
+
+# ---------------------------------------------------------------- the decoder
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 layer: int = 0, routing: Routing | None = None):
+        super().__init__()
+        self.linear = mc.is_linear_layer(layer)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(mc, tp, dtype)
+        else:
+            self.self_attn = GatedAttention(mc, backend, tp, dtype)
+        if mc.is_moe_layer(layer):
+            self.mlp = SharedExpertMoe(mc, backend, tp, dtype, routing, layer)
+        else:
+            self.mlp = LlamaMLP(mc, backend, tp, dtype, layer=layer)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            norm.weight.weight_loader = load_plus_one
+
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, cache) -> torch.Tensor:
+        if self.linear:
+            x = self.linear_attn(self.input_layernorm(x), meta, cache, residual=x)
+        else:
+            x = self.self_attn(self.input_layernorm(x), rope, meta, cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+
+class Qwen3_5Model(LlamaModel):
+    layer_cls = Qwen3_5DecoderLayer
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 max_positions: int):
+        super().__init__(mc, backend, tp, dtype, max_positions)
+        self.norm.weight.weight_loader = load_plus_one
+
+    @staticmethod
+    def rope_dim(mc: ModelConfig) -> int:
+        return mc.rotary_dim
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """HF's names; q_proj (with its gate) / k / v and gate / up are packed, in_proj_b / in_proj_a too. A
+    ConditionalGeneration checkpoint's `model.language_model.` is `model.`; its `model.visual.` and `mtp.`
+    tensors are skipped."""
+
+    model_cls = Qwen3_5Model
+    packed_modules = {**LlamaForCausalLM.packed_modules,
+                      "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
+    checkpoint_renames = (("model.language_model.", "model."),)
+    SKIPPED = {"model.visual.": "its vision tower (images are not served for this family yet)",
+               "mtp.": "its multi-token-prediction layer (no speculative decoding)"}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._skipped: set[str] = set()
+
+    def checkpoint_skip(self, name: str) -> bool:
+        """The loader's question: a tensor of a part not built (one log line per part)."""
+        prefix = next((p for p in self.SKIPPED if name.startswith(p)), None)
+        if prefix is not None and prefix not in self._skipped:
+            self._skipped.add(prefix)
+            log.info("checkpoint: %s tensors skipped: %s", prefix, self.SKIPPED[prefix])
+        return prefix is not None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: Sequence) -> torch.Tensor:
+        """caches: one per layer, a KVLayer (attention) or a gdn.StateLayer (linear attention)."""
+        return self.model(input_ids, positions, meta, caches)
