@@ -271,7 +271,7 @@ def test_a_loop_starved_by_a_leak_is_dead_and_health_says_why(booted, monkeypatc
     runner, result = booted
     engine = LLMEngine.from_config(runner, SERVER_CFG)
     if leak == "pages":
-        engine.scheduler.allocator.alloc(engine.scheduler.allocator.num_free)
+        engine.scheduler.cache.alloc(engine.scheduler.cache.num_free)
     else:
         engine.scheduler.free_slots.clear()
     monkeypatch.setattr(async_engine, "STARVED_AFTER_S", 0.5)

@@ -125,15 +125,15 @@ def tier_invariants(engine: LLMEngine) -> None:
     tiers, and every key the host tier took is cached there still or left it one way."""
     invariants(engine)
     s = engine.scheduler
-    a, host = s.allocator, s.host
+    a, host = s.cache, s.cache.host
     assert a.num_free + s.pages_used == a.capacity
     if host is None:
         return
-    held = [h for load in s.loads.values() for h in load.host_pages]
+    held = [h for load in s.cache.loads.values() for h in load.host_pages]
     assert host.num_held == len(held) == len(set(held)), "host pages held past their loads, or not by one"
     assert host.num_free + host.num_cached + host.num_held == host.num_pages
-    gpu = [g for load in s.loads.values() for g in load.gpu_pages]
-    assert all(not a.is_free(g) for g in gpu), "a page still loading is free (alloc could hand it out)"
+    gpu = [g for load in s.cache.loads.values() for g in load.gpu_pages]
+    assert all(not a.pages.is_free(g) for g in gpu), "a page still loading is free (alloc could hand it out)"
     assert not set(a.registered()) & set(host.keys()), "a key on both tiers"
     assert host.saved == host.num_cached + host.loaded + host.dropped + host.discarded, "a host page lost"
     assert len(set(host.keys().values())) == host.num_cached
@@ -249,9 +249,9 @@ def test_random_traffic_keeps_every_page_on_one_tier_and_restores_what_was_evict
     s = engine.stats
     assert s.failed_steps == 0, "a step failed (ContentRunner's checks raise inside the engine's step)"
     assert s.pages_used == 0 and len(engine.scheduler.free_slots) == running
-    assert not runner.in_flight and not engine.scheduler.loads
+    assert not runner.in_flight and not engine.scheduler.cache.loads
     if host_pages:
-        assert s.host.hit_tokens == engine.scheduler.host.loaded * PS
+        assert s.host.hit_tokens == engine.scheduler.cache.host.loaded * PS
         assert s.host.bytes_moved == (s.host.saved + s.host.loaded) * runner.host_kv.page_bytes
     else:
         assert s.host is None
@@ -285,7 +285,7 @@ def test_failed_steps_beside_the_host_tier_leave_no_row_reading_unknown_kv(
     assert {rid for rid, why in reasons.items() if why == "error"} <= failed
     assert set(reasons) == set(prompts)
     assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == running
-    assert not runner.in_flight and not engine.scheduler.loads
+    assert not runner.in_flight and not engine.scheduler.cache.loads
 
 
 def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_contents():
@@ -296,7 +296,7 @@ def test_a_returning_conversation_is_served_from_the_host_tier_with_its_own_cont
     _serve(engine, [first], max_tokens=4)
     others = [[(5 * j + 7 * k + 2) % VOCAB for j in range(60)] for k in range(3)]
     _serve(engine, others, max_tokens=4)  # 15 pages each: the first prompt's 10 cached pages go to the host
-    host = engine.scheduler.host
+    host = engine.scheduler.cache.host
     assert host.saved >= 10 and host.loaded == 0
     runner.checked = 0
     rid = engine.add_request(first + [9, 9, 9], max_tokens=4)
@@ -315,7 +315,7 @@ def _evicted_conversation(engine):
     first = [(3 * j + 1) % VOCAB for j in range(41)]
     _serve(engine, [first], max_tokens=4)
     _serve(engine, [[(5 * j + 7 * k + 2) % VOCAB for j in range(60)] for k in range(3)], max_tokens=4)
-    assert engine.scheduler.host.saved >= 10
+    assert engine.scheduler.cache.host.saved >= 10
     return first
 
 
@@ -335,7 +335,7 @@ def test_a_request_loading_from_the_host_tier_waits_while_others_run_and_an_abor
         done |= {o.request_id for o in engine.step() if o.finished}
         tier_invariants(engine)
     s = engine.scheduler
-    loading = [r for load in s.loads.values() for r in load.requests]
+    loading = [r for load in s.cache.loads.values() for r in load.requests]
     assert [r.request_id for r in loading] == [rid] and loading[0].status is RequestStatus.LOADING
     assert other in done, "the other request ran beside the loads"
     assert not any(r.request.request_id == rid for st_ in runner.steps for r in st_.all_rows)
@@ -347,7 +347,7 @@ def test_a_request_loading_from_the_host_tier_waits_while_others_run_and_an_abor
     runner.land, runner.wait_lands = 1.0, True
     while engine.has_unfinished():
         engine.step()
-    assert s.pages_used == 0 and not s.loads and not runner.in_flight
+    assert s.pages_used == 0 and not s.cache.loads and not runner.in_flight
     assert engine.stats.failed_steps == 0
     tier_invariants(engine)
 
@@ -378,7 +378,7 @@ def test_a_failed_step_sends_its_loading_requests_back_to_wait_and_they_recomput
     assert reasons[rid] == "length", "the loading request was not a row of the failed step: it runs again"
     rows = [r for st_ in runner.steps for r in st_.all_rows if r.request.request_id == rid]
     assert rows[0].start == 0, "its pages' contents were unknown: recomputed from the start"
-    assert engine.stats.pages_used == 0 and not engine.scheduler.loads
+    assert engine.stats.pages_used == 0 and not engine.scheduler.cache.loads
     tier_invariants(engine)
 
 

@@ -49,7 +49,7 @@ class StepRunner:
 
     def __init__(self, env: Envelope, kv_pages: int):
         self.envelope, self.kv = env, SimpleNamespace(num_pages=kv_pages)
-        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, is_hybrid=False)
         self.shapes: list[StepShape] = []
         self.steps: list = []
         self.page_table: dict[tuple[int, int], int] = {}
@@ -117,8 +117,8 @@ def run_all(engine: LLMEngine, check=None) -> dict[str, tuple[list[int], str]]:
 
 def invariants(engine: LLMEngine) -> None:
     s = engine.scheduler
-    loading = [r for load in s.loads.values() for r in load.requests]  # the host tier's (host_kv)
-    drained = [p for load in s.loads.values() for p in load.drained]
+    loading = [r for load in s.cache.loads.values() for r in load.requests]  # the host tier's (host_kv)
+    drained = [p for load in s.cache.loads.values() for p in load.drained]
     held = [p for r in s.running + loading for p in r.pages] + drained
     assert all(len(r.pages) == len(set(r.pages)) for r in s.running + loading), "a request holds a page once"
     assert len(set(held)) == s.pages_used, "every held page is counted (shared prefix pages once)"
@@ -410,7 +410,7 @@ def test_overlap_serves_the_tokens_of_one_step_at_a_time(trace, kv_pages, batch,
     def serve(overlap):
         engine, runner = fake_engine(overlap, context=96, page_size=4, kv_pages=kv_pages, batch=batch,
                                      running=running)
-        engine.scheduler.prefix_caching = caching
+        engine.scheduler.cache.enabled = caching
         ids = {}
         for i, (_, n, max_tokens, _, shared) in enumerate(trace):
             if n < 96:
@@ -445,7 +445,7 @@ def test_random_arrival_traces_never_leave_the_envelope_and_lose_nothing(trace, 
     overlapped engine or not."""
     engine, runner = fake_engine(overlap, context=96, page_size=4, kv_pages=kv_pages, batch=batch,
                                  running=running)
-    engine.scheduler.prefix_caching = caching
+    engine.scheduler.cache.enabled = caching
     arrivals = sorted((wait, i) for i, (wait, *_) in enumerate(trace))
     pending, added, ended, aborts, clock = list(arrivals), {}, {}, {}, 0
     while pending or engine.has_unfinished():
@@ -547,26 +547,26 @@ def test_model_seeded_requests_are_batch_and_preemption_invariant(roomy):
 
 
 # ---------------------------------------------------------------- prefix caching
-def test_page_allocator_caches_registered_pages_until_it_needs_them():
-    from autoprofile.engine.kv_cache import PageAllocator
-    a = PageAllocator(5)  # pages 1..4
-    p1, p2 = a.alloc(2)
-    c1 = a.register(p1, 0, (1, 2))
-    c2 = a.register(p2, c1, (3, 4))
-    assert a.lookup(0, (1, 2)) == (p1, c1) and a.lookup(c1, (3, 4)) == (p2, c2)
-    assert a.lookup(0, (3, 4)) is None  # the same tokens after another prefix are another key
-    q = a.alloc(1)[0]
-    assert a.register(q, 0, (1, 2)) == c1 and a.lookup(0, (1, 2)) == (p1, c1)  # the first copy stays
-    a.free([p1, p2, q])
-    assert a.num_free == 4 and a.lookup(0, (1, 2)) == (p1, c1)  # freed, still cached
-    a.share(p1)
-    assert a.num_free == 3 and not a.is_free(p1)
-    a.free([p1])
+def test_the_prefix_cache_keeps_freed_pages_cached_until_alloc_needs_them():
+    from autoprofile.engine.prefix_cache import PrefixCache
+    c = PrefixCache(5, page_size=2)  # pages 1..4
+    p1, p2 = c.alloc(2)
+    c1 = c.insert(p1, 0, (1, 2))
+    c2 = c.insert(p2, c1, (3, 4))
+    assert c.match([(1, 2), (3, 4)]).pages == [p1, p2] and c.match([(1, 2), (3, 4)]).chain == c2
+    assert c.match([(3, 4)]).pages == []  # the same tokens after another prefix are another key
+    q = c.alloc(1)[0]
+    assert c.insert(q, 0, (1, 2)) == c1 and c.registered()[0, (1, 2)] == p1  # the first copy stays
+    c.free([p1, p2, q])
+    assert c.num_free == 4 and c.match([(1, 2)]).pages == [p1]  # freed, still cached
+    c.pages.share(p1)
+    assert c.num_free == 3 and not c.pages.is_free(p1)
+    c.free([p1])
     # least recently freed first, a freed run's tail before its head: the untouched page 4, then q, then p2
-    evicted = a.alloc(3)
-    assert evicted == [4, q, p2] and a.lookup(c1, (3, 4)) is None and a.lookup(0, (1, 2)) == (p1, c1)
+    evicted = c.alloc(3)
+    assert evicted == [4, q, p2] and c.registered() == {(0, (1, 2)): p1}
     with pytest.raises(ValueError, match="double free"):
-        a.free([p1])
+        c.free([p1])
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -574,7 +574,7 @@ def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(overlap):
     system = [(3 * j + 2) % VOCAB for j in range(40)]
     prompts = [system + [7, 8, 9], system + [4, 5], system]
     plain, _ = fake_engine(kv_pages=60)
-    plain.scheduler.prefix_caching = False
+    plain.scheduler.cache.enabled = False
     want = _serve_each(plain, prompts)
     cached, runner = fake_engine(overlap, kv_pages=60)
     got = _serve_each(cached, prompts)

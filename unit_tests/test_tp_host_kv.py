@@ -33,9 +33,9 @@ def tier_view(engine: LLMEngine, pool) -> dict:
     """What the test checks of a tier: the engine's stats, and each cached key's page contents (by key: the
     page a key lands on is the scheduler's business), as numpy arrays (a rank's result pipe would pass
     tensors as shared memory, gone with the rank)."""
-    s, host = engine.stats, engine.scheduler.host
+    s, host = engine.stats, engine.scheduler.cache.host
     return dict(hit_tokens=s.host.hit_tokens, saved=host.saved, loaded=host.loaded, pages_used=s.pages_used,
-                held=host.num_held, loads=len(engine.scheduler.loads), bytes_moved=pool.bytes_moved,
+                held=host.num_held, loads=len(engine.scheduler.cache.loads), bytes_moved=pool.bytes_moved,
                 page_bytes=pool.page_bytes, pages=pool.num_pages,
                 page_of=host.keys(),
                 cached={key: pool.buffer[:, :, page].numpy().copy() for key, page in host.keys().items()})

@@ -126,8 +126,8 @@ class LLMEngine:
         req = Request(request_id, prompt, params, max_tokens, frozenset(stop_token_ids), arrival, mm=mm,
                       grammar=grammar)
         pages = math.ceil(req.max_len / self.envelope.page_size)
-        if pages > self.scheduler.allocator.capacity:
-            capacity = self.scheduler.allocator.capacity * self.envelope.page_size
+        if pages > self.scheduler.cache.capacity:
+            capacity = self.scheduler.cache.capacity * self.envelope.page_size
             raise RequestError("max_tokens",
                                f"the request can grow to {req.max_len} tokens, the KV cache holds "
                                              f"{capacity}; try max_tokens <= {capacity - len(prompt) + 1}")
@@ -280,17 +280,18 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
-                           s.allocator.capacity,
+                           s.cache.capacity,
                            self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched,
                            self._host_stats())
 
     def _host_stats(self) -> HostTierStats | None:
-        host, pool = self.scheduler.host, getattr(self.runner, "host_kv", None)
+        cache, pool = self.scheduler.cache, getattr(self.runner, "host_kv", None)
+        host = cache.host
         if host is None:
             return None
         return HostTierStats(pages=host.num_pages, cached=host.num_cached, saved=host.saved,
                              loaded=host.loaded, dropped=host.dropped,
-                             hit_tokens=self.scheduler.host_hit_tokens,
+                             hit_tokens=cache.host_hit_tokens,
                              bytes_moved=getattr(pool, "bytes_moved", 0),
                              copy_seconds=getattr(pool, "copy_seconds", 0.0))
 

@@ -3,24 +3,22 @@ cache evicts are copied to pinned host memory first, under the same key (chain i
 tokens and images' hashes), and a request whose prefix continues there gets them copied back into fresh GPU
 pages, scheduled like a prefill that has already run.
 
-Two owners: HostPages, the bookkeeping (host-side, the scheduler's: which host page holds which key, least
-recently used first), and HostKVPool, the pinned buffer [parts, num_layers, host_pages, heads, page, width]
-(the GPU cache's layout per layer) and the copies (the runner's, one per rank under --tp: each rank keeps its
-own shard, moved by the same page lists that the step broadcast ships). A page lives on one tier: a page
-copied back leaves the host tier (moved, not shared), so every key is in the GPU's prefix cache, in the host
-tier, or gone (dropped by the host tier's LRU).
+Two owners: HostPages, the bookkeeping (host-side, no torch: in engine.prefix_cache, behind its PrefixCache:
+which host page holds which key, least recently used first), and HostKVPool, the pinned buffer
+[parts, num_layers, host_pages, heads, page, width] (the GPU cache's layout per layer) and the copies (the
+runner's, one per rank under --tp: each rank keeps its own shard, moved by the same page lists that the step
+broadcast ships). A page lives on one tier: a page copied back leaves the host tier (moved, not shared), so
+every key is in the GPU's prefix cache, in the host tier, or gone (dropped by the host tier's LRU).
 
 An FP8 cache's scales are per layer (KVCache.scales), fixed before any page is cached: a page's bytes mean
 the same on both tiers, so the key needs no scale.
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import psutil
@@ -29,6 +27,7 @@ import torch
 from autoprofile.budget import gib
 from autoprofile.config import ConfigError, ServerConfig, parse_host_kv
 from autoprofile.engine.pinned import PinnedBuffers
+from autoprofile.engine.prefix_cache import HostPages  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def host_kv_bytes(flag: str, available: int, ranks_on_host: int, gpus_on_host: i
     return want
 
 
-# ---------------------------------------------------------------- the bookkeeping (no torch)
+# ---------------------------------------------------------------- the tier's figures
 @dataclass
 class HostTierStats:
     pages: int = 0  # pages of the tier
@@ -75,110 +74,6 @@ class HostTierStats:
     hit_tokens: int = 0  # prompt tokens whose K/V came back from the host tier
     bytes_moved: int = 0  # both directions (the runner's pool counts them)
     copy_seconds: float = 0.0  # the copies' time (CUDA events on the copy stream; wall time on the CPU)
-
-
-class HostPages:
-    """The host tier's pages: free, cached (a key, least recently used first) or held (taken by copies back
-    to the GPU, free again once they have run: release(); no save writes them before)."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free = list(range(num_pages))  # a heap: lowest first, so a run of saves gets a run of pages
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._key: dict[int, tuple] = {}  # host page -> key
-        self._page: dict[tuple, int] = {}  # key -> host page
-        self._chain: dict[int, int] = {}  # host page -> its chain id
-        self._children: dict[int, set[int]] = {}  # chain id -> the cached host pages whose key follows it
-        self._held: set[int] = set()
-        # every key put here leaves as exactly one of: loaded back, dropped (LRU, a failed step), discarded
-        # (recomputed on the GPU), or is cached still
-        self.saved = self.loaded = self.dropped = self.discarded = 0
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._lru)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._held)
-
-    def keys(self) -> dict[tuple, int]:
-        """Every cached key -> its host page (the tests' view)."""
-        return dict(self._page)
-
-    def lookup(self, parent: int, tokens: tuple) -> tuple[int, int] | None:
-        """(host page, chain id) holding `tokens` after the prefix `parent`, or None."""
-        page = self._page.get((parent, tokens))
-        return None if page is None else (page, self._chain[page])
-
-    def put(self, key: tuple, chain: int) -> int | None:
-        """A host page for an evicted GPU page's key (a free one, else the least recently used is dropped);
-        None if the tier has no page to give (all held) or the key is cached here already."""
-        if key in self._page:
-            return None
-        if self._free:
-            page = heapq.heappop(self._free)
-        elif self._lru:
-            self._drop_from(next(iter(self._lru)))
-            page = heapq.heappop(self._free)
-        else:
-            return None
-        self._key[page], self._page[key], self._chain[page] = key, page, chain
-        self._children.setdefault(key[0], set()).add(page)
-        self._lru[page] = None
-        self.saved += 1
-        return page
-
-    def take(self, page: int) -> None:
-        """A cached page goes back to the GPU: it leaves the index, held until release()."""
-        self._forget(page)
-        self._held.add(page)
-        self.loaded += 1
-
-    def release(self, pages: list[int]) -> None:
-        """The copies back from these held pages have run: they are free."""
-        for page in pages:
-            self._held.remove(page)
-            heapq.heappush(self._free, page)
-
-    def discard(self, key: tuple) -> int | None:
-        """The key is cached on the GPU again (recomputed): its host page is free; returns its chain id."""
-        page = self._page.get(key)
-        if page is None:
-            return None
-        chain = self._chain[page]
-        self._forget(page)
-        heapq.heappush(self._free, page)
-        self.discarded += 1
-        return chain
-
-    def drop(self, page: int) -> None:
-        """A failed step's save: the page's content is unknown, its key goes."""
-        if page in self._key:
-            self._drop_from(page)
-
-    def _drop_from(self, page: int) -> None:
-        """The page goes, and with it the pages cached after it: their keys hang on its
-        chain id, which no tier holds any more (ids are never reused), so no lookup can reach them."""
-        stack = [page]
-        while stack:
-            page = stack.pop()
-            stack += self._children.get(self._chain[page], ())
-            self._forget(page)
-            heapq.heappush(self._free, page)
-            self.dropped += 1
-
-    def _forget(self, page: int) -> None:
-        key = self._key.pop(page)
-        del self._page[key], self._chain[page], self._lru[page]
-        children = self._children[key[0]]
-        children.discard(page)
-        if not children:
-            del self._children[key[0]]
 
 
 # ---------------------------------------------------------------- the pinned buffer and the copies

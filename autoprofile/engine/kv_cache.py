@@ -1,22 +1,15 @@
-"""The paged KV pool (one tensor), its page allocator, and the request table (slots -> pages)."""
+"""The paged KV pool (one tensor) and the request table (slots -> pages); the page allocator and the prefix
+cache are engine.prefix_cache's (no torch)."""
 from __future__ import annotations
 
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from autoprofile.engine.prefix_cache import PAD_PAGE, KVCacheFull, PageAllocator  # noqa: F401 - re-exported
 from autoprofile.layers.attention import KVLayer
-
-PAD_PAGE = 0  # never handed out: padded graph rows write their K/V here (and the prefill stress, scratch)
-
-
-class KVCacheFull(RuntimeError):
-    """No free page or request slot left."""
-
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 KV_SCALE_TEXT = {"checkpoint": "the checkpoint's k_scale/v_scale",
@@ -64,102 +57,6 @@ class KVCache:
         """[num_layers, 2] (k, v) per layer, or None for 1.0; in place (graphs read these addresses)."""
         if self.scales is not None:
             self.scales.copy_(scales if scales is not None else torch.ones_like(self.scales))
-
-
-class PageAllocator:
-    """Pages with reference counts (PAD_PAGE is never handed out). Host-side: never touches the GPU.
-
-    Prefix caching: a full page of computed K/V is registered under the key (chain id of the page before it,
-    its tokens). A page whose last holder frees it stays in the free list, least recently freed first, still
-    registered: a request with the same prefix takes it back (`share`) until `alloc` hands it out again (and
-    forgets its key). Chain ids are never reused, so a key can only match the exact same prefix."""
-
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(PAD_PAGE + 1, num_pages))
-        self._ref = [0] * num_pages
-        self._key: dict[int, tuple] = {}  # registered page -> (parent chain id, tokens)
-        self._page: dict[tuple, int] = {}  # key -> registered page
-        # registered page -> its chain id (the parent of the next page's key)
-        self._chain: dict[int, int] = {}
-        self._ids = itertools.count(1)  # 0: the empty prefix
-        # a registered page that alloc hands out again: on_evict(page, key, chain id) first (the host tier
-        # saves it), while the page still holds its K/V
-        self.on_evict: Callable[[int, tuple, int], None] | None = None
-
-    @property
-    def capacity(self) -> int:
-        """Pages that can be handed out."""
-        return self.num_pages - 1
-
-    @property
-    def num_free(self) -> int:
-        """Pages nobody holds (cached ones included: alloc may evict them)."""
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheFull(f"KV cache full: {n} pages requested, "
-                              f"{len(self._free)} of {self.capacity} free")
-        pages = [self._free.popitem(last=False)[0] for _ in range(n)]
-        for p in pages:
-            if self.on_evict is not None and p in self._key:
-                self.on_evict(p, self._key[p], self._chain[p])
-            self._forget(p)
-            self._ref[p] = 1
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        """pages: in a request's order. The last goes back first, so alloc evicts a prefix's tail before its
-        head (vLLM frees in reverse too): a head evicted first strands every cached page after it, and a
-        working set a little over the cache (conversations returning in turn) would hit nothing."""
-        for p in reversed(pages):
-            if not PAD_PAGE < p < self.num_pages or not self._ref[p]:
-                raise ValueError(f"page {p} is not allocated (double free?)")
-            self._ref[p] -= 1
-            if not self._ref[p]:
-                self._free[p] = None
-
-    # ------------------------------------------------------------ prefix caching
-    def lookup(self, parent: int, tokens: tuple[int, ...]) -> tuple[int, int] | None:
-        """(page, its chain id) holding `tokens` after the prefix `parent`, or None."""
-        page = self._page.get((parent, tokens))
-        return None if page is None else (page, self._chain[page])
-
-    def is_free(self, page: int) -> bool:
-        return not self._ref[page]
-
-    def share(self, page: int) -> None:
-        """One more holder of a registered page (taken back from the free list if nobody held it)."""
-        if not self._ref[page]:
-            del self._free[page]
-        self._ref[page] += 1
-
-    def register(self, page: int, parent: int, tokens: tuple[int, ...], chain: int | None = None) -> int:
-        """Cache a held, full page; returns the chain id its successor's key uses. If the same prefix is
-        cached in another page already, that one stays the cached copy and its chain id is returned.
-        chain: the id the key had before (a page back from the host tier keeps it: its successors there
-        still hang on it); None: a new one."""
-        key = (parent, tokens)
-        if key in self._page:
-            return self._chain[self._page[key]]
-        self._forget(page)
-        self._key[page], self._page[key] = key, page
-        self._chain[page] = next(self._ids) if chain is None else chain
-        return self._chain[page]
-
-    def registered(self) -> dict[tuple, int]:
-        """Every cached key -> its page (the tests' view)."""
-        return dict(self._page)
-
-    def forget(self, page: int) -> None:
-        """The page's K/V is not what its key says (a failed step's copy back): it leaves the cache."""
-        self._forget(page)
-
-    def _forget(self, page: int) -> None:
-        key = self._key.pop(page, None)
-        if key is not None:
-            del self._page[key], self._chain[page]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from autoprofile.engine.multimodal import MultiModalInput, image_key_tokens
-from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.engine.sampling_params import GREEDY, SamplingParams
 
 
 # an output token a launched step samples, not yet read back (the overlapped engine: LLMEngine(overlap=True));

@@ -20,39 +20,30 @@ the tokens once read back and finishes requests there. A request whose next toke
 not scheduled again; one that stopped on a token has run one row too many, whose token is dropped. A
 preempted request with a PENDING token waits for it before it is admitted again (its recompute needs it).
 
-Prefix caching (on full pages): every full page of computed K/V is registered in the page allocator;
-a request being admitted takes back the longest run of cached pages matching its tokens (never its
-last token: that one must be computed to be sampled), so its first chunk starts after them and attends
-to them like any later chunk (prefill_kv_tokens and max_prefix_len bound it: inside the envelope).
-
-Host tier (--host_kv, autoprofile.engine.host_kv): a cached page that alloc hands out again is first saved
-to a host page under its key (Step.kv_saves; the step's forward waits for the saves); the cached run of an
-admitted request may continue in the host tier: those pages get fresh GPU pages, cached again at once under
-their keys and chain ids, and are copied back (Step.kv_loads, one HostLoad of id Step.kv_load_id) beside the
-steps that follow: the request is LOADING (its slot and pages its own, no row) until the runner reports the
-copies done (loads_done, polled by the engine before each schedule; never waited for), then runs its
-remaining prefill like a request whose prefix was cached on the GPU. Until then no step reads those pages (a
-request whose GPU prefix hit includes one waits) and no save writes their host pages; a request that leaves
-while loading (abort, a failed step) gives its pages back once the copies are done. Step.kv_ready lists the
-loads done since the step before: every rank's forward waits for its own copies of them (--tp).
-A preempted request's full pages that steps already read back are in the prefix cache under their keys (a
-page only a step still in flight filled is not: that step may fail), so alloc saves them to the host tier
-when it takes them, and the request comes back through the GPU or host hit of any other.
+Prefix caching and the host tier (--host_kv) are engine.prefix_cache.PrefixCache's: a request being admitted
+takes the cached run of its leading pages (match, then take), so its first chunk starts after them; a request
+whose run continues in the host tier is LOADING (its slot and pages its own, no row) until the runner reports
+the copies done (loads_done, polled by the engine before each schedule; never waited for), then runs its
+remaining prefill like a request whose prefix was cached on the GPU. A request whose GPU hit includes a page
+still loading waits; a request that leaves while loading (abort, a failed step) gives its pages back once the
+copies are done. Each step carries the cache's copies (Step.kv_saves, kv_loads, kv_load_id, kv_ready).
+The pages a step filled enter the cache when the step is read back (resolve), so a preempted request's full
+pages that steps already read back are cached under their keys (a page only a step still in flight filled is
+not: that step may fail), alloc saves them to the host tier when it takes them, and the request comes back
+through the GPU or host hit of any other.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from autoprofile.engine.grammar import advance
 from autoprofile.engine.envelope import Envelope, StepShape
-from autoprofile.engine.host_kv import HostPages
-from autoprofile.engine.kv_cache import PageAllocator
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+from autoprofile.engine.prefix_cache import Copies, PrefixCache, PrefixMatch
 from autoprofile.engine.request import PENDING, Request, RequestStatus
-from autoprofile.engine.sampling import SamplingParams
+from autoprofile.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -116,16 +107,6 @@ class Step:
                          mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
 
 
-@dataclass
-class HostLoad:
-    """One step's copies back from the host tier, in flight until the runner reports them done: no step reads
-    its GPU pages, no save writes its host pages before."""
-    requests: list[Request] = field(default_factory=list)  # LOADING, waiting for it
-    gpu_pages: list[int] = field(default_factory=list)
-    host_pages: list[int] = field(default_factory=list)
-    drained: list[int] = field(default_factory=list)  # pages of requests that left while loading: freed after
-
-
 def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int, int, int]]:
     """The image tokens of a chunk [start, start + n) of a request whose images are all resident:
     (index in the chunk, encoder buffer slot, first token in the image, count) per image."""
@@ -137,30 +118,24 @@ def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int,
     return spans
 
 
+def grammar_ended(matcher, token: int) -> bool:
+    """engine.grammar.advance, imported when a request has a grammar: that module needs torch (the scheduler
+    does not), which the serving layer that made the matcher has loaded."""
+    from autoprofile.engine.grammar import advance
+    return advance(matcher, token)
+
+
 class Scheduler:
     def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
         of the host tier (0: none; needs prefix caching)."""
-        self.env, self.prefix_caching = envelope, prefix_caching
-        self.allocator = PageAllocator(kv_pages)
-        self.host = HostPages(host_pages) if host_pages and prefix_caching else None
-        self._saves: list[tuple[int, int]] = []  # the step being built's host tier copies
-        self._loads: list[tuple[int, int]] = []
-        self.host_hit_tokens = 0  # tokens whose K/V admission found in the host tier
-        self.loads: dict[int, HostLoad] = {}  # in flight, by load id
-        self._load: HostLoad | None = None  # the step being built's
-        self._load_of: dict[Request, HostLoad] = {}  # LOADING requests
-        self._load_ids = itertools.count(1)
-        self._loading_pages: set[int] = set()  # GPU pages of the loads in flight
-        self._ready: list[int] = []  # load ids done, for the next step's kv_ready
+        self.env = envelope
+        self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages, enabled=prefix_caching)
         self._fresh: set[Request] = set()  # back from the host tier, no row yet: the next is a prefill row
-        if self.host is not None:
-            self.allocator.on_evict = self._spill
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: preemption takes from the tail
         self.num_preemptions = 0
-        self.prefix_hit_tokens = 0  # tokens whose K/V admission found in the prefix cache
         self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
 
     # ------------------------------------------------------------ queue
@@ -169,29 +144,19 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loads)
+        return bool(self.waiting or self.running or self.cache.loads)
 
     @property
     def pending_loads(self) -> list[int]:
         """Ids of the host tier's loads in flight (the engine asks the runner which are done)."""
-        return list(self.loads)
+        return self.cache.pending_loads
 
     def loads_done(self, ids) -> None:
-        """The runner's copies of these loads have run: their requests run from the next step on; their host
-        pages, and the pages of requests that left while loading, are free."""
-        for i in ids:
-            load = self.loads.pop(i, None)
-            if load is None:
-                continue
-            self.host.release(load.host_pages)
-            self._loading_pages.difference_update(load.gpu_pages)
-            self.allocator.free(load.drained)
-            for req in load.requests:
-                del self._load_of[req]
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                self._fresh.add(req)
-            self._ready.append(i)
+        """The runner's copies of these loads have run: their requests run from the next step on."""
+        for req in self.cache.loads_done(ids):
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._fresh.add(req)
 
     def finish(self, req: Request, reason: str) -> None:
         """Finished, or aborted: its pages and slot are free when this returns (a step still in flight may
@@ -209,7 +174,12 @@ class Scheduler:
 
     @property
     def pages_used(self) -> int:
-        return self.allocator.capacity - self.allocator.num_free
+        return self.cache.num_used
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Tokens whose K/V admission found in the prefix cache (the GPU's or the host tier's)."""
+        return self.cache.hit_tokens
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> Step | None:
@@ -224,17 +194,13 @@ class Scheduler:
             step = decode
         elif decode is not None:
             step.decode, step.page_writes = decode.rows, decode.page_writes + step.page_writes
-        if step is None and (writes or self._saves or self._loads):
+        if step is None and (writes or self.cache.has_copies()):
             step = Step(is_prefill=False, rows=[])  # the page writes and copies alone
         if step is not None:
             step.page_writes += writes
             step.running, step.pages_used = len(self.running), self.pages_used
-            step.kv_saves, step.kv_loads = self._saves, self._loads
-            step.kv_ready, self._ready = self._ready, []
-            if self._load is not None:
-                step.kv_load_id = next(self._load_ids)
-                self.loads[step.kv_load_id] = self._load
-        self._saves, self._loads, self._load = [], [], None
+            c = self.cache.take_copies()
+            step.kv_saves, step.kv_loads, step.kv_load_id, step.kv_ready = c.saves, c.loads, c.load_id, c.ready
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
@@ -253,16 +219,15 @@ class Scheduler:
                 break
             if req.pending:
                 continue  # preempted with a token in flight: its recompute needs the token
-            hit, chain = self._cached_prefix(req) if admit else ([], 0)
-            if self._loading_pages.intersection(hit):
+            hit = self.cache.match(self._page_keys(req)) if admit else PrefixMatch()
+            if hit.loading:
                 continue  # its prefix is coming back from the host tier for another request: wait for it
-            back = self._host_prefix(req, len(hit), chain) if admit else []
-            if back:  # the copies first: its first chunk runs in a step after them
-                if len(back) > self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit):
+            if hit.host:  # the copies first: its first chunk runs in a step after them
+                if len(hit.host) > self.cache.available(hit):
                     break  # admission never preempts: wait for pages
-                self._admit(req, hit, chain, step, back)
+                self._admit(req, hit, step)
                 continue
-            start = len(hit) * ps if admit else req.num_computed
+            start = len(hit.pages) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
             encode = []
             if req.mm is not None:
@@ -271,16 +236,15 @@ class Scheduler:
                 if req.mm is not None:
                     continue  # its next image waits for the encoder: later requests may still fit
                 break
-            held = hit if admit else req.pages
+            held = hit.pages if admit else req.pages
             need = math.ceil((start + n) / ps) - len(held)
-            free = self.allocator.num_free - sum(self.allocator.is_free(p) for p in hit)
-            if need > free:
+            if need > self.cache.available(hit):
                 if admit:
                     break  # admission never preempts: wait for pages
                 if not may_preempt or not self._make_room(need, req):
                     continue  # req itself was preempted, or it waits for a step without decode rows
             if admit:
-                self._admit(req, hit, chain, step)
+                self._admit(req, hit, step)
             self._fresh.discard(req)
             self._grow(req, need, step)
             row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
@@ -304,7 +268,7 @@ class Scheduler:
             if len(req.output_ids) >= req.max_tokens:
                 continue  # its last token is in flight (overlap): it finishes when read back
             need = 1 if req.num_computed == len(req.pages) * self.env.page_size else 0
-            if need and need > self.allocator.num_free and not self._make_room(need, req):
+            if need and need > self.cache.num_free and not self._make_room(need, req):
                 continue
             self._grow(req, need, step)
             step.rows.append(StepRow(req.slot, req.num_computed, [req.token(req.num_computed)], True,
@@ -330,49 +294,22 @@ class Scheduler:
         return n, encode
 
     # ------------------------------------------------------------ pages, prefix cache, preemption
-    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
-        """The cached pages holding req's leading tokens (all but its last token), and the chain id after
-        them."""
-        pages, chain, ps = [], 0, self.env.page_size
-        # prompt logprobs need every prompt position's logits: a cached position has none (as vLLM)
-        if self.prefix_caching and req.params.prompt_logprobs is None:
+    def _page_keys(self, req: Request) -> Iterator[tuple]:
+        """The keys of req's leading full pages, all but its last token (that one must be computed to be
+        sampled); none when it asks for prompt logprobs (every prompt position's logits: a cached position has
+        none, as vLLM)."""
+        ps = self.env.page_size
+        if req.params.prompt_logprobs is None:
             for i in range((req.num_tokens - 1) // ps):
-                found = self.allocator.lookup(chain, req.key(i * ps, (i + 1) * ps))
-                if found is None:
-                    break
-                pages.append(found[0])
-                chain = found[1]
-        return pages, chain
+                yield req.key(i * ps, (i + 1) * ps)
 
-    def _host_prefix(self, req: Request, after: int, chain: int) -> list[tuple[int, int, tuple, int]]:
-        """The host tier's pages continuing req's cached run after its first `after` pages (chain id
-        `chain`): (host page, parent chain id, tokens, chain id) each."""
-        out, ps = [], self.env.page_size
-        if self.host is None or req.params.prompt_logprobs is not None:  # as _cached_prefix
-            return out
-        for i in range(after, (req.num_tokens - 1) // ps):
-            tokens = req.key(i * ps, (i + 1) * ps)
-            found = self.host.lookup(chain, tokens)
-            if found is None:
-                break
-            out.append((found[0], chain, tokens, found[1]))
-            chain = found[1]
-        return out
-
-    def _admit(self, req: Request, hit: list[int], chain: int, step: Step,
-               back: list[tuple[int, int, tuple, int]] = ()) -> None:
-        """Admitted: RUNNING, or LOADING when its cached run continues in the host tier (`back`)."""
+    def _admit(self, req: Request, hit: PrefixMatch, step: Step) -> None:
+        """Admitted with the cached run `hit`: RUNNING, or LOADING when it continues in the host tier."""
         self.waiting.remove(req)
         req.slot = self.free_slots.pop()
-        for p in hit:
-            self.allocator.share(p)
-        pages = list(hit)
-        if back:
-            fresh, chain = self._load_back(back)
-            pages += fresh
-            self.host_hit_tokens += len(back) * self.env.page_size
-            req.status, self._load_of[req] = RequestStatus.LOADING, self._load
-            self._load.requests.append(req)
+        pages, chain = self.cache.take(hit, owner=req)
+        if hit.host:
+            req.status = RequestStatus.LOADING
         else:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -380,61 +317,32 @@ class Scheduler:
         req.cached_pages, req.chain = len(pages), chain
         if pages:
             step.page_writes.append((req.slot, 0, list(pages)))
-            self.prefix_hit_tokens += req.num_computed
-
-    def _load_back(self, back: list[tuple[int, int, tuple, int]]) -> tuple[list[int], int]:
-        """Fresh GPU pages for the host tier's `back`, cached at once under their keys and chain ids, their
-        copies queued in the step's load; returns them and the chain id after them."""
-        if self._load is None:
-            self._load = HostLoad()
-        for host_page, *_ in back:
-            self.host.take(host_page)  # out of the host tier's LRU before alloc's evictions spill
-        fresh = self.allocator.alloc(len(back))
-        chain = 0
-        for page, (host_page, parent, tokens, linked) in zip(fresh, back):
-            chain = self.allocator.register(page, parent, tokens, linked)
-            self._loads.append((host_page, page))
-        self._load.gpu_pages += fresh
-        self._load.host_pages += [host_page for host_page, *_ in back]
-        self._loading_pages.update(fresh)
-        return fresh, chain
 
     def _leave_loading(self, req: Request) -> None:
         """A LOADING request leaves (finished, or sent back to wait): its pages go back once its load is
         done (the copies may still write them), its slot now."""
-        load = self._load_of.pop(req)
-        load.requests.remove(req)
-        load.drained += req.pages
+        self.cache.leave(req, req.pages)
         self.free_slots.append(req.slot)
         self._free_images(req, done_before=None)
         req.pages, req.slot, req.cached_pages, req.chain = [], None, 0, 0
 
-    def _spill(self, page: int, key: tuple, chain: int) -> None:
-        """alloc takes a cached page: its K/V goes to the host tier first (the step's copies, saves first)."""
-        host_page = self.host.put(key, chain)
-        if host_page is not None:
-            self._saves.append((page, host_page))
-
     def _register(self, req: Request, upto: int) -> None:
         """Put req's newly full pages of K/V computed up to token `upto` in the prefix cache."""
         ps = self.env.page_size
-        while self.prefix_caching and req.cached_pages < min(upto, req.num_computed) // ps:
+        while self.cache.enabled and req.cached_pages < min(upto, req.num_computed) // ps:
             i = req.cached_pages
-            key = req.key(i * ps, (i + 1) * ps)
-            # recomputed while the host tier held it: one tier holds it, under the chain id its successors use
-            linked = self.host.discard((req.chain, key)) if self.host is not None else None
-            req.chain = self.allocator.register(req.pages[i], req.chain, key, linked)
+            req.chain = self.cache.insert(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps))
             req.cached_pages += 1
 
     def _grow(self, req: Request, n: int, step: Step) -> None:
         if n > 0:
-            pages = self.allocator.alloc(n)
+            pages = self.cache.alloc(n)
             step.page_writes.append((req.slot, len(req.pages), pages))
             req.pages += pages
 
     def _make_room(self, need: int, req: Request) -> bool:
         """Preempt the youngest running requests until `need` pages are free; False if req itself went."""
-        while self.allocator.num_free < need:
+        while self.cache.num_free < need:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -455,7 +363,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self._fresh.discard(req)
-        self.allocator.free(req.pages)  # cached pages stay cached until alloc needs them
+        self.cache.free(req.pages)  # cached pages stay cached until alloc needs them
         self.free_slots.append(req.slot)
         self._free_images(req, done_before=None)
         req.pages, req.slot, req.cached_pages, req.chain = [], None, 0, 0
@@ -476,12 +384,8 @@ class Scheduler:
         granted to requests still running go back, so each holds the pages the table had before the step and
         its next row grows (and writes) them again. Else a row writes K/V through a stale column into a page
         the prefix cache may map to another prompt. Call it after the step's failed requests finished."""
-        for _, host_page in step.kv_saves:  # the copies may not have run: what they moved is unknown
-            self.host.drop(host_page)
-        for _, page in step.kv_loads:
-            self.allocator.forget(page)
-        load = self.loads.get(step.kv_load_id)
-        for req in list(load.requests) if load is not None else ():  # they wait again: recomputed
+        copies = Copies(step.kv_saves, step.kv_loads, step.kv_load_id, step.kv_ready)
+        for req in self.cache.rollback(copies):  # they wait again: recomputed
             self._leave_loading(req)
             req.status, req.num_computed = RequestStatus.WAITING, 0
             self.waiting.appendleft(req)
@@ -490,7 +394,7 @@ class Scheduler:
             req = by_slot.get(slot)
             if req is not None and req.pages[first:] == pages:  # a grant: requests admitted in it failed
                 del req.pages[first:]
-                self.allocator.free(pages)
+                self.cache.free(pages)
 
     # ------------------------------------------------------------ after the step launched, after it ran
     def launched(self, step: Step) -> None:
@@ -526,7 +430,7 @@ class Scheduler:
             at = req.num_known
             req.output_ids[at] = token
             got.append(req)
-            ended = req.grammar is not None and advance(req.grammar, token)
+            ended = req.grammar is not None and grammar_ended(req.grammar, token)
             if token in req.stop_token_ids or ended:
                 self.finish(req, "stop")
             elif at + 1 >= req.max_tokens:

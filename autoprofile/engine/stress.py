@@ -42,7 +42,7 @@ import random
 
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
-from autoprofile.engine.sampling import STRESS_PARAMS
+from autoprofile.engine.sampling_params import STRESS_PARAMS
 from autoprofile.engine.scheduler import Step, StepRow, image_spans
 
 DECODE_STEPS = 2
