@@ -3,7 +3,12 @@ extensions (/tokenize, /detokenize, /version, continuous usage, token ids, chat 
 the real server and engine on the tiny model (CPU, torch backend)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import shlex
+import shutil
+from pathlib import Path
 
 import openai
 import pytest
@@ -157,3 +162,64 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(run, path):
     assert done == sorted(done) and done[-1] == final["usage"]["completion_tokens"] == 5
     assert all(e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for e in chunks)
     assert all("usage" not in e for e in alone[:-1])  # vLLM's rule: only with include_usage
+
+
+# ---------------------------------------------------------------- the README's example requests, as written
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_URL = "http://127.0.0.1:8000"
+
+
+def readme_examples() -> list[tuple[str, str]]:
+    """The code blocks of the README's "Example requests" section: (language, text)."""
+    section = README.read_text().split("\n## Example requests\n")[1].split("\n## ")[0]
+    return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+
+
+def readme_curls() -> list[list[str]]:
+    return [shlex.split(cmd) for lang, text in readme_examples() if lang == "bash"
+            for cmd in text.replace("\\\n", " ").splitlines() if cmd.startswith("curl ")]
+
+
+def test_the_readme_names_no_model_that_its_set_up_does_not_serve():
+    assert len(readme_curls()) >= 3
+    for lang, text in readme_examples():
+        assert not re.search(r"""model["']?\s*[:=]\s*["']qwen""", text), text  # the set-up serves llama
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
+def test_the_readmes_curl_examples_work_as_written(run):
+    async def body(c, app):
+        url, out = str(c.make_url("")).rstrip("/"), []
+        for argv in readme_curls():
+            proc = await asyncio.create_subprocess_exec(
+                *[a.replace(README_URL, url) for a in argv], "-w", "\n%{http_code}",
+                stdout=asyncio.subprocess.PIPE)
+            text = (await proc.communicate())[0].decode()
+            out.append((argv, text.rsplit("\n", 1)))
+        return out
+    for argv, (text, status) in run(body):
+        assert status == "200", (argv, text)
+        assert '"choices"' in text or '"data"' in text, text
+
+
+def test_the_readmes_openai_client_examples_work_as_written(capsys):
+    code = [text for lang, text in readme_examples() if lang == "python" and "cat.png" not in text]
+    assert code and "client.models.list()" in code[0]
+    cfg = validate(ServerConfig(**{**FLAGS, "max_req_total_len": 1024}, served_model_name="served"))
+    runner, result = boot_cpu(cfg)  # a tools prompt of the byte-level tokenizer is ~300 tokens
+
+    async def body(c, app):
+        ns: dict = {}
+        for text in code:
+            if "response_format" in text and app[server.STATE].grammars is None:
+                continue  # structured output needs xgrammar (test_structured_api)
+            text = text.replace(f"{README_URL}/v1", str(c.make_url("/v1")))
+            await asyncio.to_thread(exec, compile(text, "README.md", "exec"), ns)
+        return ns
+    from unit_tests.test_server import serve
+    try:
+        ns = serve(LLMEngine.from_config(runner, cfg), result, body, cfg)
+    finally:
+        runner.teardown()
+    assert ns["model"] == "served" and ns["r"].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert capsys.readouterr().out
