@@ -113,16 +113,26 @@ class WeightSplit:
 
     layers: int  # attention and MLP linears (+ qkv bias): split by heads / intermediate columns
     vocab: int  # embedding (+ untied lm_head): vocab-parallel, ceil(vocab/tp) rows per rank
-    replicated: int  # norms, q/k norms, MoE router: whole on every rank
+    replicated: int  # norms, q/k norms, MoE router, MLA's projections down: whole on every rank
 
     def per_rank(self, m: ModelConfig, tp: int) -> int:
         tables = 1 if m.tie_word_embeddings else 2
         return self.layers // tp + tables * math.ceil(m.vocab_size / tp) * m.hidden_size + self.replicated
 
 
+def mla_replicated_params(m: ModelConfig) -> int:
+    """One MLA layer's projections down and their norms (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa,
+    kv_a_layernorm): whole on every rank (models.deepseek_v2.ReplicatedLinear)."""
+    if not m.is_mla:
+        return 0
+    h, qr = m.hidden_size, m.q_lora_rank
+    return (h * qr + qr if qr else 0) + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+
+
 def weight_split(m: ModelConfig) -> WeightSplit:
     h = m.hidden_size
-    attn = m.attention_params() - (2 * m.head_dim if m.qk_norm else 0)  # norms: replicated
+    # norms and MLA's projections down: replicated
+    attn = m.attention_params() - (2 * m.head_dim if m.qk_norm else 0) - mla_replicated_params(m)
     moe = m.moe_layers  # an MoE model's other layers are dense
     experts = (m.num_experts + m.n_shared_experts) * 3 * h * m.moe_intermediate_size
     mlp = moe * experts + (m.num_layers - moe) * 3 * h * m.intermediate_size
@@ -151,8 +161,11 @@ def fp8_text(m: ModelConfig, tp: int) -> str:
 
 
 def fp32_router_params(m: ModelConfig) -> int:
-    """DeepSeek-V2's routers (models.deepseek_v2.DeepseekV2MoE) keep fp32 weights."""
-    return m.moe_layers * m.num_experts * m.hidden_size if m.architecture in MLA_ARCHITECTURES else 0
+    """DeepSeek's routers (models.deepseek_v2.DeepseekV2MoE) keep fp32 weights (V3: and its correction
+    bias)."""
+    if m.architecture not in MLA_ARCHITECTURES:
+        return 0
+    return m.moe_layers * m.num_experts * (m.hidden_size + (m.topk_method == "noaux_tc"))
 
 
 def rope_dim(m: ModelConfig) -> int:
@@ -345,7 +358,8 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
         nccl_row(tp),
         Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
-            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms ({split.replicated:,}) replicated"
+            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms, routers, MLA's "
+            f"projections down ({split.replicated:,}) replicated"
             + fp8_text(m, tp)),
         Row("rope table", rope_table_bytes(m, cfg.context_len), "exact", "measured in the probe peak",
             f"cos/sin [{cfg.context_len}, {rope_dim(m)}] fp32"),
@@ -552,6 +566,14 @@ def _line(sign: str, r: Row) -> str:
     return f"  {sign} {r.term:<28} {gib(r.bytes):>9.2f} {r.bytes:>16,}  {r.how:<9}  {r.on_gpu}"
 
 
+def mla_replication_lines(p: Plan) -> list[str]:
+    """MLA under TP: the latent is one shared head, so every rank caches every token's whole latent."""
+    if p.architecture not in MLA_ARCHITECTURES or p.tp == 1:
+        return []
+    return [f"  MLA latent replicated on all {p.tp} ranks (one shared head, not split by TP): "
+            f"KV tokens per rank = KV tokens of the model ({p.tokens:,})"]
+
+
 def format_plan(p: Plan) -> str:
     head = [
         f"autoprofile plan: {p.model} ({p.architecture}) on {p.gpu}, per TP rank (--tp {p.tp})",
@@ -571,6 +593,7 @@ def format_plan(p: Plan) -> str:
     tail = [
         "",
         f"  KV per token: {p.cell_bytes:,} B ({p.cell_bytes / 1024:.2f} KiB) over all layers, this rank",
+        *mla_replication_lines(p),
         f"  predicted --max_total_token_num: {p.tokens:,} tokens ({gib(kv):.2f} GiB KV), "
         f"max_num_reqs {p.max_num_reqs}",
         "  solved as: largest page-aligned T with",

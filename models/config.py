@@ -206,6 +206,11 @@ class ModelConfig:
     topk_method: str = "greedy"
     n_group: int = 0
     topk_group: int = 0
+    # DeepSeek-V3's noaux_tc: sigmoid scores; the layer's e_score_correction_bias is added for the choice of
+    # groups and experts only, the weights are the plain scores (layers.moe.biased_grouped_topk)
+    scoring_func: str = "softmax"
+    # DeepSeek-V3's multi-token-prediction layers (after the last decoder layer): not built, weights skipped
+    num_nextn_predict_layers: int = 0
     # MLA (DeepSeek-V2): the cache holds one latent of kv_lora_rank + qk_rope_head_dim per token and layer;
     # queries of qk_nope_head_dim + qk_rope_head_dim per head (through a q_lora_rank bottleneck when > 0)
     kv_lora_rank: int = 0
@@ -444,7 +449,7 @@ class ModelConfig:
         mixers = self.attention_layers * self.attention_params()
         mixers += self.linear_layers * self.linear_attention_params() if self.linear_layers else 0
         experts = (self.num_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
-        experts += h * self.num_experts
+        experts += h * self.num_experts + (self.num_experts if self.topk_method == "noaux_tc" else 0)  # bias
         if self.shared_expert_intermediate_size:  # Qwen3.5's shared expert and its sigmoid gate
             experts += 3 * h * self.shared_expert_intermediate_size + h
         moe = self.moe_layers
@@ -816,11 +821,15 @@ def _mla_fields(f: _Fields, architecture: str) -> dict:
     rope = f.int("qk_rope_head_dim")
     if rope % 2:
         f.fail("qk_rope_head_dim", f"({rope}) must be even (RoPE rotates pairs of channels); try {rope + 1}")
+    if not f.bool("rope_interleave", True):  # HF's DeepSeek-V3 key; V2 is always interleaved
+        f.fail("rope_interleave", "is false; MLA's rope part is served interleaved (DeepSeek's checkpoints); "
+                                  "try 'rope_interleave': true")
     return {"kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": f.int("qk_nope_head_dim"),
-            "v_head_dim": f.int("v_head_dim"), "q_lora_rank": f.int("q_lora_rank", 0, lo=0)}
+            "v_head_dim": f.int("v_head_dim"), "q_lora_rank": f.int("q_lora_rank", 0, lo=0),
+            "num_nextn_predict_layers": f.int("num_nextn_predict_layers", 0, lo=0)}
 
 
-def _moe_layout(f: _Fields, num_experts: int) -> dict:
+def _moe_layout(f: _Fields, num_experts: int, architecture: str) -> dict:
     """Which layers hold experts and how their weights combine (checked only for an MoE config)."""
     if not num_experts:
         return {}
@@ -828,19 +837,44 @@ def _moe_layout(f: _Fields, num_experts: int) -> dict:
     dense = f.get("mlp_only_layers", list(range(f.int("first_k_dense_replace", 0, lo=0))))  # DeepSeek's
     if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
         f.fail("mlp_only_layers", f"must be a list of layer indexes in [0, {layers}), got {dense!r}")
-    method = f.str("topk_method", "greedy")
-    if method not in ("greedy", "group_limited_greedy"):
-        f.fail("topk_method", f"is {method!r}; supported: greedy, group_limited_greedy")
+    method = _topk_method(f, architecture)
     groups = {}
-    if method == "group_limited_greedy":
+    if method != "greedy":
         groups = {"n_group": f.int("n_group"), "topk_group": f.int("topk_group")}
         if num_experts % groups["n_group"] or groups["topk_group"] > groups["n_group"]:
             f.fail("n_group", f"({groups['n_group']}) must divide the {num_experts} experts and be at least "
                               f"topk_group ({groups['topk_group']})")
+        reachable = groups["topk_group"] * num_experts // groups["n_group"]
+        if reachable < f.int("num_experts_per_tok"):
+            f.fail("topk_group", f"({groups['topk_group']}) groups of {num_experts // groups['n_group']} "
+                                 f"experts hold {reachable}, fewer than num_experts_per_tok; try "
+                                 f"'topk_group': {groups['n_group']}")
     return {"norm_topk_prob": f.bool("norm_topk_prob", False),
             "decoder_sparse_step": f.int("decoder_sparse_step", f.int("moe_layer_freq", 1)),
             "mlp_only_layers": tuple(dense), "n_shared_experts": f.int("n_shared_experts", 0, lo=0),
-            "routed_scaling_factor": f.number("routed_scaling_factor", 1.0), "topk_method": method, **groups}
+            "routed_scaling_factor": f.number("routed_scaling_factor", 1.0), "topk_method": method, **groups,
+            **_noaux_fields(f, method)}
+
+
+def _topk_method(f: _Fields, architecture: str) -> str:
+    """DeepSeek's router kind: greedy / group_limited_greedy (V2), noaux_tc (V3's, its default there)."""
+    v3 = architecture == "DeepseekV3ForCausalLM"
+    method = f.str("topk_method", "noaux_tc" if v3 else "greedy")
+    supported = ("greedy", "group_limited_greedy") + (("noaux_tc",) if v3 else ())
+    if method not in supported:
+        hint = "; noaux_tc is DeepseekV3ForCausalLM's" if method == "noaux_tc" else ""
+        f.fail("topk_method", f"is {method!r}; supported: {', '.join(supported)}{hint}")
+    return method
+
+
+def _noaux_fields(f: _Fields, method: str) -> dict:
+    """noaux_tc's scoring function (sigmoid); {} for another router."""
+    if method != "noaux_tc":
+        return {}
+    scoring = f.str("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        f.fail("scoring_func", f"is {scoring!r}; topk_method noaux_tc is served with 'sigmoid'")
+    return {"scoring_func": scoring}
 
 
 def _with_text_config(d: dict) -> dict:

@@ -1,5 +1,7 @@
-"""DeepSeek-V2 (-Lite): multi-head latent attention (MLA) over a latent cache, and MoE layers with shared
-experts (the first `first_k_dense_replace` layers dense).
+"""DeepSeek-V2 (-Lite) and V3 / R1 / Kimi-K2: multi-head latent attention (MLA) over a latent cache, and MoE
+layers with shared experts (the first `first_k_dense_replace` layers dense). V3 differs in its router only
+(noaux_tc: sigmoid scores, a per-expert correction bias for the choice, layers.moe.biased_grouped_topk) and
+in the multi-token-prediction layer its checkpoints carry, which is not built.
 
 MLA. Per token and layer the cache holds one latent (kv_lora_rank + qk_rope_head_dim wide, 576 for
 V2-Lite, shared by every head): c = RMSNorm(W_DKV x) and the rotated rope key k_pe.
@@ -13,15 +15,19 @@ softmax scale is qk_head_dim^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
-from autoprofile.layers.moe import FusedMoE, Routing
+from autoprofile.layers.moe import FusedMoE, GroupedTopk, Routing
 from autoprofile.layers.parallel import TP, ColumnParallelLinear, RowParallelLinear, new_param
 from autoprofile.layers.quant import dequantize_weight
 from models.config import Fp8Scheme, ModelConfig
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, yarn_mscale
+
+log = logging.getLogger(__name__)
 
 
 def mla_softmax_scale(mc: ModelConfig) -> float:
@@ -166,7 +172,8 @@ def route_group_limited(logits: torch.Tensor, mc: ModelConfig) -> tuple[torch.Te
 
 class DeepseekV2MoE(nn.Module):
     """Routed experts (an fp32 router, as HF keeps it) plus shared experts (one dense MLP of
-    n_shared_experts x moe_intermediate_size) on every token."""
+    n_shared_experts x moe_intermediate_size) on every token. noaux_tc (V3): the router's
+    e_score_correction_bias [E] (fp32) beside its weight."""
 
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  routing: Routing, layer: int | None = None):
@@ -174,6 +181,8 @@ class DeepseekV2MoE(nn.Module):
         self.config, self.tp = mc, tp
         self.gate = nn.Module()
         self.gate.weight = new_param((mc.num_experts, mc.hidden_size), torch.float32)
+        if mc.topk_method == "noaux_tc":
+            self.gate.e_score_correction_bias = new_param((mc.num_experts,), torch.float32)
         self.experts = FusedMoE(mc.num_experts, mc.num_experts_per_tok, mc.hidden_size,
                                 mc.moe_intermediate_size, tp, dtype, backend, routing,
                                 mc.quant_for("mlp.experts", layer))
@@ -185,6 +194,9 @@ class DeepseekV2MoE(nn.Module):
         mc, logits = self.config, self.tp.router_logits(x, self.gate.weight)
         if mc.topk_method == "greedy":
             weights, ids = self.experts.select(logits, False, mc.routed_scaling_factor)
+        elif mc.topk_method == "noaux_tc":  # the backend's router, the forced routing after it
+            grouped = GroupedTopk(self.gate.e_score_correction_bias, mc.n_group, mc.topk_group)
+            weights, ids = self.experts.select(logits, mc.norm_topk_prob, mc.routed_scaling_factor, grouped)
         else:
             weights, ids = route_group_limited(logits, mc)
             ids = self.experts.force(ids)
@@ -210,3 +222,23 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     model_cls = DeepseekV2Model
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3 / R1 / Kimi-K2: V2's model with the noaux_tc router (config.topk_method). The checkpoint's
+    multi-token-prediction layers (model.layers.<num_layers + i>, num_nextn_predict_layers of them) serve
+    speculative decoding, which this runtime does not do: not built, their tensors skipped at load."""
+
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP = TP(),
+                 dtype: torch.dtype = torch.bfloat16, max_positions: int | None = None):
+        super().__init__(mc, backend, tp, dtype, max_positions)
+        if mc.num_nextn_predict_layers:
+            log.info("%s: its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not built; "
+                     "their checkpoint tensors (model.layers.%d.*) are skipped", mc.name,
+                     mc.num_nextn_predict_layers, mc.num_layers)
+
+    def checkpoint_skip(self, name: str) -> bool:
+        """An MTP layer's tensor: a decoder layer's index past the last one."""
+        head, sep, rest = name.partition("model.layers.")
+        index = rest.partition(".")[0]
+        return not head and bool(sep) and index.isdigit() and int(index) >= self.config.num_layers

@@ -208,6 +208,7 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     renames = getattr(model, "checkpoint_renames", ())
+    skip = getattr(model, "checkpoint_skip", None)  # tensors the model does not build (DeepSeek-V3's MTP)
     mc = getattr(model, "config", None)
     tied = getattr(mc, "tie_word_embeddings", False)
     runtime = getattr(mc, "quant_method", None) == "runtime"
@@ -216,7 +217,7 @@ def load_checkpoint(model: nn.Module, files: list[Path], show_progress: bool = T
     for path in tqdm(files, desc="loading weights", unit="file", disable=not show_progress):
         with open_checkpoint(path) as f:
             for name in f.keys():
-                if name.endswith(IGNORED) or (tied and name == "lm_head.weight"):
+                if name.endswith(IGNORED) or (tied and name == "lm_head.weight") or (skip and skip(name)):
                     continue
                 scale_of = kv_scale_target(name)
                 if scale_of is not None:

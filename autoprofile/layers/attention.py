@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from autoprofile.layers.moe import Routing, moe_reference, route
+from autoprofile.layers.moe import GroupedTopk, Routing, biased_grouped_topk, moe_reference, route
 from autoprofile.layers.quant import (Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference, moe_reference_fp8,
                                       quantized_rows)
 
@@ -262,10 +262,16 @@ class AttentionBackend(ABC):
         return out
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                      routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """The greedy router (layers.moe.route) over logits [T, E], then the routing's forced ids
-        (Routing.apply) -> (weights [T, k] in the logits' dtype, expert ids [T, k] int32); no host sync."""
-        weights, ids = route(logits, top_k, renormalize, scale)
+                      routing: Routing,
+                      grouped: GroupedTopk | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy router (layers.moe.route) over logits [T, E], or noaux_tc's (biased_grouped_topk) when
+        grouped, then the routing's forced ids (Routing.apply) -> (weights [T, k] in the logits' dtype, expert
+        ids [T, k] int32); no host sync."""
+        if grouped is None:
+            weights, ids = route(logits, top_k, renormalize, scale)
+        else:
+            weights, ids = biased_grouped_topk(logits, grouped.e_score_correction_bias, top_k,
+                                               grouped.num_expert_group, grouped.topk_group, renormalize, scale)
         return weights, routing.apply(ids, logits.shape[-1])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ each padded to a block). A [1] device tensor selects the routing, so captured de
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +54,14 @@ class Routing:
         return torch.where(self.mode == 1, worst, torch.where(self.mode == 2, balanced, ids))
 
 
+class GroupedTopk(NamedTuple):
+    """noaux_tc's grouping for one layer: its correction bias [E] (fp32) and groups kept of all."""
+
+    e_score_correction_bias: torch.Tensor
+    num_expert_group: int
+    topk_group: int
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy router (HF Qwen3-MoE's; DeepSeek-V2's greedy one with its routed_scaling_factor as `scale`):
@@ -65,6 +74,30 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     if scale != 1.0:
         weights = weights * scale
     return weights.to(logits.dtype), ids.to(torch.int32)
+
+
+def biased_grouped_topk(logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int,
+                        num_expert_group: int, topk_group: int, renormalize: bool,
+                        scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc router (HF's DeepseekV3TopkRouter, SGLang's biased_grouped_topk): sigmoid scores
+    in fp32; the choice reads them plus the correction bias: each of num_expert_group groups ranks by the sum
+    of its two best, the topk_group best groups stay, then their top_k experts. The weights are the chosen
+    experts' scores without the bias, renormalised to sum 1 when asked, times scale. Among equals the lower
+    group or expert first (stable sorts). Returns (weights [T, k] in the logits' dtype, expert ids [T, k]
+    int32); static shapes, no host sync."""
+    scores = logits.float().sigmoid()
+    choice = scores + e_score_correction_bias.float()
+    t, experts = choice.shape
+    size = experts // num_expert_group
+    best = choice.view(t, num_expert_group, size).topk(min(2, size), dim=-1).values.sum(dim=-1)
+    groups = best.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(size, dim=1), float("-inf"))
+    ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # HF's guard
+    return (weights * scale).to(logits.dtype), ids.to(torch.int32)
 
 
 def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -226,10 +259,11 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = new_param((e, 2 * shard, hidden), dtype, gate_up, 2 * e)
         self.down_proj = new_param((e, hidden, shard), dtype, down, e)
 
-    def select(self, logits: torch.Tensor, renormalize: bool,
-               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The greedy router over logits [T, E] (route) with the current routing forced: the backend's."""
-        return self.backend.route_experts(logits, self.top_k, renormalize, scale, self.routing)
+    def select(self, logits: torch.Tensor, renormalize: bool, scale: float = 1.0,
+               grouped: GroupedTopk | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router over logits [T, E] with the current routing forced, the backend's: the greedy one
+        (route), or noaux_tc's (biased_grouped_topk) when grouped."""
+        return self.backend.route_experts(logits, self.top_k, renormalize, scale, self.routing, grouped)
 
     def force(self, ids: torch.Tensor) -> torch.Tensor:
         """A model's own router's ids [T, k] as the current routing has them."""

@@ -20,7 +20,7 @@ from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.kernels import triton_decode, triton_mla_absorb, triton_prefill, triton_reduce, triton_rope
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
-from autoprofile.layers.moe import Routing
+from autoprofile.layers.moe import GroupedTopk, Routing
 from autoprofile.layers.quant import Fp8Rows, Fp8Scheme
 
 SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
@@ -211,8 +211,12 @@ class AiterTritonBackend(AttentionBackend):
         return self.triton_moe.fused_moe(x, w13, w2, weights, ids, quant, self.deterministic, add)
 
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                      routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Triton launch (triton_route) instead of ~12 torch ops: the top-k and the forced routing."""
+                      routing: Routing,
+                      grouped: GroupedTopk | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch (triton_route) instead of ~12 torch ops: the top-k and the forced routing.
+        noaux_tc (grouped): the torch reference (static shapes, no host sync: decode graphs capture it)."""
+        if grouped is not None:
+            return super().route_experts(logits, top_k, renormalize, scale, routing, grouped)
         return self.triton_route.route_topk(logits, top_k, renormalize, scale, routing.mode)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
