@@ -382,6 +382,39 @@ def test_a_failed_step_sends_its_loading_requests_back_to_wait_and_they_recomput
     tier_invariants(engine)
 
 
+class FailingReady(ContentRunner):
+    """Its first step that names loads done (kv_ready) is refused before anything ran."""
+
+    failed: list[int] = []
+
+    def execute(self, step):
+        if step.kv_ready and not self.failed:
+            self.failed = list(step.kv_ready)
+            raise EnvelopeError("injected: refused before anything ran")
+        return super().execute(step)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_never_ran_gives_its_ready_loads_to_the_next_step(overlap):
+    """The step that names a landed load (Step.kv_ready: under --tp every rank's forward waits for its own
+    copies of it) fails before it runs: the next step names the load instead (it was lost, and the loaded
+    request's later rows ran in steps that never named it)."""
+    env = envelope(kv_pages=24, page_size=PS, context=96, batch=16, running=2)
+    runner = FailingReady(env, 24, 64)
+    engine = LLMEngine(runner, overlap=overlap)
+    first = _evicted_conversation(engine)
+    engine.add_request([(11 * j) % VOCAB for j in range(9)], max_tokens=12)  # decodes beside the loads
+    engine.step()
+    engine.add_request(first + [9, 9, 9], max_tokens=4)
+    while engine.has_unfinished():
+        engine.step()
+        tier_invariants(engine)
+    assert runner.failed and engine.stats.failed_steps == 1
+    after = [st_ for st_ in runner.steps if st_.kv_ready]
+    assert after and after[0].kv_ready[:len(runner.failed)] == runner.failed
+    assert engine.stats.pages_used == 0 and not engine.scheduler.cache.loads
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_alone_with_its_loads_in_flight_waits_for_them_instead_of_polling(overlap):
     """Nothing else to run: the engine waits for the load's event (runner.wait_load) instead of returning at

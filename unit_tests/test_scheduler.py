@@ -56,11 +56,20 @@ class StepRunner:
         self.clock = StepClock(torch.device("cpu"))
         self.last_tokens: dict[int, int] = {}  # by request slot, as ReqTable.last_tokens
         self.pending_rows = 0  # decode rows launched with a PENDING id (overlap)
+        self.unread: dict[int, set[int]] = {}  # launched steps not read back yet: the pages each writes
+        self.launches = 0
 
     def launch(self, step) -> SimpleNamespace:
         """As ModelRunner.launch: the tokens are known at once here, read through result()."""
-        tokens = self.execute(step)
-        return SimpleNamespace(result=lambda: tokens)
+        n, self.launches = self.launches, self.launches + 1
+        written = written_pages(step, self.envelope.page_size)
+        tokens = self.execute(step)  # a step refused here wrote nothing
+        self.unread[n] = written
+
+        def result():
+            del self.unread[n]
+            return tokens
+        return SimpleNamespace(result=result)
 
     def execute(self, step) -> list[int]:
         shape = step.shape(self.envelope.graph_rows)
@@ -96,6 +105,12 @@ class StepRunner:
         return out
 
 
+def written_pages(step, page_size: int) -> set[int]:
+    """The pages a step's rows write K/V into (rows of requests preempted while it was built write none)."""
+    return {r.request.pages[pos // page_size] for r in step.all_rows
+            if r.request.status is RequestStatus.RUNNING for pos in range(r.start, r.start + len(r.ids))}
+
+
 def fake_engine(overlap: bool = False, **kw) -> tuple[LLMEngine, StepRunner]:
     kv_pages = kw.pop("kv_pages", 32)
     env = envelope(kv_pages=kv_pages, **kw)
@@ -127,6 +142,16 @@ def invariants(engine: LLMEngine) -> None:
     slots = [r.slot for r in s.running + loading]
     assert len(slots) == len(set(slots)) and len(slots) + len(s.free_slots) == s.env.running_reqs
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    cached_only_after_read_back(engine)
+
+
+def cached_only_after_read_back(engine: LLMEngine) -> None:
+    """A page is in the prefix cache only once every step that wrote it has been read back (a step still in
+    flight may fail, and a cached page of unknown K/V would be served to the next prompt that shares it)."""
+    unread = getattr(engine.runner, "unread", {})
+    in_flight = set().union(*unread.values())
+    cached = set(engine.scheduler.cache.registered().values())
+    assert not in_flight & cached, f"pages {sorted(in_flight & cached)} cached while a step writing them runs"
 
 
 # ---------------------------------------------------------------- the envelope and the stress corners
@@ -567,6 +592,25 @@ def test_the_prefix_cache_keeps_freed_pages_cached_until_alloc_needs_them():
     assert evicted == [4, q, p2] and c.registered() == {(0, (1, 2)): p1}
     with pytest.raises(ValueError, match="double free"):
         c.free([p1])
+
+
+def test_a_page_refilled_after_a_preemption_is_cached_only_when_its_own_step_is_read_back():
+    """Overlap, 5 pages: B's chunk of 8 tokens (two pages, not sampled) is in flight when A's decode row needs
+    a page: B is preempted and admitted again in the same step, its first chunk in one of those pages. The
+    chunk before is read back then: its pages are no longer B's, and the page B holds now was written by the
+    step still in flight, so resolve must not cache it (it did, before Scheduler.resolve compared the
+    request's preemptions with the row's)."""
+    engine, runner = fake_engine(True, kv_pages=6, page_size=4, context=64, batch=8, running=2)
+    engine.add_request([1], max_tokens=8)
+    engine.step()
+    engine.step()
+    engine.add_request([(5 * j + 2) % VOCAB for j in range(15)], max_tokens=4)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append(engine.stats.preemptions)
+        invariants(engine)  # cached_only_after_read_back
+    assert seen[-1] > 0 and runner.launches > 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -9,7 +9,7 @@ step's tokens (runner.StepTokens: one non-blocking copy, so the overlapped engin
   position of a prefill row, PROMPT_CHUNK rows at a time (so the [chunk, vocab] logits and their fp32
   log-softmax are bounded whatever the chunk); position p scores prompt token p + 1. Every stress prefill
   corner asks for them on every token. A request with prompt logprobs takes nothing from the prefix cache
-  (Scheduler._cached_prefix): a cached position has no logits.
+  (Scheduler._page_keys): a cached position has no logits.
 
 Host form of one scored token: (token id, logprob, [(id, logprob), ...] its top-k by descending logprob).
 """

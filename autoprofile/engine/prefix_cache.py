@@ -1,5 +1,5 @@
-"""The prefix cache (host-side, no torch): the GPU's KV pages, the hash chain that names full pages of K/V, and
-the host tier behind them, behind match / insert / evict / spill / load (SGLang's RadixCache and HiCache,
+"""The prefix cache (host-side, no torch): the GPU's KV pages, the hash chain that names full pages of K/V,
+and the host tier behind them, behind match / insert / evict / spill / load (SGLang's RadixCache and HiCache,
 vLLM's KVCacheManager and BlockPool). The scheduler calls it; the runner moves the bytes.
 
 Pages (PageAllocator): reference counts and a free list, least recently freed first; PAD_PAGE is never handed
@@ -7,8 +7,9 @@ out. A page whose last holder frees it stays cached while it waits in the free l
 prefix takes it back (`share`) until `alloc` hands it out again, which evicts it (`evict`: spilled to the host
 tier first, when there is one).
 
-The hash chain (on full pages): a full page of computed K/V is cached (`insert`) under the key (chain id of the
-page before it, its tokens and images' hashes); the key's own chain id is the parent of the next page's key.
+The hash chain (on full pages): a full page of computed K/V is cached (`insert`) under the key (chain id of
+the page before it, its tokens and images' hashes); the key's own chain id is the parent of the next page's
+key.
 Chain ids are never reused, so a key can only match the exact same prefix. `match` walks a request's page keys
 (never its last token: that one must be computed to be sampled) through the GPU's map, then on through the
 host tier: the scheduler starts the request's first chunk after them, attending to them like any later chunk
@@ -106,7 +107,8 @@ class CacheEntry:
     state: Hashable | None = None  # a state checkpoint at the end of its prefix (hybrid models), opaque
 
 
-HostHit = tuple[int, int, tuple, int]  # a host tier page of a match: (host page, parent chain id, tokens, chain)
+# a host tier page of a match: (host page, parent chain id, tokens, chain id)
+HostHit = tuple[int, int, tuple, int]
 
 
 @dataclass
@@ -332,7 +334,8 @@ class PrefixCache:
         return owners
 
     def leave(self, owner, pages: list[int]) -> None:
-        """A loading owner leaves: its pages go back once its load is done (the copies may still write them)."""
+        """A loading owner leaves: its pages go back once its load is done (the copies may still write
+        them)."""
         load = self._load_of.pop(owner)
         load.requests.remove(owner)
         load.drained += pages

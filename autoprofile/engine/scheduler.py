@@ -200,7 +200,8 @@ class Scheduler:
             step.page_writes += writes
             step.running, step.pages_used = len(self.running), self.pages_used
             c = self.cache.take_copies()
-            step.kv_saves, step.kv_loads, step.kv_load_id, step.kv_ready = c.saves, c.loads, c.load_id, c.ready
+            step.kv_saves, step.kv_loads, step.kv_load_id = c.saves, c.loads, c.load_id
+            step.kv_ready = c.ready
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:

@@ -2,7 +2,7 @@
 
 The first choice is submitted alone; the others once it has returned its first token, so that its prompt's
 full pages are in the prefix cache (Scheduler._register) and every other choice's admission takes them
-(Scheduler._cached_prefix): the choices share the prompt's KV pages and compute only its last partial page.
+(PrefixCache.match): the choices share the prompt's KV pages and compute only its last partial page.
 Choice i of a seeded request draws from its own generator seeded with seed + i (reproducible, distinct).
 best_of > n: the n choices with the highest cumulative logprob (of the raw logits) are returned (vLLM's).
 """
