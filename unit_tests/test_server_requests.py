@@ -223,3 +223,79 @@ def test_the_readmes_openai_client_examples_work_as_written(capsys):
         runner.teardown()
     assert ns["model"] == "served" and ns["r"].choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize, /version
+def test_tokenize_detokenize_and_version(run):
+    chat = {"messages": MSG, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+
+    async def body(c, app):
+        text = await post(c, "/tokenize", {"prompt": "Hello", "return_token_strs": True})
+        msgs = await post(c, "/tokenize", {"model": "served", "messages": MSG})
+        served = await post(c, "/v1/chat/completions", chat)
+        back = await post(c, "/detokenize", {"tokens": text[1]["tokens"]})
+        bad = [await post(c, "/detokenize", {"tokens": [4096]}), await post(c, "/tokenize", {"prompt": 5}),
+               await post(c, "/tokenize", {"prompt": "a", "model": "nope"}),
+               await post(c, "/tokenize", {"prompt": "a", "max_tokens": 1})]
+        version = await (await c.get("/version")).json()
+        return text[1], msgs[1], served[1], back, bad, version, app[server.STATE].tokenizer
+    text, msgs, served, back, bad, version, tok = run(body)
+    assert text == {"count": 5, "max_model_len": 256, "tokens": tok.encode("Hello"),
+                    "token_strs": ["H", "e", "l", "l", "o"]}
+    assert msgs["tokens"] == served["prompt_token_ids"] and msgs["token_strs"] is None  # the chat's own prompt
+    assert back == (200, {"prompt": "Hello"})
+    assert [(s, e["error"]["param"]) for s, e in bad] == [(400, "tokens"), (400, "prompt"), (404, "model"),
+                                                          (400, "max_tokens")]
+    from autoprofile import __version__
+    assert version == {"version": __version__}
+
+
+# ---------------------------------------------------------------- the chat template's fields
+def test_add_generation_prompt_and_continue_final_message_shape_the_prompt(run):
+    turns = MSG + [{"role": "assistant", "content": "The answer is"}]
+
+    async def body(c, app):
+        async def text(req: dict) -> str:
+            status, out = await post(c, "/tokenize", req)
+            assert status == 200, out
+            return (await post(c, "/detokenize", {"tokens": out["tokens"]}))[1]["prompt"]
+        default = await text({"messages": MSG})
+        bare = await text({"messages": MSG, "add_generation_prompt": False})
+        open_ = await text({"messages": turns, "add_generation_prompt": False, "continue_final_message": True})
+        closed = await text({"messages": turns, "add_generation_prompt": False})
+        both = await post(c, "/v1/chat/completions", {"messages": turns, "continue_final_message": True})
+        served = await post(c, "/v1/chat/completions", {
+            "messages": turns, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2,
+            "return_token_ids": True})
+        return default, bare, open_, closed, both, served, app[server.STATE].tokenizer
+    default, bare, open_, closed, (status, err), (ok, served), tok = run(body)
+    assert default == bare + "<|assistant|>\n" and not bare.endswith("<|assistant|>\n")
+    assert open_.endswith("<|assistant|>\nThe answer is") and closed.startswith(open_) and closed != open_
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    assert ok == 200 and tok.decode(served["prompt_token_ids"]) == open_
+
+
+THINKING = ("{%- for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+            "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{%- endif %}"
+            "{%- endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(run):
+    from autoprofile.serving.tokenizer import ByteTokenizer, ChatTemplate
+    tok = ByteTokenizer(4096, [2])
+    tok.chat = ChatTemplate(THINKING)
+
+    async def body(c, app):
+        on = await post(c, "/tokenize", {"messages": MSG})
+        off = await post(c, "/tokenize", {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}})
+        served = await post(c, "/v1/chat/completions", {
+            "messages": MSG, "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 1,
+            "return_token_ids": True})
+        taken = await post(c, "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"messages": []}})
+        return on[1], off[1], served, taken
+    on, off, (ok, served), (status, err) = run(body, tokenizer=tok)
+    assert tok.decode(on["tokens"]) == "<|user|>\nHi\n<|assistant|>\n"
+    assert tok.decode(off["tokens"]) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
+    assert ok == 200 and served["prompt_token_ids"] == off["tokens"]
+    assert status == 400 and err["error"]["param"] == "chat_template_kwargs.messages", err
