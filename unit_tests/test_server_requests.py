@@ -299,3 +299,16 @@ def test_chat_template_kwargs_reach_the_template(run):
     assert tok.decode(off["tokens"]) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
     assert ok == 200 and served["prompt_token_ids"] == off["tokens"]
     assert status == 400 and err["error"]["param"] == "chat_template_kwargs.messages", err
+
+
+# ---------------------------------------------------------------- docs/server.md against protocol.FIELDS
+def test_the_docs_list_of_fields_not_supported_yet_is_the_codes():
+    from autoprofile.serving.protocol import FIELDS, IGNORED, UNSUPPORTED
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text().split())
+    refused = docs.split("Not implemented yet,")[1].split("None is accepted and ignored")[0]
+    listed = re.findall(r"`(\w+)`", refused.split(":", 1)[1])
+    unsupported = [k for k, f in FIELDS.items() if f.kind == UNSUPPORTED]
+    assert listed == unsupported, "edit docs/server.md's 'Not implemented yet' list to match protocol.FIELDS"
+    ignored = docs.split("OpenAI fields that change nothing here")[1].split("are accepted")[0]
+    assert all(f"`{k}`" in ignored for k, f in FIELDS.items() if f.kind == IGNORED), ignored
+    assert "not supported yet\" unless their value" not in docs  # the old list named served fields
