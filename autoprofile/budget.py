@@ -396,6 +396,16 @@ def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: in
     return total - own_non_torch_bytes - non_kv - peers - canary - driver_reserve
 
 
+STATE_SHARE = 0.5  # of the memory free after the weights, at most this share goes to a hybrid's state slots
+
+
+def state_slots(default: int, free: int, slot_bytes: int, share: float = STATE_SHARE) -> int:
+    """A hybrid model's request slots when --running_max_req_size is unset: the envelope's default (every decode
+    row with its state), unless their state would take more than `share` of `free` (the memory left after the
+    weights; the rest is for activations and KV): then the most slots that fit in it, at least 1."""
+    return max(1, min(default, int(free * share) // max(slot_bytes, 1)))
+
+
 @dataclass(frozen=True)
 class Sizing:
     """How everything built from T is sized: the solver and the engine share it. The request table

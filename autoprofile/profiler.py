@@ -602,6 +602,7 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
         runner = guard.bind(runner)
     load_s = time.perf_counter() - t0
     log.info("weights loaded in %.2f s (%.2f GiB)", load_s, gib(runner.weight_bytes))
+    cfg = choose_state_slots(cfg, runner, cpu_group)
     try:
         result = Profiler(cfg, runner, group=cpu_group, checkpoint=checkpoint,
                           on_error=guard.post if guard else None).run()
@@ -618,6 +619,28 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
         if cfg.report_dir:
             write_report(result, cfg.report_dir)
     return runner, result
+
+
+def choose_state_slots(cfg: ServerConfig, runner, group) -> ServerConfig:
+    """A hybrid model without --running_max_req_size: its request slots, each holding a state (budget.state_slots
+    over the memory free after the weights, the MIN over TP ranks), set as --running_max_req_size (and the
+    graphs' batch capped by it) before the probe; the log says why. Any other model: cfg unchanged."""
+    mc = cfg.model_config
+    if not mc.is_hybrid or cfg.running_max_req_size is not None or runner.device.type != "cuda":
+        return cfg
+    default = budget.running_reqs(None, cfg.graph_max_batch_size)
+    per_slot = mc.state_bytes(runner.tp.size, runner.dtype.itemsize)
+    free = torch.cuda.mem_get_info(runner.device)[0]
+    slots = min(gather(budget.state_slots(default, free, per_slot), group))
+    if slots < default:
+        log.info("state slots: %d (of the %d decode rows the envelope would run): %d x %.1f MiB of state would "
+                 "take more than %.0f%% of the %.2f GiB free after the weights; --running_max_req_size sets it",
+                 slots, default, default, per_slot / 2**20, budget.STATE_SHARE * 100, gib(free))
+    else:
+        log.info("state slots: %d, one per decode row (%.2f GiB of state)", slots, gib(slots * per_slot))
+    cfg = cfg.replace(running_max_req_size=slots, graph_max_batch_size=min(cfg.graph_max_batch_size, slots))
+    runner.cfg = cfg
+    return cfg
 
 
 def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileResult:

@@ -5,8 +5,9 @@
 llama-3.1-8b with random weights (no download), built through ModelRunner as serving builds it (CUDA
 graphs per batch x max_seq_len bucket); each decode step is a real Step through `runner.execute`
 (graph replay + sampling + the tokens back on the host), timed on the host over --iters steps.
-  floor      = (weights + the batch's K/V bytes) / the device-to-device copy bandwidth of this run (an MoE
-               model's weights: the dense ones and the experts a batch of that many rows reaches)
+  floor      = (weights + the batch's K/V bytes + a hybrid model's state, read and written) / the
+               device-to-device copy bandwidth of this run (an MoE model's weights: the dense ones and the
+               experts a batch of that many rows reaches)
   step       : batch 1 and 256 at --ctx tokens, greedy (targets: >= 0.75 and >= 0.6 of the floor);
                "overlapped" is the step as serving's overlapped scheduler runs it (each launched before
                the one before is read back: the host's share hidden where the GPU's is longer); "replay" is
@@ -179,7 +180,9 @@ def run(args: argparse.Namespace) -> dict:
                 step = decode_step(runner, b, args.ctx, params)
                 ms = time_steps(runner, step, args.iters)
                 overlapped = time_overlapped(runner, step, args.iters)
-                floor = (step_weight_bytes(runner, b) + b * args.ctx * cell) / bw * 1e3
+                # a hybrid model's rows also read and write their state (conv window, delta-rule matrices)
+                state = 2 * b * runner.model_config.state_bytes(1, 2) if runner.state is not None else 0
+                floor = (step_weight_bytes(runner, b) + b * args.ctx * cell + state) / bw * 1e3
                 out["steps"][f"{context}/b{b}/{name}"] = {"context": context, "batch": b, "sampling": name,
                                                           "ms": ms, "floor_ms": floor, "of_floor": floor / ms,
                                                           "overlapped_ms": overlapped,

@@ -5,8 +5,8 @@ delta rule with its [v_heads, k_dim, v_dim] matrix.
 Rows come as a step lays them out: prefill rows (chunks of any length, split by cu_seqlens; a chunk continues
 from its slot's state, which the runner zeroes before a request's first chunk) and one-token decode rows. The
 torch code here is the reference (CPU, and a GPU without flash-linear-attention); on CUDA the delta rule runs
-fla-core's Triton kernels (`chunk_gated_delta_rule`, `fused_recurrent_gated_delta_rule`) over the rows' states
-gathered by slot, written back after. No host sync: the decode path is CUDA-graph capturable.
+fla-core's Triton kernel `chunk_gated_delta_rule` over the rows' states gathered by slot, written back after;
+decode rows run the torch ops on every device. No host sync: the decode path is CUDA-graph capturable.
 
 The recurrence, per value head (q, k l2-normalised, q scaled by k_dim^-1/2; g <= 0 the log decay, beta in
 (0, 1)):  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t.
@@ -34,10 +34,10 @@ class StateLayer(NamedTuple):
 def fla_ops():
     """fla-core's delta-rule kernels, or None (not installed: the torch reference runs)."""
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    return (chunk_gated_delta_rule,)
 
 
 # ---------------------------------------------------------------- conv1d
@@ -102,10 +102,10 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's dtype."""
     q, k = _expand(q, k, v.shape[1])
     ops = fla_ops() if q.is_cuda else None
-    if ops is not None:
+    if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
         state = ssm[slots].float()
-        o, final = ops[0](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
-                          beta.unsqueeze(0), initial_state=state, output_final_state=True,
+        q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g.float(), beta))
+        o, final = ops[0](q, k, v, g, beta, initial_state=state, output_final_state=True,
                           cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
         ssm.index_copy_(0, slots, final.to(ssm.dtype))
         return o.squeeze(0).to(v.dtype)
@@ -151,16 +151,9 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token a row: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv]; each row's state ssm[slots[b]] is
     advanced in place. -> o [B, Hv, Dv] in v's dtype."""
-    q, k = _expand(q, k, v.shape[1])
-    ops = fla_ops() if q.is_cuda else None
-    if ops is not None:
-        rows = torch.arange(q.shape[0] + 1, device=q.device)
-        o, final = ops[1](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
-                          beta.unsqueeze(0), initial_state=ssm[slots].float(), output_final_state=True,
-                          cu_seqlens=rows, use_qk_l2norm_in_kernel=True)
-        ssm.index_copy_(0, slots, final.to(ssm.dtype))
-        return o.squeeze(0).to(v.dtype)
-    q, k = _normed(q, k)
+    # NOTE: torch ops on every device (capturable); fla's fused_recurrent_gated_delta_rule gave NaN for one-token
+    # rows over states by slot on an H200 (fla-core 0.6.0): a decode kernel of our own is still to be written
+    q, k = _normed(*_expand(q, k, v.shape[1]))
     state = ssm[slots].float() * torch.exp(g.float())[..., None, None]  # [B, H, Dk, Dv]
     delta = beta.float().unsqueeze(-1) * (v.float() - torch.einsum("bhk,bhkv->bhv", k, state))
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)

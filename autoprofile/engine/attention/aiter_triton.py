@@ -46,6 +46,17 @@ PREFILL_CONFIGS_SHORT: dict[str, dict] = {
 }
 
 
+# heads wider than 128 channels (Qwen3.5's 256): the tuned tiles' shared memory exceeds an H100/H200's 227 KiB
+# (BLOCK_M 128, BLOCK_N 128, 3 stages at head_dim 256 asked 448 KiB); these take 64 x 32 tiles in 2 stages
+WIDE_HEAD_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 32, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
+                    "num_stages": 2}
+
+
+def for_head_dim(config: dict | None, head_dim: int) -> dict | None:
+    """A prefill launch config that fits shared memory at this head width."""
+    return dict(WIDE_HEAD_CONFIG) if head_dim > 128 else config
+
+
 def prefill_config(short: bool = False) -> dict | None:
     """AITER's varlen prefill launch config for the current GPU (a copy: its launcher may consume it); short:
     the one for calls of at most SHORT_PREFILL_KEYS keys a request, None where none is tuned."""
@@ -286,7 +297,8 @@ class AiterTritonBackend(AttentionBackend):
         if self.deterministic:
             return self.unified(q, kv, meta.block_tables, meta.seq_lens, meta.cu_seqlens, out)
         cu_k, max_k = meta.keys()
-        config = triton_prefill.pick_config(max_k, self.prefill_config, self.prefill_config_short)
+        config = for_head_dim(triton_prefill.pick_config(max_k, self.prefill_config, self.prefill_config_short),
+                              self.head_dim)
         if self.triton_prefill is not None:
             return self.triton_prefill.prefill(output_rows(out, q), q, k, v, meta.cu_seqlens, cu_k,
                                                meta.max_seqlen, max_k, self.scale, config)
