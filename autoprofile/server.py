@@ -6,6 +6,7 @@
     POST /v1/completions       prompt (text or token ids) -> text; stream: true sends server-sent events
     POST /v1/chat/completions  messages (the model's chat template) -> text; stream as above
     POST /generate             LightLLM parity: {"input_ids": [[ids]], "max_new_tokens"} -> {"output_ids"}
+    POST /tokenize, /detokenize, GET /version   vLLM's: text or chat messages <-> token ids; the version
 
 Handlers only translate HTTP to engine requests and stream tokens back; the engine runs on its own
 thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
@@ -39,6 +40,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from autoprofile import __version__
 from autoprofile.budget import running_reqs
 from autoprofile.engine.request import RequestError
 from autoprofile.engine.sampling import SamplingParams
@@ -47,7 +49,8 @@ from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
 from autoprofile.serving.protocol import (BODY_MARGIN, BODY_OVERHEAD, APIError, GenerateArgs, Limits, bad,
                                           chunk, decode_json, generate_body_bytes, max_body_bytes, parse_chat,
-                                          parse_completion, parse_generate, show, with_image_ids)
+                                          parse_completion, parse_detokenize, parse_generate, parse_tokenize,
+                                          show, with_image_ids)
 from autoprofile.serving.protocol import request_id as new_request_id
 from autoprofile.serving.protocol import choice as choice_body
 from autoprofile.serving.protocol import response, usage
@@ -367,6 +370,24 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(model_card(st))
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt or chat messages (the chat template, vLLM's fields) -> their token ids."""
+    st = _accepting(request.app)
+    ids, strs = await _parsed(request, st.bounds["openai"], parse_tokenize, st.limits, st.tokenizer)
+    return web.json_response({"count": len(ids), "max_model_len": st.limits.context_len, "tokens": ids,
+                              "token_strs": [st.tokenizer.decode([i]) for i in ids] if strs else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    st = _accepting(request.app)
+    ids = await _parsed(request, st.bounds["openai"], parse_detokenize, st.limits)
+    return web.json_response({"prompt": st.tokenizer.decode(ids)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, parse_completion)
 
@@ -630,6 +651,9 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     if engine is not None:
         async def on_startup(app):
             activate(app, engine, result, tokenizer)

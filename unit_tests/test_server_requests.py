@@ -3,7 +3,12 @@ extensions (/tokenize, /detokenize, /version, continuous usage, token ids, chat 
 the real server and engine on the tiny model (CPU, torch backend)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import shlex
+import shutil
+from pathlib import Path
 
 import openai
 import pytest
@@ -157,3 +162,153 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(run, path):
     assert done == sorted(done) and done[-1] == final["usage"]["completion_tokens"] == 5
     assert all(e["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for e in chunks)
     assert all("usage" not in e for e in alone[:-1])  # vLLM's rule: only with include_usage
+
+
+# ---------------------------------------------------------------- the README's example requests, as written
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_URL = "http://127.0.0.1:8000"
+
+
+def readme_examples() -> list[tuple[str, str]]:
+    """The code blocks of the README's "Example requests" section: (language, text)."""
+    section = README.read_text().split("\n## Example requests\n")[1].split("\n## ")[0]
+    return re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+
+
+def readme_curls() -> list[list[str]]:
+    return [shlex.split(cmd) for lang, text in readme_examples() if lang == "bash"
+            for cmd in text.replace("\\\n", " ").splitlines() if cmd.startswith("curl ")]
+
+
+def test_the_readme_names_no_model_that_its_set_up_does_not_serve():
+    assert len(readme_curls()) >= 3
+    for lang, text in readme_examples():
+        assert not re.search(r"""model["']?\s*[:=]\s*["']qwen""", text), text  # the set-up serves llama
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
+def test_the_readmes_curl_examples_work_as_written(run):
+    async def body(c, app):
+        url, out = str(c.make_url("")).rstrip("/"), []
+        for argv in readme_curls():
+            proc = await asyncio.create_subprocess_exec(
+                *[a.replace(README_URL, url) for a in argv], "-w", "\n%{http_code}",
+                stdout=asyncio.subprocess.PIPE)
+            text = (await proc.communicate())[0].decode()
+            out.append((argv, text.rsplit("\n", 1)))
+        return out
+    for argv, (text, status) in run(body):
+        assert status == "200", (argv, text)
+        assert '"choices"' in text or '"data"' in text, text
+
+
+def test_the_readmes_openai_client_examples_work_as_written(capsys):
+    code = [text for lang, text in readme_examples() if lang == "python" and "cat.png" not in text]
+    assert code and "client.models.list()" in code[0]
+    cfg = validate(ServerConfig(**{**FLAGS, "max_req_total_len": 1024}, served_model_name="served"))
+    runner, result = boot_cpu(cfg)  # a tools prompt of the byte-level tokenizer is ~300 tokens
+
+    async def body(c, app):
+        ns: dict = {}
+        for text in code:
+            if "response_format" in text and app[server.STATE].grammars is None:
+                continue  # structured output needs xgrammar (test_structured_api)
+            text = text.replace(f"{README_URL}/v1", str(c.make_url("/v1")))
+            await asyncio.to_thread(exec, compile(text, "README.md", "exec"), ns)
+        return ns
+    from unit_tests.test_server import serve
+    try:
+        ns = serve(LLMEngine.from_config(runner, cfg), result, body, cfg)
+    finally:
+        runner.teardown()
+    assert ns["model"] == "served" and ns["r"].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize, /version
+def test_tokenize_detokenize_and_version(run):
+    chat = {"messages": MSG, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+
+    async def body(c, app):
+        text = await post(c, "/tokenize", {"prompt": "Hello", "return_token_strs": True})
+        msgs = await post(c, "/tokenize", {"model": "served", "messages": MSG})
+        served = await post(c, "/v1/chat/completions", chat)
+        back = await post(c, "/detokenize", {"tokens": text[1]["tokens"]})
+        bad = [await post(c, "/detokenize", {"tokens": [4096]}), await post(c, "/tokenize", {"prompt": 5}),
+               await post(c, "/tokenize", {"prompt": "a", "model": "nope"}),
+               await post(c, "/tokenize", {"prompt": "a", "max_tokens": 1})]
+        version = await (await c.get("/version")).json()
+        return text[1], msgs[1], served[1], back, bad, version, app[server.STATE].tokenizer
+    text, msgs, served, back, bad, version, tok = run(body)
+    assert text == {"count": 5, "max_model_len": 256, "tokens": tok.encode("Hello"),
+                    "token_strs": ["H", "e", "l", "l", "o"]}
+    assert msgs["tokens"] == served["prompt_token_ids"] and msgs["token_strs"] is None  # the chat's own prompt
+    assert back == (200, {"prompt": "Hello"})
+    assert [(s, e["error"]["param"]) for s, e in bad] == [(400, "tokens"), (400, "prompt"), (404, "model"),
+                                                          (400, "max_tokens")]
+    from autoprofile import __version__
+    assert version == {"version": __version__}
+
+
+# ---------------------------------------------------------------- the chat template's fields
+def test_add_generation_prompt_and_continue_final_message_shape_the_prompt(run):
+    turns = MSG + [{"role": "assistant", "content": "The answer is"}]
+
+    async def body(c, app):
+        async def text(req: dict) -> str:
+            status, out = await post(c, "/tokenize", req)
+            assert status == 200, out
+            return (await post(c, "/detokenize", {"tokens": out["tokens"]}))[1]["prompt"]
+        default = await text({"messages": MSG})
+        bare = await text({"messages": MSG, "add_generation_prompt": False})
+        open_ = await text({"messages": turns, "add_generation_prompt": False, "continue_final_message": True})
+        closed = await text({"messages": turns, "add_generation_prompt": False})
+        both = await post(c, "/v1/chat/completions", {"messages": turns, "continue_final_message": True})
+        served = await post(c, "/v1/chat/completions", {
+            "messages": turns, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2,
+            "return_token_ids": True})
+        return default, bare, open_, closed, both, served, app[server.STATE].tokenizer
+    default, bare, open_, closed, (status, err), (ok, served), tok = run(body)
+    assert default == bare + "<|assistant|>\n" and not bare.endswith("<|assistant|>\n")
+    assert open_.endswith("<|assistant|>\nThe answer is") and closed.startswith(open_) and closed != open_
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    assert ok == 200 and tok.decode(served["prompt_token_ids"]) == open_
+
+
+THINKING = ("{%- for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+            "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{%- endif %}"
+            "{%- endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(run):
+    from autoprofile.serving.tokenizer import ByteTokenizer, ChatTemplate
+    tok = ByteTokenizer(4096, [2])
+    tok.chat = ChatTemplate(THINKING)
+
+    async def body(c, app):
+        on = await post(c, "/tokenize", {"messages": MSG})
+        off = await post(c, "/tokenize", {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}})
+        served = await post(c, "/v1/chat/completions", {
+            "messages": MSG, "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 1,
+            "return_token_ids": True})
+        taken = await post(c, "/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": {"messages": []}})
+        return on[1], off[1], served, taken
+    on, off, (ok, served), (status, err) = run(body, tokenizer=tok)
+    assert tok.decode(on["tokens"]) == "<|user|>\nHi\n<|assistant|>\n"
+    assert tok.decode(off["tokens"]) == "<|user|>\nHi\n<|assistant|>\n<think></think>"
+    assert ok == 200 and served["prompt_token_ids"] == off["tokens"]
+    assert status == 400 and err["error"]["param"] == "chat_template_kwargs.messages", err
+
+
+# ---------------------------------------------------------------- docs/server.md against protocol.FIELDS
+def test_the_docs_list_of_fields_not_supported_yet_is_the_codes():
+    from autoprofile.serving.protocol import FIELDS, IGNORED, UNSUPPORTED
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text().split())
+    refused = docs.split("Not implemented yet,")[1].split("None is accepted and ignored")[0]
+    listed = re.findall(r"`(\w+)`", refused.split(":", 1)[1])
+    unsupported = [k for k, f in FIELDS.items() if f.kind == UNSUPPORTED]
+    assert listed == unsupported, "edit docs/server.md's 'Not implemented yet' list to match protocol.FIELDS"
+    ignored = docs.split("OpenAI fields that change nothing here")[1].split("are accepted")[0]
+    assert all(f"`{k}`" in ignored for k, f in FIELDS.items() if f.kind == IGNORED), ignored
+    assert "not supported yet\" unless their value" not in docs  # the old list named served fields

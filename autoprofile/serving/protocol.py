@@ -2,6 +2,7 @@
 and the response / stream-chunk bodies."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -119,6 +120,7 @@ def _deep_key(raw: bytes | bytearray) -> str | None:
 # value that changes nothing). Implementing a field flips its kind here to SERVED.
 SERVED, IGNORED, UNSUPPORTED = "served", "ignored", "unsupported"
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's
 OPENAI = (COMPLETIONS, CHAT)
 
 
@@ -139,7 +141,9 @@ def _refused(noop=None, *endpoints: str) -> Field:
 
 SAMPLING = (COMPLETIONS, CHAT, GENERATE)
 FIELDS: dict[str, Field] = {
-    "model": _served(), "prompt": _served(COMPLETIONS), "messages": _served(CHAT),
+    "model": _served(COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE), "prompt": _served(COMPLETIONS, TOKENIZE),
+    "messages": _served(CHAT, TOKENIZE), "add_special_tokens": _served(TOKENIZE),
+    "return_token_strs": _served(TOKENIZE), "tokens": _served(DETOKENIZE),
     "max_tokens": _served(), "max_completion_tokens": _served(CHAT), "stop": _served(),
     "stream": _served(), "stream_options": _served(), "ignore_eos": _served(),
     **{k: _served(*SAMPLING) for k in ("temperature", "top_p", "top_k", "seed")},
@@ -164,8 +168,9 @@ FIELDS: dict[str, Field] = {
     "bad_words": _refused([]), "return_token_ids": _served(),
     **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids")},
     **{k: _served() for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
-    "add_generation_prompt": _refused(True, CHAT), "continue_final_message": _refused(False, CHAT),
-    "chat_template": _refused(None, CHAT), "chat_template_kwargs": _refused({}, CHAT),
+    **{k: _served(CHAT, TOKENIZE) for k in ("add_generation_prompt", "continue_final_message",
+                                            "chat_template_kwargs")},
+    "chat_template": _refused(None, CHAT),
 }
 STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(), "include_obfuscation": Field(IGNORED),
                                     "continuous_usage_stats": _served()}
@@ -285,13 +290,7 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
     if not isinstance(body, dict):
         raise bad(None, "the body must be a JSON object", code="invalid_json")
     check_fields(body, endpoint)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"'model' must be a string, got {show(model)}")
-    if model is not None and model not in limits.model_names:
-        raise APIError(404, f"the model '{model:.200}' does not exist; this server serves "
-                            f"'{limits.model_names[0]}' "
-                       "(GET /v1/models)", param="model", code="model_not_found")
+    check_model(body, limits)
     stream = _get(body, "stream", False, lambda v: isinstance(v, bool), "must be true or false")
     opts = _get(body, "stream_options", {}, lambda v: isinstance(v, dict), "must be an object")
     if opts and not stream:
@@ -323,6 +322,78 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
         model=limits.model_names[0], **processors(body, limits), **stop_controls(body, limits),
     )
+
+
+def check_model(body: dict, limits: Limits) -> None:
+    """A request's `model`, if given, must be a name the server answers to (else a 404)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {show(model)}")
+    if model is not None and model not in limits.model_names:
+        raise APIError(404, f"the model '{model:.200}' does not exist; this server serves "
+                            f"'{limits.model_names[0]}' "
+                       "(GET /v1/models)", param="model", code="model_not_found")
+
+
+def chat_options(body: dict):
+    """vLLM's chat-template fields: add_generation_prompt (default true), continue_final_message (the last
+    message left open; needs add_generation_prompt false), chat_template_kwargs (extra template variables)."""
+    from autoprofile.serving.tokenizer import RESERVED, ChatOptions
+    flag = lambda v: isinstance(v, bool)  # noqa: E731
+    add = _get(body, "add_generation_prompt", True, flag, "must be true or false")
+    cont = _get(body, "continue_final_message", False, flag, "must be true or false")
+    if add and cont:
+        raise bad("continue_final_message", "'continue_final_message' leaves the last message open, "
+                  "'add_generation_prompt' starts a new one: send add_generation_prompt: false with it")
+    kwargs = _get(body, "chat_template_kwargs", {}, lambda v: isinstance(v, dict),
+                  "must be an object of template variables")
+    taken = next((k for k in kwargs if k in RESERVED), None)
+    if taken is not None:
+        raise bad(f"chat_template_kwargs.{taken}", f"'chat_template_kwargs.{taken}' is set by the server "
+                  f"(its own variables are {', '.join(RESERVED)}): use the request field instead")
+    return ChatOptions(add, cont, tuple(kwargs.items()))
+
+
+def parse_tokenize(body: object, limits: Limits, tokenizer) -> tuple[list[int], bool]:
+    """POST /tokenize (vLLM's): a prompt (add_special_tokens default true) or chat messages rendered with the
+    template (default false) -> (ids, return_token_strs)."""
+    from autoprofile.serving.tokenizer import ChatTemplateError
+    if not isinstance(body, dict):
+        raise bad(None, "the body must be a JSON object", code="invalid_json")
+    check_fields(body, TOKENIZE)
+    check_model(body, limits)
+    strs = _get(body, "return_token_strs", False, lambda v: isinstance(v, bool), "must be true or false")
+    chat = body.get("messages") is not None
+    special = _get(body, "add_special_tokens", not chat, lambda v: isinstance(v, bool), "must be true or false")
+    if not chat:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad("prompt", f"'prompt' (or 'messages') must be a string, got {show(prompt)}")
+        return tokenizer.encode(text(prompt, "prompt"), add_special_tokens=special), strs
+    messages = body["messages"]
+    if not (isinstance(messages, list) and messages):
+        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    turns = [_message(i, m, dataclasses.replace(limits, max_images=0), []) for i, m in enumerate(messages)]
+    try:
+        rendered = tokenizer.render_chat(turns, options=chat_options(body))
+    except ChatTemplateError as e:
+        raise bad("messages", str(e)) from None
+    if special:
+        return tokenizer.encode(rendered.text, add_special_tokens=True), strs
+    return tokenizer.encode(rendered.text, add_special_tokens=False, plain=rendered.client or ()), strs
+
+
+def parse_detokenize(body: object, limits: Limits) -> list[int]:
+    """POST /detokenize (vLLM's): token ids -> their text."""
+    if not isinstance(body, dict):
+        raise bad(None, "the body must be a JSON object", code="invalid_json")
+    check_fields(body, DETOKENIZE)
+    check_model(body, limits)
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(_is_int(t) and 0 <= t < limits.vocab_size for t in tokens)):
+        raise bad("tokens", f"'tokens' must be a list of token ids in [0, {limits.vocab_size}), got "
+                  f"{show(tokens)}")
+    return tokens
 
 
 def choices(body: dict, stream: bool) -> tuple[int, int]:
@@ -537,7 +608,7 @@ def _is_call(c) -> bool:
             and bool(f["name"]) and isinstance(f.get("arguments"), str))
 
 
-def _refuse_unrendered_tools(messages: list[dict], tokenizer) -> None:
+def _refuse_unrendered_tools(messages: list[dict], tokenizer, options) -> None:
     """Tool calls and tool messages only where the chat template renders them: each call's name and each tool
     message's text is swapped for a probe word, and a probe missing from the rendered prompt is a 400 naming
     its message."""
@@ -555,7 +626,7 @@ def _refuse_unrendered_tools(messages: list[dict], tokenizer) -> None:
         swapped.append(m)
     if not probes:
         return
-    prompt = tokenizer.apply_chat_template(swapped)
+    prompt = tokenizer.apply_chat_template(swapped, None, options)
     for param, what, probe in probes:
         if probe not in prompt:
             raise bad(param, f"this model's chat template does not render {what} ('{param}' would be left "
@@ -603,11 +674,13 @@ def parse_chat(body: object, limits: Limits, tokenizer) -> GenerateArgs:
                       f"{show(body['tool_choice'])} both constrain the output: send one")
         structured = tools.forced
     args.update(structured=structured, tools=tools)
+    options = chat_options(body)
     try:
         turns = [_message(i, m, limits, images) for i, m in enumerate(messages)]
         _refuse_special_fields(turns, tokenizer)
-        _refuse_unrendered_tools(turns, tokenizer)
-        rendered = tokenizer.render_chat(turns, tools=tools.rendered if tools is not None else None)
+        _refuse_unrendered_tools(turns, tokenizer, options)
+        rendered = tokenizer.render_chat(turns, tools=tools.rendered if tools is not None else None,
+                                         options=options)
         if tools is not None:
             refuse_unrendered_tool_defs(tools, rendered.text)
     except ChatTemplateError as e:

@@ -69,6 +69,29 @@ class ChatTemplateError(ValueError):
     """The template rejected the messages (e.g. roles that do not alternate): the client's mistake."""
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is rendered (vLLM's request fields): the assistant's header after the messages, or the last
+    message left open for the model to continue (transformers' continue_final_message: the text after its
+    content is cut); kwargs: extra template variables (chat_template_kwargs, e.g. enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+
+RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")  # the template's own
+
+
+def cut_after_final(text: str, final: str) -> str:
+    """The render cut right after the final message's content (its end-of-turn and what follows go)."""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the final "
+                                "message's content as given, so it cannot be left open")
+    return text[:at + len(final.strip())]
+
+
 class Verbatim(str):
     """Text the server puts into a message (an image's mark): tokenized as the template's own text, its
     special tokens kept. Any other text of a message is the client's: special-token text there is plain
@@ -134,16 +157,21 @@ class ChatTemplate:
         self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               options: ChatOptions = ChatOptions()) -> str:
         from jinja2 import TemplateError
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
-                                        bos_token=self.bos_token,
-                                        eos_token=self.eos_token, tools=tools or None)
+            text = self.template.render(**dict(options.kwargs), messages=messages,
+                                        add_generation_prompt=options.add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token, tools=tools or None)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+        if options.continue_final_message and messages:
+            return cut_after_final(text, "".join(_pieces(messages[-1]["content"])))
+        return text
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: ChatOptions = ChatOptions()) -> RenderedChat:
         """messages' content: a string (the client's) or a list of pieces (Verbatim: the server's). Rendered
         twice, the second time with a slot for each client text, to learn where those texts lie."""
         nonce = secrets.token_hex(8)
@@ -159,10 +187,10 @@ class ChatTemplate:
                     slots.append(f"\x00{nonce}.{len(texts)}\x00")
                     texts.append((i, p))
             marked.append({**m, "content": "".join(slots)})
-        text = self.render(plain, tools)
+        text = self.render(plain, tools, options)
         slot = re.compile(f"\x00{nonce}\\.(\\d+)\x00")
-        return RenderedChat(text, client_spans(self.render(marked, tools), slot, [t for _, t in texts], text),
-                            tuple(texts))
+        skeleton = self.render(marked, tools, options)
+        return RenderedChat(text, client_spans(skeleton, slot, [t for _, t in texts], text), tuple(texts))
 
 
 class ByteTokenizer:
@@ -197,11 +225,13 @@ class ByteTokenizer:
         out.append(raw.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.chat.render(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: ChatOptions = ChatOptions()) -> str:
+        return self.chat.render(messages, tools, options)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
-        return self.chat.render_chat(messages, tools)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: ChatOptions = ChatOptions()) -> RenderedChat:
+        return self.chat.render_chat(messages, tools, options)
 
 
 class HFTokenizer:
@@ -263,11 +293,13 @@ class HFTokenizer:
                                     "chat_template): use /v1/completions")
         return self.chat
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self._template().render(messages, tools)
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            options: ChatOptions = ChatOptions()) -> str:
+        return self._template().render(messages, tools, options)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> RenderedChat:
-        return self._template().render_chat(messages, tools)
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: ChatOptions = ChatOptions()) -> RenderedChat:
+        return self._template().render_chat(messages, tools, options)
 
 
 def _read_json(path: Path) -> dict:
