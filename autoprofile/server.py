@@ -57,7 +57,7 @@ from autoprofile.serving.protocol import response, usage
 from autoprofile.serving.choices import Choice, best, merged
 from autoprofile.serving.logprobs import chat_content, completion_block, echo_entries
 from autoprofile.serving.structured import Grammars
-from autoprofile.serving.tools import ToolStream, parse_calls
+from autoprofile.serving.tools import ToolStream, reply_calls
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
 from autoprofile.serving.tokenizer import TextStream, load_tokenizer
 
@@ -89,7 +89,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device)
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device,
+                                     lambda: self.grammars.stats if self.grammars else None)
         self.bounds = body_bounds(self.cfg)
         self.max_body = max(b.limit for b in self.bounds.values())  # aiohttp's client_max_size
         self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
@@ -446,8 +447,8 @@ async def _start(st: ServerState, args: GenerateArgs, base: int = 0) -> list[Cho
         for h in handles:
             h.close()
         raise
-    return [Choice(base + i, h, TextStream(st.tokenizer, args.prompt_ids, args.stop), head if i == 0 else [])
-            for i, h in enumerate(handles)]
+    return [Choice(base + i, h, TextStream(st.tokenizer, args.prompt_ids, args.stop, args.min_tokens),
+                   head if i == 0 else []) for i, h in enumerate(handles)]
 
 
 def _finish_reason(out) -> str:
@@ -497,7 +498,8 @@ async def _complete(st: ServerState, args: GenerateArgs,
 
 async def _choice_bodies(st: ServerState, args: GenerateArgs,
                          choices: list[Choice]) -> tuple[list[dict], int]:
-    """One prompt's returned choices (its n best of best_of) and the completion tokens of all it generated."""
+    """One prompt's returned choices (its n best of best_of) and their completion tokens (vLLM's usage: the
+    returned choices only)."""
     ids: dict[int, list[int]] = {c.index: [] for c in choices}
     try:
         async for c, out in merged(choices):
@@ -506,13 +508,12 @@ async def _choice_bodies(st: ServerState, args: GenerateArgs,
     except EngineFailure as e:
         raise _engine_failure(e) from None
     prefix, echo = _echo(st, args, choices)
-    bodies = []
-    for i, c in enumerate(best(choices, args.n)):
+    bodies, returned = [], best(choices, args.n)
+    for i, c in enumerate(returned):
         text, entries = ("", []) if args.echo_only else ("".join(c.parts), c.entries)
         reason, calls = c.reason, None
         if args.tools is not None and args.tools.parses:
-            text, calls = parse_calls(text, args.tools.format)
-            calls = calls if args.tools.parallel else calls[:1]
+            text, calls = reply_calls(text, args.tools)
             reason = "tool_calls" if calls else reason
         body = choice_body(args, text if text is None else prefix + text, reason, i,
                            _logprobs_body(st, args, c, entries, echo, 0), calls)
@@ -520,7 +521,7 @@ async def _choice_bodies(st: ServerState, args: GenerateArgs,
             body |= {"token_ids": ids[c.index]} if args.chat else \
                 {"prompt_token_ids": args.prompt_ids, "token_ids": ids[c.index]}
         bodies.append(body)
-    return bodies, 0 if args.echo_only else sum(c.tokens for c in choices)
+    return bodies, 0 if args.echo_only else sum(c.tokens for c in returned)
 
 
 async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,

@@ -76,6 +76,22 @@ def test_json_schema_and_choice_answers_validate(roomy, grammars, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_the_grammar_s_end_wins_over_min_tokens(roomy, grammars, overlap):
+    """min_tokens past the grammar's end: the request ends at the grammar's end ("stop"), with no token the
+    grammar forbids (docs/server.md: the grammar wins)."""
+    engine = LLMEngine(roomy, overlap=overlap)
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s, min_tokens=12), 30, stop_token_ids={2},
+                              grammar=grammars.new_matcher(Spec("regex", "ab|cd", "regex")))
+           for s, p in enumerate(PROMPTS)]
+    out = run_all(engine)
+    for i in ids:
+        tokens, reason = out[i]
+        assert TOK.decode(tokens) in ("ab", "cd") and tokens[-1] == 2 and len(tokens) == 3, tokens
+        assert reason == "stop"
+    assert engine.stats.pages_used == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_grammar_survives_preemption_and_the_answer_is_the_unpreempted_one(roomy, grammars, overlap):
     """A preempted request is recomputed from its prompt and tokens: its matcher must hold each token once
     (fed again, the grammar would be past its end or refuse the next token)."""

@@ -91,6 +91,19 @@ def test_each_processor_equals_the_reference(name):
     assert sum(changed) > len(picked) // 2  # the test can fail
 
 
+def test_min_tokens_leaves_the_stop_tokens_when_nothing_else_is_allowed():
+    """A grammar at its end allows only EOS (every other logit -inf, as its mask leaves them): min_tokens
+    must not mask that too (every logit -inf samples token 0, a token the grammar forbids). A row with
+    another token left still has its stop tokens masked."""
+    x = torch.full((2, 8), float("-inf"))
+    x[0, EOS] = 1.5
+    x[1, EOS], x[1, 5] = 1.5, 0.5
+    params = SamplingParams(min_tokens=10)
+    logits_process.apply(x, [0, 1], [_row(params, [1], [3], (EOS, 7)), _row(params, [1], [3], (EOS, 7))])
+    assert x[0, EOS] == 1.5 and x[0].isinf().sum() == 7
+    assert x[1, EOS] == float("-inf") and x[1, 5] == 0.5
+
+
 def test_presence_and_frequency_count_output_tokens_only_and_repetition_both():
     """A token only in the prompt: repetition divides it, presence and frequency leave it (vLLM)."""
     x = torch.full((1, 8), 2.0)
@@ -337,6 +350,25 @@ def test_stop_token_ids_and_min_tokens_through_the_openai_client(run):
     assert "z" not in later.choices[0].text and len(later.choices[0].text) > 0
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert "z" not in "".join(ch.choices[0].delta.content or "" for ch in chunks)
+
+
+def test_min_tokens_holds_back_stop_strings(run):
+    """A bias forces 'x' every token: stop "x" ends the text at once, but with min_tokens 5 it is looked for
+    only once more than 5 tokens came (vLLM's): five x's are text, the sixth is the stop string."""
+    x = 3 + ord("x")
+
+    async def body(c, app):
+        async with client(c) as oa:
+            kw = dict(model="tiny", prompt="Hello", max_tokens=12, temperature=0, logit_bias={str(x): 100},
+                      stop=["x"])
+            return [await oa.completions.create(**kw),
+                    await oa.completions.create(**kw, extra_body={"min_tokens": 5}),
+                    [ch async for ch in await oa.completions.create(**kw, stream=True,
+                                                                     extra_body={"min_tokens": 5})]]
+    at_once, held, chunks = run(body)
+    assert at_once.choices[0].text == "" and at_once.choices[0].finish_reason == "stop"
+    assert held.choices[0].text == "xxxxx" and held.choices[0].finish_reason == "stop"
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == "xxxxx"
 
 
 BAD = [

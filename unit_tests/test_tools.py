@@ -8,7 +8,8 @@ import pytest
 
 from autoprofile.serving.errors import APIError
 from autoprofile.serving.tokenizer import ByteTokenizer, ChatTemplate
-from autoprofile.serving.tools import HERMES, LLAMA, Tools, ToolStream, parse_calls, parse_tools
+from autoprofile.serving.tools import (HERMES, LLAMA, Tools, ToolStream, parse_calls, parse_tools,
+                                       reply_calls)
 
 TOK = ByteTokenizer(4096, eos_token_ids=[2])
 FN = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -18,6 +19,10 @@ HERMES_REPLY = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments":
                 '</tool_call>')
 LLAMA_REPLY = ('{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
                '{"name": "get_weather", "parameters": {}}')
+LLAMA_SEMI = '{"name": "search", "parameters": {"q": "a;b"}};{"name": "sql", "parameters": {"s": "x; y;"}}'
+# text around, between and after calls, a call that does not parse, an unclosed call at the end
+HERMES_SPACED = (' Hi \n <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\n<tool_call>{bad}</tool_call>'
+                 ' \n<tool_call>{"name": "g"}</tool_call>\n tail  <tool_call>{"name"')
 
 
 def _shape(calls):
@@ -40,8 +45,9 @@ def test_hermes_and_llama_replies_parse_into_tool_calls():
     assert parse_calls("plain", HERMES) == ("plain", [])
 
 
-@pytest.mark.parametrize("fmt, reply", [(HERMES, HERMES_REPLY), (LLAMA, LLAMA_REPLY),
-                                        (HERMES, "no call <tool_ at all"), (LLAMA, "  plain words")])
+@pytest.mark.parametrize("fmt, reply", [(HERMES, HERMES_REPLY), (LLAMA, LLAMA_REPLY), (LLAMA, LLAMA_SEMI),
+                                        (HERMES, "no call <tool_ at all"), (LLAMA, "  plain words"),
+                                        (HERMES, HERMES_SPACED)])
 def test_a_streamed_reply_gives_the_same_content_and_calls_at_every_split(fmt, reply):
     tools = Tools((FN["function"],), "auto", None, True, fmt, None)
     want_content, want_calls = parse_calls(reply, fmt)
@@ -57,7 +63,48 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_at_every_split(fmt, r
             c, new = s.finish()
             content, calls = content + c, calls + new
             assert _shape(calls) == _shape(want_calls), (cut, pieces)
-            assert content.strip() == (want_content or "").strip(), (cut, content)
+            assert (content or None) == want_content, (cut, content)
+
+
+def test_a_semicolon_inside_a_llama3_json_argument_is_text():
+    content, calls = parse_calls(LLAMA_SEMI, LLAMA)
+    assert content is None and _shape(calls) == [("search", {"q": "a;b"}), ("sql", {"s": "x; y;"})]
+    assert _shape(parse_calls('<|python_tag|>{"name": "q", "parameters": {"s": "select 1;"}}', LLAMA)[1]) == [
+        ("q", {"s": "select 1;"})]
+    for text in ('{"name": "a", "parameters": {}} {"name": "b", "parameters": {}}',  # no `;` between
+                 '{"name": "a", "parameters": {}}; trailing words'):
+        assert parse_calls(text, LLAMA) == (text, []), text
+    assert _shape(parse_calls('{"name": "a", "parameters": {}};', LLAMA)[1]) == [("a", {})]
+
+
+def test_text_between_calls_keeps_its_words_and_drops_the_calls_whitespace():
+    content, calls = parse_calls(HERMES_SPACED, HERMES)
+    assert _shape(calls) == [("f", {}), ("g", {})]
+    assert content == ' Hi<tool_call>{bad}</tool_call>tail  <tool_call>{"name"'
+
+
+@pytest.mark.parametrize("fmt, template", [(HERMES, "<tool_call>\n{}\n</tool_call>"), (LLAMA, "{}")])
+def test_a_call_nested_past_the_json_parser_stays_text(fmt, template):
+    deep = '{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    text = template.format(deep) if fmt == HERMES else deep
+    assert parse_calls(text, fmt) == (text, [])
+    s = ToolStream(Tools((FN["function"],), "auto", None, True, fmt, None))
+    pushed = s.push(text)
+    assert "".join([pushed[0], s.finish()[0]]) == text and s.calls == []
+
+
+def test_non_streamed_parallel_false_keeps_the_first_call_and_a_forced_call_s_markup_is_never_content():
+    whole = Tools((FN["function"],), "auto", None, False, HERMES, None)
+    content, calls = reply_calls(HERMES_REPLY, whole)
+    assert content == "Let me look." and _shape(calls) == [("get_weather", {"city": "Oslo"})]
+    assert len(reply_calls(HERMES_REPLY, Tools((FN["function"],), "auto", None, True, HERMES, None))[1]) == 2
+    forced = parse_tools({"tools": [FN], "tool_choice": "required"}, TOK)
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"ci'
+    assert reply_calls(cut, forced) == (None, [])
+    s = ToolStream(forced)
+    assert s.push(cut) == ("", []) and s.finish() == ("", [])
+    auto = Tools((FN["function"],), "auto", None, True, HERMES, None)
+    assert reply_calls(cut, auto) == (cut, [])  # a call the model chose to write stays its text
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -1,7 +1,8 @@
 """Logits processors, vLLM's semantics and order, on the logits of a step's sampled rows before the sampler:
 1. logit_bias: bias added to the token's logit;
 2. min_tokens: the row's stop tokens (EOS and stop_token_ids: Request.stop_token_ids) to -inf while fewer than
-   min_tokens output tokens exist;
+   min_tokens output tokens exist, unless no other token is left (a grammar that allows only its end: the
+   grammar wins, and the request ends short of min_tokens);
 3. penalties: repetition_penalty on every token of the prompt or the output (a positive logit / r, a negative
    one * r), then logit -= frequency * count + presence * (count > 0) over the output tokens only;
 4. min_p (sampled rows: greedy rows take the argmax of 1-3): tokens whose probability at the row's temperature
@@ -131,8 +132,11 @@ def _apply_chunk(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[Row
     x = logits[idx].float()
     if nb:
         x.index_put_((b_row, b_ids), b_val, accumulate=True)
-    if len(ints[7]):
+    if len(ints[7]):  # the stop tokens to -inf, unless that leaves a row nothing (a grammar's end wins)
+        kept = x[s_row, s_ids]
         x.index_put_((s_row, s_ids), torch.full((), float("-inf"), device=dev))  # a fill: no blocking copy
+        ended = x.amax(dim=-1) == float("-inf")
+        x.index_put_((s_row, s_ids), torch.where(ended[s_row], kept, float("-inf")))
     if any(t.params.penalized for t in tokens):  # the counts of the output tokens (none yet: zeros)
         if last_tokens is not None:
             pending = o_ids < 0

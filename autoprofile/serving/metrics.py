@@ -166,13 +166,40 @@ class LocalMemoryCollector:
                                 "per-thread CUDA stack limit after the profile's stress", value=self.profiled)
 
 
+class GrammarCollector:
+    """Structured output's grammar compiles (serving.structured.CompileStats; None: no compiler)."""
+
+    def __init__(self, stats: Callable[[], object | None]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        if s is None:
+            return
+        for name, doc, value in (
+                ("autoprofile_grammar_compiles", "grammars compiled (cache misses that compiled)", s.compiles),
+                ("autoprofile_grammar_compile_seconds", "time spent compiling grammars", s.seconds),
+                ("autoprofile_grammar_cache_hits", "requests whose grammar was cached or compiling already",
+                 s.hits),
+                ("autoprofile_grammar_invalid", "grammars refused by the compiler (400)", s.invalid),
+                ("autoprofile_grammar_compile_timeouts", "requests whose compile passed the deadline (408)",
+                 s.timeouts)):
+            yield CounterMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily("autoprofile_grammar_compiles_running", "grammar compiles in flight",
+                                value=s.running)
+        yield GaugeMetricFamily("autoprofile_grammar_compiles_overdue",
+                                "grammar compiles in flight past their deadline", value=s.overdue)
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], Snapshot | None],
-                 device: Callable[[], torch.device | None] = lambda: None):
+                 device: Callable[[], torch.device | None] = lambda: None,
+                 grammars: Callable[[], object | None] = lambda: None):
         reg = self.registry = CollectorRegistry()
         self.profile_peak = 0
         reg.register(EngineCollector(snapshot))
         reg.register(AllocatorCollector(device, lambda: self.profile_peak))
+        reg.register(GrammarCollector(grammars))
         self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("autoprofile_time_per_output_token_seconds",

@@ -356,10 +356,12 @@ class Detokenizer:
 
 
 class TextStream:
-    """Output ids in, text deltas out; stop strings end the text (excluded from it)."""
+    """Output ids in, text deltas out; stop strings end the text (excluded from it), looked for once more than
+    min_tokens ids came (vLLM's: a stop string within the first min_tokens is text)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (), min_tokens: int = 0):
         self.detok = Detokenizer(tokenizer, prompt_ids)
+        self.min_tokens, self.tokens = min_tokens, 0
         self.stop = tuple(stop)
         self.longest = max((len(s) for s in self.stop), default=0)
         self.text = ""
@@ -368,6 +370,7 @@ class TextStream:
 
     def push(self, ids: Sequence[int]) -> str:
         """The text that can be sent now; sets .stopped when a stop string appeared (text ends before it)."""
+        self.tokens += len(ids)
         return self._extend(self.detok.add(ids), final=False)
 
     def finish(self) -> str:
@@ -380,7 +383,8 @@ class TextStream:
         start = max(len(self.text) - self.longest + 1, 0)
         self.text += delta
         # the stop string that completes first wins (then the one that starts first)
-        hits = [(i + len(s), i) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        stops = self.stop if self.tokens > self.min_tokens else ()
+        hits = [(i + len(s), i) for s in stops if (i := self.text.find(s, start)) >= 0]
         if hits:
             self.text, self.stopped = self.text[:min(hits)[1]], True
             final = True

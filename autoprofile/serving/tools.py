@@ -19,12 +19,13 @@ import secrets
 from dataclasses import dataclass
 
 from autoprofile.serving.errors import bad
-from autoprofile.serving.structured import Spec
+from autoprofile.serving.structured import Spec, check_schema
 
 HERMES, LLAMA = "hermes", "llama3_json"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_SEPARATOR = re.compile(r"\s*(;\s*)?")
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,56 @@ def _function(i: int, t) -> dict:
     return out
 
 
-def _call_schema(fn: dict, args_key: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: fn["parameters"]},
-            "required": ["name", args_key]}
+DEFS = "$defs"
+
+
+def _moved(ref: str, root: str) -> str:
+    """A local $ref of the parameters, once they sit at `root` (`definitions` read as `$defs`)."""
+    path = ref[1:]
+    if path.startswith("/definitions/"):
+        path = f"/{DEFS}/" + path[len("/definitions/"):]
+    return root + path
+
+
+def _rooted(value, root: str):
+    """value with its local `$ref`s ("#...") moved under `root` (a JSON pointer); no recursion (a schema
+    may nest as deep as the body's parser allows)."""
+    out: list = [None]
+    todo = [(value, out, 0)]
+    while todo:
+        v, parent, key = todo.pop()
+        if isinstance(v, dict):
+            new = parent[key] = {}
+            for k, x in v.items():
+                if k == "$ref" and isinstance(x, str) and x.startswith("#"):
+                    new[k] = _moved(x, root)
+                else:
+                    todo.append((x, new, k))
+        elif isinstance(v, list):
+            new = parent[key] = [None] * len(v)
+            todo += [(x, new, i) for i, x in enumerate(v)]
+        else:
+            parent[key] = v
+    return out[0]
+
+
+def _defs(params: dict, root: str) -> dict:
+    """A tool's parameters as one `$defs` entry at `root`: its own `$defs` (or `definitions`) and every local
+    `$ref` re-pointed there, so that `#/$defs/...` still resolves once the parameters sit inside a call."""
+    body = {k: v for k, v in params.items() if k != "definitions"}
+    if "definitions" in params:
+        body[DEFS] = {**params["definitions"], **params.get(DEFS, {})}
+    return _rooted(body, root)
+
+
+def call_schema(functions: list[dict], args_key: str) -> dict:
+    """The JSON schema of one call of any of `functions`: {"name": <its name>, args_key: <its parameters>};
+    each tool's parameters live in the root's `$defs` under its name (their `$ref`s re-pointed there)."""
+    calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                               args_key: {"$ref": f"#/{DEFS}/{f['name']}"}},
+              "required": ["name", args_key]} for f in functions]
+    defs = {f["name"]: _defs(f["parameters"], f"#/{DEFS}/{f['name']}") for f in functions}
+    return {DEFS: defs, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
 
 
 def parse_tools(body: dict, tokenizer) -> Tools | None:
@@ -124,10 +172,11 @@ def parse_tools(body: dict, tokenizer) -> Tools | None:
     if choice in ("required", "function"):
         key = "arguments" if fmt == HERMES else "parameters"
         picked = [f for f in functions if choice == "required" or f["name"] == name]
-        schema = (_call_schema(picked[0], key) if len(picked) == 1
-                  else {"anyOf": [_call_schema(f, key) for f in picked]})
+        for i, f in enumerate(functions):
+            if f in picked:
+                check_schema(f["parameters"], f"tools[{i}].function.parameters")
         forced = Spec("tool_hermes" if fmt == HERMES else "tool_llama",
-                      json.dumps(schema, ensure_ascii=False), "tools")
+                      json.dumps(call_schema(picked, key), ensure_ascii=False), "tools")
     return Tools(functions, choice, name, True if parallel is None else parallel, fmt, forced)
 
 
@@ -150,38 +199,65 @@ def _call(obj, args_keys: tuple[str, ...]) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def _hermes_call(text: str) -> dict | None:
+    """One hermes call's JSON as a call; None if it is no call (not JSON, nested past the parser, no name)."""
+    try:
+        return _call(json.loads(text), ("arguments", "parameters"))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _llama_calls(body: str) -> list[dict] | None:
+    """llama3_json's calls, one JSON object after another joined by `;` (decoded first, then split: a `;`
+    inside an argument is text); None unless the whole body is calls."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            obj, at = decoder.raw_decode(body, at)
+            call = _call(obj, ("parameters", "arguments"))
+        except (ValueError, RecursionError):
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+        sep = _SEPARATOR.match(body, at)
+        if sep.end() == len(body):
+            return calls
+        if ";" not in sep.group():
+            return None
+        at = sep.end()
+
+
 def parse_calls(text: str, fmt: str) -> tuple[str | None, list[dict]]:
     """The reply's text outside its tool calls (None if empty) and the calls, in OpenAI's shape. A call that
-    does not parse stays text."""
+    does not parse stays text; whitespace between a call and the text beside it is not content (the stream
+    gives the same: ToolStream)."""
     if fmt == HERMES:
         calls, kept, at = [], [], 0
         for m in _HERMES_CALL.finditer(text):
-            try:
-                call = _call(json.loads(m.group(1)), ("arguments", "parameters"))
-            except ValueError:
-                call = None
+            call = _hermes_call(m.group(1))
             if call is None:
                 continue
+            piece = text[at:m.start()]
+            kept.append((piece.lstrip() if calls else piece).rstrip())
             calls.append(call)
-            kept.append(text[at:m.start()])
             at = m.end()
-        content = ("".join(kept) + text[at:]).strip() if calls else text
+        content = "".join(kept) + text[at:].lstrip() if calls else text
         return (content or None), calls
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].strip()
-    if not body.startswith("{"):
-        return text or None, []
-    calls = []
-    for part in body.split(";"):
-        try:
-            call = _call(json.loads(part), ("parameters", "arguments"))
-        except ValueError:
-            call = None
-        if call is None:
-            return text or None, []
-        calls.append(call)
-    return None, calls
+    calls = _llama_calls(body) if body.startswith("{") else None
+    return (None, calls) if calls else (text or None, [])
+
+
+def reply_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
+    """A whole reply's content and calls under the request's tools: one call when parallel_tool_calls is
+    false; a forced call's markup is never content (cut by max_tokens: no content and no call)."""
+    content, calls = parse_calls(text, tools.format)
+    if tools.forced is not None and not calls:
+        content = None
+    return content, calls if tools.parallel else calls[:1]
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -192,12 +268,19 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
+def _trailing_space(text: str) -> int:
+    return len(text) - len(text.rstrip())
+
+
 class ToolStream:
-    """A streamed reply's text deltas -> (content delta, completed tool calls) as they become known."""
+    """A streamed reply's text deltas -> (content delta, completed tool calls) as they become known; the same
+    content and calls as reply_calls on the whole text. Whitespace is held until what follows it is known
+    (a call drops it)."""
 
     def __init__(self, tools: Tools):
         self.tools, self.buffer, self.sent = tools, "", 0  # sent: calls emitted
         self.mode = "start" if tools.format == LLAMA else "text"
+        self.after = False  # a call just closed: the whitespace that follows is not content
         self.calls: list[dict] = []
 
     def _keep(self, calls: list[dict]) -> list[dict]:
@@ -205,6 +288,12 @@ class ToolStream:
         self.sent += len(out)
         self.calls += out
         return out
+
+    def _text(self, text: str) -> str:
+        if self.after:
+            text = text.lstrip()
+            self.after = not text
+        return text
 
     def push(self, delta: str) -> tuple[str, list[dict]]:
         self.buffer += delta
@@ -221,29 +310,37 @@ class ToolStream:
         content, calls = "", []
         while True:
             at = self.buffer.find(OPEN)
-            if at < 0:
-                hold = _held_prefix(self.buffer, OPEN)
-                cut = len(self.buffer) - hold
-                content += self.buffer[:cut]
+            if at < 0:  # held: a possible start of OPEN, and the whitespace before it
+                cut = len(self.buffer) - _held_prefix(self.buffer, OPEN)
+                cut -= _trailing_space(self.buffer[:cut])
+                content += self._text(self.buffer[:cut])
                 self.buffer = self.buffer[cut:]
                 break
-            content += self.buffer[:at]
             end = self.buffer.find(CLOSE, at)
-            if end < 0:
-                self.buffer = self.buffer[at:]
+            if end < 0:  # held: the open call and the whitespace before it
+                cut = at - _trailing_space(self.buffer[:at])
+                content += self._text(self.buffer[:cut])
+                self.buffer = self.buffer[cut:]
                 break
-            _, found = parse_calls(self.buffer[at:end + len(CLOSE)], HERMES)
-            if found:
-                calls += found
+            block = self.buffer[at:end + len(CLOSE)]
+            call = _hermes_call(_HERMES_CALL.fullmatch(block).group(1))
+            if call is not None:
+                content += self._text(self.buffer[:at].rstrip())
+                calls.append(call)
+                self.after = True
             else:
-                content += self.buffer[at:end + len(CLOSE)]
+                content += self._text(self.buffer[:at] + block)
             self.buffer = self.buffer[end + len(CLOSE):]
         return content, self._keep(calls)
 
     def finish(self) -> tuple[str, list[dict]]:
-        """The rest at the end of the reply: an unclosed call stays text."""
+        """The rest at the end of the reply: an unclosed call stays text (a forced one is dropped)."""
         rest, self.buffer = self.buffer, ""
         if self.mode in ("json", "start"):
             content, calls = parse_calls(rest, LLAMA)
-            return (content or "") if not calls else "", self._keep(calls)
-        return rest, []
+            content = (content or "") if not calls else ""
+        else:
+            content, calls = self._text(rest), []
+        if self.tools.forced is not None and not calls and not self.calls:
+            content = ""
+        return content, self._keep(calls)
