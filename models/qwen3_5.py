@@ -90,8 +90,9 @@ class GatedDeltaNet(nn.Module):
     in_proj_b (beta = sigmoid) and in_proj_a (g = -exp(A_log) softplus(a + dt_bias)); the gated delta rule
     over the row's state; the gated RMSNorm; out_proj. Heads split over TP ranks as attention heads."""
 
-    def __init__(self, mc: ModelConfig, tp: TP, dtype: torch.dtype):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         super().__init__()
+        self.backend = backend
         hk, hv = mc.linear_num_key_heads, mc.linear_num_value_heads
         if hk % tp.size or hv % tp.size:
             raise ValueError(f"linear_num_key_heads {hk} and linear_num_value_heads {hv} must be divisible by "
@@ -131,7 +132,7 @@ class GatedDeltaNet(nn.Module):
                                            meta.cu_seqlens)
         if decode is not None:
             c = gdn.conv_decode(qkv[n:], weight, state.conv, decode.state_slots)
-            o[n:] = gdn.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm, decode.state_slots)
+            o[n:] = self.backend.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm, decode.state_slots)
         o = gdn.gated_rms_norm(o, z.view(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
         return self.out_proj(o.reshape(t, -1), residual)
 
@@ -169,7 +170,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         super().__init__()
         self.linear = mc.is_linear_layer(layer)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(mc, tp, dtype)
+            self.linear_attn = GatedDeltaNet(mc, backend, tp, dtype)
         else:
             self.self_attn = GatedAttention(mc, backend, tp, dtype)
         if mc.is_moe_layer(layer):

@@ -34,6 +34,12 @@ SMALL_MODEL = {  # the served models' attention (GQA 32/8, head_dim 128, 131072 
 SMALL_MOE = {**SMALL_MODEL, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
              "moe_intermediate_size": 256, "num_experts": 32, "num_experts_per_tok": 8, "norm_topk_prob": True}
 
+SMALL_HYBRID = {**SMALL_MODEL, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",  # Qwen3.5
+                "num_hidden_layers": 4, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+                "partial_rotary_factor": 0.25, "tie_word_embeddings": False}
+
 KERNELS = r'''
 import ctypes, json, os, re, subprocess, sys, tempfile
 import triton
@@ -240,8 +246,8 @@ def test_the_check_sees_aiters_spilling_reduce():
 
 
 @pytest.mark.parametrize("model, mode", [(SMALL_MODEL, "default"), (SMALL_MOE, "default"),
-                                         (SMALL_MODEL, "deterministic")],
-                         ids=["dense", "moe", "deterministic"])
+                                         (SMALL_MODEL, "deterministic"), (SMALL_HYBRID, "default")],
+                         ids=["dense", "moe", "deterministic", "hybrid"])
 def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mode):
     """A profile (probe stress, validate stress at llama-3.1's context through the decode graphs) on a
     small model with the served attention shapes (and an MoE variant: AITER's Triton MoE kernels; and
@@ -264,6 +270,8 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
         assert {"_split_decode_kernel", "_merge_splits_kernel"} <= names, names
         assert "_gemv_kernel" in names, names  # the batch-1 graph's linear layers
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
+    if model is SMALL_HYBRID:  # Gated DeltaNet: our decode kernel over the state slots, fla's chunked prefill
+        assert "_gdn_decode_kernel" in names, names
     if model is SMALL_MOE:
         moe_kernels = {"_fused_moe_silu_kernel", "_fused_moe_kernel",  # AITER's experts
                        "_route_kernel", "_sort_by_expert_kernel",  # our router and expert sort

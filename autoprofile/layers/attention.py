@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from autoprofile.layers import gdn
 from autoprofile.layers.moe import GroupedTopk, Routing, biased_grouped_topk, moe_reference, route
 from autoprofile.layers.quant import (Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference, moe_reference_fp8,
                                       quantized_rows)
@@ -273,6 +274,12 @@ class AttentionBackend(ABC):
             weights, ids = biased_grouped_topk(logits, grouped.e_score_correction_bias, top_k,
                                                grouped.num_expert_group, grouped.topk_group, renormalize, scale)
         return weights, routing.apply(ids, logits.shape[-1])
+
+    def delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Gated DeltaNet's one-token rows over the state cache in place by slot (layers.gdn: the torch
+        reference); a GPU backend's kernel reads and writes each row's state once."""
+        return gdn.delta_rule_decode(q, k, v, g, beta, ssm, slots)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32 (the model takes its norm from the backend)."""

@@ -147,6 +147,9 @@ class AiterTritonBackend(AttentionBackend):
 
         self.triton_gemv, self.triton_matmul, self.triton_unified = triton_gemv, triton_matmul, triton_unified
         self.triton_fp8 = triton_fp8
+        from autoprofile.kernels import triton_gdn
+
+        self.triton_gdn = triton_gdn
 
     @property
     def paged_prefill(self) -> bool:
@@ -340,6 +343,10 @@ class AiterTritonBackend(AttentionBackend):
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:
         return budget.triton_decode_partition(num_seqs, self.num_q_heads, max_seq_len, self.page_size)
+
+    def delta_rule_decode(self, q, k, v, g, beta, ssm, slots) -> torch.Tensor:
+        """Our kernel (triton_gdn): each row's state tile read and written once, in place by slot."""
+        return self.triton_gdn.decode(q, k, v, g, beta, ssm, slots)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
