@@ -273,7 +273,7 @@ def test_a_corrupted_scale_that_loads_gives_other_logits(kind, fmt, mutation, hf
     ("dense", "hf-block", "transposed", "block scale of shape"),
     ("moe", "hf-block", "transposed", "block scale of shape"),
     ("mla", "hf-block", "transposed", "block scale of shape"),
-    ("dense", "ct-channel-token", "transposed", "per-channel weight scale of shape \\(1, "),  # [N, 1] -> [1, N]
+    ("dense", "ct-channel-token", "transposed", r"per-channel weight scale of shape \(1, "),  # [1, N]
     ("dense", "ct-tensor-static", "input-scale-dropped", "input_scale")])
 def test_a_scale_whose_shape_or_absence_reveals_the_mistake_is_refused(kind, fmt, mutation, says, hf_models,
                                                                        tmp_path):

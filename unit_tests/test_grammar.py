@@ -80,8 +80,9 @@ def test_the_grammar_s_end_wins_over_min_tokens(roomy, grammars, overlap):
     """min_tokens past the grammar's end: the request ends at the grammar's end ("stop"), with no token the
     grammar forbids (docs/server.md: the grammar wins)."""
     engine = LLMEngine(roomy, overlap=overlap)
-    ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s, min_tokens=12), 30, stop_token_ids={2},
-                              grammar=grammars.new_matcher(Spec("regex", "ab|cd", "regex")))
+    spec = Spec("regex", "ab|cd", "regex")
+    ids = [engine.add_request(p, SamplingParams(temperature=1.0, seed=s, min_tokens=12), 30,
+                              stop_token_ids={2}, grammar=grammars.new_matcher(spec))
            for s, p in enumerate(PROMPTS)]
     out = run_all(engine)
     for i in ids:

@@ -1,6 +1,6 @@
-"""Structured output's requests and compiles (autoprofile.serving.structured), without a model: what each field
-asks for, the bounds on a schema (size, depth, a compile deadline on threads that slow schemas cannot hold),
-messages without xgrammar's internals, json_object as an object, forced tool calls over $defs."""
+"""Structured output's requests and compiles (autoprofile.serving.structured), without a model: what each
+field asks for, the bounds on a schema (size, depth, a compile deadline on threads that slow schemas cannot
+hold), messages without xgrammar's internals, json_object as an object, forced tool calls over $defs."""
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +57,8 @@ def test_a_schema_past_the_size_or_depth_bound_is_a_400_naming_the_field():
     assert parse_structured({"guided_json": ok}).kind == "json"
     e = _refused({"guided_json": _nested(MAX_SCHEMA_DEPTH)})
     assert (e.param, e.code) == ("guided_json", "schema_too_deep") and str(MAX_SCHEMA_DEPTH) in e.message
-    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_SCHEMA_BYTES // 20)}}
+    big = {"type": "object",
+           "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_SCHEMA_BYTES // 20)}}
     e = _refused({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": big}}})
     assert (e.param, e.code) == ("response_format.json_schema.schema", "schema_too_large")
     e = _refused({"structured_outputs": {"regex": "a" * (MAX_SCHEMA_BYTES + 1)}})
@@ -135,7 +136,8 @@ def test_a_slow_compile_is_a_408_and_gives_its_slot_back():
     async def main():
         with pytest.raises(APIError) as e:
             await grammars.matcher(slow)
-        assert (e.value.status, e.value.param, e.value.code) == (408, "guided_json", "grammar_compile_timeout")
+        assert (e.value.status, e.value.param, e.value.code) == (408, "guided_json",
+                                                                 "grammar_compile_timeout")
         assert (grammars.stats.running, grammars.stats.overdue) == (1, 1)
         assert await grammars.matcher(Spec("regex", "a+", "structured_outputs.regex")) is not None
         gate.set()

@@ -144,7 +144,8 @@ def test_client_schemas_past_the_bounds_are_400s_and_compiles_are_counted(run):
     async def body(oa):
         kw = dict(model="tiny", messages=MSG, max_tokens=8)
         deep = "[" * 30_000 + "]" * 30_000
-        errs = [await refused(oa.chat.completions.create(**kw, extra_body={"structured_outputs": {"json": deep}})),
+        errs = [await refused(oa.chat.completions.create(**kw, extra_body={
+                    "structured_outputs": {"json": deep}})),
                 await refused(oa.chat.completions.create(**kw, response_format={
                     "type": "json_schema", "json_schema": {"name": "a", "schema": deep}}))]
         ok = await oa.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
@@ -162,7 +163,8 @@ def test_client_schemas_past_the_bounds_are_400s_and_compiles_are_counted(run):
 def test_the_grammar_s_end_wins_over_min_tokens(run):
     async def body(oa):
         return await oa.completions.create(model="tiny", prompt="Hi", max_tokens=20, temperature=1.0, seed=4,
-                                           extra_body={"structured_outputs": {"regex": "ab"}, "min_tokens": 10})
+                                           extra_body={"structured_outputs": {"regex": "ab"},
+                                                       "min_tokens": 10})
     out = run(body)
     assert out.choices[0].text == "ab" and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == 3  # a, b and EOS: no token the grammar forbids
@@ -243,12 +245,14 @@ def test_two_calls_parallel_or_not_streamed_indices_and_every_choice_s_usage(run
     async def body(oa):
         both = await oa.chat.completions.create(**kw)
         first = await oa.chat.completions.create(**kw, parallel_tool_calls=False)
-        streamed = [c async for c in await oa.chat.completions.create(**kw, stream=True, n=2,
-                                                                       stream_options={"include_usage": True})]
-        one = [c async for c in await oa.chat.completions.create(**kw, stream=True, parallel_tool_calls=False)]
+        streamed = [c async for c in await oa.chat.completions.create(
+            **kw, stream=True, n=2, stream_options={"include_usage": True})]
+        one = [c async for c in await oa.chat.completions.create(**kw, stream=True,
+                                                                  parallel_tool_calls=False)]
         return both, first, streamed, one
     both, first, streamed, one = run(body)
-    assert [json.loads(c.function.arguments) for c in both.choices[0].message.tool_calls] == [{"a": 1}, {"a": 2}]
+    calls = both.choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"a": 1}, {"a": 2}]
     assert both.choices[0].finish_reason == "tool_calls" and both.choices[0].message.content is None
     assert [json.loads(c.function.arguments) for c in first.choices[0].message.tool_calls] == [{"a": 1}]
     tokens = len(TWO_CALLS.encode()) + 1  # the tiny model's byte tokens and EOS

@@ -21,8 +21,9 @@ LLAMA_REPLY = ('{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
                '{"name": "get_weather", "parameters": {}}')
 LLAMA_SEMI = '{"name": "search", "parameters": {"q": "a;b"}};{"name": "sql", "parameters": {"s": "x; y;"}}'
 # text around, between and after calls, a call that does not parse, an unclosed call at the end
-HERMES_SPACED = (' Hi \n <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\n<tool_call>{bad}</tool_call>'
-                 ' \n<tool_call>{"name": "g"}</tool_call>\n tail  <tool_call>{"name"')
+HERMES_SPACED = (' Hi \n <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n\n'
+                 '<tool_call>{bad}</tool_call> \n<tool_call>{"name": "g"}</tool_call>\n'
+                 ' tail  <tool_call>{"name"')
 
 
 def _shape(calls):

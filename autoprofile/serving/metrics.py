@@ -177,7 +177,8 @@ class GrammarCollector:
         if s is None:
             return
         for name, doc, value in (
-                ("autoprofile_grammar_compiles", "grammars compiled (cache misses that compiled)", s.compiles),
+                ("autoprofile_grammar_compiles", "grammars compiled (cache misses that compiled)",
+                 s.compiles),
                 ("autoprofile_grammar_compile_seconds", "time spent compiling grammars", s.seconds),
                 ("autoprofile_grammar_cache_hits", "requests whose grammar was cached or compiling already",
                  s.hits),

@@ -70,8 +70,8 @@ def check_schema(value, param: str) -> str:
     steeply with both); a 400 naming param otherwise."""
     text = json.dumps(value, ensure_ascii=False)  # NOTE: key order is the output's order
     if len(text.encode()) > MAX_SCHEMA_BYTES:
-        raise bad(param, f"'{param}' is {len(text.encode())} bytes as JSON; this server compiles schemas of at "
-                  f"most {MAX_SCHEMA_BYTES} bytes", code="schema_too_large")
+        raise bad(param, f"'{param}' is {len(text.encode())} bytes as JSON; this server compiles schemas of "
+                  f"at most {MAX_SCHEMA_BYTES} bytes", code="schema_too_large")
     if depth(value) > MAX_SCHEMA_DEPTH:
         raise bad(param, f"'{param}' nests {depth(value)} levels of objects and arrays; this server compiles "
                   f"schemas of at most {MAX_SCHEMA_DEPTH} levels (use $defs and $ref for shared parts)",
@@ -230,8 +230,9 @@ class Grammars:
     goes on (xgrammar cannot be stopped) and its result is cached. A compile past its deadline gives its
     slot back (at most `max_overdue` at once), so slow schemas cannot hold every slot."""
 
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE, threads: int = COMPILE_THREADS,
-                 deadline_s: float = COMPILE_DEADLINE_S, max_overdue: int = MAX_OVERDUE):
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE,
+                 threads: int = COMPILE_THREADS, deadline_s: float = COMPILE_DEADLINE_S,
+                 max_overdue: int = MAX_OVERDUE):
         import xgrammar
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
@@ -367,8 +368,8 @@ class Grammars:
             self.stats.timeouts += 1
             if job is not None:
                 self._overdue(job)
-            raise APIError(408, f"'{spec.param}' did not compile within {self.deadline_s:g} s (this server's "
-                           f"compile deadline; {self.stats.running} compiles running): send a smaller schema, "
-                           "or retry later (the compile goes on, and its result is kept)",
+            raise APIError(408, f"'{spec.param}' did not compile within {self.deadline_s:g} s (this "
+                           f"server's compile deadline; {self.stats.running} compiles running): send a "
+                           "smaller schema, or retry later (the compile goes on, and its result is kept)",
                            param=spec.param, code="grammar_compile_timeout") from None
         return xgrammar.GrammarMatcher(out)

@@ -359,7 +359,8 @@ class TextStream:
     """Output ids in, text deltas out; stop strings end the text (excluded from it), looked for once more than
     min_tokens ids came (vLLM's: a stop string within the first min_tokens is text)."""
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (), min_tokens: int = 0):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 min_tokens: int = 0):
         self.detok = Detokenizer(tokenizer, prompt_ids)
         self.min_tokens, self.tokens = min_tokens, 0
         self.stop = tuple(stop)
