@@ -27,6 +27,7 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 KV_SCALES = ("auto", "first_batch", "unit")
 QUANTIZATIONS = ("fp8",)  # --quantization: vLLM's flag; fp8 = per-channel weights, dynamic per-token acts
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # --reasoning_parser: vLLM's names (serving.reasoning)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
@@ -98,6 +99,8 @@ class ServerConfig:
     # must send as "Authorization: Bearer <key>" (None: no key). NOTE: never logged, never in the cache key
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    # the chat reply's <think>...</think> as reasoning_content (serving.reasoning); None: all of it is content
+    reasoning_parser: str | None = None
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -224,6 +227,10 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                                              and cfg.served_model_name == cfg.served_model_name.strip()),
            "served_model_name", f"must be a name without leading or trailing spaces, got "
            f"{cfg.served_model_name!r}; try --served_model_name my-model (or leave it out: --model's)")
+    _check(cfg.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
+           f"must be one of {', '.join(REASONING_PARSERS)}, got {cfg.reasoning_parser!r}; try "
+           "--reasoning_parser qwen3 (Qwen3's <think> replies; deepseek_r1 for DeepSeek-R1 and its "
+           "distills), or leave it out")
     _check(cfg.api_key is None or api_key_ok(cfg.api_key), "api_key",
            f"(or ${API_KEY_ENV}) must be printable ASCII characters without spaces, not empty: clients "
            "send it as 'Authorization: Bearer <key>'; try the output of `openssl rand -hex 32` (the key "
@@ -615,6 +622,9 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(http, "served_model_name", default=None,
              help="The model name /v1/models lists and responses carry; requests may name it or --model. "
                   "Unset: --model.")
+    add_flag(http, "reasoning_parser", default=None,
+             help=f"Chat replies' <think>...</think> as reasoning_content, apart from content (vLLM's flag): "
+                  f"{' or '.join(REASONING_PARSERS)}. Unset: the whole reply is content.")
     add_flag(http, "api_key", default=None,
              help=f"A key every /v1/* and /generate request must send as 'Authorization: Bearer <key>' "
                   f"(/health and /metrics stay open). Unset: ${API_KEY_ENV}, else no key. Prefer "

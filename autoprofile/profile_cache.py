@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "report_dir",
                           "allowed_media_domains", "tokenizer",
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
-                          "profile_cache", "served_model_name", "api_key",
+                          "profile_cache", "served_model_name", "api_key", "reasoning_parser",
                           "host_kv"})  # pinned host memory: the copies add no GPU memory
 # The environment that changes what a probe measures: the caching allocator's settings (expandable segments,
 # split sizes, garbage collection: the reserved peak) and CUDA's module loading (the context's memory)

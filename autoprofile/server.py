@@ -5,6 +5,7 @@
     GET  /v1/models            the served model (--served_model_name, else --model)
     POST /v1/completions       prompt (text or token ids) -> text; stream: true sends server-sent events
     POST /v1/chat/completions  messages (the model's chat template) -> text; stream as above
+    POST /v1/responses         OpenAI's Responses API over the chat path (serving.responses); GET one stored
     POST /generate             LightLLM parity: {"input_ids": [[ids]], "max_new_tokens"} -> {"output_ids"}
     POST /tokenize, /detokenize, GET /version   vLLM's: text or chat messages <-> token ids; the version
 
@@ -33,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,6 +58,10 @@ from autoprofile.serving.protocol import choice as choice_body
 from autoprofile.serving.protocol import response, usage
 from autoprofile.serving.choices import Choice, best, merged
 from autoprofile.serving.logprobs import chat_content, completion_block, echo_entries
+from autoprofile.serving.reasoning import END, ReasoningStream, reasoning_tokens, split, starts_thinking
+from autoprofile.serving.responses import (ResponseEvents, ResponseStore, not_found, output_items,
+                                           parse_responses, remember, response_object, sse)
+from autoprofile.serving.responses import usage as responses_usage
 from autoprofile.serving.structured import Grammars
 from autoprofile.serving.tools import ToolStream, reply_calls
 from autoprofile.serving.vision import ImageOptions, encode_with_images, load_prepared, multimodal_input
@@ -95,6 +101,7 @@ class ServerState:
         self.max_body = max(b.limit for b in self.bounds.values())  # aiohttp's client_max_size
         self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)
         self.parser = ThreadPoolExecutor(2, thread_name_prefix="parse")
+        self.responses = ResponseStore(registry=self.metrics.registry)  # for previous_response_id
         self.died = asyncio.Event()
 
     def _device(self):
@@ -397,11 +404,77 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _openai(request, parse_chat)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses: the body as a chat request (serving.responses); its reply as a response object,
+    or as Responses events."""
+    st = _accepting(request.app)
+    args, req = await _parsed(request, st.bounds["openai"], parse_responses, st.limits, st.tokenizer,
+                              st.responses)
+    if args.images:
+        args = await _with_images(st, args)
+    _think(st, args)
+    _room(st, args, 1)
+    choices = await _start(st, args)
+    try:
+        if args.stream:
+            return await _respond_stream(request, st, args, req, choices)
+        chat = (await _complete_body(st, args, [(args, choices)]))
+    finally:
+        for c in choices:
+            c.handle.close()
+    first, used = chat["choices"][0], chat["usage"]
+    message = first["message"]
+    thought = _reasoning_count(st, args, first["token_ids"], message.get("reasoning_content"))
+    body = response_object(req, args.model, "completed", output_items(message),
+                           responses_usage(used["prompt_tokens"], used["completion_tokens"], thought),
+                           first["finish_reason"])
+    remember(st.responses, req, body)
+    return web.json_response(body)
+
+
+async def _respond_stream(request: web.Request, st: ServerState, args: GenerateArgs, req,
+                          choices: list[Choice]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    events = ResponseEvents(req, args.model, functools.partial(_reasoning_count, st, args))
+    try:
+        for e in events.start():
+            await resp.write(sse(e))
+        async for body in _chunks(st, args, [(args, choices)]):
+            for e in events.feed(body):
+                await resp.write(sse(e))
+    except EngineFailure as e:
+        await resp.write(sse(events.error(_engine_failure(e).body())))
+    except ConnectionResetError:  # the client went away: close() aborts the request
+        return resp
+    if events.response is not None:
+        remember(st.responses, req, events.response)
+    await resp.write_eof()
+    return resp
+
+
+def _reasoning_count(st: ServerState, args: GenerateArgs, ids: list[int], reasoning: str | None) -> int:
+    if args.thinking is None:
+        return 0
+    return reasoning_tokens(ids, st.tokenizer.encode(END, add_special_tokens=False), args.thinking, reasoning)
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}: a stored response (this server's memory), else a 404."""
+    st = _accepting(request.app)
+    rid = request.match_info["response_id"]
+    stored = st.responses.get(rid)
+    if stored is None:
+        raise not_found(rid, None)
+    return web.json_response(stored.response)
+
+
 async def _openai(request: web.Request, parse) -> web.StreamResponse:
     st = _accepting(request.app)
     args = await _parsed(request, st.bounds["openai"], parse, st.limits, st.tokenizer)
     if args.images:
         args = await _with_images(st, args)
+    _think(st, args)
     prompts = [args, *args.others]
     _room(st, args, args.best_of * len(prompts))
     groups: list[tuple[GenerateArgs, list[Choice]]] = []
@@ -415,6 +488,16 @@ async def _openai(request: web.Request, parse) -> web.StreamResponse:
         for _, choices in groups:
             for c in choices:
                 c.handle.close()
+
+
+THINK_TAIL_TOKENS = 16  # the prompt's last tokens read for an open <think>
+
+
+def _think(st: ServerState, args: GenerateArgs) -> None:
+    """--reasoning_parser: whether a chat reply begins inside <think> (the prompt's end says)."""
+    if args.chat and st.cfg.reasoning_parser is not None:
+        tail = st.tokenizer.decode(args.prompt_ids[-THINK_TAIL_TOKENS:])
+        args.thinking = starts_thinking(st.cfg.reasoning_parser, tail)
 
 
 def _room(st: ServerState, args: GenerateArgs, count: int) -> None:
@@ -478,6 +561,11 @@ def _echo(st: ServerState, args: GenerateArgs, choices: list[Choice]) -> tuple[s
 
 async def _complete(st: ServerState, args: GenerateArgs,
                     groups: list[tuple[GenerateArgs, list[Choice]]]) -> web.Response:
+    return web.json_response(await _complete_body(st, args, groups))
+
+
+async def _complete_body(st: ServerState, args: GenerateArgs,
+                         groups: list[tuple[GenerateArgs, list[Choice]]]) -> dict:
     """Every prompt's n choices, indexed prompt by prompt (OpenAI's order), usage summed over the prompts."""
     bodies, tokens = [], 0
     for k, (a, choices) in enumerate(groups):
@@ -493,7 +581,7 @@ async def _complete(st: ServerState, args: GenerateArgs,
     body["choices"][0] = first
     if args.return_token_ids and args.chat:
         body["prompt_token_ids"] = args.prompt_ids
-    return web.json_response(body)
+    return body
 
 
 async def _choice_bodies(st: ServerState, args: GenerateArgs,
@@ -511,12 +599,16 @@ async def _choice_bodies(st: ServerState, args: GenerateArgs,
     bodies, returned = [], best(choices, args.n)
     for i, c in enumerate(returned):
         text, entries = ("", []) if args.echo_only else ("".join(c.parts), c.entries)
-        reason, calls = c.reason, None
+        reason, calls, thought = c.reason, None, None
+        if args.thinking is not None:
+            thought, text = split(text, args.thinking)
         if args.tools is not None and args.tools.parses:
-            text, calls = reply_calls(text, args.tools)
+            text, calls = reply_calls(text or "", args.tools)
             reason = "tool_calls" if calls else reason
         body = choice_body(args, text if text is None else prefix + text, reason, i,
                            _logprobs_body(st, args, c, entries, echo, 0), calls)
+        if args.thinking is not None:
+            body["message"]["reasoning_content"] = thought
         if args.return_token_ids:
             body |= {"token_ids": ids[c.index]} if args.chat else \
                 {"prompt_token_ids": args.prompt_ids, "token_ids": ids[c.index]}
@@ -528,61 +620,12 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
                   groups: list[tuple[GenerateArgs, list[Choice]]]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    rid, created = new_request_id(args.chat), int(time.time())
-    owner = {c.index: (a, choices) for a, choices in groups for c in choices}  # each choice's prompt
-    choices = [c for _, group in groups for c in group]
-    echoed: set[int] = set()
-    started: set[int] = set()
 
-    async def send(body: dict, c: Choice | None = None) -> None:
-        if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: its usage so far
-            body["usage"] = usage(len(owner[c.index][0].prompt_ids), c.tokens)
+    async def send(body: dict) -> None:
         await resp.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
-
-    tools = {c.index: ToolStream(args.tools) for c in choices} \
-        if args.tools is not None and args.tools.parses else {}
     try:
-        if args.chat:
-            for c in choices:
-                body = chunk(args, rid, created, None, role=True, index=c.index)
-                if args.return_token_ids:
-                    body["prompt_token_ids"] = args.prompt_ids
-                await send(body, c)
-        async for c, out in merged(choices):
-            a, group = owner[c.index]
-            delta, new = c.advance(out, _finish_reason, text_ids(a, out))
-            ids = out.new_token_ids if args.return_token_ids else []
-            if args.echo_only:
-                delta, new = "", []
-            prefix, echo = "", []
-            if a.echo and c.index not in echoed:
-                echoed.add(c.index)
-                prefix, echo = _echo(st, a, group)
-            new_calls = None
-            if c.index in tools:
-                calls = tools[c.index]
-                delta, new_calls = _tool_deltas(calls, delta, c.reason is not None)
-                if c.reason is not None and calls.calls:
-                    c.reason = "tool_calls"
-            lps = _logprobs_body(st, a, c, new, echo, c.offset) if new or echo else None
-            if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
-                c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
-            if prefix + delta or lps or ids:
-                body = chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps)
-                if ids:
-                    body["choices"][0]["token_ids"] = ids
-                if ids and not args.chat and c.index not in started:
-                    body["choices"][0]["prompt_token_ids"] = a.prompt_ids
-                started.add(c.index)
-                await send(body, c)
-            if new_calls:
-                await send(chunk(args, rid, created, None, index=c.index, tool_calls=new_calls), c)
-            if c.reason is not None:
-                await send(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index), c)
-        if args.include_usage:
-            tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
-            await send(chunk(args, rid, created, None,
-                             usage_body=usage(sum(len(a.prompt_ids) for a, _ in groups), tokens)))
+        async for body in _chunks(st, args, groups):
+            await send(body)
     except EngineFailure as e:
         await send(_engine_failure(e).body())
     except ConnectionResetError:  # the client went away: close() aborts the request
@@ -590,6 +633,82 @@ async def _stream(request: web.Request, st: ServerState, args: GenerateArgs,
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+async def _chunks(st: ServerState, args: GenerateArgs,
+                  groups: list[tuple[GenerateArgs, list[Choice]]]) -> AsyncIterator[dict]:
+    """The stream's chunks as they become known (an EngineFailure is raised)."""
+    rid, created = new_request_id(args.chat), int(time.time())
+    owner = {c.index: (a, choices) for a, choices in groups for c in choices}  # each choice's prompt
+    choices = [c for _, group in groups for c in group]
+    echoed: set[int] = set()
+    started: set[int] = set()
+
+    def counted(body: dict, c: Choice | None = None) -> dict:
+        if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: its usage so far
+            body["usage"] = usage(len(owner[c.index][0].prompt_ids), c.tokens)
+        return body
+
+    tools = {c.index: ToolStream(args.tools) for c in choices} \
+        if args.tools is not None and args.tools.parses else {}
+    thinks = {c.index: ReasoningStream(args.thinking) for c in choices} if args.thinking is not None else {}
+    if args.chat:
+        for c in choices:
+            body = chunk(args, rid, created, None, role=True, index=c.index)
+            if args.return_token_ids:
+                body["prompt_token_ids"] = args.prompt_ids
+            yield counted(body, c)
+    async for c, out in merged(choices):
+        a, group = owner[c.index]
+        delta, new = c.advance(out, _finish_reason, text_ids(a, out))
+        ids = out.new_token_ids if args.return_token_ids else []
+        if args.echo_only:
+            delta, new = "", []
+        prefix, echo = "", []
+        if a.echo and c.index not in echoed:
+            echoed.add(c.index)
+            prefix, echo = _echo(st, a, group)
+        thought = ""
+        if c.index in thinks:
+            thought, delta = _reasoning_deltas(thinks[c.index], delta, c.reason is not None)
+        new_calls = None
+        if c.index in tools:
+            calls = tools[c.index]
+            delta, new_calls = _tool_deltas(calls, delta, c.reason is not None)
+            if c.reason is not None and calls.calls:
+                c.reason = "tool_calls"
+        if thought:
+            body = chunk(args, rid, created, None, index=c.index)
+            body["choices"][0]["delta"]["reasoning_content"] = thought
+            yield counted(body, c)
+        lps = _logprobs_body(st, a, c, new, echo, c.offset) if new or echo else None
+        if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
+            c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
+        if prefix + delta or lps or ids:
+            body = chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps)
+            if ids:
+                body["choices"][0]["token_ids"] = ids
+            if ids and not args.chat and c.index not in started:
+                body["choices"][0]["prompt_token_ids"] = a.prompt_ids
+            started.add(c.index)
+            yield counted(body, c)
+        if new_calls:
+            yield counted(chunk(args, rid, created, None, index=c.index, tool_calls=new_calls), c)
+        if c.reason is not None:
+            yield counted(chunk(args, rid, created, None, finish_reason=c.reason, index=c.index), c)
+    if args.include_usage:
+        tokens = 0 if args.echo_only else sum(c.tokens for c in choices)
+        prompt = sum(len(a.prompt_ids) for a, _ in groups)
+        yield chunk(args, rid, created, None, usage_body=usage(prompt, tokens))
+
+
+def _reasoning_deltas(think: ReasoningStream, delta: str, last: bool) -> tuple[str, str]:
+    """A text delta split into reasoning and content (what is held comes out at the end)."""
+    thought, content = think.push(delta)
+    if last:
+        more, rest = think.finish()
+        thought, content = thought + more, content + rest
+    return thought, content
 
 
 def _tool_deltas(calls: ToolStream, delta: str, last: bool) -> tuple[str, list[dict]]:
@@ -651,6 +770,8 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", stored_response)
     app.router.add_post("/generate", generate)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

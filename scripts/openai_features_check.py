@@ -3,14 +3,19 @@
 Phase 1 (mix): --num-requests requests, all at once, each kind in turn: chat with `top_logprobs` 20,
 completions with `n` 4, `best_of`, every sampling control (penalties, `logit_bias`, `min_p`, `min_tokens`,
 `stop_token_ids`), a chat `response_format` JSON schema, `echo` with prompt logprobs (lm-eval's
-loglikelihood), a forced tool call. Every answer is checked for its shape (logprobs present and sorted, n
-choices, the schema satisfied, the tool call parsing) and the server's /metrics must count 0 OOM.
+loglikelihood), a forced tool call, a Responses API request (POST /v1/responses: instructions, input items, a
+forced function call) and, with --reasoning (a server started with --reasoning_parser qwen3), a chat reply
+steered through <think>...</think> whose thinking must come back as reasoning_content. Every answer is
+checked for its shape (logprobs present and sorted, n choices, the schema satisfied, the tool call parsing,
+the reasoning apart) and the server's /metrics must count 0 OOM.
 Phase 2 (schema cost): --throughput-prompts chat requests at --max-concurrency, every one with a JSON schema,
 against the same requests without one (run before and after it); output tokens per second of each and the
 ratio to the plain runs' mean.
 
     python3 scripts/openai_features_check.py --launch "autoprofile serve --model llama-3.1-8b --port 0"
     python3 scripts/openai_features_check.py --base-url http://127.0.0.1:8000 --num-requests 64
+    python3 scripts/openai_features_check.py --reasoning \
+        --launch "autoprofile serve --model llama-3.1-8b --port 0 --reasoning_parser qwen3"
 
 Loopback only. Exits 1 when a request fails, an answer has the wrong shape, or the server counted an OOM.
 """
@@ -44,7 +49,20 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"type": "string", "maxLength": 32},
                                   "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-KINDS = ("top_logprobs", "n4", "best_of", "controls", "json_schema", "echo", "tool")
+# the Responses API's flat function tool: no free string (the chat tool kind has one)
+RESPONSES_TOOL = {"type": "function", "name": "get_forecast", "description": "The forecast of a city.",
+                  "parameters": {"type": "object", "additionalProperties": False,
+                                 "required": ["city", "days"],
+                                 "properties": {"city": {"enum": ["Oslo", "Lima", "Pune"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}
+THINKING = "<think>[a-z ]{1,48}</think>[a-z ]{1,48}"  # the reasoning kind's reply (random weights never
+# think on their own)
+KINDS = ("top_logprobs", "n4", "best_of", "controls", "json_schema", "echo", "tool", "responses")
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+
+
+def kinds(reasoning: bool) -> tuple[str, ...]:
+    return (*KINDS, "reasoning") if reasoning else KINDS
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -76,12 +94,37 @@ def request(kind: str, rng: random.Random, model: str, prompt_words: int,
     if kind == "tool":
         return "chat", {**chat, "max_tokens": max(max_tokens, 96), "tools": [TOOL], "temperature": 1.0,
                         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if kind == "responses":
+        return "responses", {"model": model, "instructions": "Answer with a tool call.", "temperature": 1.0,
+                             "input": [{"role": "user", "content": [{"type": "input_text", "text": text}]}],
+                             "max_output_tokens": max(max_tokens, 256), "tools": [RESPONSES_TOOL],
+                             "tool_choice": "required"}
+    if kind == "reasoning":
+        return "chat", {**chat, "max_tokens": max(max_tokens, 128), "temperature": 1.0, "seed": seed,
+                        "structured_outputs": {"regex": THINKING}}
     raise ValueError(kind)
+
+
+def response_problems(answer: dict) -> list[str]:
+    """A Responses answer to the forced function call: one function_call whose arguments fit the tool."""
+    import jsonschema
+    if answer.get("object") != "response" or answer.get("status") != "completed":
+        return [f"responses: object {answer.get('object')!r}, status {answer.get('status')!r}"]
+    calls = [o for o in answer.get("output") or [] if o.get("type") == "function_call"]
+    if not calls or answer["usage"]["output_tokens"] < 1:
+        return ["responses: no function_call item, or no output tokens"]
+    try:
+        jsonschema.validate(json.loads(calls[0]["arguments"]), RESPONSES_TOOL["parameters"])
+    except (ValueError, jsonschema.ValidationError) as e:
+        return [f"responses: {type(e).__name__}: {str(e)[:80]}"]
+    return []
 
 
 def problems(kind: str, body: dict, answer: dict) -> list[str]:
     """What is wrong with an answer of `kind` (an empty list: nothing)."""
     import jsonschema
+    if kind == "responses":
+        return response_problems(answer)
     choices = answer.get("choices") or []
     want = body.get("n", 1)
     if len(choices) != want:
@@ -117,12 +160,16 @@ def problems(kind: str, body: dict, answer: dict) -> list[str]:
                                         TOOL["function"]["parameters"])
                 except (ValueError, jsonschema.ValidationError) as e:
                     out.append(f"tool: {type(e).__name__}: {str(e)[:80]}")
+        elif kind == "reasoning" and c.get("finish_reason") == "stop":
+            message = c["message"]
+            if not message.get("reasoning_content") or "<think>" in (message.get("content") or ""):
+                out.append("reasoning: no reasoning_content, or <think> left in content")
     return out
 
 
 async def post(session: aiohttp.ClientSession, url: str, endpoint: str, body: dict, timeout: float) -> dict:
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+    timeout_s = aiohttp.ClientTimeout(total=timeout)
+    async with session.post(url + PATHS[endpoint], json=body, timeout=timeout_s) as r:
         answer = await r.json(content_type=None)
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {json.dumps(answer)[:200]}")
@@ -131,9 +178,10 @@ async def post(session: aiohttp.ClientSession, url: str, endpoint: str, body: di
 
 async def mix(url: str, model: str, args) -> dict:
     rng = random.Random(args.seed)
-    kinds = [KINDS[i % len(KINDS)] for i in range(args.num_requests)]
-    jobs = [(k, *request(k, rng, model, args.prompt_words, args.max_tokens)) for k in kinds]
-    by_kind = {k: Counter() for k in KINDS}
+    mixed = kinds(args.reasoning)
+    jobs = [(k, *request(k, rng, model, args.prompt_words, args.max_tokens))
+            for k in (mixed[i % len(mixed)] for i in range(args.num_requests))]
+    by_kind = {k: Counter() for k in mixed}
     errors: Counter = Counter()
 
     async def one(session, kind, endpoint, body):
@@ -218,6 +266,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--throughput-max-tokens", type=int, default=128, help="phase 2's max_tokens")
     p.add_argument("--request-timeout", type=float, default=900)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reasoning", action="store_true",
+                   help="add reasoning requests to the mix (the server runs with --reasoning_parser qwen3)")
     p.add_argument("--result-file", default=None)
     return p.parse_args(argv)
 

@@ -288,7 +288,7 @@ def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
 # measurement, or the cache's own) or changes the key; a new field must be classified here or the test fails.
 HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains",
              "tokenizer", "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
-             "profile_cache", "served_model_name", "api_key", "host_kv"}
+             "profile_cache", "served_model_name", "api_key", "host_kv", "reasoning_parser"}
 MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max_req_size": 64,
             "max_req_total_len": 4096, "graph_max_batch_size": 128, "disable_cudagraph": True,
             "disable_prefix_caching": True, "disable_overlap_schedule": True, "attention_backend": "torch",

@@ -121,6 +121,7 @@ def _deep_key(raw: bytes | bytearray) -> str | None:
 SERVED, IGNORED, UNSUPPORTED = "served", "ignored", "unsupported"
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # vLLM's
+RESPONSES = "/v1/responses"  # serving.responses: its body becomes a chat request
 OPENAI = (COMPLETIONS, CHAT)
 
 
@@ -141,22 +142,26 @@ def _refused(noop=None, *endpoints: str) -> Field:
 
 SAMPLING = (COMPLETIONS, CHAT, GENERATE)
 FIELDS: dict[str, Field] = {
-    "model": _served(COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE), "prompt": _served(COMPLETIONS, TOKENIZE),
+    "model": _served(COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE, RESPONSES),
+    "prompt": _served(COMPLETIONS, TOKENIZE),
     "messages": _served(CHAT, TOKENIZE), "add_special_tokens": _served(TOKENIZE),
     "return_token_strs": _served(TOKENIZE), "tokens": _served(DETOKENIZE),
     "max_tokens": _served(), "max_completion_tokens": _served(CHAT), "stop": _served(),
-    "stream": _served(), "stream_options": _served(), "ignore_eos": _served(),
-    **{k: _served(*SAMPLING) for k in ("temperature", "top_p", "top_k", "seed")},
+    "stream": _served(COMPLETIONS, CHAT, RESPONSES), "stream_options": _served(COMPLETIONS, CHAT, RESPONSES),
+    "ignore_eos": _served(),
+    **{k: _served(*SAMPLING, RESPONSES) for k in ("temperature", "top_p")},
+    **{k: _served(*SAMPLING) for k in ("top_k", "seed")},
     "input_ids": _served(GENERATE), "max_new_tokens": _served(GENERATE),
-    **{k: Field(IGNORED) for k in ("user", "metadata", "store", "service_tier", "prompt_cache_key",
-                                   "safety_identifier")},
+    **{k: Field(IGNORED, (*OPENAI, RESPONSES)) for k in ("user", "metadata", "service_tier",
+                                                         "prompt_cache_key", "safety_identifier")},
+    "store": _served(COMPLETIONS, CHAT, RESPONSES),  # Responses: kept for previous_response_id; else no-op
     **{k: _served(*SAMPLING) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                                        "logit_bias", "min_p")},
     "min_tokens": _served(), "stop_token_ids": _served(),
     "n": _served(), "best_of": _served(COMPLETIONS), "logprobs": _served(), "top_logprobs": _served(CHAT),
     "echo": _served(COMPLETIONS),
     "suffix": _refused(""),
-    "tools": _served(CHAT), "tool_choice": _served(CHAT), "parallel_tool_calls": _served(CHAT),
+    **{k: _served(CHAT, RESPONSES) for k in ("tools", "tool_choice", "parallel_tool_calls")},
     "functions": _refused([], CHAT), "function_call": _refused("none", CHAT),
     "response_format": _served(), "structured_outputs": _served(),  # structured output (serving.structured)
     "modalities": _refused(["text"], CHAT),
@@ -171,8 +176,15 @@ FIELDS: dict[str, Field] = {
     **{k: _served(CHAT, TOKENIZE) for k in ("add_generation_prompt", "continue_final_message",
                                             "chat_template_kwargs")},
     "chat_template": _refused(None, CHAT),
+    # the Responses API (serving.responses)
+    **{k: _served(RESPONSES) for k in ("input", "instructions", "max_output_tokens", "text",
+                                        "previous_response_id")},
+    **{k: Field(IGNORED, (RESPONSES,)) for k in ("include", "prompt_cache_retention")},
+    "background": _refused(False, RESPONSES), "truncation": _refused("disabled", RESPONSES),
+    **{k: _refused(None, RESPONSES) for k in ("conversation", "reasoning", "max_tool_calls")},
 }
-STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(), "include_obfuscation": Field(IGNORED),
+STREAM_OPTIONS: dict[str, Field] = {"include_usage": _served(),
+                                    "include_obfuscation": Field(IGNORED, (*OPENAI, RESPONSES)),
                                     "continuous_usage_stats": _served()}
 # a chat message's own fields (name, tool_calls and tool_call_id go to the chat template)
 MESSAGE_FIELDS: dict[str, Field] = {
@@ -283,6 +295,7 @@ class GenerateArgs:
     others: list[GenerateArgs] = field(default_factory=list)  # completions: the other prompts of the body
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    thinking: bool | None = None  # --reasoning_parser: the reply begins inside <think> (None: no parser)
 
 
 # ---------------------------------------------------------------- request bodies
