@@ -51,6 +51,12 @@ class ConfigError(ValueError):
 class ServerConfig:
     model: str = "llama-3.1-8b"
     tp: int = 1
+    # TP across hosts (SGLang's flags): every host runs tp / nnodes ranks; host 0 hosts the rendezvous at
+    # dist_init_addr (HOST:PORT) and its first rank serves HTTP; dist_timeout bounds the wait for every host
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: float = 300.0
     max_total_token_num: int | None = None
     mem_fraction: float = 1.0
     batch_max_tokens: int = 8192
@@ -174,11 +180,50 @@ def parse_host_kv(text: str) -> float | str:
     return value
 
 
+def parse_dist_addr(text: str) -> tuple[str, int]:
+    """--dist_init_addr: HOST:PORT (an IPv6 host in brackets: [::1]:29500); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not (sep and host.strip() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(text)
+    return host, int(port)
+
+
+def _validate_hosts(cfg: ServerConfig, serving: bool) -> None:
+    """--nnodes, --node_rank, --dist_init_addr, --dist_timeout (plan takes --nnodes alone)."""
+    _check(cfg.nnodes >= 1, "nnodes", f"must be >= 1 (hosts), got {cfg.nnodes}; try --nnodes 1")
+    up = -(-cfg.tp // cfg.nnodes) * cfg.nnodes
+    _check(cfg.tp % cfg.nnodes == 0, "tp",
+           f"--tp {cfg.tp} does not split over --nnodes {cfg.nnodes} hosts (each host runs --tp / --nnodes "
+           f"ranks, one per GPU); try --tp {up}")
+    if not serving:
+        return
+    example = "--dist_init_addr 10.0.0.1:29500 (host 0's address and a free port, the same on every host)"
+    _check(cfg.nnodes == 1 or cfg.dist_init_addr is not None, "dist_init_addr",
+           f"--nnodes {cfg.nnodes} needs the address where host 0 (--node_rank 0) holds the rendezvous; try "
+           f"{example}")
+    _check(cfg.nnodes > 1 or cfg.dist_init_addr is None, "dist_init_addr",
+           "is the rendezvous of several hosts and needs --nnodes > 1; drop it on one host, or add "
+           "--nnodes 2 --node_rank R")
+    _check(0 <= cfg.node_rank < cfg.nnodes, "node_rank",
+           f"must be in [0, {cfg.nnodes - 1}] for --nnodes {cfg.nnodes} (0 is the host that serves HTTP), "
+           f"got {cfg.node_rank}; try --node_rank {min(max(cfg.node_rank, 0), cfg.nnodes - 1)}")
+    if cfg.dist_init_addr is not None:
+        try:
+            parse_dist_addr(cfg.dist_init_addr)
+        except ValueError:
+            raise ConfigError("dist_init_addr", f"must be HOST:PORT with a port in [1, 65535], got "
+                              f"{cfg.dist_init_addr!r}; try {example}") from None
+    _check(math.isfinite(cfg.dist_timeout) and cfg.dist_timeout > 0, "dist_timeout",
+           f"must be a number of seconds > 0, got {cfg.dist_timeout}; try --dist_timeout 300")
+
+
 def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     """Check every flag and combination; return cfg unchanged or raise ConfigError. CPU only.
 
     serving=False (autoprofile plan) also accepts architectures the engine cannot run yet (MoE)."""
     _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
+    _validate_hosts(cfg, serving)
     _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
            f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; "
            "try --mem_fraction 1.0")
@@ -522,7 +567,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help=f"A Hugging Face style folder (config.json, plus *.safetensors weights to serve them) or "
                   f"the name of a built-in config: {', '.join(builtin_models())}.")
     add_flag(budget, "tp", type=int, default=d.tp,
-             help="Tensor-parallel ranks, one process and one GPU each.")
+             help="Tensor-parallel ranks, one process and one GPU each, over every host (--nnodes).")
+    add_flag(budget, "nnodes", type=int, default=d.nnodes,
+             help="Hosts the --tp ranks span, --tp / --nnodes on each; start `serve` (or `profile`) on every "
+                  "host with the same flags and its own --node_rank.")
     add_flag(budget, "max_total_token_num", type=int, default=None,
              help="Pin the KV cache size in tokens (a multiple of --page_size). It skips the probe and is "
                   "still validated. Unset: the profile measures the largest cache that fits.")
@@ -598,6 +646,12 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Pinned host memory per rank for the prefix cache's evicted pages, copied back on a hit: "
                   "off, a number of GiB, or auto (half the host's available memory less 8 GiB, split over "
                   "the host's GPUs).")
+    add_flag(run, "node_rank", type=int, default=d.node_rank,
+             help="This host's index in [0, --nnodes); host 0 holds the rendezvous and serves HTTP.")
+    add_flag(run, "dist_init_addr", default=None, metavar="HOST:PORT",
+             help="Host 0's address and a free port for the rendezvous of every host (--nnodes > 1).")
+    add_flag(run, "dist_timeout", type=float, default=d.dist_timeout,
+             help="Seconds to wait at the rendezvous for every host to join (or for host 0 to answer).")
     add_flag(run, "shrink_ratio", type=float, default=d.shrink_ratio,
              help="The KV size of each retry, as a fraction of the last one.")
     add_flag(run, "max_retries", type=int, default=d.max_retries,

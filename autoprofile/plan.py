@@ -101,6 +101,7 @@ class Plan:
     warnings: tuple[str, ...]
     problem_flag: str | None = None  # set when the model cannot be served as configured on this card
     problem: str | None = None  # ... and why, with a value of that flag that works
+    nnodes: int = 1  # hosts the ranks span (--nnodes), tp // nnodes GPUs each; every figure is per rank
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -294,13 +295,13 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
                "native AITER decode uses its persistent workspace (solved with T below)")
 
 
-def nccl_row(tp: int) -> Row:
+def nccl_row(tp: int, nnodes: int = 1) -> Row:
     if tp == 1:
         return Row("NCCL buffers", 0, "exact", "none", "")
+    across = f"; across --nnodes {nnodes} hosts (network transport) not measured either" if nnodes > 1 else ""
     return Row("NCCL buffers", NCCL_ESTIMATE, "ESTIMATED", "measured: NVML per-process use - reserved",
                f"NCCL communicator buffers per rank: {gib(NCCL_ESTIMATE):.2f} GiB measured on 2xH200 at --tp "
-               f"2; "
-               "assumed the same at larger --tp (not measured)")
+               f"2; assumed the same at larger --tp (not measured){across}")
 
 
 # The vision tower's activation peak in one encoder step (Qwen2.5-VL 7B's tower, bf16), fitted to the H100
@@ -355,7 +356,7 @@ def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
             "measured: NVML per-process use - reserved",
             "~1.0 GiB per process as measured on an H100 (torch 2.11, CUDA 13; no spilling kernel); "
             "NCCL's buffers are the next row"),
-        nccl_row(tp),
+        nccl_row(tp, cfg.nnodes),
         Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
             f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
             f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms, routers, MLA's "
@@ -514,7 +515,7 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
     if ctx is not None:
         return "max_req_total_len", f"{why}; try --max_req_total_len {ctx}"
     for tp in (2, 4, 8):
-        if tp > cfg.tp and _fits(cfg, card, tp=tp):
+        if tp > cfg.tp and tp % cfg.nnodes == 0 and _fits(cfg, card, tp=tp):
             return "tp", f"{why}; try --tp {tp} (one GPU per rank)"
     return "model", (f"{m.name} does not fit on {card.name} with any single flag changed: {why}; "
                      "use a bigger card")
@@ -549,7 +550,7 @@ def _plan(cfg: ServerConfig, card: Card) -> Plan:
     return Plan(
         model=cfg.model_config.name, architecture=cfg.model_config.architecture, gpu=gpu,
         gpu_source=card.source,
-        total=card.total, tp=cfg.tp, attention_backend=backend, dtype=cfg.dtype,
+        total=card.total, tp=cfg.tp, nnodes=cfg.nnodes, attention_backend=backend, dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_dtype_name,
         context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
         graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
@@ -574,9 +575,15 @@ def mla_replication_lines(p: Plan) -> list[str]:
             f"KV tokens per rank = KV tokens of the model ({p.tokens:,})"]
 
 
+def hosts_text(p: Plan) -> str:
+    if p.nnodes == 1:
+        return f"--tp {p.tp}"
+    return f"--tp {p.tp} over --nnodes {p.nnodes}: {p.nnodes} hosts x {p.tp // p.nnodes} GPUs"
+
+
 def format_plan(p: Plan) -> str:
     head = [
-        f"autoprofile plan: {p.model} ({p.architecture}) on {p.gpu}, per TP rank (--tp {p.tp})",
+        f"autoprofile plan: {p.model} ({p.architecture}) on {p.gpu}, per TP rank ({hosts_text(p)})",
         f"  attention backend {p.attention_backend}, weights {p.dtype}, KV {p.kv_cache_dtype}, "
         f"context {p.context_len} tokens, page {p.page_size}, --batch_max_tokens {p.batch_max_tokens}, "
         f"--graph_max_batch_size {p.graph_max_batch_size}, --mem_fraction {p.mem_fraction}",

@@ -3,6 +3,7 @@ tiny model
 with seeded random weights and a fixed KV size in place of the profile (it reads CUDA memory).
 
     python3 -m unit_tests.tp_cpu_boot PORT    # serves until SIGTERM; exit code as `autoprofile serve`
+    python3 -m unit_tests.tp_cpu_boot PORT --nnodes 2 --node_rank R --dist_init_addr 127.0.0.1:P   # a host
 
 While the file named by $AUTOPROFILE_TEST_RELEASE does not exist, rank 0's boot waits (up to BOOT_WAIT_S) and
 the other rank waits for it in a collective, as during a profile: the test sees /health while ranks boot.
@@ -40,8 +41,12 @@ def boot_cpu_tp(cfg: ServerConfig, guard):
 
 
 def main(argv: list[str]) -> int:
+    """PORT [--tp N] [--nnodes M --node_rank R --dist_init_addr HOST:PORT] (simulated hosts on one machine)."""
     from autoprofile import launch
-    cfg = validate(ServerConfig(**FLAGS, port=int(argv[0])))
+    flags = dict(zip(argv[1::2], argv[2::2]))
+    hosts = {k: int(flags[f"--{k}"]) for k in ("tp", "nnodes", "node_rank") if f"--{k}" in flags}
+    cfg = validate(ServerConfig(**{**FLAGS, **hosts}, port=int(argv[0]),
+                                dist_init_addr=flags.get("--dist_init_addr")))
     return launch.serve_tp(cfg, device="cpu", boot=boot_cpu_tp)
 
 

@@ -14,6 +14,7 @@ import importlib.metadata
 import itertools
 import logging
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -78,7 +79,9 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 
 def runner_device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's GPU: LOCAL_RANK (its index on its host, set by the launcher, as torchrun does), else rank."""
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ModelRunner:

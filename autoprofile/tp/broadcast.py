@@ -19,6 +19,7 @@ from autoprofile.tp.channel import HEARTBEAT_S, GuardedRunner, StepFailed, TPErr
 from autoprofile.tp.votes import describe, gather_errors
 
 log = logging.getLogger(__name__)
+PEER_CHECK_S = 0.5  # the idle rank 0 looks for a peer that ended this often
 
 
 # ---------------------------------------------------------------- serving: the step broadcast
@@ -197,9 +198,14 @@ class StepBroadcaster:
         return shipped
 
     def _heartbeat(self, every: float) -> None:
-        while not self._stop.wait(every / 4):
+        """Pings idle workers; stops serving as soon as the watchdog saw a peer end (a dead rank, a host
+        gone), idle or not: no step could run any more."""
+        while not self._stop.wait(min(every / 4, PEER_CHECK_S)):
+            gone = self.guard.fatal_peers()
             with self._lock:
-                if self.fatal is None and time.monotonic() - self._last >= every:
+                if self.fatal is None and gone:
+                    self._fail(f"tensor-parallel serving stopped: {gone}")
+                elif self.fatal is None and time.monotonic() - self._last >= every:
                     self._send("ping")
 
 

@@ -29,6 +29,7 @@ ORPHAN_GRACE_S = 10.0
 GRACE_S = 1.0  # a rank still in its section this long after a peer failed is waiting for that peer
 STUCK_S = 5.0  # still in its section this long after the abort: the abort did not free it (see 2b)
 WAIT_SLICE = datetime.timedelta(milliseconds=100)  # gloo data-plane waits check for a peer failure this often
+PEER_WAIT_S = 5.0  # a rank that lost a peer waits this long for the record naming why (a parent posts it)
 BOUND_S = 60.0  # the parent ends ranks that have not agreed this long after a failure
 HEARTBEAT_S = 60.0  # rank 0 pings idle workers: gloo ops fail after the group's 30-minute timeout
 STORE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -113,8 +114,10 @@ class RankGuard:
     """This rank's side of the failure channel: the data group, its sections, the watchdog thread."""
 
     def __init__(self, store_addr: tuple[str, int], rank: int, world: int, device: torch.device,
-                 grace_s: float = GRACE_S, on_stuck: Callable[[str], None] | None = None):
+                 grace_s: float = GRACE_S, on_stuck: Callable[[str], None] | None = None,
+                 peer_wait_s: float = PEER_WAIT_S):
         self.rank, self.world, self.device, self.grace_s = rank, world, device, grace_s
+        self.peer_wait_s = peer_wait_s
         self.on_stuck = on_stuck or exit_stuck  # ends this process with the text (2b)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         self.failures = FailureLog(client(store_addr))
@@ -202,6 +205,13 @@ class RankGuard:
             if self.aborted:
                 raise PeerFailed(f"stopped waiting in a collective: {self.peer_text()}")
 
+    def fatal_peers(self) -> str | None:
+        """The diagnostic of the peers that are ending (dead, or a whole host gone), as the watchdog saw them;
+        None while there is none."""
+        with self._lock:
+            fatal = [r for _, r in self._peers if r.fatal]
+        return diagnostic(fatal) if fatal else None
+
     def peer_text(self) -> str:
         with self._lock:
             peers = [r for _, r in self._peers]
@@ -267,7 +277,7 @@ class RankGuard:
         """The text a rank ends with after an exception that reached its top level: the peers' failure if
         this is its consequence (PeerFailed, a dead peer's closed connection), else its own, posted first."""
         if is_consequence(e):
-            deadline = time.monotonic() + 5.0  # the parent posts a dead rank within its poll interval
+            deadline = time.monotonic() + self.peer_wait_s
             while time.monotonic() < deadline:
                 peers = [r for r in self.failures.read() if r.rank != self.rank]
                 if peers:
