@@ -16,7 +16,6 @@ import torch.distributed as dist
 from autoprofile import cli, launch
 from autoprofile.config import ServerConfig, validate
 from autoprofile.tp import rendezvous
-from autoprofile.tp.channel import FailureLog
 from autoprofile.tp.rendezvous import Hosts, HostWatch, RendezvousError
 
 TINY = ["--model", "tiny", "--dtype", "float32", "--attention_backend", "torch"]
@@ -67,7 +66,8 @@ def test_ipv6_and_plain_addresses_parse():
 def test_a_host_without_gpus_for_its_ranks_is_refused_naming_tp(mocker, capsys):
     mocker.patch("autoprofile.cli._gpu_present", return_value=True)
     mocker.patch("torch.cuda.device_count", return_value=1)
-    argv = ["serve", "--model", "llama-3.1-8b", "--tp", "4", "--nnodes", "2", "--dist_init_addr", "127.0.0.1:1"]
+    argv = ["serve", "--model", "llama-3.1-8b", "--tp", "4", "--nnodes", "2", "--dist_init_addr",
+            "127.0.0.1:1"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --tp: --tp 4 over --nnodes 2 runs 2 rank(s) on each host") and \
@@ -193,9 +193,43 @@ def test_a_host_whose_launcher_stops_beating_is_posted_once_as_fatal_and_a_done_
         watches[0].tick(lambda rank, text: posted.append((rank, text)))
         time.sleep(0.05)
     watches[0].tick(lambda rank, text: posted.append((rank, text)))
-    assert posted == [(2, "host 1 (ranks 2-3) is gone: its launcher sent no heartbeat for 0.5 s (the host died, "
-                          "its launcher was killed, or the network to it failed)")]
-    FailureLog(store)  # the launcher posts it there: every rank's watchdog reads it
+    assert posted == [(2, "host 1 (ranks 2-3) is gone: its launcher sent no heartbeat for 0.5 s (the host "
+                          "died, its launcher was killed, or the network to it failed)")]
+
+
+# ---------------------------------------------------------------- launch() across hosts, in threads
+def _where(guard):
+    import torch
+    x = torch.tensor([float(guard.rank)])
+    torch.distributed.all_reduce(x, group=guard.control)  # one group over both hosts
+    return guard.rank, guard.world, os.environ["LOCAL_RANK"], x.item()
+
+
+def test_each_hosts_launcher_runs_its_ranks_with_global_ranks_and_local_devices():
+    port = _free_port()
+    out: dict = {}
+
+    def host(n: int) -> None:
+        out[n] = launch.launch(_where, 4, device="cpu", timeout_s=120, env=LOOPBACK,
+                               hosts=Hosts(2, n, ("127.0.0.1", port), 60.0),
+                               fingerprint=rendezvous.fingerprint(CFG))
+    threads = [threading.Thread(target=host, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert all(o.ok for n in range(2) for o in out[n]), out
+    assert [o.value for o in out[0]] == [(0, 4, "0", 6.0), (1, 4, "1", 6.0)]
+    assert [o.value for o in out[1]] == [(2, 4, "0", 6.0), (3, 4, "1", 6.0)]
+
+
+def test_a_rank_takes_the_gpu_of_its_local_rank(monkeypatch, mocker):
+    from autoprofile.engine.runner import runner_device
+    mocker.patch("torch.cuda.is_available", return_value=True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert str(runner_device(3)) == "cuda:1"  # global rank 3 is the second rank of host 1
+    monkeypatch.delenv("LOCAL_RANK")
+    assert str(runner_device(1)) == "cuda:1"
 
 
 # ---------------------------------------------------------------- two simulated hosts (processes)
@@ -250,7 +284,8 @@ def test_two_simulated_hosts_serve_the_tokens_of_one_host_at_the_same_tp_and_sto
 
 
 @pytest.mark.slow
-def test_a_host_killed_mid_serve_ends_every_rank_with_one_message_and_no_orphan():
+@pytest.mark.parametrize("busy", [True, False], ids=["mid-generation", "idle"])
+def test_a_host_killed_mid_serve_ends_every_rank_with_one_message_and_no_orphan(busy):
     import psutil
     from unit_tests.test_serve_process import _post, _stop, _url, _wait_ready
     (h0, l0), (h1, l1) = _serve_hosts(_free_port())
@@ -259,10 +294,10 @@ def test_a_host_killed_mid_serve_ends_every_rank_with_one_message_and_no_orphan(
         _wait_ready(url)
         ranks = psutil.Process(h0.pid).children(recursive=True)
         answers: list = []
-        long = threading.Thread(target=lambda: answers.append(_post(f"{url}/generate", {
-            "input_ids": [[5, 6, 7, 8]], "max_new_tokens": 240})), daemon=True)
-        long.start()
-        time.sleep(1.0)  # NOTE: a step or two in flight; idle or not, the end is the same
+        if busy:
+            threading.Thread(target=lambda: answers.append(_post(f"{url}/generate", {
+                "input_ids": [[5, 6, 7, 8]], "max_new_tokens": 240})), daemon=True).start()
+            time.sleep(1.0)  # NOTE: a step or two in flight
         t0 = time.monotonic()
         os.killpg(h1.pid, signal.SIGKILL)  # the whole host: its launcher and its rank
         code = h0.wait(timeout=90)
