@@ -206,11 +206,19 @@ def _where(guard):
 
 
 def test_each_hosts_launcher_runs_its_ranks_with_global_ranks_and_local_devices():
+    out = _two_hosts(_where, 4)
+    assert all(o.ok for n in range(2) for o in out[n]), out
+    assert [o.value for o in out[0]] == [(0, 4, "0", 6.0), (1, 4, "1", 6.0)]
+    assert [o.value for o in out[1]] == [(2, 4, "0", 6.0), (3, 4, "1", 6.0)]
+
+
+def _two_hosts(target, world: int, *args) -> dict:
+    """launch(target) of 2 hosts, each on a thread of this process: node rank -> its ranks' Outcomes."""
     port = _free_port()
     out: dict = {}
 
     def host(n: int) -> None:
-        out[n] = launch.launch(_where, 4, device="cpu", timeout_s=120, env=LOOPBACK,
+        out[n] = launch.launch(target, world, args, device="cpu", timeout_s=120, env=LOOPBACK,
                                hosts=Hosts(2, n, ("127.0.0.1", port), 60.0),
                                fingerprint=rendezvous.fingerprint(CFG))
     threads = [threading.Thread(target=host, args=(n,)) for n in range(2)]
@@ -218,9 +226,17 @@ def test_each_hosts_launcher_runs_its_ranks_with_global_ranks_and_local_devices(
         t.start()
     for t in threads:
         t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_the_profile_agrees_across_hosts_and_retries_on_both_after_one_host_failed_inside_a_collective():
+    from unit_tests.test_tp import _profile_with_abort
+    out = _two_hosts(_profile_with_abort, 2)  # rank 1 (host 1) raises inside its decode stress's all-reduce
     assert all(o.ok for n in range(2) for o in out[n]), out
-    assert [o.value for o in out[0]] == [(0, 4, "0", 6.0), (1, 4, "1", 6.0)]
-    assert [o.value for o in out[1]] == [(2, 4, "0", 6.0), (3, 4, "1", 6.0)]
+    (tok0, att0, err0, new0, _), (tok1, att1, err1, new1, _) = out[0][0].value, out[1][0].value
+    assert tok0 == tok1 and att0 == att1 == 2 and err0 == err1  # one MIN, one retry, on both hosts
+    assert "rank 1: OutOfMemoryError: injected" in err0[0] and new0 and new1
 
 
 def test_a_rank_takes_the_gpu_of_its_local_rank(monkeypatch, mocker):
