@@ -321,7 +321,8 @@ def launch_hosts(target: Callable, cfg, args: tuple, device: str = "cuda") -> li
         problem = local_gpus_problem(cfg.tp, cfg.nnodes, torch.cuda.device_count())
         if problem:
             raise ConfigError("tp", problem)
-    fp = fingerprint(cfg) if hosts.nnodes > 1 else None
+    command = "profile" if target is profile_rank else "serve"
+    fp = fingerprint(cfg, command) if hosts.nnodes > 1 else None
     return launch(target, cfg.tp, args, device=device, hosts=hosts, fingerprint=fp)
 
 

@@ -140,6 +140,12 @@ def test_a_host_with_other_flags_or_model_is_refused_on_every_host_naming_the_di
         assert text.startswith("host refused at the rendezvous: ") and named in text, text
 
 
+def test_a_host_running_another_command_is_refused_naming_both():
+    out = _rendezvous([rendezvous.fingerprint(CFG, "serve"), rendezvous.fingerprint(CFG, "profile")])
+    for text in out.values():
+        assert "host 0 runs `autoprofile serve`, host 1 `autoprofile profile`" in text, out
+
+
 def test_a_host_with_another_code_version_is_refused_naming_both_versions():
     fp = rendezvous.fingerprint(CFG)
     other = {**fp, "code": {**fp["code"], "git": "v0.0.9-3-gabc1234"}}

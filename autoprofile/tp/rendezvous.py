@@ -85,21 +85,24 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))
 
 
-def fingerprint(cfg) -> dict:
-    """What every host must run alike: the flags (but HOST_LOCAL), the model's config and weight files (not
-    its path), the code (package version, git describe, a hash of every source file)."""
+def fingerprint(cfg, command: str = "serve") -> dict:
+    """What every host must run alike: the command, the flags (but HOST_LOCAL), the model's config and weight
+    files (not its path), the code (package version, git describe, a hash of every source file)."""
     m = cfg.model_config
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in HOST_LOCAL}
     model = {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "path"}
     weights = sorted((p.name, p.stat().st_size) for p in cfg.checkpoint_files)
-    return _plain({"code": {"version": __version__, "git": git_describe(), "sources": code_hash()[:16]},
-                   "flags": flags, "model": model, "weights": weights})
+    code = {"version": __version__, "git": git_describe(), "sources": code_hash()[:16]}
+    return _plain({"command": command, "code": code, "flags": flags, "model": model, "weights": weights})
 
 
 def difference(mine: dict, theirs: dict, me: int, them: int) -> str | None:
     """The first differences between two hosts' fingerprints, named as the user would fix them; None if
     none."""
     out = []
+    if mine.get("command") != theirs.get("command"):
+        out.append(f"host {me} runs `autoprofile {mine.get('command')}`, host {them} `autoprofile "
+                   f"{theirs.get('command')}`; run the same command on every host")
     code = [k for k in ("version", "git", "sources") if mine["code"][k] != theirs["code"][k]]
     if code:
         shown = lambda c: f"autoprofile {c['version']} (git {c['git'] or 'unknown'}, sources {c['sources']})"
