@@ -235,10 +235,13 @@ def _main(argv: Sequence[str] | None) -> int:
     setup_logging()
     if ns.command == "plan":
         return _cmd_plan(cfg, card, ns.json)
+    if cfg.device == "cpu":
+        return _cmd_serve_cpu(cfg) if ns.command == "serve" else _profile_on_cpu()
     if not _gpu_present():
         print(f"error: `autoprofile {ns.command}` measures GPU memory and needs a CUDA/ROCm GPU, and none is "
               f"visible here (torch.cuda.is_available() is False).\n"
-              f"To see the memory budget on paper, run: autoprofile plan --model {cfg.model} --gpu h100",
+              f"To see the memory budget on paper, run: autoprofile plan --model {cfg.model} --gpu h100\n"
+              f"To try the API on this CPU, run: autoprofile serve --device cpu --model tiny",
               file=sys.stderr)
         return EXIT_FAILED
     return _cmd_profile(cfg) if ns.command == "profile" else _cmd_serve(cfg)
@@ -288,6 +291,18 @@ def _cmd_profile(cfg) -> int:
         return EXIT_FAILED
     print(result.report_text())
     return EXIT_OK
+
+
+def _profile_on_cpu() -> int:
+    print("error: --device: `autoprofile profile` measures a GPU's memory, and there is none to measure with "
+          "--device cpu; try `autoprofile serve --device cpu` (or --device cuda)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cmd_serve_cpu(cfg) -> int:
+    from autoprofile.cpu import boot_cpu
+    from autoprofile.server import run_server
+    return run_server(cfg, boot_cpu)  # no probe: the cache is sized from the context and the host's memory
 
 
 def _cmd_serve(cfg) -> int:

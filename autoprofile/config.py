@@ -27,6 +27,11 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 KV_SCALES = ("auto", "first_batch", "unit")
 QUANTIZATIONS = ("fp8",)  # --quantization: vLLM's flag; fp8 = per-channel weights, dynamic per-token acts
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("cuda", "cpu")  # --device: SGLang's names; cuda covers ROCm (torch's "cuda" device)
+CPU_MODEL = "tiny"
+# --device cpu's defaults of flags left unset: a model that answers at once, and float32 (bf16 matmuls are
+# several times slower on most CPUs: 16 tokens of the tiny model in 1.8-4.4 s against 0.1-0.4 s)
+DEVICE_DEFAULTS = {"model": CPU_MODEL, "dtype": "float32"}
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # --reasoning_parser: vLLM's names (serving.reasoning)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
@@ -105,6 +110,8 @@ class ServerConfig:
     # must send as "Authorization: Bearer <key>" (None: no key). NOTE: never logged, never in the cache key
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    # where the engine runs: cuda (a GPU, measured by the profiler) or cpu (autoprofile.cpu: no probe)
+    device: str = "cuda"
     # the chat reply's <think>...</think> as reasoning_content (serving.reasoning); None: all of it is content
     reasoning_parser: str | None = None
 
@@ -223,6 +230,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
 
     serving=False (autoprofile plan) also accepts architectures the engine cannot run yet (MoE)."""
     _check(cfg.tp >= 1, "tp", f"must be >= 1, got {cfg.tp}; try --tp 1")
+    _validate_device(cfg)
     _validate_hosts(cfg, serving)
     _check(0 < cfg.mem_fraction <= 1, "mem_fraction",
            f"is a multiplier on the measured budget and must be in (0, 1], got {cfg.mem_fraction}; "
@@ -374,6 +382,18 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.graph_max_batch_size} exceeds --running_max_req_size {cfg.running_max_req_size}; "
                f"try --graph_max_batch_size {cfg.running_max_req_size}")
     return cfg
+
+
+def _validate_device(cfg: ServerConfig) -> None:
+    """--device cpu: one process, the torch backend, no host tier (the cache is in host memory already)."""
+    _check(cfg.device in DEVICES, "device", f"unknown '{cfg.device}'; choose one of {', '.join(DEVICES)}")
+    if cfg.device != "cpu":
+        return
+    _check(cfg.tp == 1, "tp", f"--device cpu runs one process, got --tp {cfg.tp}; try --tp 1")
+    _check(cfg.attention_backend in ("auto", "torch"), "attention_backend",
+           f"--device cpu runs the torch backend, not {cfg.attention_backend}; try --attention_backend torch")
+    _check(cfg.host_kv == "off", "host_kv",
+           "--device cpu keeps the KV cache in host memory already; use --host_kv off")
 
 
 def _validate_hybrid(cfg: ServerConfig, m) -> None:
@@ -563,9 +583,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     profile), the HTTP server's (serve). argparse refuses a flag that `command` does not take."""
     d = ServerConfig()
     budget = p.add_argument_group("the model and its memory budget")
-    add_flag(budget, "model", default=d.model,
+    add_flag(budget, "model", default=None,
              help=f"A Hugging Face style folder (config.json, plus *.safetensors weights to serve them) or "
-                  f"the name of a built-in config: {', '.join(builtin_models())}.")
+                  f"the name of a built-in config: {', '.join(builtin_models())}. (default: {d.model}; "
+                  f"{CPU_MODEL} with --device cpu)")
     add_flag(budget, "tp", type=int, default=d.tp,
              help="Tensor-parallel ranks, one process and one GPU each, over every host (--nnodes).")
     add_flag(budget, "nnodes", type=int, default=d.nnodes,
@@ -595,8 +616,8 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(budget, "kv_cache_dtype", choices=KV_DTYPES, default=d.kv_cache_dtype,
              help="The KV cache's dtype. auto: --dtype. fp8_e4m3 halves each cell and keeps per-layer K and "
                   "V scales (see --kv_scales).")
-    add_flag(budget, "dtype", choices=MODEL_DTYPES, default=d.dtype,
-             help="The weights' and activations' dtype.")
+    add_flag(budget, "dtype", choices=MODEL_DTYPES, default=None,
+             help=f"The weights' and activations' dtype. (default: {d.dtype}; float32 with --device cpu)")
     add_flag(budget, "quantization", choices=QUANTIZATIONS, default=None,
              help="Quantize a bf16 checkpoint's weights at load. fp8: e4m3 weights with a scale per output "
                   "channel and activations quantized per token as they run (compute capability 8.9 or "
@@ -627,6 +648,11 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Where the weights come from. auto: the folder's *.safetensors (the files its index.json "
                   "names, if any), else its *.bin; safetensors; pt (.bin files); dummy: seeded random "
                   "weights, as the built-in configs always have.")
+    add_flag(run, "device", choices=DEVICES, default=d.device,
+             help="Where the engine runs. cuda: a GPU (NVIDIA, or AMD through ROCm), measured by the "
+                  "profile; cpu: serve on the host's CPU to try the API (no profile: the cache holds the "
+                  "model's context, checked against the host's memory; the torch backend, float32 unless "
+                  "--dtype).")
     add_flag(run, "tokenizer", default=None,
              help="A folder holding tokenizer.json. Unset: the model folder's; a model with random weights "
                   "and no tokenizer.json gets a byte-level tokenizer.")
@@ -702,7 +728,8 @@ def _domains(text: str) -> tuple[str, ...]:
 
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
-    cfg = ServerConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    given = {k: v for k, v in vars(ns).items() if k in names and not (k in DEVICE_DEFAULTS and v is None)}
+    cfg = on_device(ServerConfig(**given), given)
     if cfg.report_dir == "" or "report_dir" not in vars(ns):  # plan writes no report
         cfg = cfg.replace(report_dir=None)
     if "api_key" in vars(ns) and cfg.api_key is None and os.environ.get(API_KEY_ENV):  # plan takes no key
@@ -714,9 +741,19 @@ def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConf
     _check(not serving or tokenizer_problem(cfg) is None, "tokenizer", tokenizer_problem(cfg) or "")
     # the CLI serves on a GPU, where the torch backend's cuBLAS and SDPA are not batch-invariant (the library
     # keeps it for the CPU, where its --deterministic path is)
-    _check(not (serving and cfg.deterministic and cfg.attention_backend == "torch"), "deterministic",
+    _check(not (serving and cfg.deterministic and cfg.attention_backend == "torch" and cfg.device != "cpu"),
+           "deterministic",
            not_invariant_on_gpu("torch"))
     return cfg
+
+
+def on_device(cfg: ServerConfig, given: dict) -> ServerConfig:
+    """--device cpu's defaults for the flags not `given`: DEVICE_DEFAULTS, and the torch backend for auto."""
+    if cfg.device != "cpu":
+        return cfg
+    backend = "torch" if cfg.attention_backend == "auto" else cfg.attention_backend
+    defaults = {k: v for k, v in DEVICE_DEFAULTS.items() if k not in given}
+    return cfg.replace(attention_backend=backend, **defaults)
 
 
 def not_invariant_on_gpu(backend: str) -> str:

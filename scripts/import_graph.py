@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("autoprofile.cli", "autoprofile.launch")),
     ("server", ("autoprofile.server",)),
     ("serving", ("autoprofile.serving",)),
-    ("profiler", ("autoprofile.profiler", "autoprofile.report", "autoprofile.plan")),
+    ("profiler", ("autoprofile.profiler", "autoprofile.report", "autoprofile.plan", "autoprofile.cpu")),
     ("tp", ("autoprofile.tp.broadcast", "autoprofile.tp.channel")),
     ("engine", ("autoprofile.engine",)),
     ("kernels", ("autoprofile.kernels",)),  # called by the engine's backends and sampler; never import it

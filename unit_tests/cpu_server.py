@@ -1,5 +1,5 @@
-"""`autoprofile serve` on a CPU, for the tests: the tiny model with random weights, the real engine and
-server; the profiler is skipped (it reads CUDA memory), the KV cache is built at a fixed size.
+"""`autoprofile serve --device cpu` (autoprofile.cpu) for the tests: the KV cache at a fixed size (KV_TOKENS),
+random weights of a larger spread (WEIGHT_STD), and faults to inject.
 
     python3 -m unit_tests.cpu_server --model tiny --dtype float32 --attention_backend torch --port 0 ...
 
@@ -12,38 +12,21 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import dataclass, field
 
-from autoprofile.config import ServerConfig, add_server_args, config_from_args, with_context_cut
+from autoprofile.config import ServerConfig, add_server_args, config_from_args
+from autoprofile.cpu import CPUResult, build_cpu, load_cpu
+
+__all__ = ["CPUResult", "KV_TOKENS", "boot_cpu", "bound_url", "main"]
 
 KV_TOKENS = 2048
 WEIGHT_STD = 0.08  # larger than the default 0.02: less degenerate greedy text
 
 
-@dataclass
-class CPUResult:
-    """What the server reads of a ProfileResult."""
-
-    cfg: ServerConfig
-    tokens: int
-    cell_bytes: int
-    phases: list = field(default_factory=lambda: [("load_weights", 0.0), ("build", 0.0)])
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.tokens * self.cell_bytes
-
-
 def boot_cpu(cfg: ServerConfig, kv_tokens: int = KV_TOKENS):
-    from autoprofile.engine.runner import ModelRunner
     from autoprofile.engine.weights import init_random
-    runner = ModelRunner(cfg)
+    runner = load_cpu(cfg)
     init_random(runner.model, seed=1, std=WEIGHT_STD)
-    cut = with_context_cut(cfg, kv_tokens)  # --max_req_total_len auto, as Profiler.run_pinned
-    if cut is not cfg:
-        runner.cut_context(cut)
-    runner.build(kv_tokens)
-    return runner, CPUResult(cut, runner.built_tokens, runner.sizing.cell_bytes)
+    return build_cpu(runner, kv_tokens)
 
 
 def bound_url(lines) -> str | None:

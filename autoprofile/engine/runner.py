@@ -78,16 +78,16 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
                 "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def runner_device(rank: int) -> torch.device:
+def runner_device(rank: int, device: str = "cuda") -> torch.device:
     """This rank's GPU: LOCAL_RANK (its index on its host, set by the launcher, as torchrun does), else rank."""
     local = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", local) if device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
 
 
 class ModelRunner:
     def __init__(self, cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None):
         self.cfg, self.rank = cfg, rank
-        self.device = runner_device(rank)
+        self.device = runner_device(rank, cfg.device)
         self.tp = TP(rank, world_size, group)
         mc = self.model_config = cfg.model_config
         self.dtype, self.kv_cache_dtype = TORCH_DTYPES[cfg.dtype], TORCH_DTYPES[cfg.kv_dtype_name]
