@@ -288,14 +288,15 @@ def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
 # measurement, or the cache's own) or changes the key; a new field must be classified here or the test fails.
 HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allowed_media_domains",
              "tokenizer", "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
-             "profile_cache", "served_model_name", "api_key", "host_kv", "reasoning_parser"}
+             "profile_cache", "served_model_name", "api_key", "host_kv", "reasoning_parser",
+             "node_rank", "dist_init_addr", "dist_timeout"}  # the key holds the global rank and world size
 MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max_req_size": 64,
             "max_req_total_len": 4096, "graph_max_batch_size": 128, "disable_cudagraph": True,
             "disable_prefix_caching": True, "disable_overlap_schedule": True, "attention_backend": "torch",
             "kv_cache_dtype": "fp8_e4m3", "kv_scales": "unit", "dtype": "float16", "page_size": 32,
             "canary_mb": 512, "deterministic": True, "visual_batch_size": 8, "min_image_pixels": 28 * 28,
             "max_image_pixels": 640 * 28 * 28, "max_images_per_request": 8, "load_format": "dummy",
-            "quantization": "fp8"}
+            "quantization": "fp8", "nnodes": 2}  # nnodes: NCCL's transport across hosts
 FINGERPRINT = {"gpu": "NVIDIA H100 80GB HBM3", "total_memory": 80 * GiB}
 
 
