@@ -136,8 +136,11 @@ def weight_split(m: ModelConfig) -> WeightSplit:
     attn = m.attention_params() - (2 * m.head_dim if m.qk_norm else 0) - mla_replicated_params(m)
     moe = m.moe_layers  # an MoE model's other layers are dense
     experts = (m.num_experts + m.n_shared_experts) * 3 * h * m.moe_intermediate_size
+    experts += 3 * h * m.shared_expert_intermediate_size  # Qwen3.5's shared expert (its gate: replicated)
     mlp = moe * experts + (m.num_layers - moe) * 3 * h * m.intermediate_size
-    layers = m.num_layers * attn + mlp
+    # a hybrid's linear layers split by heads, but for the gated norm's weight (replicated)
+    linear = m.linear_layers * (m.linear_attention_params() - m.linear_value_head_dim) if m.is_hybrid else 0
+    layers = m.attention_layers * attn + linear + mlp
     vocab = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
     return WeightSplit(layers, vocab, m.num_params() - layers - vocab)
 
@@ -148,8 +151,8 @@ def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
     norms, routers, unconverted modules) in dtype."""
     fp8 = m.quantized_linears(tp)
     saved = sum(q.weight_elements for q in fp8) * (dtype_bytes - 1) - sum(q.scale_elements for q in fp8) * 4
-    return (weight_split(m).per_rank(m, tp) * dtype_bytes + fp32_router_params(m) * (4 - dtype_bytes)
-            - saved)
+    fp32 = fp32_router_params(m) + m.linear_layers * 2 * m.linear_num_value_heads // tp  # + GDN's A_log, dt_bias
+    return weight_split(m).per_rank(m, tp) * dtype_bytes + fp32 * (4 - dtype_bytes) - saved
 
 
 def fp8_text(m: ModelConfig, tp: int) -> str:
@@ -170,8 +173,8 @@ def fp32_router_params(m: ModelConfig) -> int:
 
 
 def rope_dim(m: ModelConfig) -> int:
-    """The channels RoPE rotates per head (MLA: its rope part)."""
-    return m.qk_rope_head_dim if m.is_mla else m.head_dim
+    """The channels RoPE rotates per head (MLA: its rope part; a hybrid's attention: its rotary_dim)."""
+    return m.qk_rope_head_dim if m.is_mla else m.rotary_dim or m.head_dim
 
 
 def rope_table_bytes(m: ModelConfig, context_len: int) -> int:
@@ -204,7 +207,30 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> 
         inter = m.intermediate_size // tp
         act = m.dense_mlp_fp8_act(tokens, tp)
         mlp = tokens * (2 * inter + h) * dtype_bytes + (tokens * inter * dtype_bytes if act is None else act)
-    return tokens * (2 * h * dtype_bytes + 4 * h) + max(attn, mlp) + m.fp8_activation_bytes(tokens, tp)
+    mixer = max(attn, gdn_live_bytes(m, tokens, tp, dtype_bytes))
+    return tokens * (2 * h * dtype_bytes + 4 * h) + max(mixer, mlp) + m.fp8_activation_bytes(tokens, tp)
+
+
+GDN_CHUNK = 64  # tokens of fla's chunked delta rule (layers.gdn.CHUNK)
+
+
+def gdn_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> int:
+    """A Gated DeltaNet layer's largest live set for `tokens` prefill tokens on one rank (0 without one): its
+    projections (q|k|v, z) in the model dtype, then the larger of the conv (layers.gdn.conv_prefill: an fp32
+    accumulator and a window input's gather, select and fp32 product, 14 B a channel) and the chunked delta
+    rule (the conv's output, q and k expanded to the value heads, fla's fp32 [T, heads, dim] intermediates and
+    one [heads, k, v] fp32 state per 64-token chunk). Three intermediates: fitted to the profiles of
+    qwen3.5-27b and qwen3.5-35b-a3b on an H200 (docs/measured_kv_tokens.csv), plan 0.8% and 0.5% below."""
+    if not m.is_hybrid:
+        return 0
+    c, vd, hv = m.conv_dim // tp, m.linear_value_dim // tp, m.linear_num_value_heads // tp
+    width = max(m.linear_key_head_dim, m.linear_value_head_dim)
+    projections = tokens * (c + vd) * dtype_bytes
+    conv = tokens * c * (4 + 4 * dtype_bytes + 4)
+    rule = (tokens * c * dtype_bytes + 2 * tokens * hv * m.linear_key_head_dim * dtype_bytes
+            + 3 * tokens * hv * width * 4
+            + -(-tokens // GDN_CHUNK) * hv * m.linear_key_head_dim * m.linear_value_head_dim * 4)
+    return projections + max(conv, rule)
 
 
 def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
@@ -410,8 +436,23 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
+    state = budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp) if m.is_hybrid else (0, 0)
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
-                         running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap)
+                         running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap, state=state)
+
+
+def with_state_slots(cfg: ServerConfig, card: Card) -> ServerConfig:
+    """A hybrid model's request slots as the profiler chooses them (profiler.choose_state_slots): without
+    --running_max_req_size, the envelope's decode rows unless their state would take more than
+    budget.STATE_SHARE of what the card has free after the weights (its CUDA context and the weights on paper).
+    Any other model, or slots given: cfg unchanged."""
+    m = cfg.model_config
+    if not m.is_hybrid or cfg.running_max_req_size is not None:
+        return cfg
+    db = DTYPE_BYTES[cfg.dtype]
+    free = card.total - CUDA_CONTEXT_ESTIMATE - weight_bytes(m, db, cfg.tp)
+    slots = budget.state_slots(running_reqs(None, cfg.graph_max_batch_size), free, m.state_bytes(cfg.tp, db))
+    return cfg.replace(running_max_req_size=slots, graph_max_batch_size=min(cfg.graph_max_batch_size, slots))
 
 
 def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, ...]:
@@ -421,9 +462,14 @@ def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, .
     ws_note = (f"{sizing.decode_rows} decode rows x q heads x ceil(min({sizing.context_len}, T)/256) "
                f"partitions x (4*head_dim + 8)"
                if backend == "aiter" else "none persistent for this backend")
+    state = (Row("state slots", sum(map(budget.reserved_bytes, sizing.state)), "declared",
+                 "allocated at the target (solved with T)",
+                 f"{reqs} request slots + the pad slot x (conv window + delta-rule matrices) of every linear "
+                 "layer: a hybrid model's second cache"),) if any(sizing.state) else ()
     return (
         Row("KV cache", tokens * sizing.cell_bytes, "exact", "allocated at the target",
             f"T x {sizing.cell_bytes:,} B/token"),
+        *state,
         Row("attention workspace", workspace, "declared", "allocated at the target (solved with T)", ws_note),
         Row("request table", table, "declared", "allocated at the target (solved with T)",
             f"{reqs} reqs x ceil({sizing.context_len}/{sizing.page_size}) x int32"),
@@ -439,6 +485,7 @@ def plan_warnings(cfg: ServerConfig, backend: str) -> tuple[str, ...]:
 
 def predicted_tokens(cfg: ServerConfig, card: Card) -> int:
     """The solver's T for cfg on card (what make_plan predicts), nothing else."""
+    cfg = with_state_slots(cfg, card)
     backend = resolve_backend(cfg.attention_backend, card.vendor)
     available = card.total - sum(r.bytes for r in fixed_rows(cfg, backend))
     return budget.solve_target_tokens(available, sizing_for(cfg, backend), cfg.mem_fraction)
@@ -538,6 +585,7 @@ def make_plan(cfg: ServerConfig, card: Card) -> Plan:
 
 
 def _plan(cfg: ServerConfig, card: Card) -> Plan:
+    cfg = with_state_slots(cfg, card)
     backend = resolve_backend(cfg.attention_backend, card.vendor)
     fixed = fixed_rows(cfg, backend)
     available = card.total - sum(r.bytes for r in fixed)

@@ -12,6 +12,7 @@ from autoprofile import plan as plan_module
 from autoprofile.budget import GiB
 from autoprofile.config import ServerConfig, validate
 from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, sizing_for, weight_split
+from models.config import load_model_config
 
 LLAMA_PARAMS = 8_030_261_248
 
@@ -262,6 +263,14 @@ TINY_VARIANTS = {
                         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": 48,
                         "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 0.707,
                                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 256}},
+    "qwen3.5-hybrid": {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "rope_scaling": None,
+                       "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                       "linear_value_head_dim": 24, "full_attention_interval": 2, "tie_word_embeddings": False},
+    "qwen3.5-hybrid-moe": {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                           "rope_scaling": None, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                           "linear_key_head_dim": 16, "linear_value_head_dim": 24, "num_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                           "shared_expert_intermediate_size": 32},
 }
 
 
@@ -393,3 +402,22 @@ def test_encoder_estimate_grows_with_pixels_and_images_and_refuses_bad_pixels():
 
 def test_a_text_model_plan_has_no_encoder_rows():
     assert not [r for r in plan_for("h100").fixed if "encoder" in r.term]
+
+
+def test_a_hybrid_plan_trades_state_slots_against_kv_tokens_as_the_profiler_chooses_them():
+    """qwen3.5-27b: on an H200 every decode row keeps its state (256 x 147 MiB); on an H100 the state would
+    take more than half of what the weights leave, so plan (as the profiler) keeps fewer slots and says so in
+    its state row; --running_max_req_size pins them."""
+    from autoprofile import budget
+
+    def plan(gpu, **kw):
+        return make_plan(validate(ServerConfig(model="qwen3.5-27b", **kw), serving=False), GPUS[gpu])
+    big, small = plan("h200"), plan("h100")
+    assert big.max_num_reqs == 256 and 0 < small.max_num_reqs < 128
+    per_slot = load_model_config("qwen3.5-27b").state_bytes(1, 2)
+    free = GPUS["h100"].total - row(small.fixed, "CUDA context, non-torch").bytes - row(small.fixed, "weights").bytes
+    assert small.max_num_reqs == budget.state_slots(256, free, per_slot)
+    assert row(small.sized, "state slots").bytes >= (small.max_num_reqs + 1) * per_slot
+    pinned = plan("h100", running_max_req_size=32, graph_max_batch_size=32)
+    assert pinned.max_num_reqs == 32 and pinned.tokens > small.tokens  # fewer slots: more KV
+    assert row(pinned.sized, "state slots").bytes < row(small.sized, "state slots").bytes
