@@ -352,7 +352,15 @@ async def health(request: web.Request) -> web.Response:
                               "max_waiting_requests": st.engine.max_waiting,
                               "max_req_total_len": st.limits.context_len,
                               "weights": st.cfg.model_config.weight_format,
-                              "outstanding_requests": st.engine.outstanding})
+                              "outstanding_requests": st.engine.outstanding, **state_slots(st)})
+
+
+def state_slots(st) -> dict:
+    """A hybrid model's state slots and those held, from the engine loop's last snapshot ({} for any other)."""
+    snap = st.engine.snapshot
+    if snap is None or not snap.state_slots:
+        return {}
+    return {"state_slots": snap.state_slots, "state_slots_used": snap.state_slots_used}
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -286,3 +286,44 @@ def test_the_runner_declares_the_state_cache_it_builds():
     assert runner.state.conv.shape[1] == 6  # 5 request slots + the pad slot
     runner.teardown()
     assert runner.state is None and runner.caches is None
+
+
+# ---------------------------------------------------------------- served through HTTP
+def test_health_and_metrics_show_the_state_slots_held_while_a_request_runs():
+    """/health and /metrics count a hybrid model's state slots: all of them, and those requests hold (one
+    while a streamed request runs, none after); a text model shows none."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from autoprofile import server
+    from unit_tests.cpu_server import boot_cpu
+    from unit_tests.test_server import metric_samples
+
+    cfg = validate(ServerConfig(model="tiny-hybrid", dtype="float32", attention_backend="torch",
+                                max_req_total_len=256, batch_max_tokens=64, graph_max_batch_size=4,
+                                running_max_req_size=6, report_dir=None))
+    runner, result = boot_cpu(cfg)
+    engine = LLMEngine.from_config(runner, cfg)
+
+    async def go():
+        app = server.make_app(cfg, engine, result, None)
+        async with TestClient(TestServer(app)) as c:
+            body = {"prompt": "Hello there", "max_tokens": 40, "stream": True, "ignore_eos": True}
+            async with c.post("/v1/completions", json=body) as resp:
+                await resp.content.readline()  # the first chunk: the request holds its slot
+                during = await (await c.get("/health")).json()
+                text = await (await c.get("/metrics")).text()
+                await resp.read()
+            for _ in range(50):  # the loop publishes its snapshot after the request ends
+                after = await (await c.get("/health")).json()
+                if after["state_slots_used"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return during, metric_samples(text), after
+    during, samples, after = asyncio.run(go())
+    runner.teardown()
+    assert during["state_slots"] == 6 and during["state_slots_used"] == 1
+    assert samples[("autoprofile_state_slots_total", ())] == 6
+    assert samples[("autoprofile_state_slots_used", ())] == 1
+    assert after["state_slots_used"] == 0

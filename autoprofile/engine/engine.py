@@ -55,6 +55,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     launched: int = 0  # steps launched (overlap: one ahead of `steps`); none while every request starves
     host: HostTierStats | None = None  # the prefix cache's host tier (--host_kv); None: off
+    state_slots: int = 0  # a hybrid model's state slots (one per request slot); 0: no state cache
+    state_slots_used: int = 0  # held by requests (running, or loading)
 
 
 class LLMEngine:
@@ -282,7 +284,14 @@ class LLMEngine:
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, s.pages_used,
                            s.cache.capacity,
                            self._steps, self._failed_steps, self._ooms, s.prefix_hit_tokens, self._launched,
-                           self._host_stats())
+                           self._host_stats(), *self._state_slots())
+
+    def _state_slots(self) -> tuple[int, int]:
+        """(state slots, held): every request slot of a hybrid model holds a state; (0, 0) for any other."""
+        if not self.runner.model_config.is_hybrid:
+            return 0, 0
+        total = self.envelope.running_reqs
+        return total, total - len(self.scheduler.free_slots)
 
     def _host_stats(self) -> HostTierStats | None:
         cache, pool = self.scheduler.cache, getattr(self.runner, "host_kv", None)

@@ -71,6 +71,8 @@ class Snapshot:
     prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     host: HostTierStats | None = None  # the prefix cache's host tier (--host_kv); None: off
     step_times: StepTimes = field(default_factory=StepTimes)  # where the steps' time went (step_clock)
+    state_slots: int = 0  # a hybrid model's state slots (0: none), and those held by requests
+    state_slots_used: int = 0
 
 
 @dataclass
@@ -427,7 +429,7 @@ class AsyncEngine:
         s = self.engine.stats
         self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
                                  s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens,
-                                 s.host, self.engine.step_times())
+                                 s.host, self.engine.step_times(), s.state_slots, s.state_slots_used)
 
 
 def since(stamp: float | None) -> float:

@@ -43,6 +43,11 @@ class EngineCollector:
                 ("autoprofile_kv_pages_used", "KV cache pages held by requests", s.pages_used),
                 ("autoprofile_kv_pages_total", "KV cache pages that requests can hold", s.pages_total)):
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.state_slots:  # a hybrid model's second cache
+            yield GaugeMetricFamily("autoprofile_state_slots_used", "state slots held by requests (hybrid models)",
+                                    value=s.state_slots_used)
+            yield GaugeMetricFamily("autoprofile_state_slots_total", "state slots: one per request slot",
+                                    value=s.state_slots)
         for name, doc, value in (
                 ("autoprofile_num_preemptions", "requests preempted (pages freed, recomputed later)",
                  s.preemptions),
