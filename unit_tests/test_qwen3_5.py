@@ -327,3 +327,25 @@ def test_health_and_metrics_show_the_state_slots_held_while_a_request_runs():
     assert samples[("autoprofile_state_slots_total", ())] == 6
     assert samples[("autoprofile_state_slots_used", ())] == 1
     assert after["state_slots_used"] == 0
+
+
+def test_the_stress_writes_every_state_slot_and_its_prefill_corners_start_from_zero():
+    """The envelope's corner at the most decode rows holds a row in every request slot, so the profile
+    measures every slot's state written (and the decode through all of them); a prefill corner's fresh rows
+    zero their slots first, so no corner reads what an earlier corner left."""
+    runner = ModelRunner(validate(ServerConfig(model="tiny-hybrid", dtype="float32", attention_backend="torch",
+                                               max_req_total_len=256, running_max_req_size=6,
+                                               graph_max_batch_size=4, batch_max_tokens=64, report_dir=None)))
+    runner.build(4096)
+    slots = runner.envelope.running_reqs
+    assert not runner.state.ssm.any()
+    runner.stress_decode()
+    written = runner.state.ssm[:, :slots].flatten(2).ne(0).any(-1)  # [layer, slot]
+    assert written.all(), written
+    assert not runner.state.ssm[:, slots].any() or runner.graphs is not None  # eager: the pad slot untouched
+    zeroed = []
+    real_reset = runner.state.reset
+    runner.state.reset = lambda s: (zeroed.extend(s.tolist()), real_reset(s))
+    runner.stress_prefill()
+    assert set(zeroed) == set(range(min(slots, runner.envelope.prefill_rows)))
+    runner.teardown()

@@ -1,5 +1,6 @@
-"""MoE and MLA models under tensor parallelism on CPU (gloo ranks, fp32, torch backend): TP splits every
-expert's intermediate dimension (and DeepSeek's heads; its latent cache and router are replicated), both ranks
+"""MoE, MLA and hybrid models under tensor parallelism on CPU (gloo ranks, fp32, torch backend): TP splits every
+expert's intermediate dimension (and DeepSeek's heads, its latent cache and router replicated; Qwen3.5's Gated
+DeltaNet heads and their state slots), both ranks
 run the stress with its forced-routing corners, and --tp 2 generates the tokens --tp 1 does."""
 from __future__ import annotations
 
@@ -23,15 +24,19 @@ PROMPTS = [[5, 17, 250, 3, 3, 3, 99, 140] * 5, [9] * 30, [200, 201, 202]]
 NEW = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v2"])
+@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v2", "qwen3.5-moe"])
 def folder(request, tmp_path_factory):
     torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3.5-moe":  # hybrid: GDN heads, the state slots and the shared expert split too
+        from unit_tests import test_qwen3_5
+        test_qwen3_5.hf_model(test_qwen3_5.TINY_MOE).save_pretrained(str(path))
+        return str(path)
     if request.param == "qwen3-moe":
         hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY))
     else:
         hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**VARIANTS["v2"]))
     perturb(hf, expert_std=0.2)  # the experts loud enough to decide the tokens
-    path = tmp_path_factory.mktemp(request.param)
     hf.float().save_pretrained(str(path))
     return str(path)
 
