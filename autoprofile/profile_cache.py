@@ -34,7 +34,8 @@ NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "repor
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
                           "profile_cache", "served_model_name", "api_key", "reasoning_parser",
                           "host_kv",  # pinned host memory: the copies add no GPU memory
-                          "node_rank", "dist_init_addr", "dist_timeout"})  # the key holds the global rank
+                          "node_rank", "dist_init_addr", "dist_timeout",  # the key holds the global rank
+                          "device"})  # only --device cuda probes (autoprofile.cpu measures nothing)
 # The environment that changes what a probe measures: the caching allocator's settings (expandable segments,
 # split sizes, garbage collection: the reserved peak) and CUDA's module loading (the context's memory)
 MEASURED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
