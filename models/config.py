@@ -18,6 +18,7 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3_5MoeForCausalLM": "hybrid MoE (Gated DeltaNet + attention)",
     "Qwen3_5ForConditionalGeneration": "hybrid (its text model)",
     "Qwen3_5MoeForConditionalGeneration": "hybrid MoE (its text model)",
+    "Qwen3NextForCausalLM": "hybrid MoE (Gated DeltaNet + attention)",
 }
 RUNNABLE_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 MLA_ARCHITECTURES = (  # models.deepseek_v2: MLA attention, its MoE (an fp32 router)
@@ -26,7 +27,7 @@ MLA_ARCHITECTURES = (  # models.deepseek_v2: MLA attention, its MoE (an fp32 rou
 )
 # models.qwen3_5: Gated DeltaNet layers (a recurrent state per request) beside gated attention layers
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                        "Qwen3_5MoeForConditionalGeneration")
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 HYBRID_LAYER_TYPES = ("linear_attention", "full_attention")
 STATE_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # mamba_ssm_dtype -> bytes
 
@@ -240,6 +241,8 @@ class ModelConfig:
     attn_output_gate: bool = False
     zero_centered_norm: bool = False
     shared_expert_intermediate_size: int = 0
+    # Qwen3-Next: a Gated DeltaNet layer's q, k, v, z (and b, a) in one projection, grouped by key head
+    grouped_projections: bool = False
     # FP8 weights: the scheme, where it came from ("fp8": HF's quantization_config, "compressed-tensors",
     # "runtime": --quantization fp8 on bf16 weights) and the checkpoint's modules left unconverted (names
     # or "re:" patterns, HF's modules_to_not_convert / compressed-tensors' ignore)
@@ -809,7 +812,7 @@ def _hybrid_fields(f: _Fields, architecture: str) -> dict:
             "linear_value_head_dim": f.int("linear_value_head_dim"),
             "linear_conv_kernel_dim": f.int("linear_conv_kernel_dim", 4, lo=2), "state_dtype": state,
             "rotary_dim": rotary, "attn_output_gate": f.bool("attn_output_gate", True),
-            "zero_centered_norm": True,
+            "zero_centered_norm": True, "grouped_projections": architecture == "Qwen3NextForCausalLM",
             "shared_expert_intermediate_size": f.int("shared_expert_intermediate_size", 0, lo=0)}
 
 

@@ -45,6 +45,15 @@ def load_split_parts(param: nn.Parameter, src, part: int = 0, *, sizes: list[int
         out, full = out + shard, full + size
 
 
+def load_grouped(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], groups: int, rank: int) -> None:
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba: rows grouped by key head ([q_g | k_g | v_g | z_g] for each key
+    head g) -> this rank's `groups` key heads, each part's rows of every group together ([q | k | v | z])."""
+    width = sum(sizes)
+    rows = read_rows(src, rank * groups * width, groups * width, 0)
+    parts = rows.reshape(groups, width, -1).split(sizes, dim=1)
+    copy_checked(param.data, torch.cat([p.reshape(-1, rows.shape[-1]) for p in parts]))
+
+
 def split_parts(param: nn.Parameter, sizes: list[int], tp: TP) -> nn.Parameter:
     param.weight_loader, param.num_parts = partial(load_split_parts, sizes=sizes, rank=tp.rank,
                                                    ranks=tp.size), 1
@@ -101,10 +110,20 @@ class GatedDeltaNet(nn.Module):
         self.k_dim, self.v_dim, self.eps = mc.linear_key_head_dim, mc.linear_value_head_dim, mc.rms_norm_eps
         kd, vd, h = mc.linear_key_dim, mc.linear_value_dim, mc.hidden_size
         parts = [kd, kd, vd]
-        self.in_proj_qkv = ColumnParallelLinear(h, parts, False, tp, dtype)
-        split_parts(self.in_proj_qkv.weight, parts, tp)
-        self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype)
+        self.grouped = mc.grouped_projections
         self.in_proj_ba = ColumnParallelLinear(h, [hv, hv], False, tp, dtype)
+        if self.grouped:  # Qwen3-Next: one projection, its rows grouped by key head in the checkpoint
+            self.in_proj_qkvz = ColumnParallelLinear(h, [kd, kd, vd, vd], False, tp, dtype)
+            r, groups = hv // hk, self.k_heads
+            self.in_proj_qkvz.weight.weight_loader = partial(load_grouped, groups=groups, rank=tp.rank, sizes=[
+                self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim])
+            self.in_proj_ba.weight.weight_loader = partial(load_grouped, sizes=[r, r], groups=groups,
+                                                           rank=tp.rank)
+            self.in_proj_ba.weight.num_parts = self.in_proj_qkvz.weight.num_parts = 1
+        else:
+            self.in_proj_qkv = ColumnParallelLinear(h, parts, False, tp, dtype)
+            split_parts(self.in_proj_qkv.weight, parts, tp)
+            self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype)
         self.conv1d = nn.Module()
         self.conv1d.weight = split_parts(new_param((sum(parts) // tp.size, 1, mc.linear_conv_kernel_dim), dtype),
                                          parts, tp)
@@ -118,7 +137,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: gdn.StateLayer,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         t = x.shape[0]
-        qkv, z, ba = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_ba(x)
+        if self.grouped:
+            qkv, z = self.in_proj_qkvz(x).split([2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim,
+                                                 self.v_heads * self.v_dim], dim=-1)
+        else:
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        ba = self.in_proj_ba(x)
         b, a = ba.float().chunk(2, dim=-1)
         beta = torch.sigmoid(b).to(x.dtype)
         g = -self.A_log.float().exp() * torch.nn.functional.softplus(a + self.dt_bias.float())
@@ -133,7 +157,7 @@ class GatedDeltaNet(nn.Module):
         if decode is not None:
             c = gdn.conv_decode(qkv[n:], weight, state.conv, decode.state_slots)
             o[n:] = self.backend.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm, decode.state_slots)
-        o = gdn.gated_rms_norm(o, z.view(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
+        o = gdn.gated_rms_norm(o, z.reshape(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
         return self.out_proj(o.reshape(t, -1), residual)
 
     def _qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

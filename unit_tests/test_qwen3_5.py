@@ -36,7 +36,13 @@ TINY = {**json.loads((CONFIG_DIR / "tiny-hybrid" / "config.json").read_text()), 
 TINY_MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"}, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
             "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48}
+TINY_NEXT = {**TINY_MOE, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+             "intermediate_size": 96, "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": True,
+             "partial_rotary_factor": 0.25}
 HF_KEYS = ("architectures", "torch_dtype")
+HF_CLASSES = {"Qwen3_5ForCausalLM": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+              "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+              "Qwen3NextForCausalLM": ("Qwen3NextForCausalLM", "Qwen3NextConfig")}
 
 
 def perturb(hf) -> None:
@@ -55,8 +61,7 @@ def perturb(hf) -> None:
 
 
 def hf_model(config: dict, seed: int = 0):
-    cls, cfg_cls = ((transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig)
-                    if "num_experts" in config else (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig))
+    cls, cfg_cls = (getattr(transformers, n) for n in HF_CLASSES[config["architectures"][0]])
     torch.manual_seed(seed)
     hf = cls(cfg_cls(**{k: v for k, v in config.items() if k not in HF_KEYS})).float().eval()
     perturb(hf)
@@ -71,9 +76,9 @@ def ours_from(folder):
     return model
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", "moe", "next"])
 def models(request, tmp_path_factory):
-    hf = hf_model(TINY if request.param == "dense" else TINY_MOE)
+    hf = hf_model({"dense": TINY, "moe": TINY_MOE, "next": TINY_NEXT}[request.param])
     folder = tmp_path_factory.mktemp(f"tiny-hybrid-{request.param}")
     hf.save_pretrained(str(folder))
     return hf, ours_from(folder), folder
@@ -217,6 +222,8 @@ def test_a_conditional_generation_checkpoint_loads_its_text_model_and_skips_the_
     """Qwen3_5ForConditionalGeneration's names (model.language_model.*), its vision tower and MTP layer: the text
     model loads, each skipped part is one log line."""
     hf, ours, folder = models
+    if ours.config.architecture == "Qwen3NextForCausalLM":
+        pytest.skip("Qwen3-Next ships as a causal LM only")
     saved = load_file(str(folder / "model.safetensors"))  # HF's checkpoint names (experts one by one)
     sd = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
           for k, v in saved.items()}
