@@ -58,6 +58,9 @@ def flag_cases(report_file: str) -> list[Case]:
         s("--max_req_total_len", "1", named="--max_req_total_len"),
         s("--max_req_total_len", "200000", named="--max_req_total_len"),
         s("--attention_backend", "flash", named="--attention_backend"),
+        s("--model", "tiny-hybrid", "--host_kv", "auto", named="--host_kv"),
+        s("--model", "tiny-hybrid", "--deterministic", named="--deterministic"),
+        s("--model", "tiny-hybrid", "--quantization", "fp8", named="--quantization"),
         s("--kv_cache_dtype", "fp8", named="--kv_cache_dtype"),
         s("--kv_cache_dtype", "float32", named="--kv_cache_dtype"),
         s("--kv_cache_dtype", "fp8_e4m3", "--attention_backend", "aiter", named="--kv_cache_dtype"),
@@ -114,6 +117,7 @@ def flag_cases(report_file: str) -> list[Case]:
 
 TINY = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text())
 DEEPSEEK = TINY | {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"}
+HYBRID = json.loads((CONFIG_DIR / "tiny-hybrid" / "config.json").read_text())
 CONFIG_CASES = [  # (what is wrong, key named, config.json text)
     ("missing num_attention_heads", "num_attention_heads",
      {k: v for k, v in TINY.items() if k != "num_attention_heads"}),
@@ -148,6 +152,11 @@ CONFIG_CASES = [  # (what is wrong, key named, config.json text)
     ("zero intermediate_size", "intermediate_size", TINY | {"intermediate_size": 0}),
     ("MoE with 0 experts per token", "num_experts_per_tok",
      TINY | {"num_experts": 8, "num_experts_per_tok": 0, "moe_intermediate_size": 64}),
+    ("hybrid layer type not served", "layer_types",
+     HYBRID | {"layer_types": ["linear_attention", "mamba2", "linear_attention", "full_attention"]}),
+    ("hybrid state dtype not served", "mamba_ssm_dtype", HYBRID | {"mamba_ssm_dtype": "float64"}),
+    ("hybrid value heads not a multiple of key heads", "linear_num_value_heads",
+     HYBRID | {"linear_num_value_heads": 3}),
     ("JSON syntax error", "not valid JSON", "{"),
     ("trailing comma", "not valid JSON", '{"hidden_size": 256,}'),
     ("empty file", "not valid JSON", ""),
