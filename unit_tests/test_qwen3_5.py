@@ -356,3 +356,13 @@ def test_the_stress_writes_every_state_slot_and_its_prefill_corners_start_from_z
     runner.stress_prefill()
     assert set(zeroed) == set(range(min(slots, runner.envelope.prefill_rows)))
     runner.teardown()
+
+
+def test_requests_beyond_the_state_slots_wait_for_one_and_get_their_cold_tokens(models, cold):
+    """Three state slots for ten requests: the others wait (no 500, no shared state) and each gets its tokens."""
+    _, _, folder = models
+    engine = engine_for(folder, running_max_req_size=3, graph_max_batch_size=3, overlap=True)
+    shapes = engine.runner.step_log = []
+    assert engine.generate(PROMPTS * 2, max_tokens=20) == cold * 2
+    assert max(s.running_reqs for s in shapes) == 3
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
