@@ -16,6 +16,7 @@ from types import MappingProxyType
 from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, context_cut, decode_rows_text, validate
+from autoprofile.kernels import launch_rules
 from models.config import MLA_ARCHITECTURES, ModelConfig, unsupported_architecture
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
@@ -284,12 +285,13 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
     if backend == "aiter_triton" and m.is_mla:
         if cfg.deterministic:  # a fixed split count for up to the most decode rows (and a paged prefill's
             # token rows in groups of them)
-            n = budget.mla_partials_bytes(rows, q_heads, m.kv_lora_rank, budget.MLA_INVARIANT_SPLITS)
-            what = f"{budget.MLA_INVARIANT_SPLITS} splits (--deterministic) of {rows} rows"
+            splits = launch_rules.MLA_INVARIANT_SPLITS
+            n = launch_rules.mla_partials_bytes(rows, q_heads, m.kv_lora_rank, splits)
+            what = f"{splits} splits (--deterministic) of {rows} rows"
         else:
-            n = budget.mla_decode_scratch_bytes(rows, q_heads, m.kv_lora_rank)
-            what = (f"the most of 1..{rows} rows ({budget.MLA_SPLIT_PROGRAMS} programs: "
-                    f"{budget.mla_kv_splits(1)} splits at 1 row)")
+            n = launch_rules.mla_decode_scratch_bytes(rows, q_heads, m.kv_lora_rank)
+            what = (f"the most of 1..{rows} rows ({launch_rules.MLA_SPLIT_PROGRAMS} programs: "
+                    f"{launch_rules.mla_kv_splits(1)} splits at 1 row)")
         n += budget.mla_unmeasured_reserve_bytes(gmbs, ctx)
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
                    f"MLA decode: the splits' partials, {what}, and the old kernel's token slots ({gmbs} x "
@@ -301,12 +303,12 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
                    f"split decode partials at the most of 1..{rows} rows x {q_heads} heads (fewer rows split "
                    "more)" if n else "split decode runs one split here: no scratch")
     if backend == "aiter_triton":
-        part = budget.TRITON_PARTITION if cfg.disable_cudagraph else \
-            budget.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
+        part = launch_rules.TRITON_PARTITION if cfg.disable_cudagraph else \
+            launch_rules.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
         n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
-        small = min(rows, budget.SPLIT_DECODE_ROWS)
+        small = min(rows, launch_rules.SPLIT_DECODE_ROWS)
         split = budget.split_decode_peak_scratch_bytes(small, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
                                                        ctx)
         if split > n:

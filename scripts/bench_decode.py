@@ -151,9 +151,9 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     if args.cublas_router:  # an fp32 router's logits as before the router GEMV: x.float() through cuBLAS
         runner.tp.router_matmul = None
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
-        from autoprofile import budget
+        from autoprofile.kernels import launch_rules
         from autoprofile.kernels import triton_moe
-        triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": budget.MOE_SMALL_BLOCK_M,
+        triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M,
                                                         **args.moe_small_config}
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
@@ -252,8 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split_decode_rows", type=int, default=None,
                    help="aiter_triton: bf16 pages decode through our split kernel (kernels.triton_decode) at "
                         "up to N rows, AITER's v1/v2 past them (0: AITER's at every row count, 100000: ours "
-                        "at every one; default: the backend's budget.SPLIT_DECODE_ROWS); FP8 pages always "
-                        "take ours")
+                        "at every one; default: the backend's launch_rules.SPLIT_DECODE_ROWS); FP8 pages "
+                        "always take ours")
     p.add_argument("--cublas_router", action="store_true",
                    help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's "
                         "GEMV")

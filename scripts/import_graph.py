@@ -1,7 +1,9 @@
 """The import graph of autoprofile/ and models/, its layers, and the two rules: no circle, and no import from
 a lower layer to a higher one (imports follow the data: the CLI down to the pure arithmetic). The GPU kernels
 (autoprofile.kernels) sit below the engine that calls them; the rank launcher (autoprofile.launch) at the
-CLI's level, above the server and the profiler it starts.
+CLI's level, above the server and the profiler it starts. The kernels' launch rules
+(autoprofile.kernels.launch_rules: pure arithmetic, no torch) sit in the base layer beside the budget that
+counts what those launches hold.
 
     python3 scripts/import_graph.py            # the layers, each module's imports; exit 1 on a broken rule
     python3 scripts/import_graph.py --dot      # Graphviz
@@ -29,8 +31,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models",)),
     ("layers", ("autoprofile.layers",)),
     ("config", ("autoprofile.config",)),
-    ("base", ("autoprofile.budget", "autoprofile.memory", "autoprofile.profile_cache", "autoprofile.tp.votes",
-              "autoprofile.tp", "models.config", "autoprofile")),
+    ("base", ("autoprofile.budget", "autoprofile.kernels.launch_rules", "autoprofile.memory",
+              "autoprofile.profile_cache", "autoprofile.tp.votes", "autoprofile.tp", "models.config",
+              "autoprofile")),
 )
 
 

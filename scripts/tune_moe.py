@@ -7,9 +7,9 @@ reach once at the copy bandwidth.
     PYTHONPATH=. python3 scripts/tune_moe.py [--models deepseek-v2-lite,qwen3-30b-a3b] [--tokens 1,8]
         [--json out.json]
 
-Only the small-block configs (budget.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are swept: the
-block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so BLOCK_SIZE_M
-stays.
+Only the small-block configs (launch_rules.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are
+swept: the block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so
+BLOCK_SIZE_M stays.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402 - the copy bandwidth
 from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 
-from autoprofile import budget  # noqa: E402
+from autoprofile.kernels import launch_rules  # noqa: E402
 from autoprofile.kernels import triton_moe  # noqa: E402
 from autoprofile.layers.moe import moe_reference  # noqa: E402
 
@@ -38,7 +38,7 @@ LAYERS = 8
 def candidates() -> list[dict]:
     out = []
     for n, k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5)):
-        out.append({"BLOCK_SIZE_M": budget.MOE_SMALL_BLOCK_M, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
+        out.append({"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
                     "GROUP_SIZE_M": 1, "num_warps": warps, "num_stages": stages})
     return out
 
@@ -62,9 +62,9 @@ def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
     floor_us = reached * 3 * hidden * inter * 2 / bytes_per_s * 1e6
     want = moe_reference(x.float(), w13[0].float(), w2[0].float(), weights, ids)
     rows = []
-    default = dict(triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M])
+    default = dict(triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M])
     for cfg in [default] + candidates():
-        triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = cfg
+        triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = cfg
         try:
             got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
@@ -78,7 +78,7 @@ def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
             del replay
         except Exception as e:  # noqa: BLE001 - a config the compiler refuses (shared memory) is a row
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
-    triton_moe.CONFIGS[budget.MOE_SMALL_BLOCK_M] = default
+    triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = default
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     return {"model": model, "tokens": tokens, "experts_reached": reached, "floor_us": floor_us,
             "default": rows[0], "best": timed[:5], "rows": rows[1:],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.kernels.aiter_loader import aiter_installed
 from autoprofile.engine.attention import BACKENDS, AttentionMetadata
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend, use_v1
@@ -215,7 +215,7 @@ def test_decode_scratch_is_per_call_workspace_bytes(b, max_seq_len, captured):
     be.decode(q, KVLayer(kc, vc), meta)
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
-    partition = be.decode_partition(b, max_seq_len) if captured else budget.TRITON_PARTITION
+    partition = be.decode_partition(b, max_seq_len) if captured else launch_rules.TRITON_PARTITION
     expected = AiterTritonBackend.per_call_workspace_bytes(b, HQ, D, max_seq_len, 2, partition)
     assert (expected == 0) is use_v1(b, HQ, max_seq_len)
     assert expected <= scratch <= expected + 3 * 512, (scratch, expected)

@@ -266,7 +266,7 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
         assert not names & {"_attn_fwd", "_paged_attn_decode_v2_w_dot_kernel",
                             "_paged_attn_decode_v1_w_dot_kernel"}
     else:
-        # decode graphs up to budget.SPLIT_DECODE_ROWS rows take our split decode (AITER's v1/v2 past them)
+        # decode graphs up to launch_rules.SPLIT_DECODE_ROWS rows take our split decode (AITER's past them)
         assert {"_split_decode_kernel", "_merge_splits_kernel"} <= names, names
         assert "_gemv_kernel" in names, names  # the batch-1 graph's linear layers
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.kernels import triton_decode
 from autoprofile.layers.attention import KVLayer, dequantize
@@ -62,7 +63,7 @@ def test_split_decode_equals_the_reference(cache, b, longest, max_seq_len, ragge
     assert calls == [1], "the backend did not take the split decode"
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and not out.isnan().any()
     kd, vd = dequantised(layer)
-    splits = budget.split_decode_splits(b, HKV, max_seq_len)
+    splits = launch_rules.split_decode_splits(b, HKV, max_seq_len)
     for i, n in enumerate(lens):
         err = rel_err(out[i], ref_decode_one(q[i], kd, vd, meta.block_tables[i], n))
         assert err < BF16_TOL, f"{cache} request {i} (len {n}, {splits} splits): rel err {err:.2e}"
@@ -103,9 +104,9 @@ def test_split_decode_graph_follows_the_scales_set_after_capture(b, max_seq_len)
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 @pytest.mark.parametrize("b,max_seq_len", [(1, 1024), (4, 131072), (30, 4096), (256, 1024), (256, 4096)])
 def test_split_decode_scratch_is_what_the_budget_says(cache, b, max_seq_len):
-    """What one call allocates besides its output is triton_decode.scratch_bytes (budget.split_decode_scratch_bytes
-    at the budget's splits; none at one split), up to the allocator's 512-byte rounding, and never more
-    than the plan's peak over 1..256 rows."""
+    """What one call allocates besides its output is triton_decode.scratch_bytes
+    (launch_rules.split_decode_scratch_bytes at its splits; none at one split), up to the allocator's
+    512-byte rounding, and never more than the plan's peak over 1..256 rows."""
     be = backend(cache)
     kc, vc, meta = paged([17] * b, max_seq_len, torch.Generator(device="cuda").manual_seed(b))
     layer = layer_for(cache, kc, vc)
@@ -118,7 +119,7 @@ def test_split_decode_scratch_is_what_the_budget_says(cache, b, max_seq_len):
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before - -(-q.numel() * 2 // 512) * 512
     expected = triton_decode.scratch_bytes(b, HQ, HKV, D, max_seq_len)
-    assert (expected == 0) is (budget.split_decode_splits(b, HKV, max_seq_len) == 1)
+    assert (expected == 0) is (launch_rules.split_decode_splits(b, HKV, max_seq_len) == 1)
     assert expected <= scratch <= expected + 3 * 512, (scratch, expected)
     assert expected <= budget.split_decode_peak_scratch_bytes(256, HQ, HKV, D, max_seq_len)
 

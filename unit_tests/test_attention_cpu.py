@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.config import ConfigError
 from autoprofile.engine import stress
 from autoprofile.engine.envelope import Envelope
@@ -333,7 +334,8 @@ def test_v1_v2_rule(num_seqs, max_seq_len, v1):
 def test_per_call_workspace_is_the_v2_scratch():
     # v2 GQA allocates exp_sums + max_logits fp32 [B, Hkv, P, G] and tmp_out [B, Hkv, P, G, D] (out dtype)
     b, hq, d, L = 4, 32, 128, 16384
-    for partition in (budget.TRITON_PARTITION, budget.triton_decode_partition(b, hq, L)):  # eager, captured
+    # eager, captured
+    for partition in (launch_rules.TRITON_PARTITION, launch_rules.triton_decode_partition(b, hq, L)):
         parts = L // partition  # 16 eager; 64 in a graph (4 rows: partitions of 256 tokens)
         expected = 2 * (b * hq * parts * 4) + b * hq * parts * d * 2
         assert AiterTritonBackend.per_call_workspace_bytes(b, hq, d, L, 2, partition) == expected
@@ -423,14 +425,14 @@ def test_decode_partitions_shrink_for_few_rows_within_the_default_scratch(hq, pa
     """Fewer rows, smaller partitions (more programs for a batch of 1); the scratch never exceeds what
     AITER's fixed 1024 allocates at its largest v2 batch, partitions divide into pages, and a row never
     has more than TRITON_MAX_PARTITIONS of them."""
-    largest_v2 = budget.TRITON_V1_MIN_ROWS // hq
+    largest_v2 = launch_rules.TRITON_V1_MIN_ROWS // hq
     for L in (4096, 16384, 65536, 131072):
-        worst = budget.triton_decode_workspace_bytes(largest_v2, hq, 128, L, 2, budget.TRITON_PARTITION)
-        parts = [budget.triton_decode_partition(n, hq, L, page) for n in range(1, largest_v2 + 1)]
-        assert parts == sorted(parts) and parts[-1] == budget.TRITON_PARTITION
+        worst = budget.triton_decode_workspace_bytes(largest_v2, hq, 128, L, 2, launch_rules.TRITON_PARTITION)
+        parts = [launch_rules.triton_decode_partition(n, hq, L, page) for n in range(1, largest_v2 + 1)]
+        assert parts == sorted(parts) and parts[-1] == launch_rules.TRITON_PARTITION
         for n, p in enumerate(parts, 1):
-            assert p % page == 0 and -(-L // p) <= budget.TRITON_MAX_PARTITIONS
+            assert p % page == 0 and -(-L // p) <= launch_rules.TRITON_MAX_PARTITIONS
             assert budget.triton_decode_scratch_bytes(n, hq, 128, L, 2, p) <= worst
-    assert budget.triton_decode_partition(1, 32, 4096) == budget.TRITON_MIN_PARTITION
+    assert launch_rules.triton_decode_partition(1, 32, 4096) == launch_rules.TRITON_MIN_PARTITION
     # 48 divides no power of 2
-    assert budget.triton_decode_partition(1, 32, 4096, page_size=48) == budget.TRITON_PARTITION
+    assert launch_rules.triton_decode_partition(1, 32, 4096, page_size=48) == launch_rules.TRITON_PARTITION

@@ -7,6 +7,7 @@ import pytest
 
 from autoprofile import budget
 from autoprofile.budget import GiB, Sizing
+from autoprofile.kernels import launch_rules
 from models.config import load_model_config
 
 LLAMA_Q_HEADS, HEAD_DIM = 32, 128
@@ -15,12 +16,12 @@ LLAMA_Q_HEADS, HEAD_DIM = 32, 128
 def aiter_ws(q_heads: int = LLAMA_Q_HEADS, head_dim: int = HEAD_DIM):
     """The native AITER workspace as a Sizing callback (decode rows, longest sequence) -> bytes."""
     return lambda reqs, longest: budget.aiter_workspace_bytes(
-        reqs, q_heads, head_dim, budget.aiter_num_partitions(longest))
+        reqs, q_heads, head_dim, launch_rules.aiter_num_partitions(longest))
 
 
 # ---------------------------------------------------------------- AITER workspace: the public numbers
 def test_llama_aiter_workspace_full_context_is_16_25_gib():
-    parts = budget.aiter_num_partitions(131072)
+    parts = launch_rules.aiter_num_partitions(131072)
     assert parts == 512
     ws = budget.aiter_workspace_bytes(2048, LLAMA_Q_HEADS, HEAD_DIM, parts)
     assert ws == 2048 * 32 * 512 * (4 * 128 + 8)
@@ -28,7 +29,7 @@ def test_llama_aiter_workspace_full_context_is_16_25_gib():
 
 
 def test_llama_aiter_workspace_capped_by_cache_is_3_17_gib():
-    parts = budget.aiter_num_partitions(131072, tokens=25432)
+    parts = launch_rules.aiter_num_partitions(131072, tokens=25432)
     assert parts == 100
     ws = budget.aiter_workspace_bytes(2048, LLAMA_Q_HEADS, HEAD_DIM, parts)
     assert ws / GiB == pytest.approx(3.17, abs=0.005)
@@ -43,7 +44,7 @@ def test_workspace_follows_decode_rows_and_table_follows_running_requests():
     """The envelope's rows size the declared buffers: 256 decode rows of a 4096-slot table."""
     s = Sizing(cell_bytes=131072, context_len=131072, page_size=16, running_reqs=4096, decode_rows=256,
                workspace=aiter_ws())
-    parts = budget.aiter_num_partitions(131072)
+    parts = launch_rules.aiter_num_partitions(131072)
     assert s.workspace_reserved(10**6) == budget.reserved_bytes(budget.aiter_workspace_bytes(256, 32, 128,
                                                                                              parts))
     assert s.table_reserved(10**6) == budget.reserved_bytes(4096 * (8192 + 1) * 4)  # pages + last token
@@ -52,14 +53,16 @@ def test_workspace_follows_decode_rows_and_table_follows_running_requests():
 def test_qwen3_30b_a3b_aiter_workspace_is_65_gib():
     m = load_model_config("qwen3-30b-a3b")
     assert (m.num_heads, m.head_dim, m.max_position_embeddings) == (32, 128, 262144)
-    ws = budget.aiter_workspace_bytes(4096, m.num_heads, m.head_dim, budget.aiter_num_partitions(262144))
+    partitions = launch_rules.aiter_num_partitions(262144)
+    ws = budget.aiter_workspace_bytes(4096, m.num_heads, m.head_dim, partitions)
     assert ws / GiB == 65.0
 
 
 def test_partitions_round_up_and_cap():
-    assert budget.aiter_num_partitions(257) == 2
-    assert budget.aiter_num_partitions(131072, tokens=10**9) == 512  # cache larger than the context: no cap
-    assert budget.aiter_num_partitions(131072, tokens=0) == 0
+    assert launch_rules.aiter_num_partitions(257) == 2
+    # cache larger than the context: no cap
+    assert launch_rules.aiter_num_partitions(131072, tokens=10**9) == 512
+    assert launch_rules.aiter_num_partitions(131072, tokens=0) == 0
 
 
 # ---------------------------------------------------------------- KV per token
@@ -241,19 +244,19 @@ def test_the_target_never_passes_the_kernels_32_bit_offsets():
 
 
 def test_mla_splits_fill_one_program_per_sm_and_the_peak_scratch_sits_below_it():
-    splits = {rows: budget.mla_kv_splits(rows) for rows in range(1, 1025)}
+    splits = {rows: launch_rules.mla_kv_splits(rows) for rows in range(1, 1025)}
     assert splits[1] == 32 and splits[16] == 9 and splits[64] == 3 and splits[256] == 1  # the H100 tuning
-    assert all(1 <= s <= budget.MLA_MAX_SPLITS for s in splits.values())
-    assert all(rows * s >= budget.MLA_SPLIT_PROGRAMS or s == budget.MLA_MAX_SPLITS
+    assert all(1 <= s <= launch_rules.MLA_MAX_SPLITS for s in splits.values())
+    assert all(rows * s >= launch_rules.MLA_SPLIT_PROGRAMS or s == launch_rules.MLA_MAX_SPLITS
                for rows, s in splits.items())
     assert all(splits[r] >= splits[r + 1] for r in range(1, 1024))
-    assert all(s == 1 for rows, s in splits.items() if rows >= budget.MLA_SPLIT_PROGRAMS)
+    assert all(s == 1 for rows, s in splits.items() if rows >= launch_rules.MLA_SPLIT_PROGRAMS)
     # deepseek-v2-lite: 16 heads, latent 512; one split writes the output, more their fp32 partials
-    partials = {n: budget.mla_partials_bytes(n, 16, 512, splits[n]) for n in range(1, 257)}
+    partials = {n: launch_rules.mla_partials_bytes(n, 16, 512, splits[n]) for n in range(1, 257)}
     assert partials[256] == 0 and partials[64] == 4 * 64 * 16 * 3 * 513
     # a call's scratch: the most partials of 1..rows, so it grows with the rows (the stress's corner at the
     # most rows holds what any call of fewer rows holds), though fewer rows split more
-    scratch = [budget.mla_decode_scratch_bytes(n, 16, 512) for n in range(1, 257)]
+    scratch = [launch_rules.mla_decode_scratch_bytes(n, 16, 512) for n in range(1, 257)]
     assert scratch == [max(partials[k] for k in range(1, n + 1)) for n in range(1, 257)]
     assert all(a <= b for a, b in zip(scratch, scratch[1:]))
     assert scratch[-1] == partials[131] > partials[132] == 0

@@ -17,7 +17,7 @@ from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.weights import checkpoint_target, load_weights
 from autoprofile.layers.attention import AttentionMetadata
-from autoprofile.budget import sorted_slots
+from autoprofile.kernels.launch_rules import sorted_slots
 from autoprofile.layers.moe import FusedMoE, Routing, expert_part, moe_reference, route, sort_by_expert
 from autoprofile.layers.parallel import TP
 from models import model_class

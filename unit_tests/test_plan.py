@@ -11,6 +11,7 @@ from autoprofile import budget, cli
 from autoprofile import plan as plan_module
 from autoprofile.budget import GiB
 from autoprofile.config import ServerConfig, validate
+from autoprofile.kernels import launch_rules
 from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, sizing_for, weight_split
 from models.config import load_model_config
 
@@ -49,7 +50,7 @@ def check_inequality(p, cfg):
     if p.attention_backend == "aiter":
         m = cfg.model_config
         ws_next = budget.reserved_bytes(budget.aiter_workspace_bytes(
-            reqs, m.num_heads // cfg.tp, m.head_dim, budget.aiter_num_partitions(p.context_len, nxt)))
+            reqs, m.num_heads // cfg.tp, m.head_dim, launch_rules.aiter_num_partitions(p.context_len, nxt)))
     table_next = budget.reserved_bytes(budget.req_table_bytes(reqs, p.context_len, p.page_size))
     assert nxt * p.cell_bytes > (p.available - ws_next - table_next) * p.mem_fraction
     assert p.slack == p.available - kv - ws - table
@@ -74,7 +75,7 @@ def test_native_aiter_workspace_is_charged():
     p = plan_for("mi300x")
     assert p.attention_backend == "aiter"
     ws = row(p.sized, "attention workspace").bytes
-    parts = budget.aiter_num_partitions(131072, p.tokens)
+    parts = launch_rules.aiter_num_partitions(131072, p.tokens)
     assert ws == budget.aiter_workspace_bytes(p.max_num_reqs, 32, 128, parts) > 0
     # Same card and flags with the Triton backend: no persistent workspace, more tokens.
     t = plan_for("mi300x", attention_backend="aiter_triton")
@@ -86,7 +87,8 @@ def test_triton_scratch_is_the_declared_v2_formula():
     assert row(p.fixed, "decode attention scratch").bytes == budget.triton_decode_workspace_bytes(
         256, 32, 128, 131072, 2)
     short = plan_for("h100", max_req_total_len=1024)  # one 1024-token partition: v1, no scratch; up to 32
-    split = budget.split_decode_peak_scratch_bytes(budget.SPLIT_DECODE_ROWS, 32, 8, 128, 1024)  # rows: split
+    rows = launch_rules.SPLIT_DECODE_ROWS
+    split = budget.split_decode_peak_scratch_bytes(rows, 32, 8, 128, 1024)  # rows: split
     assert row(short.fixed, "decode attention scratch").bytes == split > 0
 
 
@@ -96,7 +98,8 @@ def test_fp8_cache_declares_the_split_decode_peak_scratch():
     p = plan_for("h100", kv_cache_dtype="fp8_e4m3")
     got = row(p.fixed, "decode attention scratch").bytes
     assert got == budget.split_decode_peak_scratch_bytes(256, 32, 8, 128, 131072) > 0
-    assert got == max(budget.split_decode_scratch_bytes(n, 32, 128, budget.split_decode_splits(n, 8, 131072))
+    splits = launch_rules.split_decode_splits
+    assert got == max(launch_rules.split_decode_scratch_bytes(n, 32, 128, splits(n, 8, 131072))
                       for n in range(1, 257))
 
 
@@ -109,11 +112,12 @@ def test_mla_declares_its_peak_partials_and_more_under_deterministic():
     reserve = budget.mla_unmeasured_reserve_bytes(cfg.graph_max_batch_size, cfg.context_len)
     rows = max(budget.running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size),
                cfg.graph_max_batch_size)
-    peak = max(budget.mla_partials_bytes(n, 16, 512, budget.mla_kv_splits(n)) for n in range(1, rows + 1))
-    assert got - reserve == budget.mla_decode_scratch_bytes(rows, 16, 512) == peak
-    assert peak > budget.mla_partials_bytes(rows, 16, 512, budget.mla_kv_splits(rows))
+    peak = max(launch_rules.mla_partials_bytes(n, 16, 512, launch_rules.mla_kv_splits(n))
+               for n in range(1, rows + 1))
+    assert got - reserve == launch_rules.mla_decode_scratch_bytes(rows, 16, 512) == peak
+    assert peak > launch_rules.mla_partials_bytes(rows, 16, 512, launch_rules.mla_kv_splits(rows))
     det = plan_for("h100", model="deepseek-v2-lite", deterministic=True)
-    fixed = budget.mla_partials_bytes(rows, 16, 512, budget.MLA_INVARIANT_SPLITS)
+    fixed = launch_rules.mla_partials_bytes(rows, 16, 512, launch_rules.MLA_INVARIANT_SPLITS)
     assert row(det.fixed, "decode attention scratch").bytes - reserve == fixed > peak
 
 

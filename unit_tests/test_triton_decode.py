@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 
 from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from unit_tests.interpreter import run_script
 
 COMMON = r'''
@@ -117,7 +118,7 @@ BACKEND = COMMON + r'''
 # at up to split_decode_rows rows; a float16 cache past them stays on AITER's
 import types
 from autoprofile.engine.attention import AttentionMetadata, aiter_triton
-from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.layers.attention import KVLayer
 aiter_calls = []  # AITER's Triton modules need a GPU driver to import: a stand-in that records its v1 call
@@ -130,7 +131,7 @@ gen = torch.Generator().manual_seed(9)
 lens, hq, hkv, d, page = [1, 40, 16], 8, 2, 32, 16
 for cache_dtype, split_rows in ((FP8, 0), (torch.float16, 3), (torch.float16, 2)):
     be = AiterTritonBackend(hq, hkv, d, page, torch.float16, torch.device("cpu"))
-    assert be.split_decode_rows == budget.SPLIT_DECODE_ROWS
+    assert be.split_decode_rows == launch_rules.SPLIT_DECODE_ROWS
     be.split_decode_rows = split_rows
     kc, vc, tables = pool(lens, hkv, page, d, cache_dtype, gen)
     scales = torch.tensor([0.7, 1.9]) if cache_dtype == FP8 else None
@@ -169,17 +170,17 @@ def test_split_decode_reads_the_scales_from_their_tensors():
 def test_splits_fill_the_gpu_within_bounds():
     """Few rows split more (up to SPLIT_DECODE_MAX_SPLITS, each part >= SPLIT_DECODE_MIN_TOKENS of
     max_seq_len); many rows run one part (no scratch)."""
-    s = budget.split_decode_splits
+    s = launch_rules.split_decode_splits
     assert s(256, 8, 1024) == s(64, 8, 1024) == s(256, 8, 131072) == 1
-    assert s(1, 8, 1024) == 1024 // budget.SPLIT_DECODE_MIN_TOKENS
-    assert s(1, 8, 131072) == budget.SPLIT_DECODE_MAX_SPLITS
+    assert s(1, 8, 1024) == 1024 // launch_rules.SPLIT_DECODE_MIN_TOKENS
+    assert s(1, 8, 131072) == launch_rules.SPLIT_DECODE_MAX_SPLITS
     assert s(1, 8, 100) == 1
     for rows in range(1, 600):
         for L in (1, 200, 1024, 4096, 131072):
             n = s(rows, 8, L)
-            assert 1 <= n <= budget.SPLIT_DECODE_MAX_SPLITS
-            assert n == 1 or -(-L // n) >= budget.SPLIT_DECODE_MIN_TOKENS // 2
-            assert n == 1 or rows * 8 * (n - 1) < budget.SPLIT_DECODE_PROGRAMS
+            assert 1 <= n <= launch_rules.SPLIT_DECODE_MAX_SPLITS
+            assert n == 1 or -(-L // n) >= launch_rules.SPLIT_DECODE_MIN_TOKENS // 2
+            assert n == 1 or rows * 8 * (n - 1) < launch_rules.SPLIT_DECODE_PROGRAMS
 
 
 @pytest.mark.parametrize("L", [1024, 4096, 131072])
@@ -187,11 +188,11 @@ def test_split_decode_peak_scratch_bounds_every_row_count(L):
     """The plan declares the peak over 1..max rows: no row count allocates more, and it is reached."""
     hq, hkv, d = 32, 8, 128
     for top in (1, 7, 64, 256, 1024):
-        each = [budget.split_decode_scratch_bytes(n, hq, d, budget.split_decode_splits(n, hkv, L))
+        each = [launch_rules.split_decode_scratch_bytes(n, hq, d, launch_rules.split_decode_splits(n, hkv, L))
                 for n in range(1, top + 1)]
         assert budget.split_decode_peak_scratch_bytes(top, hq, hkv, d, L) == max(each)
-    assert budget.split_decode_scratch_bytes(3, hq, d, 4) == 3 * hq * 4 * (4 * d + 4)
-    assert budget.split_decode_scratch_bytes(300, hq, d, 1) == 0
+    assert launch_rules.split_decode_scratch_bytes(3, hq, d, 4) == 3 * hq * 4 * (4 * d + 4)
+    assert launch_rules.split_decode_scratch_bytes(300, hq, d, 1) == 0
 
 
 def test_backend_decodes_fp8_pages_through_the_split_kernel():

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from unit_tests.interpreter import run_script
 
 DECODE = r'''
@@ -53,9 +53,9 @@ crowd = check(q, latents, tables, lens, 512, 32, 4, 1e-5, launch)
 for i in range(4):
     alone = check(q[i:i + 1], latents, tables[i:i + 1], lens[i:i + 1], 512, 32, 1, 1e-5, launch)
     assert torch.equal(alone[0], crowd[i]), i
-# a call's scratch: at a padded count it holds the most any count of 1..rows takes (budget), even at one
+# a call's scratch: at a padded count it holds the most any count of 1..rows takes (launch_rules), even at one
 # split; a fixed launch (--deterministic) holds its own partials
-from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.kernels import triton_decode
 held, carve = [], triton_decode.split_scratch
 def spy(out, splits, reserve_bytes=0):
@@ -69,9 +69,9 @@ lens = torch.tensor([300, 37, 512, 16, 5, 128], dtype=torch.int32)
 tables = torch.stack([torch.randperm(PAGES - 1)[:32] + 1 for _ in range(6)]).int()
 for rows in (8, 256):  # 17 splits; one split, the reserve only
     check(q, latents, tables, lens, 512, 32, rows, 1e-5)
-    assert held[-1] == budget.mla_decode_scratch_bytes(rows, H, 32) > 0, (rows, held)
+    assert held[-1] == launch_rules.mla_decode_scratch_bytes(rows, H, 32) > 0, (rows, held)
 check(q, latents, tables, lens, 512, 32, 256, 1e-5, launch)
-assert held[-1] == budget.mla_partials_bytes(6, H, 32, triton_mla.INVARIANT_SPLITS), held
+assert held[-1] == launch_rules.mla_partials_bytes(6, H, 32, triton_mla.INVARIANT_SPLITS), held
 triton_decode.split_scratch = carve
 # rows sharing one cached prefix (4 pages)
 shared = torch.arange(1, 5, dtype=torch.int32).repeat(6, 1)
@@ -91,7 +91,7 @@ def test_decode_rows_run_at_compiled_counts():
     rows above (the stress's corner): never a count no build compiled."""
     pytest.importorskip("triton")
     from autoprofile.kernels.triton_mla import padded_rows
-    ladder = budget.batch_ladder(64)
+    ladder = launch_rules.batch_ladder(64)
     assert [padded_rows(n, 64, 256) for n in (1, 3, 5, 9, 17, 63, 64)] == [1, 4, 8, 16, 24, 64, 64]
     assert all(padded_rows(n, 64, 256) in ladder for n in range(1, 65))
     assert [padded_rows(n, 64, 256) for n in (65, 200, 256)] == [256, 256, 256]

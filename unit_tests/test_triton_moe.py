@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, rea
 
 EXPERTS = r'''
 import torch
-from autoprofile import budget
-from autoprofile.kernels import triton_moe
+from autoprofile.kernels import launch_rules, triton_moe
 from autoprofile.layers.moe import Routing, moe_reference, route
 
 torch.manual_seed(0)
@@ -38,8 +37,8 @@ for dtype, weight_dtype, tol in ((torch.float32, torch.float32, 1e-5), (torch.fl
             want = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
             err = float((got - want).norm() / want.norm())
             assert err < tol, (dtype, weight_dtype, tokens, routing, err)
-            configs.add(budget.moe_block_m(tokens, K, E))
-assert configs == {budget.MOE_SMALL_BLOCK_M, budget.MOE_LARGE_BLOCK_M}, configs
+            configs.add(launch_rules.moe_block_m(tokens, K, E))
+assert configs == {launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M}, configs
 print("ok")
 '''
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from autoprofile.budget import batch_ladder  # noqa: F401 - the ladder's one owner (plan: no torch)
+from autoprofile.kernels.launch_rules import batch_ladder  # noqa: F401 - the ladder's one owner (no torch)
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable

@@ -12,10 +12,11 @@ set after capture): k_scale folds into the score scale, v_scale into the output.
 Each row's tokens split evenly in `splits` parts (rounded up to BLOCK_N tokens; parts past a short row's end
 exit at once). One split: stage 1 writes the output and nothing else runs. More: stage 1 writes each part's
 normalized fp32 output and its log2-sum-exp, stage 2 (one program per row and query head) merges the row's
-live parts. Scratch per call: budget.split_decode_scratch_bytes (in a graph it stays in the graph's pool).
+live parts. Scratch per call: launch_rules.split_decode_scratch_bytes (in a graph it stays in the graph's
+pool).
 
-Splits follow budget.split_decode_splits(rows, kv heads, max_seq_len): static values, so a captured graph
-replays one count. The launch config (BLOCK_N, warps, stages; splits to override) is `Config`; `config()`
+Splits follow launch_rules.split_decode_splits(rows, kv heads, max_seq_len): static values, so a captured
+graph replays one count. The launch config (BLOCK_N, warps, stages; splits to override) is `Config`; `config()`
 picks it, a benchmark passes its own.
 """
 from __future__ import annotations
@@ -26,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile import budget
-from autoprofile.kernels import pdl
+from autoprofile.kernels import launch_rules, pdl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a jit function reads no plain global
 MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: the query group is padded up to it
@@ -35,7 +35,7 @@ MIN_DOT_ROWS = 16  # tl.dot needs >= 16 rows: the query group is padded up to it
 
 @dataclass(frozen=True)
 class Config:
-    """Launch config of stage 1 (stage 2 takes STAGE2_WARPS). splits None: budget.split_decode_splits."""
+    """Launch config of stage 1 (stage 2 takes STAGE2_WARPS). splits None: launch_rules'."""
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -43,11 +43,9 @@ class Config:
     f16_dots: bool = False  # FP8 pages: both dots in fp16 (q, P and the converted pages)
 
 
-# H100, scripts/bench_decode_attention.py --configs (2026-11-27, each tile's pages carried from the iteration
-# before: two K/V buffers): FP8 pages, dots in fp16: 64-key tiles, 2 warps, 3 stages the fastest at 1 to 256
-# rows (256 x 1,024: 0.211 ms, 0.84 of the copy rate, against 0.226 for 128-key tiles, 4 warps before; 256 x
-# 4,096: 0.753, 0.95, against 0.811); bf16 pages (ours up to budget.SPLIT_DECODE_ROWS rows): 32-key tiles, 4
-# warps (1 x 4,096: 0.019 ms against 0.021; 8 x 1,024: 0.026 against 0.029; 32 x 1,024: 0.066 against 0.068)
+# The fastest launch configs of scripts/bench_decode_attention.py --configs on an H100 (docs/measurements.md,
+# "FP8 KV cache accuracy and decode"): FP8 pages 64-key tiles, 2 warps, 3 stages, dots in fp16, at 1 to 256
+# rows; bf16 pages (ours up to launch_rules.SPLIT_DECODE_ROWS rows) 32-key tiles, 4 warps
 DEFAULT = Config(32, 4, 3)
 FP8 = Config(64, 2, 3, f16_dots=True)
 STAGE2_WARPS = 4
@@ -64,7 +62,7 @@ def config(rows: int, kv_heads: int, max_seq_len: int, override: Config | None =
     """(splits, stage-1 config) of a call (fp8: FP8 pages): a pure function of static values (fixed for a
     captured graph)."""
     cfg = override or (FP8 if fp8 else DEFAULT)
-    splits = cfg.splits or budget.split_decode_splits(rows, kv_heads, max_seq_len)
+    splits = cfg.splits or launch_rules.split_decode_splits(rows, kv_heads, max_seq_len)
     return splits, cfg
 
 
@@ -211,7 +209,7 @@ def scratch_bytes(rows: int, q_heads: int, kv_heads: int, head_dim: int, max_seq
                   override: Config | None = None) -> int:
     """What one call allocates besides its output."""
     splits, _ = config(rows, kv_heads, max_seq_len, override)
-    return budget.split_decode_scratch_bytes(rows, q_heads, head_dim, splits)
+    return launch_rules.split_decode_scratch_bytes(rows, q_heads, head_dim, splits)
 
 
 def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -261,10 +259,11 @@ def decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def split_scratch(out: torch.Tensor, splits: int,
                   reserve_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse [B, H, splits], part [B, H, splits, D]) fp32 of a split decode into out [B, H, D]: the splits'
-    log2-sum-exps and outputs (budget.split_decode_scratch_bytes); one split needs none (out stands in).
+    log2-sum-exps and outputs (launch_rules.split_decode_scratch_bytes); one split needs none (out stands
+    in).
     reserve_bytes: the call holds at least this many bytes (one buffer the two are carved from, the rest
     unread) while it runs: triton_mla's, so that its scratch grows with its rows
-    (budget.mla_decode_scratch_bytes)."""
+    (launch_rules.mla_decode_scratch_bytes)."""
     rows, heads, dim = out.shape
     need = 0 if splits == 1 else rows * heads * splits * (dim + 1)
     if not reserve_bytes:

@@ -25,10 +25,10 @@ from autoprofile.kernels import pdl, triton_norm
 from autoprofile.kernels.triton_act import silu_mul_at
 from autoprofile.kernels.triton_matmul import grouped_tile
 from autoprofile.kernels.triton_norm import normed_row
-from autoprofile.layers.quant import Fp8Rows
+from autoprofile.layers import quant
+from autoprofile.layers.quant import FP8, Fp8Rows
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = tl.constexpr(448.0)  # NOTE: globals a kernel reads must be constexpr objects
+FP8_MAX = tl.constexpr(quant.FP8_MAX)  # NOTE: globals a kernel reads must be constexpr objects
 SCALE_MIN = tl.constexpr(1e-12)
 QUANT_BLOCK, QUANT_WARPS = 2048, 4  # elements of a row per step of the quant kernels
 QUANT_GROUPS = 16  # 128-groups per step of the group kernel

@@ -10,19 +10,17 @@ every copy; carried, two). Scores and the online softmax are fp32 from tl.dot.
 It replaced AITER's Triton MLA decode (aiter.ops.triton.mla_decode_rope, SGLang's grouped decode) over token
 slots we packed: that kernel reads the latents twice a tile (as keys [C, N] and as values [N, C]), its slot
 load sat in the same iteration as the loads it addresses (one buffer, the TTGIR of an H100 build), and it
-needed a slot-packing kernel and rows x max_seq_len int32 of scratch. On an H100 (2026-11-27,
-deepseek-v2-lite's widths, graph replays side by side with the served kernel, its slots made once): 1.10-1.49x
-at 1 to 256 rows x 1,024 and 4,000 tokens; 256 x 1,024 0.118 ms (0.85 of the bytes floor) against 0.145
-(0.69).
+needed a slot-packing kernel and rows x max_seq_len int32 of scratch. Ours against it on an H100:
+docs/measurements.md, "MoE and MLA".
 
 Each row's tokens split in `splits` parts of at least MIN_SPLIT_TOKENS (rounded up to BLOCK_N; parts past a
 row's end exit at once): the split points follow the row's own length, so a fixed split count
 (INVARIANT_SPLITS, --deterministic) gives a row the same result whatever else the step holds. One split: the
 program writes the output. More: each part's normalized fp32 output and log2-sum-exp, merged by
-triton_decode's merge kernel. Splits follow budget.mla_kv_splits(rows) at the compiled row count
+triton_decode's merge kernel. Splits follow launch_rules.mla_kv_splits(rows) at the compiled row count
 (padded_rows): static values, so a captured graph replays one count. Scratch per call:
-budget.mla_decode_scratch_bytes (the most any count of 1..rows takes, held whatever the call's own splits
-need: it grows with the rows, so the stress's corner at the most rows holds the most).
+launch_rules.mla_decode_scratch_bytes (the most any count of 1..rows takes, held whatever the call's own
+splits need: it grows with the rows, so the stress's corner at the most rows holds the most).
 """
 from __future__ import annotations
 
@@ -32,10 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile import budget
-from autoprofile.kernels import pdl, triton_decode
+from autoprofile.kernels import launch_rules, pdl, triton_decode
 
-INVARIANT_SPLITS = budget.MLA_INVARIANT_SPLITS  # --deterministic's splits, whatever the rows
+INVARIANT_SPLITS = launch_rules.MLA_INVARIANT_SPLITS  # --deterministic's splits, whatever the rows
 # H100, deepseek-v2-lite's widths (an uncommitted side-by-side of BLOCK_N 16/32/64, 4/8 warps, 3 stages):
 # 32-key tiles, 4 warps, 3 stages (two latent buffers) the fastest at 1 to 256 rows
 CONFIG = {"BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 4, "num_stages": 3}
@@ -101,14 +98,14 @@ def padded_rows(rows: int, graph_rows: int, max_rows: int) -> int:
     """The row count a decode of `rows` rows takes its splits (and declares its scratch) at: the graph
     ladder's next size while one holds it, else the envelope's most decode rows."""
     if rows <= graph_rows:
-        ladder = budget.batch_ladder(graph_rows)
+        ladder = launch_rules.batch_ladder(graph_rows)
         return ladder[bisect.bisect_left(ladder, rows)]
     return max(rows, max_rows)
 
 
 def launch_for(rows: int) -> tuple[int, dict]:
     """(splits of each row's tokens, the kernel's launch config) at a padded row count."""
-    return budget.mla_kv_splits(rows), CONFIG
+    return launch_rules.mla_kv_splits(rows), CONFIG
 
 
 def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -130,7 +127,7 @@ def mla_decode(q: torch.Tensor, latents: torch.Tensor, tables: torch.Tensor, seq
     direct = splits == 1
     # --deterministic's (and a tuning launch's) fixed splits: partials grow with the rows as they are
     lse, part = triton_decode.split_scratch(
-        out, splits, 0 if launch else budget.mla_decode_scratch_bytes(rows, heads, v_dim))
+        out, splits, 0 if launch else launch_rules.mla_decode_scratch_bytes(rows, heads, v_dim))
     rope = width - v_dim
     block_n = cfg["BLOCK_N"]
     _mla_decode_kernel[(b, triton.cdiv(heads, cfg["BLOCK_H"]), splits)](

@@ -28,29 +28,29 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile import budget
-from autoprofile.kernels import triton_fp8, triton_moe_sort
+from autoprofile.kernels import launch_rules, triton_fp8, triton_moe_sort
 from autoprofile.kernels.aiter_loader import load_aiter_moe
 from autoprofile.layers import moe
 
-# Per rows-per-block (budget.moe_block_m). Small blocks (steps of few tokens): of 36 configs, the least
+# Per rows-per-block (launch_rules.moe_block_m). Small blocks (steps of few tokens): of 36 configs, the least
 # geometric mean of times over deepseek-v2-lite's and qwen3-30b-a3b's experts at 1 and 8 tokens
 # (scripts/tune_moe.py on an H100: 0.94 of vLLM's default's time; at 1 token 0.97 and 0.82); large blocks:
 # vLLM's default launch config for unquantized experts
 CONFIGS = {
-    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                               "num_warps": 4, "num_stages": 3},
-    budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 8},
+    launch_rules.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 128,
+                                     "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 3},
+    launch_rules.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 32,
+                                     "GROUP_SIZE_M": 8},
 }
 # Pairs (T * k) up to which the sort is our one-program kernel; past them layers.moe's torch ops, faster there
 # (H100, in a graph: 8192 pairs 83-122 us against the torch ops' 130; 16384 pairs 123-232 against 131-134)
 SORT_KERNEL_MAX_PAIRS = 8192
 # FP8 experts: K tiles of 128 (the block scales' K block; FP8 dots take K tiles of 32 and more)
 FP8_CONFIGS = {
-    budget.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128,
-                               "GROUP_SIZE_M": 1},
-    budget.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128,
-                               "GROUP_SIZE_M": 8},
+    launch_rules.MOE_SMALL_BLOCK_M: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128,
+                                     "GROUP_SIZE_M": 1},
+    launch_rules.MOE_LARGE_BLOCK_M: {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128,
+                                     "GROUP_SIZE_M": 8},
 }
 COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -121,7 +121,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    block_m = invariant_block_m() if deterministic else budget.moe_block_m(tokens, top_k, num_experts)
+    block_m = invariant_block_m() if deterministic else launch_rules.moe_block_m(tokens, top_k, num_experts)
     cfg = (CONFIGS if quant is None else FP8_CONFIGS)[block_m]
     sort = triton_moe_sort if tokens * top_k <= SORT_KERNEL_MAX_PAIRS else moe
     sorted_ids, block_experts, padded = sort.sort_by_expert(ids, num_experts, block_m)
@@ -150,7 +150,7 @@ def invariant_block_m() -> int:
     """--deterministic: one launch config for every step (the kernels never split K, so a row's products are
     one accumulator over K in BLOCK_SIZE_K steps: its bits follow the config, which moe_block_m picks by the
     step's tokens). The large blocks: the stress's corner at the most tokens runs them (moe_scratch_bytes)."""
-    return budget.MOE_LARGE_BLOCK_M
+    return launch_rules.MOE_LARGE_BLOCK_M
 
 
 def summed_in_order(down: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile import budget
+from autoprofile.kernels import launch_rules
 
 RANK_CHUNK = 32  # pairs placed per step: a [RANK_CHUNK, RANK_CHUNK] compare orders each step's own
 COUNT_CHUNK = 1024  # pairs counted per step
@@ -72,10 +72,10 @@ def _sort_by_expert_kernel(ids_ptr, sorted_ptr, block_experts_ptr, padded_ptr, t
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
-    """As layers.moe.sort_by_expert, bit for bit: (sorted ids [budget.sorted_slots], the expert of each
+    """As layers.moe.sort_by_expert, bit for bit: (sorted ids [launch_rules.sorted_slots], the expert of each
     block, the padded length [1]), int32. block_m: a power of two."""
     tokens, top_k = ids.shape
-    slots = budget.sorted_slots(tokens, top_k, num_experts, block_m)
+    slots = launch_rules.sorted_slots(tokens, top_k, num_experts, block_m)
     sorted_ids = torch.empty(slots, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=ids.device)
     padded = torch.empty(1, dtype=torch.int32, device=ids.device)

@@ -26,25 +26,17 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # the head sizes the configs are tuned for (tl.dot needs 16)
 # Launch configs per NVIDIA compute capability from scripts/tune_prefill.py --kernel ours; others take CONFIG
-# (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors). Tried on an H100 and left out: Triton's warp
-# specialization of the unmasked loop (T=8192: 1.070 against 1.062 ms) and FA4's lazy rescale (the output
-# rescaled only when a row's max grows past 2**8: 1.161 against 1.050 ms: its branch costs more); FA3's
-# rotated loop (the next tile's Q K^T issued before this tile's softmax, in one warpgroup: slower at every
-# config, T=8192 1.136 ms at M128 N64 and 1.249 at M128 N128 s2 against 1.026 here, one run on one H100
-# host, 2026-11-25); BLOCK_M 256 with 16 warps (1.305 ms).
+# (no TMA: any GPU). TMA: the Hopper kernel (tensor descriptors). The times behind them, and what was tried and
+# left out (warp specialization, FA4's lazy rescale, FA3's rotated loop, BLOCK_M 256): docs/measurements.md,
+# "Serving speed".
 CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 CONFIGS: dict[str, dict] = {
-    # H100, torch 2.11, triton 3.6 (scripts/tune_prefill.py --kernel ours, 2026-11-25; two runs: 1.062 and
-    # 1.050 ms): T=8192 causal 1.050 ms = 0.86x torch SDPA (AITER's tuned config, run beside it on
-    # the same kind of card: 1.250 ms = 0.77x), 2048 new over 32768 keys 1.929 ms = 1.64x SDPA (AITER: 1.43x)
     "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True},
 }
 # A call whose longest request reads at most SHORT_KEYS keys (a serving step of 1k prompts) takes the short
 # entry where one exists; aiter_triton.SHORT_PREFILL_KEYS is this threshold (the stress runs both sides).
 SHORT_KEYS = 1024
 CONFIGS_SHORT: dict[str, dict] = {
-    # the same runs: 8 x 1,024 (views of the packed projection) 0.211-0.215 ms = 0.78x SDPA over the 8 as one
-    # batch (the long entry: 0.235 ms; AITER's short config: 0.257 ms)
     "sm_90": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "TMA": True},
 }
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels import pdl
-from autoprofile.layers.attention import FP8_MAX
+from autoprofile.layers.quant import FP8_MAX
 
 
 @triton.jit

@@ -9,10 +9,8 @@ import torch
 
 from autoprofile.layers import gdn
 from autoprofile.layers.moe import GroupedTopk, Routing, biased_grouped_topk, moe_reference, route
-from autoprofile.layers.quant import (Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference, moe_reference_fp8,
-                                      quantized_rows)
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from autoprofile.layers.quant import (FP8_MAX, Fp8Rows, Fp8Scheme, MoeQuant, fp8_linear_reference,
+                                      moe_reference_fp8, quantized_rows)
 
 
 class KVLayer(NamedTuple):

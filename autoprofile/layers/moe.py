@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from autoprofile.budget import sorted_slots
+from autoprofile.kernels.launch_rules import sorted_slots
 from autoprofile.layers.parallel import (TP, check_block_shards, copy_checked, new_param, quantize_rows,
                                          read_rows, scalar_or_rows, source_shape)
 from autoprofile.layers.quant import FP8, Fp8Scheme, MoeQuant

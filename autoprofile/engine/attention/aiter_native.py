@@ -12,10 +12,11 @@ import importlib
 import torch
 
 from autoprofile import budget
+from autoprofile.kernels import launch_rules
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 
-PARTITION = budget.AITER_PARTITION  # tokens per partition of the ragged decode (256)
+PARTITION = launch_rules.AITER_PARTITION  # tokens per partition of the ragged decode (256)
 KV_LAYOUT = "HND"  # [num_pages, num_kv_heads, page_size, head_dim]: our layout
 
 
@@ -42,15 +43,15 @@ class AiterNativeBackend(AttentionBackend):
                         head_dim: int) -> int:
         """fp32 partial outputs plus exp-sums and max-logits for every request, head and 256-token
         partition of the longest sequence (callers pass min(context_len, T): seed 001)."""
-        return budget.aiter_workspace_bytes(max_decode_rows, num_q_heads, head_dim,
-                                            budget.aiter_num_partitions(max_context_len, partition=PARTITION))
+        partitions = launch_rules.aiter_num_partitions(max_context_len, partition=PARTITION)
+        return budget.aiter_workspace_bytes(max_decode_rows, num_q_heads, head_dim, partitions)
 
     def build(self, max_decode_rows: int, max_context_len: int, graph_rows: int = 0) -> None:
         self.teardown()
         nbytes = self.workspace_bytes(max_decode_rows, max_context_len, self.num_q_heads, self.head_dim)
         self.workspace = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.max_decode_rows = max_decode_rows
-        self.num_partitions = budget.aiter_num_partitions(max_context_len, partition=PARTITION)
+        self.num_partitions = launch_rules.aiter_num_partitions(max_context_len, partition=PARTITION)
 
     def teardown(self) -> None:
         self.workspace = None
@@ -72,7 +73,7 @@ class AiterNativeBackend(AttentionBackend):
         if q.shape[0] > self.max_decode_rows:
             raise ValueError(f"decode batch {q.shape[0]} exceeds the {self.max_decode_rows} decode rows the "
                              "workspace was built for")
-        if budget.aiter_num_partitions(meta.max_seq_len, partition=PARTITION) > self.num_partitions:
+        if launch_rules.aiter_num_partitions(meta.max_seq_len, partition=PARTITION) > self.num_partitions:
             raise ValueError(f"max_seq_len {meta.max_seq_len} is longer than the workspace was built for")
         indptr, indices, last_page_lens = ragged_pages(meta.block_tables, meta.seq_lens, self.page_size)
         out = output_rows(out, q)

@@ -7,23 +7,24 @@ A bf16/fp16 cache's decode calls paged_attn_decode_v1 directly with float scales
 (paged_attention_decode) reads k_scale.item(), which a CUDA graph cannot capture. v1/v2 is chosen by
 the wrapper's own rule, from static values only (batch, heads, max_seq_len), so a captured graph
 replays the same kernels. The v2 path (decode_v2) launches AITER's partition kernel and our reduce
-(triton_reduce): AITER's reduce spills (DESIGN.md, "Local memory is memory"). An FP8 cache's decode is our
-split-KV kernel (triton_decode): AITER's converts every FP8 element through fp32 and runs per query head;
-ours reads each page once per GQA group and takes the scales as device tensors.
+(triton_reduce): AITER's reduce spills (docs/design.md, "Local memory is memory"). An FP8 cache's decode is
+our split-KV kernel (triton_decode): AITER's converts every FP8 element through fp32 and runs per query
+head; ours reads each page once per GQA group and takes the scales as device tensors.
 """
 from __future__ import annotations
 
 import torch
 
 from autoprofile import budget
+from autoprofile.kernels import (launch_rules, triton_decode, triton_mla_absorb, triton_prefill,
+                                 triton_reduce, triton_rope)
 from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
-from autoprofile.kernels import triton_decode, triton_mla_absorb, triton_prefill, triton_reduce, triton_rope
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
                                           write_into)
 from autoprofile.layers.moe import GroupedTopk, Routing
 from autoprofile.layers.quant import Fp8Rows, Fp8Scheme
 
-SEQ_PARTITION = budget.TRITON_PARTITION  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked at load)
+SEQ_PARTITION = launch_rules.TRITON_PARTITION  # pa_decode._SEQ_PARTITION_SIZE (checked at load)
 MIN_PAGE_SIZE = 16  # pages of 1 token fail to compile
 # No `waves_per_eu`: an AMD-only launch option that fails on NVIDIA.
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps": 4, "num_ctas": 1,
@@ -67,8 +68,8 @@ def prefill_config(short: bool = False) -> dict | None:
 
 
 def use_v1(num_seqs: int, num_q_heads: int, max_seq_len: int, partition: int = SEQ_PARTITION) -> bool:
-    """AITER's rule (budget.triton_decode_uses_v1: plan needs it without torch)."""
-    return budget.triton_decode_uses_v1(num_seqs, num_q_heads, max_seq_len, partition)
+    """AITER's rule (launch_rules.triton_decode_uses_v1: plan needs it without torch)."""
+    return launch_rules.triton_decode_uses_v1(num_seqs, num_q_heads, max_seq_len, partition)
 
 
 def decode_v2(pa, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,7 +116,7 @@ class AiterTritonBackend(AttentionBackend):
     batch_invariant_on_gpu = True
     # bf16/fp16 caches through our split decode (triton_decode) at up to this many rows, AITER's v1/v2 past
     # them (a benchmark's 0: AITER at every row count); FP8 caches always take it
-    split_decode_rows = budget.SPLIT_DECODE_ROWS
+    split_decode_rows = launch_rules.SPLIT_DECODE_ROWS
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype: torch.dtype, device: torch.device, deterministic: bool = False):
@@ -342,7 +343,7 @@ class AiterTritonBackend(AttentionBackend):
         return out
 
     def decode_partition(self, num_seqs: int, max_seq_len: int) -> int:
-        return budget.triton_decode_partition(num_seqs, self.num_q_heads, max_seq_len, self.page_size)
+        return launch_rules.triton_decode_partition(num_seqs, self.num_q_heads, max_seq_len, self.page_size)
 
     def delta_rule_decode(self, q, k, v, g, beta, ssm, slots) -> torch.Tensor:
         """Our kernel (triton_gdn): each row's state tile read and written once, in place by slot."""

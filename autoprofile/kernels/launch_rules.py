@@ -1,0 +1,140 @@
+"""How the kernels are launched, and what one launch allocates: pure functions of static values, no torch.
+
+A rule here picks a kernel's grid split (partitions, splits, rows per block) and the captured decode batch
+sizes; the kernels (autoprofile.kernels) and the attention backends call it to launch, and budget.py and
+plan.py call it to count the memory those launches take. Measurements behind the constants:
+docs/measurements.md.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+# ---------------------------------------------------------------- native AITER paged decode (ROCm)
+AITER_PARTITION = 256  # native AITER paged_attention_ragged partition size (tokens)
+
+
+def aiter_num_partitions(context_len: int, tokens: int | None = None,
+                         partition: int = AITER_PARTITION) -> int:
+    """Partitions per sequence; no sequence can outgrow the cache, so cap by min(context_len, T)."""
+    longest = context_len if tokens is None else min(context_len, tokens)
+    return math.ceil(longest / partition)
+
+
+# ---------------------------------------------------------------- AITER's Triton paged decode (v1 / v2)
+TRITON_PARTITION = 1024  # aiter.ops.triton.pa_decode._SEQ_PARTITION_SIZE (checked when the kernels load)
+TRITON_V1_MAX_SEQ_LEN = 8192
+TRITON_V1_MIN_ROWS = 512  # num_seqs * q_heads above which v1 runs even with several partitions
+TRITON_MIN_PARTITION = 128  # tokens: the smallest v2 partition autoprofile launches
+TRITON_MAX_PARTITIONS = 256  # partitions per row at most (the reduce kernel holds them all in registers)
+
+
+def triton_decode_uses_v1(num_seqs: int, q_heads: int, max_seq_len: int,
+                          partition: int = TRITON_PARTITION) -> bool:
+    """AITER's rule: one pass (v1) up to 8192 tokens when there is one partition or enough rows to fill
+    the GPU; otherwise split into partitions (v2) and reduce."""
+    return max_seq_len <= TRITON_V1_MAX_SEQ_LEN and (
+        math.ceil(max_seq_len / partition) == 1 or num_seqs * q_heads > TRITON_V1_MIN_ROWS)
+
+
+def triton_decode_partition(num_seqs: int, q_heads: int, max_seq_len: int, page_size: int = 16) -> int:
+    """Tokens per v2 partition for this call. AITER fixes 1024: a batch of 1 at ~1k tokens then runs on
+    num_kv_heads programs (8 of 132 SMs) and its attention took 74 us per layer, 28% of the step (H100,
+    scripts/profile_decode.py). Smaller partitions for fewer rows, in proportion: partition =
+    1024 * num_seqs * q_heads / TRITON_V1_MIN_ROWS (rounded up to a power of two), so num_seqs *
+    partitions never exceeds what AITER's rule allocates at the v1 threshold; the scratch stays within
+    the default's worst case at any batch. At least TRITON_MIN_PARTITION and a page, at most
+    TRITON_MAX_PARTITIONS partitions per row; AITER's 1024 where a page does not divide it. Only inside
+    CUDA graphs (AttentionMetadata.captured): each captured shape is measured at build, while eager decode
+    keeps AITER's 1024, whose scratch grows with the rows as the stress's eager corner assumes."""
+    share = -(-TRITON_PARTITION * num_seqs * q_heads // TRITON_V1_MIN_ROWS)
+    longest = -(-max_seq_len // TRITON_MAX_PARTITIONS)
+    p = 1 << (max(share, longest, TRITON_MIN_PARTITION, page_size) - 1).bit_length()
+    p = min(p, TRITON_PARTITION)
+    return p if p % page_size == 0 else TRITON_PARTITION
+
+
+# ---------------------------------------------------------------- our split-KV decode (triton_decode)
+# Each row's keys in `splits` parts, one program per (row, kv head, split). Enough parts to give the GPU
+# SPLIT_DECODE_PROGRAMS programs, each part at least SPLIT_DECODE_MIN_TOKENS of max_seq_len, at most
+# SPLIT_DECODE_MAX_SPLITS.
+SPLIT_DECODE_PROGRAMS = 512
+SPLIT_DECODE_MIN_TOKENS = 128
+SPLIT_DECODE_MAX_SPLITS = 64
+# bf16/fp16 caches take the split decode at up to this many rows, AITER's v1/v2 past them (aiter_triton): the
+# faster at 1 to 32 rows, tied at 256 (docs/measurements.md, "FP8 KV cache accuracy and decode")
+SPLIT_DECODE_ROWS = 32
+
+
+def split_decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:
+    """Parts of each row's keys: static values only (a captured graph replays one count)."""
+    want = -(-SPLIT_DECODE_PROGRAMS // max(num_seqs * kv_heads, 1))
+    return max(1, min(want, -(-max_seq_len // SPLIT_DECODE_MIN_TOKENS), SPLIT_DECODE_MAX_SPLITS))
+
+
+def split_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, splits: int) -> int:
+    """One split decode call's scratch: each split's fp32 partial output and log-sum-exp per query head;
+    none at one split (the program writes the output)."""
+    return 0 if splits == 1 else num_seqs * q_heads * splits * (4 * head_dim + 4)
+
+
+# ---------------------------------------------------------------- fused MoE (triton_moe, triton_moe_sort)
+MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per block (kernels.triton_moe)
+
+
+def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
+    """Rows per block of the fused MoE kernels: small blocks while T * k pairs are no more than the experts
+    (few pairs per expert), else large."""
+    return MOE_SMALL_BLOCK_M if tokens * top_k <= num_experts else MOE_LARGE_BLOCK_M
+
+
+def sorted_slots(tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
+    """Length of the expert-sorted (token, slot) ids: every pair, plus each expert's padding to a block (at
+    most block_m - 1 for each expert reached), never more than every pair alone in a block."""
+    pairs = tokens * top_k
+    return min(pairs + num_experts * (block_m - 1), pairs * block_m)
+
+
+# ---------------------------------------------------------------- MLA's absorbed decode (triton_mla)
+MLA_SPLIT_PROGRAMS = 132  # rows x splits the decode aims at: one program per SM of an H100
+MLA_MAX_SPLITS = 32
+# --deterministic: every row's tokens in this many splits whatever the rows (a row's merged output follows its
+# splits; mla_kv_splits follows the row count); triton_mla.INVARIANT_SPLITS
+MLA_INVARIANT_SPLITS = 16
+
+
+def mla_kv_splits(rows: int) -> int:
+    """Splits of each row's tokens in MLA's decode (kernels.triton_mla) at a padded row count:
+    ceil(MLA_SPLIT_PROGRAMS / rows), at most MLA_MAX_SPLITS (H100, deepseek-v2-lite's widths: 1 split at 256
+    rows, 3 at 64, 9 at 16, 32 at 1 were the fastest measured; a row's split holds at least
+    triton_mla.MIN_SPLIT_TOKENS, so a short row leaves the later splits empty)."""
+    return min(MLA_MAX_SPLITS, -(-MLA_SPLIT_PROGRAMS // max(rows, 1)))
+
+
+def mla_partials_bytes(rows: int, heads: int, kv_lora_rank: int, splits: int) -> int:
+    """The splits' fp32 partial outputs and log2-sums of an MLA decode call; none at one split."""
+    return 0 if splits == 1 else 4 * rows * heads * splits * (kv_lora_rank + 1)
+
+
+@functools.cache
+def mla_decode_scratch_bytes(rows: int, heads: int, kv_lora_rank: int) -> int:
+    """One MLA decode call's scratch at a padded row count (kernels.triton_mla, outside --deterministic):
+    the most partials any count of 1..rows takes (fewer rows take more splits: one split from 132 rows, 262
+    row-splits at 131), held by the call whether its own splits need them or not. So its scratch grows
+    with its rows, and the stress's corners at the most decode rows hold what any call of fewer rows
+    holds (an eager decode in a mixed step, a graph's capture). Cached: a pure function of ints, asked
+    every call."""
+    return max(mla_partials_bytes(n, heads, kv_lora_rank, mla_kv_splits(n))
+               for n in range(1, min(rows, MLA_SPLIT_PROGRAMS) + 1))
+
+
+# ---------------------------------------------------------------- captured decode batch sizes
+def batch_ladder(max_bs: int) -> list[int]:
+    """Captured decode batch sizes, ascending: 1, 2, 4, 8, 16, 24, 32, ... and max_bs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_bs} | set(range(16, max_bs, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+def coarse_ladder(max_bs: int) -> list[int]:
+    """Powers of two below max_bs, and max_bs: the batch sizes captured for the longer buckets."""
+    return sorted({1 << i for i in range(max_bs.bit_length()) if 1 << i < max_bs} | {max_bs})

@@ -1,0 +1,103 @@
+"""The kernels' launch rules have one home (autoprofile.kernels.launch_rules, torch-free): the kernels import
+it and never the budget, the budget defines none of its rules, and plan, the budget and the rules import
+with torch and triton blocked. FP8's largest value is written once (layers.quant)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autoprofile.kernels import launch_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = sorted((ROOT / "autoprofile" / "kernels").glob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Every module `path` imports, with `from a import b` as both a and a.b."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def defined(path: Path) -> set[str]:
+    """Top-level functions and constants of a module."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return out
+
+
+def test_the_kernels_import_the_launch_rules_and_not_the_budget():
+    users = {p.stem for p in KERNELS if "autoprofile.kernels.launch_rules" in imported(p)}
+    assert {"triton_decode", "triton_mla", "triton_moe", "triton_moe_sort"} <= users
+    assert [p.stem for p in KERNELS if "autoprofile.budget" in imported(p)] == []
+
+
+def test_the_budget_defines_no_launch_rule_and_imports_the_ones_it_counts_with():
+    rules = defined(ROOT / "autoprofile" / "kernels" / "launch_rules.py")
+    assert {"split_decode_splits", "moe_block_m", "mla_kv_splits", "triton_decode_partition",
+            "SPLIT_DECODE_PROGRAMS", "SPLIT_DECODE_ROWS", "MLA_SPLIT_PROGRAMS", "MOE_SMALL_BLOCK_M",
+            "MOE_LARGE_BLOCK_M", "AITER_PARTITION", "batch_ladder"} <= rules
+    budget = ROOT / "autoprofile" / "budget.py"
+    assert defined(budget) & rules == set()
+    assert "autoprofile.kernels.launch_rules.split_decode_splits" in imported(budget)
+
+
+BLOCKED = """
+import importlib.abc, sys
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            raise ImportError(f"{name} is blocked")
+
+sys.meta_path.insert(0, Blocked())
+import {module}
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton")))
+"""
+
+
+@pytest.mark.parametrize("module", ["autoprofile.kernels.launch_rules", "autoprofile.budget",
+                                    "autoprofile.plan"])
+def test_the_rules_the_budget_and_plan_import_without_torch_or_triton(module):
+    code = textwrap.dedent(BLOCKED).replace("{module}", module)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_rules_keep_their_values():
+    assert launch_rules.split_decode_splits(1, 8, 1024) == 8  # 1,024 keys in parts of at least 128
+    assert launch_rules.split_decode_splits(64, 8, 131072) == 1  # 512 programs from the rows alone
+    assert launch_rules.moe_block_m(8, 8, 64) == 16 and launch_rules.moe_block_m(9, 8, 64) == 64
+    assert [launch_rules.mla_kv_splits(n) for n in (1, 16, 64, 256)] == [32, 9, 3, 1]
+    assert launch_rules.triton_decode_partition(1, 32, 1024) == 128
+    assert launch_rules.batch_ladder(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+
+
+def test_fp8_max_is_written_once():
+    """layers.quant holds the value; every other FP8_MAX is that one (imported, or wrapped for Triton)."""
+    from autoprofile.kernels import triton_fp8
+    from autoprofile.layers import attention, quant
+    assert quant.FP8_MAX == 448.0 and attention.FP8_MAX is quant.FP8_MAX and triton_fp8.FP8_MAX.value == 448.0
+    written = []
+    for path in sorted((ROOT / "autoprofile").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "FP8_MAX"
+                                                    for t in node.targets):
+                value = ast.walk(node.value)
+                if not any(isinstance(n, ast.Attribute) and n.attr == "FP8_MAX" for n in value):
+                    written.append(str(path.relative_to(ROOT)))
+    assert written == ["autoprofile/layers/quant.py"]
