@@ -366,3 +366,39 @@ def test_requests_beyond_the_state_slots_wait_for_one_and_get_their_cold_tokens(
     assert engine.generate(PROMPTS * 2, max_tokens=20) == cold * 2
     assert max(s.running_reqs for s in shapes) == 3
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_step_that_fails_mid_forward_ends_its_decode_rows_too_and_no_state_is_applied_twice(models, cold,
+                                                                                              monkeypatch, overlap):
+    """A mixed step raises in its last linear layer, after the earlier ones advanced its decode rows' states: a
+    text model's decode rows would run that token again (K/V written twice is the same K/V); a hybrid's would
+    apply it twice, so the engine ends every row of the step with "error". The rest of the crowd, and a
+    request sent after, get their cold tokens."""
+    _, ours, folder = models
+    engine = engine_for(folder, overlap=overlap)
+    layer = [m for m in engine.runner.model.modules() if type(m).__name__ == "GatedDeltaNet"][-1]
+    real, fired = type(layer).forward, []
+
+    def forward(self, x, meta, state, residual=None):
+        if self is layer and not fired and meta.is_prefill and meta.decode is not None:
+            fired.append(meta.decode.state_slots.tolist())
+            raise RuntimeError("injected: the forward failed")
+        return real(self, x, meta, state, residual)
+    monkeypatch.setattr(type(layer), "forward", forward)
+    ids = [engine.add_request(p, max_tokens=20) for p in PROMPTS]
+    out: dict[str, tuple[list[int], str]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, _ = out.get(o.request_id, ([], ""))
+            out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+    assert fired and engine.stats.failed_steps == 1
+    failed = [i for i, rid in enumerate(ids) if out[rid][1] == "error"]
+    assert len(failed) > len(fired[0])  # the decode rows and the prefill rows
+    for i, rid in enumerate(ids):
+        if i not in failed:
+            assert out[rid] == (cold[i], "length")
+        else:
+            assert out[rid][0] == cold[i][:len(out[rid][0])]  # what was sent before the failure was right
+    assert engine.generate([PROMPTS[0]], max_tokens=20) == [cold[0]]
+    assert sorted(engine.scheduler.free_slots) == list(range(6))

@@ -227,8 +227,10 @@ class LLMEngine:
             with HostTimer(self.clock, "execute"):
                 tokens = self.runner.launch(step) if self.overlap else self.runner.execute(step)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine serves on
-            # a mixed step's decode rows run again in the next step, with the pages the device knows
-            self._failed(step.rows, e, outputs)
+            # a mixed step's decode rows run again in the next step, with the pages the device knows; a hybrid
+            # model's fail too: a forward that raised after some layers ran advanced their recurrent state
+            # there, and running the token again would apply it twice (K/V written twice is the same K/V)
+            self._failed(step.all_rows if self.runner.model_config.is_hybrid else step.rows, e, outputs)
             self.scheduler.rollback(step)
             return None
         self.scheduler.launched(step)
