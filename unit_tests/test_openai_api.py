@@ -110,15 +110,35 @@ def test_every_refused_field_of_the_table_is_refused_and_its_noop_accepted(run):
     async def body(c, app):
         out = []
         for name, f in fields.items():
-            path, base = (("/v1/chat/completions", {"messages": MSG}) if protocol.CHAT in f.endpoints else
-                          ("/v1/completions", {"prompt": "Hi"}))
-            out.append((name, await post(c, path, {**base, "max_tokens": 2, name: asks(f.noop)}),
-                        await post(c, path, {**base, "max_tokens": 2, name: f.noop}),
-                        await post(c, path, {**base, "max_tokens": 2, name: None})))
+            path, base = (("/v1/chat/completions", {"messages": MSG, "max_tokens": 2})
+                          if protocol.CHAT in f.endpoints else
+                          ("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+                          if protocol.COMPLETIONS in f.endpoints else
+                          ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}))
+            out.append((name, await post(c, path, {**base, name: asks(f.noop)}),
+                        await post(c, path, {**base, name: f.noop}),
+                        await post(c, path, {**base, name: None})))
         return out
     for name, (s1, refused_body), (s2, noop), (s3, null) in run(body):
         assert s1 == 400 and refused_body["error"]["param"] == name, (name, refused_body)
         assert s2 == 200 and s3 == 200, (name, noop, null)
+
+
+def test_each_choice_gets_its_seed_and_only_the_first_the_prompts_logprobs():
+    """GenerateArgs.to_sampling_params: choice i draws from seed + i, best_of > n ranks by logprobs it
+    did not ask for, echo's prompt logprobs go to the first choice, the processors' fields pass through."""
+    args = protocol.GenerateArgs(prompt_ids=[1, 2], max_tokens=4, temperature=0.7, top_p=0.9, top_k=5, seed=5,
+                                 n=1, best_of=3, echo=True, presence_penalty=0.5, logit_bias=((3, 1.0),),
+                                 min_p=0.1, min_tokens=2)
+    first, third = args.to_sampling_params(0), args.to_sampling_params(2)
+    assert (first.seed, third.seed) == (5, 7)
+    assert first.logprobs == third.logprobs == 0 and first.prompt_logprobs is None
+    assert (first.temperature, first.top_p, first.top_k, first.presence_penalty, first.logit_bias,
+            first.min_p, first.min_tokens) == (0.7, 0.9, 5, 0.5, ((3, 1.0),), 0.1, 2)
+    asked = protocol.GenerateArgs(prompt_ids=[1], max_tokens=1, logprobs=2, echo=True, n=2, best_of=2)
+    assert [(p.seed, p.logprobs, p.prompt_logprobs) for p in map(asked.to_sampling_params, (0, 1))] == \
+        [(None, 2, 2), (None, 2, None)]
+    assert protocol.GenerateArgs(prompt_ids=[1], max_tokens=1).to_sampling_params().logprobs is None
 
 
 def test_no_op_values_and_openais_bookkeeping_fields_are_accepted(run):

@@ -17,6 +17,7 @@ from PIL import Image
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving import openai as handlers
 from autoprofile.serving.images import smart_resize
 from unit_tests.cpu_server import boot_cpu
 
@@ -133,7 +134,7 @@ def remote():
 
 
 def test_bad_images_are_400s_naming_the_field_and_the_server_serves_on(booted, remote, monkeypatch):
-    monkeypatch.setattr(server, "FETCH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(handlers, "FETCH_TIMEOUT_S", 0.5)
     url0 = "messages[0].content[1].image_url.url"
 
     async def body(c, app):

@@ -12,6 +12,7 @@ import pytest
 
 from autoprofile import server
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.serving.openai import PARSE_ON_LOOP_BYTES
 from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.test_server import booted, greedy, serve  # noqa: F401
 
@@ -89,7 +90,7 @@ def test_a_large_body_is_parsed_off_the_loop_and_a_small_one_on_it(booted):  # n
 
     async def body(c, app):
         small = await c.post("/v1/completions", json=greedy("hi", n=2))
-        large = await c.post("/v1/completions", json=greedy("x" * (server.PARSE_ON_LOOP_BYTES + 1), n=2))
+        large = await c.post("/v1/completions", json=greedy("x" * (PARSE_ON_LOOP_BYTES + 1), n=2))
         return small.status, large.status, (await large.json())["error"]["param"]
     small, large, param = serve(LLMEngine(runner), result, body, tokenizer=tok)
     assert small == 200 and large == 400 and param == "prompt"  # longer than --max_req_total_len

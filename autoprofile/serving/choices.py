@@ -9,11 +9,15 @@ best_of > n: the n choices with the highest cumulative logprob (of the raw logit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from autoprofile.serving.logprobs import cumulative
 from autoprofile.serving.tokenizer import TextStream
+
+
+def cumulative(entries: Sequence) -> float:
+    """A choice's cumulative logprob (best_of ranks choices by it)."""
+    return sum(lp for _, lp, _ in entries)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The OpenAI wire format: request validation (every client mistake is an APIError naming the field)
-and the response / stream-chunk bodies."""
+"""The OpenAI wire format's requests: validation (every client mistake is an APIError naming the field) into
+GenerateArgs, and its sampling parameters (serving.bodies builds the responses)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +10,10 @@ import os
 import re
 import reprlib
 import secrets
-import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autoprofile.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from autoprofile.serving.errors import APIError, bad
 from autoprofile.serving.structured import parse_structured
 from autoprofile.serving.tools import parse_tools, refuse_unrendered_tool_defs
@@ -22,7 +21,6 @@ from autoprofile.serving.tools import parse_tools, refuse_unrendered_tool_defs
 INT64 = 1 << 63
 MAX_STOP = 16  # stop strings per request
 MAX_N = 128  # choices (n, best_of) per request
-MAX_LOGPROBS = 20  # top logprobs per token (engine.sampling.MAX_LOGPROBS; vLLM's default max_logprobs)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Body bytes: the longest token list a valid request carries, each id with ", ", times a margin (whitespace,
 # pretty-printing, a text prompt's JSON escapes), plus room for every other field.
@@ -296,6 +294,20 @@ class GenerateArgs:
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     thinking: bool | None = None  # --reasoning_parser: the reply begins inside <think> (None: no parser)
+
+    def to_sampling_params(self, index: int = 0) -> SamplingParams:
+        """Choice `index`'s parameters (serving.choices): its own seed stream (seed + index); the sampled
+        tokens' logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first
+        choice only; the logits processors' fields."""
+        seed = None if self.seed is None else self.seed + index
+        k = self.logprobs
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
+                              logprobs=0 if k is None and self.best_of > self.n else k,
+                              prompt_logprobs=k if self.echo and index == 0 else None,
+                              presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              min_p=self.min_p, min_tokens=self.min_tokens)
 
 
 # ---------------------------------------------------------------- request bodies
@@ -748,55 +760,3 @@ def parse_generate(body: object, limits: Limits) -> tuple[list[list[int]], int, 
         seed=_get(body, "seed", None, lambda v: _is_int(v) and -INT64 <= v < INT64,
                   "must be a 64-bit integer"), **processors(body, limits))
     return ids, n, params
-
-
-# ---------------------------------------------------------------- response bodies
-def request_id(chat: bool) -> str:
-    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def choice(args: GenerateArgs, text: str | None, finish_reason: str, index: int = 0,
-           logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    if args.chat:
-        message = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def response(args: GenerateArgs, rid: str, text: str | None, finish_reason: str, prompt_tokens: int,
-             completion_tokens: int, logprobs: dict | None = None, more: list[dict] = (),
-             tool_calls: list[dict] | None = None) -> dict:
-    """more: the choices after the first (n > 1: `choice` bodies, index 1..)."""
-    return {"id": rid, "object": "chat.completion" if args.chat else "text_completion",
-            "created": int(time.time()),
-            "model": args.model, "choices": [choice(args, text, finish_reason, 0, logprobs, tool_calls), *more],
-            "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chunk(args: GenerateArgs, rid: str, created: int, text: str | None, finish_reason: str | None = None,
-          role: bool = False, usage_body: dict | None = None, index: int = 0,
-          logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
-    """One stream chunk of choice `index`: a text delta (with its tokens' logprobs), tool calls (each with its
-    index), the closing finish_reason, or (choices empty) the usage."""
-    if usage_body is not None:
-        choices = []
-    elif args.chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-    else:
-        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
-    body = {"id": rid, "object": "chat.completion.chunk" if args.chat else "text_completion",
-            "created": created,
-            "model": args.model, "choices": choices}
-    if args.include_usage:
-        body["usage"] = usage_body
-    return body

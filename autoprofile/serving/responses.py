@@ -13,15 +13,24 @@ least recently used dropped first past RESPONSES_STORED or RESPONSES_STORED_BYTE
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from aiohttp import web
+
+from autoprofile.serving.async_engine import EngineFailure
+from autoprofile.serving.choices import Choice
 from autoprofile.serving.errors import APIError, bad
+from autoprofile.serving.openai import (Serving, chunks, complete_body, engine_failure, parsed, room, start,
+                                        think, with_images)
 from autoprofile.serving.protocol import RESPONSES, GenerateArgs, Limits, check_fields, parse_chat, show
+from autoprofile.serving.reasoning import END, reasoning_tokens
 
 RESPONSES_STORED = 1024  # stored responses kept for previous_response_id
 RESPONSES_STORED_BYTES = 64 << 20  # and their conversations' JSON bytes
@@ -464,3 +473,71 @@ class ResponseEvents:
 
 def sse(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+# ---------------------------------------------------------------- the handlers (on openai.py's chat path)
+class ResponsesServing(Serving, Protocol):
+    responses: ResponseStore  # for previous_response_id
+
+
+async def responses(request: web.Request, st: ResponsesServing) -> web.StreamResponse:
+    """POST /v1/responses: the body as a chat request (serving.responses); its reply as a response object,
+    or as Responses events."""
+    args, req = await parsed(request, st, st.bounds["openai"], parse_responses, st.limits, st.tokenizer,
+                             st.responses)
+    if args.images:
+        args = await with_images(st, args)
+    think(st, args)
+    room(st, args, 1)
+    choices = await start(st, args)
+    try:
+        if args.stream:
+            return await _respond_stream(request, st, args, req, choices)
+        chat = (await complete_body(st, args, [(args, choices)]))
+    finally:
+        for c in choices:
+            c.handle.close()
+    first, used = chat["choices"][0], chat["usage"]
+    message = first["message"]
+    thought = _reasoning_count(st, args, first["token_ids"], message.get("reasoning_content"))
+    body = response_object(req, args.model, "completed", output_items(message),
+                           usage(used["prompt_tokens"], used["completion_tokens"], thought),
+                           first["finish_reason"])
+    remember(st.responses, req, body)
+    return web.json_response(body)
+
+
+async def _respond_stream(request: web.Request, st: ResponsesServing, args: GenerateArgs, req,
+                          choices: list[Choice]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    events = ResponseEvents(req, args.model, functools.partial(_reasoning_count, st, args))
+    try:
+        for e in events.start():
+            await resp.write(sse(e))
+        async for body in chunks(st, args, [(args, choices)]):
+            for e in events.feed(body):
+                await resp.write(sse(e))
+    except EngineFailure as e:
+        await resp.write(sse(events.error(engine_failure(e).body())))
+    except ConnectionResetError:  # the client went away: close() aborts the request
+        return resp
+    if events.response is not None:
+        remember(st.responses, req, events.response)
+    await resp.write_eof()
+    return resp
+
+
+def _reasoning_count(st: ResponsesServing, args: GenerateArgs, ids: list[int], reasoning: str | None) -> int:
+    if args.thinking is None:
+        return 0
+    return reasoning_tokens(ids, st.tokenizer.encode(END, add_special_tokens=False), args.thinking, reasoning)
+
+
+async def stored_response(request: web.Request, st: ResponsesServing) -> web.Response:
+    """GET /v1/responses/{response_id}: a stored response (this server's memory), else a 404."""
+    rid = request.match_info["response_id"]
+    stored = st.responses.get(rid)
+    if stored is None:
+        raise not_found(rid, None)
+    return web.json_response(stored.response)
