@@ -64,13 +64,13 @@ def test_generated_logprobs_equal_the_prompt_logprobs_of_the_same_tokens(runner,
 
 
 def test_the_stress_reaches_the_logprob_buffers(runner):  # noqa: F811
-    runner.logprob_log = []
+    runner.sampler.logprob_log = []
     try:
         runner.stress_prefill()
         runner.stress_decode()
-        log = runner.logprob_log
+        log = runner.sampler.logprob_log
     finally:
-        runner.logprob_log = None
+        runner.sampler.logprob_log = None
     env = runner.envelope
     assert max(rows for kind, rows, _ in log if kind == "sampled") == env.sampled_rows
     assert max(rows for kind, rows, _ in log if kind == "prompt") == min(PROMPT_CHUNK, env.prefill_tokens)

@@ -332,13 +332,13 @@ def test_build_teardown_drops_the_kv_and_rebuild_works(runner):
     assert runner.req_table.nbytes == budget.req_table_bytes(16, 256, 16)
     ref = weakref.ref(runner.kv_buffer)
     # structured output's mask: one row per sampled row of the envelope, dropped with the rest
-    assert runner.bitmask.dev.shape[0] == runner.envelope.sampled_rows
-    mask = weakref.ref(runner.bitmask.dev)
+    assert runner.sampler.bitmask.dev.shape[0] == runner.envelope.sampled_rows
+    mask = weakref.ref(runner.sampler.bitmask.dev)
     with pytest.raises(RuntimeError, match="teardown"):
         runner.build(64)
     runner.teardown()
     runner.teardown()  # idempotent
-    assert ref() is None and mask() is None and runner.bitmask is None
+    assert ref() is None and mask() is None and runner.sampler is None
     assert runner.kv is runner.req_table is runner.envelope is runner.graphs is runner.kv_buffer is None
     assert runner.built_tokens is None and runner.kv_bytes == 0
     runner.build(512)

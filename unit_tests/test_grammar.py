@@ -146,7 +146,7 @@ def test_the_stress_masks_every_sampled_row_of_every_corner(roomy):
     env = roomy.envelope
     assert len(widths) == len(shapes) and all(rows == masked for rows, masked in widths)
     assert max(m for _, m in widths) == env.sampled_rows
-    assert roomy.bitmask.host.shape == (env.sampled_rows, bitmask_width(4096))
+    assert roomy.sampler.bitmask.host.shape == (env.sampled_rows, bitmask_width(4096))
 
 
 def test_the_bitmask_masks_only_the_grammar_rows(grammars):
@@ -236,8 +236,9 @@ def test_several_rows_fill_in_one_batched_call_on_the_process_cores(grammars, mo
 def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_sampler(
         roomy, grammars, monkeypatch):
     """On CUDA the host fills the grammar rows' masks while the GPU runs the forward: the runner fills after
-    it has launched the model, and masks before the logits processors and the sampler (vLLM's order)."""
-    import autoprofile.engine.runner as runner_module
+    it has launched the model, and the sampler masks before the logits processors and the sample (vLLM's
+    order)."""
+    import autoprofile.engine.sampler as sampler_module
     events = []
 
     def spy(name, fn):
@@ -247,8 +248,9 @@ def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_
         return wrapped
     monkeypatch.setattr(roomy.model, "forward", spy("forward", roomy.model.forward))
     monkeypatch.setattr(TokenBitmask, "fill", spy("fill", TokenBitmask.fill))
-    monkeypatch.setattr(runner_module.logits_process, "apply", spy("process", runner_module.logits_process.apply))
-    monkeypatch.setattr(runner_module, "sample", spy("sample", runner_module.sample))
+    process = sampler_module.logits_process
+    monkeypatch.setattr(process, "apply", spy("process", process.apply))
+    monkeypatch.setattr(sampler_module, "sample", spy("sample", sampler_module.sample))
     engine = LLMEngine(roomy)
     params = SamplingParams(temperature=1.0, seed=4, presence_penalty=0.5)
     for p in PROMPTS[:2]:

@@ -276,12 +276,12 @@ def test_the_stress_runs_the_logprob_buffers_at_their_limits():
     init_random(r.model, seed=1, std=0.08)
     r.build(2048)
     env = r.envelope
-    r.logprob_log = []
+    r.sampler.logprob_log = []
     r.stress_prefill()
-    prefill = list(r.logprob_log)
-    r.logprob_log = []
+    prefill = list(r.sampler.logprob_log)
+    r.sampler.logprob_log = []
     r.stress_decode()
-    decode = r.logprob_log
+    decode = r.sampler.logprob_log
     r.teardown()
     sampled = [rows for kind, rows, k in prefill + decode if kind == "sampled"]
     assert {k for _, _, k in prefill + decode} == {MAX_LOGPROBS}

@@ -24,6 +24,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.envelope import STEP_FIELDS, Envelope, EnvelopeError, StepShape
 from autoprofile.engine.request import PENDING, RequestStatus
 from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampler import SampledTokens
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.weights import init_random
@@ -71,7 +72,7 @@ class StepRunner:
             return tokens
         return SimpleNamespace(result=result)
 
-    def execute(self, step) -> list[int]:
+    def execute(self, step) -> SampledTokens:
         shape = step.shape(self.envelope.graph_rows)
         self.envelope.check(shape)
         self.clock.begin("prefill" if step.is_prefill else "decode", 0)
@@ -102,7 +103,7 @@ class StepRunner:
                 out.append(history_token(SimpleNamespace(tokens=lambda a, b, h=known + ids: h[a:b]),
                                          row.start + len(row.ids)))
                 self.last_tokens[row.slot] = out[-1]
-        return out
+        return SampledTokens(out)
 
 
 def written_pages(step, page_size: int) -> set[int]:

@@ -35,6 +35,7 @@ import torch
 from autoprofile.engine.host_kv import HostTierStats
 from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
+from autoprofile.engine.sampler import SampledTokens
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import Scheduler, Step
 from autoprofile.engine.step_clock import HostTimer, StepTimes
@@ -249,7 +250,7 @@ class LLMEngine:
         self._steps += 1
         with HostTimer(self.clock, "update"):
             keep_logprobs(step, tokens)
-            return [self._report(req) for req in self.scheduler.resolve(step, tokens)]
+            return [self._report(req) for req in self.scheduler.resolve(step, tokens.tokens)]
 
     def _failed(self, rows: list, e: Exception, outputs: list[RequestOutput]) -> None:
         self._failed_steps += 1
@@ -322,20 +323,19 @@ class LLMEngine:
         return [out[rid] for rid in ids]
 
 
-def keep_logprobs(step: Step, sampled: list[int]) -> None:
-    """The logprobs read back with a step's tokens (logprobs.SampledTokens) into their requests, before
-    Scheduler.resolve takes the tokens: an output token's entry goes where resolve puts the token (rows of
-    requests that finished since the launch are dropped alike); prompt entries not known yet (a request
-    recomputed after a preemption scores its prompt again) extend the request's."""
-    lps, prompt = getattr(sampled, "logprobs", None), getattr(sampled, "prompt", None)
-    for i, (first, entries) in (prompt or {}).items():
+def keep_logprobs(step: Step, sampled: SampledTokens) -> None:
+    """The logprobs read back with a step's tokens into their requests, before Scheduler.resolve takes the
+    tokens: an output token's entry goes where resolve puts the token (rows of requests that finished since
+    the launch are dropped alike); prompt entries not known yet (a request recomputed after a preemption
+    scores its prompt again) extend the request's."""
+    for i, (first, entries) in sampled.prompt_logprobs.items():
         row = step.rows[i]
         req = row.request
         if row.applied and not req.finished:
             req.prompt_logprobs += entries[len(req.prompt_logprobs) + 1 - first:]
-    if lps is None:
+    if sampled.logprobs is None:
         return
-    for row, entry in zip((r for r in step.all_rows if r.sample), lps):
+    for row, entry in zip((r for r in step.all_rows if r.sample), sampled.logprobs):
         if entry is not None and row.applied and not row.request.finished:
             row.request.output_logprobs.append(entry)
 

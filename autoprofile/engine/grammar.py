@@ -2,7 +2,7 @@
 layer: autoprofile.serving.structured) masks the logits of its sampled rows, and advances by the tokens read
 back.
 
-    mask = TokenBitmask(rows=env.sampled_rows, vocab_size, device)   # one owner: the runner (build/teardown)
+    mask = TokenBitmask(rows=env.sampled_rows, vocab_size, device)   # one owner: the Sampler (engine.sampler)
     mask.apply(logits, [(row, matcher), ...])   # before sampling: disallowed tokens' logits = -inf, in place
     advance(matcher, token)                     # Scheduler.resolve, once per token read back: True = ended
 
@@ -10,9 +10,9 @@ The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinne
 xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: first, before the logits
 processors and the sampler, so min_p measures the grammar's distribution; not inside the sampler kernel).
 Several rows are filled in one call on xgrammar's C++ threads (BatchGrammarMatcher, as vLLM and SGLang fill
-them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The runner
-masks after it has launched the forward: on CUDA the host fills while the GPU computes.
-The stress (ModelRunner._stress) applies a full-size mask to every sampled row of every corner.
+them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The sampler
+masks after the runner has launched the forward: on CUDA the host fills while the GPU computes.
+The stress (SamplingMetadata.stress) applies a full-size mask to every sampled row of every corner.
 
 A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
 recomputed, preempted request is not fed again: its matcher already holds its tokens). The host fills the

@@ -1,6 +1,7 @@
 """Logprobs of the RAW model logits (vLLM's default `raw_logprobs`): log_softmax of the logits before any
 logits processor, penalty, grammar mask or temperature; computed on the device and carried back with the
-step's tokens (runner.StepTokens: one non-blocking copy, so the overlapped engine never waits for them).
+step's tokens (sampler.StepTokens: one non-blocking copy, so the overlapped engine never waits for them).
+The sampler (autoprofile.engine.sampler) calls these functions; it alone reads a row's `logprobs`.
 
 - Sampled rows (`SamplingParams.logprobs`): the log-softmax [rows, vocab] fp32 of the step's sampled rows,
   the top-k [rows, k] (k <= MAX_LOGPROBS) and the sampled token's logprob after sampling: per-row buffers of
@@ -21,21 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from autoprofile.engine.sampling import MAX_LOGPROBS
+from autoprofile.engine.sampling_params import MAX_LOGPROBS
 
 PROMPT_CHUNK = 256  # prompt positions whose logits exist at once (the [chunk, vocab] buffers' rows)
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
-
-
-class SampledTokens(list):
-    """A step's sampled token ids (a list, in row order) and their logprobs read back: `logprobs` one entry
-    per sampled row (None for a row that asked for none; the attribute None when no row asked), `prompt`
-    {index in step.rows: (first prompt position scored, entries)}."""
-
-    def __init__(self, ids: Sequence[int], logprobs: list[TokenLogprob | None] | None = None,
-                 prompt: dict[int, tuple[int, list[TokenLogprob]]] | None = None):
-        super().__init__(ids)
-        self.logprobs, self.prompt = logprobs, prompt or {}
 
 
 def top_k_of(ks: Sequence[int | None]) -> int | None:
@@ -108,36 +98,38 @@ def entries(block: list[list[float]], k: int, ks: Sequence[int | None]) -> list[
     return out
 
 
-@dataclass
-class StepLogprobs:
-    """A step's logprobs on the device until read back: `sampled` [sampled rows, 1 + 2k] (scored) and
-    `prompt` [prompt positions, 1 + 2kp] with `spans` (prompt_positions)."""
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """The sampled rows' logprobs on the device until read back: `scores` [rows, 1 + 2k] (scored), k the
+    batch's top-k, ks each row's (None: the row asked for none)."""
 
-    k: int | None = None
-    ks: tuple[int | None, ...] = ()  # per sampled row
-    sampled: torch.Tensor | None = None
-    kp: int = 0
-    prompt: torch.Tensor | None = None
-    spans: tuple[tuple[int, int, int, int], ...] = ()
-    prompt_ks: tuple[int, ...] = ()  # per span
-    prompt_ids: tuple[int, ...] = ()  # the scored prompt tokens, in order
+    scores: torch.Tensor
+    k: int
+    ks: tuple[int | None, ...]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.sampled, self.prompt) if t is not None]
+    def host(self, block: torch.Tensor, tokens: list[int]) -> list[TokenLogprob | None]:
+        """Per sampled row, its token's entry (None: the row asked for none), from the scores' host copy."""
+        got = entries(block.tolist(), self.k, self.ks)
+        return [None if e is None else (t, *e[1:]) for e, t in zip(got, tokens)]
 
-    def host(self, tokens: list[int], copies: list[torch.Tensor]) -> SampledTokens:
-        """The tokens with their logprobs, from the host copies of tensors()."""
-        it = iter(copies)
-        lps = None
-        if self.sampled is not None:
-            lps = entries(next(it).tolist(), self.k, self.ks)
-            lps = [None if e is None else (t, *e[1:]) for e, t in zip(lps, tokens)]
-        prompt = {}
-        if self.prompt is not None:
-            block, at = next(it).tolist(), 0
-            for (i, first, valid, n), want in zip(self.spans, self.prompt_ks):
-                rows = entries(block[at:at + valid], self.kp, [want] * valid)
-                if valid:
-                    prompt[i] = (first, [(t, *e[1:]) for e, t in zip(rows, self.prompt_ids[at:at + valid])])
-                at += n
-        return SampledTokens(tokens, lps, prompt)
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prefill rows' prompt logprobs on the device until read back: `scores` [prompt positions, 1 + 2k]
+    with `spans` (prompt_positions), ks each span's top-k, ids the scored prompt tokens in order."""
+
+    scores: torch.Tensor
+    k: int
+    spans: tuple[tuple[int, int, int, int], ...]
+    ks: tuple[int, ...]
+    ids: tuple[int, ...]
+
+    def host(self, block: torch.Tensor) -> dict[int, tuple[int, list[TokenLogprob]]]:
+        """{index in step.rows: (first prompt position scored, entries)} from scores' host copy."""
+        rows, out, at = block.tolist(), {}, 0
+        for (i, first, valid, n), want in zip(self.spans, self.ks):
+            if valid:
+                got = entries(rows[at:at + valid], self.k, [want] * valid)
+                out[i] = (first, [(t, *e[1:]) for e, t in zip(got, self.ids[at:at + valid])])
+            at += n
+        return out

@@ -3,9 +3,9 @@
 scheduler builds (`execute`), refusing any step outside the envelope; runs the stress corners through
 the same `execute`. The profiler drives it: build(probe) -> stress -> teardown -> build(target) -> stress.
 
-Above the house's 500 lines (580) on purpose: the runner is the one owner of the model's GPU state, and each
-per-step feature (logprobs, logits processors, grammar masks, FP8 scales) is one short hook here whose work
-lives in its own module (logprobs, logits_process, grammar); the step inputs live in step_inputs.
+Above the house's 500 lines on purpose: the runner is the one owner of the model's GPU state. Logits to tokens
+(grammar mask, logits processors, logprobs, the sample) is one call to the Sampler (engine.sampler); the step
+inputs live in step_inputs.
 """
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.host_kv import host_tier
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
-from autoprofile.engine import logits_process, logprobs, stress
-from autoprofile.engine.logprobs import StepLogprobs
-from autoprofile.engine.sampling import SamplingBatch, make_generator, request_generator, sample
+from autoprofile.engine import stress
+from autoprofile.engine.logprobs import PromptLogprobs
+from autoprofile.engine.sampler import (NO_TOKENS, SampledTokens, Sampler, SamplerOutput, SamplingMetadata,
+                                        StepTokens)
+from autoprofile.engine.sampling import make_generator
 from autoprofile.engine.multimodal import ImageInput
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.state_cache import StateCache, layer_caches
@@ -44,34 +46,6 @@ from autoprofile.layers.quant import fp8_capability_problem
 from models import model_class
 
 log = logging.getLogger(__name__)
-
-
-class StepTokens:
-    """A launched step's sampled tokens (and their logprobs) on their way to the host: one non-blocking copy
-    each into pinned memory and an event; result() waits for that step alone (a step launched after it keeps
-    running)."""
-
-    def __init__(self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
-        self.logprobs = logprobs
-        tensors = [tokens] + (logprobs.tensors() if logprobs is not None else [])
-        if any(t.is_cuda for t in tensors):  # a step that samples nothing may still carry prompt logprobs
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self._host, tensors):
-                h.copy_(t, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        else:
-            self._host, self._done = tensors, None
-
-    def result(self) -> list[int]:
-        """The token ids; with logprobs, a logprobs.SampledTokens (a list of them carrying the logprobs)."""
-        if self._done is not None:
-            self._done.synchronize()
-        ids = self._host[0].tolist()
-        return ids if self.logprobs is None else self.logprobs.host(ids, self._host[1:])
-
-
-NO_TOKENS = torch.empty(0, dtype=torch.int64)
 
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -143,14 +117,12 @@ class ModelRunner:
         self.caches: list | None = None  # one per model layer: its KVLayer, or a hybrid's StateLayer
         self.envelope: Envelope | None = None
         self.req_table: ReqTable | None = None
-        self.bitmask: TokenBitmask | None = None  # structured output's per-row token mask (engine.grammar)
+        self.sampler: Sampler | None = None  # logits to tokens, with structured output's per-row token mask
         self.graphs: DecodeGraphs | None = None
         # [encoder_images, image_tokens, hidden]: images awaiting prefill
         self.mm_buffer: torch.Tensor | None = None
         self.built_tokens: int | None = None
         self.step_log: list[StepShape] | None = None  # tests: set to a list to record every step's shape
-        # tests: set to a list to record each logprob buffer's rows: ("sampled" | "prompt", rows, top-k)
-        self.logprob_log: list | None = None
         self.staging = Staging() if self.device.type == "cuda" else None  # pinned buffers of step inputs
         self._loads: dict[int, torch.cuda.Event] = {}  # the host tier's loads in flight, by load id
 
@@ -247,7 +219,8 @@ class ModelRunner:
             self.kv_scales_pending = self.kv_scale_source == "first_batch"
             self.envelope = env
             self.req_table = ReqTable(env.running_reqs, cfg.context_len, cfg.page_size, self.device)
-            self.bitmask = TokenBitmask(env.sampled_rows, mc.vocab_size, self.device)
+            self.sampler = Sampler(TokenBitmask(env.sampled_rows, mc.vocab_size, self.device), self.generator,
+                                   self.req_table.last_tokens, self.staging)
             if env.encoder_images:
                 self.mm_buffer = torch.empty(env.encoder_images, env.image_tokens, mc.hidden_size,
                                              dtype=self.dtype,
@@ -280,7 +253,7 @@ class ModelRunner:
             self.graphs.teardown()
         self.graphs = None
         self.backend.teardown()
-        self.req_table = self.kv = self.envelope = self.mm_buffer = self.bitmask = None
+        self.req_table = self.kv = self.envelope = self.mm_buffer = self.sampler = None
         self.state = self.caches = None
         self.built_tokens = None
         if self.device.type == "cuda":
@@ -291,9 +264,10 @@ class ModelRunner:
             raise RuntimeError("the engine is not built: call build(kv_tokens) first")
 
     # ------------------------------------------------------------ one step
-    def execute(self, step: Step) -> list[int]:
+    def execute(self, step: Step) -> SampledTokens:
         """Run one step the scheduler (or a stress corner) built; return the sampled token of every
-        row with `sample`, in row order. A step outside the envelope raises EnvelopeError, unrun."""
+        row with `sample`, in row order, and their logprobs. A step outside the envelope raises EnvelopeError,
+        unrun."""
         return self.launch(step).result()
 
     def launch(self, step: Step) -> StepTokens:
@@ -310,7 +284,7 @@ class ModelRunner:
             if not step.all_rows:  # the host tier's copies and the page writes of requests loading
                 self._copy_pages(step)
                 self.req_table.write(step.page_writes)
-                return StepTokens(NO_TOKENS)
+                return StepTokens(SamplerOutput(NO_TOKENS))
             self.clock.begin("prefill" if step.is_prefill else "decode",
                              sum(len(r.ids) for r in step.rows) + len(step.decode))
             self._copy_pages(step)
@@ -321,8 +295,8 @@ class ModelRunner:
             calibrate = self._calibrates(step)
             self.backend.calibrating = calibrate
             try:
-                logits, sample_slots, lps = (self._prefill(step.rows, step.decode) if step.is_prefill
-                                             else (*self._decode(step.rows), None))
+                logits, sample_slots, prompt = (self._prefill(step.rows, step.decode) if step.is_prefill
+                                                else (*self._decode(step.rows), None))
             finally:
                 self.backend.calibrating = False
             if calibrate and not self.stressing:
@@ -333,27 +307,11 @@ class ModelRunner:
             rows = [r for r in step.all_rows if r.sample]
             if not rows:
                 self.clock.ended()
-                return StepTokens(NO_TOKENS, lps)
-            lps, raw = self._sampled_logprobs(rows, logits, lps)  # the raw logits' (before any processor)
-            # structured output first (engine.grammar, vLLM's order): min_p then keeps tokens of the grammar's
-            # distribution, never a threshold that only disallowed tokens pass
-            self._mask(logits, rows)
-            processed = logits_process.processed_rows([r.params for r in rows])
-            if processed:  # penalties, logit_bias, min_tokens, min_p: in place, before the sampler
-                tokens_of = [logits_process.row_tokens(rows[i]) for i in processed]
-                logits_process.apply(logits, processed, tokens_of, self.req_table.last_tokens, self.staging)
-            if all(r.params.temperature == 0 for r in rows):  # greedy: no parameters to upload
-                tokens = logits.argmax(dim=-1)
-            else:
-                batch = SamplingBatch.from_params([r.params for r in rows], self.device)
-                tokens = sample(logits, batch, self.generator, self._row_generators(rows))
-            self.req_table.record(sample_slots, tokens)
-            if raw is not None:
-                lps.sampled = logprobs.scored(raw, tokens, lps.k)
-                del raw
-            out = StepTokens(tokens, lps)
+                return StepTokens(SamplerOutput(NO_TOKENS, prompt_logprobs=prompt))
+            out = self.sampler(logits, SamplingMetadata.from_rows(rows, self.device, self.stressing), prompt)
+            self.req_table.record(sample_slots, out.tokens)
             self.clock.ended()
-            return out
+            return StepTokens(out)
 
     def _copy_pages(self, step: Step) -> None:
         """The host tier's copies of a step: the forward waits for the loads it may read (kv_ready: done on
@@ -380,42 +338,6 @@ class ModelRunner:
         never issued (its step failed before the copies) is done."""
         return {i for i in ids if i not in self._loads or self._loads[i].query()}
 
-    def _sampled_logprobs(self, rows: list[StepRow], logits: torch.Tensor,
-                          lps: StepLogprobs | None) -> tuple[StepLogprobs | None, torch.Tensor | None]:
-        """The sampled rows' raw log-softmax [rows, vocab] fp32 when a row asks for logprobs (scored once the
-        tokens are sampled), and the step's StepLogprobs to carry them."""
-        ks = tuple(r.params.logprobs for r in rows)
-        k = logprobs.top_k_of(ks)
-        if k is None:
-            return lps, None
-        if self.logprob_log is not None:
-            self.logprob_log.append(("sampled", len(rows), k))
-        lps = lps or StepLogprobs()
-        lps.k, lps.ks = k, ks
-        return lps, logprobs.raw_logprobs(logits)
-
-    def _prompt_logprobs(self, rows: list[StepRow], hidden: torch.Tensor,
-                         cu: np.ndarray) -> StepLogprobs | None:
-        """The prompt logprobs of the prefill rows that ask for them (logprobs.prompt_positions)."""
-        kp = logprobs.top_k_of([r.params.prompt_logprobs for r in rows])
-        if kp is None:
-            return None
-        index, targets, spans = logprobs.prompt_positions(rows, cu)
-        scores = logprobs.prompt_scores(self.model.compute_logits, hidden, to_device(torch.from_numpy(index),
-                                        self.device), to_device(torch.from_numpy(targets), self.device), kp,
-                                        log=self.logprob_log)
-        return StepLogprobs(kp=kp, prompt=scores, spans=tuple(spans),
-                            prompt_ks=tuple(rows[i].params.prompt_logprobs for i, *_ in spans),
-                            prompt_ids=tuple(targets.tolist()))
-
-    def _mask(self, logits: torch.Tensor, rows: list[StepRow]) -> None:
-        """The grammar rows' token bitmask on their logits; the stress masks every sampled row."""
-        if self.stressing:
-            self.bitmask.apply_stress(logits)
-            return
-        self.bitmask.apply(logits, [(i, r.request.grammar) for i, r in enumerate(rows)
-                                    if r.request is not None and r.request.grammar is not None])
-
     def _calibrates(self, step: Step) -> bool:
         """Whether this step sets an FP8 cache's scales from its own K/V (--kv_scales first_batch): the first
         real prefill does (the first step ever is a prefill of fresh rows). The stress calibrates at its
@@ -424,22 +346,12 @@ class ModelRunner:
         return (self.kv_scales_pending and step.is_prefill
                 and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
-    def _row_generators(self, rows: list[StepRow]) -> list | None:
-        """Seeded requests draw from their own generator (kept on the request, so their tokens do not
-        depend on the batch, nor on a preemption: the generator advances once per sampled token)."""
-        if all(r.params.seed is None for r in rows):
-            return None
-        for r in rows:
-            if r.params.seed is not None and r.request is not None and r.request.generator is None:
-                r.request.generator = request_generator(r.params, self.device)
-        return [r.request.generator if r.request is not None else None for r in rows]
-
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.caches))
 
     def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, StepLogprobs | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, PromptLogprobs | None]:
         """Logits [sampled rows, vocab] of each sampled row's last token, those rows' request slots and the
         prompt logprobs the rows ask for (None: none); K/V written to the rows' pages.
         Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
@@ -479,7 +391,7 @@ class ModelRunner:
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
         else:
             hidden = self.model(ids, positions, meta, self.caches)
-        prompt = self._prompt_logprobs(rows, hidden, host["cu"])
+        prompt = self.sampler.prompt_logprobs(rows, hidden, host["cu"], self.model.compute_logits)
         return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"], prompt
 
     def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from autoprofile import memory
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+from autoprofile.engine.sampler import SampledTokens
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.tp.channel import HEARTBEAT_S, GuardedRunner, StepFailed, TPError, is_consequence
 from autoprofile.tp.votes import describe, gather_errors
@@ -117,12 +118,12 @@ def receive(group) -> tuple[str, object, list[torch.Tensor]]:
     return kind, payload, tensors
 
 
-def run_step(runner: GuardedRunner, step) -> list[int]:
+def run_step(runner: GuardedRunner, step) -> SampledTokens:
     """Every rank: execute the step, then the error vote. Workers execute exactly what rank 0 does,
-    sampling included (the memory the profile measured); their tokens are dropped: the LM head gathers
-    the full logits on every rank, so rank 0's tokens are the step's tokens."""
+    sampling and logprobs included (the memory the profile measured); their results are dropped: the LM head
+    gathers the full logits on every rank, so rank 0's SampledTokens are the step's."""
     guard = runner.guard
-    err, out = None, []
+    err, out = None, None
     try:
         out = runner.execute(step)
     except Exception as e:  # noqa: BLE001 - every failure goes to the vote
@@ -158,7 +159,7 @@ class StepBroadcaster:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def execute(self, step) -> list[int]:
+    def execute(self, step) -> SampledTokens:
         with self._lock:
             if self.fatal is not None:
                 raise TPError(self.fatal)
@@ -209,10 +210,10 @@ class StepBroadcaster:
                     self._send("ping")
 
 
-def worker_loop(runner: GuardedRunner, on_step: Callable[[Step, list[int]], None] | None = None) -> int:
+def worker_loop(runner: GuardedRunner, on_step: Callable[[Step, SampledTokens], None] | None = None) -> int:
     """Ranks > 0: run every step rank 0 ships until it says stop; returns the steps run. on_step(step, this
-    rank's tokens) after each step that ran. A fatal step raises TPError (the same text as rank 0's); rank 0
-    dying ends the loop with a gloo error."""
+    rank's SampledTokens) after each step that ran. A fatal step raises TPError (the same text as rank 0's);
+    rank 0 dying ends the loop with a gloo error."""
     steps = 0
     while True:
         kind, payload, tensors = receive(runner.guard.control)
@@ -222,9 +223,9 @@ def worker_loop(runner: GuardedRunner, on_step: Callable[[Step, list[int]], None
             steps += 1
             step = decode(payload, tensors)
             try:
-                tokens = run_step(runner, step)
+                sampled = run_step(runner, step)
             except StepFailed as e:
                 log.warning("step %d failed on some rank (rank 0 ends its requests): %s", steps, e)
                 continue
             if on_step is not None:
-                on_step(step, tokens)
+                on_step(step, sampled)
