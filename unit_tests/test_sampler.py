@@ -4,10 +4,13 @@ model and real xgrammar matchers on the CPU)."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import autoprofile
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.sampler import Sampler, SampledTokens, SamplingMetadata, StepTokens
@@ -147,3 +150,14 @@ def test_a_step_that_samples_nothing_still_carries_its_prompt_logprobs(roomy):
     assert first.tokens == [] and first.logprobs is None and len(last.tokens) == 1
     scored = [e for r in results for _, entries in r.prompt_logprobs.values() for e in entries]
     assert [e[0] for e in scored] == prompt[1:]
+
+
+def test_max_logprobs_is_written_once_and_one_module_is_named_logprobs():
+    """One bound for the API and the engine (engine.sampling_params), one module named logprobs.py."""
+    root = Path(autoprofile.__file__).parent
+    files = sorted(root.rglob("*.py"))
+    written = [p.relative_to(root).as_posix() for p in files
+               if re.search(r"^MAX_LOGPROBS\s*[:=]", p.read_text(), re.MULTILINE)]
+    assert written == ["engine/sampling_params.py"]
+    named = [p.relative_to(root).as_posix() for p in files if p.name == "logprobs.py"]
+    assert named == ["engine/logprobs.py"]
