@@ -1,12 +1,7 @@
-"""The OpenAI endpoints' handlers (completions, chat, vLLM's /tokenize and /detokenize, LightLLM's /generate):
-a validated body (serving.protocol) becomes engine requests, one per choice (serving.choices); their tokens
-come back as a body or as server-sent events (serving.bodies). The Responses API's handlers
-(serving.responses) run on the chat path here. server.py holds the app, its middleware and the process life.
-
-Bodies are bounded in bytes while they are read, each endpoint by what a valid request to it can carry
-(BodyBound: the OpenAI endpoints one longest token list with margin plus the images' base64, /generate the
-most prompts it admits at once of the longest prompt), and one larger than PARSE_ON_LOOP_BYTES is parsed and
-validated on a worker thread.
+"""The OpenAI endpoints' handlers (completions, chat, vLLM's /tokenize and /detokenize, LightLLM's /generate;
+the Responses API's in serving.responses run on the chat path here): a body, bounded in bytes while it is
+read (BodyBound) and validated by serving.protocol (on a worker thread past PARSE_ON_LOOP_BYTES), becomes
+one engine request per choice (serving.choices), answered as a body or server-sent events (serving.bodies).
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The OpenAI wire format's requests: validation (every client mistake is an APIError naming the field) into
-GenerateArgs, and its sampling parameters (serving.bodies builds the responses)."""
+GenerateArgs, and its sampling parameters (serving.bodies builds the responses).
+
+Above the house's 500 lines on purpose: every endpoint's parser reads the one table of fields (FIELDS) through
+the same checks (_get, check_fields, show), so that a field is served, ignored or refused in one place."""
 from __future__ import annotations
 
 import dataclasses

@@ -10,6 +10,9 @@ The chat reply becomes output items (a reasoning item, a message, function calls
 become Responses events (ResponseEvents). `previous_response_id`: the stored conversation (its messages
 and replies, not its instructions) comes before `input`; stored responses live in this server's memory,
 least recently used dropped first past RESPONSES_STORED or RESPONSES_STORED_BYTES (ResponseStore).
+The handlers (at the end) run the chat path of serving.openai.
+
+Above the house's 500 lines on purpose: the Responses API in one place, from its body to its events.
 """
 from __future__ import annotations
 
