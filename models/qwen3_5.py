@@ -1,14 +1,13 @@
-"""Qwen3.5 (dense and MoE), the text model of its ConditionalGeneration checkpoints: a hybrid of Gated DeltaNet
-layers (linear attention over a recurrent state per request: autoprofile.layers.gdn) and gated attention layers
-(Qwen3's attention with a sigmoid output gate from q_proj, q/k RMSNorm, RoPE on the first rotary_dim channels
-of each head). Norms weigh 1 + weight (zero-centred), folded into the weight at load; MoE layers add a shared
-expert scaled by a sigmoid gate.
+"""Qwen3.5 (dense and MoE), the text model of its ConditionalGeneration checkpoints: a hybrid of Gated
+DeltaNet layers (linear attention over a recurrent state per request: autoprofile.layers.gdn) and gated
+attention layers (Qwen3's attention with a sigmoid output gate from q_proj, q/k RMSNorm, RoPE on the first
+rotary_dim channels of each head). Norms weigh 1 + weight (zero-centred), folded into the weight at load; MoE
+layers add a shared expert scaled by a sigmoid gate.
 
-The model takes one cache per layer (`forward`'s caches): a KVLayer for an attention layer, a gdn.StateLayer for
-a linear one. AttentionMetadata.state_slots gives each row's state slot (a mixed step's decode rows in
+The model takes one cache per layer (`forward`'s caches): a KVLayer for an attention layer, a gdn.StateLayer
+for a linear one. AttentionMetadata.state_slots gives each row's state slot (a mixed step's decode rows in
 meta.decode.state_slots). Text only: a checkpoint's vision tower and multi-token-prediction layers are skipped
-at load, with one log line each.
-"""
+at load, with one log line each."""
 from __future__ import annotations
 
 import logging
@@ -21,8 +20,8 @@ from torch import nn
 from autoprofile.layers import gdn
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, rope_
 from autoprofile.layers.moe import Routing
-from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked, load_column,
-                                         new_param, read_rows, source_shape)
+from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked,
+                                         load_column, new_param, read_rows)
 from models.config import ModelConfig
 from models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, SparseMoeBlock
 
@@ -32,7 +31,8 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------- loaders
 def load_plus_one(param: nn.Parameter, src, part: int = 0) -> None:
     """A zero-centred norm's weight w, kept as 1 + w (computed in fp32, as HF's forward does)."""
-    copy_checked(param.data, ((src if isinstance(src, torch.Tensor) else src[:]).float() + 1.0).to(param.dtype))
+    weight = src if isinstance(src, torch.Tensor) else src[:]
+    copy_checked(param.data, (weight.float() + 1.0).to(param.dtype))
 
 
 def load_split_parts(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], rank: int,
@@ -45,7 +45,8 @@ def load_split_parts(param: nn.Parameter, src, part: int = 0, *, sizes: list[int
         out, full = out + shard, full + size
 
 
-def load_grouped(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], groups: int, rank: int) -> None:
+def load_grouped(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], groups: int,
+                 rank: int) -> None:
     """Qwen3-Next's in_proj_qkvz / in_proj_ba: rows grouped by key head ([q_g | k_g | v_g | z_g] for each key
     head g) -> this rank's `groups` key heads, each part's rows of every group together ([q | k | v | z])."""
     width = sum(sizes)
@@ -104,8 +105,8 @@ class GatedDeltaNet(nn.Module):
         self.backend = backend
         hk, hv = mc.linear_num_key_heads, mc.linear_num_value_heads
         if hk % tp.size or hv % tp.size:
-            raise ValueError(f"linear_num_key_heads {hk} and linear_num_value_heads {hv} must be divisible by "
-                             f"{tp.size} TP ranks")
+            raise ValueError(f"linear_num_key_heads {hk} and linear_num_value_heads {hv} must be divisible "
+                             f"by {tp.size} TP ranks")
         self.k_heads, self.v_heads = hk // tp.size, hv // tp.size
         self.k_dim, self.v_dim, self.eps = mc.linear_key_head_dim, mc.linear_value_head_dim, mc.rms_norm_eps
         kd, vd, h = mc.linear_key_dim, mc.linear_value_dim, mc.hidden_size
@@ -115,8 +116,9 @@ class GatedDeltaNet(nn.Module):
         if self.grouped:  # Qwen3-Next: one projection, its rows grouped by key head in the checkpoint
             self.in_proj_qkvz = ColumnParallelLinear(h, [kd, kd, vd, vd], False, tp, dtype)
             r, groups = hv // hk, self.k_heads
-            self.in_proj_qkvz.weight.weight_loader = partial(load_grouped, groups=groups, rank=tp.rank, sizes=[
-                self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim])
+            sizes = [self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim]
+            self.in_proj_qkvz.weight.weight_loader = partial(load_grouped, groups=groups, rank=tp.rank,
+                                                             sizes=sizes)
             self.in_proj_ba.weight.weight_loader = partial(load_grouped, sizes=[r, r], groups=groups,
                                                            rank=tp.rank)
             self.in_proj_ba.weight.num_parts = self.in_proj_qkvz.weight.num_parts = 1
@@ -125,8 +127,8 @@ class GatedDeltaNet(nn.Module):
             split_parts(self.in_proj_qkv.weight, parts, tp)
             self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype)
         self.conv1d = nn.Module()
-        self.conv1d.weight = split_parts(new_param((sum(parts) // tp.size, 1, mc.linear_conv_kernel_dim), dtype),
-                                         parts, tp)
+        conv = new_param((sum(parts) // tp.size, 1, mc.linear_conv_kernel_dim), dtype)
+        self.conv1d.weight = split_parts(conv, parts, tp)
         heads = partial(load_column, shard_sizes=[self.v_heads], rank=tp.rank)
         self.A_log = new_param((self.v_heads,), torch.float32, heads)
         self.dt_bias = new_param((self.v_heads,), torch.float32, heads)
@@ -148,7 +150,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * torch.nn.functional.softplus(a + self.dt_bias.float())
         weight = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)
         o = torch.empty(t, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
-        decode = meta if not meta.is_prefill else meta.decode  # the decode rows' metadata, after n prefill tokens
+        decode = meta if not meta.is_prefill else meta.decode  # the decode rows, after n prefill tokens
         n = t - (decode.state_slots.shape[0] if decode is not None else 0)
         if n:
             c = gdn.conv_prefill(qkv[:n], weight, state.conv, meta.state_slots, meta.cu_seqlens)
@@ -156,7 +158,8 @@ class GatedDeltaNet(nn.Module):
                                            meta.cu_seqlens)
         if decode is not None:
             c = gdn.conv_decode(qkv[n:], weight, state.conv, decode.state_slots)
-            o[n:] = self.backend.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm, decode.state_slots)
+            o[n:] = self.backend.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm,
+                                                   decode.state_slots)
         o = gdn.gated_rms_norm(o, z.reshape(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
         return self.out_proj(o.reshape(t, -1), residual)
 

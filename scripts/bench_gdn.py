@@ -1,11 +1,11 @@
-"""Gated DeltaNet's one-token decode (kernels.triton_gdn) against its bytes floor, and beside the torch reference.
+"""Gated DeltaNet's one-token decode (kernels.triton_gdn) against its bytes floor, and beside the torch
+reference.
 
-    PYTHONPATH=. python3 scripts/bench_gdn.py [--model qwen3.5-27b] [--rows 1,64,256]
+PYTHONPATH=. python3 scripts/bench_gdn.py [--model qwen3.5-27b] [--rows 1,64,256]
 
 One linear layer's step at the model's widths: each row's [v_heads, k_dim, v_dim] state (the checkpoint's
 mamba_ssm_dtype) read and written once, q, k, v, g, beta read, o written; floor = those bytes / the device's
-copy bandwidth measured in this run. Rows' slots are a permutation of the cache's (in place by slot).
-"""
+copy bandwidth measured in this run. Rows' slots are a permutation of the cache's (in place by slot)."""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +36,8 @@ def main() -> None:
     sdt = STATE_TORCH_DTYPES[mc.state_dtype]
     bw = bench_attention.copy_bandwidth(2 << 30)["GB_per_s"] * 1e9
     dev = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}  copy {bw / 1e9:.0f} GB/s  {args.model}: {hv} v heads x {kd} x {vd} "
+    print(f"{torch.cuda.get_device_name()}  copy {bw / 1e9:.0f} GB/s  {args.model}: "
+          f"{hv} v heads x {kd} x {vd} "
           f"{mc.state_dtype} state a layer")
     print(" rows  kernel ms  floor ms  of floor  torch ms  kernel/torch")
     for b in args.rows:

@@ -55,9 +55,9 @@ def test_fla_prefill_and_decode_equal_the_reference_over_states_by_slot():
 def _runner(backend: str, dtype: str):
     from autoprofile.engine.runner import ModelRunner
     from autoprofile.engine.weights import init_random
-    cfg = validate(ServerConfig(model="tiny-hybrid", dtype=dtype, attention_backend=backend, max_req_total_len=1024,
-                                batch_max_tokens=512, graph_max_batch_size=8, running_max_req_size=8,
-                                report_dir=None))
+    cfg = validate(ServerConfig(model="tiny-hybrid", dtype=dtype, attention_backend=backend,
+                                max_req_total_len=1024, batch_max_tokens=512, graph_max_batch_size=8,
+                                running_max_req_size=8, report_dir=None))
     r = ModelRunner(cfg)
     init_random(r.model, seed=1, std=0.08)
     r.build(8192)

@@ -1,7 +1,8 @@
-"""Qwen3.5 hybrid models (Gated DeltaNet + gated attention) on the CPU: against Hugging Face transformers on the
-same random weights (save_pretrained writes the checkpoint, our loader reads it), dense and MoE; chunked prefill
-split anywhere, mixed steps, the overlapped engine and preemption giving the tokens of one cold run; the state
-slots coming back; the config's bad input refused naming the key or flag; the state cache in the budget."""
+"""Qwen3.5 hybrid models (Gated DeltaNet + gated attention) on the CPU: against Hugging Face transformers on
+the same random weights (save_pretrained writes the checkpoint, our loader reads it), dense and MoE; chunked
+prefill split anywhere, mixed steps, the overlapped engine and preemption giving the tokens of one cold run;
+the state slots coming back; the config's bad input refused naming the key or flag; the state cache in the
+budget."""
 from __future__ import annotations
 
 import json
@@ -33,11 +34,13 @@ TINY = {**json.loads((CONFIG_DIR / "tiny-hybrid" / "config.json").read_text()), 
         "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 300, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
         "linear_value_head_dim": 8, "torch_dtype": "float32", "max_position_embeddings": 512}
-TINY_MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"}, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+TINY_MOE = {**{k: v for k, v in TINY.items() if k != "intermediate_size"},
+            "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
             "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48}
 TINY_NEXT = {**TINY_MOE, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-             "intermediate_size": 96, "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": True,
+             "intermediate_size": 96, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+             "norm_topk_prob": True,
              "partial_rotary_factor": 0.25}
 HF_KEYS = ("architectures", "torch_dtype")
 HF_CLASSES = {"Qwen3_5ForCausalLM": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
@@ -104,7 +107,8 @@ def chunk_logits(model, caches: Caches, ids: list[int], start: int, slot: int = 
         meta.kv_slots = torch.arange(start + n) + PAGE
         meta.cu_seqlens_k, meta.max_seqlen_k = torch.tensor([0, start + n], dtype=torch.int32), start + n
     with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(start, start + n), meta, caches.layers))
+        hidden = model(torch.tensor(ids), torch.arange(start, start + n), meta, caches.layers)
+        return model.compute_logits(hidden)
 
 
 IDS = [5, 17, 250, 3, 3, 3, 99, 140, 7, 8, 299, 42, 0, 12, 77, 1, 200, 31, 9, 64, 65, 66, 10, 11, 12, 13, 140]
@@ -116,7 +120,8 @@ def test_config_reads_the_hybrid_layout_as_transformers_5_writes_it(models):
     mc = ours.config
     assert mc.layer_types == tuple(saved["layer_types"]) == ("linear_attention",) * 3 + ("full_attention",)
     assert (mc.linear_layers, mc.attention_layers, mc.rotary_dim) == (3, 1, 4)  # head_dim 16 x 0.25
-    kinds = [type(layer.linear_attn if layer.linear else layer.self_attn).__name__ for layer in ours.model.layers]
+    kinds = [type(layer.linear_attn if layer.linear else layer.self_attn).__name__
+             for layer in ours.model.layers]
     assert kinds == ["GatedDeltaNet"] * 3 + ["GatedAttention"]
     # a request's state: per linear layer the conv window (conv_dim x 3) and the [4, 8, 8] fp32 matrices
     conv_dim = 2 * 2 * 8 + 4 * 8
@@ -218,9 +223,10 @@ def test_prefix_caching_is_off_for_a_hybrid_model_and_n_choices_still_agree(mode
     assert engine.scheduler.prefix_hit_tokens == 0
 
 
-def test_a_conditional_generation_checkpoint_loads_its_text_model_and_skips_the_rest(models, tmp_path, caplog):
-    """Qwen3_5ForConditionalGeneration's names (model.language_model.*), its vision tower and MTP layer: the text
-    model loads, each skipped part is one log line."""
+def test_a_conditional_generation_checkpoint_loads_its_text_model_and_skips_the_rest(models, tmp_path,
+                                                                                     caplog):
+    """Qwen3_5ForConditionalGeneration's names (model.language_model.*), its vision tower and MTP layer: the
+    text model loads, each skipped part is one log line."""
     hf, ours, folder = models
     if ours.config.architecture == "Qwen3NextForCausalLM":
         pytest.skip("Qwen3-Next ships as a causal LM only")
@@ -238,7 +244,8 @@ def test_a_conditional_generation_checkpoint_loads_its_text_model_and_skips_the_
     with caplog.at_level(logging.INFO, logger="models.qwen3_5"):
         loaded = ours_from(tmp_path)
     skipped = [r.getMessage() for r in caplog.records if "tensors skipped" in r.getMessage()]
-    assert len(skipped) == 2 and any("vision" in m for m in skipped) and any("multi-token" in m for m in skipped)
+    assert len(skipped) == 2
+    assert any("vision" in m for m in skipped) and any("multi-token" in m for m in skipped)
     torch.testing.assert_close(chunk_logits(loaded, Caches(loaded.config), IDS, 0),
                                chunk_logits(ours, Caches(ours.config), IDS, 0))
 
@@ -256,7 +263,8 @@ def test_a_hybrid_config_the_engine_cannot_serve_is_refused_naming_its_key(chang
         from_hf_dict({**TINY, **change})
 
 
-@pytest.mark.parametrize("flags, flag", [({"host_kv": "auto"}, "host_kv"), ({"deterministic": True}, "deterministic"),
+@pytest.mark.parametrize("flags, flag", [({"host_kv": "auto"}, "host_kv"),
+                                         ({"deterministic": True}, "deterministic"),
                                          ({"quantization": "fp8"}, "quantization"), ({"tp": 3}, "tp")])
 def test_what_a_hybrid_model_does_not_serve_yet_is_refused_naming_the_flag(flags, flag):
     with pytest.raises(ConfigError, match=f"--{flag}"):
@@ -278,15 +286,16 @@ def test_the_state_cache_is_declared_beside_the_request_table_and_the_solver_lea
 
 
 @pytest.mark.parametrize("free_gib, expect", [(200, 256), (30, 104), (0.05, 1)])
-def test_state_slots_fill_the_envelope_unless_their_state_would_take_over_half_the_free_memory(free_gib, expect):
+def test_state_slots_fill_the_envelope_unless_their_state_would_take_over_half_the_free_memory(free_gib,
+                                                                                                expect):
     per_slot = load_model_config("qwen3.5-27b").state_bytes(1, 2)
     assert budget.state_slots(256, int(free_gib * (1 << 30)), per_slot) == expect
 
 
 def test_the_runner_declares_the_state_cache_it_builds():
-    runner = ModelRunner(validate(ServerConfig(model="tiny-hybrid", dtype="float32", attention_backend="torch",
-                                               max_req_total_len=256, running_max_req_size=5, graph_max_batch_size=4,
-                                               report_dir=None)))
+    runner = ModelRunner(validate(ServerConfig(
+        model="tiny-hybrid", dtype="float32", attention_backend="torch", max_req_total_len=256,
+        running_max_req_size=5, graph_max_batch_size=4, report_dir=None)))
     sizing = runner.sizing
     runner.build(1024)
     assert sizing.state == (runner.state.conv.nbytes, runner.state.ssm.nbytes)
@@ -340,9 +349,9 @@ def test_the_stress_writes_every_state_slot_and_its_prefill_corners_start_from_z
     """The envelope's corner at the most decode rows holds a row in every request slot, so the profile
     measures every slot's state written (and the decode through all of them); a prefill corner's fresh rows
     zero their slots first, so no corner reads what an earlier corner left."""
-    runner = ModelRunner(validate(ServerConfig(model="tiny-hybrid", dtype="float32", attention_backend="torch",
-                                               max_req_total_len=256, running_max_req_size=6,
-                                               graph_max_batch_size=4, batch_max_tokens=64, report_dir=None)))
+    runner = ModelRunner(validate(ServerConfig(
+        model="tiny-hybrid", dtype="float32", attention_backend="torch", max_req_total_len=256,
+        running_max_req_size=6, graph_max_batch_size=4, batch_max_tokens=64, report_dir=None)))
     runner.build(4096)
     slots = runner.envelope.running_reqs
     assert not runner.state.ssm.any()
@@ -359,7 +368,8 @@ def test_the_stress_writes_every_state_slot_and_its_prefill_corners_start_from_z
 
 
 def test_requests_beyond_the_state_slots_wait_for_one_and_get_their_cold_tokens(models, cold):
-    """Three state slots for ten requests: the others wait (no 500, no shared state) and each gets its tokens."""
+    """Three state slots for ten requests: the others wait (no 500, no shared state) and each gets its
+    tokens."""
     _, _, folder = models
     engine = engine_for(folder, running_max_req_size=3, graph_max_batch_size=3, overlap=True)
     shapes = engine.runner.step_log = []
@@ -369,11 +379,11 @@ def test_requests_beyond_the_state_slots_wait_for_one_and_get_their_cold_tokens(
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_a_step_that_fails_mid_forward_ends_its_decode_rows_too_and_no_state_is_applied_twice(models, cold,
-                                                                                              monkeypatch, overlap):
-    """A mixed step raises in its last linear layer, after the earlier ones advanced its decode rows' states: a
-    text model's decode rows would run that token again (K/V written twice is the same K/V); a hybrid's would
-    apply it twice, so the engine ends every row of the step with "error". The rest of the crowd, and a
+def test_a_step_that_fails_mid_forward_ends_its_decode_rows_too_and_no_state_is_applied_twice(
+        models, cold, monkeypatch, overlap):
+    """A mixed step raises in its last linear layer, after the earlier ones advanced its decode rows' states:
+    a text model's decode rows would run that token again (K/V written twice is the same K/V); a hybrid's
+    would apply it twice, so the engine ends every row of the step with "error". The rest of the crowd, and a
     request sent after, get their cold tokens."""
     _, ours, folder = models
     engine = engine_for(folder, overlap=overlap)

@@ -1,7 +1,7 @@
 """Our Gated DeltaNet decode kernel (kernels.triton_gdn) against the torch reference (layers.gdn), on the CPU
-through Triton's interpreter (in a subprocess: the flag is read when the kernel module is imported): the outputs,
-the states of the rows' slots advanced in place, every other slot untouched, strided q/k/v as the model's split
-hands them over, and grouped value heads (each key head serving Hv / Hk of them)."""
+through Triton's interpreter (in a subprocess: the flag is read when the kernel module is imported): the
+outputs, the states of the rows' slots advanced in place, every other slot untouched, strided q/k/v as the
+model's split hands them over, and grouped value heads (each key head serving Hv / Hk of them)."""
 from __future__ import annotations
 
 import importlib.util

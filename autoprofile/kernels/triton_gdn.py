@@ -55,9 +55,9 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr,
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] (unit stride along their last dim), ssm [slots, Hv, Dk,
-    Dv] (contiguous in its last three dims), slots [B] int64 -> o [B, Hv, Dv] in v's dtype; ssm[slots] advanced
-    in place."""
+    """q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] (unit stride along their last dim), ssm [slots, Hv,
+    Dk, Dv] (contiguous in its last three dims), slots [B] int64 -> o [B, Hv, Dv] in v's dtype; ssm[slots]
+    advanced in place."""
     b, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
     out = torch.empty(b, hv, vd, dtype=v.dtype, device=v.device)

@@ -1,6 +1,6 @@
-"""Gated DeltaNet's operations (Qwen3.5's linear-attention layers) over a per-request state read and written in
-place by request slot: the causal depthwise conv1d with its window of the last kernel - 1 inputs, and the gated
-delta rule with its [v_heads, k_dim, v_dim] matrix.
+"""Gated DeltaNet's operations (Qwen3.5's linear-attention layers) over a per-request state read and written
+in place by request slot: the causal depthwise conv1d with its window of the last kernel - 1 inputs, and the
+gated delta rule with its [v_heads, k_dim, v_dim] matrix.
 
 Rows come as a step lays them out: prefill rows (chunks of any length, split by cu_seqlens; a chunk continues
 from its slot's state, which the runner zeroes before a request's first chunk) and one-token decode rows. The
@@ -8,9 +8,8 @@ torch code here is the reference (CPU, and a GPU without flash-linear-attention)
 fla-core's Triton kernel `chunk_gated_delta_rule` over the rows' states gathered by slot, written back after;
 decode rows run the torch ops on every device. No host sync: the decode path is CUDA-graph capturable.
 
-The recurrence, per value head (q, k l2-normalised, q scaled by k_dim^-1/2; g <= 0 the log decay, beta in
-(0, 1)):  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t.
-"""
+The recurrence, per value head (q, k l2-normalised, q scaled by k_dim^-1/2; g <= 0 the log decay, beta in (0,
+1)):  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t."""
 from __future__ import annotations
 
 import functools
@@ -44,7 +43,8 @@ def fla_ops():
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                  cu_seqlens: torch.Tensor) -> torch.Tensor:
     """SiLU(causal depthwise conv1d) of prefill rows x [T, C] (rows split by cu_seqlens [N+1]), each row's
-    window continuing from conv[slots[i]] [C, K-1]; the windows' last K-1 inputs written back. weight [C, K]."""
+    window continuing from conv[slots[i]] [C, K-1]; the windows' last K-1 inputs written back. weight [C,
+    K]."""
     t, k = x.shape[0], weight.shape[1]
     cu = cu_seqlens.long()
     tokens = torch.arange(t, device=x.device)
@@ -63,8 +63,8 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     return F.silu(out).to(x.dtype)
 
 
-def _window_input(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, lens: torch.Tensor,
-                  k: int, j: int) -> torch.Tensor:
+def _window_input(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor,
+                  lens: torch.Tensor, k: int, j: int) -> torch.Tensor:
     """Input j of each row's window after its chunk (the state a later chunk or decode row continues from):
     [N, C]."""
     back = lens - (k - 1) + j
@@ -73,7 +73,8 @@ def _window_input(x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, cu: 
     return torch.where((back >= 0).unsqueeze(1), inside, before)
 
 
-def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
     """One token a row: x [B, C] after each row's window conv[slots] [B, C, K-1]; the window moves on."""
     window = torch.cat([conv[slots], x.unsqueeze(-1).to(conv.dtype)], dim=-1)  # [B, C, K]
     out = (window.float() * weight.float()).sum(-1)
@@ -98,8 +99,9 @@ def _normed(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        ssm: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens, each
-    from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's dtype."""
+    """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens,
+    each from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's
+    dtype."""
     q, k = _expand(q, k, v.shape[1])
     ops = fla_ops() if q.is_cuda else None
     if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
@@ -151,8 +153,8 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """One token a row: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv]; each row's state ssm[slots[b]] is
     advanced in place. -> o [B, Hv, Dv] in v's dtype."""
-    # NOTE: torch ops on every device (capturable); fla's fused_recurrent_gated_delta_rule gave NaN for one-token
-    # rows over states by slot on an H200 (fla-core 0.6.0): a decode kernel of our own is still to be written
+    # NOTE: torch ops (capturable), the reference of kernels.triton_gdn; fla-core 0.6.0's
+    # fused_recurrent_gated_delta_rule gave NaN for one-token rows over states by slot on an H200
     q, k = _normed(*_expand(q, k, v.shape[1]))
     state = ssm[slots].float() * torch.exp(g.float())[..., None, None]  # [B, H, Dk, Dv]
     delta = beta.float().unsqueeze(-1) * (v.float() - torch.einsum("bhk,bhkv->bhv", k, state))
