@@ -113,6 +113,7 @@ class ProfileResult:
     context_cut_from: int | None = None  # --max_req_total_len auto: the model's context, when it was cut
     host_kv_pages: int = 0  # the prefix cache's host tier (--host_kv), this rank's pages (host memory)
     host_kv_bytes: int = 0
+    state_slots: int = 0  # a hybrid model's state slots (its request slots); 0: no state cache
 
     @property
     def kv_bytes(self) -> int:
@@ -493,6 +494,7 @@ class Profiler:
             "graph_pools": _graph_pool_bytes(self.rec.samples),
             "workspace_declared": self.sizing.workspace_reserved(tokens),
             "request_table": self.sizing.table_reserved(tokens),
+            "state_cache": sum(map(budget.reserved_bytes, self.sizing.state)),
             "vision_weights": self.runner.vision_weight_bytes,
             "encoder_buffer": self.runner.mm_buffer.nbytes if self.runner.mm_buffer is not None else 0,
             "peers": m.peers if m else budget.peer_bytes(after.total, after.free, after.reserved, 0),
@@ -514,6 +516,7 @@ class Profiler:
                              reused_probe=self.reused_probe,
                              forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
                              context_cut_from=self.context_cut_from,
+                             state_slots=self.sizing.running_reqs if any(self.sizing.state) else 0,
                              **host_tier_size(getattr(self.runner, "host_kv", None)))
 
 
@@ -622,9 +625,10 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 
 
 def choose_state_slots(cfg: ServerConfig, runner, group) -> ServerConfig:
-    """A hybrid model without --running_max_req_size: its request slots, each holding a state (budget.state_slots
-    over the memory free after the weights, the MIN over TP ranks), set as --running_max_req_size (and the
-    graphs' batch capped by it) before the probe; the log says why. Any other model: cfg unchanged."""
+    """A hybrid model without --running_max_req_size: its request slots, each holding a state
+    (budget.state_slots over the memory free after the weights, the MIN over TP ranks), set as
+    --running_max_req_size (and the graphs' batch capped by it) before the probe; the log says why. Any
+    other model: cfg unchanged."""
     mc = cfg.model_config
     if not mc.is_hybrid or cfg.running_max_req_size is not None or runner.device.type != "cuda":
         return cfg
@@ -633,8 +637,9 @@ def choose_state_slots(cfg: ServerConfig, runner, group) -> ServerConfig:
     free = torch.cuda.mem_get_info(runner.device)[0]
     slots = min(gather(budget.state_slots(default, free, per_slot), group))
     if slots < default:
-        log.info("state slots: %d (of the %d decode rows the envelope would run): %d x %.1f MiB of state would "
-                 "take more than %.0f%% of the %.2f GiB free after the weights; --running_max_req_size sets it",
+        log.info("state slots: %d (of the %d decode rows the envelope would run): %d x %.1f MiB of state "
+                 "would take more than %.0f%% of the %.2f GiB free after the weights; --running_max_req_size "
+                 "sets it",
                  slots, default, default, per_slot / 2**20, budget.STATE_SHARE * 100, gib(free))
     else:
         log.info("state slots: %d, one per decode row (%.2f GiB of state)", slots, gib(slots * per_slot))

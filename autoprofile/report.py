@@ -12,6 +12,7 @@ from autoprofile.engine.kv_cache import KV_SCALE_TEXT
 log = logging.getLogger(__name__)
 
 VISION_TERMS = ("vision_weights", "encoder_buffer")  # shown for vision-language models only
+OPTIONAL_TERMS = (*VISION_TERMS, "state_cache")  # shown where the model has them (state_cache: hybrid models)
 ROWS = (  # (term key, label, how it was obtained)
     ("total", "GPU total", "driver"),
     ("weights", "weights", "measured"),
@@ -20,6 +21,7 @@ ROWS = (  # (term key, label, how it was obtained)
     ("graph_pools", "decode graph pools (incl. warmup)", "measured"),
     ("workspace_declared", "attention workspace (declared)", "declared"),
     ("request_table", "request table", "declared"),
+    ("state_cache", "state slots (hybrid: conv + delta-rule states)", "declared"),
     ("vision_weights", "vision encoder weights (in weights)", "measured"),
     ("encoder_buffer", "encoder output buffer (in non-KV peak)", "declared"),
     ("peers", "peers on this GPU", "measured"),
@@ -67,6 +69,7 @@ def to_dict(result) -> dict:
         "forced_routings": list(result.forced_routings),
         "host_kv_pages": getattr(result, "host_kv_pages", 0),
         "host_kv_gib": gib(getattr(result, "host_kv_bytes", 0)),
+        "state_slots": getattr(result, "state_slots", 0),
     }
 
 
@@ -77,7 +80,7 @@ def format_report(result) -> str:
              f"  weights {weight_format(result.cfg)}",
              f"  {'term':<44}{'GiB':>10}  source"]
     lines += [f"  {label:<44}{gib(result.terms.get(key, 0)):>10.2f}  {src}" for key, label, src in ROWS
-              if key not in VISION_TERMS or result.terms.get(key)]
+              if key not in OPTIONAL_TERMS or result.terms.get(key)]
     how = "pinned by --max_total_token_num" if result.pinned else (
         f"probe {result.probe_tokens} tokens, initial target {result.initial_target}"
         + (f" (the probe of {result.reused_probe}, from the profile cache)" if result.reused_probe else ""))
@@ -92,6 +95,9 @@ def format_report(result) -> str:
         lines.append(f"  host KV tier (--host_kv {result.cfg.host_kv}): {result.host_kv_pages} pages "
                      f"({tokens} tokens, {gib(result.host_kv_bytes):.2f} GiB of host memory a rank): "
                      "the prefix cache's evicted pages, copied back on a hit")
+    if getattr(result, "state_slots", 0):
+        lines.append(f"  state slots = {result.state_slots} (one per request slot: --running_max_req_size; "
+                     f"{gib(result.terms.get('state_cache', 0)):.2f} GiB declared beside the KV)")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "

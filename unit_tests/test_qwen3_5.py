@@ -5,6 +5,7 @@ the state slots coming back; the config's bad input refused naming the key or fl
 budget."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -412,3 +413,57 @@ def test_a_step_that_fails_mid_forward_ends_its_decode_rows_too_and_no_state_is_
             assert out[rid][0] == cold[i][:len(out[rid][0])]  # what was sent before the failure was right
     assert engine.generate([PROMPTS[0]], max_tokens=20) == [cold[0]]
     assert sorted(engine.scheduler.free_slots) == list(range(6))
+
+
+def test_the_profile_solves_the_kv_around_the_state_slots_and_reports_them():
+    """The profiler (a simulated GPU: only the CUDA memory API is faked) builds the state cache in the
+    probe and at the target and subtracts it as declared memory: the target gives way to every state byte,
+    and the budget report shows the slots and their bytes."""
+    from autoprofile.profiler import Profiler
+    from autoprofile.report import format_report, to_dict
+    from unit_tests.fakes import FakeGPU, FakeRunner, llama8b_sizing
+
+    cfg = ServerConfig(model="llama-3.1-8b", max_req_total_len=8192, canary_mb=1, batch_max_tokens=8192,
+                       graph_max_batch_size=256, report_dir=None)
+    state = budget.state_cache_bytes(load_model_config("qwen3.5-27b"), 40, 2)  # 41 x 147 MiB: about 6 GiB
+    results = []
+    for sizing in (llama8b_sizing(), dataclasses.replace(llama8b_sizing(), state=state)):
+        gpu = FakeGPU()
+        with gpu.patched():
+            runner = FakeRunner(gpu, sizing)
+            prof = Profiler(cfg, runner)
+            runner.profiler = prof
+            results.append(prof.run())
+    plain, hybrid = results
+    reserved = sum(map(budget.reserved_bytes, state))
+    assert hybrid.terms["state_cache"] == reserved and plain.terms["state_cache"] == 0
+    gap = (plain.tokens - hybrid.tokens) * plain.cell_bytes
+    assert reserved <= gap < reserved + 2 * 16 * plain.cell_bytes
+    assert hybrid.state_slots == 256 and plain.state_slots == 0 and to_dict(hybrid)["state_slots"] == 256
+    text = format_report(hybrid)
+    assert "state slots = 256" in text and "state slots (hybrid" in text
+    assert "state slots" not in format_report(plain)
+
+
+@pytest.mark.parametrize("free_gib, slots", [(100, 256), (30, 104)])
+def test_before_the_probe_a_hybrid_keeps_the_slots_half_the_free_memory_holds_and_says_why(free_gib, slots,
+                                                                                           caplog):
+    """profiler.choose_state_slots on a simulated GPU: qwen3.5-27b's 256 decode rows keep their state where it
+    fits in half of what the weights leave; else the most slots that do, set as --running_max_req_size (the
+    graphs' batch capped by it), in the runner's config too, with the reason in the log. A flag given: as is."""
+    from types import SimpleNamespace
+
+    from autoprofile.layers.parallel import TP
+    from autoprofile.profiler import choose_state_slots
+    from unit_tests.fakes import FakeGPU
+
+    cfg = ServerConfig(model="qwen3.5-27b", report_dir=None)
+    gpu = FakeGPU()
+    gpu.total, gpu.non_torch, gpu.peers, gpu.reserved = int(free_gib * (1 << 30)), 0, 0, 0
+    runner = SimpleNamespace(device=torch.device("cuda", 0), tp=TP(), dtype=torch.bfloat16, cfg=cfg)
+    with gpu.patched(), caplog.at_level(logging.INFO, logger="autoprofile.profiler"):
+        got = choose_state_slots(cfg, runner, None)
+        pinned = choose_state_slots(cfg.replace(running_max_req_size=7, graph_max_batch_size=7), runner, None)
+    assert (got.running_max_req_size, got.graph_max_batch_size) == (slots, min(256, slots))
+    assert runner.cfg is got and pinned.running_max_req_size == 7
+    assert ("would take more than 50%" in caplog.text) == (slots < 256)
