@@ -448,9 +448,10 @@ def test_the_profile_solves_the_kv_around_the_state_slots_and_reports_them():
 @pytest.mark.parametrize("free_gib, slots", [(100, 256), (30, 104)])
 def test_before_the_probe_a_hybrid_keeps_the_slots_half_the_free_memory_holds_and_says_why(free_gib, slots,
                                                                                            caplog):
-    """profiler.choose_state_slots on a simulated GPU: qwen3.5-27b's 256 decode rows keep their state where it
-    fits in half of what the weights leave; else the most slots that do, set as --running_max_req_size (the
-    graphs' batch capped by it), in the runner's config too, with the reason in the log. A flag given: as is."""
+    """profiler.choose_state_slots on a simulated GPU: qwen3.5-27b's 256 decode rows keep their state where
+    it fits in half of what the weights leave; else the most slots that do, set as --running_max_req_size
+    (the graphs' batch capped by it), in the runner's config too, with the reason in the log. A flag given:
+    as is."""
     from types import SimpleNamespace
 
     from autoprofile.layers.parallel import TP
