@@ -680,3 +680,16 @@ def test_a_dropped_host_page_takes_the_pages_cached_after_it():
     assert host.lookup(1, (2,)) is None and host.lookup(2, (3,)) is None
     assert host.lookup(0, (9,)) == (other, 4) and host.lookup(0, (5,)) == (page, 5)
     assert host.saved == host.num_cached + host.loaded + host.dropped + host.discarded
+
+
+def test_the_host_tier_splits_a_hosts_memory_over_that_hosts_ranks_only(mocker):
+    """--tp 2 over --nnodes 2: each host runs one rank, which takes the whole auto share of its host (the
+    tier's memory is the host's, not the world's)."""
+    from autoprofile.engine import runner as runner_module
+    seen = mocker.patch.object(runner_module, "host_tier", return_value=None)
+    for nnodes in (1, 2):
+        cfg = validate(ServerConfig(model="tiny", attention_backend="torch", dtype="float32", report_dir=None,
+                                    host_kv="auto", tp=2, nnodes=nnodes, node_rank=0,
+                                    dist_init_addr="127.0.0.1:29999" if nnodes > 1 else None))
+        runner_module.ModelRunner(cfg, rank=0, world_size=2)
+    assert [c.args[1] for c in seen.call_args_list] == [2, 1]

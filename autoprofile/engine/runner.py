@@ -76,9 +76,10 @@ class ModelRunner:
             if problem:
                 raise ConfigError(flag, problem)
         # the prefix cache's host tier (--host_kv): sized and pinned before any GPU allocation; kept through
-        # teardown (a page's layout does not depend on the KV size)
-        self.host_kv = host_tier(cfg, world_size, self.cache_heads, self.cache_width, self.kv_cache_dtype,
-                                 pin=self.device.type == "cuda")
+        # teardown (a page's layout does not depend on the KV size); the host's memory is split over this
+        # host's ranks (--tp / --nnodes)
+        self.host_kv = host_tier(cfg, world_size // cfg.nnodes, self.cache_heads, self.cache_width,
+                                 self.kv_cache_dtype, pin=self.device.type == "cuda")
         self.backend = self.backend_cls(self.num_q_heads, self.num_kv_heads, mc.head_dim, cfg.page_size,
                                         self.dtype, self.device, deterministic=cfg.deterministic)
         # every linear layer's GEMM (--deterministic: batch-invariant, and so is the all-reduce:
