@@ -19,8 +19,9 @@ next mask is filled on the host from its tokens (engine.grammar), so such steps 
 
 A step that raises ends its prefill rows' requests with finish_reason "error" (a decode step's: all of them);
 a mixed step's decode rows give back the pages it granted them (Scheduler.rollback: the device's page table
-may never have learned them) and run again in the next step. A step that raises on its read back (overlap)
-ends every request it holds.
+may never have learned them) and run again in the next step; a hybrid model's end too (their recurrent state
+may have advanced in the layers that ran). A step that raises on its read back (overlap) ends every request
+it holds.
 """
 from __future__ import annotations
 
