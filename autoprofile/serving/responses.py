@@ -484,7 +484,7 @@ class ResponsesServing(Serving, Protocol):
 
 
 async def responses(request: web.Request, st: ResponsesServing) -> web.StreamResponse:
-    """POST /v1/responses: the body as a chat request (serving.responses); its reply as a response object,
+    """POST /v1/responses: the body as a chat request (parse_responses); its reply as a response object,
     or as Responses events."""
     args, req = await parsed(request, st, st.bounds["openai"], parse_responses, st.limits, st.tokenizer,
                              st.responses)
