@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from autoprofile.budget import running_reqs
+from autoprofile.config import ServerConfig
 from autoprofile.engine.request import RequestError
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from autoprofile.serving.bodies import chat_content, chunk, completion_block, echo_entries, response, usage
@@ -45,7 +46,7 @@ RETRY_AFTER_S = 1
 class Serving(Protocol):
     """What the handlers read of the app's state (server.ServerState)."""
 
-    cfg: object
+    cfg: ServerConfig
     engine: AsyncEngine
     tokenizer: object
     grammars: Grammars | None
