@@ -281,9 +281,9 @@ STATE_SHARE = 0.5  # of the memory free after the weights, at most this share go
 
 
 def state_slots(default: int, free: int, slot_bytes: int, share: float = STATE_SHARE) -> int:
-    """A hybrid model's request slots when --running_max_req_size is unset: the envelope's default (every decode
-    row with its state), unless their state would take more than `share` of `free` (the memory left after the
-    weights; the rest is for activations and KV): then the most slots that fit in it, at least 1."""
+    """A hybrid model's request slots when --running_max_req_size is unset: the envelope's default (every
+    decode row with its state), unless their state would take more than `share` of `free` (the memory left
+    after the weights; the rest is for activations and KV): then the most slots that fit in it, at least 1."""
     return max(1, min(default, int(free * share) // max(slot_bytes, 1)))
 
 

@@ -152,7 +152,7 @@ def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
     norms, routers, unconverted modules) in dtype."""
     fp8 = m.quantized_linears(tp)
     saved = sum(q.weight_elements for q in fp8) * (dtype_bytes - 1) - sum(q.scale_elements for q in fp8) * 4
-    fp32 = fp32_router_params(m) + m.linear_layers * 2 * m.linear_num_value_heads // tp  # + GDN's A_log, dt_bias
+    fp32 = fp32_router_params(m) + m.linear_layers * 2 * m.linear_num_value_heads // tp  # + A_log, dt_bias
     return weight_split(m).per_rank(m, tp) * dtype_bytes + fp32 * (4 - dtype_bytes) - saved
 
 
@@ -440,13 +440,15 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
     cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
     state = budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp) if m.is_hybrid else (0, 0)
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
-                         running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap, state=state)
+                         running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap,
+                         state=state)
 
 
 def with_state_slots(cfg: ServerConfig, card: Card) -> ServerConfig:
     """A hybrid model's request slots as the profiler chooses them (profiler.choose_state_slots): without
     --running_max_req_size, the envelope's decode rows unless their state would take more than
-    budget.STATE_SHARE of what the card has free after the weights (its CUDA context and the weights on paper).
+    budget.STATE_SHARE of what the card has free after the weights (its CUDA context and the weights on
+    paper).
     Any other model, or slots given: cfg unchanged."""
     m = cfg.model_config
     if not m.is_hybrid or cfg.running_max_req_size is not None:

@@ -68,7 +68,8 @@ class DecodeGraphs:
         # captured graph must read memory that outlives the capture
         self.query_starts = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.state_pad = state_pad
-        self.state_slots = torch.zeros(max_bs, dtype=torch.int64, device=device) if state_pad is not None else None
+        self.state_slots = (torch.zeros(max_bs, dtype=torch.int64, device=device) if state_pad is not None
+                            else None)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab]: the one static output of every graph
         self.pool = None

@@ -378,10 +378,10 @@ class ModelRunner:
             meta.decode = self._decode_meta(positions[n:], parts["decode_slots"],
                                             int(host["positions"][n:].max()) + 1)
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
-        if self.state is not None:  # rows continue from their slot's state; a request's first chunk from zeros
+        if self.state is not None:  # rows go on from their slot's state; a request's first chunk from zeros
             meta.state_slots = parts["slots"]
-            self.state.reset(to_device(torch.tensor([r.slot for r in rows if r.start == 0], dtype=torch.int64),
-                                       dev))
+            fresh = torch.tensor([r.slot for r in rows if r.start == 0], dtype=torch.int64)
+            self.state.reset(to_device(fresh, dev))
         ids = parts["ids"]
         if decode:
             ids = torch.cat([ids[:n], self.req_table.feed(ids[n:], parts["decode_slots"])])
