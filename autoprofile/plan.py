@@ -4,6 +4,9 @@ The same solver as the profiler (budget.solve_target_tokens with a budget.Sizing
 terms where the arithmetic is exact (weights, KV per token, declared workspaces, request table) and
 ESTIMATES where only a GPU can tell (activation peak, graph pools, CUDA context). On the GPU the
 profiler measures the estimated rows instead; each row says which it is.
+
+Above the house's 500 lines on purpose: one owner of the budget on paper, one function a row (weights,
+KV, workspaces, state slots, estimates) beside the table and report that show them.
 """
 from __future__ import annotations
 
