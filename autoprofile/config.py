@@ -142,7 +142,8 @@ class ServerConfig:
 
     @property
     def context_len(self) -> int:
-        """Longest request (prompt + output) in tokens: --max_req_total_len or the model's maximum."""
+        """The resolved --max_req_total_len: the longest request (prompt + output) in tokens, the flag's
+        value or the model's maximum. Read this, never the raw field (None means the model's maximum)."""
         return self.max_req_total_len or self.model_config.max_position_embeddings
 
     @property
