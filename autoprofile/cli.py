@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(card, "gpu_memory_gib", type=float, default=None,
              help=f"Any card's total memory in GiB, in (0, {MAX_GPU_MEMORY_GIB:g}].")
     add_flag(plan, "json", action="store_true", help="Print the plan as JSON.")
+    add_flag(plan, "dp_attention", action="store_true",
+             help="MLA models under --tp: plan SGLang's data-parallel attention layout (each rank caches its "
+                  "own requests' latents, the attention weights whole on every rank, MoE and MLP split) "
+                  "beside the TP layout. On paper only: the engine runs TP attention.")
     return p
 
 
@@ -227,6 +231,11 @@ def _main(argv: Sequence[str] | None) -> int:
         cfg = config_from_args(ns, serving=ns.command != "plan")
         if ns.command == "plan":
             card = _plan_card(ns)
+            if ns.dp_attention:
+                from autoprofile.plan import dp_attention_problem
+                problem = dp_attention_problem(cfg)
+                if problem:
+                    raise ConfigError("dp_attention", problem)
     except (ConfigError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -234,7 +243,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(e.code or 0)
     setup_logging()
     if ns.command == "plan":
-        return _cmd_plan(cfg, card, ns.json)
+        return _cmd_plan(cfg, card, ns.json, ns.dp_attention)
     if cfg.device == "cpu":
         return _cmd_serve_cpu(cfg) if ns.command == "serve" else _profile_on_cpu()
     if not _gpu_present():
@@ -267,12 +276,12 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-def _cmd_plan(cfg, card, as_json: bool) -> int:
+def _cmd_plan(cfg, card, as_json: bool, dp_attention: bool = False) -> int:
     from autoprofile.plan import format_plan, make_plan
     if not cfg.model_config.runnable:  # nothing in the plan would be served: the error alone
         print(f"error: --model: {unsupported_architecture(cfg.model_config.architecture)}", file=sys.stderr)
         return EXIT_USAGE
-    p = make_plan(cfg, card)
+    p = make_plan(cfg, card, dp_attention)
     print(p.to_json() if as_json else format_plan(p))
     if p.problem:  # the model cannot be served as configured: name the flag and a value that works
         print(f"error: --{p.problem_flag}: {p.problem}", file=sys.stderr)

@@ -106,9 +106,52 @@ class Plan:
     problem_flag: str | None = None  # set when the model cannot be served as configured on this card
     problem: str | None = None  # ... and why, with a value of that flag that works
     nnodes: int = 1  # hosts the ranks span (--nnodes), tp // nnodes GPUs each; every figure is per rank
+    dp_attention: bool = False  # the layout: SGLang's --enable-dp-attention (plan only), else TP attention
+    layouts: tuple[Layout, ...] = ()  # with dp_attention: both layouts' figures, side by side
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout's headline figures. The MLA latent is one shared head: under TP every rank caches every
+    token's latent (the model holds a rank's tokens), under DP attention each rank its own requests' (the
+    model holds ranks x a rank's tokens)."""
+
+    name: str  # "tp" | "dp_attention"
+    weights: int  # bytes per rank
+    tokens: int  # KV tokens per rank
+    model_tokens: int  # distinct KV tokens of the model
+    prefill_tokens: int  # tokens one rank's attention runs in a prefill step
+    decode_rows: int  # rows one rank's attention runs in a decode step
+    context_len: int  # the longest request (cut when a rank's cache cannot hold the model's)
+
+
+def rank_view(cfg: ServerConfig, dp_attention: bool) -> ServerConfig:
+    """The config one rank's attention runs: cfg under TP; under DP attention (dp size = tp, as SGLang's
+    `--tp N --dp N --enable-dp-attention`) every head on each rank (tp 1 for attention) and the step's
+    prefill tokens and requests split over the ranks, as SGLang divides --chunked-prefill-size and
+    --max-running-requests by dp. The MoE and dense layers still run every rank's tokens, gathered, at
+    --tp."""
+    if not dp_attention:
+        return cfg
+    reqs = cfg.running_max_req_size
+    return cfg.replace(tp=1, nnodes=1, batch_max_tokens=max(cfg.batch_max_tokens // cfg.tp, 1),
+                       graph_max_batch_size=max(cfg.graph_max_batch_size // cfg.tp, 1),
+                       running_max_req_size=None if reqs is None else max(reqs // cfg.tp, 1))
+
+
+def dp_attention_problem(cfg: ServerConfig) -> str | None:
+    """Why --dp_attention does not apply to cfg (None when it does): a layout for MLA models under TP."""
+    m = cfg.model_config
+    if not m.is_mla:
+        return (f"data-parallel attention is a layout for MLA models, whose one latent head TP replicates; "
+                f"{m.name} ({m.architecture}) splits its KV heads under --tp already: drop "
+                "--dp_attention, or try --model deepseek-v3")
+    if cfg.tp == 1:
+        return "needs --tp > 1 (one rank is both layouts); try --tp 8"
+    return None
 
 
 # ---------------------------------------------------------------- exact terms
@@ -119,10 +162,18 @@ class WeightSplit:
     layers: int  # attention and MLP linears (+ qkv bias): split by heads / intermediate columns
     vocab: int  # embedding (+ untied lm_head): vocab-parallel, ceil(vocab/tp) rows per rank
     replicated: int  # norms, q/k norms, MoE router, MLA's projections down: whole on every rank
+    attention: int = 0  # of `layers`, the attention layers' split part
 
-    def per_rank(self, m: ModelConfig, tp: int) -> int:
+    def per_rank(self, m: ModelConfig, tp: int, dp_attention: bool = False) -> int:
+        """Under DP attention (SGLang's layout): the attention layers and the embedding whole on every rank,
+        lm_head vocab-parallel (the gathered tokens' logits), the MLP and experts split over tp."""
         tables = 1 if m.tie_word_embeddings else 2
-        return self.layers // tp + tables * math.ceil(m.vocab_size / tp) * m.hidden_size + self.replicated
+        shard = math.ceil(m.vocab_size / tp) * m.hidden_size
+        if not dp_attention:
+            return self.layers // tp + tables * shard + self.replicated
+        lm_head = 0 if m.tie_word_embeddings else shard
+        return (self.attention + (self.layers - self.attention) // tp + m.vocab_size * m.hidden_size + lm_head
+                + self.replicated)
 
 
 def mla_replicated_params(m: ModelConfig) -> int:
@@ -146,22 +197,30 @@ def weight_split(m: ModelConfig) -> WeightSplit:
     linear = m.linear_layers * (m.linear_attention_params() - m.linear_value_head_dim) if m.is_hybrid else 0
     layers = m.attention_layers * attn + linear + mlp
     vocab = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
-    return WeightSplit(layers, vocab, m.num_params() - layers - vocab)
+    return WeightSplit(layers, vocab, m.num_params() - layers - vocab, m.attention_layers * attn)
 
 
-def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int) -> int:
+def rank_linears(m: ModelConfig, tp: int, dp_attention: bool = False) -> list:
+    """One rank's FP8 linears: under DP attention the attention's whole (as at tp 1), the MLP's split."""
+    if not dp_attention:
+        return m.quantized_linears(tp)
+    return ([q for q in m.quantized_linears(1) if ".self_attn." in q.name]
+            + [q for q in m.quantized_linears(tp) if ".self_attn." not in q.name])
+
+
+def weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int, dp_attention: bool = False) -> int:
     """This rank's weights; DeepSeek's routers stay fp32 (as HF keeps them), replicated. FP8 linears: one
     byte a weight plus their fp32 scales (ModelConfig.quantized_linears); the rest (embeddings, lm_head,
-    norms, routers, unconverted modules) in dtype."""
-    fp8 = m.quantized_linears(tp)
+    norms, routers, unconverted modules) in dtype. dp_attention: WeightSplit.per_rank's layout."""
+    fp8 = rank_linears(m, tp, dp_attention)
     saved = sum(q.weight_elements for q in fp8) * (dtype_bytes - 1) - sum(q.scale_elements for q in fp8) * 4
     fp32 = fp32_router_params(m) + m.linear_layers * 2 * m.linear_num_value_heads // tp  # + A_log, dt_bias
-    return weight_split(m).per_rank(m, tp) * dtype_bytes + fp32 * (4 - dtype_bytes) - saved
+    return weight_split(m).per_rank(m, tp, dp_attention) * dtype_bytes + fp32 * (4 - dtype_bytes) - saved
 
 
-def fp8_text(m: ModelConfig, tp: int) -> str:
+def fp8_text(m: ModelConfig, tp: int, dp_attention: bool = False) -> str:
     """The weights row's FP8 part: how many weights are one byte, and their scales."""
-    fp8 = m.quantized_linears(tp)
+    fp8 = rank_linears(m, tp, dp_attention)
     if not fp8:
         return ""
     n, scales = sum(q.weight_elements for q in fp8), sum(q.scale_elements for q in fp8)
@@ -194,25 +253,35 @@ def resolve_backend(name: str, vendor: str) -> str:
 
 
 # ---------------------------------------------------------------- estimated terms
-def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> int:
+def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int, dp: int = 1) -> int:
     """Largest live set inside one decoder layer for `tokens` tokens on one rank: residual + normed input
     + fp32 RMSNorm temporary, then the larger of attention (qkv, attention output, o_proj output) and
     the MLP (gate_up, activation, down output; MoE: top-k copies of the hidden state in and out). FP8: the
     widest input a quantization kernel of its own makes, and a dense MLP's activation in FP8 where SiLU-mul's
-    kernel quantizes it (ModelConfig.fp8_activation_bytes, dense_mlp_fp8_act)."""
-    h = m.hidden_size
-    q = m.num_heads * m.head_dim // tp
-    kv = max(m.num_kv_heads // tp, 1) * m.head_dim
+    kernel quantizes it (ModelConfig.fp8_activation_bytes, dense_mlp_fp8_act).
+    dp > 1 (DP attention): `tokens` are one rank's, its attention holds every head (tp // dp ranks split
+    them), and the MLP runs the tokens of dp ranks gathered, with the gathered input live beside it."""
+    h, attn_tp, gathered = m.hidden_size, tp // dp, tokens * dp
+    q = m.num_heads * m.head_dim // attn_tp
+    kv = max(m.num_kv_heads // attn_tp, 1) * m.head_dim
     attn = tokens * ((q + 2 * kv) + q + h) * dtype_bytes
     if m.num_experts:
         inter = m.num_experts_per_tok * m.moe_intermediate_size // tp
-        mlp = tokens * (3 * inter + h + 2 * m.num_experts_per_tok * h) * dtype_bytes
+        mlp = gathered * (3 * inter + h + 2 * m.num_experts_per_tok * h) * dtype_bytes
     else:
         inter = m.intermediate_size // tp
-        act = m.dense_mlp_fp8_act(tokens, tp)
-        mlp = tokens * (2 * inter + h) * dtype_bytes + (tokens * inter * dtype_bytes if act is None else act)
-    mixer = max(attn, gdn_live_bytes(m, tokens, tp, dtype_bytes))
-    return tokens * (2 * h * dtype_bytes + 4 * h) + max(mixer, mlp) + m.fp8_activation_bytes(tokens, tp)
+        act = m.dense_mlp_fp8_act(gathered, tp)
+        act = gathered * inter * dtype_bytes if act is None else act
+        mlp = gathered * (2 * inter + h) * dtype_bytes + act
+    mlp += gather_bytes(m, tokens, dp, dtype_bytes)
+    mixer = max(attn, gdn_live_bytes(m, tokens, attn_tp, dtype_bytes))
+    fp8 = max(m.fp8_activation_bytes(tokens, attn_tp), m.fp8_activation_bytes(gathered, tp))
+    return tokens * (2 * h * dtype_bytes + 4 * h) + max(mixer, mlp) + fp8
+
+
+def gather_bytes(m: ModelConfig, tokens: int, dp: int, dtype_bytes: int) -> int:
+    """DP attention's all-gather before the MLP: the hidden states of dp ranks' `tokens` each (0 at dp 1)."""
+    return tokens * dp * m.hidden_size * dtype_bytes if dp > 1 else 0
 
 
 GDN_CHUNK = 64  # tokens of fla's chunked delta rule (layers.gdn.CHUNK)
@@ -243,16 +312,20 @@ def sampling_bytes(rows: int, vocab: int, dtype_bytes: int) -> int:
     return rows * (vocab * dtype_bytes + 16)
 
 
-def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: int) -> Row:
+def prefill_peak(m: ModelConfig, tokens: int, rows: int, tp: int, dtype_bytes: int, dp: int = 1) -> Row:
     """Layers run first, sampling after them (only the last hidden state is still live): the peak is the
-    larger of the two, not their sum."""
-    layers = layer_live_bytes(m, tokens, tp, dtype_bytes)
-    sample = sampling_bytes(rows, m.vocab_size, dtype_bytes) + tokens * m.hidden_size * dtype_bytes
+    larger of the two, not their sum. dp > 1 (DP attention): `tokens` and `rows` are one rank's; the MLP and
+    the vocab-parallel lm_head see every rank's, gathered (SGLang's default, without --enable-dp-lm-head)."""
+    layers = layer_live_bytes(m, tokens, tp, dtype_bytes, dp)
+    sample = sampling_bytes(rows * dp, m.vocab_size, dtype_bytes) + tokens * dp * m.hidden_size * dtype_bytes
+    gather = gib(gather_bytes(m, tokens, dp, dtype_bytes))
+    gathered = f"; the MLP's input gathered from {dp} ranks ({gather:.2f} GiB)" if dp > 1 else ""
     return Row("prefill activation peak", max(layers, sample), "ESTIMATED", "measured in the probe peak",
                f"max of one layer's live set for --batch_max_tokens {tokens} ({gib(layers):.2f} GiB: "
                "residual, normed input, fp32 norm temp, then qkv + attention output or gate_up + activation "
-               f"+ down output) and sampling {rows} rows over vocab {m.vocab_size} ({gib(sample):.2f} GiB: "
-               "logits in dtype, the fused Triton sampler's 16 bytes per row, final hidden states)")
+               f"+ down output{gathered}) and sampling {rows * dp} rows over vocab {m.vocab_size} "
+               f"({gib(sample):.2f} GiB: logits in dtype, the fused Triton sampler's 16 bytes per row, final "
+               "hidden states)")
 
 
 def mla_expanded_prefix(cfg: ServerConfig, m: ModelConfig, prefill: Row) -> Row:
@@ -378,30 +451,46 @@ def vision_rows(cfg: ServerConfig, db: int) -> list[Row]:
     ]
 
 
-def fixed_rows(cfg: ServerConfig, backend: str) -> tuple[Row, ...]:
+def weights_row(cfg: ServerConfig, dp_attention: bool) -> Row:
     m, tp, db = cfg.model_config, cfg.tp, DTYPE_BYTES[cfg.dtype]
-    gmbs, bmt = cfg.graph_max_batch_size, cfg.batch_max_tokens
     split = weight_split(m)
+    if dp_attention:
+        return Row("weights", weight_bytes(m, db, tp, True), "exact", "measured in the probe peak",
+                   f"{m.num_params():,} params x {db} B, DP attention: attention ({split.attention:,}), "
+                   "embedding, norms, routers and MLA's projections down whole on every rank, MLP and "
+                   f"experts ({split.layers - split.attention:,}) split over {tp} ranks, lm_head "
+                   "vocab-parallel"
+                   + fp8_text(m, tp, True))
+    return Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
+               f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
+               f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms, routers, MLA's "
+               f"projections down ({split.replicated:,}) replicated"
+               + fp8_text(m, tp))
+
+
+def fixed_rows(cfg: ServerConfig, backend: str, dp_attention: bool = False) -> tuple[Row, ...]:
+    """What is subtracted before T is solved, per rank. dp_attention: one rank's attention runs
+    rank_view(cfg) (every head, its share of the step's tokens and rows), its MLP the ranks' gathered."""
+    m, tp, db = cfg.model_config, cfg.tp, DTYPE_BYTES[cfg.dtype]
+    dp = tp if dp_attention else 1
+    cfg, tp_cfg = rank_view(cfg, dp_attention), cfg
+    gmbs, bmt = cfg.graph_max_batch_size, cfg.batch_max_tokens
     rows = [
         Row("CUDA context, non-torch", CUDA_CONTEXT_ESTIMATE, "ESTIMATED",
             "measured: NVML per-process use - reserved",
             "~1.0 GiB per process as measured on an H100 (torch 2.11, CUDA 13; no spilling kernel); "
             "NCCL's buffers are the next row"),
-        nccl_row(tp, cfg.nnodes),
-        Row("weights", weight_bytes(m, db, tp), "exact", "measured in the probe peak",
-            f"{m.num_params():,} params x {db} B: layers ({split.layers:,}) split over {tp} rank(s), "
-            f"embedding/lm_head ({split.vocab:,}) vocab-parallel, norms, routers, MLA's "
-            f"projections down ({split.replicated:,}) replicated"
-            + fp8_text(m, tp)),
+        nccl_row(tp, tp_cfg.nnodes),
+        weights_row(tp_cfg, dp_attention),
         Row("rope table", rope_table_bytes(m, cfg.context_len), "exact", "measured in the probe peak",
             f"cos/sin [{cfg.context_len}, {rope_dim(m)}] fp32"),
-        prefill_peak(m, bmt, min(gmbs, bmt), tp, db),
+        prefill_peak(m, bmt, min(gmbs, bmt), tp, db, dp),
     ]
     if cfg.disable_cudagraph:
         rows.append(Row("decode graph pools", 0, "exact", "none", "--disable_cudagraph"))
     else:
         graphs = budget.decode_graph_keys(gmbs, cfg.context_len)
-        pool = (layer_live_bytes(m, gmbs, tp, db) + gmbs * m.vocab_size * db
+        pool = (layer_live_bytes(m, gmbs, tp, db, dp) + gmbs * dp * m.vocab_size * db
                 + graph_static_bytes(m, gmbs, cfg.context_len, cfg.page_size, db))
         rows.append(Row("decode graph pools", pool, "ESTIMATED", "measured in the probe peak",
                         f"{len(graphs)} graphs (batch x max_seq_len bucket) share one pool: the largest "
@@ -575,31 +664,48 @@ def serving_problem(cfg: ServerConfig, card: Card, backend: str, tokens: int) ->
                      "use a bigger card")
 
 
-def make_plan(cfg: ServerConfig, card: Card) -> Plan:
+def make_plan(cfg: ServerConfig, card: Card, dp_attention: bool = False) -> Plan:
     """Pure: the budget breakdown and the predicted max_total_token_num for `cfg` on `card` (per TP rank),
     and, when it cannot be served so, the flag to change (Plan.problem_flag / Plan.problem). With
     --max_req_total_len auto, a context that does not fit is cut as the profiler cuts it (config.context_cut
-    of the predicted or pinned size)."""
-    plan = _plan(cfg, card)
-    fits = context_cut(cfg, cfg.max_total_token_num or plan.tokens)
+    of the predicted or pinned size). dp_attention (an MLA model under TP; dp_attention_problem): the DP
+    attention layout on paper, with both layouts' figures in Plan.layouts."""
+    plan = _cut(cfg, card, dp_attention)
+    if not dp_attention:
+        return plan
+    return dataclasses.replace(plan, layouts=(layout_of(_cut(cfg, card, False)), layout_of(plan)))
+
+
+def _cut(cfg: ServerConfig, card: Card, dp_attention: bool) -> Plan:
+    plan = _plan(cfg, card, dp_attention)
+    rank = rank_view(cfg, dp_attention)
+    fits = context_cut(rank, cfg.max_total_token_num or plan.tokens)
     if fits is None:
         return plan
-    cut = _plan(cfg.replace(max_req_total_len=fits), card)
+    cut = _plan(cfg.replace(max_req_total_len=fits), card, dp_attention)
     why = (f"--max_req_total_len auto: one request of {cfg.context_len} tokens needs a cache of "
-           f"{cfg.min_usable_tokens} tokens; serving requests of at most {fits} tokens (set "
+           f"{rank.min_usable_tokens} tokens; serving requests of at most {fits} tokens (set "
            f"--max_req_total_len to choose)")
     return dataclasses.replace(cut, warnings=(why, *cut.warnings))
 
 
-def _plan(cfg: ServerConfig, card: Card) -> Plan:
+def layout_of(p: Plan) -> Layout:
+    weights = next(r.bytes for r in p.fixed if r.term == "weights")
+    ranks = p.tp if p.dp_attention else 1
+    return Layout("dp_attention" if p.dp_attention else "tp", weights, p.tokens, p.tokens * ranks,
+                  p.batch_max_tokens, p.max_num_reqs, p.context_len)
+
+
+def _plan(cfg: ServerConfig, card: Card, dp_attention: bool = False) -> Plan:
     cfg = with_state_slots(cfg, card)
     backend = resolve_backend(cfg.attention_backend, card.vendor)
-    fixed = fixed_rows(cfg, backend)
+    fixed = fixed_rows(cfg, backend, dp_attention)
     available = card.total - sum(r.bytes for r in fixed)
-    sizing = sizing_for(cfg, backend)
+    rank = rank_view(cfg, dp_attention)
+    sizing = sizing_for(rank, backend)
     tokens = budget.solve_target_tokens(available, sizing, cfg.mem_fraction)
     sized = sized_rows(sizing, tokens, backend)
-    problem = serving_problem(cfg, card, backend, tokens)
+    problem = dp_problem(rank, tokens) if dp_attention else serving_problem(cfg, card, backend, tokens)
     gpu = card.name if card.vendor != "unknown" or cfg.attention_backend != "auto" else \
         f"{card.name} (vendor unknown: auto = aiter_triton; pass --attention_backend aiter for ROCm)"
     return Plan(
@@ -607,14 +713,25 @@ def _plan(cfg: ServerConfig, card: Card) -> Plan:
         gpu_source=card.source,
         total=card.total, tp=cfg.tp, nnodes=cfg.nnodes, attention_backend=backend, dtype=cfg.dtype,
         kv_cache_dtype=cfg.kv_dtype_name,
-        context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=cfg.batch_max_tokens,
-        graph_max_batch_size=cfg.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
+        context_len=cfg.context_len, page_size=cfg.page_size, batch_max_tokens=rank.batch_max_tokens,
+        graph_max_batch_size=rank.graph_max_batch_size, mem_fraction=cfg.mem_fraction,
         cell_bytes=sizing.cell_bytes, fixed=fixed, available=available, tokens=tokens,
         max_num_reqs=sizing.running_reqs, sized=sized, slack=available - sum(r.bytes for r in sized),
-        min_tokens=cfg.min_usable_tokens, pinned_tokens=cfg.max_total_token_num,
+        min_tokens=rank.min_usable_tokens, pinned_tokens=cfg.max_total_token_num,
         warnings=plan_warnings(cfg, backend),
         problem_flag=problem[0] if problem else None, problem=problem[1] if problem else None,
+        dp_attention=dp_attention,
     )
+
+
+def dp_problem(rank: ServerConfig, tokens: int) -> tuple[str, str] | None:
+    """The DP attention layout's one problem on paper: a rank's cache below its smallest usable cache."""
+    if tokens >= rank.min_usable_tokens:
+        return None
+    why = (f"a rank's predicted cache is {tokens} tokens, below the smallest usable cache of "
+           f"{rank.min_usable_tokens} (one request of {rank.context_len} tokens, a prefill of "
+           f"{rank.batch_max_tokens}, a page for each of {decode_rows_text(rank)})")
+    return "dp_attention", f"{why}; drop --dp_attention (the TP layout splits the attention weights)"
 
 
 # ---------------------------------------------------------------- text
@@ -631,9 +748,23 @@ def mla_replication_lines(p: Plan) -> list[str]:
 
 
 def hosts_text(p: Plan) -> str:
+    dp = f", DP attention: each rank its own requests' latents, MoE and MLP at --tp {p.tp}" \
+        if p.dp_attention else ""
     if p.nnodes == 1:
-        return f"--tp {p.tp}"
-    return f"--tp {p.tp} over --nnodes {p.nnodes}: {p.nnodes} hosts x {p.tp // p.nnodes} GPUs"
+        return f"--tp {p.tp}{dp}"
+    return f"--tp {p.tp} over --nnodes {p.nnodes}: {p.nnodes} hosts x {p.tp // p.nnodes} GPUs{dp}"
+
+
+def layout_lines(p: Plan) -> list[str]:
+    """Both layouts side by side (plan --dp_attention)."""
+    if not p.layouts:
+        return []
+    lines = ["", f"  layouts on {p.tp} ranks (TP: every rank caches every token's latent; DP attention: each "
+                 "rank its own requests', the model holds ranks x a rank's tokens):",
+             f"    {'layout':<13} {'weights GiB':>11} {'KV tokens/rank':>15} {'KV tokens, model':>17} "
+             f"{'prefill/rank':>12} {'decode rows/rank':>16} {'context':>8}"]
+    return lines + [f"    {x.name:<13} {gib(x.weights):>11.2f} {x.tokens:>15,} {x.model_tokens:>17,} "
+                    f"{x.prefill_tokens:>12,} {x.decode_rows:>16,} {x.context_len:>8,}" for x in p.layouts]
 
 
 def format_plan(p: Plan) -> str:
@@ -655,7 +786,7 @@ def format_plan(p: Plan) -> str:
     tail = [
         "",
         f"  KV per token: {p.cell_bytes:,} B ({p.cell_bytes / 1024:.2f} KiB) over all layers, this rank",
-        *mla_replication_lines(p),
+        *([] if p.dp_attention else mla_replication_lines(p)),
         f"  predicted --max_total_token_num: {p.tokens:,} tokens ({gib(kv):.2f} GiB KV), "
         f"max_num_reqs {p.max_num_reqs}",
         "  solved as: largest page-aligned T with",
@@ -663,6 +794,7 @@ def format_plan(p: Plan) -> str:
         "  how: exact = arithmetic; declared = the allocation's own formula;",
         "       ESTIMATED = a guess the profiler replaces with a measurement on the GPU",
     ]
+    tail += layout_lines(p)
     notes = ["", "  notes:"] + [f"    {r.term}: {r.note}" for r in (*p.fixed, *p.sized) if r.note]
     warns = [""] + [f"  WARNING: {w}" for w in p.warnings] if p.warnings else []
     problem = ["", f"  CANNOT SERVE AS CONFIGURED: --{p.problem_flag}: {p.problem}"] if p.problem else []

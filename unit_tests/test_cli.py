@@ -171,15 +171,16 @@ MEASURING = {"--load_format", "--tokenizer", "--seed", "--kv_scales",
 
 def test_plan_lists_only_the_flags_plan_uses():
     plan, profile, serve = _options("plan"), _options("profile"), _options("serve")
-    assert not plan & (SERVE_ONLY | MEASURING) and {"--gpu", "--gpu_memory_gib", "--json"} <= plan
-    assert profile == serve - SERVE_ONLY and plan - {"--gpu", "--gpu_memory_gib", "--json"} < profile
+    plan_only = {"--gpu", "--gpu_memory_gib", "--json", "--dp_attention"}  # the card, the output, the layout
+    assert not plan & (SERVE_ONLY | MEASURING) and plan_only <= plan
+    assert profile == serve - SERVE_ONLY and plan - plan_only < profile
     # every flag plan takes changes its plan (or names the card): none is there for show
     from autoprofile import plan as plan_module
     import inspect
     used = set(re.findall(r"cfg\.(\w+)", inspect.getsource(plan_module)))
     derived = {"context_len": "max_req_total_len", "canary_bytes": "canary_mb", "model_config": "model",
                "kv_dtype_bytes": "kv_cache_dtype", "kv_dtype_name": "kv_cache_dtype"}
-    card = {"--quantization", "--gpu", "--gpu_memory_gib", "--json"}  # quantization: via model_config
+    card = {"--quantization", *plan_only}  # quantization: via model_config
     flags = {f"--{derived.get(u, u)}" for u in used} | card
     assert plan <= flags, plan - flags
 
