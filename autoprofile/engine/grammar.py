@@ -14,6 +14,11 @@ them; fill_threads: the cores this process may use, at most 8); one row by its m
 masks after the runner has launched the forward: on CUDA the host fills while the GPU computes.
 The stress (SamplingMetadata.stress) applies a full-size mask to every sampled row of every corner.
 
+vLLM's allowed_token_ids is a mask row too: AllowedTokens stands where a request's matcher stands (made by the
+serving layer; wrapping the request's matcher when it has a grammar too), its row is the ids' bits (ANDed
+with the grammar's), so such a row stays inside the envelope the stress covers and is read back before the
+next step like a grammar's.
+
 A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
 recomputed, preempted request is not fed again: its matcher already holds its tokens). The host fills the
 next mask from the matcher, so the overlapped engine reads a step with grammar rows back before it
@@ -25,6 +30,7 @@ import logging
 import math
 import os
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -67,8 +73,19 @@ class TokenBitmask:
         self._apply(logits, [i for i, _ in rows])
 
     def fill(self, rows: list[tuple[int, object]]) -> None:
-        """Write each matcher's next-token mask into its host row: one row by its own call, several in one
-        batched call on xgrammar's threads (the same bits)."""
+        """Write each row's next-token mask into its host row: a matcher's (AllowedTokens: its matcher's, if
+        any, then its ids')."""
+        self._fill_matchers([(i, m.matcher if isinstance(m, AllowedTokens) else m) for i, m in rows
+                             if not isinstance(m, AllowedTokens) or m.matcher is not None])
+        for i, m in rows:
+            if isinstance(m, AllowedTokens):
+                m.restrict(self.host[i])
+
+    def _fill_matchers(self, rows: list[tuple[int, object]]) -> None:
+        """One row by its matcher's own call, several in one batched call on xgrammar's threads (the same
+        bits)."""
+        if not rows:
+            return
         if len(rows) == 1:
             i, matcher = rows[0]
             matcher.fill_next_token_bitmask(self.host, i)
@@ -96,6 +113,38 @@ class TokenBitmask:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits, self.dev[:n], vocab_size=self.vocab_size,
                                              indices=index if len(index) < logits.shape[0] else None)
+
+
+def allowed_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
+    """The bitmask row [ceil(vocab / 32)] int32 that allows exactly `ids` (bit t % 32 of word t // 32)."""
+    bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=bool)
+    bits[np.asarray(ids, dtype=np.int64)] = True
+    return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+
+
+class AllowedTokens:
+    """vLLM's allowed_token_ids in a matcher's place: the sampled token is one of `bits` (allowed_bits) and,
+    with a grammar, one its matcher allows (each choice its own: the matcher is the choice's)."""
+
+    def __init__(self, ids: frozenset[int], bits: torch.Tensor, matcher=None):
+        self.ids, self.bits, self.matcher = ids, bits, matcher
+
+    @classmethod
+    def of(cls, ids: list[int], vocab_size: int, matcher=None) -> AllowedTokens:
+        return cls(frozenset(ids), allowed_bits(ids, vocab_size), matcher)
+
+    def restrict(self, row: torch.Tensor) -> None:
+        """The host row, filled by the matcher (if any) already: only these ids left."""
+        if self.matcher is None:
+            row.copy_(self.bits)
+        else:
+            row.bitwise_and_(self.bits)
+
+    def accept_token(self, token: int) -> bool:
+        return token in self.ids and (self.matcher is None or self.matcher.accept_token(token))
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
 
 
 def advance(matcher, token: int) -> bool:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from autoprofile.budget import running_reqs
 from autoprofile.config import ServerConfig
+from autoprofile.engine.grammar import AllowedTokens
 from autoprofile.engine.request import RequestError
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull
 from autoprofile.serving.bodies import chat_content, chunk, completion_block, echo_entries, response, usage
@@ -179,6 +180,8 @@ async def _submit(st: Serving, args: GenerateArgs, index: int = 0):
             raise bad(args.structured.param, "structured output is not available with this model's tokenizer "
                       f"({st.grammars_error})", code="unsupported_value")
         grammar = await st.grammars.matcher(args.structured)
+    if args.allowed_token_ids:
+        grammar = AllowedTokens.of(args.allowed_token_ids, st.limits.vocab_size, grammar)
     try:
         handle = await st.engine.submit(args.prompt_ids, args.to_sampling_params(index), args.max_tokens,
                                         stop_ids, mm=args.mm, grammar=grammar)

@@ -172,7 +172,7 @@ FIELDS: dict[str, Field] = {
     "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
     "bad_words": _refused([]), "return_token_ids": _served(),
-    **{k: _refused(None) for k in ("prompt_logprobs", "allowed_token_ids")},
+    "prompt_logprobs": _refused(None), "allowed_token_ids": _served(),
     **{k: _served() for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     **{k: _served(CHAT, TOKENIZE) for k in ("add_generation_prompt", "continue_final_message",
                                             "chat_template_kwargs")},
@@ -296,6 +296,7 @@ class GenerateArgs:
     others: list[GenerateArgs] = field(default_factory=list)  # completions: the other prompts of the body
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the sampled tokens are among these (engine.grammar)
     thinking: bool | None = None  # --reasoning_parser: the reply begins inside <think> (None: no parser)
 
     def to_sampling_params(self, index: int = 0) -> SamplingParams:
@@ -493,7 +494,13 @@ def stop_controls(body: dict, limits: Limits) -> dict:
         f"must be a list of token ids in [0, {limits.vocab_size})")
     return dict(min_tokens=_get(body, "min_tokens", 0, lambda v: _is_int(v) and v >= 0,
                                 "must be an integer >= 0"),
-                stop_token_ids=tuple(stop_ids))
+                stop_token_ids=tuple(stop_ids), allowed_token_ids=allowed_token_ids(body, limits.vocab_size))
+
+
+def allowed_token_ids(body: dict, vocab: int) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: a non-empty list of token ids, the only ones sampled (() when not sent)."""
+    return tuple(sorted(set(_get(body, "allowed_token_ids", [], lambda v: _token_ids(v, vocab),
+                                 f"must be a non-empty list of token ids in [0, {vocab})"))))
 
 
 def _max_tokens(body: dict, key: str, prompt_len: int, limits: Limits, default: int | None,
