@@ -46,7 +46,10 @@ def history_token(req, end: int) -> int:
 
 
 class StepRunner:
-    """ModelRunner's step contract without a model."""
+    """ModelRunner's step contract (engine.step_runner.StepRunner) without a model."""
+
+    overlaps = True
+    host_kv = None
 
     def __init__(self, env: Envelope, kv_pages: int):
         self.envelope, self.kv = env, SimpleNamespace(num_pages=kv_pages)
@@ -71,6 +74,12 @@ class StepRunner:
             del self.unread[n]
             return tokens
         return SimpleNamespace(result=result)
+
+    def wait_load(self, load_id: int) -> None:
+        """No host tier: no load is ever in flight."""
+
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        return set(ids)
 
     def execute(self, step) -> SampledTokens:
         shape = step.shape(self.envelope.graph_rows)
@@ -680,10 +689,7 @@ def test_model_overlap_gives_the_tokens_of_one_step_at_a_time(roomy):
 def test_overlap_needs_a_runner_that_launches():
     engine, runner = fake_engine()
 
-    class Broadcaster:  # as tp.broadcast.StepBroadcaster: execute only
-        envelope, kv, model_config, clock = runner.envelope, runner.kv, runner.model_config, runner.clock
-
-        def execute(self, step):
-            return runner.execute(step)
+    class Broadcaster(StepRunner):  # as tp.broadcast.StepBroadcaster: it does not overlap
+        overlaps = False
     with pytest.raises(ValueError, match="overlap needs a runner"):
-        LLMEngine(Broadcaster(), overlap=True)
+        LLMEngine(Broadcaster(runner.envelope, runner.kv.num_pages), overlap=True)

@@ -40,6 +40,7 @@ from autoprofile.engine.sampler import SampledTokens
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import Scheduler, Step
 from autoprofile.engine.step_clock import HostTimer, StepTimes
+from autoprofile.engine.step_runner import StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,14 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runner, prefix_caching: bool = True, overlap: bool = False):
-        """overlap: launch each step before reading the one in flight back (the runner's `launch`; a TP
-        StepBroadcaster has none: its workers would feed tokens they never sampled)."""
+    def __init__(self, runner: StepRunner, prefix_caching: bool = True, overlap: bool = False):
+        """overlap: launch each step before reading the one in flight back (a runner that `overlaps`; a TP
+        StepBroadcaster does not: its workers would feed tokens they never sampled)."""
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
-        if overlap and not callable(getattr(type(runner), "launch", None)):
+        if overlap and not runner.overlaps:
             raise ValueError(f"overlap needs a runner that launches a step without waiting for it "
-                             f"(ModelRunner.launch); {type(runner).__name__} has none")
+                             f"(ModelRunner.launch); {type(runner).__name__} does not")
         self.overlap = overlap
         self._inflight: tuple[Step, object] | None = None  # overlap: the launched step, its tokens in flight
         self.runner, self.envelope = runner, runner.envelope
@@ -79,7 +80,7 @@ class LLMEngine:
             log.info("prefix caching off: %s is a hybrid model (a prefix resumes only with its state)",
                      runner.model_config.name)
             prefix_caching = False
-        pool = getattr(runner, "host_kv", None)  # the host tier's pinned pages (--host_kv), or None
+        pool = runner.host_kv  # the host tier's pinned pages (--host_kv), or None
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
                                    host_pages=pool.num_pages if pool is not None else 0)
         self.vocab_size = runner.model_config.vocab_size
@@ -91,9 +92,9 @@ class LLMEngine:
         self.clock.reset()
 
     @classmethod
-    def from_config(cls, runner, cfg) -> LLMEngine:
+    def from_config(cls, runner: StepRunner, cfg) -> LLMEngine:
         """The server's engine: prefix caching unless --disable_prefix_caching; overlap on one GPU unless
-        --disable_overlap_schedule (under --tp the runner is the step broadcast, which has no launch)."""
+        --disable_overlap_schedule (under --tp the runner is the step broadcast, which does not overlap)."""
         return cls(runner, prefix_caching=not cfg.disable_prefix_caching,
                    overlap=not cfg.disable_overlap_schedule and cfg.tp == 1)
 
@@ -211,18 +212,15 @@ class LLMEngine:
     def _wait_loads(self) -> None:
         """Nothing launched and nothing in flight, only host tier loads: wait for the first of them to land
         (the runner's event) instead of coming straight back to poll it, a busy loop on the host."""
-        wait = getattr(self.runner, "wait_load", None)
-        if wait is not None:
-            with HostTimer(self.clock, "wait"):
-                wait(self.scheduler.pending_loads[0])
+        with HostTimer(self.clock, "wait"):
+            self.runner.wait_load(self.scheduler.pending_loads[0])
 
     def _poll_loads(self) -> None:
-        """The host tier's loads that the runner has finished (never waits): their requests run from now on.
-        A runner without loads_ready copies synchronously: its loads are done."""
+        """The host tier's loads that the runner has finished (never waits): their requests run from now
+        on."""
         pending = self.scheduler.pending_loads
         if pending:
-            ready = getattr(self.runner, "loads_ready", None)
-            self.scheduler.loads_done(ready(pending) if ready is not None else pending)
+            self.scheduler.loads_done(self.runner.loads_ready(pending))
 
     def _launch(self, step: Step, outputs: list[RequestOutput]) -> tuple[Step, object] | None:
         try:
@@ -298,15 +296,14 @@ class LLMEngine:
         return total, total - len(self.scheduler.free_slots)
 
     def _host_stats(self) -> HostTierStats | None:
-        cache, pool = self.scheduler.cache, getattr(self.runner, "host_kv", None)
+        cache, pool = self.scheduler.cache, self.runner.host_kv
         host = cache.host
         if host is None:
             return None
         return HostTierStats(pages=host.num_pages, cached=host.num_cached, saved=host.saved,
                              loaded=host.loaded, dropped=host.dropped,
                              hit_tokens=cache.host_hit_tokens,
-                             bytes_moved=getattr(pool, "bytes_moved", 0),
-                             copy_seconds=getattr(pool, "copy_seconds", 0.0))
+                             bytes_moved=pool.bytes_moved, copy_seconds=pool.copy_seconds)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] = GREEDY,

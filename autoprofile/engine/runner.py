@@ -59,6 +59,8 @@ def runner_device(rank: int, device: str = "cuda") -> torch.device:
 
 
 class ModelRunner:
+    overlaps = True  # engine.step_runner.StepRunner: launch() returns before the GPU is done
+
     def __init__(self, cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None):
         self.cfg, self.rank = cfg, rank
         self.device = runner_device(rank, cfg.device)

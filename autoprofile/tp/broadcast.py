@@ -14,10 +14,14 @@ import torch.distributed as dist
 
 from autoprofile import memory
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
-from autoprofile.engine.sampler import SampledTokens
+from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.host_kv import HostKVPool
+from autoprofile.engine.sampler import SampledTokens, StepTokens
 from autoprofile.engine.scheduler import Step, StepRow
+from autoprofile.engine.step_clock import StepClock
 from autoprofile.tp.channel import HEARTBEAT_S, GuardedRunner, StepFailed, TPError, is_consequence
 from autoprofile.tp.votes import describe, gather_errors
+from models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 PEER_CHECK_S = 0.5  # the idle rank 0 looks for a peer that ended this often
@@ -139,9 +143,12 @@ def run_step(runner: GuardedRunner, step) -> SampledTokens:
 
 
 class StepBroadcaster:
-    """Rank 0's runner for LLMEngine and the server: `execute(step)` ships the step to every rank over the
-    control group, runs it here too and returns rank 0's tokens; every other attribute (envelope, kv,
-    model_config, ...) is the runner's. `close()` ends the workers. Thread-safe (the heartbeat)."""
+    """Rank 0's runner for LLMEngine and the server (engine.step_runner.StepRunner): `execute(step)` ships the
+    step to every rank over the control group, runs it here too and returns rank 0's tokens; the envelope,
+    KV, model, clock, host tier and device are the runner's. It does not overlap: a worker would feed decode
+    tokens it never sampled. `close()` ends the workers. Thread-safe (the heartbeat)."""
+
+    overlaps = False
 
     def __init__(self, runner: GuardedRunner, on_fatal: Callable[[str], None] | None = None,
                  heartbeat_s: float = HEARTBEAT_S):
@@ -156,8 +163,41 @@ class StepBroadcaster:
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
         self._beat.start()
 
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
+    @property
+    def envelope(self) -> Envelope | None:
+        return self.runner.envelope
+
+    @property
+    def kv(self):
+        return self.runner.kv
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.runner.model_config
+
+    @property
+    def clock(self) -> StepClock:
+        return self.runner.clock
+
+    @property
+    def host_kv(self) -> HostKVPool | None:
+        return self.runner.host_kv
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def launch(self, step) -> StepTokens:
+        raise RuntimeError("the TP step broadcast does not overlap (overlaps is False): call execute(step)")
+
+    def wait_load(self, load_id: int) -> None:
+        self.runner.wait_load(load_id)
+
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        return self.runner.loads_ready(ids)
+
+    def teardown(self) -> None:
+        self.runner.teardown()
 
     def execute(self, step) -> SampledTokens:
         with self._lock:
