@@ -54,7 +54,8 @@ def test_every_sampled_token_is_an_allowed_one(run):
         chat = await post(c, "/v1/chat/completions", {
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 1,
             "temperature": 1.0, "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": [40, 41]})
-        return free, await asyncio.gather(*[post(c, "/v1/completions", sampled(allowed, s)) for s in range(3)]), chat
+        outs = await asyncio.gather(*[post(c, "/v1/completions", sampled(allowed, s)) for s in range(3)])
+        return free, outs, chat
     (_, free), outs, (chat_status, chat) = run(body)
     assert not set(free["choices"][0]["token_ids"]) <= set(allowed)  # unmasked, the sample leaves the set
     for status, out in outs:
