@@ -408,9 +408,9 @@ def _validate_hybrid(cfg: ServerConfig, m) -> None:
     _check(not cfg.deterministic, "deterministic",
            f"{m.name} is a hybrid model: its Gated DeltaNet kernels are not batch-invariant yet; serve it "
            "without --deterministic")
-    _check(m.quant is None, "quantization" if m.quant_method == "runtime" else "model",
-           f"{m.name} is a hybrid model: its FP8 weights are not served yet; use a bf16 checkpoint "
-           "(without --quantization)")
+    _check(m.quant_method != "runtime", "quantization",
+           f"{m.name} is a hybrid model: --quantization fp8 at load is not served for it yet; serve an FP8 "
+           "checkpoint, or leave --quantization unset")
     heads = math.gcd(m.linear_num_key_heads, m.linear_num_value_heads)
     _check(heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.linear_num_key_heads} key and {m.linear_num_value_heads} value heads in its "

@@ -230,10 +230,10 @@ class ModelConfig:
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
-    # hybrid (Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet: a causal conv1d over q|k|v, the
-    # gated delta rule over a [v_heads, k_dim, v_dim] state in state_dtype, a gated RMSNorm) or "full_attention"
-    # (gated attention: q_proj also gives a sigmoid output gate; RoPE on rotary_dim channels); norms weigh
-    # 1 + weight (zero_centered_norm); MoE layers add a sigmoid-gated shared expert
+    # hybrid (Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet: a causal conv1d over q|k|v,
+    # the gated delta rule over a [v_heads, k_dim, v_dim] state in state_dtype, a gated RMSNorm) or
+    # "full_attention" (gated attention: q_proj also gives a sigmoid output gate; RoPE on rotary_dim
+    # channels); norms weigh 1 + weight (zero_centered_norm); MoE layers add a sigmoid-gated shared expert
     layer_types: tuple[str, ...] = ()
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -280,7 +280,14 @@ class ModelConfig:
                                        self.quant, split, fused))
 
         for i in range(self.num_layers):
-            if self.is_mla:
+            if self.is_linear_layer(i):  # Gated DeltaNet (models.qwen3_5): q|k|v in one tensor, z, b|a, out
+                kd, vd = self.linear_key_dim // tp, self.linear_value_dim // tp
+                hv = self.linear_num_value_heads // tp
+                add(i, ("linear_attn.in_proj_qkv",), [kd, kd, vd], h)
+                add(i, ("linear_attn.in_proj_z",), [vd], h)
+                add(i, ("linear_attn.in_proj_b", "linear_attn.in_proj_a"), [hv, hv], h)
+                add(i, ("linear_attn.out_proj",), [h], vd, row=True)
+            elif self.is_mla:
                 heads, qk = self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
                 if self.q_lora_rank:
                     add(i, ("self_attn.q_a_proj",), [self.q_lora_rank], h, split=False, every_layer=True)
@@ -294,7 +301,8 @@ class ModelConfig:
                 add(i, ("self_attn.o_proj",), [h], heads * self.v_head_dim // tp, row=True, every_layer=True)
             else:
                 q, kv = self.num_heads * self.head_dim // tp, self.num_kv_heads * self.head_dim // tp
-                add(i, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv], h,
+                gate = q if self.attn_output_gate else 0  # a gated attention's q_proj gives its gate too
+                add(i, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q + gate, kv, kv], h,
                     every_layer=True, fused=True)
                 add(i, ("self_attn.o_proj",), [h], q, row=True, every_layer=True)
             if self.is_moe_layer(i):
@@ -302,6 +310,8 @@ class ModelConfig:
                 add(i, ("mlp.experts",), [inter, inter], h, experts=self.num_experts)
                 add(i, ("mlp.experts",), [h], inter, row=True, experts=self.num_experts)
                 mlps = [("mlp.shared_experts", self.moe_intermediate_size * self.n_shared_experts)]
+                if self.shared_expert_intermediate_size:  # Qwen3.5's (its sigmoid gate stays unconverted)
+                    mlps = [("mlp.shared_expert", self.shared_expert_intermediate_size)]
             else:
                 mlps = [("mlp", self.intermediate_size)]
             for prefix, size in mlps:
@@ -419,8 +429,9 @@ class ModelConfig:
         """One Gated DeltaNet layer's parameters: in_proj_qkv, in_proj_z, in_proj_b and _a, the conv1d,
         dt_bias, A_log, the gated norm and out_proj."""
         h, hv = self.hidden_size, self.linear_num_value_heads
-        return (h * (self.conv_dim + self.linear_value_dim + 2 * hv) + self.conv_dim * self.linear_conv_kernel_dim
-                + 2 * hv + self.linear_value_head_dim + self.linear_value_dim * h)
+        conv = self.conv_dim * self.linear_conv_kernel_dim
+        return (h * (self.conv_dim + self.linear_value_dim + 2 * hv) + conv + 2 * hv + self.linear_value_head_dim
+                + self.linear_value_dim * h)
 
     def routed_expert_params(self) -> int:
         """Every MoE layer's routed experts (gate, up and down projections): a token reaches top_k of them."""
@@ -803,7 +814,8 @@ def _hybrid_fields(f: _Fields, architecture: str) -> dict:
         f.fail("mamba_ssm_dtype", f"is {state!r}; supported: {', '.join(STATE_DTYPES)} (Qwen3.5: float32)")
     k_heads, v_heads = f.int("linear_num_key_heads"), f.int("linear_num_value_heads")
     if v_heads % k_heads:
-        f.fail("linear_num_value_heads", f"({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
+        f.fail("linear_num_value_heads",
+               f"({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
     rope = {**(f.dict("rope_parameters") or {}), **(f.dict("rope_scaling") or {})}
     factor = f.d.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
     head_dim = f.int("head_dim", f.int("hidden_size") // f.int("num_attention_heads"))

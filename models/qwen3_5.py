@@ -21,9 +21,10 @@ from autoprofile.layers import gdn
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, rope_
 from autoprofile.layers.moe import Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked,
-                                         load_column, new_param, read_rows)
+                                         load_column, new_param, read_rows, source_shape)
 from models.config import ModelConfig
-from models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, SparseMoeBlock
+from models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, SparseMoeBlock,
+                          packed_quant, reader_quant)
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,22 @@ def load_plus_one(param: nn.Parameter, src, part: int = 0) -> None:
     copy_checked(param.data, (weight.float() + 1.0).to(param.dtype))
 
 
-def load_split_parts(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], rank: int,
-                     ranks: int) -> None:
-    """One checkpoint tensor of packed parts (q | k | v rows) -> this rank's rows of each part, in order."""
-    out, full = 0, 0
-    for size in sizes:
-        shard = size // ranks
-        copy_checked(param.data.narrow(0, out, shard), read_rows(src, full + rank * shard, shard, 0))
-        out, full = out + shard, full + size
+def load_packed_source(param: nn.Parameter, src, part: int = 0, *, inner, sizes: list[int]) -> None:
+    """One checkpoint tensor holding packed parts' rows (Qwen3.5's in_proj_qkv: q | k | v, its conv1d, an FP8
+    weight's scales): each part's rows to the parameter's own per-part loader `inner` (which takes this rank's
+    shard). A scale's rows follow the weight's (block scales: a block row per block_n weight rows); a
+    per-tensor scale serves every part."""
+    shape = source_shape(src)
+    n = shape[0] if shape else 1
+    if n == 1:
+        for i in range(len(sizes)):
+            inner(param, src, i)
+        return
+    offset = 0
+    for i, size in enumerate(sizes):
+        rows = size * n // sum(sizes)
+        inner(param, read_rows(src, offset, rows, 0), i)
+        offset += rows
 
 
 def load_grouped(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], groups: int,
@@ -55,10 +64,13 @@ def load_grouped(param: nn.Parameter, src, part: int = 0, *, sizes: list[int], g
     copy_checked(param.data, torch.cat([p.reshape(-1, rows.shape[-1]) for p in parts]))
 
 
-def split_parts(param: nn.Parameter, sizes: list[int], tp: TP) -> nn.Parameter:
-    param.weight_loader, param.num_parts = partial(load_split_parts, sizes=sizes, rank=tp.rank,
-                                                   ranks=tp.size), 1
-    return param
+def packed_source(linear: nn.Module, sizes: list[int]) -> None:
+    """A packed linear layer whose parts come in one checkpoint tensor: its weight and FP8 scales read it."""
+    for name in ("weight", "weight_scale", "input_scale"):
+        param = getattr(linear, name, None)
+        if param is not None:
+            param.weight_loader = partial(load_packed_source, inner=param.weight_loader, sizes=sizes)
+            param.num_parts = 1
 
 
 # ---------------------------------------------------------------- gated attention
@@ -71,8 +83,10 @@ class GatedAttention(LlamaAttention):
         self.backend, self.head_dim, self.rotary_dim = backend, mc.head_dim, mc.rotary_dim
         self.num_heads, self.num_kv_heads = mc.num_heads // tp.size, mc.num_kv_heads // tp.size
         q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [2 * q, kv, kv], mc.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype)
+        self.qkv_proj = ColumnParallelLinear(mc.hidden_size, [2 * q, kv, kv], mc.attention_bias, tp, dtype,
+                                             packed_quant(mc, "self_attn", ("q_proj", "k_proj", "v_proj")))
+        self.o_proj = RowParallelLinear(q, mc.hidden_size, False, tp, dtype,
+                                        mc.quant_for("self_attn.o_proj"))
         self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype)
         self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, backend, dtype)
         for norm in (self.q_norm, self.k_norm):
@@ -80,8 +94,10 @@ class GatedAttention(LlamaAttention):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: KVLayer, residual: torch.Tensor | None = None) -> torch.Tensor:
-        t, d, h, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        qg, k, v = self.qkv_proj(x).split([2 * h * d, hkv * d, hkv * d], dim=-1)
+        d, h, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # x: rows, or rows the norm quantized for an FP8 qkv_proj (Fp8Rows)
+        t = qkv.shape[0]
+        qg, k, v = qkv.split([2 * h * d, hkv * d, hkv * d], dim=-1)
         qg = qg.view(t, h, 2, d)
         q = self.q_norm(qg[:, :, 0].reshape(-1, d)).view(t, h, d)
         k = self.k_norm(k.reshape(-1, d)).view(t, hkv, d)
@@ -100,7 +116,8 @@ class GatedDeltaNet(nn.Module):
     in_proj_b (beta = sigmoid) and in_proj_a (g = -exp(A_log) softplus(a + dt_bias)); the gated delta rule
     over the row's state; the gated RMSNorm; out_proj. Heads split over TP ranks as attention heads."""
 
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
+    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+                 layer: int = 0):
         super().__init__()
         self.backend = backend
         hk, hv = mc.linear_num_key_heads, mc.linear_num_value_heads
@@ -112,7 +129,8 @@ class GatedDeltaNet(nn.Module):
         kd, vd, h = mc.linear_key_dim, mc.linear_value_dim, mc.hidden_size
         parts = [kd, kd, vd]
         self.grouped = mc.grouped_projections
-        self.in_proj_ba = ColumnParallelLinear(h, [hv, hv], False, tp, dtype)
+        ba_quant = packed_quant(mc, "linear_attn", ("in_proj_b", "in_proj_a"), layer)
+        self.in_proj_ba = ColumnParallelLinear(h, [hv, hv], False, tp, dtype, ba_quant)
         if self.grouped:  # Qwen3-Next: one projection, its rows grouped by key head in the checkpoint
             self.in_proj_qkvz = ColumnParallelLinear(h, [kd, kd, vd, vd], False, tp, dtype)
             r, groups = hv // hk, self.k_heads
@@ -123,18 +141,23 @@ class GatedDeltaNet(nn.Module):
                                                            rank=tp.rank)
             self.in_proj_ba.weight.num_parts = self.in_proj_qkvz.weight.num_parts = 1
         else:
-            self.in_proj_qkv = ColumnParallelLinear(h, parts, False, tp, dtype)
-            split_parts(self.in_proj_qkv.weight, parts, tp)
-            self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype)
+            self.in_proj_qkv = ColumnParallelLinear(h, parts, False, tp, dtype,
+                                                    mc.quant_for("linear_attn.in_proj_qkv", layer))
+            packed_source(self.in_proj_qkv, parts)
+            self.in_proj_z = ColumnParallelLinear(h, [vd], False, tp, dtype,
+                                                  mc.quant_for("linear_attn.in_proj_z", layer))
         self.conv1d = nn.Module()
-        conv = new_param((sum(parts) // tp.size, 1, mc.linear_conv_kernel_dim), dtype)
-        self.conv1d.weight = split_parts(conv, parts, tp)
+        shards = [p // tp.size for p in parts]
+        self.conv1d.weight = new_param((sum(shards), 1, mc.linear_conv_kernel_dim), dtype,
+                                       partial(load_column, shard_sizes=shards, rank=tp.rank), len(parts))
+        packed_source(self.conv1d, parts)
         heads = partial(load_column, shard_sizes=[self.v_heads], rank=tp.rank)
         self.A_log = new_param((self.v_heads,), torch.float32, heads)
         self.dt_bias = new_param((self.v_heads,), torch.float32, heads)
         self.norm = nn.Module()
         self.norm.weight = new_param((self.v_dim,), dtype)
-        self.out_proj = RowParallelLinear(vd, h, False, tp, dtype)
+        self.out_proj = RowParallelLinear(vd, h, False, tp, dtype,
+                                          mc.quant_for("linear_attn.out_proj", layer))
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: gdn.StateLayer,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,7 +220,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         super().__init__()
         self.linear = mc.is_linear_layer(layer)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(mc, backend, tp, dtype)
+            self.linear_attn = GatedDeltaNet(mc, backend, tp, dtype, layer)
         else:
             self.self_attn = GatedAttention(mc, backend, tp, dtype)
         if mc.is_moe_layer(layer):
@@ -208,6 +231,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, backend, dtype)
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             norm.weight.weight_loader = load_plus_one
+        # an FP8 layer that alone reads a norm takes its rows quantized by the norm's kernel (models.llama)
+        if not self.linear:  # (a linear layer's norm feeds three projections)
+            self.input_layernorm.quant = reader_quant(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, LlamaMLP):
+            self.post_attention_layernorm.quant = reader_quant(self.mlp.gate_up_proj)
 
     def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, cache) -> torch.Tensor:
         if self.linear:
