@@ -2,6 +2,9 @@
 the Responses API's in serving.responses run on the chat path here): a body, bounded in bytes while it is
 read (BodyBound) and validated by serving.protocol (on a worker thread past PARSE_ON_LOOP_BYTES), becomes
 one engine request per choice (serving.choices), answered as a body or server-sent events (serving.bodies).
+
+Above the house's 500 lines on purpose: one owner of the OpenAI request's way from body to engine and back;
+its streamed and whole answers share the choice and chunk helpers that live beside them.
 """
 from __future__ import annotations
 
