@@ -28,7 +28,7 @@ class Crowded:
 
 def model_runner(runner):
     """The ModelRunner under tensor parallelism's wrappers (StepBroadcaster, GuardedRunner: each holds the one
-    it wraps as `runner` and forwards reads, not writes), whose step_log records the steps."""
+    it wraps as `runner`), whose step_log records the steps and whose cfg the crowd reads."""
     while "runner" in vars(runner):
         runner = runner.runner
     return runner
@@ -45,8 +45,8 @@ def alone_and_in_a_crowd(runner, prompt: list[int], params: SamplingParams, max_
     i-th request with images (every third one: their encoder steps hold other images beside the request's)."""
     rng = random.Random(seed)
     vocab = runner.model_config.vocab_size
-    longest = min(3 * len(prompt), runner.cfg.context_len - 2 * max_tokens)
     log = model_runner(runner)
+    longest = min(3 * len(prompt), log.cfg.context_len - 2 * max_tokens)
     log.step_log = []
     if mm is None:
         alone = LLMEngine(runner).generate([prompt], params, max_tokens)[0]
