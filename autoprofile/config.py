@@ -408,6 +408,9 @@ def _validate_hybrid(cfg: ServerConfig, m) -> None:
     _check(not cfg.deterministic, "deterministic",
            f"{m.name} is a hybrid model: its Gated DeltaNet kernels are not batch-invariant yet; serve it "
            "without --deterministic")
+    _check(m.quant is None or not m.grouped_projections, "model",
+           f"{m.name} is a Qwen3-Next FP8 checkpoint: its grouped in_proj_qkvz / in_proj_ba scales are not "
+           "read yet; serve its bf16 checkpoint (or a Qwen3.5 FP8 one)")
     _check(m.quant_method != "runtime", "quantization",
            f"{m.name} is a hybrid model: --quantization fp8 at load is not served for it yet; serve an FP8 "
            "checkpoint, or leave --quantization unset")

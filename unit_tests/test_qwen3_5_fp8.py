@@ -117,6 +117,17 @@ def test_fp8_at_load_is_refused_for_a_hybrid_model_naming_the_flag():
                               report_dir=None))
 
 
+def test_a_qwen3_next_fp8_checkpoint_is_refused_before_any_gpu_work(tmp_path):
+    """Qwen3-Next's grouped projections load bf16 only: its FP8 checkpoint is refused naming --model."""
+    builtin = Path(__file__).parents[1] / "models" / "configs" / "qwen3-next-80b-a3b" / "config.json"
+    config = json.loads(builtin.read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128], "modules_to_not_convert": UNCONVERTED}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="--model: .*Qwen3-Next FP8"):
+        validate(ServerConfig(model=str(tmp_path), load_format="dummy", report_dir=None), serving=False)
+
+
 @pytest.mark.parametrize("name", ["qwen3.5-35b-a3b-fp8", "qwen3.5-122b-a10b-fp8"])
 def test_the_fp8_builtins_plan(name):
     from autoprofile.plan import GPUS, make_plan
