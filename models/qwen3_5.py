@@ -11,7 +11,6 @@ at load, with one log line each."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -281,8 +280,3 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             self._skipped.add(prefix)
             log.info("checkpoint: %s tensors skipped: %s", prefix, self.SKIPPED[prefix])
         return prefix is not None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: Sequence) -> torch.Tensor:
-        """caches: one per layer, a KVLayer (attention) or a gdn.StateLayer (linear attention)."""
-        return self.model(input_ids, positions, meta, caches)
