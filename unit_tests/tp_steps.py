@@ -4,14 +4,42 @@ from __future__ import annotations
 
 
 class Recorder:
-    """Rank 0's runner for the engine: the StepBroadcaster, noting per step its kind, rows, prefill tokens,
+    """Rank 0's runner for the engine (engine.step_runner.StepRunner): the StepBroadcaster, noting per step its kind, rows, prefill tokens,
     the pixel bytes of the images it encodes, the (message, pixel) bytes it shipped and its tokens."""
+
+    overlaps = False  # the broadcaster's
 
     def __init__(self, b):
         self.b, self.steps = b, []
 
-    def __getattr__(self, name: str):
-        return getattr(self.b, name)
+    @property
+    def envelope(self):
+        return self.b.envelope
+
+    @property
+    def kv(self):
+        return self.b.kv
+
+    @property
+    def model_config(self):
+        return self.b.model_config
+
+    @property
+    def clock(self):
+        return self.b.clock
+
+    @property
+    def host_kv(self):
+        return self.b.host_kv
+
+    def launch(self, step):
+        return self.b.launch(step)
+
+    def wait_load(self, load_id: int) -> None:
+        self.b.wait_load(load_id)
+
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        return self.b.loads_ready(ids)
 
     def execute(self, step) -> list[int]:
         tokens = self.b.execute(step)

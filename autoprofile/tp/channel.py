@@ -303,15 +303,41 @@ def exit_stuck(text: str) -> None:
     os._exit(1)
 
 
+def _through(name: str, settable: bool = False) -> property:
+    """The wrapped runner's attribute `name`, read there (and, settable, written there: a flag the profiler
+    changes after the bind, such as `cfg`, must reach the runner that builds)."""
+    def write(self, value) -> None:
+        setattr(self.runner, name, value)
+    return property(lambda self: getattr(self.runner, name), write if settable else None)
+
+
 class GuardedRunner:
-    """A ModelRunner whose work on the data group runs in the guard's sections; every other attribute is
-    the runner's, so the profiler and LLMEngine take it as the runner itself."""
+    """A ModelRunner whose work on the data group runs in the guard's sections. It declares what the
+    profiler, the launcher and the step broadcast read (engine.step_runner.StepRunner and the profile's
+    members), each read from the runner; nothing passes through unnamed. It does not overlap: a launched
+    step would leave its section before the GPU is done."""
+
+    overlaps = False
+    envelope = _through("envelope")
+    kv = _through("kv")
+    model_config = _through("model_config")
+    clock = _through("clock")
+    host_kv = _through("host_kv", settable=True)
+    cfg = _through("cfg", settable=True)
+    device = _through("device")
+    dtype = _through("dtype")
+    tp = _through("tp")
+    sizing = _through("sizing")
+    kv_bytes = _through("kv_bytes")
+    kv_buffer = _through("kv_buffer")
+    kv_scale_source = _through("kv_scale_source")
+    forced_routings = _through("forced_routings")
+    weight_bytes = _through("weight_bytes")
+    vision_weight_bytes = _through("vision_weight_bytes")
+    mm_buffer = _through("mm_buffer")
 
     def __init__(self, runner, guard: RankGuard):
         self.runner, self.guard = runner, guard
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
 
     def build(self, kv_tokens: int, checkpoint=None) -> None:
         self.guard.heal()  # NOTE: collective; the profiler builds on every rank at the same point
@@ -330,6 +356,23 @@ class GuardedRunner:
         with self.guard.section("step"):
             return self.runner.execute(step)
 
+    def launch(self, step):
+        raise RuntimeError("a GuardedRunner does not overlap (overlaps is False): call execute(step)")
+
+    def wait_load(self, load_id: int) -> None:
+        self.runner.wait_load(load_id)
+
+    def loads_ready(self, ids: list[int]) -> set[int]:
+        return self.runner.loads_ready(ids)
+
+    def cut_context(self, cfg) -> None:
+        self.runner.cut_context(cfg)
+
+    def fingerprint(self) -> dict | None:
+        return self.runner.fingerprint()
+
+    def teardown(self) -> None:
+        self.runner.teardown()
 
 
 def client(addr: tuple[str, int]):
