@@ -9,6 +9,7 @@ import torch
 
 from autoprofile import launch
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.envelope import EnvelopeError
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.tp import broadcast
 from unit_tests.test_engine_cpu import QWEN_SMALL, small_cfg, write_checkpoint
@@ -151,3 +152,82 @@ def test_ranks_agree_on_one_host_tier_page_count_or_none_when_a_rank_has_none():
     assert all(o.ok for o in out), out
     want = [(pages, True) for _, pages in CASES]
     assert out[0].value == out[1].value == want
+
+
+# ---------------------------------------------------------------- a failed step with ready loads (issue 46.4)
+class _FailFirstReady:
+    """Rank 0's step broadcast whose first step naming landed host-tier loads (Step.kv_ready) raises before it
+    is shipped: the step never runs on any rank, and its ready loads must reach the next step."""
+
+    def __init__(self, broadcaster):
+        self.inner, self.failed_ready = broadcaster, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def execute(self, step):
+        if step.kv_ready and not self.failed_ready:
+            self.failed_ready = list(step.kv_ready)
+            raise EnvelopeError("injected: a step with ready host-tier loads fails before it is shipped")
+        return self.inner.execute(step)
+
+
+def _resend_after_failure(engine: LLMEngine) -> dict:
+    """The conversations with the tier on, turn by turn; a turn that ended with "error" is sent again."""
+    a, b, c = ([(k * j + 7 * k) % 1000 + 1 for j in range(70)] for k in (29, 31, 37))
+    out, errors = [], 0
+    for make in (lambda: a, lambda: b, lambda: c, lambda: a + out[0] + [11, 12, 13]):
+        while True:
+            rid = engine.add_request(make(), max_tokens=NEW)
+            tokens, reason = [], None
+            while rid in engine._requests:
+                for o in engine.step():
+                    if o.request_id == rid:
+                        tokens += o.new_token_ids
+                        reason = o.finish_reason or reason
+            if reason != "error":
+                out.append(tokens)
+                break
+            errors += 1
+    return dict(out=out, errors=errors)
+
+
+def _serve_failing(guard, model_dir: str):
+    runner = ModelRunner(small_cfg(model=model_dir, tp=2, **FLAGS), rank=guard.rank, world_size=2,
+                         group=guard.data)
+    guarded = guard.bind(runner)
+    guarded.build(KV_TOKENS)
+    if guard.rank:
+        broadcast.worker_loop(guarded)
+        return dict(loads=len(runner._loads))
+    failing = _FailFirstReady(broadcast.StepBroadcaster(guarded))
+    engine = LLMEngine(failing)
+    got = _resend_after_failure(engine)
+    failing.inner.close()
+    return dict(**got, failed_ready=failing.failed_ready, failed=engine.stats.failed_steps,
+                tier=tier_view(engine, runner.host_kv), loads=len(runner._loads))
+
+
+def check_tp2_host_tier_with_a_failed_step(tmp_path, device: str) -> None:
+    """--tp 2 --host_kv where the step carrying landed loads fails before it runs: the turn it held ends
+    "error" and, sent again, gives the tokens of a clean --tp 1 run, as does every other turn; on 2 GPUs
+    (tests/test_tp_host_kv_gpu.py) a worker whose forward did not wait for its own copies would read stale
+    K/V there. Every page and load comes back on both ranks."""
+    write_checkpoint(tmp_path / "qwen", QWEN_SMALL, seed=6)
+    one = ModelRunner(small_cfg(model=str(tmp_path / "qwen"), **FLAGS))
+    one.build(KV_TOKENS)
+    want = conversations(LLMEngine(one))
+    out = launch.launch(_serve_failing, 2, (str(tmp_path / "qwen"),), device=device, timeout_s=TIMEOUT)
+    assert all(o.ok for o in out), out
+    r0, r1 = out[0].value, out[1].value
+    assert r0["failed_ready"], "no step named ready loads: the failure was never injected"
+    assert r0["failed"] == 1 and r0["errors"] == 1
+    assert r0["out"] == want, "a turn after the failed step differs from the clean --tp 1 run"
+    assert r0["tier"]["hit_tokens"] >= 64, "the re-sent turn missed the host tier"
+    assert r0["tier"]["pages_used"] == 0 and r0["tier"]["held"] == 0 and r0["tier"]["loads"] == 0
+    assert r0["loads"] == r1["loads"] == 0
+
+
+@pytest.mark.slow
+def test_tp2_host_tier_with_a_step_that_fails_holding_ready_loads_gives_the_clean_tokens(tmp_path):
+    check_tp2_host_tier_with_a_failed_step(tmp_path, "cpu")
