@@ -20,7 +20,11 @@ token): a cached page may carry an opaque state id (CacheEntry.state), the state
 given to `insert`. `match(..., need_state=True)` ends at the last page that carries one (a prefix resumes only
 from a checkpoint at its end), and whenever an entry's state leaves the cache (its page evicted, spilled or
 forgotten, or a second checkpoint for a key already held) the owner's `free_state(state)` gives it back. The
-host tier holds pages only: a spilled page's state is freed.
+host tier holds pages only: a spilled page's state is freed. With `checkpoints` N the cache owns the ids: N
+checkpoint rows of the state cache (engine.state_cache), free, pending (`new_checkpoint`: a step copies a
+slot's state into it; `drop_checkpoint` if that never reaches an entry) or on an entry, least recently used
+first; when none is free the least recently used leaves its entry (its page stays cached as K/V, no longer a
+point a hybrid resumes from).
 
 Host tier (--host_kv; the pinned pages and their copies are engine.host_kv.HostKVPool): a cached page that
 alloc hands out again is first saved to a host page under its key (`spill`, the step's saves; the step's
@@ -119,6 +123,7 @@ class PrefixMatch:
     host: list[HostHit] = field(default_factory=list)
     loading: bool = False  # a GPU page of it is still being loaded from the host tier: wait for it
     state: Hashable | None = None  # the checkpoint at the end of `pages` (match's need_state)
+    kv_pages: int = 0  # GPU pages of the cached run before need_state cut it back to `pages`
 
 
 @dataclass
@@ -147,12 +152,16 @@ class PrefixCache:
     holds what and which copies a step carries; the runner moves the bytes."""
 
     def __init__(self, num_pages: int, page_size: int, host_pages: int = 0, enabled: bool = True,
-                 free_state: Callable[[Hashable], None] | None = None):
+                 free_state: Callable[[Hashable], None] | None = None, checkpoints: int = 0):
         """num_pages: pages of the built cache, the pad page included; host_pages: pages of the host tier (0:
-        none; needs enabled); free_state: gives back a state checkpoint that leaves the cache."""
+        none; needs enabled); free_state: gives back a state checkpoint that leaves the cache; checkpoints:
+        state checkpoint rows whose ids this cache hands out (0: the owner's states are opaque)."""
         self.pages, self.page_size, self.enabled = PageAllocator(num_pages), page_size, enabled
         self.host = HostPages(host_pages) if host_pages and enabled else None
         self.free_state = free_state
+        self.checkpoints = checkpoints if enabled else 0
+        self._free_rows = list(range(self.checkpoints - 1, -1, -1))
+        self._held: OrderedDict[Hashable, CacheEntry] = OrderedDict()  # checkpoints on entries, LRU first
         self._entries: dict[tuple, CacheEntry] = {}  # key -> its entry
         self._at: dict[int, CacheEntry] = {}  # GPU page -> its entry
         self._ids = itertools.count(1)  # chain ids; 0: the empty prefix
@@ -211,12 +220,15 @@ class PrefixCache:
                 break
             found.append(e)
             m.chain = e.chain
+        m.kv_pages = len(found)
         if need_state:
             while found and found[-1].state is None:
                 found.pop()
             m.chain = found[-1].chain if found else 0
         m.pages = [e.page for e in found]
         m.state = found[-1].state if found else None
+        if m.state in self._held:
+            self._held.move_to_end(m.state)
         m.loading = not self._loading.isdisjoint(m.pages)
         return m
 
@@ -258,16 +270,22 @@ class PrefixCache:
         e = self._entries.get(key)
         if e is not None:
             if e.state is None:
-                e.state = state
+                self._attach(e, state)
             elif state is not None:
                 self._free_state(state)
             return e.chain
         if chain is None and self.host is not None:
             chain = self.host.discard(key)
         self.evict(page, spill=False)
-        e = CacheEntry(key, page, next(self._ids) if chain is None else chain, state)
+        e = CacheEntry(key, page, next(self._ids) if chain is None else chain)
         self._entries[key], self._at[page] = e, e
+        self._attach(e, state)
         return e.chain
+
+    def _attach(self, e: CacheEntry, state: Hashable | None) -> None:
+        e.state = state
+        if state is not None and self.checkpoints:
+            self._held[state] = e
 
     def evict(self, page: int, spill: bool = True) -> None:
         """The page leaves the GPU's map (alloc hands it out; spill False: its K/V is not what its key says, a
@@ -288,8 +306,36 @@ class PrefixCache:
             self._copies.saves.append((e.page, host_page))
 
     def _free_state(self, state: Hashable) -> None:
+        if self.checkpoints:
+            self._held.pop(state, None)
+            self._free_rows.append(state)
         if self.free_state is not None:
             self.free_state(state)
+
+    # ------------------------------------------------------------ state checkpoints (hybrid models)
+    def new_checkpoint(self) -> int | None:
+        """A checkpoint row for a step's copy of a slot's state, pending until `insert` puts it on an entry:
+        a free one, else the least recently used leaves its entry; None when every row is pending."""
+        if self._free_rows:
+            return self._free_rows.pop()
+        if not self._held:
+            return None
+        row, e = self._held.popitem(last=False)
+        e.state = None
+        return row
+
+    def drop_checkpoint(self, row: int) -> None:
+        """A pending checkpoint that reaches no entry (its request left, or its step failed) is free."""
+        self._free_rows.append(row)
+
+    @property
+    def num_free_checkpoints(self) -> int:
+        return len(self._free_rows)
+
+    @property
+    def num_held_checkpoints(self) -> int:
+        """Checkpoints on cached entries (resumable points)."""
+        return len(self._held)
 
     # ------------------------------------------------------------ the host tier's loads
     def load(self, hits: list[HostHit], owner) -> tuple[list[int], int]:
