@@ -65,6 +65,9 @@ DESCRIPTIONS: dict[str, str] = {
     "return_token_ids": "vLLM's: the prompt's and each choice's token ids",
     "prompt_logprobs": "vLLM's: the logprobs of the prompt's tokens (and that many alternatives)",
     "allowed_token_ids": "vLLM's: sample only among these ids",
+    "prompt_logprobs": "vLLM's: each prompt token's logprob, rank and text with its position's top 0-20 (the "
+                       "first token null; completions on each choice, chat beside the choices; streamed in "
+                       "the first chunk)",
     "guided_json": "vLLM's older name of `structured_outputs.json`",
     "guided_regex": "vLLM's older name of `structured_outputs.regex`",
     "guided_choice": "vLLM's older name of `structured_outputs.choice`",

@@ -12,7 +12,8 @@ The sampler (autoprofile.engine.sampler) calls these functions; it alone reads a
   corner asks for them on every token. A request with prompt logprobs takes nothing from the prefix cache
   (Scheduler._page_keys): a cached position has no logits.
 
-Host form of one scored token: (token id, logprob, [(id, logprob), ...] its top-k by descending logprob).
+Host form of one scored token: (token id, logprob, [(id, logprob), ...] its top-k by descending logprob);
+a prompt token's carries its rank last (PromptTokenLogprob: vLLM's, 1 = the most likely).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from autoprofile.engine.sampling_params import MAX_LOGPROBS
 
 PROMPT_CHUNK = 256  # prompt positions whose logits exist at once (the [chunk, vocab] buffers' rows)
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+PromptTokenLogprob = tuple[int, float, list[tuple[int, float]], int]
 
 
 def top_k_of(ks: Sequence[int | None]) -> int | None:
@@ -45,6 +47,14 @@ def scored(lp: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
     assert k <= MAX_LOGPROBS and lp.shape[-1] < 1 << 24
     vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     return torch.cat([lp.gather(1, targets.view(-1, 1)), vals, ids.float()], dim=1)
+
+
+def ranked(lp: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 2 + 2k]: scored() and last each target's rank, vLLM's: how many logprobs of its row are >= its
+    own (1 = the most likely). The [rows, vocab] bool lives after raw_logprobs' fp32 copy is freed."""
+    out = scored(lp, targets, k)
+    rank = (lp >= out[:, :1]).sum(dim=1, keepdim=True)
+    return torch.cat([out, rank.float()], dim=1)
 
 
 def prompt_positions(rows, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int]]]:
@@ -75,13 +85,13 @@ def prompt_positions(rows, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, list
 def prompt_scores(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                   index: torch.Tensor, targets: torch.Tensor, k: int, chunk: int = PROMPT_CHUNK,
                   log: list | None = None) -> torch.Tensor:
-    """scored() of every indexed hidden row, `chunk` rows of logits at a time. log: each chunk's rows."""
+    """ranked() of every indexed hidden row, `chunk` rows of logits at a time. log: each chunk's rows."""
     out = []
     for lo in range(0, index.numel(), chunk):
         logits = compute_logits(hidden[index[lo:lo + chunk]])
         if log is not None:
             log.append(("prompt", logits.shape[0], k))
-        out.append(scored(raw_logprobs(logits), targets[lo:lo + chunk], k))
+        out.append(ranked(raw_logprobs(logits), targets[lo:lo + chunk], k))
         del logits
     return torch.cat(out)
 
@@ -93,7 +103,7 @@ def entries(block: list[list[float]], k: int, ks: Sequence[int | None]) -> list[
         if want is None:
             out.append(None)
             continue
-        vals, ids = row[1:1 + k], row[1 + k:]
+        vals, ids = row[1:1 + k], row[1 + k:1 + 2 * k]
         out.append((-1, row[0], [(int(ids[j]), vals[j]) for j in range(want)]))
     return out
 
@@ -115,8 +125,8 @@ class SampledLogprobs:
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """The prefill rows' prompt logprobs on the device until read back: `scores` [prompt positions, 1 + 2k]
-    with `spans` (prompt_positions), ks each span's top-k, ids the scored prompt tokens in order."""
+    """The prefill rows' prompt logprobs on the device until read back: `scores` [prompt positions, 2 + 2k]
+    (ranked) with `spans` (prompt_positions), ks each span's top-k, ids the scored prompt tokens in order."""
 
     scores: torch.Tensor
     k: int
@@ -124,12 +134,14 @@ class PromptLogprobs:
     ks: tuple[int, ...]
     ids: tuple[int, ...]
 
-    def host(self, block: torch.Tensor) -> dict[int, tuple[int, list[TokenLogprob]]]:
+    def host(self, block: torch.Tensor) -> dict[int, tuple[int, list[PromptTokenLogprob]]]:
         """{index in step.rows: (first prompt position scored, entries)} from scores' host copy."""
         rows, out, at = block.tolist(), {}, 0
         for (i, first, valid, n), want in zip(self.spans, self.ks):
             if valid:
-                got = entries(rows[at:at + valid], self.k, [want] * valid)
-                out[i] = (first, [(t, *e[1:]) for e, t in zip(got, self.ids[at:at + valid])])
+                part = rows[at:at + valid]
+                got = entries(part, self.k, [want] * valid)
+                ids = self.ids[at:at + valid]
+                out[i] = (first, [(t, *e[1:], int(r[-1])) for e, t, r in zip(got, ids, part)])
             at += n
         return out

@@ -81,7 +81,7 @@ def completion_block(tokenizer, entries: Sequence, offset: int) -> dict:
     the first token's text at character `offset` of the choice's text. An entry (id, None, None) is the
     prompt's first token (echo): it has no logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, logprob, top in entries:
+    for token_id, logprob, top, *_ in entries:
         text = token_text(tokenizer, token_id)
         out["tokens"].append(text)
         out["token_logprobs"].append(logprob)
@@ -91,13 +91,30 @@ def completion_block(tokenizer, entries: Sequence, offset: int) -> dict:
     return out
 
 
-def echo_entries(prompt_ids: Sequence[int], prompt_logprobs: Sequence | None) -> list:
-    """The prompt's tokens as entries: the first without a logprob, the rest from the engine's (None: no
-    logprobs asked, every entry (id, None, None))."""
+def echo_entries(prompt_ids: Sequence[int], prompt_logprobs: Sequence | None, k: int = 0) -> list:
+    """The prompt's tokens as entries: the first without a logprob, the rest from the engine's, each with its
+    top k (None: no logprobs asked, every entry (id, None, None))."""
     first = [(prompt_ids[0], None, None)]
     if prompt_logprobs is None:
         return first + [(t, None, None) for t in prompt_ids[1:]]
-    return first + list(prompt_logprobs[1:])
+    return first + [(t, lp, top[:k]) for t, lp, top, *_ in prompt_logprobs[1:]]
+
+
+def _vllm_logprob(tokenizer, token_id: int, logprob: float, rank: int) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+
+def prompt_logprobs_body(tokenizer, prompt_logprobs: Sequence, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token {"token id": {logprob, rank,
+    decoded_token}} of the prompt token and its position's top k (ranks 1..k), in that order (vLLM's dict:
+    a prompt token among the top k keeps its place and takes the top-k entry)."""
+    out: list[dict | None] = [None]
+    for token_id, logprob, top, rank in prompt_logprobs[1:]:
+        d = {str(token_id): _vllm_logprob(tokenizer, token_id, logprob, rank)}
+        for r, (i, lp) in enumerate(top[:k], 1):
+            d[str(i)] = _vllm_logprob(tokenizer, i, lp, r)
+        out.append(d)
+    return out
 
 
 def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:

@@ -25,7 +25,8 @@ from autoprofile.config import ServerConfig
 from autoprofile.engine.grammar import AllowedTokens
 from autoprofile.engine.request import RequestError
 from autoprofile.serving.async_engine import AsyncEngine, EngineFailure, QueueFull
-from autoprofile.serving.bodies import chat_content, chunk, completion_block, echo_entries, response, usage
+from autoprofile.serving.bodies import (chat_content, chunk, completion_block, echo_entries,
+                                       prompt_logprobs_body, response, usage)
 from autoprofile.serving.bodies import choice as choice_body
 from autoprofile.serving.bodies import request_id as new_request_id
 from autoprofile.serving.choices import Choice, best, merged
@@ -305,7 +306,16 @@ def _echo(st: Serving, args: GenerateArgs, choices: list[Choice]) -> tuple[str, 
     if not args.echo:
         return "", []
     text = args.prompt_text if args.prompt_text is not None else st.tokenizer.decode(args.prompt_ids)
-    return text, echo_entries(args.prompt_ids, choices[0].prompt if args.logprobs is not None else None)
+    return text, echo_entries(args.prompt_ids, choices[0].prompt if args.logprobs is not None else None,
+                              args.logprobs or 0)
+
+
+def _prompt_logprobs(st: Serving, args: GenerateArgs, choices: list[Choice]) -> list | None:
+    """vLLM's prompt_logprobs of a prompt (its first choice's engine request scored them); None: not asked or
+    not known yet."""
+    if args.prompt_logprobs is None or choices[0].prompt is None:
+        return None
+    return prompt_logprobs_body(st.tokenizer, choices[0].prompt, args.prompt_logprobs)
 
 
 async def _complete(st: Serving, args: GenerateArgs,
@@ -330,6 +340,8 @@ async def complete_body(st: Serving, args: GenerateArgs,
     body["choices"][0] = first
     if args.return_token_ids and args.chat:
         body["prompt_token_ids"] = args.prompt_ids
+    if args.chat and args.prompt_logprobs is not None:  # vLLM's chat: beside the choices
+        body["prompt_logprobs"] = _prompt_logprobs(st, args, groups[0][1])
     return body
 
 
@@ -345,6 +357,7 @@ async def _choice_bodies(st: Serving, args: GenerateArgs,
     except EngineFailure as e:
         raise engine_failure(e) from None
     prefix, echo = _echo(st, args, choices)
+    prompt_lps = None if args.chat else _prompt_logprobs(st, args, choices)
     bodies, returned = [], best(choices, args.n)
     for i, c in enumerate(returned):
         text, entries = ("", []) if args.echo_only else ("".join(c.parts), c.entries)
@@ -361,6 +374,8 @@ async def _choice_bodies(st: Serving, args: GenerateArgs,
         if args.return_token_ids:
             body |= {"token_ids": ids[c.index]} if args.chat else \
                 {"prompt_token_ids": args.prompt_ids, "token_ids": ids[c.index]}
+        if prompt_lps is not None:  # vLLM's completions: every choice of the prompt
+            body["prompt_logprobs"] = prompt_lps
         bodies.append(body)
     return bodies, 0 if args.echo_only else sum(c.tokens for c in returned)
 
@@ -392,6 +407,7 @@ async def chunks(st: Serving, args: GenerateArgs,
     choices = [c for _, group in groups for c in group]
     echoed: set[int] = set()
     started: set[int] = set()
+    scored: set[int] = set()  # choices (chat: -1, once) whose prompt_logprobs are sent
 
     def counted(body: dict, c: Choice | None = None) -> dict:
         if c is not None and args.continuous_usage:  # vLLM's continuous_usage_stats: its usage so far
@@ -433,8 +449,13 @@ async def chunks(st: Serving, args: GenerateArgs,
         lps = _logprobs_body(st, a, c, new, echo, c.offset) if new or echo else None
         if lps is not None and not args.chat:  # text_offset counts the tokens' own texts, as whole
             c.offset = lps["text_offset"][-1] + len(lps["tokens"][-1])
-        if prefix + delta or lps or ids:
+        key = -1 if args.chat else c.index
+        prompt_lps = None if key in scored else _prompt_logprobs(st, a, group)
+        if prefix + delta or lps or ids or prompt_lps is not None:
             body = chunk(args, rid, created, prefix + delta, index=c.index, logprobs=lps)
+            if prompt_lps is not None:  # in the first chunk that knows them; chat's beside the choices
+                scored.add(key)
+                (body if args.chat else body["choices"][0])["prompt_logprobs"] = prompt_lps
             if ids:
                 body["choices"][0]["token_ids"] = ids
             if ids and not args.chat and c.index not in started:

@@ -172,7 +172,7 @@ FIELDS: dict[str, Field] = {
     "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "include_stop_str_in_output": _refused(False), "skip_special_tokens": _refused(True),
     "bad_words": _refused([]), "return_token_ids": _served(),
-    "prompt_logprobs": _refused(None), "allowed_token_ids": _served(),
+    "prompt_logprobs": _served(), "allowed_token_ids": _served(),
     **{k: _served() for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
     **{k: _served(CHAT, TOKENIZE) for k in ("add_generation_prompt", "continue_final_message",
                                             "chat_template_kwargs")},
@@ -298,16 +298,18 @@ class GenerateArgs:
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: the sampled tokens are among these (engine.grammar)
     thinking: bool | None = None  # --reasoning_parser: the reply begins inside <think> (None: no parser)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, their top-k (None: none)
 
     def to_sampling_params(self, index: int = 0) -> SamplingParams:
         """Choice `index`'s parameters (serving.choices): its own seed stream (seed + index); the sampled
-        tokens' logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo) on the first
-        choice only; the logits processors' fields."""
+        tokens' logprobs when asked, or for best_of's ranking; the prompt's logprobs (echo, prompt_logprobs:
+        the larger top-k of the two) on the first choice only; the logits processors' fields."""
         seed = None if self.seed is None else self.seed + index
         k = self.logprobs
+        asked = [p for p in (k if self.echo else None, self.prompt_logprobs) if p is not None]
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=seed,
                               logprobs=0 if k is None and self.best_of > self.n else k,
-                              prompt_logprobs=k if self.echo and index == 0 else None,
+                              prompt_logprobs=max(asked) if asked and index == 0 else None,
                               presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
@@ -349,7 +351,8 @@ def _common(body: object, limits: Limits, endpoint: str) -> dict:
         return_token_ids=_get(body, "return_token_ids", False, lambda v: isinstance(v, bool),
                               "must be true or false"),
         ignore_eos=_get(body, "ignore_eos", False, lambda v: isinstance(v, bool), "must be true or false"),
-        model=limits.model_names[0], **processors(body, limits), **stop_controls(body, limits),
+        prompt_logprobs=prompt_logprobs(body), model=limits.model_names[0], **processors(body, limits),
+        **stop_controls(body, limits),
     )
 
 
@@ -446,6 +449,14 @@ def completion_logprobs(body: dict) -> tuple[int | None, bool]:
     k = _get(body, "logprobs", None, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
              f"must be an integer in [0, {MAX_LOGPROBS}] (the top logprobs of each token) or null")
     return k, _get(body, "echo", False, lambda v: isinstance(v, bool), "must be true or false")
+
+
+def prompt_logprobs(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: each prompt token's logprob with the top-k of its position, k in
+    [0, MAX_LOGPROBS] (0: the prompt token's own only), or null."""
+    return _get(body, "prompt_logprobs", None, lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                f"must be an integer in [0, {MAX_LOGPROBS}] (the top logprobs of each prompt token; 0: the "
+                "prompt token's own) or null")
 
 
 def chat_logprobs(body: dict) -> int | None:
