@@ -1,7 +1,7 @@
 """One decoder for Llama 3.x, Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Qwen3-MoE (Qwen3
 with a sparse block of experts in place of the MLP: autoprofile.layers.moe).
 
-GQA, RoPE (default, linear, Llama-3 `rope_scaling`), RMSNorm from the attention backend, SwiGLU, tied or
+GQA, RoPE (default, linear, Llama-3 `rope_scaling`), RMSNorm from the backend's kernel ops, SwiGLU, tied or
 untied embeddings. The model holds no KV cache and no per-step state: `forward` takes the token ids,
 their positions, the step's AttentionMetadata and the per-layer KVLayer (cache views, FP8 scales).
 """
@@ -15,6 +15,7 @@ from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import FusedMoE, Routing
+from autoprofile.layers.ops import KernelOps
 from autoprofile.layers.quant import Fp8Rows, fused_input_quant
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
@@ -126,9 +127,9 @@ def reader_quant(layer: nn.Module | None) -> Fp8Scheme | None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, backend: AttentionBackend, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, ops: KernelOps, dtype: torch.dtype):
         super().__init__()
-        self.eps, self.backend = eps, backend
+        self.eps, self.ops = eps, ops
         self.weight = new_param((size,), dtype)
         # the FP8 scheme of the one layer that reads this norm (layers.quant.fused_input_quant), set by the
         # decoder layer: past one row the norm's kernel quantizes its rows for it (one row: the W8A16 GEMV
@@ -137,8 +138,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Rows:
         if self.quant is not None and x.shape[0] > 1:
-            return self.backend.rms_norm_quant(x, self.weight, self.eps, self.quant)
-        return self.backend.rms_norm(x, self.weight, self.eps)
+            return self.ops.rms_norm_quant(x, self.weight, self.eps, self.quant)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -187,12 +188,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
+    def __init__(self, mc: ModelConfig, ops: KernelOps, tp: TP, dtype: torch.dtype,
                  intermediate_size: int | None = None, prefix: str = "mlp", layer: int | None = None):
         """prefix, layer: HF's name of this MLP (FP8 checkpoints may leave some unconverted)."""
         super().__init__()
         i = intermediate_size or mc.intermediate_size
-        self.backend = backend
+        self.ops = ops
         self.gate_up_proj = ColumnParallelLinear(mc.hidden_size, [i, i], False, tp, dtype,
                                                  packed_quant(mc, prefix, ("gate_proj", "up_proj"), layer))
         self.down_proj = RowParallelLinear(i, mc.hidden_size, False, tp, dtype,
@@ -206,8 +207,8 @@ class LlamaMLP(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor | Fp8Rows:
         """SiLU(gate) * up; past one row quantized in SiLU-mul's kernel for an FP8 down_proj."""
         if self.down_quant is not None and gate_up.shape[0] > 1:
-            return self.backend.silu_mul_quant(gate_up, self.down_quant)
-        return self.backend.silu_mul(gate_up)
+            return self.ops.silu_mul_quant(gate_up, self.down_quant)
+        return self.ops.silu_mul(gate_up)
 
 
 class SparseMoeBlock(nn.Module):

@@ -230,17 +230,17 @@ def expert_part(name: str) -> tuple[str, int] | None:
 class FusedMoE(nn.Module):
     """The experts of one layer: x [T, H] and the routing's choice (weights, expert ids [T, k]) -> [T, H],
     all-reduced over TP. The ids reach forward with the current routing already forced: from select (the
-    greedy router, through the backend) or from force (a router of the model's own: DeepSeek's group-limited
-    one)."""
+    greedy router, through the kernel ops: layers.ops.KernelOps) or from force (a router of the model's own:
+    DeepSeek's group-limited one). `ops`: the KernelOps its router and experts run on."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, tp: TP, dtype: torch.dtype,
-                 backend, routing: Routing, quant: Fp8Scheme | None = None):
+                 ops, routing: Routing, quant: Fp8Scheme | None = None):
         super().__init__()
         if inter % tp.size:
             raise ValueError(f"moe_intermediate_size {inter} is not divisible by {tp.size} TP ranks")
         shard = inter // tp.size
         self.num_experts, self.top_k = num_experts, top_k
-        self.tp, self.backend, self.routing, self.quant = tp, backend, routing, quant
+        self.tp, self.ops, self.routing, self.quant = tp, ops, routing, quant
         e = num_experts
         self.gate_up_proj_scale = self.down_proj_scale = None
         gate_up = partial(load_expert_gate_up, shard=shard, rank=tp.rank)
@@ -261,9 +261,9 @@ class FusedMoE(nn.Module):
 
     def select(self, logits: torch.Tensor, renormalize: bool, scale: float = 1.0,
                grouped: GroupedTopk | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router over logits [T, E] with the current routing forced, the backend's: the greedy one
+        """The router over logits [T, E] with the current routing forced, the kernel ops': the greedy one
         (route), or noaux_tc's (biased_grouped_topk) when grouped."""
-        return self.backend.route_experts(logits, self.top_k, renormalize, scale, self.routing, grouped)
+        return self.ops.route_experts(logits, self.top_k, renormalize, scale, self.routing, grouped)
 
     def force(self, ids: torch.Tensor) -> torch.Tensor:
         """A model's own router's ids [T, k] as the current routing has them."""
@@ -277,8 +277,8 @@ class FusedMoE(nn.Module):
         quant = None if self.quant is None else MoeQuant(self.gate_up_proj_scale, self.down_proj_scale,
                                                          self.quant)
         if self.tp.size == 1:
-            return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, quant=quant, add=add)
-        out = self.tp.all_reduce(self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+            return self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, quant=quant, add=add)
+        out = self.tp.all_reduce(self.ops.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
                                                         quant=quant))
         for a in add:
             out = out + a

@@ -126,9 +126,9 @@ class AiterTritonBackend(AttentionBackend):
                              "try --attention_backend torch")
         if page_size < MIN_PAGE_SIZE:
             raise ValueError(f"aiter_triton needs pages of >= {MIN_PAGE_SIZE} tokens, got {page_size}")
-        self.ops = load_aiter_triton()
-        if self.ops.seq_partition_size != SEQ_PARTITION:
-            raise RuntimeError(f"this amd-aiter decodes in partitions of {self.ops.seq_partition_size} "
+        self.aiter = load_aiter_triton()
+        if self.aiter.seq_partition_size != SEQ_PARTITION:
+            raise RuntimeError(f"this amd-aiter decodes in partitions of {self.aiter.seq_partition_size} "
                                f"tokens, autoprofile's workspace arithmetic assumes {SEQ_PARTITION}")
         import triton.language as tl
 
@@ -196,7 +196,7 @@ class AiterTritonBackend(AttentionBackend):
         """AITER's varlen flash attention with MLA's widths (q/k nope + rope, v narrower), its default launch
         config (the tuned ones are for head_dim 128)."""
         cu_k, max_k = meta.keys()
-        return self.ops.flash_attn_varlen_func(q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
+        return self.aiter.flash_attn_varlen_func(q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k,
                                                softmax_scale=scale, causal=True, config=dict(PREFILL_CONFIG))
 
     def mla_decode(self, q: torch.Tensor, kv: KVLayer, meta: AttentionMetadata, scale: float,
@@ -306,7 +306,7 @@ class AiterTritonBackend(AttentionBackend):
         if self.triton_prefill is not None:
             return self.triton_prefill.prefill(output_rows(out, q), q, k, v, meta.cu_seqlens, cu_k,
                                                meta.max_seqlen, max_k, self.scale, config)
-        return write_into(out, self.ops.flash_attn_varlen_func(
+        return write_into(out, self.aiter.flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens, cu_k, meta.max_seqlen, max_k, softmax_scale=self.scale, causal=True,
             config=config))
 
@@ -334,11 +334,11 @@ class AiterTritonBackend(AttentionBackend):
         args = (out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
                 self.compute_type, self.num_kv_heads, self.scale, None, 1.0, 1.0)
         if use_v1(q.shape[0], self.num_q_heads, meta.max_seq_len):
-            self.ops.paged_attn_decode_v1(*args)
+            self.aiter.paged_attn_decode_v1(*args)
         else:
             partition = self.decode_partition(q.shape[0],
                                               meta.max_seq_len) if meta.captured else SEQ_PARTITION
-            decode_v2(self.ops.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            decode_v2(self.aiter.pa_kernels, out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                       meta.max_seq_len, self.compute_type, self.num_kv_heads, self.scale, partition)
         return out
 
