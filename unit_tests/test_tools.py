@@ -67,6 +67,25 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_at_every_split(fmt, r
             assert (content or None) == want_content, (cut, content)
 
 
+@pytest.mark.parametrize("fmt, reply", [
+    (HERMES, 'Sure.\n<tool_call>\n{"name": "note", "arguments": {"text": "line one\nline\ttwo\r"}}\n'
+             '</tool_call>'),
+    (LLAMA, '{"name": "note", "parameters": {"text": "line one\nline\ttwo\r"}}')])
+def test_a_raw_newline_inside_a_string_argument_still_makes_a_call_of_valid_json(fmt, reply):
+    """A model's free reply (no grammar) may write a raw newline or tab inside a JSON string, which strict
+    json.loads refuses: the call is still made, its arguments valid JSON holding the same text, whole and
+    streamed."""
+    tools = Tools((FN["function"],), "auto", None, True, fmt, None)
+    content, calls = reply_calls(reply, tools)
+    s = ToolStream(tools)
+    streamed = [c for piece in reply for c in s.push(piece)[1]] + s.finish()[1]
+    for got in (calls, streamed):
+        assert len(got) == 1 and got[0]["function"]["name"] == "note", (reply, got)
+        args = got[0]["function"]["arguments"]
+        assert "\n" not in args and json.loads(args) == {"text": "line one\nline\ttwo\r"}
+    assert content == ("Sure." if fmt == HERMES else None)
+
+
 def test_a_semicolon_inside_a_llama3_json_argument_is_text():
     content, calls = parse_calls(LLAMA_SEMI, LLAMA)
     assert content is None and _shape(calls) == [("search", {"q": "a;b"}), ("sql", {"s": "x; y;"})]
@@ -142,7 +161,7 @@ def test_tools_fields_are_checked_and_a_forced_choice_is_a_grammar():
 
 def test_forced_call_grammars_accept_exactly_a_call_of_the_named_tools():
     pytest.importorskip("xgrammar")
-    from autoprofile.serving.structured import Grammars
+    from autoprofile.serving.structured import Grammars, parse_structured
     other = {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
     llama_tok = ByteTokenizer(4096, eos_token_ids=[2])
@@ -164,6 +183,15 @@ def test_forced_call_grammars_accept_exactly_a_call_of_the_named_tools():
     assert named.kind == "tool_llama"
     assert accepts(named, '{"name": "add", "parameters": {"a": 3}}')
     assert not accepts(named, '{"name": "get_weather", "parameters": {"city": "x"}}')
+    # a string holds no raw control character (json.loads would refuse it): escaped, it is accepted
+    assert accepts(required, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a\\nb"}}\n'
+                   '</tool_call>')
+    for raw in "\n\t\x01":
+        assert not accepts(required, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a%sb"}}\n'
+                           '</tool_call>' % raw)
+    schema = parse_structured({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "object", "properties": {"s": {"type": "string"}}}}}})
+    assert accepts(schema, '{"s": "a\\nb"}') and not accepts(schema, '{"s": "a\nb"}')
 
 
 def test_grammars_compile_off_the_event_loop_once_per_text():

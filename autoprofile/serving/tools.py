@@ -200,17 +200,20 @@ def _call(obj, args_keys: tuple[str, ...]) -> dict | None:
 
 
 def _hermes_call(text: str) -> dict | None:
-    """One hermes call's JSON as a call; None if it is no call (not JSON, nested past the parser, no name)."""
+    """One hermes call's JSON as a call; None if it is no call (not JSON, nested past the parser, no name).
+    A raw control character inside a string (a newline in free text) is read as itself (strict=False); the
+    arguments go out re-serialised, escaped."""
     try:
-        return _call(json.loads(text), ("arguments", "parameters"))
+        return _call(json.loads(text, strict=False), ("arguments", "parameters"))
     except (ValueError, RecursionError):
         return None
 
 
 def _llama_calls(body: str) -> list[dict] | None:
     """llama3_json's calls, one JSON object after another joined by `;` (decoded first, then split: a `;`
-    inside an argument is text); None unless the whole body is calls."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    inside an argument is text; raw control characters in strings read as hermes' are); None unless the whole
+    body is calls."""
+    decoder, calls, at = json.JSONDecoder(strict=False), [], 0
     while True:
         try:
             obj, at = decoder.raw_decode(body, at)
