@@ -2,6 +2,10 @@
 and the host tier behind them, behind match / insert / evict / spill / load (SGLang's RadixCache and HiCache,
 vLLM's KVCacheManager and BlockPool). The scheduler calls it; the runner moves the bytes.
 
+Above the house's 500 lines on purpose: one owner of what a cached prefix is (pages, their hash chain, the
+host tier and the hybrids' state checkpoints) behind one narrow interface; split, the tiers' eviction
+and spill order would cross modules.
+
 Pages (PageAllocator): reference counts and a free list, least recently freed first; PAD_PAGE is never handed
 out. A page whose last holder frees it stays cached while it waits in the free list: a request with the same
 prefix takes it back (`share`) until `alloc` hands it out again, which evicts it (`evict`: spilled to the host
