@@ -3,10 +3,11 @@
 Phase 1 (mix): --num-requests requests, all at once, each kind in turn: chat with `top_logprobs` 20,
 completions with `n` 4, `best_of`, every sampling control (penalties, `logit_bias`, `min_p`, `min_tokens`,
 `stop_token_ids`), a chat `response_format` JSON schema, `echo` with prompt logprobs (lm-eval's
-loglikelihood), a forced tool call, a Responses API request (POST /v1/responses: instructions, input items, a
-forced function call) and, with --reasoning (a server started with --reasoning_parser qwen3), a chat reply
-steered through <think>...</think> whose thinking must come back as reasoning_content. Every answer is
-checked for its shape (logprobs present and sorted, n choices, the schema satisfied, the tool call parsing,
+loglikelihood), vLLM's `prompt_logprobs` 5 with `n` 2, a forced tool call, a Responses API request
+(POST /v1/responses: instructions, input items, a forced function call) and, with --reasoning (a server
+started with --reasoning_parser qwen3), a chat reply steered through <think>...</think> whose thinking must
+come back as reasoning_content. Every answer is checked for its shape (logprobs present and sorted, n
+choices, the schema satisfied, the tool call parsing,
 the reasoning apart) and the server's /metrics must count 0 OOM.
 Phase 2 (schema cost): --throughput-prompts chat requests at --max-concurrency, every one with a JSON schema,
 against the same requests without one (run before and after it); output tokens per second of each and the
@@ -57,7 +58,8 @@ RESPONSES_TOOL = {"type": "function", "name": "get_forecast", "description": "Th
                                                 "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}
 THINKING = "<think>[a-z ]{1,48}</think>[a-z ]{1,48}"  # the reasoning kind's reply (random weights never
 # think on their own)
-KINDS = ("top_logprobs", "n4", "best_of", "controls", "json_schema", "echo", "tool", "responses")
+KINDS = ("top_logprobs", "n4", "best_of", "controls", "json_schema", "echo", "prompt_logprobs", "tool",
+         "responses")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 
 
@@ -91,6 +93,8 @@ def request(kind: str, rng: random.Random, model: str, prompt_words: int,
                         "temperature": 1.0, "seed": seed}
     if kind == "echo":
         return "completions", {**done, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0.0}
+    if kind == "prompt_logprobs":
+        return "completions", {**done, "n": 2, "prompt_logprobs": 5, "temperature": 0.8, "seed": seed}
     if kind == "tool":
         return "chat", {**chat, "max_tokens": max(max_tokens, 96), "tools": [TOOL], "temperature": 1.0,
                         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
@@ -120,6 +124,19 @@ def response_problems(answer: dict) -> list[str]:
     return []
 
 
+def prompt_logprobs_problems(entries, prompt_tokens: int) -> list[str]:
+    """vLLM's prompt_logprobs (k 5): null first, then the prompt token and the top 5 (ranks 1..5), each
+    logprob <= 0."""
+    if not entries or len(entries) != prompt_tokens or entries[0] is not None:
+        return ["prompt_logprobs: missing, not one per prompt token, or the first not null"]
+    for e in entries[1:]:
+        ranks = sorted(v["rank"] for v in e.values())
+        if not 5 <= len(e) <= 6 or ranks[:5] != [1, 2, 3, 4, 5] or \
+                any(v["logprob"] > 1e-6 for v in e.values()):
+            return [f"prompt_logprobs: an entry of ranks {ranks[:8]}, or a logprob above 0"]
+    return []
+
+
 def problems(kind: str, body: dict, answer: dict) -> list[str]:
     """What is wrong with an answer of `kind` (an empty list: nothing)."""
     import jsonschema
@@ -145,6 +162,8 @@ def problems(kind: str, body: dict, answer: dict) -> list[str]:
             if not lp.get("token_logprobs") or lp["token_logprobs"][0] is not None \
                     or len(lp["token_logprobs"]) != len(lp.get("tokens", ())):
                 out.append("echo: prompt logprobs missing or the first one not null")
+        elif kind == "prompt_logprobs":
+            out += prompt_logprobs_problems(c.get("prompt_logprobs"), answer["usage"]["prompt_tokens"])
         elif kind == "json_schema" and c.get("finish_reason") == "stop":
             try:
                 jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
