@@ -109,28 +109,6 @@ def test_a_grammar_survives_preemption_and_the_answer_is_the_unpreempted_one(roo
     assert tight.stats.pages_used == 0
 
 
-def test_the_overlapped_engine_reads_a_grammar_step_back_before_the_next_launch(roomy, grammars):
-    engine = LLMEngine(roomy, overlap=True)
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=1.0, seed=3), 30, grammar=grammars.new_matcher(
-        Spec("regex", WORD, "regex")))
-    plain = engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=3), 30)
-    seen = []
-    real = roomy.launch
-
-    def launch(step):
-        req = next(r.request for r in step.all_rows if r.request.grammar is not None) if any(
-            r.request.grammar is not None for r in step.all_rows) else None
-        seen.append(req.pending if req is not None else None)
-        return real(step)
-    roomy.launch = launch
-    try:
-        out = run_all(engine)
-    finally:
-        del roomy.launch
-    assert [p for p in seen if p is not None] and all(p == 0 for p in seen if p is not None)
-    assert len(out[plain][0]) == 30
-
-
 def test_the_stress_masks_every_sampled_row_of_every_corner(roomy):
     widths = []
     real = TokenBitmask._apply

@@ -14,8 +14,10 @@ Overlap (LLMEngine(runner, overlap=True), the server's default on one GPU; SGLan
 schedules and launches the next step before it waits for the step in flight, so the host's scheduling, input
 building and token handling run while the GPU computes, and step() returns the outputs of the step before
 (scheduler: PENDING tokens). Without it, step() runs one step and returns its outputs. A step that samples for
-a request with a grammar (structured output) is read back before the next step is scheduled: the grammar's
-next mask is filled on the host from its tokens (engine.grammar), so such steps do not overlap.
+a request with a grammar (structured output) overlaps too, as vLLM's structured output does under async
+scheduling: its forward is launched first (ModelRunner.launch), the step before is read back (its tokens
+advance the matchers), then its sample (StepTokens.sample): the mask is filled on the host from the matchers
+while the GPU runs the forward, and applied on the GPU before the sample.
 
 A step that raises ends its prefill rows' requests with finish_reason "error" (a decode step's: all of them);
 a mixed step's decode rows give back the pages it granted them (Scheduler.rollback: the device's page table
@@ -190,10 +192,6 @@ class LLMEngine:
         step, then return the outputs of the one launched before it."""
         ended, self._ended = self._ended, []
         outputs = [self._report(req) for req in ended]
-        if self._inflight is not None and has_grammar(self._inflight[0]):
-            # a grammar's next mask is filled on the host from the tokens before: read them back first
-            before, self._inflight = self._inflight, None
-            outputs += self._collect(*before, outputs)
         with HostTimer(self.clock, "schedule"):
             self._poll_loads()
             step = self.scheduler.schedule()
@@ -201,6 +199,9 @@ class LLMEngine:
         before, self._inflight = self._inflight, launched if self.overlap else None
         if before is not None:
             outputs += self._collect(*before, outputs)
+        if launched is not None and self.overlap and has_grammar(step):
+            # the matchers hold the tokens before now: the mask, then the sample, behind the forward
+            self._inflight = self._sample(*launched, outputs)
         if launched is not None and not self.overlap:
             outputs += self._collect(*launched, outputs)
         if not self.has_unfinished() or (step is None and before is None):
@@ -235,6 +236,16 @@ class LLMEngine:
             return None
         self.scheduler.launched(step)
         self._launched += 1
+        return step, tokens
+
+    def _sample(self, step: Step, tokens, outputs: list[RequestOutput]) -> tuple[Step, object] | None:
+        """Launch a grammar step's deferred sample (ModelRunner.launch); its rows fail if it raises."""
+        try:
+            with HostTimer(self.clock, "execute"):
+                tokens.sample()
+        except Exception as e:  # noqa: BLE001 - every row was counted as launched: all of them fail
+            self._failed(step.all_rows, e, outputs)
+            return None
         return step, tokens
 
     def _collect(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[RequestOutput]:

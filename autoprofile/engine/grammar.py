@@ -11,18 +11,20 @@ xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: firs
 processors and the sampler, so min_p measures the grammar's distribution; not inside the sampler kernel).
 Several rows are filled in one call on xgrammar's C++ threads (BatchGrammarMatcher, as vLLM and SGLang fill
 them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The sampler
-masks after the runner has launched the forward: on CUDA the host fills while the GPU computes.
+masks after the runner has launched the forward: on CUDA the host fills while the GPU computes (the
+overlapped engine: after the step before is read back, ModelRunner.launch and LLMEngine.step).
 The stress (SamplingMetadata.stress) applies a full-size mask to every sampled row of every corner.
 
 vLLM's allowed_token_ids is a mask row too: AllowedTokens stands where a request's matcher stands (made by the
 serving layer; wrapping the request's matcher when it has a grammar too), its row is the ids' bits (ANDed
-with the grammar's), so such a row stays inside the envelope the stress covers and is read back before the
-next step like a grammar's.
+with the grammar's), so such a row stays inside the envelope the stress covers and is sampled after the step
+before is read back, like a grammar's.
 
 A matcher is fed each output token exactly once, where the scheduler writes it into output_ids (a
 recomputed, preempted request is not fed again: its matcher already holds its tokens). The host fills the
-next mask from the matcher, so the overlapped engine reads a step with grammar rows back before it
-schedules the next step (LLMEngine.step).
+next mask from the matcher, so the overlapped engine launches a grammar step's forward, reads the step before
+back (its tokens advance the matchers), then fills and samples (StepTokens.sample); a row whose request ended
+there is not filled (a terminated matcher has no next mask).
 """
 from __future__ import annotations
 

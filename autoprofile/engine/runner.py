@@ -10,6 +10,7 @@ inputs live in step_inputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import itertools
 import logging
@@ -276,14 +277,16 @@ class ModelRunner:
     def launch(self, step: Step) -> StepTokens:
         """execute() without the wait: enqueue the step's GPU work (nothing in it waits for the GPU) and
         return its tokens in flight. A decode row's PENDING id is the token its request's slot sampled last,
-        fed on the device (ReqTable.feed): the step before may still be running."""
+        fed on the device (ReqTable.feed): the step before may still be running. A step with grammar rows
+        (engine.engine.has_grammar) enqueues its forward only: its sample waits for StepTokens.sample(), which
+        the overlapped engine calls once the step before is read back and the matchers hold its tokens (the
+        mask is filled on the host while the GPU runs this forward)."""
         self._require_built()
         shape = step.shape(self.envelope.graph_rows)
         self.envelope.check(shape)
         if self.step_log is not None:
             self.step_log.append(shape)
-        # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with self._on_device():
             if not step.all_rows:  # the host tier's copies and the page writes of requests loading
                 self._copy_pages(step)
                 self.req_table.write(step.page_writes)
@@ -311,10 +314,23 @@ class ModelRunner:
             if not rows:
                 self.clock.ended()
                 return StepTokens(SamplerOutput(NO_TOKENS, prompt_logprobs=prompt))
-            out = self.sampler(logits, SamplingMetadata.from_rows(rows, self.device, self.stressing), prompt)
+            meta = SamplingMetadata.from_rows(rows, self.device, self.stressing)
+            sample = functools.partial(self._sample, logits, meta, rows, sample_slots, prompt)
+            return StepTokens(sample=sample) if meta.grammars else StepTokens(sample())
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[StepRow],
+                sample_slots: torch.Tensor, prompt: PromptLogprobs | None) -> SamplerOutput:
+        """A launched forward's sample: the grammar mask (of the rows still running), processors, sampler;
+        the tokens recorded in the request table, where the next step's PENDING ids read them."""
+        with self._on_device():
+            out = self.sampler(logits, meta.running(rows), prompt)
             self.req_table.record(sample_slots, out.tokens)
             self.clock.ended()
-            return StepTokens(out)
+            return out
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        # NOTE: the current CUDA device is per thread (the server's engine thread); Triton launches on it
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _copy_pages(self, step: Step) -> None:
         """The host tier's copies of a step: the forward waits for the loads it may read (kv_ready: done on

@@ -14,7 +14,7 @@ The result is explicit: SampledTokens(tokens, logprobs, prompt_logprobs), read b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -55,6 +55,13 @@ class SamplingMetadata:
                          if r.request is not None and r.request.grammar is not None),
                    processed, tuple(logits_process.row_tokens(rows[i]) for i in processed),
                    None if greedy else row_generators(rows, device), stress)
+
+    def running(self, rows: Sequence) -> SamplingMetadata:
+        """Without the grammar rows of requests that ended since the launch (the overlapped engine samples a
+        grammar step after it read the step before back: a row of a request that stopped there is dropped,
+        its matcher is done)."""
+        live = tuple((i, m) for i, m in self.grammars if not rows[i].request.finished)
+        return self if len(live) == len(self.grammars) else replace(self, grammars=live)
 
     @property
     def all_greedy(self) -> bool:
@@ -98,9 +105,25 @@ class SampledTokens:
 class StepTokens:
     """A launched step's SamplerOutput on its way to the host: one non-blocking copy of each tensor into
     pinned memory and an event; result() waits for that step alone (a step launched after it keeps
-    running)."""
+    running).
 
-    def __init__(self, out: SamplerOutput):
+    A step with grammar rows is launched without its sample (ModelRunner.launch: `sample` is the deferred
+    call): the overlapped engine reads the step before back, so the matchers hold its tokens, then calls
+    sample() (vLLM's sample_tokens) while the GPU runs this step's forward. result() samples first if no one
+    did."""
+
+    def __init__(self, out: SamplerOutput | None = None, sample: Callable[[], SamplerOutput] | None = None):
+        self._sample = sample
+        if out is not None:
+            self._read_back(out)
+
+    def sample(self) -> None:
+        """Launch the deferred sample (once); nothing for a step sampled at its launch."""
+        fn, self._sample = self._sample, None
+        if fn is not None:
+            self._read_back(fn())
+
+    def _read_back(self, out: SamplerOutput) -> None:
         self.out = out
         tensors = out.tensors()
         if any(t.is_cuda for t in tensors):  # a step that samples nothing may still carry prompt logprobs
@@ -113,6 +136,7 @@ class StepTokens:
             self._host, self._done = tensors, None
 
     def result(self) -> SampledTokens:
+        self.sample()
         if self._done is not None:
             self._done.synchronize()
         host = iter(self._host)

@@ -1,0 +1,171 @@
+"""Issue 48 item 1: structured output overlaps (LLMEngine(overlap=True)). A grammar step's forward is launched
+before the step before is read back; its mask is filled from the matchers once that step's tokens advanced
+them, then the sample runs (StepTokens.sample). Tiny model, CPU, torch backend, the real engine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from autoprofile import server
+from autoprofile.config import ServerConfig, validate
+
+from autoprofile.engine.engine import LLMEngine, has_grammar
+from autoprofile.engine.grammar import TokenBitmask
+from autoprofile.engine.request import PENDING
+from autoprofile.engine.sampling import GREEDY, SamplingParams
+from autoprofile.serving.structured import Grammars, Spec
+from autoprofile.serving.tokenizer import ByteTokenizer
+from unit_tests.cpu_server import boot_cpu
+from unit_tests.test_scheduler import run_all, tiny_runner
+from unit_tests.test_server import FLAGS
+
+pytest.importorskip("xgrammar")
+
+TOK = ByteTokenizer(4096, eos_token_ids=[2], specials=[1])
+SCHEMA = {"type": "object", "required": ["ok", "n", "tag"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tag": {"enum": ["x", "y", "zz"]}}}
+# (grammar or None, sampling): long and short regexes (the short ones end by the grammar's end, EOS only,
+# while the others go on), a JSON schema, a choice, plain rows; seeded and greedy; min_tokens past an end
+CROWD = [(Spec("regex", r"[a-e]{12,20}", "regex"), SamplingParams(temperature=1.0, seed=1)),
+         (None, SamplingParams(temperature=1.0, seed=2)),
+         (Spec("regex", "ab|cd|efg", "regex"), SamplingParams(temperature=1.0, seed=3)),
+         (Spec("json", json.dumps(SCHEMA), "s"), SamplingParams(temperature=1.0, seed=4)),
+         (None, GREEDY),
+         (Spec("choice", json.dumps(["red", "green", "blue"]), "c"), GREEDY),
+         (Spec("regex", "ab|cd", "regex"), SamplingParams(temperature=1.0, seed=5, min_tokens=6)),
+         (Spec("json", json.dumps(SCHEMA), "s"), GREEDY)]
+PROMPTS = [[(5 * i + j) % 4000 + 3 for j in range(8 + 3 * i)] for i in range(len(CROWD))]
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(TOK, 4096)
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    return tiny_runner(2048)
+
+
+def crowd(engine: LLMEngine, grammars: Grammars, max_tokens: int = 40) -> dict[str, tuple[list[int], str]]:
+    for (spec, params), prompt in zip(CROWD, PROMPTS):
+        engine.add_request(prompt, params, max_tokens, stop_token_ids={2},
+                           grammar=grammars.new_matcher(spec) if spec is not None else None)
+    return run_all(engine)
+
+
+def test_the_overlapped_engine_gives_the_synchronous_engine_s_tokens_with_grammar_rows(roomy, grammars):
+    want = crowd(LLMEngine(roomy), grammars)
+    by_id = {f"req-{i}": c for i, c in enumerate(CROWD)}
+    assert all(reason == "stop" for rid, (_, reason) in want.items() if by_id[rid][0] is not None), want
+    ended_early = [len(want[f"req-{i}"][0]) for i in (2, 5, 6)]
+    assert max(ended_early) <= 6 < len(want["req-0"][0])  # ended by their grammar's end, others went on
+    assert crowd(LLMEngine(roomy, overlap=True), grammars) == want
+    tight = LLMEngine(tiny_runner(160), overlap=True)  # 9 pages: requests are preempted mid-answer
+    assert crowd(tight, grammars) == want
+    assert tight.stats.preemptions > 0 and tight.stats.pages_used == 0
+
+
+def test_a_grammar_step_s_forward_launches_before_the_step_before_is_read_back(roomy, grammars):
+    """The launch order: step N+1's forward, step N's read back (its tokens advance the matchers), then step
+    N+1's mask and sample; at the fill every masked row's matcher holds all of its request's tokens but the
+    one this step samples."""
+    engine = LLMEngine(roomy, overlap=True)
+    events: list[tuple[str, int]] = []
+    steps: dict[int, int] = {}  # id(step) -> launch index
+    requests = {}  # id(matcher) -> request
+    real_launch, real_resolve, real_fill = roomy.launch, engine.scheduler.resolve, TokenBitmask.fill
+
+    def launch(step):
+        n = steps[id(step)] = len(steps)
+        tokens = real_launch(step)
+        events.append(("forward", n))
+        if has_grammar(step):
+            deferred = tokens.sample
+
+            def sample():
+                if ("sample", n) not in events:  # result() calls it again: a no-op then
+                    events.append(("sample", n))
+                deferred()
+            tokens.sample = sample
+        return tokens
+
+    def resolve(step, sampled):
+        events.append(("read", steps[id(step)]))
+        return real_resolve(step, sampled)
+
+    stale = []
+
+    def fill(self, rows):
+        stale.extend(requests[id(m)].output_ids.count(PENDING) for _, m in rows)
+        return real_fill(self, rows)
+    roomy.launch, engine.scheduler.resolve = launch, resolve
+    TokenBitmask.fill = fill
+    try:
+        for (spec, params), prompt in zip(CROWD, PROMPTS):
+            if spec is not None:
+                m = grammars.new_matcher(spec)
+                rid = engine.add_request(prompt, params, 30, stop_token_ids={2}, grammar=m)
+                requests[id(m)] = engine._requests[rid]
+            else:
+                engine.add_request(prompt, params, 30, stop_token_ids={2})
+        run_all(engine)
+    finally:
+        del roomy.launch
+        TokenBitmask.fill = real_fill
+    at = {e: i for i, e in enumerate(events)}
+    sampled = sorted(n for kind, n in events if kind == "sample")
+    overlapped = [n for n in sampled if ("read", n - 1) in at and at["forward", n] < at["read", n - 1]]
+    assert len(overlapped) >= 10, events  # grammar steps launched while the one before was in flight
+    for n in overlapped:
+        after = at.get(("forward", n + 1), len(events))
+        assert at["forward", n] < at["read", n - 1] < at["sample", n] < after, events
+    assert stale and set(stale) == {1}, stale  # only the row's own PENDING id: no matcher a token behind
+
+
+def features_check():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "openai_features_check.py"
+    spec = importlib.util.spec_from_file_location("openai_features_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
+
+
+def test_phase_2_checks_a_constrained_answer_whole_or_cut():
+    pytest.importorskip("jsonschema")
+    problem = features_check().schema_problem
+    assert problem('{"text": "a \\"b\\" \\u00e9"}', "stop") is None
+    assert problem('{ "text" : "a \\"b\\" \\u00', "length") is None  # cut inside an escape
+    assert problem('{"text": "ab"', "length") is None and problem("", "length") is None
+    assert problem('{"text": "ab"', "stop") and problem('{"text": 5}', "stop")
+    assert problem('{"text": "ab"} x', "length") and problem('{"note": "', "length")
+
+
+def test_phase_2_checks_every_constrained_answer_served_by_the_cpu_server():
+    """The schema run of scripts/openai_features_check.py through HTTP (the overlapped engine): every
+    answer checked, none breaks the schema."""
+    pytest.importorskip("jsonschema")
+    check = features_check()
+    cfg = validate(ServerConfig(**FLAGS))
+    runner, result = boot_cpu(cfg)
+    engine = LLMEngine(runner, overlap=True)
+    args = argparse.Namespace(seed=0, prompt_words=4, throughput_max_tokens=24, max_concurrency=4,
+                              throughput_prompts=8, request_timeout=300)
+
+    async def main():
+        async with TestClient(TestServer(server.make_app(cfg, engine, result))) as c:
+            url = str(c.make_url("")).rstrip("/")
+            return await check.throughput(url, "tiny", args, schema=True)
+    try:
+        out = asyncio.run(main())
+    finally:
+        runner.teardown()
+    assert out["requests"] == out["schema_checked"] == 8 and out["failed"] == 0, out
+    assert out["schema_invalid"] == 0 and out["output_tokens"] > 8, out
