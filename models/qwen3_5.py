@@ -167,29 +167,25 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         ba = self.in_proj_ba(x)
-        b, a = ba.float().chunk(2, dim=-1)
-        beta = torch.sigmoid(b).to(x.dtype)
-        g = -self.A_log.float().exp() * torch.nn.functional.softplus(a + self.dt_bias.float())
         weight = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)
-        o = torch.empty(t, self.v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         decode = meta if not meta.is_prefill else meta.decode  # the decode rows, after n prefill tokens
         n = t - (decode.state_slots.shape[0] if decode is not None else 0)
-        if n:
-            c = gdn.conv_prefill(qkv[:n], weight, state.conv, meta.state_slots, meta.cu_seqlens)
-            o[:n] = gdn.delta_rule_prefill(*self._qkv(c), g[:n], beta[:n], state.ssm, meta.state_slots,
-                                           meta.cu_seqlens)
+        if decode is not None:  # conv, gates, rule and norm: one to three kernels on a GPU backend
+            od = self.backend.gdn_decode(qkv[n:], z[n:], ba[n:], weight, self.A_log, self.dt_bias,
+                                         self.norm.weight, self.eps, state.conv, state.ssm,
+                                         decode.state_slots)
+            if not n:
+                return self.out_proj(od, residual)
+        o = torch.empty(t, self.v_heads * self.v_dim, dtype=x.dtype, device=x.device)
+        g, beta = gdn.gating(ba[:n], self.A_log, self.dt_bias)
+        c = gdn.conv_prefill(qkv[:n], weight, state.conv, meta.state_slots, meta.cu_seqlens)
+        op = gdn.delta_rule_prefill(*gdn.split_qkv(c, self.k_heads, self.k_dim, self.v_heads, self.v_dim), g,
+                                    beta, state.ssm, meta.state_slots, meta.cu_seqlens)
+        o[:n] = gdn.gated_rms_norm(op, z[:n].reshape(n, self.v_heads, self.v_dim), self.norm.weight,
+                                   self.eps).reshape(n, -1)
         if decode is not None:
-            c = gdn.conv_decode(qkv[n:], weight, state.conv, decode.state_slots)
-            o[n:] = self.backend.delta_rule_decode(*self._qkv(c), g[n:], beta[n:], state.ssm,
-                                                   decode.state_slots)
-        o = gdn.gated_rms_norm(o, z.reshape(t, self.v_heads, self.v_dim), self.norm.weight, self.eps)
-        return self.out_proj(o.reshape(t, -1), residual)
-
-    def _qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kd = self.k_heads * self.k_dim
-        q, k, v = c.split([kd, kd, self.v_heads * self.v_dim], dim=-1)
-        return (q.reshape(-1, self.k_heads, self.k_dim), k.reshape(-1, self.k_heads, self.k_dim),
-                v.reshape(-1, self.v_heads, self.v_dim))
+            o[n:] = od
+        return self.out_proj(o, residual)
 
 
 # ---------------------------------------------------------------- MoE with a gated shared expert

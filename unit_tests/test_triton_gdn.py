@@ -1,24 +1,31 @@
-"""Our Gated DeltaNet decode kernel (kernels.triton_gdn) against the torch reference (layers.gdn), on the CPU
+"""Our Gated DeltaNet decode kernels (kernels.triton_gdn) against the torch reference (layers.gdn), on the CPU
 through Triton's interpreter (in a subprocess: the flag is read when the kernel module is imported): the
 outputs, the states of the rows' slots advanced in place, every other slot untouched, strided q/k/v as the
-model's split hands them over, and grouped value heads (each key head serving Hv / Hk of them)."""
+model's split hands them over, grouped value heads (each key head serving Hv / Hk of them), and every launch
+variant the rule may pick (launch_rules.GdnLaunch): blocks, heads a program, the conv step fused or apart, the
+gated norm in the kernel or apart."""
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
 
+from autoprofile.kernels import launch_rules
+from autoprofile.kernels.launch_rules import GdnLaunch
 from unit_tests.interpreter import run_script
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+triton_missing = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 CHECK = r'''
 import torch
 from autoprofile.kernels import triton_gdn
+from autoprofile.kernels.launch_rules import GdnLaunch
 from autoprofile.layers import gdn
 
 torch.manual_seed(0)
-for b, hk, hv, kd, vd, slots_n in [(3, 2, 4, 16, 40, 6), (1, 1, 1, 32, 32, 2), (5, 2, 6, 8, 8, 9)]:
+for (b, hk, hv, kd, vd, slots_n), launch in [((3, 2, 4, 16, 40, 6), GdnLaunch()),
+                                             ((1, 1, 1, 32, 32, 2), GdnLaunch(block_v=16, stages=2)),
+                                             ((5, 2, 6, 8, 8, 9), GdnLaunch(block_v=8, heads=3, warps=2))]:
     qkv = torch.randn(b, 2 * hk * kd + hv * vd)  # the conv's output: q, k, v are views with its row stride
     q, k, v = qkv.split([hk * kd, hk * kd, hv * vd], dim=-1)
     q, k, v = q.reshape(b, hk, kd), k.reshape(b, hk, kd), v.reshape(b, hv, vd)
@@ -27,7 +34,7 @@ for b, hk, hv, kd, vd, slots_n in [(3, 2, 4, 16, 40, 6), (1, 1, 1, 32, 32, 2), (
     slots = torch.randperm(slots_n)[:b]
     ref_ssm = ssm.clone()
     ref = gdn.delta_rule_decode(q, k, v, g, beta, ref_ssm, slots)
-    got = triton_gdn.decode(q, k, v, g, beta, ssm, slots)
+    got = triton_gdn.decode(q, k, v, g, beta, ssm, slots, launch)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ssm, ref_ssm, rtol=1e-5, atol=1e-5)
     others = [i for i in range(slots_n) if i not in slots.tolist()]
@@ -35,6 +42,74 @@ for b, hk, hv, kd, vd, slots_n in [(3, 2, 4, 16, 40, 6), (1, 1, 1, 32, 32, 2), (
 print("ok")
 '''
 
+# a layer's decode rows from its projections: 2 key heads, 3 value heads each (Qwen3.5's grouping), v_dim 24
+# (not a power of two: masked channels), a conv of 4 taps; two steps, so the second reads the windows and
+# states the first wrote
+LAYER = r'''
+import sys
+import torch
+from autoprofile.kernels import triton_gdn
+from autoprofile.kernels.launch_rules import GdnLaunch
+from autoprofile.layers import gdn
 
+launch, dt = eval(sys.argv[1]), getattr(torch, sys.argv[2])
+tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 5e-2, "atol": 1e-1}  # a rounding flip
+torch.manual_seed(0)
+b, hk, hv, kd, vd, slots_n, kw = 3, 2, 6, 16, 24, 7, 4
+c = 2 * hk * kd + hv * vd
+qkvz = torch.randn(2, b, c + hv * vd, dtype=dt)  # qkv, z: views with the projection's row stride (Qwen3-Next)
+ba = (torch.randn(2, b, 2 * hv) * 3).to(dt)
+weight, a_log, dt_bias = torch.randn(c, 1, kw, dtype=dt), torch.randn(hv), torch.randn(hv)
+norm = torch.randn(vd, dtype=dt)
+conv, ssm = torch.randn(slots_n, c, kw - 1, dtype=dt), torch.randn(slots_n, hv, kd, vd) * 0.1  # fp32 state
+slots = torch.randperm(slots_n)[:b]
+ref_conv, ref_ssm = conv.clone(), ssm.clone()
+for step in range(2):
+    qkv, z = qkvz[step].split([c, hv * vd], dim=-1)
+    args = (qkv, z, ba[step], weight, a_log, dt_bias, norm, 1e-6)
+    want = gdn.decode_layer(*args, ref_conv, ref_ssm, slots)
+    got = triton_gdn.decode_layer(*args, conv, ssm, slots, launch)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(conv, ref_conv), "conv windows"
+    torch.testing.assert_close(ssm, ref_ssm, **tol)
+others = [i for i in range(slots_n) if i not in slots.tolist()]
+assert torch.equal(ssm[others], ref_ssm[others]) and torch.equal(conv[others], ref_conv[others])
+print("ok")
+'''
+
+LAYER_LAUNCHES = {
+    "apart": GdnLaunch(),  # conv kernel, rule with its gates, norm kernel
+    "apart-norm-fused": GdnLaunch(block_v=32, heads=2, warps=2),  # a block holds a head: the norm in the rule
+    "apart-3-heads": GdnLaunch(block_v=8, heads=3, stages=2),
+    "conv-fused": GdnLaunch(block_v=8, fuse_conv=True, stages=2),  # a key head's 3 heads x 3 blocks in a loop
+    "conv-norm-fused": GdnLaunch(block_v=32, warps=8, fuse_conv=True),  # one launch for the layer
+}
+
+
+@triton_missing
 def test_gdn_decode_matches_the_torch_reference_in_place_by_slot():
     run_script(CHECK)
+
+
+@triton_missing
+@pytest.mark.parametrize("name", LAYER_LAUNCHES)
+def test_a_layers_decode_rows_match_the_reference_with_every_launch_variant(name):
+    run_script(LAYER, repr(LAYER_LAUNCHES[name]), "float32")
+
+
+@triton_missing
+@pytest.mark.parametrize("name", ["apart", "conv-norm-fused"])
+def test_bf16_rows_keep_the_references_roundings(name):
+    """A bf16 model (fp32 state): the conv's output, beta and the norm's product rounded where the
+    reference rounds them (the interpreter's bf16 multiply gave 5e37 for the norm's weight x rows)."""
+    run_script(LAYER, repr(LAYER_LAUNCHES[name]), "bfloat16")
+
+
+def test_the_launch_rule_reads_its_table_by_padded_rows():
+    table = ((8, GdnLaunch(block_v=64)), (128, GdnLaunch(heads=3, fuse_conv=True)), (1 << 30, GdnLaunch()))
+    assert launch_rules.gdn_decode_launch(1, 16, 48, 128, table).block_v == 64
+    assert launch_rules.gdn_decode_launch(64, 16, 48, 128, table) == GdnLaunch(heads=3, fuse_conv=True)
+    assert launch_rules.gdn_decode_launch(512, 16, 48, 128, table) == GdnLaunch()
+    # heads that do not divide the value heads fall back to 1; a conv fused needs whole key-head groups
+    assert launch_rules.gdn_decode_launch(64, 7, 50, 128, table) == GdnLaunch(heads=1, fuse_conv=False)
+    assert launch_rules.gdn_decode_launch(4, 16, 48, 128) == launch_rules.GDN_DECODE_LAUNCHES[0][1]

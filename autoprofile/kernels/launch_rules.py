@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 # ---------------------------------------------------------------- native AITER paged decode (ROCm)
 AITER_PARTITION = 256  # native AITER paged_attention_ragged partition size (tokens)
@@ -138,3 +139,34 @@ def batch_ladder(max_bs: int) -> list[int]:
 def coarse_ladder(max_bs: int) -> list[int]:
     """Powers of two below max_bs, and max_bs: the batch sizes captured for the longer buckets."""
     return sorted({1 << i for i in range(max_bs.bit_length()) if 1 << i < max_bs} | {max_bs})
+
+
+# ---------------------------------------------------------------- Gated DeltaNet decode (triton_gdn)
+class GdnLaunch(NamedTuple):
+    """One launch of triton_gdn's decode: value channels a block (a block holding a whole head also runs the
+    gated norm in the kernel), value heads a program, warps, pipeline stages, and whether the conv step runs
+    in the same kernel (then one program per (row, key head): its heads and blocks in a loop)."""
+
+    block_v: int = 32
+    heads: int = 1
+    warps: int = 4
+    stages: int = 1
+    fuse_conv: bool = False
+
+
+# (most rows, launch) ascending: the first entry whose rows reach the call's padded rows. H200, qwen3.5-27b's
+# widths: BLOCK_V 32, 4 warps gave 0.59 / 0.65 of the bytes floor at 64 / 256 rows; the other candidates are
+# unmeasured (scripts/bench_gdn.py --sweep prints the table to put here)
+GDN_DECODE_LAUNCHES: tuple[tuple[int, GdnLaunch], ...] = ((1 << 30, GdnLaunch()),)
+
+
+def gdn_decode_launch(rows: int, k_heads: int, v_heads: int, v_dim: int,
+                      table: tuple[tuple[int, GdnLaunch], ...] = GDN_DECODE_LAUNCHES) -> GdnLaunch:
+    """The decode launch at a padded row count (static: a captured graph replays one launch). A table's
+    heads that do not divide v_heads fall back to 1; a fused conv needs whole key-head groups."""
+    launch = next((cfg for most, cfg in table if rows <= most), table[-1][1])
+    if v_heads % launch.heads:
+        launch = launch._replace(heads=1)
+    if launch.fuse_conv and v_heads % k_heads:
+        launch = launch._replace(fuse_conv=False)
+    return launch

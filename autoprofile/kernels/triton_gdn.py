@@ -1,11 +1,19 @@
-"""Gated DeltaNet's one-token decode in one Triton kernel, over the state cache in place by request slot.
+"""Gated DeltaNet's one-token decode in Triton, over the state cache in place by request slot.
 
-One program per (row, value head, block of BV value channels): it loads the row's q and k of the value head's
-key head (l2-normalised in fp32, q scaled by k_dim^-1/2), its [k_dim, BV] tile of the row's state, and writes
-the advanced tile back where it was read and the output's BV channels. So the state is read once and written
-once (the bytes floor of a decode step's linear layers), with no gather into a temporary and no scatter back;
-a padded graph row reads and writes the pad slot. Same math as the torch reference
-(layers.gdn.delta_rule_decode). Imported when the aiter_triton backend is built.
+`_gdn_decode_kernel`: one program per (row, HEADS value heads, VBLOCKS blocks of BV value channels). For each
+of its heads and blocks it takes the row's q and k of the head's key head (l2-normalised in fp32, q scaled by
+k_dim^-1/2), its [k_dim, BV] tile of the row's state, and writes the advanced tile back where it was read and
+the output's BV channels. So the state is read once and written once (the bytes floor of a decode step's
+linear layers), with no gather into a temporary and no scatter back; a padded graph row reads and writes the
+pad slot. Same math as the torch reference (layers.gdn.delta_rule_decode). Options (constexpr):
+- GATE: g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) from the in_proj_ba rows, in the kernel;
+- CONV: the causal conv1d + SiLU step too, from the row's window conv[slot] (moved on in place) and the
+  in_proj_qkv row; one program then owns a key head (its q/k channels and its value heads' channels, every
+  block), so no program reads a window another writes;
+- NORM (a block holds the whole head): the gated RMSNorm of the output, with in_proj_z's gate.
+`decode_layer` runs a layer's decode rows from its projections to out_proj's input in 1 to 3 launches
+(launch_rules.gdn_decode_launch picks the variant); `decode` is the rule alone (g and beta given).
+Imported when the aiter_triton backend is built.
 """
 from __future__ import annotations
 
@@ -13,59 +21,219 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.kernels import pdl
+from autoprofile.kernels import launch_rules, pdl
+from autoprofile.kernels.launch_rules import GdnLaunch
 
-BLOCK_V = 32  # value channels a program: [k_dim, 32] fp32 of state in registers (128 x 32: 32 a thread)
+CONV_BLOCK = 256  # channels a program of the separate conv step
 
 
 @triton.jit
-def _normed(ptr, stride, kd, BK: tl.constexpr):
-    """A [BK] fp32 vector (0 past kd), l2-normalised (eps 1e-6, as fla)."""
-    cols = tl.arange(0, BK)
-    x = tl.load(ptr + cols * stride, mask=cols < kd, other=0.0).to(tl.float32)
+def _l2normed(x):
+    """x (fp32, 0 past its channels) l2-normalised (eps 1e-6, as fla)."""
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def _loaded(ptr, stride, kd, BK: tl.constexpr):
+    cols = tl.arange(0, BK)
+    return tl.load(ptr + cols * stride, mask=cols < kd, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(row_ptr, win_ptr, w_ptr, ch, cmask, KW: tl.constexpr, KP: tl.constexpr):
+    """SiLU(causal depthwise conv1d) of one row at channels ch: the window win_ptr [C, KW-1] (the last KW-1
+    inputs), then the row's input; fp32, rounded to the input's dtype as the reference does. The window moves
+    on in place, after a barrier (every thread of the program has read it)."""
+    t = tl.arange(0, KP)
+    x = tl.load(row_ptr + ch, mask=cmask, other=0.0)
+    win = tl.load(win_ptr + ch[:, None] * (KW - 1) + t[None, :], mask=cmask[:, None] & (t[None, :] < KW - 1),
+                  other=0.0)
+    tile = tl.where(t[None, :] == KW - 1, x.to(win.dtype)[:, None], win)
+    w = tl.load(w_ptr + ch[:, None] * KW + t[None, :], mask=cmask[:, None] & (t[None, :] < KW), other=0.0)
+    out = tl.sum(tile.to(tl.float32) * w.to(tl.float32), axis=1)
+    tl.debug_barrier()
+    moved = cmask[:, None] & (t[None, :] >= 1) & (t[None, :] < KW)
+    tl.store(win_ptr + ch[:, None] * (KW - 1) + t[None, :] - 1, tile, mask=moved)
+    return (out * tl.sigmoid(out)).to(row_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, sx_b, conv_ptr, sc_slot, w_ptr, slots_ptr, out_ptr, so_b, channels,
+                        KW: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+    """The conv step alone: one program per (row, BC channels)."""
+    pdl.begin(PDL)
+    b, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ch = j * BC + tl.arange(0, BC)
+    cmask = ch < channels
+    slot = tl.load(slots_ptr + b)
+    c = _conv_silu(x_ptr + b * sx_b, conv_ptr + slot * sc_slot, w_ptr, ch, cmask, KW, KP)
+    tl.store(out_ptr + b * so_b + ch, c.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _gated_norm(o, z_ptr, w_ptr, vc, vmask, vd, eps):
+    """The output norm of one head (fp32 o, 0 past vd): RMSNorm, times weight in its dtype (the model's),
+    times SiLU(z) in fp32 (layers.gdn.gated_rms_norm)."""
+    dtype = w_ptr.dtype.element_ty
+    o = o.to(dtype).to(tl.float32)
+    normed = (o * tl.rsqrt(tl.sum(o * o, axis=0) / vd + eps)).to(dtype)
+    w = tl.load(w_ptr + vc, mask=vmask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + vc, mask=vmask, other=0.0).to(tl.float32)
+    return (w * normed.to(tl.float32)).to(dtype).to(tl.float32) * (z * tl.sigmoid(z))  # w * normed in dtype
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, sx_b, sx_h, sz_b, so_b, vd, eps, BD: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """The gated RMSNorm alone: one program per (row, head)."""
+    pdl.begin(PDL)
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    vc = tl.arange(0, BD)
+    vmask = vc < vd
+    o = tl.load(x_ptr + b * sx_b + h * sx_h + vc, mask=vmask, other=0.0).to(tl.float32)
+    y = _gated_norm(o, z_ptr + b * sz_b + h * vd, w_ptr, vc, vmask, vd, eps)
+    tl.store(out_ptr + b * so_b + h * vd + vc, y.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 @triton.jit
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr, out_ptr,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sb_b, so_b, so_h,
-                       ss_slot, ss_h, ss_k, kd, vd, group, scale, BK: tl.constexpr, BV: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       ss_slot, ss_h, ss_k, kd, vd, group, scale,
+                       conv_ptr, sc_slot, cw_ptr, qk_width, a_log_ptr, dt_bias_ptr, z_ptr, sz_b, nw_ptr, eps,
+                       BK: tl.constexpr, BV: tl.constexpr, HEADS: tl.constexpr, VBLOCKS: tl.constexpr,
+                       GATE: tl.constexpr, CONV: tl.constexpr, NORM: tl.constexpr,
+                       KW: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr = False):
+    """Under CONV q_ptr is the in_proj_qkv rows (row stride sq_b; q | k | v channels, k from qk_width) and
+    each program holds one key head (HEADS = group, VBLOCKS * BV >= vd); under GATE g_ptr / beta_ptr are the
+    in_proj_ba rows' a and b parts."""
     pdl.begin(PDL)
-    b, h, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    kh = h // group
-    q = _normed(q_ptr + b * sq_b + kh * sq_h, 1, kd, BK) * scale
-    k = _normed(k_ptr + b * sk_b + kh * sk_h, 1, kd, BK)
-    vc = j * BV + tl.arange(0, BV)
-    vmask = vc < vd
-    v = tl.load(v_ptr + b * sv_b + h * sv_h + vc, mask=vmask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sg_b + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * sb_b + h).to(tl.float32)
+    b, p, jp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + b)
     kc = tl.arange(0, BK)
-    tile = ssm_ptr + slot * ss_slot + h * ss_h + kc[:, None] * ss_k + vc[None, :]
-    mask = (kc[:, None] < kd) & vmask[None, :]
-    s = tl.load(tile, mask=mask, other=0.0).to(tl.float32) * tl.exp(g)
-    delta = beta * (v - tl.sum(s * k[:, None], axis=0))
-    s += k[:, None] * delta[None, :]
-    tl.store(tile, s.to(ssm_ptr.dtype.element_ty), mask=mask)
-    o = tl.sum(s * q[:, None], axis=0)
-    tl.store(out_ptr + b * so_b + h * so_h + vc, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    kmask = kc < kd
+    if CONV:
+        row, win = q_ptr + b * sq_b, conv_ptr + slot * sc_slot
+        q = _l2normed(_conv_silu(row, win, cw_ptr, p * kd + kc, kmask, KW, KP)) * scale
+        k = _l2normed(_conv_silu(row, win, cw_ptr, qk_width + p * kd + kc, kmask, KW, KP))
+    for i in range(HEADS * VBLOCKS):
+        h = (p * HEADS + i // VBLOCKS).to(tl.int64)
+        vc = (jp * VBLOCKS + i % VBLOCKS) * BV + tl.arange(0, BV)
+        vmask = vc < vd
+        if CONV:
+            v = _conv_silu(row, win, cw_ptr, 2 * qk_width + h * vd + vc, vmask, KW, KP)
+        else:
+            kh = h // group
+            q = _l2normed(_loaded(q_ptr + b * sq_b + kh * sq_h, 1, kd, BK)) * scale
+            k = _l2normed(_loaded(k_ptr + b * sk_b + kh * sk_h, 1, kd, BK))
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + vc, mask=vmask, other=0.0).to(tl.float32)
+        if GATE:
+            a = tl.load(g_ptr + b * sg_b + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+            beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + h).to(tl.float32))
+            beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)  # the reference keeps beta in x's dtype
+        else:
+            g = tl.load(g_ptr + b * sg_b + h).to(tl.float32)
+            beta = tl.load(beta_ptr + b * sb_b + h).to(tl.float32)
+        tile = ssm_ptr + slot * ss_slot + h * ss_h + kc[:, None] * ss_k + vc[None, :]
+        mask = kmask[:, None] & vmask[None, :]
+        s = tl.load(tile, mask=mask, other=0.0).to(tl.float32) * tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s += k[:, None] * delta[None, :]
+        tl.store(tile, s.to(ssm_ptr.dtype.element_ty), mask=mask)
+        o = tl.sum(s * q[:, None], axis=0)
+        if NORM:
+            o = _gated_norm(o, z_ptr + b * sz_b + h * vd, nw_ptr, vc, vmask, vd, eps)
+        tl.store(out_ptr + b * so_b + h * so_h + vc, o.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+def _launch_options(launch: GdnLaunch) -> dict:
+    return {"num_warps": launch.warps, "num_stages": launch.stages, **pdl.launch()}
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] (unit stride along their last dim), ssm [slots, Hv,
-    Dk, Dv] (contiguous in its last three dims), slots [B] int64 -> o [B, Hv, Dv] in v's dtype; ssm[slots]
-    advanced in place."""
+           ssm: torch.Tensor, slots: torch.Tensor, launch: GdnLaunch | None = None) -> torch.Tensor:
+    """The rule alone: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] (unit stride along their last dim),
+    ssm [slots, Hv, Dk, Dv] (contiguous in its last three dims), slots [B] int64 -> o [B, Hv, Dv] in v's
+    dtype; ssm[slots] advanced in place. launch: the rule's (its fuse_conv is not used here)."""
     b, hk, kd = q.shape
     hv, vd = v.shape[1], v.shape[2]
+    launch = launch or launch_rules.gdn_decode_launch(b, hk, hv, vd)
+    heads = launch.heads if hv % launch.heads == 0 else 1
     out = torch.empty(b, hv, vd, dtype=v.dtype, device=v.device)
     if b:
-        grid = (b, hv, triton.cdiv(vd, BLOCK_V))
+        grid = (b, hv // heads, triton.cdiv(vd, launch.block_v))
         _gdn_decode_kernel[grid](q, k, v, g, beta, ssm, slots, out,
                                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
                                  ssm.stride(0), ssm.stride(1), ssm.stride(2), kd, vd, hv // hk, kd ** -0.5,
-                                 BK=triton.next_power_of_2(kd), BV=BLOCK_V, num_warps=4, **pdl.launch())
+                                 None, 0, None, 0, None, None, None, 0, None, 0.0,
+                                 BK=triton.next_power_of_2(kd), BV=launch.block_v, HEADS=heads, VBLOCKS=1,
+                                 GATE=False, CONV=False, NORM=False, KW=1, KP=1, **_launch_options(launch))
     return out
+
+
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """The conv step alone, one launch (layers.gdn.conv_decode): x [B, C] (unit channel stride), weight [C, K]
+    and conv [slots, C, K-1] contiguous -> SiLU(conv) [B, C] in x's dtype; the rows' windows moved on."""
+    b, c = x.shape
+    kw = weight.shape[1]
+    out = torch.empty(b, c, dtype=x.dtype, device=x.device)
+    if b:
+        _conv_decode_kernel[(b, triton.cdiv(c, CONV_BLOCK))](
+            x, x.stride(0), conv, conv.stride(0), weight, slots, out, out.stride(0), c,
+            KW=kw, KP=triton.next_power_of_2(kw), BC=CONV_BLOCK, num_warps=4, **pdl.launch())
+    return out
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gated RMSNorm alone, one launch: o [B, Hv, Dv] (unit stride last), z [B, Hv * Dv] (unit stride
+    last) -> [B, Hv * Dv] in o's dtype."""
+    b, hv, vd = o.shape
+    out = torch.empty(b, hv * vd, dtype=o.dtype, device=o.device)
+    if b:
+        _gated_norm_kernel[(b, hv)](o, z, weight, out, o.stride(0), o.stride(1), z.stride(0), out.stride(0),
+                                    vd, eps, BD=triton.next_power_of_2(vd), num_warps=4, **pdl.launch())
+    return out
+
+
+def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
+                 a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor,
+                 launch: GdnLaunch | None = None) -> torch.Tensor:
+    """A Gated DeltaNet layer's decode rows from its projections to out_proj's input (layers.gdn.decode_layer,
+    its reference): qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], ba [B, 2 Hv] (b | a), each of unit stride along
+    its last dim; conv_weight [C, K]; a_log, dt_bias [Hv] fp32; conv [slots, C, K-1] and ssm [slots, Hv, Dk,
+    Dv], advanced in place at slots [B] -> [B, Hv Dv] in qkv's dtype. Launches: the conv step (or CONV), the
+    rule with its gates (GATE), the norm (or NORM where a block holds a head)."""
+    b, c = qkv.shape
+    hv, kd, vd = ssm.shape[1], ssm.shape[2], ssm.shape[3]
+    hk = (c - hv * vd) // (2 * kd)
+    launch = launch or launch_rules.gdn_decode_launch(b, hk, hv, vd)
+    conv_weight = conv_weight.reshape(c, -1)
+    kw = conv_weight.shape[1]
+    fuse_conv = launch.fuse_conv
+    norm = launch.block_v >= vd
+    vblocks = triton.cdiv(vd, launch.block_v)
+    heads = hv // hk if fuse_conv else (launch.heads if hv % launch.heads == 0 else 1)
+    out = torch.empty(b, hv, vd, dtype=qkv.dtype, device=qkv.device)
+    if not b:
+        return out.reshape(b, hv * vd)
+    if fuse_conv:
+        x = q = k = v = qkv
+        strides = (qkv.stride(0), kd, qkv.stride(0), kd, qkv.stride(0), vd)
+    else:
+        x = conv_decode(qkv, conv_weight, conv, slots)
+        q, k, v = x.split([hk * kd, hk * kd, hv * vd], dim=-1)
+        strides = (x.stride(0), kd, x.stride(0), kd, x.stride(0), vd)
+    bpart, apart = ba.split([hv, hv], dim=-1)
+    grid = (b, hv // heads, 1 if fuse_conv else vblocks)
+    _gdn_decode_kernel[grid](q, k, v, apart, bpart, ssm, slots, out, *strides, ba.stride(0), ba.stride(0),
+                             out.stride(0), out.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2),
+                             kd, vd, hv // hk, kd ** -0.5,
+                             conv, conv.stride(0), conv_weight, hk * kd, a_log, dt_bias, z, z.stride(0),
+                             norm_weight, eps, BK=triton.next_power_of_2(kd), BV=launch.block_v, HEADS=heads,
+                             VBLOCKS=vblocks if fuse_conv else 1, GATE=True, CONV=fuse_conv, NORM=norm, KW=kw,
+                             KP=triton.next_power_of_2(kw), **_launch_options(launch))
+    return out.reshape(b, hv * vd) if norm else gated_rms_norm(out, z, norm_weight, eps)

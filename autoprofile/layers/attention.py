@@ -220,6 +220,13 @@ class AttentionBackend(KernelOps, ABC):
         reference); a GPU backend's kernel reads and writes each row's state once."""
         return gdn.delta_rule_decode(q, k, v, g, beta, ssm, slots)
 
+    def gdn_decode(self, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer's decode rows from its projections to out_proj's input, conv and state in
+        place by slot (layers.gdn.decode_layer: the torch reference); a GPU backend's kernels fuse it."""
+        return gdn.decode_layer(qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm, slots)
+
     # ------------------------------------------------------------ MLA (DeepSeek-V2): a latent cache
     # The cache of an MLA model holds one latent per token and layer: KVLayer.k [num_pages, 1, page_size, L]
     # (L = kv_lora_rank + rope dim), and KVLayer.v is the same tensor.

@@ -175,6 +175,34 @@ def recurrent_reference(q, k, v, g, beta, state):
     return torch.stack(out), state
 
 
+def gating(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj_ba's rows [T, 2 Hv] (b | a) -> (g = -exp(A_log) softplus(a + dt_bias) fp32, beta = sigmoid(b)
+    in ba's dtype)."""
+    b, a = ba.float().chunk(2, dim=-1)
+    return -a_log.float().exp() * F.softplus(a + dt_bias.float()), torch.sigmoid(b).to(ba.dtype)
+
+
+def split_qkv(c: torch.Tensor, k_heads: int, k_dim: int, v_heads: int,
+              v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [T, C] -> views q, k [T, Hk, Dk], v [T, Hv, Dv]."""
+    q, k, v = c.split([k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], dim=-1)
+    return (q.unflatten(-1, (k_heads, k_dim)), k.unflatten(-1, (k_heads, k_dim)),
+            v.unflatten(-1, (v_heads, v_dim)))
+
+
+def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
+                 a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A layer's one-token rows from its projections to out_proj's input: qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv
+    Dv], ba [B, 2 Hv]; conv and ssm advanced in place at slots -> [B, Hv Dv] in qkv's dtype. The reference of
+    kernels.triton_gdn.decode_layer."""
+    b, hv, kd, vd = qkv.shape[0], ssm.shape[1], ssm.shape[2], ssm.shape[3]
+    hk = (qkv.shape[1] - hv * vd) // (2 * kd)
+    c = conv_decode(qkv, conv_weight.reshape(qkv.shape[1], -1), conv, slots)
+    o = delta_rule_decode(*split_qkv(c, hk, kd, hv, vd), *gating(ba, a_log, dt_bias), ssm, slots)
+    return gated_rms_norm(o, z.reshape(b, hv, vd), norm_weight, eps).reshape(b, hv * vd)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The output norm: RMSNorm(x) over each head's channels (fp32), times weight (in x's dtype first, as
     HF), times SiLU(gate) in fp32. x, gate [..., D]."""

@@ -349,6 +349,10 @@ class AiterTritonBackend(AttentionBackend):
         """Our kernel (triton_gdn): each row's state tile read and written once, in place by slot."""
         return self.triton_gdn.decode(q, k, v, g, beta, ssm, slots)
 
+    def gdn_decode(self, *args) -> torch.Tensor:
+        """triton_gdn.decode_layer: conv, gates, rule and norm in 1 to 3 launches (launch_rules)."""
+        return self.triton_gdn.decode_layer(*args)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
         return self.triton_norm.rms_norm(x, weight, eps)
