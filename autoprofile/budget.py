@@ -65,10 +65,11 @@ def cell_bytes_for(model, dtype_bytes: int, tp: int = 1) -> int:
     return kv_cell_bytes(model.attention_layers, model.num_kv_heads, model.head_dim, dtype_bytes, tp)
 
 
-def state_cache_bytes(model, slots: int, dtype_bytes: int, tp: int = 1) -> tuple[int, int]:
+def state_cache_bytes(model, slots: int, dtype_bytes: int, tp: int = 1,
+                      checkpoints: int = 0) -> tuple[int, int]:
     """A hybrid model's state cache (engine.state_cache): its (conv, ssm) tensors' bytes for `slots` request
-    slots and the pad slot; (0, 0) for a model without linear layers."""
-    n = (slots + 1) * model.linear_layers
+    slots, the pad slot and `checkpoints` checkpoint rows; (0, 0) for a model without linear layers."""
+    n = (slots + 1 + checkpoints) * model.linear_layers
     return n * model.conv_state_bytes(tp, dtype_bytes), n * model.ssm_state_bytes(tp)
 
 
@@ -275,6 +276,16 @@ def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: in
                     driver_reserve: int = DRIVER_RESERVE) -> int:
     """What is left for everything sized from T, before mem_fraction."""
     return total - own_non_torch_bytes - non_kv - peers - canary - driver_reserve
+
+
+CHECKPOINT_SHARE = 0.25  # a hybrid's state checkpoints (its prefix cache's resumable points) per request slot
+MIN_CHECKPOINTS = 4
+
+
+def state_checkpoints(slots: int, prefix_caching: bool = True) -> int:
+    """A hybrid model's state checkpoint rows beside its `slots` request slots (engine.state_cache): a
+    quarter of them, at least MIN_CHECKPOINTS; none without prefix caching."""
+    return max(MIN_CHECKPOINTS, math.ceil(slots * CHECKPOINT_SHARE)) if prefix_caching else 0
 
 
 STATE_SHARE = 0.5  # of the memory free after the weights, at most this share goes to a hybrid's state slots

@@ -403,8 +403,8 @@ def _validate_device(cfg: ServerConfig) -> None:
 def _validate_hybrid(cfg: ServerConfig, m) -> None:
     """A hybrid model (Gated DeltaNet + attention): what its state cache does not serve yet."""
     _check(cfg.host_kv == "off", "host_kv",
-           f"{m.name} is a hybrid model, whose prefix cache is off (a cached prefix needs its recurrent state "
-           "too): the host tier has nothing to keep; use --host_kv off")
+           f"{m.name} is a hybrid model: a cached prefix resumes from a state checkpoint on the GPU, and the "
+           "host tier keeps K/V pages only; use --host_kv off")
     _check(not cfg.deterministic, "deterministic",
            f"{m.name} is a hybrid model: its Gated DeltaNet kernels are not batch-invariant yet; serve it "
            "without --deterministic")

@@ -530,7 +530,9 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
-    state = budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp) if m.is_hybrid else (0, 0)
+    checkpoints = budget.state_checkpoints(reqs, not cfg.disable_prefix_caching)  # as the runner builds them
+    state = (budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp, checkpoints) if m.is_hybrid
+             else (0, 0))
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,
                          running_reqs=reqs, decode_rows=reqs, workspace=workspace, max_tokens=cap,
                          state=state)
@@ -560,8 +562,9 @@ def sized_rows(sizing: budget.Sizing, tokens: int, backend: str) -> tuple[Row, .
                if backend == "aiter" else "none persistent for this backend")
     state = (Row("state slots", sum(map(budget.reserved_bytes, sizing.state)), "declared",
                  "allocated at the target (solved with T)",
-                 f"{reqs} request slots + the pad slot x (conv window + delta-rule matrices) of every linear "
-                 "layer: a hybrid model's second cache"),) if any(sizing.state) else ()
+                 f"({reqs} request slots + the pad slot + the prefix cache's state checkpoints) x (conv "
+                 "window + delta-rule matrices) of every linear layer: a hybrid model's second cache"),
+             ) if any(sizing.state) else ()
     return (
         Row("KV cache", tokens * sizing.cell_bytes, "exact", "allocated at the target",
             f"T x {sizing.cell_bytes:,} B/token"),

@@ -215,13 +215,15 @@ def test_random_traffic_gives_every_request_its_cold_tokens_and_every_slot_back(
     assert engine.scheduler.cache.num_free == engine.scheduler.cache.capacity
 
 
-def test_prefix_caching_is_off_for_a_hybrid_model_and_n_choices_still_agree(models, cold):
-    """A cached prefix needs the state at its end (not built yet): the engine turns prefix caching off, so a
-    request sent twice is computed twice, to the same tokens."""
+def test_n_choices_agree_and_a_prompt_sent_again_resumes_from_its_checkpoint(models, cold):
+    """Two choices admitted together each compute the prompt (no checkpoint of it yet); the prompt sent again
+    resumes from the checkpoint at its last full page (unit_tests/test_hybrid_prefix.py covers the rest)."""
     _, _, folder = models
     engine = engine_for(folder)
     assert engine.generate([PROMPTS[0], PROMPTS[0]], max_tokens=20) == [cold[0], cold[0]]
     assert engine.scheduler.prefix_hit_tokens == 0
+    assert engine.generate([PROMPTS[0]], max_tokens=20) == [cold[0]]
+    assert engine.scheduler.prefix_hit_tokens == (len(PROMPTS[0]) - 1) // PAGE * PAGE
 
 
 def test_a_conditional_generation_checkpoint_loads_its_text_model_and_skips_the_rest(models, tmp_path,
@@ -300,7 +302,7 @@ def test_the_runner_declares_the_state_cache_it_builds():
     sizing = runner.sizing
     runner.build(1024)
     assert sizing.state == (runner.state.conv.nbytes, runner.state.ssm.nbytes)
-    assert runner.state.conv.shape[1] == 6  # 5 request slots + the pad slot
+    assert runner.state.conv.shape[1] == 6 + 4  # 5 request slots + the pad slot + 4 state checkpoints
     runner.teardown()
     assert runner.state is None and runner.caches is None
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoprofile import budget
 from autoprofile.engine.host_kv import HostTierStats
 from autoprofile.engine.multimodal import MultiModalInput, window_count
 from autoprofile.engine.request import Request, RequestError, RequestOutput
@@ -76,15 +77,17 @@ class LLMEngine:
         self.overlap = overlap
         self._inflight: tuple[Step, object] | None = None  # overlap: the launched step, its tokens in flight
         self.runner, self.envelope = runner, runner.envelope
+        # a hybrid's cached prefix resumes only from a state checkpoint at its end: the runner builds as many
+        # rows as budget.state_checkpoints gives (none under --disable_prefix_caching)
+        checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching)
         if prefix_caching and runner.model_config.is_hybrid:
-            # NOTE: a cached prefix of a hybrid model needs its recurrent state at the prefix's end too (state
-            # checkpoints are not built yet): its pages alone cannot resume a prompt
-            log.info("prefix caching off: %s is a hybrid model (a prefix resumes only with its state)",
-                     runner.model_config.name)
-            prefix_caching = False
+            log.info("prefix caching on for %s, a hybrid model: a cached prefix resumes from one of %d state "
+                     "checkpoints (the built line gives their GiB; the host tier stays off for it)",
+                     runner.model_config.name, checkpoints)
         pool = runner.host_kv  # the host tier's pinned pages (--host_kv), or None
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
-                                   host_pages=pool.num_pages if pool is not None else 0)
+                                   host_pages=pool.num_pages if pool is not None else 0,
+                                   state_checkpoints=checkpoints if runner.model_config.is_hybrid else 0)
         self.vocab_size = runner.model_config.vocab_size
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()

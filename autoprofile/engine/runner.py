@@ -167,8 +167,12 @@ class ModelRunner:
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
             workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
             max_tokens=budget.max_indexable_tokens(self.cache_heads, self.cache_width, cfg.page_size),
-            state=budget.state_cache_bytes(mc, env.running_reqs, self.dtype.itemsize, self.tp.size)
-            if mc.is_hybrid else (0, 0))
+            state=budget.state_cache_bytes(mc, env.running_reqs, self.dtype.itemsize, self.tp.size,
+                                           self.state_checkpoints(env)) if mc.is_hybrid else (0, 0))
+
+    def state_checkpoints(self, env: Envelope) -> int:
+        """A hybrid model's state checkpoint rows (its prefix cache's resumable points; none without it)."""
+        return budget.state_checkpoints(env.running_reqs, not self.cfg.disable_prefix_caching)
 
     def fingerprint(self) -> dict | None:
         """What a probe's measurement depends on besides the code, model and flags
@@ -217,7 +221,8 @@ class ModelRunner:
                               self.kv_cache_dtype, self.device, latent=mc.is_mla)
             self.caches = self.kv.layers
             if mc.is_hybrid:
-                self.state = StateCache(mc, env.running_reqs, self.tp.size, self.dtype, self.device)
+                self.state = StateCache(mc, env.running_reqs, self.tp.size, self.dtype, self.device,
+                                        self.state_checkpoints(env))
                 self.caches = layer_caches(mc, self.kv.layers, self.state.layers)
             self.kv.set_scales(self.checkpoint_kv_scales if self.kv_scale_source == "checkpoint" else None)
             self.kv_scales_pending = self.kv_scale_source == "first_batch"
@@ -242,7 +247,9 @@ class ModelRunner:
             raise
         self.built_tokens = pages * cfg.page_size
         decode = f"{len(self.graphs.graphs)} decode graphs" if self.graphs else "eager decode"
-        state = f" with their state ({gib(self.state.nbytes):.2f} GiB)" if self.state is not None else ""
+        state = ("" if self.state is None else f" with their state and {self.state.checkpoints} state "
+                 f"checkpoints ({gib(self.state.nbytes):.2f} GiB; {gib(self.state.checkpoint_bytes()):.2f} GiB "
+                 "the checkpoints)")
         log.info("built: %d KV tokens (%.2f GiB), %d request slots%s, %s", self.built_tokens,
                  gib(self.kv_bytes), env.running_reqs, state, decode)
 
@@ -296,6 +303,8 @@ class ModelRunner:
             self._copy_pages(step)
             self.req_table.write(step.page_writes)
             self.routing.set(step.routing)
+            if self.state is not None:  # requests resuming a cached prefix start from its checkpoint
+                self.state.load(step.state_loads)
             if step.encode:
                 self._encode(step.encode)
             calibrate = self._calibrates(step)
@@ -305,6 +314,8 @@ class ModelRunner:
                                                 else (*self._decode(step.rows), None))
             finally:
                 self.backend.calibrating = False
+            if self.state is not None:  # chunks that end at a checkpoint stop: their state, for the cache
+                self.state.save(step.state_saves)
             if calibrate and not self.stressing:
                 self.kv_scales_pending = False
                 k, v = self.kv.scales.unbind(1)

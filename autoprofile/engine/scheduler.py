@@ -31,6 +31,15 @@ The pages a step filled enter the cache when the step is read back (resolve), so
 pages that steps already read back are cached under their keys (a page only a step still in flight filled is
 not: that step may fail), alloc saves them to the host tier when it takes them, and the request comes back
 through the GPU or host hit of any other.
+
+A hybrid model (Scheduler(state_checkpoints=N)) resumes a cached prefix only from a state checkpoint at its
+end (PrefixCache.match's need_state: the match is cut back to the last page carrying one); its first row
+copies that checkpoint into the request's slot (Step.state_loads, before the forward) instead of starting
+from zeros. Its prefill ends a chunk at each checkpoint stop (checkpoint_stops: the end of the prompt's full
+pages, and the end of the cached K/V run when that is longer than its checkpointed part: where two prompts
+part, a shared system prompt), and that step copies the slot's state into a checkpoint row after its forward
+(Step.state_saves); the row goes onto the page's entry when the step is read back (resolve), or back to the
+cache's pool when the request leaves first.
 """
 from __future__ import annotations
 
@@ -77,6 +86,10 @@ class Step:
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
     kv_load_id: int = 0  # the loads' id (0: none): the runner reports it done (ModelRunner.loads_ready)
     kv_ready: list[int] = field(default_factory=list)  # load ids done since the step before
+    # a hybrid model's state checkpoints: (checkpoint, slot) copied before the forward, (slot, checkpoint)
+    # after it (engine.state_cache)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def all_rows(self) -> list[StepRow]:
@@ -118,6 +131,14 @@ def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int,
     return spans
 
 
+def checkpoint_stops(num_tokens: int, page_size: int, start: int, kv_pages: int) -> list[int]:
+    """Where a hybrid request's prefill from `start` ends a chunk and checkpoints its state: the end of the
+    full pages its keys cover (all but the last token), and the end of the cached K/V run it matched
+    (kv_pages), each if after start."""
+    last = (num_tokens - 1) // page_size * page_size
+    return sorted({b for b in (kv_pages * page_size, last) if b > start})
+
+
 def grammar_ended(matcher, token: int) -> bool:
     """engine.grammar.advance, imported when a request has a grammar: that module needs torch (the scheduler
     does not), which the serving layer that made the matcher has loaded."""
@@ -126,11 +147,17 @@ def grammar_ended(matcher, token: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0):
+    def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0,
+                 state_checkpoints: int = 0):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
-        of the host tier (0: none; needs prefix caching)."""
+        of the host tier (0: none; needs prefix caching); state_checkpoints: a hybrid model's checkpoint rows
+        (>0: a cached prefix resumes only from one)."""
         self.env = envelope
-        self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages, enabled=prefix_caching)
+        self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages, enabled=prefix_caching,
+                                 checkpoints=state_checkpoints)
+        self.hybrid = self.cache.checkpoints > 0
+        self._stops: dict[Request, list[int]] = {}  # a hybrid request's checkpoint stops still ahead
+        self._saving: dict[Request, dict[int, int]] = {}  # page index -> its pending checkpoint
         self._fresh: set[Request] = set()  # back from the host tier, no row yet: the next is a prefill row
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
         self.waiting: deque[Request] = deque()
@@ -220,7 +247,7 @@ class Scheduler:
                 break
             if req.pending:
                 continue  # preempted with a token in flight: its recompute needs the token
-            hit = self.cache.match(self._page_keys(req)) if admit else PrefixMatch()
+            hit = self.cache.match(self._page_keys(req), need_state=self.hybrid) if admit else PrefixMatch()
             if hit.loading:
                 continue  # its prefix is coming back from the host tier for another request: wait for it
             if hit.host:  # the copies first: its first chunk runs in a step after them
@@ -230,6 +257,9 @@ class Scheduler:
                 continue
             start = len(hit.pages) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
+            stops = (checkpoint_stops(req.num_tokens, ps, start, hit.kv_pages) if admit
+                     else self._stops.get(req, [])) if self.hybrid else []
+            n = min([n] + [b - start for b in stops if b > start][:1])
             encode = []
             if req.mm is not None:
                 n, encode = self._fit_images(req.mm, start, n, step)
@@ -246,8 +276,12 @@ class Scheduler:
                     continue  # req itself was preempted, or it waits for a step without decode rows
             if admit:
                 self._admit(req, hit, step)
+                if stops:
+                    self._stops[req] = stops
             self._fresh.discard(req)
             self._grow(req, need, step)
+            if start + n in stops:
+                self._checkpoint(req, start + n, step)
             row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
                           req.params, req, req.mm)
             if req.mm is not None:
@@ -318,6 +352,16 @@ class Scheduler:
         req.cached_pages, req.chain = len(pages), chain
         if pages:
             step.page_writes.append((req.slot, 0, list(pages)))
+        if hit.state is not None:
+            step.state_loads.append((hit.state, req.slot))
+
+    def _checkpoint(self, req: Request, end: int, step: Step) -> None:
+        """req's chunk ends at checkpoint stop `end`: the step copies its slot's state into a checkpoint row
+        (none free and none to evict: no checkpoint), which its page takes when the step is read back."""
+        row = self.cache.new_checkpoint()
+        if row is not None:
+            self._saving.setdefault(req, {})[end // self.env.page_size - 1] = row
+            step.state_saves.append((req.slot, row))
 
     def _leave_loading(self, req: Request) -> None:
         """A LOADING request leaves (finished, or sent back to wait): its pages go back once its load is
@@ -332,7 +376,8 @@ class Scheduler:
         ps = self.env.page_size
         while self.cache.enabled and req.cached_pages < min(upto, req.num_computed) // ps:
             i = req.cached_pages
-            req.chain = self.cache.insert(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps))
+            state = self._saving[req].pop(i, None) if req in self._saving else None
+            req.chain = self.cache.insert(req.pages[i], req.chain, req.key(i * ps, (i + 1) * ps), state=state)
             req.cached_pages += 1
 
     def _grow(self, req: Request, n: int, step: Step) -> None:
@@ -364,6 +409,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self._fresh.discard(req)
+        self._stops.pop(req, None)
+        for row in self._saving.pop(req, {}).values():  # its steps' copies reach no entry
+            self.cache.drop_checkpoint(row)
         self.cache.free(req.pages)  # cached pages stay cached until alloc needs them
         self.free_slots.append(req.slot)
         self._free_images(req, done_before=None)
