@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from autoprofile import __version__
 from autoprofile.config import COMMANDS, ConfigError, add_flag, add_server_args, config_from_args
-from models.config import unsupported_architecture
+from autoprofile.model_config import unsupported_architecture
 
 log = logging.getLogger("autoprofile")
 

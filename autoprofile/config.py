@@ -20,10 +20,11 @@ from pathlib import Path
 
 from autoprofile.budget import (context_that_fits, max_indexable_tokens, min_usable_tokens, round_up,
                                 running_reqs)
+from autoprofile.model_config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError,
+                                      builtin_models, find_weights, load_model_config,
+                                      unsupported_architecture, with_runtime_fp8)
 from autoprofile.profile_cache import default_folder
 from autoprofile.resize import max_resized_pixels
-from models.config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError, builtin_models,
-                           find_weights, load_model_config, unsupported_architecture, with_runtime_fp8)
 
 ATTENTION_BACKENDS = ("auto", "aiter", "aiter_triton", "torch")
 KV_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
@@ -130,7 +131,7 @@ class ServerConfig:
 
     @cached_property
     def checkpoint_files(self) -> list[Path]:
-        """The weight files to load (models.config.find_weights); empty for random weights."""
+        """The weight files to load (model_config.find_weights); empty for random weights."""
         return [] if self.random_weights else find_weights(Path(self.model_config.path), self.load_format)
 
     @property

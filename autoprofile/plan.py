@@ -20,7 +20,7 @@ from autoprofile import budget
 from autoprofile.budget import GiB, MiB, gib, running_reqs
 from autoprofile.config import DTYPE_BYTES, ConfigError, ServerConfig, context_cut, decode_rows_text, validate
 from autoprofile.kernels import launch_rules
-from models.config import MLA_ARCHITECTURES, ModelConfig, unsupported_architecture
+from autoprofile.model_config import MLA_ARCHITECTURES, ModelConfig, unsupported_architecture
 
 # Non-torch memory of one process: the CUDA context plus the driver's local-memory reservation (1 KiB of stack
 # per thread: no kernel of the serving path spills). Measured on an H100 (torch 2.11, CUDA 13, 2026-11-23):

@@ -1,7 +1,7 @@
 """Model definitions (Llama-family decoders with dense or MoE MLPs, DeepSeek-V2 with MLA) and their HF-style
 config.json files."""
 
-from models.config import HYBRID_ARCHITECTURES, MLA_ARCHITECTURES
+from autoprofile.model_config import HYBRID_ARCHITECTURES, MLA_ARCHITECTURES
 
 VL_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 

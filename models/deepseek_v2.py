@@ -24,7 +24,7 @@ from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KV
 from autoprofile.layers.moe import FusedMoE, GroupedTopk, Routing
 from autoprofile.layers.parallel import TP, ColumnParallelLinear, RowParallelLinear, new_param
 from autoprofile.layers.quant import dequantize_weight
-from models.config import Fp8Scheme, ModelConfig
+from autoprofile.model_config import Fp8Scheme, ModelConfig
 from models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, yarn_mscale
 
 log = logging.getLogger(__name__)

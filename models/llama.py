@@ -19,7 +19,7 @@ from autoprofile.layers.ops import KernelOps
 from autoprofile.layers.quant import Fp8Rows, fused_input_quant
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                          VocabParallelEmbedding, new_param)
-from models.config import Fp8Scheme, ModelConfig
+from autoprofile.model_config import Fp8Scheme, ModelConfig
 
 
 def packed_quant(mc: ModelConfig, prefix: str, parts: tuple[str, ...],

@@ -26,7 +26,7 @@ from torch import nn
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata
 from autoprofile.layers.parallel import TP, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, new_param
-from models.config import ModelConfig, VisionConfig
+from autoprofile.model_config import ModelConfig, VisionConfig
 from models.llama import KVLayer, LlamaForCausalLM, LlamaModel, RMSNorm, RotaryEmbedding, apply_rope
 
 Grid = tuple[int, int, int]

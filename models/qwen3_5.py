@@ -21,7 +21,7 @@ from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KV
 from autoprofile.layers.moe import Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked,
                                          load_column, new_param, read_rows, source_shape)
-from models.config import ModelConfig
+from autoprofile.model_config import ModelConfig
 from models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, RMSNorm, SparseMoeBlock,
                           packed_quant, reader_quant)
 

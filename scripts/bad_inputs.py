@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoprofile import cli  # noqa: E402
-from models.config import CONFIG_DIR  # noqa: E402
+from autoprofile.model_config import CONFIG_DIR  # noqa: E402
 
 
 @dataclass

@@ -126,7 +126,7 @@ def fit_batches(batches: list[int], ctx: int, page_size: int, cell_bytes: int, f
 def fit_to_card(args: argparse.Namespace) -> None:
     """args.batches cut to what this card holds beside the model's weights (plan.weight_bytes), said on stderr."""
     from autoprofile import budget, plan
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
 
     mc = load_model_config(args.model)
     cell = budget.cell_bytes_for(mc, 1 if args.kv_cache_dtype == "fp8_e4m3" else 2)

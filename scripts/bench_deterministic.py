@@ -126,7 +126,7 @@ def family_folder(name: str, layers: int) -> str:
     import json
     import tempfile
 
-    from models.config import CONFIG_DIR
+    from autoprofile.model_config import CONFIG_DIR
     config = json.loads((CONFIG_DIR / name / "config.json").read_text())
     if layers:
         config["num_hidden_layers"] = layers

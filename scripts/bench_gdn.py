@@ -32,7 +32,7 @@ from autoprofile.engine.state_cache import STATE_TORCH_DTYPES  # noqa: E402
 from autoprofile.kernels import triton_gdn  # noqa: E402
 from autoprofile.kernels.launch_rules import GdnLaunch  # noqa: E402
 from autoprofile.layers import gdn  # noqa: E402
-from models.config import load_model_config  # noqa: E402
+from autoprofile.model_config import load_model_config  # noqa: E402
 
 
 ARGS = ("qkv", "z", "ba", "conv_weight", "a_log", "dt_bias", "norm_weight", "eps", "conv", "ssm", "slots")

@@ -948,7 +948,7 @@ def roofline_line(r: dict) -> str:
 def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namespace) -> str:
     if not isinstance(rates, dict):
         return f"roofline: not measured ({rates})"
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     try:
         m = load_model_config(summary["model"])
     except ValueError as e:

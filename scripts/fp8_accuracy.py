@@ -33,8 +33,8 @@ from autoprofile.engine.weights import load_weights  # noqa: E402
 from autoprofile.layers.attention import AttentionMetadata  # noqa: E402
 from autoprofile.layers.parallel import TP  # noqa: E402
 from autoprofile.layers.quant import FP8, dequantize_weight  # noqa: E402
+from autoprofile.model_config import load_model_config  # noqa: E402
 from models import model_class  # noqa: E402
-from models.config import load_model_config  # noqa: E402
 
 PAGE = 16
 

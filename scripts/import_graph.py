@@ -30,10 +30,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("autoprofile.kernels",)),  # called by the engine's backends and sampler; never import it
     ("models", ("models",)),
     ("layers", ("autoprofile.layers",)),
-    ("config", ("autoprofile.config",)),
+    ("config", ("autoprofile.config", "autoprofile.model_config")),
     ("base", ("autoprofile.budget", "autoprofile.kernels.launch_rules", "autoprofile.memory",
-              "autoprofile.profile_cache", "autoprofile.tp.votes", "autoprofile.tp", "models.config",
-              "autoprofile")),
+              "autoprofile.profile_cache", "autoprofile.tp.votes", "autoprofile.tp", "autoprofile")),
 )
 
 

@@ -23,8 +23,8 @@ from autoprofile.engine.kv_cache import KVCache
 from autoprofile.layers.parallel import TP
 from autoprofile.engine.runner import TORCH_DTYPES
 from autoprofile.engine.weights import init_random, load_weights
+from autoprofile.model_config import load_model_config
 from models import model_class
-from models.config import load_model_config
 
 PAGE = 16
 

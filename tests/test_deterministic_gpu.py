@@ -105,7 +105,7 @@ def test_a_request_gets_the_same_tokens_alone_and_inside_a_crowd_of_300(model_di
 def family_dir(tmp_path_factory, name: str, **overrides) -> str:
     """A builtin model's config.json with fewer layers (random weights load in seconds; the widths, experts,
     latent and tower are the real model's)."""
-    from models.config import CONFIG_DIR
+    from autoprofile.model_config import CONFIG_DIR
     config = {**json.loads((CONFIG_DIR / name / "config.json").read_text()), **overrides}
     folder = tmp_path_factory.mktemp(name)
     (folder / "config.json").write_text(json.dumps(config))

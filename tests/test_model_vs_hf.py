@@ -16,7 +16,7 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 from models.llama import rope_inv_freq
 from tests.conftest import require_backend
 

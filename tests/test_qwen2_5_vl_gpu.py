@@ -11,7 +11,7 @@ import torch
 
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.weights import init_random
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 from models.qwen2_5_vl import Qwen2_5_VisionTransformer, vision_layout
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -75,8 +75,8 @@ def tiny_decode(name: str, dtype=torch.float16, ctx: int = 40, seed: int = 0):
     from autoprofile.engine.kv_cache import KVCache
     from autoprofile.layers.attention import AttentionMetadata
     from autoprofile.layers.parallel import TP
+    from autoprofile.model_config import load_model_config
     from models import model_class
-    from models.config import load_model_config
 
     cpu_ops()
     torch.manual_seed(seed)

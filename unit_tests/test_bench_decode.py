@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from autoprofile import budget, plan
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -266,7 +266,7 @@ def test_a_server_that_vanishes_mid_run_is_failed_requests_not_a_traceback(boote
 def test_roofline_of_the_c256_run_matches_the_issue_arithmetic():
     """1000 fresh 1024/128 requests at concurrency 256 on llama-3.1-8b: ~14.9 PFLOP of prefill, 4 waves of
     127 decode steps; with an H100's rates the floor is ~29 s, and the fraction is floor / measured."""
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     m = load_model_config("llama-3.1-8b")
     summary = {"completed": 1000, "duration": 42.9}
     rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
@@ -292,7 +292,7 @@ def test_the_p99_ttft_floor_of_a_burst_is_the_prefill_of_the_prompts_before_it()
     assert bench_serving.ttft_floor(1000, 256, 0.02, 0.99) == pytest.approx(246 * 0.02)
     assert bench_serving.ttft_floor(1000, 1, 0.02, 0.99) == pytest.approx(0.02)
     assert bench_serving.ttft_floor(4, 4, 1.0, 0.5) == pytest.approx(2.0)
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     r = bench_serving.roofline({"completed": 1000, "duration": 40.0},
                                {"gemm_flops_per_s": 782e12, "copy_bytes_per_s": 3.0e12},
                                load_model_config("llama-3.1-8b"), 131072, 2, 1024, 128, 256)
@@ -303,7 +303,7 @@ def test_the_p99_ttft_floor_of_a_burst_is_the_prefill_of_the_prompts_before_it()
 def test_an_moe_models_roofline_counts_the_experts_its_tokens_reach():
     """qwen3-30b-a3b (30.5 B params, 3.3 B a token): prefill FLOPs from the active parameters, not all 128
     experts; a decode step of 1 row reads 8 of 128 experts per layer, 256 rows nearly all."""
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     m = load_model_config("qwen3-30b-a3b")
     rates = {"gemm_flops_per_s": 700e12, "copy_bytes_per_s": 3.0e12}
     assert 3.0e9 < m.params_per_token() < 3.6e9 and 30e9 < m.num_params() < 31e9
@@ -326,7 +326,7 @@ def test_an_fp8_models_roofline_reads_a_byte_a_weight_and_computes_at_the_fp8_ra
     """llama-3.1-8b-fp8: its quantized linears' FLOPs at the measured FP8 GEMM rate (the bf16 rate where it
     was not measured), one byte a quantized weight in each decode step; the embedding, lm_head and attention
     stay bf16. qwen3-30b-a3b-fp8: the experts its tokens reach."""
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     bf16, fp8 = load_model_config("llama-3.1-8b"), load_model_config("llama-3.1-8b-fp8")
     rates = {"gemm_flops_per_s": 800e12, "copy_bytes_per_s": 3.0e12, "fp8_gemm_flops_per_s": 1600e12}
     args = ({"completed": 1000, "duration": 30.0}, rates)
@@ -348,7 +348,7 @@ def test_an_fp8_models_roofline_reads_a_byte_a_weight_and_computes_at_the_fp8_ra
 
 
 def test_mla_attention_flops_use_its_expanded_widths():
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     m = load_model_config("deepseek-v2-lite")
     assert m.attention_dims() == (192, 128)
     r = bench_serving.roofline({"completed": 1, "duration": 1.0}, {"gemm_flops_per_s": 1e15,

@@ -8,7 +8,7 @@ import pytest
 from autoprofile import budget
 from autoprofile.budget import GiB, Sizing
 from autoprofile.kernels import launch_rules
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 
 LLAMA_Q_HEADS, HEAD_DIM = 32, 128
 

@@ -195,8 +195,8 @@ def test_plan_refuses_a_flag_it_does_not_use(flag, value, capsys):
 
 def test_choices_are_argparse_choices():
     from autoprofile import config
+    from autoprofile.model_config import LOAD_FORMATS
     from autoprofile.plan import GPUS
-    from models.config import LOAD_FORMATS
     actions = {a.dest: a for p in ("serve", "plan") for a in _subparser(p)._actions}
     expect = {"attention_backend": config.ATTENTION_BACKENDS, "kv_cache_dtype": config.KV_DTYPES,
               "dtype": config.MODEL_DTYPES, "kv_scales": config.KV_SCALES, "load_format": LOAD_FORMATS,

@@ -8,6 +8,7 @@ import pytest
 
 from autoprofile import cli
 from autoprofile.config import ConfigError, ServerConfig, validate
+from autoprofile.model_config import CONFIG_DIR
 
 CUDA_ENTRY_POINTS = ("is_available", "init", "mem_get_info", "device_count", "current_device",
                      "get_device_properties", "memory_reserved", "synchronize", "set_device")
@@ -199,8 +200,7 @@ def test_valid_combinations_pass_validation(argv, cuda_spy, capsys):
 
 
 def test_model_folder_with_config_json(tmp_path, cuda_spy, capsys):
-    cfg = json.loads((__import__("models.config", fromlist=["CONFIG_DIR"]).CONFIG_DIR / "tiny/config.json")
-                     .read_text())
+    cfg = json.loads((CONFIG_DIR / "tiny/config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     cuda_spy["is_available"].side_effect = None
     cuda_spy["is_available"].return_value = False
@@ -316,8 +316,7 @@ def test_plan_blames_running_max_req_size_when_its_rows_set_the_floor(capsys):
 
 
 # ---------------------------------------------------------------- config.json refused before loading
-TINY = json.loads((__import__("models.config", fromlist=["CONFIG_DIR"]).CONFIG_DIR / "tiny/config.json")
-                  .read_text())
+TINY = json.loads((CONFIG_DIR / "tiny/config.json").read_text())
 
 
 @pytest.mark.parametrize("change, key, fix", [

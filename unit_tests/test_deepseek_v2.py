@@ -16,7 +16,7 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.layers.attention import AttentionMetadata
-from models.config import CONFIG_DIR, load_model_config
+from autoprofile.model_config import CONFIG_DIR, load_model_config
 from models.deepseek_v2 import DeepseekV2ForCausalLM, mla_softmax_scale
 from models.llama import rope_attention_factor, rope_inv_freq
 from unit_tests.test_moe import logits as prefill
@@ -178,8 +178,8 @@ def test_mla_is_read_for_deepseek_architectures_only_and_required_there(tmp_path
     """The model class follows the architecture: a DeepSeek-V2 config without kv_lora_rank is refused naming
     the key; another architecture's stray kv_lora_rank is not MLA (its cache stays K/V)."""
     import json
+    from autoprofile.model_config import ModelConfigError, from_hf_dict
     from models import model_class
-    from models.config import ModelConfigError, from_hf_dict
     lite = json.loads((CONFIG_DIR / "deepseek-v2-lite" / "config.json").read_text())
     with pytest.raises(ModelConfigError, match="key 'kv_lora_rank' is missing"):
         from_hf_dict({k: v for k, v in lite.items() if k != "kv_lora_rank"})

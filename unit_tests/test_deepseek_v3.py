@@ -19,7 +19,7 @@ from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.layers.moe import GroupedTopk, Routing, biased_grouped_topk
-from models.config import ModelConfigError, from_hf_dict, load_model_config
+from autoprofile.model_config import ModelConfigError, from_hf_dict, load_model_config
 from models.deepseek_v2 import DeepseekV3ForCausalLM
 from unit_tests.test_deepseek_v2 import hf_logits, latent_cache, tiny_cfg
 from unit_tests.test_fp8_models import compare, ours, prefill_logits, write
@@ -269,9 +269,9 @@ def test_plan_counts_the_v3_model_s_parameters_on_every_rank(tmp_path):
 
     from autoprofile.config import ServerConfig, validate
     from autoprofile.layers.parallel import TP
+    from autoprofile.model_config import CONFIG_DIR
     from autoprofile.plan import GPUS, make_plan
     from models import model_class
-    from models.config import CONFIG_DIR
     d = json.loads((CONFIG_DIR / "tiny-deepseek-v3" / "config.json").read_text())
     d["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                 "weight_block_size": [32, 32], "modules_to_not_convert": ["lm_head"]}

@@ -100,7 +100,7 @@ def test_the_readme_is_short_and_for_users():
 
 
 def test_the_readme_lists_every_architecture_the_code_serves():
-    from models.config import HYBRID_ARCHITECTURES
+    from autoprofile.model_config import HYBRID_ARCHITECTURES
     text = (ROOT / "README.md").read_text().split("## Supported architectures")[1].split("\n## ")[0]
     for arch in ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
                  *HYBRID_ARCHITECTURES):

@@ -29,7 +29,7 @@ from autoprofile.engine.step_inputs import Staging
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
 from autoprofile.engine.weights import init_random, load_checkpoint
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 from models.llama import LlamaForCausalLM, rope_inv_freq
 
 CPU = torch.device("cpu")

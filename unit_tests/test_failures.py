@@ -152,8 +152,8 @@ from pathlib import Path  # noqa: E402
 from autoprofile import budget, cli  # noqa: E402
 from autoprofile.config import ServerConfig, validate  # noqa: E402
 from autoprofile.engine.kv_cache import KVCacheFull, PageAllocator  # noqa: E402
+from autoprofile.model_config import CONFIG_DIR  # noqa: E402
 from autoprofile.profiler import LeakError, Profiler, ProfileError  # noqa: E402
-from models.config import CONFIG_DIR  # noqa: E402
 from unit_tests.fakes import GiB, FakeGPU, FakeRunner, llama8b_sizing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

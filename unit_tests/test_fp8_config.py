@@ -13,9 +13,9 @@ from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.engine.weights import load_weights
 from autoprofile.layers.quant import fp8_capability_problem, quantize_weight
+from autoprofile.model_config import (CONFIG_DIR, Fp8Scheme, ModelConfigError, from_hf_dict, ignored,
+                                      load_model_config, with_runtime_fp8)
 from models import model_class
-from models.config import (CONFIG_DIR, Fp8Scheme, ModelConfigError, from_hf_dict, ignored, load_model_config,
-                           with_runtime_fp8)
 
 TINY = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text())
 HF_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

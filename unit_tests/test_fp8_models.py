@@ -21,8 +21,8 @@ from autoprofile.engine.weights import load_weights
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.layers.parallel import TP
 from autoprofile.layers.quant import FP8, FP8_MAX, Fp8Scheme, dequantize_weight, quantize_weight
+from autoprofile.model_config import load_model_config
 from models import model_class
-from models.config import load_model_config
 from unit_tests.test_moe import PAGE, TINY, logits, perturb
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -298,7 +298,7 @@ def test_transformers_reads_our_block_checkpoint_as_we_do(hf_models, tmp_path):
 
 def test_runtime_quantization_of_a_bf16_checkpoint(hf_models, tmp_path):
     """--quantization fp8: the bf16 checkpoint quantized per channel at load, activations per token."""
-    from models.config import with_runtime_fp8
+    from autoprofile.model_config import with_runtime_fp8
     hf = hf_models["moe"]
     hf.save_pretrained(str(tmp_path))
     mc = with_runtime_fp8(load_model_config(str(tmp_path)))

@@ -82,3 +82,15 @@ def test_the_script_exits_1_on_a_broken_rule(monkeypatch, capsys):
     monkeypatch.setattr(ig, "graph", lambda: {**real(), "autoprofile.memory": {"autoprofile.server"}})
     assert ig.main([]) == 1
     assert "FAIL: autoprofile.memory (base) imports autoprofile.server (server)" in capsys.readouterr().err
+
+
+def test_the_model_config_sits_at_the_config_floor_and_nothing_below_models_imports_them():
+    """The schema's old home (models/config.py in the base layer) hid layers.quant's import back up."""
+    g = ig.graph()
+    assert ig.layer_of("autoprofile.model_config") == ig.layer_of("autoprofile.config")
+    assert all(ig.layer_of(m) == ig.layer_of("models.llama") for m in g if m.split(".")[0] == "models")
+    below = [m for m in g if ig.layer_of(m) > ig.layer_of("models.llama")]
+    assert "autoprofile.layers.quant" in below and "autoprofile.config" in below
+    assert [(m, b) for m in below for b in g[m] if b.split(".")[0] == "models"] == []
+    assert "autoprofile.model_config" in g["autoprofile.layers.quant"]
+    assert not any(b.startswith("autoprofile.") for b in g["autoprofile.model_config"])

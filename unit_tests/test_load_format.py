@@ -16,7 +16,7 @@ from autoprofile.engine.attention.torch_sdpa import TorchBackend
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.weights import load_weights
 from autoprofile.layers.parallel import TP
-from models.config import ModelConfigError, find_weights, load_model_config
+from autoprofile.model_config import ModelConfigError, find_weights, load_model_config
 from models.llama import LlamaForCausalLM
 from unit_tests.test_engine_cpu import QWEN_SMALL, hf_tensors
 

@@ -323,8 +323,8 @@ def test_lm_eval_local_completions_loglikelihood_and_generate_until(run, booted,
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoTokenizer
 
+    from autoprofile.model_config import load_model_config
     from autoprofile.serving.tokenizer import HFTokenizer
-    from models.config import load_model_config
     folder = bpe_folder(tmp_path / "tok")
     hf = AutoTokenizer.from_pretrained(folder)
     pairs = [("the quick brown fox", " jumps over"), ("said the", " lazy dog")]

@@ -20,8 +20,8 @@ from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.kernels.launch_rules import sorted_slots
 from autoprofile.layers.moe import FusedMoE, Routing, expert_part, moe_reference, route, sort_by_expert
 from autoprofile.layers.parallel import TP
+from autoprofile.model_config import CONFIG_DIR, load_model_config
 from models import model_class
-from models.config import CONFIG_DIR, load_model_config
 from models.llama import LlamaForCausalLM, SparseMoeBlock
 
 transformers = pytest.importorskip("transformers", minversion="5.0")

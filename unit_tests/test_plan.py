@@ -12,8 +12,8 @@ from autoprofile import plan as plan_module
 from autoprofile.budget import GiB
 from autoprofile.config import ServerConfig, validate
 from autoprofile.kernels import launch_rules
+from autoprofile.model_config import load_model_config
 from autoprofile.plan import GPUS, Card, card_for, format_plan, make_plan, sizing_for, weight_split
-from models.config import load_model_config
 
 LLAMA_PARAMS = 8_030_261_248
 
@@ -283,7 +283,7 @@ def test_plan_matches_the_engine_on_cpu(variant, tmp_path):
     """The exact rows are what the engine really allocates: weights + rope table = the runner's
     parameters and buffers; the plan's Sizing charges what the runner's Sizing charges."""
     from autoprofile.engine.runner import ModelRunner
-    from models.config import CONFIG_DIR
+    from autoprofile.model_config import CONFIG_DIR
 
     d = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text()) | TINY_VARIANTS[variant]
     (tmp_path / "config.json").write_text(json.dumps(d))
@@ -324,8 +324,8 @@ def test_fp8_weight_bytes_are_the_engine_s_parameters(variant, tmp_path):
 
     from autoprofile.layers.parallel import TP
     from autoprofile.layers.quant import FP8
+    from autoprofile.model_config import CONFIG_DIR
     from models import model_class
-    from models.config import CONFIG_DIR
 
     base, quant, flag, tp = FP8_VARIANTS[variant]
     d = json.loads((CONFIG_DIR / "tiny" / "config.json").read_text()) | TINY_VARIANTS[base]

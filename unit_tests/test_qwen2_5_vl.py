@@ -16,8 +16,8 @@ from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.kv_cache import KVCache
 from autoprofile.engine.weights import init_random, load_weights
+from autoprofile.model_config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model_config
 from models import qwen2_5_vl
-from models.config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model_config
 from models.llama import RMSNorm
 from models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, mrope_positions, vision_layout
 

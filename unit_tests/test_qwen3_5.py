@@ -24,8 +24,8 @@ from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.state_cache import StateCache, layer_caches
 from autoprofile.engine.weights import load_weights
 from autoprofile.layers.attention import AttentionMetadata
+from autoprofile.model_config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model_config
 from models import model_class
-from models.config import CONFIG_DIR, ModelConfigError, from_hf_dict, load_model_config
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 

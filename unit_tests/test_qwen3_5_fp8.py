@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.layers.parallel import TP
 from autoprofile.layers.quant import dequantize_weight, quantize_weight
-from models.config import Fp8Scheme, load_model_config
+from autoprofile.model_config import Fp8Scheme, load_model_config
 from unit_tests import test_qwen3_5 as hybrid
 from unit_tests.test_fp8_models import compare, ours
 

@@ -32,7 +32,7 @@ def write_model(folder) -> None:
     """A model folder: the tiny config at the tokenizer's vocabulary, a byte-level BPE tokenizer.json with
     <think> and </think> as added (non-special) tokens, the template above."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from models.config import load_model_config
+    from autoprofile.model_config import load_model_config
     assert GENERATION in BYTE_CHAT_TEMPLATE
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

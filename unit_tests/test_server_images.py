@@ -195,8 +195,8 @@ def hf_tokenizer(folder, template: str):
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from autoprofile.model_config import load_model_config
     from autoprofile.serving.tokenizer import HFTokenizer
-    from models.config import load_model_config
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from autoprofile.config import ServerConfig
+from autoprofile.model_config import load_model_config
 from autoprofile.serving.tokenizer import (BYTE_OFFSET, ByteTokenizer, ChatTemplateError, HFTokenizer,
                                            TextStream,
                                            load_tokenizer)
-from models.config import load_model_config
 
 BYTES = ByteTokenizer(4096, eos_token_ids={2}, specials={1})
 

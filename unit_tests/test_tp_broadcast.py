@@ -14,8 +14,8 @@ from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.engine.scheduler import Step, StepRow, image_spans
+from autoprofile.model_config import load_model_config
 from autoprofile.tp import broadcast
-from models.config import load_model_config
 from unit_tests.test_multimodal_engine import image_input
 from unit_tests.test_qwen2_5_vl import ONE, models, prompt  # noqa: F401 - a fixture
 from unit_tests.test_tp import run

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from autoprofile.engine.sampler import SampledTokens, StepTokens
     from autoprofile.engine.scheduler import Step
     from autoprofile.engine.step_clock import StepClock
-    from models.config import ModelConfig
+    from autoprofile.model_config import ModelConfig
 
 
 class StepRunner(Protocol):

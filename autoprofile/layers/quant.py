@@ -4,8 +4,8 @@ A quantized linear layer holds `weight` float8_e4m3fn [N, K], `weight_scale` fp3
 [ceil(N/bn), ceil(K/bk)]), and `input_scale` fp32 [1] for static activations. Scales MULTIPLY:
 W = weight.float() * scale (HF's `weight_scale_inv` and compressed-tensors' `weight_scale` both are this
 factor). Activations are quantized per token ("token"), per (token, bk-group) ("group", with "block"), or by
-the checkpoint's one scale ("static"). The scheme itself (Fp8Scheme) lives in models.config, torch-free,
-because the config and the planner read it.
+the checkpoint's one scale ("static"). The scheme itself (Fp8Scheme) lives in autoprofile.model_config,
+torch-free, because the config and the planner read it.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.config import Fp8Scheme
+from autoprofile.model_config import Fp8Scheme
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

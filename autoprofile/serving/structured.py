@@ -25,8 +25,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from autoprofile.model_config import BYTE_OFFSET, FIRST_FOLDED
 from autoprofile.serving.errors import APIError, bad
-from models.config import BYTE_OFFSET, FIRST_FOLDED
 
 CACHE_SIZE = 256  # compiled grammars kept, by their kind and text
 # xgrammar's compile time grows steeply with a schema's depth and width (this CPU: 300 nested objects 5 s,

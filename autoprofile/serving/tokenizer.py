@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from autoprofile.config import ServerConfig, tokenizer_problem
-from models.config import BYTE_OFFSET, FIRST_FOLDED
+from autoprofile.model_config import BYTE_OFFSET, FIRST_FOLDED
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from autoprofile.engine.host_kv import HostKVPool
 from autoprofile.engine.sampler import SampledTokens, StepTokens
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.step_clock import StepClock
+from autoprofile.model_config import ModelConfig
 from autoprofile.tp.channel import HEARTBEAT_S, GuardedRunner, StepFailed, TPError, is_consequence
 from autoprofile.tp.votes import describe, gather_errors
-from models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 PEER_CHECK_S = 0.5  # the idle rank 0 looks for a peer that ended this often
