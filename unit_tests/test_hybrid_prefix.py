@@ -20,7 +20,7 @@ from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.engine.scheduler import checkpoint_stops
 from autoprofile.engine.state_cache import StateCache
-from models.config import load_model_config
+from autoprofile.model_config import load_model_config
 
 PAGE = 16
 GREEDY_LP = SamplingParams(temperature=0.0, logprobs=1)
