@@ -88,6 +88,7 @@ def test_the_model_config_sits_at_the_config_floor_and_nothing_below_models_impo
     """The schema's old home (models/config.py in the base layer) hid layers.quant's import back up."""
     g = ig.graph()
     assert ig.layer_of("autoprofile.model_config") == ig.layer_of("autoprofile.config")
+    assert "models.config" not in g  # no alias left behind: every importer names the new module
     assert all(ig.layer_of(m) == ig.layer_of("models.llama") for m in g if m.split(".")[0] == "models")
     below = [m for m in g if ig.layer_of(m) > ig.layer_of("models.llama")]
     assert "autoprofile.layers.quant" in below and "autoprofile.config" in below
