@@ -633,6 +633,9 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(budget, "page_size", type=int, default=d.page_size, help="Tokens per KV page.")
     add_flag(budget, "canary_mb", type=int, default=d.canary_mb,
              help="Headroom in MiB held free through the validation.")
+    add_flag(budget, "disable_prefix_caching", action="store_true",
+             help="Never reuse the K and V of full pages that an earlier request with the same prefix "
+                  "computed. A hybrid model then keeps no state checkpoints (their memory goes to KV).")
     add_flag(budget, "deterministic", action="store_true",
              help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "
                   "greedy or seeded, are the same alone and in any crowd, at a cost in throughput. See "
@@ -669,9 +672,6 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Where an FP8 cache's per-layer K and V scales come from. auto: the checkpoint's "
                   "k_scale and v_scale if it has them, else first_batch; first_batch: the first real "
                   "prefill's K and V; unit: 1.0.")
-    add_flag(run, "disable_prefix_caching", action="store_true",
-             help="Never reuse the K and V of full pages that an earlier request with the same prefix "
-                  "computed.")
     add_flag(run, "disable_overlap_schedule", action="store_true",
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
                   "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "
