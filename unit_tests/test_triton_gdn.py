@@ -25,7 +25,8 @@ from autoprofile.layers import gdn
 torch.manual_seed(0)
 for (b, hk, hv, kd, vd, slots_n), launch in [((3, 2, 4, 16, 40, 6), GdnLaunch()),
                                              ((1, 1, 1, 32, 32, 2), GdnLaunch(block_v=16, stages=2)),
-                                             ((5, 2, 6, 8, 8, 9), GdnLaunch(block_v=8, heads=3, warps=2))]:
+                                             ((5, 2, 6, 8, 8, 9), GdnLaunch(block_v=8, heads=3, warps=2)),
+                                             ((2, 1, 2, 16, 80, 4), GdnLaunch(block_v=64))]:  # the served rule's
     qkv = torch.randn(b, 2 * hk * kd + hv * vd)  # the conv's output: q, k, v are views with its row stride
     q, k, v = qkv.split([hk * kd, hk * kd, hv * vd], dim=-1)
     q, k, v = q.reshape(b, hk, kd), k.reshape(b, hk, kd), v.reshape(b, hv, vd)
