@@ -181,9 +181,9 @@ def _processed_case(rows: int, history: int, seed: int = 0):
 
 def test_processors_on_cuda_equal_the_reference():
     """logits_process.apply on CUDA (bf16 logits, chunks of PROCESS_ROWS) against the per-row reference of
-    unit_tests/test_logits_process.py, computed in fp64 on the CPU from the same logits."""
+    unit_tests/logits_reference.py, computed in fp64 on the CPU from the same logits."""
     from autoprofile.engine import logits_process
-    from unit_tests.test_logits_process import reference_process
+    from unit_tests.logits_reference import reference_process
     rows = logits_process.PROCESS_ROWS + 9
     logits, params, tokens = _processed_case(rows, 300)
     want = torch.stack([reference_process(logits[i].float().cpu(), t.prompt.tolist(), t.output.tolist(),

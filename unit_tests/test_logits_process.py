@@ -6,7 +6,6 @@ envelope's most sampled rows."""
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import numpy as np
 import openai
@@ -24,6 +23,7 @@ from autoprofile.serving.tokenizer import load_tokenizer
 from unit_tests import test_server
 from unit_tests.test_openai_api import client, refused
 from unit_tests.test_server import CFG, post
+from unit_tests.logits_reference import reference_process
 
 booted, engine, run = test_server.booted, test_server.engine, test_server.run  # the server tests' fixtures
 VOCAB = 4096  # the tiny model's
@@ -31,26 +31,6 @@ EOS = 2
 
 
 # ---------------------------------------------------------------- the reference
-def reference_process(x: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams,
-                      stop: tuple[int, ...] = ()) -> torch.Tensor:
-    """One row, token by token, in vLLM's order: bias, min_tokens, repetition (prompt and output), frequency
-    and presence (output), min_p at the row's temperature."""
-    x = x.double().clone()
-    for tok, b in p.logit_bias:
-        x[tok] += b
-    if len(output) < p.min_tokens:
-        for tok in stop:
-            x[tok] = -math.inf
-    for tok in set(prompt) | set(output):
-        x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
-    for tok, count in Counter(output).items():
-        x[tok] -= p.frequency_penalty * count + p.presence_penalty
-    if p.min_p > 0 and p.temperature > 0:
-        probs = (x / p.temperature).softmax(-1)
-        x[probs < p.min_p * probs.max()] = -math.inf
-    return x.float()
-
-
 def _row(params, prompt, output, stop=(), slot=0) -> logits_process.RowTokens:
     return logits_process.RowTokens(params, np.asarray(prompt, np.int64), np.asarray(output, np.int64),
                                     tuple(stop), slot)
