@@ -101,3 +101,19 @@ def test_fp8_max_is_written_once():
                 if not any(isinstance(n, ast.Attribute) and n.attr == "FP8_MAX" for n in value):
                     written.append(str(path.relative_to(ROOT)))
     assert written == ["autoprofile/layers/quant.py"]
+
+
+def test_the_fp8_skinny_rule_keeps_todays_path_by_default_and_follows_its_table():
+    from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch, skinny_block_m
+    assert launch_rules.FP8_SKINNY_LAUNCHES == ()  # until measured: the quantize + GEMM path at every row
+    assert all(fp8_skinny_launch(m, 4096, 4096) is None for m in range(1, 300))
+    table = ((8, SkinnyLaunch(64, 256, 4, 3)), (32, None), (64, SkinnyLaunch(32, 128, 8, 2)))
+    got = [fp8_skinny_launch(m, 28672, 4096, table) for m in (1, 2, 8, 9, 32, 33, 64, 65)]
+    assert got == [None, SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(64, 256, 4, 3), None, None,
+                   SkinnyLaunch(32, 128, 8, 2), SkinnyLaunch(32, 128, 8, 2), None]
+    # a narrow N halves block_n toward 256 programs (not below 16); a short K caps the K step
+    assert fp8_skinny_launch(2, 4096, 4096, table).block_n == 16
+    assert fp8_skinny_launch(2, 16384, 4096, table).block_n == 64
+    assert fp8_skinny_launch(2, 6144, 4096, table).block_n == 16
+    assert fp8_skinny_launch(2, 100, 100, table) == SkinnyLaunch(16, 128, 4, 3)
+    assert [skinny_block_m(m) for m in (1, 2, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]

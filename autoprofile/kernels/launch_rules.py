@@ -170,3 +170,45 @@ def gdn_decode_launch(rows: int, k_heads: int, v_heads: int, v_dim: int,
     if launch.fuse_conv and v_heads % k_heads:
         launch = launch._replace(fuse_conv=False)
     return launch
+
+
+# ---------------------------------------------------------------- FP8 weights, 2-64 rows (triton_fp8_skinny)
+class SkinnyLaunch(NamedTuple):
+    """One launch of triton_fp8_skinny's GEMM: weight rows a program (halved for a narrow N, see
+    fp8_skinny_launch), K a step (capped by a block scale's K), warps, pipeline stages."""
+
+    block_n: int = 32
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 3
+
+
+SkinnyTable = tuple[tuple[int, SkinnyLaunch | None], ...]
+SKINNY_MAX_ROWS = 64  # activation rows one program holds at most (its tile pads them to 16, 32 or 64)
+SKINNY_MIN_BLOCK_N = 16  # tl.dot's smallest side
+SKINNY_MIN_PROGRAMS = 256  # about two programs an SM of an H100: block_n halves until N gives this many
+# (most rows, launch or None) ascending: the first entry whose rows reach the call's rows; None, or rows past
+# every entry: the quantize + GEMM path (triton_fp8.linear). Empty: today's choice everywhere, until measured
+# (scripts/bench_fp8.py --skinny prints the line to paste)
+FP8_SKINNY_LAUNCHES: SkinnyTable = ()
+
+
+def skinny_block_m(rows: int) -> int:
+    """The padded activation rows of a skinny launch: 16, 32 or 64."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = None) -> SkinnyLaunch | None:
+    """The skinny FP8 GEMM's launch for `rows` activation rows against an [n, k] weight, or None: one row
+    (the W8A16 GEMV), more than SKINNY_MAX_ROWS, or the table's choice (None: FP8_SKINNY_LAUNCHES). Static
+    values only (a captured graph replays one launch)."""
+    if rows < 2 or rows > SKINNY_MAX_ROWS:
+        return None
+    table = FP8_SKINNY_LAUNCHES if table is None else table
+    launch = next((cfg for most, cfg in table if rows <= most), None)
+    if launch is None:
+        return None
+    block_n = launch.block_n
+    while block_n > SKINNY_MIN_BLOCK_N and -(-n // block_n) < SKINNY_MIN_PROGRAMS:
+        block_n //= 2
+    return launch._replace(block_n=block_n, block_k=min(launch.block_k, max(32, 1 << (k - 1).bit_length())))
