@@ -7,9 +7,15 @@
   2. prefill rows (M=8192): bf16 cuBLAS against torch._scaled_mm row-wise and our Triton GEMM (channel and
      block scales), inputs quantized beforehand, in TFLOP/s; then linear() whole (quant included); then the
      block GEMM's launch-config sweep;
-  3. the activation quant kernels (per token, per 128-group) at M=8192: microseconds and GB/s moved.
+  3. the activation quant kernels (per token, per 128-group) at M=8192: microseconds and GB/s moved;
+  4. decode rows (1, 2, 4, 8, 16, 32, 64): today's path (triton_fp8.linear with the skinny rule off) against
+     the skinny GEMM (triton_fp8_skinny) over SKINNY_SWEEP, each shape's rows as the model hands them (o_proj:
+     bf16 rows; qkv, gate_up, down: rows its norm or SiLU-mul quantized, Fp8Rows), 32 weights a graph; us and
+     fraction of the bytes floor (weight + activations + output at the copy rate), a layer's four GEMMs
+     summed; then launch_rules.FP8_SKINNY_LAUNCHES to paste, chosen on the "channel" checkpoint
+     (llama-3.1-8b-fp8's): a row count keeps today's path (None) where the skinny GEMM is not faster.
 
-    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick]
+    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny]
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention  # noqa: E402 - the copy-bandwidth timer
 from bench_gemv import SHAPES, graph_us  # noqa: E402
 from cuda_timing import cuda_median_ms  # noqa: E402
-from autoprofile.kernels import triton_fp8, triton_gemv  # noqa: E402
+from autoprofile.kernels import launch_rules, triton_fp8, triton_fp8_skinny, triton_gemv  # noqa: E402
+from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch  # noqa: E402
+from autoprofile.layers.quant import Fp8Rows  # noqa: E402
 from unit_tests.test_triton_fp8 import REFERENCE  # noqa: E402
 
 ref: dict = {}  # the torch references (a private copy of layers.quant's)
@@ -38,6 +46,10 @@ GEMM_SWEEP = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, 
               for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                                    (128, 64, 4, 4), (64, 256, 8, 3))]
 PREFILL_M = 8192
+SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64)
+SKINNY_SWEEP = [SkinnyLaunch(*c) for c in (
+    (16, 128, 4, 4), (16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
+    (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2), (16, 256, 2, 3), (32, 128, 4, 5))]
 
 
 def fp8_weights(n: int, k: int, scheme, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,18 +143,118 @@ def quant_table() -> None:
               f"per 128-group {group * 1e3:7.1f} us ({moved / group * 1e3:5.0f} GB/s)", flush=True)
 
 
+def model_rows(name: str, m: int, k: int, scheme) -> torch.Tensor | Fp8Rows:
+    """A shape's input as the model hands it: o_proj reads attention's bf16 rows, the others rows their
+    producer quantized past one row (models.llama's RMSNorm and SiLU-mul)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if name == "o" or m == 1:
+        return x
+    if scheme.activation == "group":
+        return Fp8Rows(*triton_fp8.quantize_per_group(x, scheme.block[1]), x.dtype)
+    return Fp8Rows(*triton_fp8.quantize_per_token(x), x.dtype)
+
+
+def floor_us(m: int, n: int, k: int, x, rate: float) -> float:
+    """The bytes floor of one call: the weight, the activations as they come, the bf16 output."""
+    act = m * k + x.scale.numel() * 4 if isinstance(x, Fp8Rows) else m * k * 2
+    return (n * k + act + m * n * 2) / rate * 1e6
+
+
+def rule_launch(m: int, n: int, k: int, cfg: SkinnyLaunch) -> SkinnyLaunch | None:
+    """What launch_rules makes of `cfg` at this shape (block_n halved for a narrow N, K step capped)."""
+    return fp8_skinny_launch(m, n, k, ((launch_rules.SKINNY_MAX_ROWS, cfg),))
+
+
+def skinny_times(name: str, m: int, n: int, k: int, scheme, rate: float, launches) -> dict:
+    """us per call of today's path ("today") and of each launch the rule makes of `launches` at this shape
+    (keyed by that launch), 32 weights a graph; "floor", and "err": the skinny GEMM's largest difference
+    from today's output, relative to its largest value."""
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    q = fp8_weights(n, k, scheme, 32)
+    x = model_rows(name, m, k, scheme)
+    launch_rules.FP8_SKINNY_LAUNCHES = ()  # today's path
+    out = {"today": graph_us(lambda: [triton_fp8.linear(x, w, s, scheme) for w, s in q], 32),
+           "floor": floor_us(m, n, k, x, rate), "err": 0.0}
+    want = triton_fp8.linear(x, *q[0], scheme).float()
+    q = [(w, s if block else s.reshape(n)) for w, s in q]
+    for launch in {rule_launch(m, n, k, cfg) for cfg in launches} - {None}:
+        try:
+            got = triton_fp8_skinny.linear(x, *q[0], block, launch).float()
+            out[launch] = graph_us(lambda: [triton_fp8_skinny.linear(x, w, s, block, launch) for w, s in q],
+                                   32)
+        except Exception as e:  # noqa: BLE001 - a launch past the shared memory or registers is reported
+            print(f"  {name} m={m} {tuple(launch)}: {type(e).__name__}", flush=True)
+            continue
+        out["err"] = max(out["err"], float((got - want).abs().max() / want.abs().max()))
+    return out
+
+
+def layer_us(m: int, cfg: SkinnyLaunch, shapes: dict, times: dict) -> float | None:
+    """A layer's four GEMMs under one table entry, or None where a shape's launch failed."""
+    keys = {name: rule_launch(m, n, k, cfg) for name, (n, k) in shapes.items()}
+    if not all(key in times[name] for name, key in keys.items()):
+        return None
+    return sum(times[name][key] for name, key in keys.items())
+
+
+def rule_line(best: dict[int, SkinnyLaunch | None]) -> str:
+    """launch_rules.FP8_SKINNY_LAUNCHES from each row count's choice (None: today's path), neighbours with
+    the same choice merged into the larger row count's entry, trailing Nones dropped."""
+    entries: list[tuple[int, SkinnyLaunch | None]] = []
+    for m in sorted(best):
+        if entries and entries[-1][1] == best[m]:
+            entries.pop()
+        entries.append((m, best[m]))
+    while entries and entries[-1][1] is None:
+        entries.pop()
+    body = ", ".join(f"({m}, {None if cfg is None else cfg})" for m, cfg in entries)
+    return f"FP8_SKINNY_LAUNCHES: SkinnyTable = ({body}{',' if len(entries) == 1 else ''})"
+
+
+def skinny_table(rate: float, sweep: bool) -> None:
+    launches = SKINNY_SWEEP if sweep else [SkinnyLaunch()]
+    shapes = {name: nk for name, nk in SHAPES.items() if name != "lm_head"}
+    print("\n== decode rows: today's path / the skinny GEMM's fastest launch (us per call; fraction of the "
+          "bytes floor); a layer's four under one table entry ==")
+    best: dict[int, SkinnyLaunch | None] = {}
+    for scheme in (CHANNEL, BLOCK):
+        for m in SKINNY_ROWS:
+            times = {name: skinny_times(name, m, n, k, scheme, rate, launches)
+                     for name, (n, k) in shapes.items()}
+            floor, today = (sum(t[key] for t in times.values()) for key in ("floor", "today"))
+            layer = {cfg: us for cfg in launches if (us := layer_us(m, cfg, shapes, times)) is not None}
+            cfg = min(layer, key=layer.get) if layer else None
+            line = f"{scheme.weight:7s} m={m:2d} |"
+            for name, t in times.items():
+                fast = min((v for key, v in t.items() if isinstance(key, SkinnyLaunch)), default=float("nan"))
+                line += f" {name} {t['today']:.1f} ({t['floor'] / t['today']:.2f}) / {fast:.1f} " \
+                        f"({t['floor'] / fast:.2f}) |"
+            line += f" layer floor {floor:.1f}: today {today:.1f} ({floor / today:.2f})"
+            if cfg is not None:
+                line += f", skinny {layer[cfg]:.1f} ({floor / layer[cfg]:.2f}) at {tuple(cfg)}, " \
+                        f"{today / layer[cfg]:.2f}x; err {max(t['err'] for t in times.values()):.1e}"
+            print(line, flush=True)
+            if scheme is CHANNEL and m > 1:
+                best[m] = cfg if cfg is not None and layer[cfg] < today else None
+    print("\nlaunch_rules, chosen on the channel rows (pasted, it turns the skinny GEMM on where it won):")
+    print(rule_line(best), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="no config sweeps")
+    p.add_argument("--skinny", action="store_true", help="only the decode rows' table (section 4)")
     args = p.parse_args()
     torch.manual_seed(0)
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s; FP8 GEMV config "
           f"by shape (gemv_config); bf16 GEMV "
           f"{triton_gemv.BLOCK_N}/{triton_gemv.BLOCK_K}/w{triton_gemv.WARPS}; GEMM {triton_fp8.GEMM_LARGE}")
-    gemv_table(copy["GB_per_s"] * 1e9, not args.quick)
-    gemm_table(not args.quick)
-    quant_table()
+    if not args.skinny:
+        gemv_table(copy["GB_per_s"] * 1e9, not args.quick)
+        gemm_table(not args.quick)
+        quant_table()
+    skinny_table(copy["GB_per_s"] * 1e9, not args.quick)
 
 
 if __name__ == "__main__":
