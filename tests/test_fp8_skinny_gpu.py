@@ -1,0 +1,65 @@
+"""GPU: the skinny FP8 GEMM (kernels.triton_fp8_skinny) compiled, in bf16, against the dequantized fp32 matmul
+at llama-3.1-8b's shapes and odd ones, 2 to 64 rows, channel and 128 x 128 block scales, bf16 rows and the
+producers' Fp8Rows; one compile for every row count of a padded tile; the residual added in the epilogue."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprofile.kernels import triton_fp8, triton_fp8_skinny
+from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch
+from autoprofile.layers import quant
+from autoprofile.layers.quant import Fp8Rows, Fp8Scheme
+from tests.test_fp8_gpu import rel_err, weights
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CHANNEL, BLOCK = Fp8Scheme("channel"), Fp8Scheme("block", (128, 128), "group")
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (37, 300), (1000, 4100)]
+LAUNCHES = [SkinnyLaunch(), SkinnyLaunch(64, 128, 4, 4), SkinnyLaunch(128, 256, 8, 2)]
+
+
+def rows_for(x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
+    if scheme.activation == "group":
+        return Fp8Rows(*triton_fp8.quantize_per_group(x, scheme.block[1]), x.dtype)
+    return Fp8Rows(*triton_fp8.quantize_per_token(x), x.dtype)
+
+
+@pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_skinny_gemm_equals_the_dequantized_matmul(scheme, n, k):
+    wq, ws = weights(n, k, scheme)
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    deq = quant.dequantize_weight(wq, ws, scheme)
+    for m in (2, 8, 24, 64):
+        for cfg in LAUNCHES:
+            launch = fp8_skinny_launch(m, n, k, ((64, cfg),))
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            got = triton_fp8_skinny.linear(x, wq, ws, block, launch)
+            assert got.dtype == torch.bfloat16 and rel_err(got, x.float() @ deq.T) < 1e-2, (m, launch)
+            rows = rows_for(x, scheme)
+            got = triton_fp8_skinny.linear(rows, wq, ws, block, launch)
+            want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+            assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+    res = torch.randn(16, n, device="cuda", dtype=torch.bfloat16)
+    keep = res.float()
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    out = triton_fp8_skinny.linear(x, wq, ws, block, fp8_skinny_launch(16, n, k, ((64, LAUNCHES[0]),)),
+                                   residual=res)
+    assert out is res and rel_err(res, keep + x.float() @ deq.T) < 1e-2
+
+
+def test_one_compile_serves_every_row_count_of_a_tile():
+    n, k = 4096, 4096
+    wq, ws = weights(n, k, CHANNEL)
+    launch = fp8_skinny_launch(17, n, k, ((64, SkinnyLaunch()),))
+    kernel = triton_fp8_skinny._skinny_fp8_kernel
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    triton_fp8_skinny.linear(torch.randn(17, k, device="cuda", dtype=torch.bfloat16), wq, ws, None, launch)
+    before = compiled()
+    for m in range(18, 33):
+        triton_fp8_skinny.linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), wq, ws, None, launch)
+    assert compiled() == before
