@@ -212,3 +212,40 @@ def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = Non
     while block_n > SKINNY_MIN_BLOCK_N and -(-n // block_n) < SKINNY_MIN_PROGRAMS:
         block_n //= 2
     return launch._replace(block_n=block_n, block_k=min(launch.block_k, max(32, 1 << (k - 1).bit_length())))
+
+
+# ---------------------------------------------------------------- the sampler (triton_sample[_split])
+# One program a row (triton_sample) or several (triton_sample_split: blocks of SAMPLE_SPLIT_CHUNK logits,
+# searches of SAMPLE_SPLIT_WAYS candidates a pass). The split runs at up to SAMPLE_SPLIT_MAX_ROWS rows of
+# SAMPLE_SPLIT_MIN_VOCAB logits or more; 0 rows: never (today's kernel), until the side-by-side of
+# scripts/bench_sampler.py on the GPU sets it.
+SAMPLE_SPLIT_MAX_ROWS = 0
+SAMPLE_SPLIT_MIN_VOCAB = 16384
+SAMPLE_SPLIT_CHUNK = 4096
+SAMPLE_SPLIT_WAYS = 16
+
+
+def sample_split(rows: int, vocab: int, max_rows: int = SAMPLE_SPLIT_MAX_ROWS) -> bool:
+    """Whether a sampler call of `rows` rows takes the split kernel."""
+    return 0 < rows <= max_rows and vocab >= SAMPLE_SPLIT_MIN_VOCAB
+
+
+def sample_split_blocks(vocab: int, chunk: int = SAMPLE_SPLIT_CHUNK) -> int:
+    """Programs a row of the split sampler: a function of the vocabulary only, so that a row's sums never
+    follow the rows of its batch."""
+    return -(-vocab // chunk)
+
+
+def sample_split_scratch_bytes(rows: int, vocab: int, chunk: int = SAMPLE_SPLIT_CHUNK,
+                               ways: int = SAMPLE_SPLIT_WAYS) -> int:
+    """The split sampler's scratch (triton_sample_split.split_scratch): per block of a row, stats (24 bytes),
+    two parities of search sums (8 * ways), above b_k (16) and the race (48); per row, search state and
+    bounds (56)."""
+    return rows * (sample_split_blocks(vocab, chunk) * (88 + 8 * ways) + 56)
+
+
+def sample_split_rule_line(max_rows: int = SAMPLE_SPLIT_MAX_ROWS) -> str:
+    """The rule's table entry, as the bench prints it."""
+    return (f"launch_rules: SAMPLE_SPLIT_MAX_ROWS = {max_rows} (0: never split), SAMPLE_SPLIT_MIN_VOCAB = "
+            f"{SAMPLE_SPLIT_MIN_VOCAB}, SAMPLE_SPLIT_CHUNK = {SAMPLE_SPLIT_CHUNK}, "
+            f"SAMPLE_SPLIT_WAYS = {SAMPLE_SPLIT_WAYS}")
