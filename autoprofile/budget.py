@@ -282,10 +282,13 @@ CHECKPOINT_SHARE = 0.25  # a hybrid's state checkpoints (its prefix cache's resu
 MIN_CHECKPOINTS = 4
 
 
-def state_checkpoints(slots: int, prefix_caching: bool = True) -> int:
-    """A hybrid model's state checkpoint rows beside its `slots` request slots (engine.state_cache): a
-    quarter of them, at least MIN_CHECKPOINTS; none without prefix caching."""
-    return max(MIN_CHECKPOINTS, math.ceil(slots * CHECKPOINT_SHARE)) if prefix_caching else 0
+def state_checkpoints(slots: int, prefix_caching: bool = True, requested: int | None = None) -> int:
+    """A hybrid model's state checkpoint rows beside its `slots` request slots (engine.state_cache):
+    --state_checkpoints when set, else a quarter of them, at least MIN_CHECKPOINTS; none without prefix
+    caching."""
+    if not prefix_caching:
+        return 0
+    return requested if requested is not None else max(MIN_CHECKPOINTS, math.ceil(slots * CHECKPOINT_SHARE))
 
 
 STATE_SHARE = 0.5  # of the memory free after the weights, at most this share goes to a hybrid's state slots

@@ -74,6 +74,7 @@ class ServerConfig:
     graph_max_batch_size: int = 256
     disable_cudagraph: bool = False
     disable_prefix_caching: bool = False
+    state_checkpoints: int | None = None  # a hybrid's prefix-cache state rows; None: budget.state_checkpoints
     disable_overlap_schedule: bool = False
     # the prefix cache's host-memory tier (autoprofile.engine.host_kv), per rank: off, auto or GiB. Off by
     # default: no measurement of the tier's gain on a GPU yet (scripts/bench_serving.py --multi_turn)
@@ -246,6 +247,12 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be >= 1, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
            f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
+    _check(cfg.state_checkpoints is None or cfg.state_checkpoints >= 0, "state_checkpoints",
+           f"must be >= 0, got {cfg.state_checkpoints}; try --state_checkpoints 16, or leave it unset (a quarter "
+           f"of the request slots)")
+    _check(not cfg.state_checkpoints or not cfg.disable_prefix_caching, "state_checkpoints",
+           f"{cfg.state_checkpoints} checkpoints keep a cached prefix's state, and --disable_prefix_caching "
+           f"turns the cache off; drop one of them (or --state_checkpoints 0)")
     _check(cfg.running_max_req_size is None or cfg.running_max_req_size >= 1, "running_max_req_size",
            f"must be >= 1, got {cfg.running_max_req_size}; try --running_max_req_size 1000 or leave it unset")
     _check(cfg.max_total_token_num is None or cfg.max_total_token_num >= 1, "max_total_token_num",
@@ -636,6 +643,11 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(budget, "disable_prefix_caching", action="store_true",
              help="Never reuse the K and V of full pages that an earlier request with the same prefix "
                   "computed. A hybrid model then keeps no state checkpoints (their memory goes to KV).")
+    add_flag(budget, "state_checkpoints", type=int, default=None, metavar="N",
+             help="A hybrid model (Qwen3.5, Qwen3-Next): state checkpoints the prefix cache keeps (each one "
+                  "request's conv + delta-rule state, counted in the budget beside the KV cache); a cached "
+                  "prefix resumes only from one. Unset: a quarter of the request slots, at least 4; 0: "
+                  "prefix hits for hybrids off. Other models ignore it.")
     add_flag(budget, "deterministic", action="store_true",
              help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "
                   "greedy or seeded, are the same alone and in any crowd, at a cost in throughput. See "

@@ -530,7 +530,8 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
     cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
-    checkpoints = budget.state_checkpoints(reqs, not cfg.disable_prefix_caching)  # as the runner builds them
+    checkpoints = budget.state_checkpoints(reqs, not cfg.disable_prefix_caching,
+                                           cfg.state_checkpoints)  # as the runner builds them
     state = (budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp, checkpoints) if m.is_hybrid
              else (0, 0))
     return budget.Sizing(budget.cell_bytes_for(m, cfg.kv_dtype_bytes, cfg.tp), cfg.context_len, cfg.page_size,

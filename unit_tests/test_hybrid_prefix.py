@@ -244,3 +244,37 @@ def test_the_checkpoint_rows_are_in_the_budget_and_the_log(caplog):
     assert runner_for("tiny-hybrid", disable_prefix_caching=True).sizing.state == budget.state_cache_bytes(
         load_model_config("tiny-hybrid"), 6, 4)
     assert budget.state_checkpoints(1) == budget.MIN_CHECKPOINTS and budget.state_checkpoints(9, False) == 0
+
+
+# ---------------------------------------------------------------- --state_checkpoints
+def test_state_checkpoints_sets_the_pool_and_zero_turns_hybrid_hits_off():
+    """--state_checkpoints N builds N rows (budget, runner, scheduler and plan agree); 0 keeps the K/V pages
+    cached but no prefix of a hybrid resumes (no checkpoint): the same tokens, no hit."""
+    assert budget.state_checkpoints(256) == 64 and budget.state_checkpoints(256, requested=8) == 8
+    assert budget.state_checkpoints(256, prefix_caching=False, requested=8) == 0
+    prompts = [SYSTEM + USERS[i] for i in (2, 1, 0)]
+    hits = {}
+    for n in (0, 2):
+        r = runner_for("tiny-hybrid", state_checkpoints=n)
+        r.build(64 * PAGE)
+        try:
+            assert r.state.ssm.shape[1] == r.envelope.running_reqs + 1 + n  # the slots, the pad slot, the pool
+            engine = engine_on(r)
+            assert engine.scheduler.cache.checkpoints == n
+            got = run(engine, prompts)
+            hits[n] = engine.stats.prefix_hit_tokens
+            assert_same(got, cold(r, prompts))
+            assert_all_back(engine)
+        finally:
+            r.teardown()
+    assert hits == {0: 0, 2: 2 * PAGE}
+
+
+@pytest.mark.parametrize("kw, words", [(dict(state_checkpoints=-1), "must be >= 0"),
+                                       (dict(state_checkpoints=4, disable_prefix_caching=True),
+                                        "--disable_prefix_caching")])
+def test_bad_state_checkpoints_are_refused_naming_the_flag(kw, words):
+    from autoprofile.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        validate(ServerConfig(model="tiny-hybrid", **kw))
+    assert "state_checkpoints" in str(e.value) and words in str(e.value)

@@ -79,7 +79,12 @@ class LLMEngine:
         self.runner, self.envelope = runner, runner.envelope
         # a hybrid's cached prefix resumes only from a state checkpoint at its end: the runner builds as many
         # rows as budget.state_checkpoints gives (none under --disable_prefix_caching)
-        checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching)
+        checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching,
+                                               runner.cfg.state_checkpoints)
+        if prefix_caching and runner.model_config.is_hybrid and not checkpoints:
+            # no checkpoint to resume from: the scheduler would take cached K/V without the state at its end
+            log.info("prefix caching off for %s, a hybrid model: --state_checkpoints 0", runner.model_config.name)
+            prefix_caching = False
         if prefix_caching and runner.model_config.is_hybrid:
             log.info("prefix caching on for %s, a hybrid model: a cached prefix resumes from one of %d state "
                      "checkpoints (the built line gives their GiB; the host tier stays off for it)",

@@ -172,7 +172,8 @@ class ModelRunner:
 
     def state_checkpoints(self, env: Envelope) -> int:
         """A hybrid model's state checkpoint rows (its prefix cache's resumable points; none without it)."""
-        return budget.state_checkpoints(env.running_reqs, not self.cfg.disable_prefix_caching)
+        return budget.state_checkpoints(env.running_reqs, not self.cfg.disable_prefix_caching,
+                                        self.cfg.state_checkpoints)
 
     def fingerprint(self) -> dict | None:
         """What a probe's measurement depends on besides the code, model and flags
