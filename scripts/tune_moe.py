@@ -10,6 +10,13 @@ reach once at the copy bandwidth.
 Only the small-block configs (launch_rules.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are
 swept: the block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so
 BLOCK_SIZE_M stays.
+
+    PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
+
+times DeepSeek-V3's noaux_tc router instead (fp32 logits [T, 256], 8 groups, 4 kept, top 8, renormalised,
+times 2.5): the one Triton launch (kernels.triton_route.biased_grouped_topk) against the torch path
+(layers.moe.biased_grouped_topk, then Routing.apply), each checked against the other first (the same ids),
+then timed as a CUDA graph's replay of ROUTER_CALLS calls (CUDA events, median), per call.
 """
 from __future__ import annotations
 
@@ -27,12 +34,14 @@ import bench_attention  # noqa: E402 - the copy bandwidth
 from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 
 from autoprofile.kernels import launch_rules  # noqa: E402
-from autoprofile.kernels import triton_moe  # noqa: E402
-from autoprofile.layers.moe import moe_reference  # noqa: E402
+from autoprofile.kernels import triton_moe, triton_route  # noqa: E402
+from autoprofile.layers.moe import Routing, biased_grouped_topk, moe_reference  # noqa: E402
 
 # (experts, hidden, expert intermediate, top-k)
 SHAPES = {"deepseek-v2-lite": (64, 2048, 1408, 6), "qwen3-30b-a3b": (128, 2048, 768, 8)}
 LAYERS = 8
+V3_ROUTER = (256, 8, 8, 4, 2.5)  # experts, top_k, n_group, topk_group, routed_scaling_factor
+ROUTER_CALLS = 16
 
 
 def candidates() -> list[dict]:
@@ -85,6 +94,43 @@ def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
             "errors": [r for r in rows if "error" in r][:5]}
 
 
+def time_router(tokens: int, iters: int) -> dict:
+    """The noaux_tc router at DeepSeek-V3's widths: the Triton kernel and the torch path, us per call."""
+    experts, top_k, n_group, topk_group, scale = V3_ROUTER
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen) * 2
+    bias = torch.randn(experts, device="cuda", generator=gen) * 0.2
+    routing = Routing(torch.device("cuda"))
+    calls = {
+        "triton": lambda: triton_route.biased_grouped_topk(logits, bias, top_k, n_group, topk_group, True,
+                                                           scale, routing.mode),
+        "torch": lambda: (lambda w, ids: (w, routing.apply(ids, experts)))(
+            *biased_grouped_topk(logits, bias, top_k, n_group, topk_group, True, scale)),
+    }
+    (w, ids), (want_w, want_ids) = calls["triton"](), calls["torch"]()
+    out = {"tokens": tokens, "ids_differ": int((ids != want_ids).any(1).sum()),
+           "weights_max_rel_error": ((w - want_w).abs() / want_w.abs()).max().item()}
+    for name, call in calls.items():
+        replay = graphed(lambda call=call: [call() for _ in range(ROUTER_CALLS)])
+        out[f"{name}_us"] = cuda_median_ms(replay, iters) * 1e3 / ROUTER_CALLS
+    out["speedup"] = out["torch_us"] / out["triton_us"]
+    return out
+
+
+def routers(args: argparse.Namespace) -> None:
+    print(f"{torch.cuda.get_device_name()}: noaux_tc router, {V3_ROUTER[0]} experts, fp32 logits")
+    results = []
+    with torch.inference_mode():
+        for tokens in args.router_tokens:
+            r = time_router(tokens, args.iters)
+            results.append(r)
+            print(f"T={tokens:5d}: triton {r['triton_us']:8.1f} us  torch {r['torch_us']:8.1f} us  "
+                  f"{r['speedup']:5.1f}x  (rows whose ids differ: {r['ids_differ']}, weights' max rel "
+                  f"error {r['weights_max_rel_error']:.1e})")
+    if args.json:
+        args.json.write_text(json.dumps({"router": results}, indent=2))
+
+
 def pick(results: list[dict]) -> dict | None:
     """The candidate with the least geometric mean of its time over the default's across every (model,
     tokens) swept, timed in all of them; None if none beats the default."""
@@ -104,9 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 8])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--router", action="store_true", help="time the noaux_tc router instead of the experts")
+    p.add_argument("--router_tokens", type=lambda s: [int(t) for t in s.split(",")],
+                   default=[1, 64, 256, 8192])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tune_moe needs a CUDA GPU")
+    if args.router:
+        return routers(args)
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s")
     results = []

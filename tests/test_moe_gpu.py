@@ -100,3 +100,14 @@ def test_the_one_launch_router_compiled_and_captured_on_the_gpu():
     from unit_tests.interpreter import run_script
     from unit_tests.test_triton_route import ROUTE
     run_script(ROUTE, "cuda", interpret=False)
+
+
+def test_the_grouped_router_compiled_and_captured_on_the_gpu():
+    """kernels.triton_route.biased_grouped_topk compiled (libdevice's exp, as torch's sigmoid): the interpreter
+    tests' checks against layers.moe.biased_grouped_topk + Routing.apply, hypothesis included, then one capture
+    replayed under each routing."""
+    require_backend("aiter_triton")
+    from unit_tests.interpreter import run_script
+    from unit_tests.test_triton_route_grouped import FIXED, HYPOTHESIS
+    run_script(FIXED, "cuda", interpret=False)
+    run_script(HYPOTHESIS, "cuda", "300", interpret=False)

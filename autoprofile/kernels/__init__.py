@@ -15,6 +15,8 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_fp8       linear: FP8 quant, GEMV, GEMM       layers.quant                      test_triton_fp8
   triton_fp8_skinny gemm: FP8 weights at 2-64 rows    layers.quant                      test_triton_fp8_skinny
   triton_route     route_topk: MoE router              layers.moe.route                  test_triton_route
+                   biased_grouped_topk: noaux_tc      layers.moe.biased_grouped_topk    test_triton_route_
+                                                                                          grouped
   triton_moe_sort  sort_by_expert: expert sort         layers.moe.sort_by_expert         test_triton_moe_sort
   triton_moe       fused_moe: AITER's fused experts    layers.moe.moe_reference          test_triton_moe
   triton_mla       mla_decode: MLA absorbed decode     engine.attention.torch_sdpa       test_triton_mla

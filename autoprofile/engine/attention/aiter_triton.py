@@ -228,10 +228,12 @@ class AiterTritonBackend(AttentionBackend):
     def route_experts(self, logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                       routing: Routing,
                       grouped: GroupedTopk | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One Triton launch (triton_route) instead of ~12 torch ops: the top-k and the forced routing.
-        noaux_tc (grouped): the torch reference (static shapes, no host sync: decode graphs capture it)."""
+        """One Triton launch (triton_route) instead of ~12 torch ops: the top-k and the forced routing; the
+        greedy router's (route_topk) or noaux_tc's when grouped (biased_grouped_topk)."""
         if grouped is not None:
-            return super().route_experts(logits, top_k, renormalize, scale, routing, grouped)
+            return self.triton_route.biased_grouped_topk(
+                logits, grouped.e_score_correction_bias, top_k, grouped.num_expert_group, grouped.topk_group,
+                renormalize, scale, routing.mode)
         return self.triton_route.route_topk(logits, top_k, renormalize, scale, routing.mode)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
