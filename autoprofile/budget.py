@@ -280,15 +280,20 @@ def available_bytes(total: int, own_non_torch_bytes: int, non_kv: int, peers: in
 
 CHECKPOINT_SHARE = 0.25  # a hybrid's state checkpoints (its prefix cache's resumable points) per request slot
 MIN_CHECKPOINTS = 4
+# at most this many by default: a quarter of 256 slots (64 rows, 9.2 GiB of qwen3.5-27b's KV) gave a multi-turn
+# run no TTFT gain (docs/measurements.md, "Hybrid models"); a few shared system prompts need a few rows
+MAX_DEFAULT_CHECKPOINTS = 8
 
 
 def state_checkpoints(slots: int, prefix_caching: bool = True, requested: int | None = None) -> int:
     """A hybrid model's state checkpoint rows beside its `slots` request slots (engine.state_cache):
-    --state_checkpoints when set, else a quarter of them, at least MIN_CHECKPOINTS; none without prefix
-    caching."""
+    --state_checkpoints when set, else a quarter of them, at least MIN_CHECKPOINTS and at most
+    MAX_DEFAULT_CHECKPOINTS; none without prefix caching."""
     if not prefix_caching:
         return 0
-    return requested if requested is not None else max(MIN_CHECKPOINTS, math.ceil(slots * CHECKPOINT_SHARE))
+    if requested is not None:
+        return requested
+    return max(MIN_CHECKPOINTS, min(MAX_DEFAULT_CHECKPOINTS, math.ceil(slots * CHECKPOINT_SHARE)))
 
 
 STATE_SHARE = 0.5  # of the memory free after the weights, at most this share goes to a hybrid's state slots

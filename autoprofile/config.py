@@ -248,8 +248,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
            f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.state_checkpoints is None or cfg.state_checkpoints >= 0, "state_checkpoints",
-           f"must be >= 0, got {cfg.state_checkpoints}; try --state_checkpoints 16, or leave it unset (a quarter "
-           f"of the request slots)")
+           f"must be >= 0, got {cfg.state_checkpoints}; try --state_checkpoints 16, or leave it unset (4 to 8)")
     _check(not cfg.state_checkpoints or not cfg.disable_prefix_caching, "state_checkpoints",
            f"{cfg.state_checkpoints} checkpoints keep a cached prefix's state, and --disable_prefix_caching "
            f"turns the cache off; drop one of them (or --state_checkpoints 0)")
@@ -646,7 +645,7 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(budget, "state_checkpoints", type=int, default=None, metavar="N",
              help="A hybrid model (Qwen3.5, Qwen3-Next): state checkpoints the prefix cache keeps (each one "
                   "request's conv + delta-rule state, counted in the budget beside the KV cache); a cached "
-                  "prefix resumes only from one. Unset: a quarter of the request slots, at least 4; 0: "
+                  "prefix resumes only from one. Unset: a quarter of the request slots, 4 to 8; 0: "
                   "prefix hits for hybrids off. Other models ignore it.")
     add_flag(budget, "deterministic", action="store_true",
              help="Batch-invariant kernels (the GEMMs, attention and the TP all-reduce): a request's tokens, "

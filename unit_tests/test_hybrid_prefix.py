@@ -238,9 +238,10 @@ def test_the_checkpoint_rows_are_in_the_budget_and_the_log(caplog):
     cfg = validate(ServerConfig(model="qwen3.5-27b", running_max_req_size=64, graph_max_batch_size=64,
                                 report_dir=None))
     with_rows = sizing_for(cfg, "triton").state
-    assert with_rows == budget.state_cache_bytes(mc, 64, 2, 1, checkpoints=16)
+    assert budget.state_checkpoints(64) == 8  # a quarter of 64 slots is 16: the default's cap
+    assert with_rows == budget.state_cache_bytes(mc, 64, 2, 1, checkpoints=8)
     off = sizing_for(cfg.replace(disable_prefix_caching=True), "triton").state
-    assert sum(with_rows) - sum(off) == 16 * mc.state_bytes(1, 2)
+    assert sum(with_rows) - sum(off) == 8 * mc.state_bytes(1, 2)
     assert runner_for("tiny-hybrid", disable_prefix_caching=True).sizing.state == budget.state_cache_bytes(
         load_model_config("tiny-hybrid"), 6, 4)
     assert budget.state_checkpoints(1) == budget.MIN_CHECKPOINTS and budget.state_checkpoints(9, False) == 0
@@ -250,7 +251,8 @@ def test_the_checkpoint_rows_are_in_the_budget_and_the_log(caplog):
 def test_state_checkpoints_sets_the_pool_and_zero_turns_hybrid_hits_off():
     """--state_checkpoints N builds N rows (budget, runner, scheduler and plan agree); 0 keeps the K/V pages
     cached but no prefix of a hybrid resumes (no checkpoint): the same tokens, no hit."""
-    assert budget.state_checkpoints(256) == 64 and budget.state_checkpoints(256, requested=8) == 8
+    assert budget.state_checkpoints(256) == budget.MAX_DEFAULT_CHECKPOINTS == 8
+    assert budget.state_checkpoints(24) == 6 and budget.state_checkpoints(256, requested=64) == 64
     assert budget.state_checkpoints(256, prefix_caching=False, requested=8) == 0
     prompts = [SYSTEM + USERS[i] for i in (2, 1, 0)]
     hits = {}
