@@ -261,7 +261,7 @@ def test_state_checkpoints_sets_the_pool_and_zero_turns_hybrid_hits_off():
         r.build(64 * PAGE)
         try:
             assert r.state.ssm.shape[1] == r.envelope.running_reqs + 1 + n  # the slots, the pad slot, the pool
-            engine = engine_on(r)
+            engine = LLMEngine.from_config(r, r.cfg)  # the server's engine: the flag reaches the scheduler
             assert engine.scheduler.cache.checkpoints == n
             got = run(engine, prompts)
             hits[n] = engine.stats.prefix_hit_tokens

@@ -66,9 +66,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, runner: StepRunner, prefix_caching: bool = True, overlap: bool = False):
+    def __init__(self, runner: StepRunner, prefix_caching: bool = True, overlap: bool = False,
+                 state_checkpoints: int | None = None):
         """overlap: launch each step before reading the one in flight back (a runner that `overlaps`; a TP
-        StepBroadcaster does not: its workers would feed tokens they never sampled)."""
+        StepBroadcaster does not: its workers would feed tokens they never sampled). state_checkpoints: a
+        hybrid's --state_checkpoints, as the runner built them (None: budget.state_checkpoints' default)."""
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
         if overlap and not runner.overlaps:
@@ -80,10 +82,11 @@ class LLMEngine:
         # a hybrid's cached prefix resumes only from a state checkpoint at its end: the runner builds as many
         # rows as budget.state_checkpoints gives (none under --disable_prefix_caching)
         checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching,
-                                               runner.cfg.state_checkpoints)
+                                               state_checkpoints)
         if prefix_caching and runner.model_config.is_hybrid and not checkpoints:
             # no checkpoint to resume from: the scheduler would take cached K/V without the state at its end
-            log.info("prefix caching off for %s, a hybrid model: --state_checkpoints 0", runner.model_config.name)
+            log.info("prefix caching off for %s, a hybrid model: --state_checkpoints 0",
+                     runner.model_config.name)
             prefix_caching = False
         if prefix_caching and runner.model_config.is_hybrid:
             log.info("prefix caching on for %s, a hybrid model: a cached prefix resumes from one of %d state "
@@ -106,7 +109,8 @@ class LLMEngine:
         """The server's engine: prefix caching unless --disable_prefix_caching; overlap on one GPU unless
         --disable_overlap_schedule (under --tp the runner is the step broadcast, which does not overlap)."""
         return cls(runner, prefix_caching=not cfg.disable_prefix_caching,
-                   overlap=not cfg.disable_overlap_schedule and cfg.tp == 1)
+                   overlap=not cfg.disable_overlap_schedule and cfg.tp == 1,
+                   state_checkpoints=cfg.state_checkpoints)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,
