@@ -329,6 +329,7 @@ class GuardedRunner:
     tp = _through("tp")
     sizing = _through("sizing")
     kv_bytes = _through("kv_bytes")
+    built_tokens = _through("built_tokens")
     kv_buffer = _through("kv_buffer")
     kv_scale_source = _through("kv_scale_source")
     forced_routings = _through("forced_routings")
