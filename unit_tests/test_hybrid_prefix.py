@@ -260,7 +260,7 @@ def test_state_checkpoints_sets_the_pool_and_zero_turns_hybrid_hits_off():
         r = runner_for("tiny-hybrid", state_checkpoints=n)
         r.build(64 * PAGE)
         try:
-            assert r.state.ssm.shape[1] == r.envelope.running_reqs + 1 + n  # the slots, the pad slot, the pool
+            assert r.state.ssm.shape[1] == r.envelope.running_reqs + 1 + n  # the slots, the pad, the pool
             engine = LLMEngine.from_config(r, r.cfg)  # the server's engine: the flag reaches the scheduler
             assert engine.scheduler.cache.checkpoints == n
             got = run(engine, prompts)
@@ -280,3 +280,29 @@ def test_bad_state_checkpoints_are_refused_naming_the_flag(kw, words):
     with pytest.raises(ConfigError) as e:
         validate(ServerConfig(model="tiny-hybrid", **kw))
     assert "state_checkpoints" in str(e.value) and words in str(e.value)
+
+
+def test_two_conversations_alternating_on_two_checkpoints_both_resume_every_turn():
+    """A first resume makes a checkpoint the next to evict (PrefixCache.resumed): two multi-turn conversations
+    taking turns on a pool of 2 rows each resume from their last turn's checkpoint. Under least recently used
+    alone, A's resumed (dead) checkpoint outlives B's live one and B misses every turn."""
+    r = runner_for("tiny-hybrid", state_checkpoints=2)
+    r.build(64 * PAGE)
+    try:
+        engine = LLMEngine(r, state_checkpoints=2)
+        history = {"A": [(3 * i) % 250 + 1 for i in range(40)], "B": [(5 * i) % 250 + 2 for i in range(40)]}
+        hits, prompts, got = [], [], []
+        for turn in range(3):
+            for name in ("A", "B"):
+                if turn:  # the last turn's prompt, a reply and new tokens (as bench_serving --multi-turn)
+                    new = [(11 * i + turn) % 250 + 1 for i in range(20)]
+                    history[name] = history[name] + [7 + turn] * 5 + new
+                before = engine.stats.prefix_hit_tokens
+                got += run(engine, [history[name]], max_tokens=4)
+                prompts.append(history[name])
+                hits.append(engine.stats.prefix_hit_tokens - before)
+        assert hits[:2] == [0, 0] and all(h >= 2 * PAGE for h in hits[2:]), hits
+        assert_same(got, cold(r, prompts, max_tokens=4))
+        assert_all_back(engine)
+    finally:
+        r.teardown()

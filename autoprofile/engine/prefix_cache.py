@@ -113,6 +113,7 @@ class CacheEntry:
     page: int
     chain: int  # the parent of the next page's key
     state: Hashable | None = None  # a state checkpoint at the end of its prefix (hybrid models), opaque
+    resumes: int = 0  # requests that resumed from its checkpoint (PrefixCache.resumed)
 
 
 # a host tier page of a match: (host page, parent chain id, tokens, chain id)
@@ -287,7 +288,7 @@ class PrefixCache:
         return e.chain
 
     def _attach(self, e: CacheEntry, state: Hashable | None) -> None:
-        e.state = state
+        e.state, e.resumes = state, 0
         if state is not None and self.checkpoints:
             self._held[state] = e
 
@@ -327,6 +328,16 @@ class PrefixCache:
         row, e = self._held.popitem(last=False)
         e.state = None
         return row
+
+    def resumed(self, state: Hashable) -> None:
+        """A request resumes from checkpoint `state`. Its first resume makes it the next to evict: a
+        multi-turn history's checkpoint is dead once the turn that resumed from it saves a deeper one (kept,
+        concurrent conversations evict each other's live ones); from its second on (a shared prefix) it is
+        the most recently used."""
+        e = self._held.get(state)
+        if e is not None:
+            e.resumes += 1
+            self._held.move_to_end(state, last=e.resumes > 1)
 
     def drop_checkpoint(self, row: int) -> None:
         """A pending checkpoint that reaches no entry (its request left, or its step failed) is free."""

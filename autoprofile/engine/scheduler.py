@@ -354,6 +354,7 @@ class Scheduler:
             step.page_writes.append((req.slot, 0, list(pages)))
         if hit.state is not None:
             step.state_loads.append((hit.state, req.slot))
+            self.cache.resumed(hit.state)
 
     def _checkpoint(self, req: Request, end: int, step: Step) -> None:
         """req's chunk ends at checkpoint stop `end`: the step copies its slot's state into a checkpoint row
