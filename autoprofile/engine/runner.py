@@ -492,8 +492,8 @@ class ModelRunner:
         dev = self.device
         longest = max(r.start for r in rows) + 1
         # one host buffer (pinned on CUDA) and one copy: a graph derives the rest itself (DecodeGraphs). Built
-        # through a flat numpy array: torch.tensor over a nested list took twice as long (~0.17 ms at 256
-        # rows, host time a synchronous step adds before its graph launches)
+        # through a flat numpy array: torch.tensor over a nested list took twice as long (host time a
+        # synchronous step adds before its graph launches; docs/measurements.md, "Kernel choices")
         flat = [v for r in rows
                 for v in (r.ids[0], r.start, r.slot, 1, r.mm.delta if r.mm is not None else 0)]
         host = torch.from_numpy(np.array(flat, dtype=np.int64)).view(len(rows), 5)

@@ -124,7 +124,7 @@ def _split_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, k_scale_
         # Each tile's pages are loaded one iteration ahead and carried: a page load in the same iteration as
         # the K/V loads it addresses leaves Triton's pipeliner one K/V buffer and a wait for every load (the
         # TTGIR of an H100 build), so a program's loads never overlapped its dots; carried, the K/V loads get
-        # num_stages - 1 buffers (256 x 1,024 FP8: 0.226 -> 0.211 ms, with FP8's config)
+        # num_stages - 1 buffers (docs/measurements.md, "Kernel choices")
         t = start + tl.arange(0, BLOCK_N)
         next_page = tl.load(table + t // PAGE, mask=t < end, other=0)
         for n0 in range(start, end, BLOCK_N):

@@ -54,8 +54,8 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 # (most rows, config): the first that holds M; None: any
 GEMM_SMALL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 GEMM_LARGE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-# block scales rescale every K step's product outside the MMA: smaller tiles win there (H200, M=8192:
-# 634-681 TFLOP/s against 570-626 at GEMM_LARGE; below bf16 cuBLAS's 764-805, not yet good)
+# block scales rescale every K step's product outside the MMA: smaller tiles win there
+# (docs/measurements.md, "Kernel choices")
 GEMM_BLOCK_LARGE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
                     "num_stages": 4}
 GEMM_CONFIGS: tuple[tuple[int | None, dict], ...] = ((64, GEMM_SMALL), (None, GEMM_LARGE))
@@ -163,7 +163,7 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: t
     if BLOCKWISE:
         x *= tl.load(s_row + ks // SCALE_K, mask=ks < K, other=0.0)
     # NOTE: the first step peeled; a loop from 0 that loads under `if k > 0` made w a loop-carried tile and
-    # llama-3.1-8b-fp8's batch-1 replay 4.20 ms against 3.51 (H100)
+    # the batch-1 replay slower (docs/measurements.md, "Kernel choices")
     acc = w.to(tl.float32) * x[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         k_ok = ks < K - k

@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-# BLOCK/WAYS/warps on an H100, [256, 128256] bf16 logits, top-p 0.9 (median of 20 calls): 4096/8/16
-# 0.78 ms; 2048/8/8 0.97; 1024/16/8 1.31; 1024/32/8 1.66. Fewer, longer loops win; extra passes cost little.
+# BLOCK/WAYS/warps: fewer, longer loops win; extra passes cost little (docs/measurements.md, "Kernel choices")
 BLOCK = 4096
 WAYS = 8  # candidates per search pass
 NUM_WARPS = 16

@@ -32,8 +32,7 @@ PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PRELOAD_V": False, "num_warps"
 # Per NVIDIA compute capability, from scripts/tune_prefill.py on that GPU (T=8192 causal and a 2048-token
 # chunk over a 32768-token prefix, each checked against torch SDPA). Others take PREFILL_CONFIG.
 PREFILL_CONFIGS: dict[str, dict] = {
-    # scripts/tune_prefill.py on an H100 (torch 2.11, triton 3.6, amd-aiter 0.1.7.post2.dev18): T=8192 causal
-    # 1.238 ms = 0.76x SDPA (PREFILL_CONFIG: 0.60x), 2048-token chunk over 32768 keys 2.166 ms = 1.40x SDPA
+    # scripts/tune_prefill.py on an H100 (docs/measurements.md, "Kernel choices")
     "sm_90": {"BLOCK_M": 128, "BLOCK_N": 128, "PRELOAD_V": True, "num_warps": 8, "num_ctas": 1,
               "num_stages": 3},
 }
