@@ -81,21 +81,16 @@ class LLMEngine:
         self.runner, self.envelope = runner, runner.envelope
         # a hybrid's cached prefix resumes only from a state checkpoint at its end: the runner builds as many
         # rows as budget.state_checkpoints gives (none under --disable_prefix_caching)
-        checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching,
-                                               state_checkpoints)
-        if prefix_caching and runner.model_config.is_hybrid and not checkpoints:
-            # no checkpoint to resume from: the scheduler would take cached K/V without the state at its end
-            log.info("prefix caching off for %s, a hybrid model: --state_checkpoints 0",
-                     runner.model_config.name)
-            prefix_caching = False
-        if prefix_caching and runner.model_config.is_hybrid:
-            log.info("prefix caching on for %s, a hybrid model: a cached prefix resumes from one of %d state "
-                     "checkpoints (the built line gives their GiB; the host tier stays off for it)",
-                     runner.model_config.name, checkpoints)
+        hybrid = runner.model_config.is_hybrid
+        checkpoints = budget.state_checkpoints(self.envelope.running_reqs, prefix_caching, state_checkpoints)
         pool = runner.host_kv  # the host tier's pinned pages (--host_kv), or None
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
                                    host_pages=pool.num_pages if pool is not None else 0,
-                                   state_checkpoints=checkpoints if runner.model_config.is_hybrid else 0)
+                                   state_checkpoints=checkpoints, hybrid=hybrid)
+        if hybrid and prefix_caching:
+            log.info("prefix caching %s for %s, a hybrid model: a cached prefix resumes from one of %d state "
+                     "checkpoints (--state_checkpoints; the built line gives their GiB; no host tier for it)",
+                     "on" if self.scheduler.cache.enabled else "off", runner.model_config.name, checkpoints)
         self.vocab_size = runner.model_config.vocab_size
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # aborted or failed, reported by the next step()

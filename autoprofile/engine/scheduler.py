@@ -32,8 +32,8 @@ pages that steps already read back are cached under their keys (a page only a st
 not: that step may fail), alloc saves them to the host tier when it takes them, and the request comes back
 through the GPU or host hit of any other.
 
-A hybrid model (Scheduler(state_checkpoints=N)) resumes a cached prefix only from a state checkpoint at its
-end (PrefixCache.match's need_state: the match is cut back to the last page carrying one); its first row
+A hybrid model (Scheduler(state_checkpoints=N, hybrid=True)) resumes a cached prefix only from a state
+checkpoint at its end (PrefixCache.match's need_state: the match is cut back to the last page carrying one); its first row
 copies that checkpoint into the request's slot (Step.state_loads, before the forward) instead of starting
 from zeros. Its prefill ends a chunk at each checkpoint stop (checkpoint_stops: the end of the prompt's full
 pages, and the end of the cached K/V run when that is longer than its checkpointed part: where two prompts
@@ -148,14 +148,15 @@ def grammar_ended(matcher, token: int) -> bool:
 
 class Scheduler:
     def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0,
-                 state_checkpoints: int = 0):
+                 state_checkpoints: int = 0, hybrid: bool = False):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
-        of the host tier (0: none; needs prefix caching); state_checkpoints: a hybrid model's checkpoint rows
-        (>0: a cached prefix resumes only from one)."""
+        of the host tier (0: none; needs prefix caching); hybrid: a model with recurrent state, whose cached
+        prefix resumes only from one of its state_checkpoints rows (none: no prefix caching)."""
         self.env = envelope
-        self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages, enabled=prefix_caching,
-                                 checkpoints=state_checkpoints)
-        self.hybrid = self.cache.checkpoints > 0
+        self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages,
+                                 enabled=prefix_caching and (state_checkpoints > 0 or not hybrid),
+                                 checkpoints=state_checkpoints if hybrid else 0)
+        self.hybrid = hybrid and self.cache.enabled  # its prefills end chunks at checkpoint stops
         self._stops: dict[Request, list[int]] = {}  # a hybrid request's checkpoint stops still ahead
         self._saving: dict[Request, dict[int, int]] = {}  # page index -> its pending checkpoint
         self._fresh: set[Request] = set()  # back from the host tier, no row yet: the next is a prefill row

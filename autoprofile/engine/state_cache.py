@@ -62,10 +62,11 @@ class StateCache:
     def _copy(self, src: list[int], dst: list[int]) -> None:
         if max(src + dst) >= self.conv.shape[1] or len(set(dst)) < len(dst):
             raise ValueError(f"state copy {src} -> {dst} outside the {self.conv.shape[1]} rows, or twice")
-        device = self.conv.device
-        src_t, dst_t = (torch.tensor(x, dtype=torch.int64, device=device) for x in (src, dst))
-        for t in (self.conv, self.ssm):
-            t.index_copy_(1, dst_t, t.index_select(1, src_t))
+        # row by row, view to view: index_select would materialise every row's state first (144 MiB a row
+        # for qwen3.5-27b), a transient the probe's stress never allocates
+        for s, d in zip(src, dst):
+            for t in (self.conv, self.ssm):
+                t[:, d].copy_(t[:, s])
 
 
 def layer_caches(mc, kv_layers: list, state_layers: list) -> list:
