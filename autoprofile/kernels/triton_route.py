@@ -28,6 +28,20 @@ TILE = 1024  # elements of a program's [rows, experts] tile
 NUM_WARPS = 4
 
 
+@triton.jit
+def _store_routed(weights_ptr, ids_ptr, mode_ptr, weights, ids, rows, slots, live, K: tl.constexpr,
+                  E: tl.constexpr):
+    """Both routers' epilogue: the routing of the moment from Routing.mode (1 worst: ids 0..k-1; 2 balanced:
+    (t * k + j) % E; else the router's ids), the weights the router's, stored for the live rows."""
+    mode = tl.load(mode_ptr)
+    balanced = (rows[:, None] * K + slots) % E
+    ids = tl.where(mode == 1, slots, tl.where(mode == 2, balanced, ids))
+    out = rows[:, None] * K + slots
+    keep = live[:, None] & (slots < K)
+    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + out, ids, mask=keep)
+
+
 @triton.jit(do_not_specialize=["tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, mode_ptr, tokens, scale, E: tl.constexpr,
                   E_POW2: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, ROWS: tl.constexpr,
@@ -59,13 +73,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, mode_ptr, tokens, scale, E: 
         weights = tl.math.div_rn(weights, tl.sum(weights, 1)[:, None])
     weights = weights * scale
 
-    mode = tl.load(mode_ptr)
-    balanced = (rows[:, None] * K + slots) % E
-    ids = tl.where(mode == 1, slots, tl.where(mode == 2, balanced, ids))
-    out = rows[:, None] * K + slots
-    keep = live[:, None] & (slots < K)
-    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=keep)
-    tl.store(ids_ptr + out, ids, mask=keep)
+    _store_routed(weights_ptr, ids_ptr, mode_ptr, weights, ids, rows, slots, live, K, E)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
@@ -149,13 +157,7 @@ def _grouped_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, mode_ptr, 
         weights = tl.math.div_rn(weights, tl.sum(weights, 1)[:, None] + 1e-20)
     weights = weights * scale
 
-    mode = tl.load(mode_ptr)
-    balanced = (rows[:, None] * K + slots) % E
-    ids = tl.where(mode == 1, slots, tl.where(mode == 2, balanced, ids))
-    out = rows[:, None] * K + slots
-    keep_out = live[:, None] & (slots < K)
-    tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=keep_out)
-    tl.store(ids_ptr + out, ids, mask=keep_out)
+    _store_routed(weights_ptr, ids_ptr, mode_ptr, weights, ids, rows, slots, live, K, E)
 
 
 def biased_grouped_topk(logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int,
