@@ -22,6 +22,19 @@ KV_TOKENS = 2048
 WEIGHT_STD = 0.08  # larger than the default 0.02: less degenerate greedy text
 
 
+def booted_fixture(cfg: ServerConfig):
+    """A test module's `booted` fixture (`booted = booted_fixture(CFG)`): boot_cpu(cfg)'s (runner, result) for
+    the module, torn down after it."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def booted():
+        runner, result = boot_cpu(cfg)
+        yield runner, result
+        runner.teardown()
+    return booted
+
+
 def boot_cpu(cfg: ServerConfig, kv_tokens: int = KV_TOKENS):
     from autoprofile.engine.weights import init_random
     runner = load_cpu(cfg)

@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import booted_fixture
 from unit_tests.test_server import FLAGS, post, sse
 
 pytest.importorskip("xgrammar")
@@ -19,11 +19,7 @@ CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=8))
 VOCAB = CFG.model_config.vocab_size
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(CFG)
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(CFG)
 
 
 @pytest.fixture(params=[True, False], ids=["overlap", "plain"])

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import booted_fixture
 from unit_tests.test_openai_api import client
 from unit_tests.test_server import FLAGS
 
@@ -44,11 +44,7 @@ class Trip(BaseModel):
     days: int = Field(ge=1, le=9)
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(CFG)
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(CFG)
 
 
 @pytest.fixture

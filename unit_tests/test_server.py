@@ -26,7 +26,7 @@ from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving.protocol import generate_body_bytes, max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
-from unit_tests.cpu_server import boot_cpu, bound_url
+from unit_tests.cpu_server import boot_cpu, booted_fixture, bound_url
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
@@ -36,11 +36,7 @@ CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=2))
 RUNNING = 8  # running_max_req_size: the engine's running-request limit
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(CFG)
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(CFG)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving import openai as handlers
 from autoprofile.serving.images import smart_resize
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import booted_fixture
 
 SIDE = 28 * 28
 FLAGS = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_req_total_len=512,
@@ -28,11 +28,7 @@ FLAGS = dict(model="tiny-vl", dtype="float32", attention_backend="torch", max_re
              max_images_per_request=2, max_image_pixels=64 * SIDE, min_image_pixels=4 * SIDE)
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(validate(ServerConfig(**FLAGS)))
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(validate(ServerConfig(**FLAGS)))
 
 
 def png(w: int, h: int, seed: int = 0, fmt: str = "PNG") -> bytes:

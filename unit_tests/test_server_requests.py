@@ -16,7 +16,7 @@ import pytest
 from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import boot_cpu, booted_fixture
 from unit_tests.test_server import FLAGS, post, sse
 
 CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=4, served_model_name="served"))
@@ -27,11 +27,7 @@ def greedy(prompt="Hello", max_tokens=4, **kw) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(CFG)
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(CFG)
 
 
 @pytest.fixture

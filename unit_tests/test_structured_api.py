@@ -16,7 +16,7 @@ from autoprofile import server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.serving.tokenizer import load_tokenizer
-from unit_tests.cpu_server import boot_cpu
+from unit_tests.cpu_server import booted_fixture
 from unit_tests.test_openai_api import client, refused
 from unit_tests.test_server import FLAGS
 
@@ -41,11 +41,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
              "required": ["a"], "additionalProperties": False}}}]
 
 
-@pytest.fixture(scope="module")
-def booted():
-    runner, result = boot_cpu(CFG)
-    yield runner, result
-    runner.teardown()
+booted = booted_fixture(CFG)
 
 
 @pytest.fixture(params=[True, False], ids=["overlap", "plain"])
