@@ -11,8 +11,8 @@ DeepSeek-V3's noaux_tc router (layers.moe.biased_grouped_topk) is one launch too
 program's tile is [rows, groups, experts of a group], padded to powers of two. Sigmoid scores in fp32 (as
 torch's: 1 / (1 + exp(-x)) with an accurate exp and a rounded division; the interpreter's exp is numpy's);
 the choice reads them plus the correction bias: groups ranked by the sum of their two best, the topk_group
-best kept, their top_k experts. Ties go as the torch reference's stable sorts break them: among equal group sums
-the lower group, among equal biased scores the lower expert. The weights are the unbiased scores, then
+best kept, their top_k experts. Ties go as the torch reference's stable sorts break them: among equal group
+sums the lower group, among equal biased scores the lower expert. The weights are the unbiased scores, then
 renormalised (plus HF's 1e-20), times `scale`; the forced routing as above.
 """
 from __future__ import annotations
@@ -76,15 +76,21 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, mode_ptr, tokens, scale, E: 
     _store_routed(weights_ptr, ids_ptr, mode_ptr, weights, ids, rows, slots, live, K, E)
 
 
+def _outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both routers' outputs for logits [T, E]: weights [T, k] in the logits' dtype, ids [T, k] int32."""
+    tokens, experts = logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k {top_k} must be in [1, {experts}] (the experts)")
+    return (torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device),
+            torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device))
+
+
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool, scale: float,
                mode: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (bf16/fp16/fp32), mode: Routing.mode ([1] int32 on the logits' device) -> (weights
     [T, k] in the logits' dtype, expert ids [T, k] int32), as layers.moe.route then Routing.apply."""
     tokens, experts = logits.shape
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {experts}] (the experts)")
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights, ids = _outputs(logits, top_k)
     if tokens == 0:
         return weights, ids
     e_pow2 = triton.next_power_of_2(experts)
@@ -171,10 +177,7 @@ def biased_grouped_topk(logits: torch.Tensor, e_score_correction_bias: torch.Ten
     size = experts // num_expert_group
     if not 0 < topk_group <= num_expert_group:
         raise ValueError(f"topk_group {topk_group} must be in [1, {num_expert_group}] (n_group)")
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k {top_k} must be in [1, {experts}] (the experts)")
-    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights, ids = _outputs(logits, top_k)
     if tokens == 0:
         return weights, ids
     g_pow2, s_pow2 = triton.next_power_of_2(num_expert_group), triton.next_power_of_2(size)
