@@ -94,6 +94,39 @@ def _above(base, V, b, xmax, inv, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _race(base, lo, hi, V, xmax, inv, seed, b, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 4 over logits [lo, hi) of a row, per lane: the best race score and its index among keys > b and
+    among keys == b (the group at b), the count and mass (exp((x - max) / T)) above b, the group's size and
+    its logit."""
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    best_eq = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_eq_i = tl.zeros([BLOCK], tl.int32)
+    n_gt = tl.zeros([BLOCK], tl.int32)
+    mass_gt = tl.zeros([BLOCK], tl.float32)
+    g = tl.zeros([BLOCK], tl.int32)
+    xb = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x, key = _load(base, offs, V, SHIFT)
+        z = (x - xmax) * inv
+        score = z - tl.log(-tl.log(tl.rand(seed, offs)))  # U = 0: -inf, never drawn
+        gt = key > b
+        eq = key == b
+        win = gt & (score > best)
+        best = tl.where(win, score, best)
+        best_i = tl.where(win, offs, best_i)
+        win_eq = eq & (score > best_eq)
+        best_eq = tl.where(win_eq, score, best_eq)
+        best_eq_i = tl.where(win_eq, offs, best_eq_i)
+        n_gt += gt.to(tl.int32)
+        mass_gt += tl.where(gt, tl.exp(z), 0.0)
+        g += eq.to(tl.int32)
+        xb = tl.maximum(xb, tl.where(eq, x, float("-inf")))
+    return best, best_i, best_eq, best_eq_i, n_gt, mass_gt, g, xb
+
+
+@triton.jit
 def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr,
                    SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, BOUNDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -146,31 +179,8 @@ def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bou
             b = b_p
         # 4. the race: keys > b, and the group at b apart (its best shifted by log(kept / g) below)
         seed = tl.load(seed_ptr + row)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
-        best_eq = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_eq_i = tl.zeros([BLOCK], tl.int32)
-        n_gt = tl.zeros([BLOCK], tl.int32)
-        mass_gt = tl.zeros([BLOCK], tl.float32)
-        g = tl.zeros([BLOCK], tl.int32)
-        xb = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            x, key = _load(base, offs, V, SHIFT)
-            z = (x - xmax) * inv
-            score = z - tl.log(-tl.log(tl.rand(seed, offs)))  # U = 0: -inf, never drawn
-            gt = key > b
-            eq = key == b
-            win = gt & (score > best)
-            best = tl.where(win, score, best)
-            best_i = tl.where(win, offs, best_i)
-            win_eq = eq & (score > best_eq)
-            best_eq = tl.where(win_eq, score, best_eq)
-            best_eq_i = tl.where(win_eq, offs, best_eq_i)
-            n_gt += gt.to(tl.int32)
-            mass_gt += tl.where(gt, tl.exp(z), 0.0)
-            g += eq.to(tl.int32)
-            xb = tl.maximum(xb, tl.where(eq, x, float("-inf")))
+        best, best_i, best_eq, best_eq_i, n_gt, mass_gt, g, xb = _race(
+            base, 0, V, V, xmax, inv, seed, b, SHIFT, BLOCK)
         n_gt_all = tl.sum(n_gt, axis=0)
         g_all = tl.sum(g, axis=0)
         x_b = tl.max(xb, axis=0)

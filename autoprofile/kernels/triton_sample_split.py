@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.launch_rules import SAMPLE_SPLIT_CHUNK, SAMPLE_SPLIT_WAYS, sample_split_blocks
-from autoprofile.kernels.triton_sample import SHIFT, _key, _load
+from autoprofile.kernels.triton_sample import SHIFT, _key, _load, _race
 
 BLOCK = 1024  # logits a program reads per loop step
 NUM_WARPS = 8
@@ -245,32 +245,9 @@ def _race_kernel(x_ptr, stride, V, rows, q, t_ptr, p_ptr, k_ptr, seed_ptr, st_f,
             tl.store(rs + row * 3 + 1, b)
             tl.store(rs + row * 3 + 2, tied.to(tl.int64))
         seed = tl.load(seed_ptr + row)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32)
-        best_eq = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_eq_i = tl.zeros([BLOCK], tl.int32)
-        n_gt = tl.zeros([BLOCK], tl.int32)
-        mass_gt = tl.zeros([BLOCK], tl.float32)
-        g = tl.zeros([BLOCK], tl.int32)
-        xb = tl.full([BLOCK], float("-inf"), tl.float32)
         base = x_ptr + row * stride
-        for start in range(blk * CHUNK, blk * CHUNK + CHUNK, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x, key = _load(base, offs, V, SHIFT)
-            z = (x - xmax) * inv
-            score = z - tl.log(-tl.log(tl.rand(seed, offs)))  # U = 0: -inf, never drawn
-            gt = key > b
-            eq = key == b
-            win = gt & (score > best)
-            best = tl.where(win, score, best)
-            best_i = tl.where(win, offs, best_i)
-            win_eq = eq & (score > best_eq)
-            best_eq = tl.where(win_eq, score, best_eq)
-            best_eq_i = tl.where(win_eq, offs, best_eq_i)
-            n_gt += gt.to(tl.int32)
-            mass_gt += tl.where(gt, tl.exp(z), 0.0)
-            g += eq.to(tl.int32)
-            xb = tl.maximum(xb, tl.where(eq, x, float("-inf")))
+        best, best_i, best_eq, best_eq_i, n_gt, mass_gt, g, xb = _race(
+            base, blk * CHUNK, blk * CHUNK + CHUNK, V, xmax, inv, seed, b, SHIFT, BLOCK)
         gt_score = tl.max(best, axis=0)
         eq_score = tl.max(best_eq, axis=0)
         at = row * NB + blk
