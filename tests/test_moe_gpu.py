@@ -70,14 +70,16 @@ def test_worst_routing_holds_more_than_balanced_in_the_reference_and_the_same_in
     assert peaks["aiter_triton", "worst"] <= declared + (1 << 20), (peaks, declared)  # allocator rounding
 
 
-def test_an_moe_model_profiles_and_serves_through_the_decode_graphs(tmp_path):
-    """tiny-moe on aiter_triton: the stresses (worst and balanced routing corners included) run, the decode
-    graphs capture the experts, and requests are served through them."""
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-deepseek-v3"])
+def test_an_moe_model_profiles_and_serves_through_the_decode_graphs(model):
+    """tiny-moe and tiny-deepseek-v3 (noaux_tc's grouped router, MLA) on aiter_triton: the stresses (worst and
+    balanced routing corners included) run, the decode graphs capture the experts, and requests are served
+    through them."""
     require_backend("aiter_triton")
     from autoprofile.config import ServerConfig, validate
     from autoprofile.engine.engine import LLMEngine
     from autoprofile.engine.runner import ModelRunner
-    cfg = validate(ServerConfig(model="tiny-moe", attention_backend="aiter_triton", max_req_total_len=2048,
+    cfg = validate(ServerConfig(model=model, attention_backend="aiter_triton", max_req_total_len=2048,
                                 batch_max_tokens=2048, running_max_req_size=64, graph_max_batch_size=16,
                                 report_dir=None))
     runner = ModelRunner(cfg)
