@@ -792,6 +792,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-launch", default=None, metavar="CMD",
                    help="after the --launch server's run, run the same workload against this server (e.g. "
                         "the same server with --host_kv off) and print both, side by side")
+    p.add_argument("--roofline-tp", type=int, default=1, metavar="N",
+                   help="the server's --tp: the roofline of N GPUs, each computing and reading 1/N of the weights")
     p.add_argument("--roofline", action="store_true",
                    help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the "
                         "server: the "
@@ -896,8 +898,9 @@ def fp8_params(m, expert_share: float) -> float:
 
 
 def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: float, input_len: float,
-             output_len: float, concurrency: int) -> dict:
-    """The run's floor on this GPU: the prefill's FLOPs over the measured GEMM rate, plus each decode step's
+             output_len: float, concurrency: int, tp: int = 1) -> dict:
+    """The run's floor on this GPU (on each of `tp` GPUs under tensor parallelism: a rank computes and reads
+    1/tp of the weights' FLOPs and bytes; cell_bytes is a rank's own K/V a token, MLA's latent whole): the prefill's FLOPs over the measured GEMM rate, plus each decode step's
     bytes (weights, and the running rows' K/V) over the measured copy rate, against the measured duration.
     Prefill FLOPs per request: 2 x the non-embedding params a token computes with (an MoE model's: the
     experts it reaches) x prompt tokens + causal attention (2 x layers x q heads x (qk + v head widths) x
@@ -919,6 +922,8 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: floa
     step_bytes = ((m.params_read(rows) - fp8_read) * param_bytes + fp8_read
                   + rows * (input_len + output_len / 2) * cell_bytes)
     fp8_rate = rates.get("fp8_gemm_flops_per_s") or rates["gemm_flops_per_s"]
+    prefill_flops, fp8_flops = prefill_flops / tp, fp8_flops / tp
+    step_bytes -= (1 - 1 / tp) * (step_bytes - rows * (input_len + output_len / 2) * cell_bytes)
     prefill_s = (prefill_flops - fp8_flops) / rates["gemm_flops_per_s"] + fp8_flops / fp8_rate
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
     ttft_p99 = ttft_floor(n, rows, prefill_s / n, 0.99)
@@ -959,7 +964,7 @@ def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namesp
     r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], 2,
                  summary["total_input_tokens"] / summary["completed"],
                  summary["total_output_tokens"] / summary["completed"],
-                 args.max_concurrency or summary["completed"])
+                 args.max_concurrency or summary["completed"], args.roofline_tp)
     summary["roofline"] = r
     return roofline_line(r)
 

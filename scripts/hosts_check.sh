@@ -5,9 +5,12 @@
 #   2. --tp 2 --nnodes 2: host 0 on GPU 0, host 1 on GPU 1, two launchers: the same tokens, the profile's MIN
 #      across the hosts in the log, hostile traffic (more K/V than the cache holds) with 0 OOM;
 #   3. host 1's launcher killed mid-generation: host 0 ends with exit != 0 and one message within 60 s.
-#   OUT=dir MODEL=llama-3.1-8b bash scripts/hosts_check.sh
+#   TP=4: --tp 4 --nnodes 2, two GPUs a host (GPUs 0,1 and 2,3; one host: all four).
+#   OUT=dir MODEL=llama-3.1-8b [TP=2] bash scripts/hosts_check.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/hosts}; MODEL=${MODEL:-llama-3.1-8b}; PORT=${PORT:-8130}; DIST=${DIST:-29731}
+OUT=${OUT:-/tmp/hosts}; MODEL=${MODEL:-llama-3.1-8b}; PORT=${PORT:-8130}; DIST=${DIST:-29731}; TP=${TP:-2}
+PER=$(( TP / 2 ))  # GPUs a host
+GPUS0=$(seq -s, 0 $(( PER - 1 ))); GPUS1=$(seq -s, $PER $(( TP - 1 )))
 mkdir -p "$OUT"
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 NCCL_SOCKET_IFNAME=lo
 SERVE=(python3 -m autoprofile.cli serve --model "$MODEL" --port "$PORT" --profile_cache "" ${SERVE_FLAGS:-})
@@ -30,17 +33,17 @@ for ids in ([5, 6, 7, 8], [9] * 12, list(range(30, 70)), list(range(1000, 1300))
 print(json.dumps(out))
 PY
 }
-echo "== one host, --tp 2"
-"${SERVE[@]}" --tp 2 > "$OUT/one.log" 2>&1 &
+echo "== one host, --tp $TP"
+CUDA_VISIBLE_DEVICES="$GPUS0,$GPUS1" "${SERVE[@]}" --tp "$TP" > "$OUT/one.log" 2>&1 &
 P=$!
 ready $P "$OUT/one.log" || exit 1
 tokens > "$OUT/one.json"; kill -TERM $P; wait $P; echo "one host exit: $?"
 grep -E "KV cache:|MIN|ranks" "$OUT/one.log" | head -5
-echo "== two hosts, --tp 2 --nnodes 2 (one GPU each)"
-H=(--tp 2 --nnodes 2 --dist_init_addr "127.0.0.1:$DIST")
-CUDA_VISIBLE_DEVICES=0 setsid "${SERVE[@]}" "${H[@]}" --node_rank 0 > "$OUT/host0.log" 2>&1 &
+echo "== two hosts, --tp $TP --nnodes 2 ($PER GPUs each)"
+H=(--tp "$TP" --nnodes 2 --dist_init_addr "127.0.0.1:$DIST")
+CUDA_VISIBLE_DEVICES=$GPUS0 setsid "${SERVE[@]}" "${H[@]}" --node_rank 0 > "$OUT/host0.log" 2>&1 &
 H0=$!
-CUDA_VISIBLE_DEVICES=1 setsid "${SERVE[@]}" "${H[@]}" --node_rank 1 > "$OUT/host1.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=$GPUS1 setsid "${SERVE[@]}" "${H[@]}" --node_rank 1 > "$OUT/host1.log" 2>&1 &
 H1=$!
 ready $H0 "$OUT/host0.log" || { tail -30 "$OUT/host1.log"; exit 1; }
 tokens > "$OUT/two.json"

@@ -365,3 +365,16 @@ def test_roofline_is_skipped_with_its_reason_when_the_rates_could_not_be_measure
     assert bench_serving.roofline_text({"model": "llama-3.1-8b"}, "the rate probe failed: no CUDA GPU",
                                        args) == \
         "roofline: not measured (the rate probe failed: no CUDA GPU)"
+
+
+def test_the_roofline_of_n_tensor_parallel_gpus_splits_the_weights_but_not_a_ranks_own_kv():
+    """--roofline-tp 4: each rank computes a quarter of the prefill FLOPs and reads a quarter of the weights a
+    decode step; the K/V a rank reads is its own (cell_bytes: MLA's latent whole on every rank)."""
+    from autoprofile.model_config import load_model_config
+    m = load_model_config("llama-3.1-8b")
+    rates = {"gemm_flops_per_s": 800e12, "copy_bytes_per_s": 3.0e12}
+    args = ({"completed": 256, "duration": 30.0}, rates, m, 131072, 2, 1024, 128, 256)
+    one, four = bench_serving.roofline(*args), bench_serving.roofline(*args, tp=4)
+    assert four["prefill_s"] == pytest.approx(one["prefill_s"] / 4)
+    kv_ms = 256 * (1024 + 64) * 131072 / 3.0e12 * 1e3
+    assert four["decode_step_ms"] - kv_ms == pytest.approx((one["decode_step_ms"] - kv_ms) / 4)

@@ -28,7 +28,7 @@ from autoprofile.kernels.triton_sample import SHIFT, _key, _load, _race
 
 BLOCK = 1024  # logits a program reads per loop step
 NUM_WARPS = 8
-BIG = 2147483647
+BIG = tl.constexpr(2147483647)
 
 
 def split_passes(shift: int, ways: int) -> int:
