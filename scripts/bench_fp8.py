@@ -12,7 +12,7 @@
      the skinny GEMM (triton_fp8_skinny) over SKINNY_SWEEP, each shape's rows as the model hands them (o_proj:
      bf16 rows; qkv, gate_up, down: rows its norm or SiLU-mul quantized, Fp8Rows), 32 weights a graph; us and
      fraction of the bytes floor (weight + activations + output at the copy rate), a layer's four GEMMs
-     summed; then launch_rules.FP8_SKINNY_LAUNCHES to paste, chosen on the "channel" checkpoint
+     summed; then launch_rules.FP8_SKINNY_LAUNCHES and FP8_SKINNY_BLOCK_LAUNCHES to paste, one a layout
      (llama-3.1-8b-fp8's): a row count keeps today's path (None) where the skinny GEMM is not faster.
 
     PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny]
@@ -172,7 +172,7 @@ def skinny_times(name: str, m: int, n: int, k: int, scheme, rate: float, launche
     block = tuple(scheme.block) if scheme.weight == "block" else None
     q = fp8_weights(n, k, scheme, 32)
     x = model_rows(name, m, k, scheme)
-    launch_rules.FP8_SKINNY_LAUNCHES = ()  # today's path
+    launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()  # today's path
     out = {"today": graph_us(lambda: [triton_fp8.linear(x, w, s, scheme) for w, s in q], 32),
            "floor": floor_us(m, n, k, x, rate), "err": 0.0}
     want = triton_fp8.linear(x, *q[0], scheme).float()
@@ -197,7 +197,7 @@ def layer_us(m: int, cfg: SkinnyLaunch, shapes: dict, times: dict) -> float | No
     return sum(times[name][key] for name, key in keys.items())
 
 
-def rule_line(best: dict[int, SkinnyLaunch | None]) -> str:
+def rule_line(best: dict[int, SkinnyLaunch | None], name: str = "FP8_SKINNY_LAUNCHES") -> str:
     """launch_rules.FP8_SKINNY_LAUNCHES from each row count's choice (None: today's path), neighbours with
     the same choice merged into the larger row count's entry, trailing Nones dropped."""
     entries: list[tuple[int, SkinnyLaunch | None]] = []
@@ -208,7 +208,7 @@ def rule_line(best: dict[int, SkinnyLaunch | None]) -> str:
     while entries and entries[-1][1] is None:
         entries.pop()
     body = ", ".join(f"({m}, {None if cfg is None else cfg})" for m, cfg in entries)
-    return f"FP8_SKINNY_LAUNCHES: SkinnyTable = ({body}{',' if len(entries) == 1 else ''})"
+    return f"{name}: SkinnyTable = ({body}{',' if len(entries) == 1 else ''})"
 
 
 def skinny_table(rate: float, sweep: bool) -> None:
@@ -216,7 +216,7 @@ def skinny_table(rate: float, sweep: bool) -> None:
     shapes = {name: nk for name, nk in SHAPES.items() if name != "lm_head"}
     print("\n== decode rows: today's path / the skinny GEMM's fastest launch (us per call; fraction of the "
           "bytes floor); a layer's four under one table entry ==")
-    best: dict[int, SkinnyLaunch | None] = {}
+    best: dict[str, dict[int, SkinnyLaunch | None]] = {"channel": {}, "block": {}}
     for scheme in (CHANNEL, BLOCK):
         for m in SKINNY_ROWS:
             times = {name: skinny_times(name, m, n, k, scheme, rate, launches)
@@ -234,10 +234,11 @@ def skinny_table(rate: float, sweep: bool) -> None:
                 line += f", skinny {layer[cfg]:.1f} ({floor / layer[cfg]:.2f}) at {tuple(cfg)}, " \
                         f"{today / layer[cfg]:.2f}x; err {max(t['err'] for t in times.values()):.1e}"
             print(line, flush=True)
-            if scheme is CHANNEL and m > 1:
-                best[m] = cfg if cfg is not None and layer[cfg] < today else None
-    print("\nlaunch_rules, chosen on the channel rows (pasted, it turns the skinny GEMM on where it won):")
-    print(rule_line(best), flush=True)
+            if m > 1:
+                best[scheme.weight][m] = cfg if cfg is not None and layer[cfg] < today else None
+    print("\nlaunch_rules, one table a weight layout (pasted, they turn the skinny GEMM on where it won):")
+    print(rule_line(best["channel"]), flush=True)
+    print(rule_line(best["block"], "FP8_SKINNY_BLOCK_LAUNCHES"), flush=True)
 
 
 def main() -> None:

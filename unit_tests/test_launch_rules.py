@@ -103,10 +103,14 @@ def test_fp8_max_is_written_once():
     assert written == ["autoprofile/layers/quant.py"]
 
 
-def test_the_fp8_skinny_rule_keeps_todays_path_by_default_and_follows_its_table():
+def test_the_fp8_skinny_rule_follows_each_layouts_measured_table():
     from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch, skinny_block_m
-    assert launch_rules.FP8_SKINNY_LAUNCHES == ()  # until measured: the quantize + GEMM path at every row
-    assert all(fp8_skinny_launch(m, 4096, 4096) is None for m in range(1, 300))
+    # the measured tables: 2-32 rows take the skinny GEMM, one row the GEMV, 33 and more today's GEMM
+    for block in (False, True):
+        got = [fp8_skinny_launch(m, 14336, 4096, block=block) for m in range(1, 300)]
+        assert got[0] is None and all(g is not None for g in got[1:32]) and not any(got[32:]), block
+    assert fp8_skinny_launch(8, 14336, 4096).block_k == 256  # per-channel scales: K steps of 256
+    assert fp8_skinny_launch(8, 14336, 4096, block=True).block_k == 128  # within a 128-wide block scale
     table = ((8, SkinnyLaunch(64, 256, 4, 3)), (32, None), (64, SkinnyLaunch(32, 128, 8, 2)))
     got = [fp8_skinny_launch(m, 28672, 4096, table) for m in (1, 2, 8, 9, 32, 33, 64, 65)]
     assert got == [None, SkinnyLaunch(64, 256, 4, 3), SkinnyLaunch(64, 256, 4, 3), None, None,

@@ -95,14 +95,21 @@ for scheme in (CHANNEL, BLOCK):
     wscale = ws
     x = torch.randn(8, k).half()
     # the default table: today's path (quantize + GEMM), bit for bit, and no skinny call
-    launch_rules.FP8_SKINNY_LAUNCHES = ()
+    launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
     today = triton_fp8.linear(x, wq, wscale, scheme)
     assert not calls
     assert torch.equal(today, triton_fp8.gemm(*q.quantize_per_token(x.float()) if scheme is CHANNEL
                                               else q.quantize_per_group(x.float(), 128),
                                               wq, ws, block, torch.float16))
     # a table that takes up to 16 rows: 8 rows go to the skinny GEMM (W8A16: x not quantized), 17 do not
-    launch_rules.FP8_SKINNY_LAUNCHES = ((16, SkinnyLaunch(64, 128, 4, 1)), (64, None))
+    table = ((16, SkinnyLaunch(64, 128, 4, 1)), (64, None))
+    if scheme is BLOCK:  # each layout reads its own table
+        launch_rules.FP8_SKINNY_LAUNCHES = table
+        triton_fp8.linear(x.unsqueeze(0), wq, wscale, scheme)
+        assert not calls
+        launch_rules.FP8_SKINNY_BLOCK_LAUNCHES, launch_rules.FP8_SKINNY_LAUNCHES = table, ()
+    else:
+        launch_rules.FP8_SKINNY_LAUNCHES = table
     got = triton_fp8.linear(x.unsqueeze(0), wq, wscale, scheme)
     assert got.shape == (1, 8, n) and got.dtype == torch.float16
     assert calls == [SkinnyLaunch(16, 128, 4, 1)], calls  # block_n halved to 16 for a narrow N

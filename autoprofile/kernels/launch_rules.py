@@ -188,9 +188,13 @@ SKINNY_MAX_ROWS = 64  # activation rows one program holds at most (its tile pads
 SKINNY_MIN_BLOCK_N = 16  # tl.dot's smallest side
 SKINNY_MIN_PROGRAMS = 256  # about two programs an SM of an H100: block_n halves until N gives this many
 # (most rows, launch or None) ascending: the first entry whose rows reach the call's rows; None, or rows past
-# every entry: the quantize + GEMM path (triton_fp8.linear). Empty: today's choice everywhere, until measured
-# (scripts/bench_fp8.py --skinny prints the line to paste)
-FP8_SKINNY_LAUNCHES: SkinnyTable = ()
+# every entry: the quantize + GEMM path (triton_fp8.linear). One table a weight layout (per-channel scales,
+# 128x128 block scales), as scripts/bench_fp8.py --skinny printed them on an H100 (docs/measurements.md, "FP8
+# at 2-64 rows"): a llama-3.1-8b layer 1.21x (channel) and 1.07x (block) today's at 2-16 rows; 64 rows: today's
+FP8_SKINNY_LAUNCHES: SkinnyTable = ((16, SkinnyLaunch(block_n=16, block_k=256, warps=2, stages=3)),
+                                   (32, SkinnyLaunch(block_n=64, block_k=256, warps=4, stages=3)))
+FP8_SKINNY_BLOCK_LAUNCHES: SkinnyTable = ((16, SkinnyLaunch(block_n=32, block_k=128, warps=4, stages=5)),
+                                         (32, SkinnyLaunch(block_n=64, block_k=128, warps=4, stages=4)))
 
 
 def skinny_block_m(rows: int) -> int:
@@ -198,13 +202,16 @@ def skinny_block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = None) -> SkinnyLaunch | None:
+def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = None,
+                      block: bool = False) -> SkinnyLaunch | None:
     """The skinny FP8 GEMM's launch for `rows` activation rows against an [n, k] weight, or None: one row
-    (the W8A16 GEMV), more than SKINNY_MAX_ROWS, or the table's choice (None: FP8_SKINNY_LAUNCHES). Static
-    values only (a captured graph replays one launch)."""
+    (the W8A16 GEMV), more than SKINNY_MAX_ROWS, or the table's choice (None: the weight layout's,
+    FP8_SKINNY_BLOCK_LAUNCHES for block scales, else FP8_SKINNY_LAUNCHES). Static values only (a captured
+    graph replays one launch)."""
     if rows < 2 or rows > SKINNY_MAX_ROWS:
         return None
-    table = FP8_SKINNY_LAUNCHES if table is None else table
+    if table is None:
+        table = FP8_SKINNY_BLOCK_LAUNCHES if block else FP8_SKINNY_LAUNCHES
     launch = next((cfg for most, cfg in table if rows <= most), None)
     if launch is None:
         return None

@@ -304,7 +304,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
     block = tuple(scheme.block) if scheme.weight == "block" else None
     scale = weight_scale if block is not None else weight_scale.reshape(n)
     rows = x.q.shape[0] if isinstance(x, Fp8Rows) else x.numel() // k
-    if rows > 1 and (launch := fp8_skinny_launch(rows, n, k)) is not None:
+    if rows > 1 and (launch := fp8_skinny_launch(rows, n, k, block=block is not None)) is not None:
         return triton_fp8_skinny.linear(x, weight, scale, block, launch, bias, residual)
     if isinstance(x, Fp8Rows):
         (x_q, x_s), dtype, lead = (x.q, x.scale), x.dtype, x.q.shape[:-1]
