@@ -150,7 +150,7 @@ def _pass_kernel(x_ptr, stride, V, rows, q, t_ptr, p_ptr, k_ptr, st_f, st_i, par
         active = (temp > 0) & by_k
     if active:
         inv = 1.0 / tl.maximum(temp, 1e-5)
-        xmax, _, total, kmin = _row_stats(st_f, st_i, row, NB, inv, NBP)
+        xmax, unused1, total, kmin = _row_stats(st_f, st_i, row, NB, inv, NBP)
         if FIRST:
             lo = kmin
             if MASS:
@@ -161,7 +161,7 @@ def _pass_kernel(x_ptr, stride, V, rows, q, t_ptr, p_ptr, k_ptr, st_f, st_i, par
             if MASS:
                 norm = total
                 if by_k:
-                    norm, _ = _topk_norm(abv_f, abv_i, row, NB, top_k, xmax, inv, NBP)
+                    norm, unused2 = _topk_norm(abv_f, abv_i, row, NB, top_k, xmax, inv, NBP)
                 limit = top_p * norm
             else:
                 limit = (top_k - 1).to(tl.float32)
@@ -196,8 +196,8 @@ def _above_kernel(x_ptr, stride, V, rows, q, t_ptr, k_ptr, st_f, st_i, part, loh
     top_k = tl.load(k_ptr + row)
     if (temp > 0) & (top_k > 0) & (top_k < V):
         inv = 1.0 / tl.maximum(temp, 1e-5)
-        xmax, _, _, _ = _row_stats(st_f, st_i, row, NB, inv, NBP)
-        b, _ = _narrow(part, lohi, row, rows, 1 - q, NB, (top_k - 1).to(tl.float32), NBP, WAYS)
+        xmax, unused3, unused4, unused5 = _row_stats(st_f, st_i, row, NB, inv, NBP)
+        b, unused6 = _narrow(part, lohi, row, rows, 1 - q, NB, (top_k - 1).to(tl.float32), NBP, WAYS)
         if blk == 0:
             tl.store(rs + row * 3, b)
         n = tl.zeros([BLOCK], tl.int32)
@@ -229,7 +229,7 @@ def _race_kernel(x_ptr, stride, V, rows, q, t_ptr, p_ptr, k_ptr, seed_ptr, st_f,
         top_k = tl.load(k_ptr + row)
         top_p = tl.load(p_ptr + row)
         inv = 1.0 / tl.maximum(temp, 1e-5)
-        xmax, _, total, kmin = _row_stats(st_f, st_i, row, NB, inv, NBP)
+        xmax, unused7, total, kmin = _row_stats(st_f, st_i, row, NB, inv, NBP)
         b = kmin - 1
         tied = 0
         norm = total
@@ -237,7 +237,7 @@ def _race_kernel(x_ptr, stride, V, rows, q, t_ptr, p_ptr, k_ptr, seed_ptr, st_f,
             b = tl.load(rs + row * 3)
             norm, tied = _topk_norm(abv_f, abv_i, row, NB, top_k, xmax, inv, NBP)
         if top_p < 1:
-            b_p, _ = _narrow(part, lohi, row, rows, 1 - q, NB, top_p * norm, NBP, WAYS)
+            b_p, unused8 = _narrow(part, lohi, row, rows, 1 - q, NB, top_p * norm, NBP, WAYS)
             if b_p != b:
                 tied = 0
             b = b_p
@@ -269,7 +269,7 @@ def _final_kernel(V, NB, t_ptr, p_ptr, k_ptr, st_f, st_i, rs, abv_f, abv_i, race
     row = tl.program_id(0).to(tl.int64)
     temp = tl.load(t_ptr + row)
     inv = 1.0 / tl.maximum(temp, 1e-5)
-    xmax, first, total, _ = _row_stats(st_f, st_i, row, NB, inv, NBP)
+    xmax, first, total, unused9 = _row_stats(st_f, st_i, row, NB, inv, NBP)
     if temp <= 0:  # greedy: the first index of the max, as torch.argmax
         tl.store(out_ptr + row, first.to(tl.int64))
         if BOUNDS:
@@ -280,7 +280,7 @@ def _final_kernel(V, NB, t_ptr, p_ptr, k_ptr, st_f, st_i, rs, abv_f, abv_i, race
         top_p = tl.load(p_ptr + row)
         norm = total
         if (top_k > 0) & (top_k < V):
-            norm, _ = _topk_norm(abv_f, abv_i, row, NB, top_k, xmax, inv, NBP)
+            norm, unused10 = _topk_norm(abv_f, abv_i, row, NB, top_k, xmax, inv, NBP)
         tied = tl.load(rs + row * 3 + 2).to(tl.int32)
         blk = tl.arange(0, NBP)
         at = row * NB + blk

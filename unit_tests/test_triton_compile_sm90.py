@@ -1,0 +1,126 @@
+"""Our Triton kernels compile for an H100 (sm_90) on this CPU machine, with the argument types and constexprs
+of real launches. The interpreter (TRITON_INTERPRET=1, what the other kernel tests run) executes Python and
+accepts kernels the compiler refuses (a plain global; a name rebound with another type inside an `if`).
+
+Two subprocesses a case: (1) through the interpreter, a launch script calls a kernel module's public
+functions on CPU tensors while every kernel launch is recorded as the real JIT would specialize it for CUDA
+(jit.create_function_from_signature and JITFunction._pack_args with the CUDA backend: pointer dtypes, i32/i64
+ints, 1 as a constexpr, divisibility attributes); (2) without the interpreter, each distinct recorded
+(kernel, signature, constexprs, options) goes through triton.compile(ASTSource(...), GPUTarget("cuda", 90,
+32)): the front end, TTIR/TTGIR/LLIR, PTX and ptxas. Launchers that never read a kernel's output on the host
+are only recorded (RUN = False): real vocabulary and model sizes cost nothing then."""
+from __future__ import annotations
+
+import importlib.util
+import pickle
+
+import pytest
+
+from unit_tests.interpreter import run_script
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+              pytest.mark.slow]
+
+RECORD = r'''
+import pickle, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime import interpreter
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+BACKEND = make_backend(GPUTarget("cuda", 90, 32))
+SPECIALIZE = ("do_not_specialize", "do_not_specialize_on_alignment")
+RUN = True  # a launch script sets False where its launcher never reads a kernel's output
+launches = {}
+_run = interpreter.InterpretedFunction.run
+
+
+def record(self, *args, grid, warmup, **kwargs):
+    """The launch as JITFunction.run would specialize it on a CUDA device."""
+    jit = JITFunction(self.fn, **{k: v for k, v in self.kwargs.items() if k in SPECIALIZE})
+    bound, specialization, options = create_function_from_signature(jit.signature, jit.params, BACKEND)(
+        *args, **kwargs)
+    _, signature, constexprs, attrs = jit._pack_args(BACKEND, kwargs, bound, specialization, options)
+    key = repr((self.fn.__module__, self.fn.__name__, signature, constexprs, options))
+    launches.setdefault(key, (self.fn.__module__, self.fn.__name__, signature, constexprs, attrs, options))
+    if RUN:
+        return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+
+interpreter.InterpretedFunction.run = record
+'''
+
+SAVE = r'''
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(list(launches.values()), f)
+print("ok")
+'''
+
+COMPILE = r'''
+import importlib, pickle, sys, time
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from triton.runtime.jit import JITFunction
+
+failed = 0
+for module, name, signature, constexprs, attrs, options in pickle.load(open(sys.argv[1], "rb")):
+    kernel = getattr(importlib.import_module(module), name)
+    while not isinstance(kernel, JITFunction):  # an autotune / heuristics wrapper
+        kernel = kernel.fn
+    what = f"{module}.{name} {dict((kernel.arg_names[p[0]], v) for p, v in constexprs.items())} {options}"
+    start = time.perf_counter()
+    try:
+        compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                options=options)
+    except Exception as e:
+        failed += 1
+        print(f"FAILED {what}: {type(e).__name__}: {e}")
+    else:
+        print(f"compiled {what} in {time.perf_counter() - start:.1f} s")
+print(f"{failed} failed" if failed else "ok")
+'''
+
+SAMPLING = r'''
+from autoprofile.engine.sampling import SamplingBatch, SamplingParams
+
+PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9),
+          SamplingParams(temperature=0.7, top_k=40, top_p=0.95)]  # greedy, top-p, top-k + top-p
+BATCH = SamplingBatch.from_params(PARAMS, torch.device("cpu"))
+SEEDS = torch.arange(len(PARAMS))
+'''
+
+LAUNCHES = {
+    # every dtype the engine gives the fused sampler (sampling._FUSED_DTYPES), with and without bounds
+    "triton_sample": SAMPLING + r'''
+RUN = False
+from autoprofile.kernels import triton_sample as ts
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for bounds in (False, True):
+        ts.sample_batch(torch.randn(3, 151936, dtype=dtype), BATCH.temperatures, BATCH.top_ps, BATCH.top_ks,
+                        SEEDS, bounds=bounds)
+''',
+    "triton_sample_split": SAMPLING + r'''
+RUN = False
+from autoprofile.kernels import triton_sample_split as tss
+for dtype, bounds in ((torch.bfloat16, False), (torch.float32, True)):
+    tss.sample_batch_split(torch.randn(3, 151936, dtype=dtype), BATCH.temperatures, BATCH.top_ps,
+                           BATCH.top_ks, SEEDS, bounds=bounds)
+''',
+}
+
+# kernels each launch script must reach (a launcher that stops launching one would leave it untested)
+KERNELS = {
+    "triton_sample": {"_sample_kernel"},
+    "triton_sample_split": {"_stats_kernel", "_pass_kernel", "_above_kernel", "_race_kernel", "_final_kernel"},
+}
+
+
+@pytest.mark.parametrize("module", LAUNCHES)
+def test_kernels_compile_for_sm90(module, tmp_path):
+    launches = tmp_path / "launches.pkl"
+    run_script(RECORD + LAUNCHES[module] + SAVE, str(launches))
+    with open(launches, "rb") as f:
+        recorded = pickle.load(f)
+    assert {name for _, name, *_ in recorded} >= KERNELS[module]
+    run_script(COMPILE, str(launches), interpret=False)
