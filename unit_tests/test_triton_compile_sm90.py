@@ -1,4 +1,4 @@
-"""Our Triton kernels compile for an H100 (sm_90) on this CPU machine, with the argument types and constexprs
+"""Our Triton kernels compile for an H100 (sm_90) on a CPU machine, with the argument types and constexprs
 of real launches. The interpreter (TRITON_INTERPRET=1, what the other kernel tests run) executes Python and
 accepts kernels the compiler refuses (a plain global; a name rebound with another type inside an `if`).
 
@@ -8,7 +8,8 @@ functions on CPU tensors while every kernel launch is recorded as the real JIT w
 ints, 1 as a constexpr, divisibility attributes); (2) without the interpreter, each distinct recorded
 (kernel, signature, constexprs, options) goes through triton.compile(ASTSource(...), GPUTarget("cuda", 90,
 32)): the front end, TTIR/TTGIR/LLIR, PTX and ptxas. Launchers that never read a kernel's output on the host
-are only recorded (RUN = False): real vocabulary and model sizes cost nothing then."""
+are only recorded (RUN = False): real vocabulary and model sizes cost nothing then, and the PDL launches
+of an H100 (pdl.launch: PDL=True, launch_pdl) are recorded too."""
 from __future__ import annotations
 
 import importlib.util
@@ -49,6 +50,8 @@ def record(self, *args, grid, warmup, **kwargs):
 
 
 interpreter.InterpretedFunction.run = record
+from autoprofile.kernels import pdl
+H100_PDL = (lambda: False, lambda: True)  # for pdl.enabled in H100_PDL: launches without PDL, then with it
 '''
 
 SAVE = r'''
@@ -107,12 +110,54 @@ for dtype, bounds in ((torch.bfloat16, False), (torch.float32, True)):
     tss.sample_batch_split(torch.randn(3, 151936, dtype=dtype), BATCH.temperatures, BATCH.top_ps,
                            BATCH.top_ks, SEEDS, bounds=bounds)
 ''',
+    # llama-3.1-8b sizes in bf16 (router logits in fp32), a deepseek-v3 router, a qwen3-moe sort
+    "triton_act": r'''
+RUN = False
+from autoprofile.kernels import triton_act
+for pdl.enabled in H100_PDL:
+    triton_act.silu_mul(torch.randn(4, 2 * 14336, dtype=torch.bfloat16))
+''',
+    "triton_norm": r'''
+RUN = False
+from autoprofile.kernels import triton_norm
+for pdl.enabled in H100_PDL:
+    triton_norm.rms_norm(torch.randn(4, 4096, dtype=torch.bfloat16), torch.ones(4096, dtype=torch.bfloat16),
+                         1e-5)
+''',
+    "triton_gemv": r'''
+RUN = False
+from autoprofile.kernels import triton_gemv
+x, w = torch.randn(1, 4096, dtype=torch.bfloat16), torch.randn(6144, 4096, dtype=torch.bfloat16)
+for pdl.enabled in H100_PDL:
+    triton_gemv.linear(x, w)
+    triton_gemv.linear_add(x, w[:4096], torch.randn(1, 4096, dtype=torch.bfloat16))
+    triton_gemv.router_linear(x, torch.randn(128, 4096, dtype=torch.bfloat16))
+''',
+    "triton_route": r'''
+RUN = False
+from autoprofile.kernels import triton_route
+mode = torch.zeros(1, dtype=torch.int32)
+for dtype in (torch.bfloat16, torch.float32):
+    triton_route.route_topk(torch.randn(5, 128, dtype=dtype), 8, True, 1.0, mode)
+    triton_route.biased_grouped_topk(torch.randn(5, 256, dtype=dtype), torch.zeros(256), 8, 8, 4, True, 2.5,
+                                     mode)
+''',
+    "triton_moe_sort": r'''
+from autoprofile.kernels import triton_moe_sort
+triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
+''',
 }
 
 # kernels each launch script must reach (a launcher that stops launching one would leave it untested)
 KERNELS = {
     "triton_sample": {"_sample_kernel"},
-    "triton_sample_split": {"_stats_kernel", "_pass_kernel", "_above_kernel", "_race_kernel", "_final_kernel"},
+    "triton_sample_split": {"_stats_kernel", "_pass_kernel", "_above_kernel", "_race_kernel",
+                            "_final_kernel"},
+    "triton_act": {"_silu_mul_kernel"},
+    "triton_norm": {"_rms_norm_kernel"},
+    "triton_gemv": {"_gemv_kernel"},
+    "triton_route": {"_route_kernel", "_grouped_route_kernel"},
+    "triton_moe_sort": {"_sort_by_expert_kernel"},
 }
 
 
