@@ -14,6 +14,15 @@ from unit_tests.test_triton_fp8 import REFERENCE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+
+@pytest.fixture(autouse=True)
+def todays_gemm_path(monkeypatch):
+    """These tests check the quantize + GEMM path at every row count; the launch tables send 2-32 rows to the
+    skinny W8A16 GEMM, which tests/test_fp8_skinny_gpu.py checks."""
+    from autoprofile.kernels import launch_rules
+    monkeypatch.setattr(launch_rules, "FP8_SKINNY_LAUNCHES", ())
+    monkeypatch.setattr(launch_rules, "FP8_SKINNY_BLOCK_LAUNCHES", ())
+
 ref: dict = {}  # the private references' namespace
 exec(compile(REFERENCE, "reference", "exec"), ref)
 CHANNEL = ref["Scheme"]("channel")

@@ -63,6 +63,9 @@ def moe_reference_fp8(x, w13, w2, weights, ids, quant):
 
 KERNELS = FP8_CAST + REFERENCE + r'''
 from autoprofile.kernels import triton_fp8 as f
+from autoprofile.kernels import launch_rules
+# today's quantize + GEMM path at every row count (unit_tests/test_triton_fp8_skinny.py: the skinny GEMM's rows)
+launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
 
 torch.manual_seed(0)
 
@@ -153,6 +156,9 @@ print("ok")
 
 FUSED = FP8_CAST + REFERENCE + r'''
 from autoprofile.kernels import triton_act, triton_fp8 as f, triton_norm
+from autoprofile.kernels import launch_rules
+# today's quantize + GEMM path at every row count (unit_tests/test_triton_fp8_skinny.py: the skinny GEMM's rows)
+launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
 from autoprofile.layers.quant import Fp8Rows
 
 torch.manual_seed(0)
