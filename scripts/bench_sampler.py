@@ -1,7 +1,7 @@
 """Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new).
 
     PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
-        [--split_rows 1,8,64,256] [--json out.json]
+        [--json out.json]
 
 On CUDA sample() is one Triton kernel per batch (autoprofile.kernels.triton_sample) whatever the case; the
 torch paths (CPU, no triton) prefilter and fall back to a sort. Logits are bf16 [rows, vocab]. "peaked" =
@@ -11,10 +11,6 @@ model's; `wider` counts the rows whose nucleus outgrows the torch path's prefilt
 Times: CUDA events around each call after 10 warm-up calls, median of --iters (the logits stay in L2 at small
 rows). Memory: peak allocated above what was allocated before one call, per row, next to the declared bound
 sampler_workspace_bytes(rows) / rows. Ratios old/new come from the same run.
-Side by side (--split_rows): the one-program kernel (triton_sample) and the split one (triton_sample_split)
-called directly on the same logits and seeds, greedy / top-p 0.9 / top-k 50 + top-p 0.9, with torch's argmax
-and the rate each reads the logits at (GB/s: rows x vocab x 2 bytes / time), and the launch rule's table line
-(kernels.launch_rules.SAMPLE_SPLIT_*: set SAMPLE_SPLIT_MAX_ROWS to the most rows where split wins).
 """
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ import torch
 from cuda_timing import cuda_median_ms
 
 from autoprofile.engine import sampling
-from autoprofile.kernels import launch_rules
 from autoprofile.engine.sampling import (
     PREFILTER, STRESS, SamplingBatch, SamplingParams, reference_sample, sample, sampler_workspace_bytes)
 
@@ -42,9 +37,6 @@ CASES = {  # name: (logits scale, params)
     "stress": (1.0, STRESS),
 }
 TARGETS_MS = {("greedy", 256): 0.1, ("top_p0.9", 256): 1.0}  # issue 9, H100, vocab 128256
-SPLIT_CASES = ("greedy", "top_p0.9", "top_k50_top_p0.9")
-SPLIT_TARGETS_MS = {("top_p0.9", 1): 0.08, ("top_k50_top_p0.9", 1): 0.08, ("top_p0.9", 256): 0.3,
-                    ("top_k50_top_p0.9", 256): 0.3}  # issue 48, H100, vocab 128256
 
 
 def peak_bytes(fn) -> int:
@@ -110,53 +102,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def side_by_side(vocab: int, rows_list: list[int], iters: int) -> list[dict]:
-    """The one-program and the split kernel on the same logits and seeds (and torch's argmax)."""
-    from autoprofile.kernels.triton_sample import sample_batch
-    from autoprofile.kernels.triton_sample_split import sample_batch_split
-    results = []
-    for rows in rows_list:
-        gen = torch.Generator("cuda").manual_seed(rows)
-        logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * 5.0).to(torch.bfloat16)
-        seeds = torch.randint(sampling.SEED_HIGH, (rows,), device="cuda", generator=gen)
-        for name in SPLIT_CASES:
-            b = SamplingBatch.from_params([CASES[name][1]] * rows, torch.device("cuda"))
-            args = (logits, b.temperatures, b.top_ps, b.top_ks, seeds)
-            one, split = sample_batch(*args), sample_batch_split(*args)
-            greedy = name == "greedy"
-            r = {"case": name, "rows": rows, "vocab": vocab, "same_tokens": bool(torch.equal(one, split)),
-                 "one_ms": cuda_median_ms(lambda: sample_batch(*args), iters),
-                 "split_ms": cuda_median_ms(lambda: sample_batch_split(*args), iters),
-                 "argmax_ms": cuda_median_ms(lambda: logits.argmax(dim=-1), iters) if greedy else None,
-                 "rule_split": launch_rules.sample_split(rows, vocab)}
-            results.append(r)
-    return results
-
-
-def side_table(results: list[dict]) -> str:
-    head = (f"{'rows':>5} {'case':<17} {'one ms':>8} {'split ms':>8} {'argmax ms':>9} {'one GB/s':>8} "
-            f"{'split GB/s':>10} {'same':>5} {'rule':>6}")
-    lines = [launch_rules.sample_split_rule_line(), head, "-" * len(head)]
-    for r in results:
-        mb = r["rows"] * r["vocab"] * 2 / 1e6  # GB/s = MB / ms
-        argmax = "" if r["argmax_ms"] is None else f"{r['argmax_ms']:.3f}"
-        lines.append(f"{r['rows']:>5} {r['case']:<17} {r['one_ms']:>8.3f} {r['split_ms']:>8.3f} {argmax:>9} "
-                     f"{mb / r['one_ms']:>8.0f} {mb / r['split_ms']:>10.0f} {str(r['same_tokens']):>5} "
-                     f"{'split' if r['rule_split'] else 'one':>6}")
-    for (case, rows), target in SPLIT_TARGETS_MS.items():
-        got = [r["split_ms"] for r in results if r["case"] == case and r["rows"] == rows]
-        if got:
-            verdict = "OK" if got[0] <= target else "MISSED"
-            lines.append(f"target split {case} at {rows} rows <= {target} ms: {got[0]:.3f} ms {verdict}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--rows", default="1,64,256,1024")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--split_rows", default="1,8,64,256", help="the side-by-side's rows ('': none)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -173,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "OK" if got[0] <= target else "MISSED"
             print(f"target {case} at {rows} rows <= {target} ms: {got[0]:.3f} ms {verdict}")
     print(f"measured peak above the declared workspace: {len(over)} of {len(results)}")
-    split = side_by_side(args.vocab, [int(r) for r in args.split_rows.split(",") if r], args.iters)
-    if split:
-        print(side_table(split))
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results,
-           "side_by_side": split}
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     print(json.dumps(doc))
     if args.json:
         with open(args.json, "w") as f:

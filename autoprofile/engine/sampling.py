@@ -2,9 +2,7 @@
 
 CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
 included (autoprofile.kernels.triton_sample: a search over the logits' bit patterns, no sort, no scratch
-beyond a seed and a token per row, no host sync), or, where kernels.launch_rules.sample_split says (few rows
-of a long vocabulary), the same sampler over several programs a row (kernels.triton_sample_split, a few KiB
-of scratch a row, inside `sampler_workspace_bytes`); an all-greedy batch is argmax.
+beyond a seed and a token per row, no host sync); an all-greedy batch is argmax.
 Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
 - top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
@@ -37,7 +35,6 @@ import torch
 
 from autoprofile.engine.sampling_params import (  # noqa: F401 - re-exported
     GREEDY, MAX_LOGPROBS, PREFILTER, PROCESSORS, STRESS, STRESS_PARAMS, STRESS_WIDE, SamplingParams)
-from autoprofile.kernels.launch_rules import sample_split
 
 CHUNK_ROWS = 128  # rows sampled at a time
 SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
@@ -322,26 +319,20 @@ def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
 
 
 def _fused(logits: torch.Tensor):
-    """The Triton sampler where it applies: CUDA logits of a float dtype, unit stride in the vocabulary,
-    triton importable; else None (the torch paths). One program a row (kernels.triton_sample) or several
-    (kernels.triton_sample_split), as launch_rules.sample_split says for the rows and the vocabulary."""
+    """The one-kernel sampler (autoprofile.kernels.triton_sample) where it applies: CUDA logits of a float
+    dtype, unit stride in the vocabulary, triton importable; else None (the torch paths)."""
     if not logits.is_cuda or logits.stride(-1) != 1 or logits.dtype not in _FUSED_DTYPES:
         return None
-    kernels = _triton_samplers()
-    if kernels is None:
-        return None
-    one_program, split = kernels
-    return split if sample_split(*logits.shape) else one_program
+    return _triton_sampler()
 
 
 @functools.cache
-def _triton_samplers():
+def _triton_sampler():
     try:
         from autoprofile.kernels.triton_sample import sample_batch
-        from autoprofile.kernels.triton_sample_split import sample_batch_split
     except ImportError:  # no triton: the torch paths
         return None
-    return sample_batch, sample_batch_split
+    return sample_batch
 
 
 def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,
