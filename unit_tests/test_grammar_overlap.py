@@ -20,14 +20,13 @@ from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.request import PENDING
 from autoprofile.engine.sampling import GREEDY, SamplingParams
 from autoprofile.serving.structured import Grammars, Spec
-from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu
 from unit_tests.test_scheduler import run_all, tiny_runner
 from unit_tests.test_server import FLAGS
 
 pytest.importorskip("xgrammar")
 
-TOK = ByteTokenizer(4096, eos_token_ids=[2], specials=[1])
+from unit_tests.test_grammar import TOK, grammars, roomy  # noqa: E402,F401 - the module's fixtures
 SCHEMA = {"type": "object", "required": ["ok", "n", "tag"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
                          "tag": {"enum": ["x", "y", "zz"]}}}
@@ -42,16 +41,6 @@ CROWD = [(Spec("regex", r"[a-e]{12,20}", "regex"), SamplingParams(temperature=1.
          (Spec("regex", "ab|cd", "regex"), SamplingParams(temperature=1.0, seed=5, min_tokens=6)),
          (Spec("json", json.dumps(SCHEMA), "s"), GREEDY)]
 PROMPTS = [[(5 * i + j) % 4000 + 3 for j in range(8 + 3 * i)] for i in range(len(CROWD))]
-
-
-@pytest.fixture(scope="module")
-def grammars():
-    return Grammars(TOK, 4096)
-
-
-@pytest.fixture(scope="module")
-def roomy():
-    return tiny_runner(2048)
 
 
 def crowd(engine: LLMEngine, grammars: Grammars, max_tokens: int = 40) -> dict[str, tuple[list[int], str]]:
