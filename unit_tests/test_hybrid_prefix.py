@@ -306,3 +306,20 @@ def test_two_conversations_alternating_on_two_checkpoints_both_resume_every_turn
         assert_all_back(engine)
     finally:
         r.teardown()
+
+
+@pytest.mark.parametrize("model", ["tiny-hybrid", "tiny-hybrid-moe"])
+def test_teardown_drops_the_state_slots_and_checkpoints(model):
+    """The state cache (every request slot's conv + delta-rule state, and the checkpoint rows beside them)
+    has one owner, the runner: teardown leaves no reference to its tensors, and a rebuild makes new ones."""
+    import gc
+    import weakref
+    r = runner_for(model, state_checkpoints=3)
+    for _ in range(2):
+        r.build(64 * PAGE)
+        assert r.state is not None and r.state.checkpoints == 3
+        held = [weakref.ref(r.state.conv), weakref.ref(r.state.ssm)]
+        LLMEngine(r).generate([SYSTEM + USERS[0]], max_tokens=4)
+        r.teardown()
+        gc.collect()
+        assert r.state is None and all(ref() is None for ref in held), model
