@@ -914,20 +914,18 @@ def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: floa
     qk, v = m.attention_dims()
     attn = m.num_layers * m.num_heads * (qk + v) * input_len ** 2
     share = m.num_experts_per_tok / m.num_experts if m.num_experts else 0.0
-    fp8_flops = n * 2 * fp8_params(m, share) * input_len
-    prefill_flops = n * (2 * dense * input_len + attn + 2 * m.vocab_size * m.hidden_size)
+    fp8_flops = n * 2 * fp8_params(m, share) * input_len / tp
+    prefill_flops = n * (2 * dense * input_len + attn + 2 * m.vocab_size * m.hidden_size) / tp
     rows = min(concurrency, n)
     steps = -(-n // rows) * max(output_len - 1, 0)
     fp8_read = fp8_params(m, 1 - m.unreached_expert_share(rows))
-    step_bytes = ((m.params_read(rows) - fp8_read) * param_bytes + fp8_read
-                  + rows * (input_len + output_len / 2) * cell_bytes)
+    weight_bytes = (m.params_read(rows) - fp8_read) * param_bytes + fp8_read
+    step_bytes = weight_bytes / tp + rows * (input_len + output_len / 2) * cell_bytes
     fp8_rate = rates.get("fp8_gemm_flops_per_s") or rates["gemm_flops_per_s"]
-    prefill_flops, fp8_flops = prefill_flops / tp, fp8_flops / tp
-    step_bytes -= (1 - 1 / tp) * (step_bytes - rows * (input_len + output_len / 2) * cell_bytes)
     prefill_s = (prefill_flops - fp8_flops) / rates["gemm_flops_per_s"] + fp8_flops / fp8_rate
     decode_s = steps * step_bytes / rates["copy_bytes_per_s"]
     ttft_p99 = ttft_floor(n, rows, prefill_s / n, 0.99)
-    return {"prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
+    return {"tp": tp, "prefill_pflop": prefill_flops / 1e15, "gemm_tflops": rates["gemm_flops_per_s"] / 1e12,
             "fp8_pflop": fp8_flops / 1e15, "fp8_tflops": fp8_rate / 1e12 if fp8_flops else None,
             "ttft_p99_floor_s": ttft_p99,
             "prefill_s": prefill_s, "decode_steps": steps,
@@ -941,7 +939,8 @@ def roofline_line(r: dict) -> str:
     rate = f"{r['gemm_tflops']:.0f} TFLOP/s"
     if r.get("fp8_tflops"):
         rate = f"({r['fp8_pflop']:.2f} of them FP8 at {r['fp8_tflops']:.0f}, the rest at {rate})"
-    return (f"roofline: prefill {r['prefill_pflop']:.2f} PFLOP / {rate} = "
+    ranks = f" (each of {r['tp']} ranks)" if r.get("tp", 1) > 1 else ""
+    return (f"roofline{ranks}: prefill {r['prefill_pflop']:.2f} PFLOP / {rate} = "
             f"{r['prefill_s']:.1f} s"
             f" + decode {r['decode_steps']} steps x {r['decode_step_ms']:.2f} ms ({r['copy_gbps']:.0f} GB/s "
             f"copy) = "

@@ -378,3 +378,5 @@ def test_the_roofline_of_n_tensor_parallel_gpus_splits_the_weights_but_not_a_ran
     assert four["prefill_s"] == pytest.approx(one["prefill_s"] / 4)
     kv_ms = 256 * (1024 + 64) * 131072 / 3.0e12 * 1e3
     assert four["decode_step_ms"] - kv_ms == pytest.approx((one["decode_step_ms"] - kv_ms) / 4)
+    assert "roofline (each of 4 ranks): prefill" in bench_serving.roofline_line(four)
+    assert bench_serving.roofline_line(one).startswith("roofline: prefill")
