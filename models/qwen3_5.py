@@ -176,16 +176,11 @@ class GatedDeltaNet(nn.Module):
                                          decode.state_slots)
             if not n:
                 return self.out_proj(od, residual)
-        o = torch.empty(t, self.v_heads * self.v_dim, dtype=x.dtype, device=x.device)
-        g, beta = gdn.gating(ba[:n], self.A_log, self.dt_bias)
-        c = gdn.conv_prefill(qkv[:n], weight, state.conv, meta.state_slots, meta.cu_seqlens)
-        op = gdn.delta_rule_prefill(*gdn.split_qkv(c, self.k_heads, self.k_dim, self.v_heads, self.v_dim), g,
-                                    beta, state.ssm, meta.state_slots, meta.cu_seqlens)
-        o[:n] = gdn.gated_rms_norm(op, z[:n].reshape(n, self.v_heads, self.v_dim), self.norm.weight,
-                                   self.eps).reshape(n, -1)
-        if decode is not None:
-            o[n:] = od
-        return self.out_proj(o, residual)
+        op = self.backend.gdn_prefill(qkv[:n], z[:n], ba[:n], weight, self.A_log, self.dt_bias, self.norm.weight,
+                                      self.eps, state.conv, state.ssm, meta.state_slots, meta.cu_seqlens)
+        if decode is None:
+            return self.out_proj(op, residual)
+        return self.out_proj(torch.cat([op, od]), residual)
 
 
 # ---------------------------------------------------------------- MoE with a gated shared expert

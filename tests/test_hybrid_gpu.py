@@ -52,6 +52,40 @@ def test_fla_prefill_and_decode_equal_the_reference_over_states_by_slot():
     assert err < 2e-2, err
 
 
+def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
+    """The GPU backend's prefill layer (our conv's two launches, fla's rule with the key heads grouped, our
+    gated norm) against layers.gdn.prefill_layer on the CPU (the torch conv, the chunked rule over repeated key
+    heads), at qwen3.5-27b's widths: rows of 1, 3, 700 and 64 tokens from their slots' windows and states."""
+    if not torch.cuda.is_available() or gdn.fla_ops() is None:
+        pytest.skip("needs a CUDA GPU and fla-core")
+    from autoprofile.kernels import triton_gdn
+    dev, hk, kd, hv, vd, kw = torch.device("cuda"), 16, 128, 48, 128, 4
+    c, lens = 2 * hk * kd + hv * vd, [1, 3, 700, 64]
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale)  # noqa: E731
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.tensor([5, 0, 3, 6])
+    t = sum(lens)
+    qkvz = r(t, c + hv * vd).bfloat16()
+    ba = r(t, 2 * hv, scale=3.0).bfloat16()
+    weight, a_log, dt_bias, norm = r(c, kw, scale=0.5).bfloat16(), r(hv, scale=0.5), r(hv), r(vd).bfloat16()
+    conv, ssm = r(8, c, kw - 1).bfloat16(), r(8, hv, kd, vd, scale=0.05)
+    args = lambda d: [x.to(d) for x in (*qkvz.split([c, hv * vd], dim=-1), ba, weight, a_log, dt_bias, norm)]  # noqa
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    want = gdn.prefill_layer(*args("cpu"), 1e-6, ref_conv, ref_ssm, slots, cu)
+    qkv, z, ba_d, w, al, db, nw = args(dev)
+    conv_d, ssm_d, slots_d, cu_d = conv.to(dev), ssm.to(dev), slots.to(dev), cu.to(dev)
+    q, k, v = triton_gdn.conv_prefill(qkv, w, conv_d, slots_d, cu_d, hk, kd, hv, vd)
+    o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_d, slots_d, cu_d)
+    got = triton_gdn.gated_rms_norm(o, z, nw, 1e-6).cpu()
+    assert torch.equal(conv_d.cpu(), ref_conv)
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < 2e-2, err
+    err = (ssm_d.cpu() - ref_ssm).norm() / ref_ssm.norm()
+    assert err < 2e-2, err
+    assert torch.equal(ssm_d.cpu()[[1, 2, 4, 7]], ssm[[1, 2, 4, 7]])
+
+
 def _runner(backend: str, dtype: str):
     from autoprofile.engine.runner import ModelRunner
     from autoprofile.engine.weights import init_random

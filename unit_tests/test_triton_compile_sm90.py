@@ -137,6 +137,24 @@ for dtype in (torch.bfloat16, torch.float32):
     triton_route.biased_grouped_topk(torch.randn(5, 256, dtype=dtype), torch.zeros(256), 8, 8, 4, True, 2.5,
                                      mode)
 ''',
+    # qwen3.5-27b's linear layers (bf16, fp32 state): prefill rows' conv, decode rows' layer, the gated norm
+    "triton_gdn": r'''
+RUN = False
+from autoprofile.kernels import triton_gdn
+hk, kd, hv, vd, kw = 16, 128, 48, 128, 4
+c = 2 * hk * kd + hv * vd
+conv, ssm = torch.zeros(4, c, kw - 1, dtype=torch.bfloat16), torch.zeros(4, hv, kd, vd)
+w, slots = torch.randn(c, kw, dtype=torch.bfloat16), torch.tensor([2, 0])
+triton_gdn.conv_prefill(torch.randn(7, c, dtype=torch.bfloat16), w, conv, slots, torch.tensor([0, 3, 7]), hk, kd,
+                        hv, vd)
+for pdl.enabled in H100_PDL:
+    triton_gdn.decode_layer(torch.randn(2, c, dtype=torch.bfloat16), torch.randn(2, hv * vd, dtype=torch.bfloat16),
+                            torch.randn(2, 2 * hv, dtype=torch.bfloat16), w, torch.zeros(hv), torch.zeros(hv),
+                            torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots)
+    triton_gdn.gated_rms_norm(torch.randn(2, hv, vd, dtype=torch.bfloat16),
+                              torch.randn(2, hv * vd, dtype=torch.bfloat16), torch.ones(vd, dtype=torch.bfloat16),
+                              1e-6)
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -151,6 +169,7 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
+    "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel"},
 }
 
 

@@ -78,6 +78,48 @@ assert torch.equal(ssm[others], ref_ssm[others]) and torch.equal(conv[others], r
 print("ok")
 '''
 
+# prefill rows through the conv's two launches, as the GPU backend's gdn_prefill runs them: rows shorter than
+# the window (1 and 2 tokens: their new window keeps part of the old), a long one, slots out of order; x a view
+# with the projection's row stride; then the rule and the gated norm on the conv's q, k, v against the
+# reference layer (layers.gdn.prefill_layer), windows and states moved on at the rows' slots only
+PREFILL = r'''
+import sys
+import torch
+from autoprofile.kernels import triton_gdn
+from autoprofile.layers import gdn
+
+dt = getattr(torch, sys.argv[1])
+tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 5e-2, "atol": 1e-1}
+torch.manual_seed(0)
+hk, hv, kd, vd, slots_n, kw = 2, 6, 16, 24, 7, 4
+c = 2 * hk * kd + hv * vd
+lens = [1, 37, 2, 5]
+t = sum(lens)
+cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+slots = torch.tensor([5, 0, 3, 6])
+qkvz = torch.randn(t, c + hv * vd, dtype=dt)
+qkv, z = qkvz.split([c, hv * vd], dim=-1)
+ba = (torch.randn(t, 2 * hv) * 3).to(dt)
+weight, a_log, dt_bias = torch.randn(c, kw, dtype=dt), torch.randn(hv), torch.randn(hv)
+norm = torch.randn(vd, dtype=dt)
+conv, ssm = torch.randn(slots_n, c, kw - 1, dtype=dt), torch.randn(slots_n, hv, kd, vd) * 0.1
+ref_conv, ref_ssm = conv.clone(), ssm.clone()
+want_c = gdn.conv_prefill(qkv, weight, ref_conv.clone(), slots, cu)
+q, k, v = triton_gdn.conv_prefill(qkv, weight, conv, slots, cu, hk, kd, hv, vd)
+assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+for got, want in zip((q, k, v), gdn.split_qkv(want_c, hk, kd, hv, vd)):
+    torch.testing.assert_close(got, want, **tol)
+want = gdn.prefill_layer(qkv, z, ba, weight, a_log, dt_bias, norm, 1e-6, ref_conv, ref_ssm, slots, cu)
+assert torch.equal(conv, ref_conv), "conv windows"
+o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba, a_log, dt_bias), ssm, slots, cu)
+got = triton_gdn.gated_rms_norm(o, z, norm, 1e-6)
+torch.testing.assert_close(got, want, **tol)
+torch.testing.assert_close(ssm, ref_ssm, **tol)
+others = [i for i in range(slots_n) if i not in slots.tolist()]
+assert torch.equal(ssm[others], ref_ssm[others]) and torch.equal(conv[others], ref_conv[others])
+print("ok")
+'''
+
 LAYER_LAUNCHES = {
     "apart": GdnLaunch(),  # conv kernel, rule with its gates, norm kernel
     "apart-norm-fused": GdnLaunch(block_v=32, heads=2, warps=2),  # a block holds a head: the norm in the rule
@@ -114,3 +156,9 @@ def test_the_launch_rule_reads_its_table_by_padded_rows():
     # heads that do not divide the value heads fall back to 1; a conv fused needs whole key-head groups
     assert launch_rules.gdn_decode_launch(64, 7, 50, 128, table) == GdnLaunch(heads=1, fuse_conv=False)
     assert launch_rules.gdn_decode_launch(4, 16, 48, 128) == launch_rules.GDN_DECODE_LAUNCHES[0][1]
+
+
+@triton_missing
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_rows_conv_and_layer_match_the_reference_in_place_by_slot(dtype):
+    run_script(PREFILL, dtype)

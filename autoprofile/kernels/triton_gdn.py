@@ -1,4 +1,5 @@
-"""Gated DeltaNet's one-token decode in Triton, over the state cache in place by request slot.
+"""Gated DeltaNet's one-token decode in Triton, over the state cache in place by request slot; and the prefill
+rows' conv (`conv_prefill`: the outputs as fla's chunked rule takes them, then the windows moved on).
 
 `_gdn_decode_kernel`: one program per (row, HEADS value heads, VBLOCKS blocks of BV value channels). For each
 of its heads and blocks it takes the row's q and k of the head's key head (l2-normalised in fp32, q scaled by
@@ -25,6 +26,8 @@ from autoprofile.kernels import launch_rules, pdl
 from autoprofile.kernels.launch_rules import GdnLaunch
 
 CONV_BLOCK = 256  # channels a program of the separate conv step
+CONV_PREFILL_TOKENS = 16  # tokens a program of the prefill conv
+NORM_ROWS = 16  # rows a program of the separate gated norm (a prefill's thousands of rows)
 
 
 @triton.jit
@@ -83,16 +86,22 @@ def _gated_norm(o, z_ptr, w_ptr, vc, vmask, vd, eps):
 
 
 @triton.jit
-def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, sx_b, sx_h, sz_b, so_b, vd, eps, BD: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    """The gated RMSNorm alone: one program per (row, head)."""
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, rows, sx_b, sx_h, sz_b, so_b, vd, eps, BD: tl.constexpr,
+                       ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    """The gated RMSNorm alone: one program per (ROWS rows, head); _gated_norm's math on a [ROWS, BD] tile."""
     pdl.begin(PDL)
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     vc = tl.arange(0, BD)
-    vmask = vc < vd
-    o = tl.load(x_ptr + b * sx_b + h * sx_h + vc, mask=vmask, other=0.0).to(tl.float32)
-    y = _gated_norm(o, z_ptr + b * sz_b + h * vd, w_ptr, vc, vmask, vd, eps)
-    tl.store(out_ptr + b * so_b + h * vd + vc, y.to(out_ptr.dtype.element_ty), mask=vmask)
+    mask = (b < rows)[:, None] & (vc < vd)[None, :]
+    dtype = w_ptr.dtype.element_ty
+    o = tl.load(x_ptr + b[:, None] * sx_b + h * sx_h + vc[None, :], mask=mask, other=0.0).to(tl.float32)
+    o = o.to(dtype).to(tl.float32)
+    normed = (o * tl.rsqrt(tl.sum(o * o, axis=1) / vd + eps)[:, None]).to(dtype)
+    w = tl.load(w_ptr + vc, mask=vc < vd, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + b[:, None] * sz_b + h * vd + vc[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = (w[None, :] * normed.to(tl.float32)).to(dtype).to(tl.float32) * (z * tl.sigmoid(z))
+    tl.store(out_ptr + b[:, None] * so_b + h * vd + vc[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -147,6 +156,61 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr,
         tl.store(out_ptr + b * so_b + h * so_h + vc, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
+@triton.jit
+def _conv_prefill_kernel(x_ptr, sx_t, conv_ptr, sc_slot, w_ptr, slots_ptr, cu_ptr, seq_ptr, out_ptr, tokens,
+                         channels, qk_width, v_width, KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """SiLU(causal depthwise conv1d) of prefill rows: one program per (BT tokens, BC channels). Token t of row
+    r = seq[t] (starting at cu[r]) reads its window's inputs before the row's chunk from conv[slots[r]] (read
+    only: _conv_window_kernel moves the windows on after). The output goes to q [T, qk_width], k [T, qk_width]
+    and v [T, v_width] back to back in out_ptr, each contiguous (fla's kernels take them so)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    tmask, cmask = t < tokens, ch < channels
+    mask = tmask[:, None] & cmask[None, :]
+    row = tl.load(seq_ptr + t, mask=tmask, other=0)
+    start = tl.load(cu_ptr + row, mask=tmask, other=0).to(tl.int64)
+    win = conv_ptr + tl.load(slots_ptr + row, mask=tmask, other=0).to(tl.int64) * sc_slot
+    t64 = t.to(tl.int64)
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(KW):  # tap j of token t: the input at t - (KW - 1) + j, in the chunk or the window
+        back = t64 - (KW - 1) + j - start  # its position relative to the row's chunk
+        inside = (back >= 0)[:, None]
+        xv = tl.load(x_ptr + (t64 - (KW - 1) + j)[:, None] * sx_t + ch[None, :], mask=mask & inside, other=0.0)
+        wv = tl.load(win[:, None] + ch[None, :] * (KW - 1) + (back + KW - 1)[:, None], mask=mask & ~inside,
+                     other=0.0)
+        w = tl.load(w_ptr + ch * KW + j, mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.where(inside, xv.to(tl.float32), wv.to(tl.float32)) * w[None, :]
+    y = acc * tl.sigmoid(acc)
+    part = (ch >= qk_width).to(tl.int64) + (ch >= 2 * qk_width).to(tl.int64)  # 0 q, 1 k, 2 v
+    width = tl.where(part == 2, v_width, qk_width).to(tl.int64)
+    base = part * tokens * qk_width  # q, k and v back to back
+    off = base[None, :] + t64[:, None] * width[None, :] + (ch - part * qk_width)[None, :]
+    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _conv_window_kernel(x_ptr, sx_t, conv_ptr, sc_slot, slots_ptr, cu_ptr, channels, KW: tl.constexpr,
+                        KP: tl.constexpr, BC: tl.constexpr):
+    """Each prefill row's window moved on past its chunk: conv[slots[r]] [C, KW-1] <- the last KW-1 inputs
+    (from the chunk, or the window itself where the chunk is shorter). One program per (row, BC channels);
+    its loads precede its stores (a barrier), so a window read and written in place stays whole."""
+    r = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = ch < channels
+    start = tl.load(cu_ptr + r).to(tl.int64)
+    n = tl.load(cu_ptr + r + 1).to(tl.int64) - start
+    win = conv_ptr + tl.load(slots_ptr + r).to(tl.int64) * sc_slot + ch[:, None] * (KW - 1)
+    j = tl.arange(0, KP)
+    back = n - (KW - 1) + j  # window element j's input, relative to the chunk
+    used = cmask[:, None] & (j < KW - 1)[None, :]
+    inside = (back >= 0)[None, :]
+    xv = tl.load(x_ptr + (start + back)[None, :] * sx_t + ch[:, None], mask=used & inside, other=0.0)
+    old = tl.load(win + (back + KW - 1)[None, :], mask=used & ~inside, other=0.0)
+    new = tl.where(inside, xv.to(old.dtype), old)
+    tl.debug_barrier()
+    tl.store(win + j[None, :], new, mask=used)
+
+
 def _launch_options(launch: GdnLaunch) -> dict:
     return {"num_warps": launch.warps, "num_stages": launch.stages, **pdl.launch()}
 
@@ -187,14 +251,40 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor,
     return out
 
 
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                 cu_seqlens: torch.Tensor, k_heads: int, k_dim: int, v_heads: int,
+                 v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill rows' conv in two launches (layers.gdn.conv_prefill, its reference): x [T, C] (unit channel
+    stride; rows split by cu_seqlens [N+1]), weight [C, K] and conv [slots, C, K-1] contiguous -> contiguous q,
+    k [T, Hk, Dk] and v [T, Hv, Dv] in x's dtype (one buffer); each row's window conv[slots[i]] moved on."""
+    t, c = x.shape
+    kw, qk = weight.shape[1], k_heads * k_dim
+    out = torch.empty(t * c, dtype=x.dtype, device=x.device)
+    q, k, v = (out[:t * qk].view(t, k_heads, k_dim), out[t * qk:2 * t * qk].view(t, k_heads, k_dim),
+               out[2 * t * qk:].view(t, v_heads, v_dim))
+    if not t:
+        return q, k, v
+    cu = cu_seqlens.to(torch.int32)
+    seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True)
+    _conv_prefill_kernel[(triton.cdiv(t, CONV_PREFILL_TOKENS), triton.cdiv(c, CONV_BLOCK))](
+        x, x.stride(0), conv, conv.stride(0), weight, slots, cu, seq, out, t, c, qk, v_heads * v_dim,
+        KW=kw, BT=CONV_PREFILL_TOKENS, BC=CONV_BLOCK, num_warps=4)
+    _conv_window_kernel[(slots.shape[0], triton.cdiv(c, CONV_BLOCK))](
+        x, x.stride(0), conv, conv.stride(0), slots, cu, c, KW=kw, KP=triton.next_power_of_2(max(kw - 1, 1)),
+        BC=CONV_BLOCK, num_warps=4)
+    return q, k, v
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The gated RMSNorm alone, one launch: o [B, Hv, Dv] (unit stride last), z [B, Hv * Dv] (unit stride
     last) -> [B, Hv * Dv] in o's dtype."""
     b, hv, vd = o.shape
     out = torch.empty(b, hv * vd, dtype=o.dtype, device=o.device)
     if b:
-        _gated_norm_kernel[(b, hv)](o, z, weight, out, o.stride(0), o.stride(1), z.stride(0), out.stride(0),
-                                    vd, eps, BD=triton.next_power_of_2(vd), num_warps=4, **pdl.launch())
+        rows = NORM_ROWS if b >= NORM_ROWS else 1  # two compiles: decode rows, prefill rows
+        _gated_norm_kernel[(triton.cdiv(b, rows), hv)](o, z, weight, out, b, o.stride(0), o.stride(1), z.stride(0),
+                                                       out.stride(0), vd, eps, BD=triton.next_power_of_2(vd),
+                                                       ROWS=rows, num_warps=4, **pdl.launch())
     return out
 
 

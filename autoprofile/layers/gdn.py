@@ -101,8 +101,8 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        ssm: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens,
     each from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's
-    dtype."""
-    q, k = _expand(q, k, v.shape[1])
+    dtype. fla's kernels take the key heads as they are (grouped value attention: value head h reads key head
+    h // (Hv / Hk), as _expand lays them out)."""
     ops = fla_ops() if q.is_cuda else None
     if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
         state = ssm[slots].float()
@@ -111,6 +111,7 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                           cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
         ssm.index_copy_(0, slots, final.to(ssm.dtype))
         return o.squeeze(0).to(v.dtype)
+    q, k = _expand(q, k, v.shape[1])
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -201,6 +202,20 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
     c = conv_decode(qkv, conv_weight.reshape(qkv.shape[1], -1), conv, slots)
     o = delta_rule_decode(*split_qkv(c, hk, kd, hv, vd), *gating(ba, a_log, dt_bias), ssm, slots)
     return gated_rms_norm(o, z.reshape(b, hv, vd), norm_weight, eps).reshape(b, hv * vd)
+
+
+def prefill_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
+                  a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor,
+                  cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """A layer's prefill rows (split by cu_seqlens, each continuing from its slot's conv window and state)
+    from its projections to out_proj's input: qkv [T, 2 Hk Dk + Hv Dv], z [T, Hv Dv], ba [T, 2 Hv] -> [T, Hv
+    Dv] in qkv's dtype; windows and states moved on in place. The reference of a GPU backend's gdn_prefill."""
+    t, hv, kd, vd = qkv.shape[0], ssm.shape[1], ssm.shape[2], ssm.shape[3]
+    hk = (qkv.shape[1] - hv * vd) // (2 * kd)
+    c = conv_prefill(qkv, conv_weight, conv, slots, cu_seqlens)
+    o = delta_rule_prefill(*split_qkv(c, hk, kd, hv, vd), *gating(ba, a_log, dt_bias), ssm, slots, cu_seqlens)
+    return gated_rms_norm(o, z.reshape(t, hv, vd), norm_weight, eps).reshape(t, hv * vd)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
