@@ -351,6 +351,8 @@ class Profiler:
         if cut is not self.cfg:
             self.context_cut_from = self.cfg.context_len
             self.cfg = cut
+            if self.runner.kv_buffer is not None:  # measured after a probe: its build goes first (collective)
+                self.release()
             self.runner.cut_context(cut)
             self.sizing = self.runner.sizing
 

@@ -86,6 +86,8 @@ class FakeRunner:
         return {"gpu": "fake", "total_memory": self.gpu.total}
 
     def cut_context(self, cfg) -> None:
+        if self.kv_buffer is not None:  # as ModelRunner.cut_context: a built runner keeps its envelope
+            raise RuntimeError("cut_context() on a built runner: teardown() first")
         self.events.append(("cut_context", cfg.context_len))
         self.sizing = dataclasses.replace(self.sizing, context_len=cfg.context_len)
 
