@@ -26,9 +26,12 @@ from a checkpoint at its end), and whenever an entry's state leaves the cache (i
 forgotten, or a second checkpoint for a key already held) the owner's `free_state(state)` gives it back. The
 host tier holds pages only: a spilled page's state is freed. With `checkpoints` N the cache owns the ids: N
 checkpoint rows of the state cache (engine.state_cache), free, pending (`new_checkpoint`: a step copies a
-slot's state into it; `drop_checkpoint` if that never reaches an entry) or on an entry, least recently used
-first; when none is free the least recently used leaves its entry (its page stays cached as K/V, no longer a
-point a hybrid resumes from).
+slot's state into it; `drop_checkpoint` if that never reaches an entry) or on an entry. When none is free one
+leaves its entry (its page stays cached as K/V, no longer a point a hybrid resumes from), least recently used
+first in two segments (SLRU): a prompt's end (a multi-turn history's: dead once its next turn resumed from it,
+so then the next to go) before shared ones (a fork's, `match`'s PrefixMatch.fork: where prompts part; or
+resumed twice), which go first only past half the pool. A multi-turn load of C concurrent conversations resumes
+every returning turn from C rows, one more for each shared prefix (unit_tests/test_hybrid_multi_turn.py).
 
 Host tier (--host_kv; the pinned pages and their copies are engine.host_kv.HostKVPool): a cached page that
 alloc hands out again is first saved to a host page under its key (`spill`, the step's saves; the step's
@@ -129,6 +132,7 @@ class PrefixMatch:
     loading: bool = False  # a GPU page of it is still being loaded from the host tier: wait for it
     state: Hashable | None = None  # the checkpoint at the end of `pages` (match's need_state)
     kv_pages: int = 0  # GPU pages of the cached run before need_state cut it back to `pages`
+    fork: tuple | None = None  # the key of the run's last GPU page when another cached prefix goes on after it
 
 
 @dataclass
@@ -166,9 +170,14 @@ class PrefixCache:
         self.free_state = free_state
         self.checkpoints = checkpoints if enabled else 0
         self._free_rows = list(range(self.checkpoints - 1, -1, -1))
-        self._held: OrderedDict[Hashable, CacheEntry] = OrderedDict()  # checkpoints on entries, LRU first
+        self._claims: dict[Hashable, tuple] = {}  # pending checkpoint -> the cached key it is for (a fork)
+        # checkpoints on entries, least recently used first, in two segments (SLRU): a prompt's end (a
+        # history's next turn resumes there) and shared ones (where prompts part, or resumed twice)
+        self._held: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+        self._shared: OrderedDict[Hashable, CacheEntry] = OrderedDict()
         self._entries: dict[tuple, CacheEntry] = {}  # key -> its entry
         self._at: dict[int, CacheEntry] = {}  # GPU page -> its entry
+        self._children: dict[int, int] = {}  # chain id -> GPU entries whose key follows it
         self._ids = itertools.count(1)  # chain ids; 0: the empty prefix
         self.loads: dict[int, HostLoad] = {}  # in flight, by load id
         self._load_of: dict[object, HostLoad] = {}  # owners waiting for a load
@@ -226,14 +235,17 @@ class PrefixCache:
             found.append(e)
             m.chain = e.chain
         m.kv_pages = len(found)
+        if found and found[-1].chain in self._children:
+            m.fork = found[-1].key
         if need_state:
             while found and found[-1].state is None:
                 found.pop()
             m.chain = found[-1].chain if found else 0
         m.pages = [e.page for e in found]
         m.state = found[-1].state if found else None
-        if m.state in self._held:
-            self._held.move_to_end(m.state)
+        for held in (self._held, self._shared):
+            if m.state in held:
+                held.move_to_end(m.state)
         m.loading = not self._loading.isdisjoint(m.pages)
         return m
 
@@ -284,13 +296,15 @@ class PrefixCache:
         self.evict(page, spill=False)
         e = CacheEntry(key, page, next(self._ids) if chain is None else chain)
         self._entries[key], self._at[page] = e, e
+        self._children[parent] = self._children.get(parent, 0) + 1
         self._attach(e, state)
         return e.chain
 
     def _attach(self, e: CacheEntry, state: Hashable | None) -> None:
+        shared = self._claims.pop(state, None) is not None  # a fork's
         e.state, e.resumes = state, 0
         if state is not None and self.checkpoints:
-            self._held[state] = e
+            (self._shared if shared else self._held)[state] = e
 
     def evict(self, page: int, spill: bool = True) -> None:
         """The page leaves the GPU's map (alloc hands it out; spill False: its K/V is not what its key says, a
@@ -299,6 +313,10 @@ class PrefixCache:
         if e is None:
             return
         del self._entries[e.key]
+        if self._children[e.key[0]] == 1:
+            del self._children[e.key[0]]
+        else:
+            self._children[e.key[0]] -= 1
         if spill and self.host is not None:
             self.spill(e)
         if e.state is not None:
@@ -311,36 +329,53 @@ class PrefixCache:
             self._copies.saves.append((e.page, host_page))
 
     def _free_state(self, state: Hashable) -> None:
+        self._claims.pop(state, None)
         if self.checkpoints:
             self._held.pop(state, None)
+            self._shared.pop(state, None)
             self._free_rows.append(state)
         if self.free_state is not None:
             self.free_state(state)
 
     # ------------------------------------------------------------ state checkpoints (hybrid models)
-    def new_checkpoint(self) -> int | None:
+    def new_checkpoint(self, fork: tuple | None = None) -> int | None:
         """A checkpoint row for a step's copy of a slot's state, pending until `insert` puts it on an entry:
-        a free one, else the least recently used leaves its entry; None when every row is pending."""
-        if self._free_rows:
-            return self._free_rows.pop()
-        if not self._held:
+        a free one, else the least recently used leaves its entry. None when every row is pending, or when
+        `fork` (the key of a cached page where prompts part: PrefixMatch.fork) has one pending already: a
+        crowd admitted behind the same shared prefix would each take a row for one checkpoint, evicting
+        conversations' live ones, and all but the first would be dropped as duplicates."""
+        if fork is not None and fork in self._claims.values():
             return None
-        row, e = self._held.popitem(last=False)
-        e.state = None
+        if self._free_rows:
+            row = self._free_rows.pop()
+        elif self._held or self._shared:
+            shared = not self._held or len(self._shared) > self.checkpoints // 2
+            row, e = (self._shared if shared else self._held).popitem(last=False)
+            e.state = None
+        else:
+            return None
+        if fork is not None:
+            self._claims[row] = fork
         return row
 
     def resumed(self, state: Hashable) -> None:
         """A request resumes from checkpoint `state`. Its first resume makes it the next to evict: a
         multi-turn history's checkpoint is dead once the turn that resumed from it saves a deeper one (kept,
-        concurrent conversations evict each other's live ones); from its second on (a shared prefix) it is
-        the most recently used."""
+        concurrent conversations evict each other's live ones); its second moves it to the shared segment (a
+        shared prefix, or a turn sent again), where each resume makes it the most recently used."""
         e = self._held.get(state)
         if e is not None:
             e.resumes += 1
-            self._held.move_to_end(state, last=e.resumes > 1)
+            if e.resumes == 1:
+                self._held.move_to_end(state, last=False)
+            else:
+                self._shared[state] = self._held.pop(state)
+        elif state in self._shared:
+            self._shared.move_to_end(state)
 
     def drop_checkpoint(self, row: int) -> None:
         """A pending checkpoint that reaches no entry (its request left, or its step failed) is free."""
+        self._claims.pop(row, None)
         self._free_rows.append(row)
 
     @property
@@ -350,7 +385,7 @@ class PrefixCache:
     @property
     def num_held_checkpoints(self) -> int:
         """Checkpoints on cached entries (resumable points)."""
-        return len(self._held)
+        return len(self._held) + len(self._shared)
 
     # ------------------------------------------------------------ the host tier's loads
     def load(self, hits: list[HostHit], owner) -> tuple[list[int], int]:

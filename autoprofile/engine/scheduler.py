@@ -33,11 +33,12 @@ not: that step may fail), alloc saves them to the host tier when it takes them, 
 through the GPU or host hit of any other.
 
 A hybrid model (Scheduler(state_checkpoints=N, hybrid=True)) resumes a cached prefix only from a state
-checkpoint at its end (PrefixCache.match's need_state: the match is cut back to the last page carrying one); its first row
-copies that checkpoint into the request's slot (Step.state_loads, before the forward) instead of starting
-from zeros. Its prefill ends a chunk at each checkpoint stop (checkpoint_stops: the end of the prompt's full
-pages, and the end of the cached K/V run when that is longer than its checkpointed part: where two prompts
-part, a shared system prompt), and that step copies the slot's state into a checkpoint row after its forward
+checkpoint at its end (PrefixCache.match's need_state: the match is cut back to the last page carrying one);
+its first row copies that checkpoint into the request's slot (Step.state_loads, before the forward) instead of
+starting from zeros. Its prefill ends a chunk at each checkpoint stop (checkpoint_stops: the end of the
+prompt's full pages, where a multi-turn history's next turn resumes; and the end of the cached K/V run where
+another cached prefix goes on, PrefixMatch.fork: where two prompts part, a shared system prompt, one row for a
+crowd behind it), and that step copies the slot's state into a checkpoint row after its forward
 (Step.state_saves); the row goes onto the page's entry when the step is read back (resolve), or back to the
 cache's pool when the request leaves first.
 """
@@ -131,12 +132,13 @@ def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int,
     return spans
 
 
-def checkpoint_stops(num_tokens: int, page_size: int, start: int, kv_pages: int) -> list[int]:
+def checkpoint_stops(num_tokens: int, page_size: int, start: int, fork_pages: int) -> list[int]:
     """Where a hybrid request's prefill from `start` ends a chunk and checkpoints its state: the end of the
-    full pages its keys cover (all but the last token), and the end of the cached K/V run it matched
-    (kv_pages), each if after start."""
+    full pages its keys cover (all but the last token), and the end of the cached K/V run it matched where
+    another cached prefix goes on (fork_pages: where two prompts part, a shared system prompt; 0: none), each
+    if after start."""
     last = (num_tokens - 1) // page_size * page_size
-    return sorted({b for b in (kv_pages * page_size, last) if b > start})
+    return sorted({b for b in (fork_pages * page_size, last) if b > start})
 
 
 def grammar_ended(matcher, token: int) -> bool:
@@ -157,7 +159,7 @@ class Scheduler:
                                  enabled=prefix_caching and (state_checkpoints > 0 or not hybrid),
                                  checkpoints=state_checkpoints if hybrid else 0)
         self.hybrid = hybrid and self.cache.enabled  # its prefills end chunks at checkpoint stops
-        self._stops: dict[Request, list[int]] = {}  # a hybrid request's checkpoint stops still ahead
+        self._stops: dict[Request, dict[int, tuple | None]] = {}  # a hybrid's stops -> the fork's key or None
         self._saving: dict[Request, dict[int, int]] = {}  # page index -> its pending checkpoint
         self._fresh: set[Request] = set()  # back from the host tier, no row yet: the next is a prefill row
         self.free_slots = list(range(envelope.running_reqs - 1, -1, -1))
@@ -258,8 +260,7 @@ class Scheduler:
                 continue
             start = len(hit.pages) * ps if admit else req.num_computed
             n = min(req.num_tokens - start, tokens_left, kv_left - start)
-            stops = (checkpoint_stops(req.num_tokens, ps, start, hit.kv_pages) if admit
-                     else self._stops.get(req, [])) if self.hybrid else []
+            stops = self._stops.get(req, {}) if not admit else self._plan_stops(req, hit, start)
             n = min([n] + [b - start for b in stops if b > start][:1])
             encode = []
             if req.mm is not None:
@@ -282,7 +283,7 @@ class Scheduler:
             self._fresh.discard(req)
             self._grow(req, need, step)
             if start + n in stops:
-                self._checkpoint(req, start + n, step)
+                self._checkpoint(req, start + n, stops[start + n], step)
             row = StepRow(req.slot, start, req.tokens(start, start + n), start + n == req.num_tokens,
                           req.params, req, req.mm)
             if req.mm is not None:
@@ -357,10 +358,19 @@ class Scheduler:
             step.state_loads.append((hit.state, req.slot))
             self.cache.resumed(hit.state)
 
-    def _checkpoint(self, req: Request, end: int, step: Step) -> None:
+    def _plan_stops(self, req: Request, hit: PrefixMatch, start: int) -> dict[int, tuple | None]:
+        """A hybrid request's checkpoint stops at admission -> the key of the cached page it checkpoints where
+        two prompts part (hit.fork), None at its prompt's end."""
+        if not self.hybrid:
+            return {}
+        fork = hit.kv_pages if hit.fork is not None else 0
+        return {b: hit.fork if b == fork * self.env.page_size else None
+                for b in checkpoint_stops(req.num_tokens, self.env.page_size, start, fork)}
+
+    def _checkpoint(self, req: Request, end: int, fork: tuple | None, step: Step) -> None:
         """req's chunk ends at checkpoint stop `end`: the step copies its slot's state into a checkpoint row
         (none free and none to evict: no checkpoint), which its page takes when the step is read back."""
-        row = self.cache.new_checkpoint()
+        row = self.cache.new_checkpoint(fork)
         if row is not None:
             self._saving.setdefault(req, {})[end // self.env.page_size - 1] = row
             step.state_saves.append((req.slot, row))
