@@ -26,9 +26,9 @@ as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) u
     python3 scripts/bench_serving.py --dataset-name random-mm --random-mm-shared-images \
         --random-mm-image-size 1200x900 --random-input-len 64 --random-output-len 64 --num-prompts 200
 Multi-turn chat (--multi-turn N): N conversations of --num-turns turns; each turn sends the whole history
-(every earlier turn's prompt and a --random-output-len reply) plus --random-input-len new tokens, so the
-histories grow past the GPU's KV and a returning conversation finds its prefix in the prefix cache, in the
-host tier (--host_kv) or nowhere. Turns go out at a steady --request-rate (fixed intervals), each once its
+(every earlier turn's prompt and the server's reply to it: --multi-turn-replies) plus --random-input-len new
+tokens, so the histories grow past the GPU's KV and a returning conversation finds its prefix in the prefix
+cache, in the host tier (--host_kv) or nowhere. Turns go out at a steady --request-rate (fixed intervals), each once its
 conversation's previous turn is done; it reports TTFT per turn and the host tier's figures. --compare-launch
 runs the same conversations against a second server afterwards (tier on against off, one GPU):
 
@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -87,6 +88,7 @@ class Result:
     status: int = 0
     disconnected: bool = False  # the client hung up on purpose (soak)
     lost: bool = False  # no answer within --request-timeout
+    token_ids: list[int] = field(default_factory=list)  # the reply's ids (a request with return_token_ids)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
                     r.output_tokens = msg["usage"]["completion_tokens"]
                     if job.messages is not None:  # the server counts the chat prompt's tokens (images too)
                         r.prompt_len = msg["usage"]["prompt_tokens"]
+                if msg.get("choices"):
+                    r.token_ids += msg["choices"][0].get("token_ids") or []
                 if chunk_text(msg):
                     now = time.perf_counter()
                     if chunks == 0:
@@ -191,19 +195,42 @@ def conversation_jobs(conversations: int, turns: int, input_len: int, output_len
     return out
 
 
+def with_real_reply(planned: Job, planned_before: Job, sent_before: Job, reply: list[int]) -> Job:
+    """A turn whose history holds the reply the server gave (a chat client): the prompt the conversation sent
+    last, that reply's ids, then the turn's new tokens (what `planned` adds after planned_before's prompt and
+    its random reply)."""
+    new = planned.prompt[len(planned_before.prompt) + planned_before.max_tokens:]
+    return dataclasses.replace(planned, prompt=sent_before.prompt + reply + new,
+                               sampling={**planned.sampling, "return_token_ids": True})
+
+
 async def run_conversations(url: str, model: str, conversations: list[list[Job]], args,
                             deadline: float) -> tuple[list[Result], float]:
     """Turns at a steady --request-rate (one every 1 / rate seconds; inf: as soon as one is ready), each
-    once its conversation's previous turn has ended, conversations in round-robin order."""
+    once its conversation's previous turn has ended, conversations in round-robin order. --multi-turn-replies
+    real (the default): each turn's history holds the replies the server gave (their ids: return_token_ids),
+    as a chat client sends it; random: the random ids conversation_jobs put there."""
     results: list[Result] = []
     ready = list(range(len(conversations)))
     next_turn = [0] * len(conversations)
+    sent: list[tuple[Job, list[int]] | None] = [None] * len(conversations)  # last prompt sent, its reply
     woken = asyncio.Event()
     interval = 0.0 if args.request_rate == float("inf") else 1.0 / args.request_rate
+    real = args.multi_turn_replies == "real"
+
+    def turn_job(c: int) -> Job:
+        t, planned = next_turn[c], conversations[c][next_turn[c]]
+        if not real:
+            return planned
+        if t == 0:
+            return dataclasses.replace(planned, sampling={**planned.sampling, "return_token_ids": True})
+        return with_real_reply(planned, conversations[c][t - 1], *sent[c])
 
     async def one(c: int, job: Job) -> None:
         try:
-            results.append(await send(session, url, model, job, args.ignore_eos, args.request_timeout))
+            r = await send(session, url, model, job, args.ignore_eos, args.request_timeout)
+            results.append(r)
+            sent[c] = (job, r.token_ids)
         finally:
             next_turn[c] += 1
             if next_turn[c] < len(conversations[c]):
@@ -214,15 +241,15 @@ async def run_conversations(url: str, model: str, conversations: list[list[Job]]
     tasks = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
-        sent, total = 0, sum(map(len, conversations))
-        while sent < total and time.monotonic() < deadline:
+        sent_n, total = 0, sum(map(len, conversations))
+        while sent_n < total and time.monotonic() < deadline:
             if not ready:
                 woken.clear()
                 await woken.wait()
                 continue
             c = ready.pop(0)
-            tasks.append(asyncio.create_task(one(c, conversations[c][next_turn[c]])))
-            sent += 1
+            tasks.append(asyncio.create_task(one(c, turn_job(c))))
+            sent_n += 1
             if interval:
                 await asyncio.sleep(interval)
         if tasks:
@@ -789,6 +816,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="multi-turn chat: N conversations of --num-turns turns, each the history so far plus "
                         "--random-input-len new tokens, at a steady --request-rate")
     p.add_argument("--num-turns", type=int, default=10, help="turns of each --multi-turn conversation")
+    p.add_argument("--multi-turn-replies", choices=("real", "random"), default="real",
+                   help="real: each turn's history holds the replies the server gave (return_token_ids), as a "
+                        "chat client sends it; random: random ids in their place (a history the server never "
+                        "wrote: it parts from the cached reply, as an edited or regenerated turn does)")
     p.add_argument("--compare-launch", default=None, metavar="CMD",
                    help="after the --launch server's run, run the same workload against this server (e.g. "
                         "the same server with --host_kv off) and print both, side by side")

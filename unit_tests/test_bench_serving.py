@@ -3,6 +3,7 @@ soak) against the real server on the CPU."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -380,3 +381,17 @@ def test_the_roofline_of_n_tensor_parallel_gpus_splits_the_weights_but_not_a_ran
     assert four["decode_step_ms"] - kv_ms == pytest.approx((one["decode_step_ms"] - kv_ms) / 4)
     assert "roofline (each of 4 ranks): prefill" in bench_serving.roofline_line(four)
     assert bench_serving.roofline_line(one).startswith("roofline: prefill")
+
+
+def test_a_real_reply_turn_holds_what_the_server_answered_then_the_turns_new_tokens():
+    """--multi-turn-replies real: turn t's prompt is the prompt turn t-1 sent, the ids the server answered
+    (return_token_ids), then the new tokens turn t adds; the random reply conversation_jobs planned is gone."""
+    import random
+    jobs = bench_serving.conversation_jobs(1, 3, 5, 3, random.Random(1), {"temperature": 0.0})[0]
+    assert jobs[1].prompt[:5] == jobs[0].prompt and len(jobs[1].prompt) == 5 + 3 + 5
+    sent0 = dataclasses.replace(jobs[0], sampling={"return_token_ids": True})
+    turn1 = bench_serving.with_real_reply(jobs[1], jobs[0], sent0, [900, 901])  # the server stopped after 2
+    assert turn1.prompt == jobs[0].prompt + [900, 901] + jobs[1].prompt[8:]
+    assert turn1.sampling == {"temperature": 0.0, "return_token_ids": True} and turn1.kind == "turn1"
+    turn2 = bench_serving.with_real_reply(jobs[2], jobs[1], turn1, [7, 8, 9])
+    assert turn2.prompt == turn1.prompt + [7, 8, 9] + jobs[2].prompt[len(jobs[1].prompt) + 3:]
