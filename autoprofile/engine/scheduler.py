@@ -9,8 +9,9 @@ nothing to prefill, the step is decode only (a captured graph); with nothing to 
 Pages are allocated as requests grow; when a running request needs a page and none is free, the
 youngest running requests are preempted (pages and slot freed, recomputed later from prompt + output
 so far), by its decode row; a chunk in a step that has decode rows waits instead (it would preempt a
-row already in the step). A request is admitted only when its first chunk's pages are free, so
-admission never preempts.
+row already in the step). A request is admitted only when its first chunk's pages are free, so admission never
+preempts, and when engine.admission's estimate (SGLang's new_token_ratio) says the output to come of it and of
+the running requests fits too, so that long outputs do not outgrow the cache together and thrash.
 
 Overlap (LLMEngine(overlap=True), SGLang's overlap scheduler): the engine launches step N+1 before it reads
 step N's tokens back, so the host's scheduling and input building run while the GPU computes. `launched`
@@ -47,89 +48,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from autoprofile.engine.envelope import Envelope, StepShape
-from autoprofile.engine.multimodal import ImageInput, MultiModalInput
+from autoprofile.engine.admission import NewTokenRatio, admits, future_tokens, reserved_tokens
+from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.multimodal import MultiModalInput
 from autoprofile.engine.prefix_cache import Copies, PrefixCache, PrefixMatch
 from autoprofile.engine.request import PENDING, Request, RequestStatus
-from autoprofile.engine.sampling_params import SamplingParams
-
-
-@dataclass
-class StepRow:
-    slot: int
-    start: int  # tokens already in the cache: the row computes positions start .. start + len(ids) - 1
-    ids: list[int]
-    sample: bool  # its last position's logits are sampled (the request's tokens are all computed)
-    params: SamplingParams
-    request: Request | None = None  # None in the stresses
-    mm: MultiModalInput | None = None  # the request's images (M-RoPE positions, rope delta)
-    # image tokens of this row: (index in ids, encoder buffer slot, first token in the image, count)
-    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
-    applied: bool = False  # Scheduler.launched counted it (its request was running when the step launched)
-    preemptions: int = 0  # its request's preemptions when the step launched: a later one leaves these pages
-
-
-@dataclass
-class Step:
-    is_prefill: bool  # rows are prefill rows (and `decode` the decode rows of a mixed step), else decode rows
-    rows: list[StepRow]
-    page_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (slot, first column, pages)
-    running: int = 0  # request slots in use during the step
-    pages_used: int = 0
-    # (encoder buffer slot, image), run first
-    encode: list[tuple[int, ImageInput]] = field(default_factory=list)
-    decode: list[StepRow] = field(default_factory=list)  # a mixed step's decode rows, after its prefill rows
-    routing: str = "model"  # an MoE model's routing (layers.moe.ROUTINGS): the stress forces the others
-    # host tier copies, before the forward, saves first: (gpu page, host page), then (host page, gpu page)
-    kv_saves: list[tuple[int, int]] = field(default_factory=list)
-    kv_loads: list[tuple[int, int]] = field(default_factory=list)
-    kv_load_id: int = 0  # the loads' id (0: none): the runner reports it done (ModelRunner.loads_ready)
-    kv_ready: list[int] = field(default_factory=list)  # load ids done since the step before
-    # a hybrid model's state checkpoints: (checkpoint, slot) copied before the forward, (slot, checkpoint)
-    # after it (engine.state_cache)
-    state_loads: list[tuple[int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def all_rows(self) -> list[StepRow]:
-        """Every row in the order its tokens are computed and sampled: prefill rows, then decode rows."""
-        return self.rows + self.decode
-
-    def shape(self, graph_rows: int) -> StepShape:
-        """graph_rows: the runner's graph limit (a decode step of at most that many rows replays a graph)."""
-        rows = self.all_rows
-        common = dict(sampled_rows=sum(r.sample for r in rows), running_reqs=self.running,
-                      pages=self.pages_used,
-                      max_req_total_len=max((r.start + len(r.ids) + 1 for r in rows), default=0))
-        images = [r.mm.images for r in rows if r.mm is not None]
-        common.update(images_per_request=max(map(len, images), default=0),
-                      image_tokens_per_request=max((sum(im.num_tokens for im in ims) for ims in images),
-                                                   default=0))
-        if not self.is_prefill:
-            return StepShape(decode_rows=len(rows), graph_rows=len(rows) if len(rows) <= graph_rows else 0,
-                             **common)
-        rows, tokens = self.rows, sum(len(r.ids) for r in self.rows)
-        return StepShape(prefill_tokens=tokens, prefill_rows=len(rows),
-                         prefill_kv_tokens=sum(r.start + len(r.ids) for r in rows),
-                         max_prefix_len=max((r.start for r in rows), default=0),
-                         decode_rows=len(self.decode),
-                         mixed_tokens=tokens + len(self.decode) if self.decode else 0,
-                         encoder_images=len(self.encode), encoder_patches=sum(im.patches for _,
-                                                                              im in self.encode),
-                         mm_tokens=sum(s[3] for r in rows for s in r.spans), **common)
-
-
-def image_spans(mm: MultiModalInput, start: int, n: int) -> list[tuple[int, int, int, int]]:
-    """The image tokens of a chunk [start, start + n) of a request whose images are all resident:
-    (index in the chunk, encoder buffer slot, first token in the image, count) per image."""
-    spans = []
-    for i in mm.overlapping(start, start + n):
-        im = mm.images[i]
-        a, b = max(start, im.offset), min(start + n, im.end)
-        spans.append((a - start, mm.slots[i], a - im.offset, b - a))
-    return spans
+from autoprofile.engine.step import Step, StepRow, image_spans
 
 
 def checkpoint_stops(num_tokens: int, page_size: int, start: int, fork_pages: int) -> list[int]:
@@ -150,10 +75,11 @@ def grammar_ended(matcher, token: int) -> bool:
 
 class Scheduler:
     def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0,
-                 state_checkpoints: int = 0, hybrid: bool = False):
+                 state_checkpoints: int = 0, hybrid: bool = False, schedule_conservativeness: float = 0.0):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
         of the host tier (0: none; needs prefix caching); hybrid: a model with recurrent state, whose cached
-        prefix resumes only from one of its state_checkpoints rows (none: no prefix caching)."""
+        prefix resumes only from one of its state_checkpoints rows (none: no prefix caching);
+        schedule_conservativeness: scales admission's estimate of the output to come (0: free pages alone)."""
         self.env = envelope
         self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages,
                                  enabled=prefix_caching and (state_checkpoints > 0 or not hybrid),
@@ -166,6 +92,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: preemption takes from the tail
         self.num_preemptions = 0
+        self.preempted_tokens = 0  # tokens computed by requests when preempted: what their recompute redoes
+        self.new_token_ratio = NewTokenRatio(schedule_conservativeness)  # admission's estimate (admission.py)
         self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
 
     # ------------------------------------------------------------ queue
@@ -214,6 +142,9 @@ class Scheduler:
     # ------------------------------------------------------------ one step
     def schedule(self) -> Step | None:
         """The decode rows first (they may preempt to grow), then chunks in what the budget leaves."""
+        if not self.running and not self.cache.loads:
+            self.new_token_ratio.reset()  # idle: the next crowd starts from the initial estimate
+        preempted = self.num_preemptions
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
         step = self._schedule_prefill(budget, may_preempt=decode is None) if budget > 0 else None
@@ -232,11 +163,11 @@ class Scheduler:
             c = self.cache.take_copies()
             step.kv_saves, step.kv_loads, step.kv_load_id = c.saves, c.loads, c.load_id
             step.kv_ready = c.ready
+        self.new_token_ratio.update(self.num_preemptions > preempted, decode is not None, self.running)
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
-        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a
-        running
+        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a running
         request's chunk that needs pages none can give waits, rather than preempt a row of this step."""
         env, ps = self.env, self.env.page_size
         tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
@@ -253,6 +184,8 @@ class Scheduler:
             hit = self.cache.match(self._page_keys(req), need_state=self.hybrid) if admit else PrefixMatch()
             if hit.loading:
                 continue  # its prefix is coming back from the host tier for another request: wait for it
+            if admit and not self._fits(req, hit):
+                break  # its output to come would crowd the running requests' out: wait for some to finish
             if hit.host:  # the copies first: its first chunk runs in a step after them
                 if len(hit.host) > self.cache.available(hit):
                     break  # admission never preempts: wait for pages
@@ -340,6 +273,16 @@ class Scheduler:
             for i in range((req.num_tokens - 1) // ps):
                 yield req.key(i * ps, (i + 1) * ps)
 
+    def _fits(self, req: Request, hit: PrefixMatch) -> bool:
+        """The admission estimate (engine.admission): req's tokens beyond `hit` and its output to come, beside
+        the running (and loading) requests' own, fit the free pages; always when none holds pages, or when the
+        estimate is off (schedule_conservativeness 0: the first chunk's pages alone, checked by the caller)."""
+        ps, ratio = self.env.page_size, self.new_token_ratio.value
+        held = self.running + [r for load in self.cache.loads.values() for r in load.requests]
+        need = future_tokens(req.num_tokens - len(hit.pages) * ps, req.max_tokens - len(req.output_ids), ratio)
+        return (not held or not self.new_token_ratio.conservativeness
+                or admits(self.cache.available(hit) * ps, reserved_tokens(held, ps, ratio), need))
+
     def _admit(self, req: Request, hit: PrefixMatch, step: Step) -> None:
         """Admitted with the cached run `hit`: RUNNING, or LOADING when it continues in the host tier."""
         self.waiting.remove(req)
@@ -412,6 +355,7 @@ class Scheduler:
         (resolve), so alloc saves them to the host tier when it takes them and the request's recompute finds
         them. Pages filled only by a step still in flight are not cached: that step may yet fail, and a
         cached page of unknown K/V would be served to the next prompt that shares it."""
+        self.preempted_tokens += req.num_computed
         self._release(req)
         self.running.remove(req)
         req.status, req.num_computed = RequestStatus.WAITING, 0
