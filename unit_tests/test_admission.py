@@ -1,7 +1,7 @@
-"""The admission estimate (engine.admission, SGLang's new_token_ratio): its ratio decays to a floor, jumps back up
-after a preemption and starts over when idle; and the real Scheduler (no model: test_scheduler's step runner)
-under a hostile load (every request's output outgrows the cache beside the others') preempts far less with it
-than with admission on free pages alone, every request whole and the tokens of a roomy cache."""
+"""The admission estimate (engine.admission, SGLang's new_token_ratio): its ratio decays to a floor, jumps
+back up after a preemption and starts over when idle; and the real Scheduler (no model: test_scheduler's step
+runner) under a hostile load (every request's output outgrows the cache beside the others') preempts far less
+with it than with admission on free pages alone, every request whole and the tokens of a roomy cache."""
 from __future__ import annotations
 
 import pytest

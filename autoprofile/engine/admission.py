@@ -9,8 +9,8 @@ new_token_ratio_decay each decode step that preempts nothing, down to min_new_to
 0.7 x 0.14), and jumps back after a preemption to what the running requests have written of their
 max_tokens plus RETRACT_DECODE_STEPS tokens each (retract_decode's estimate). With the ratio at its floor,
 admission is nearly free-pages-only; preemption stays the safety net, the estimate only makes it rare.
-schedule_conservativeness scales the ratios (SGLang's --schedule-conservativeness): the server's engine takes 1
-(LLMEngine.from_config); 0, LLMEngine's and Scheduler's default, admits on free pages alone (the preemption
+schedule_conservativeness scales the ratios (SGLang's --schedule-conservativeness): the server's engine takes
+1 (LLMEngine.from_config); 0, LLMEngine's and Scheduler's default, admits on free pages alone (the preemption
 tests' tight caches).
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ def future_tokens(to_compute: int, output_left: int, ratio: float) -> float:
 
 def reserved_tokens(requests: Iterable[Request], page_size: int, ratio: float) -> float:
     """The future_tokens of requests holding pages: those they know beyond their pages, and their output."""
-    return sum(future_tokens(max(0, r.num_tokens - len(r.pages) * page_size), r.max_tokens - len(r.output_ids),
-                             ratio) for r in requests)
+    return sum(future_tokens(max(0, r.num_tokens - len(r.pages) * page_size),
+                             r.max_tokens - len(r.output_ids), ratio) for r in requests)
 
 
 def admits(free_tokens: int, reserved: float, need: float) -> bool:

@@ -72,7 +72,7 @@ class LLMEngine:
         StepBroadcaster does not: its workers would feed tokens they never sampled). state_checkpoints: a
         hybrid's --state_checkpoints, as the runner built them (None: budget.state_checkpoints' default).
         schedule_conservativeness: admission's estimate of the output to come (engine.admission; SGLang's
-        --schedule-conservativeness): 0 admits on free pages alone, 1 (the server's) the estimate as SGLang's."""
+        --schedule-conservativeness): 0 admits on free pages alone, 1 (the server's) as SGLang's default."""
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
         if overlap and not runner.overlaps:

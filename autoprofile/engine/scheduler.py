@@ -167,8 +167,9 @@ class Scheduler:
         return step
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
-        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows): a running
-        request's chunk that needs pages none can give waits, rather than preempt a row of this step."""
+        """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows):
+        a running request's chunk that needs pages none can give waits, rather than preempt a row of
+        this step."""
         env, ps = self.env, self.env.page_size
         tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
         step = Step(is_prefill=True, rows=[])
@@ -274,12 +275,14 @@ class Scheduler:
                 yield req.key(i * ps, (i + 1) * ps)
 
     def _fits(self, req: Request, hit: PrefixMatch) -> bool:
-        """The admission estimate (engine.admission): req's tokens beyond `hit` and its output to come, beside
-        the running (and loading) requests' own, fit the free pages; always when none holds pages, or when the
-        estimate is off (schedule_conservativeness 0: the first chunk's pages alone, checked by the caller)."""
+        """The admission estimate (engine.admission): req's tokens beyond `hit` and its output to
+        come, beside the running (and loading) requests' own, fit the free pages; always when none
+        holds pages, or when the estimate is off (schedule_conservativeness 0: the first chunk's pages
+        alone, the caller's check)."""
         ps, ratio = self.env.page_size, self.new_token_ratio.value
         held = self.running + [r for load in self.cache.loads.values() for r in load.requests]
-        need = future_tokens(req.num_tokens - len(hit.pages) * ps, req.max_tokens - len(req.output_ids), ratio)
+        left = req.max_tokens - len(req.output_ids)
+        need = future_tokens(req.num_tokens - len(hit.pages) * ps, left, ratio)
         return (not held or not self.new_token_ratio.conservativeness
                 or admits(self.cache.available(hit) * ps, reserved_tokens(held, ps, ratio), need))
 

@@ -1,6 +1,6 @@
-"""The step the scheduler hands the runner: its rows (prefill chunks, decode rows), the pages they are granted,
-the copies around the forward (host tier, state checkpoints), and its shape against the envelope. Host-side
-only (no torch), as the scheduler that builds it."""
+"""The step the scheduler hands the runner: its rows (prefill chunks, decode rows), the pages they are
+granted, the copies around the forward (host tier, state checkpoints), and its shape against the envelope.
+Host-side only (no torch), as the scheduler that builds it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
