@@ -176,8 +176,8 @@ class GatedDeltaNet(nn.Module):
                                          decode.state_slots)
             if not n:
                 return self.out_proj(od, residual)
-        op = self.backend.gdn_prefill(qkv[:n], z[:n], ba[:n], weight, self.A_log, self.dt_bias, self.norm.weight,
-                                      self.eps, state.conv, state.ssm, meta.state_slots, meta.cu_seqlens)
+        op = self.backend.gdn_prefill(qkv[:n], z[:n], ba[:n], weight, self.A_log, self.dt_bias,
+                                      self.norm.weight, self.eps, state.conv, state.ssm, meta)
         if decode is None:
             return self.out_proj(op, residual)
         return self.out_proj(torch.cat([op, od]), residual)

@@ -28,9 +28,9 @@ as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) u
 Multi-turn chat (--multi-turn N): N conversations of --num-turns turns; each turn sends the whole history
 (every earlier turn's prompt and the server's reply to it: --multi-turn-replies) plus --random-input-len new
 tokens, so the histories grow past the GPU's KV and a returning conversation finds its prefix in the prefix
-cache, in the host tier (--host_kv) or nowhere. Turns go out at a steady --request-rate (fixed intervals), each once its
-conversation's previous turn is done; it reports TTFT per turn and the host tier's figures. --compare-launch
-runs the same conversations against a second server afterwards (tier on against off, one GPU):
+cache, in the host tier (--host_kv) or nowhere. Turns go out at a steady --request-rate (fixed intervals),
+each once its conversation's previous turn is done; it reports TTFT per turn and the host tier's figures.
+--compare-launch runs the same conversations against a second server afterwards (tier on, then off; one GPU):
 
     python3 scripts/bench_serving.py --multi-turn 64 --num-turns 10 --random-input-len 1024 \
         --random-output-len 128 --request-rate 4 --seed 1 \
@@ -817,14 +817,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--random-input-len new tokens, at a steady --request-rate")
     p.add_argument("--num-turns", type=int, default=10, help="turns of each --multi-turn conversation")
     p.add_argument("--multi-turn-replies", choices=("real", "random"), default="real",
-                   help="real: each turn's history holds the replies the server gave (return_token_ids), as a "
-                        "chat client sends it; random: random ids in their place (a history the server never "
-                        "wrote: it parts from the cached reply, as an edited or regenerated turn does)")
+                   help="real: each turn's history holds the replies the server gave (return_token_ids), "
+                        "as a chat client sends it; random: random ids in their place (a history the server "
+                        "never wrote: it parts from the cached reply, as an edited or regenerated turn does)")
     p.add_argument("--compare-launch", default=None, metavar="CMD",
                    help="after the --launch server's run, run the same workload against this server (e.g. "
                         "the same server with --host_kv off) and print both, side by side")
     p.add_argument("--roofline-tp", type=int, default=1, metavar="N",
-                   help="the server's --tp: the roofline of N GPUs, each computing and reading 1/N of the weights")
+                   help="the server's --tp: the roofline of N GPUs, each computing and reading 1/N of the "
+                        "weights")
     p.add_argument("--roofline", action="store_true",
                    help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the "
                         "server: the "
@@ -931,8 +932,9 @@ def fp8_params(m, expert_share: float) -> float:
 def roofline(summary: dict, rates: dict, m, cell_bytes: float, param_bytes: float, input_len: float,
              output_len: float, concurrency: int, tp: int = 1) -> dict:
     """The run's floor on this GPU (on each of `tp` GPUs under tensor parallelism: a rank computes and reads
-    1/tp of the weights' FLOPs and bytes; cell_bytes is a rank's own K/V a token, MLA's latent whole): the prefill's FLOPs over the measured GEMM rate, plus each decode step's
-    bytes (weights, and the running rows' K/V) over the measured copy rate, against the measured duration.
+    1/tp of the weights' FLOPs and bytes; cell_bytes is a rank's own K/V a token, MLA's latent whole): the
+    prefill's FLOPs over the measured GEMM rate, plus each decode step's bytes (weights, and the running rows'
+    K/V) over the measured copy rate, against the measured duration.
     Prefill FLOPs per request: 2 x the non-embedding params a token computes with (an MoE model's: the
     experts it reaches) x prompt tokens + causal attention (2 x layers x q heads x (qk + v head widths) x
     L^2 / 2) + its sampled token's lm_head. Decode: the requests come in waves of `concurrency`, each wave

@@ -54,8 +54,9 @@ def test_fla_prefill_and_decode_equal_the_reference_over_states_by_slot():
 
 def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
     """The GPU backend's prefill layer (our conv's two launches, fla's rule with the key heads grouped, our
-    gated norm) against layers.gdn.prefill_layer on the CPU (the torch conv, the chunked rule over repeated key
-    heads), at qwen3.5-27b's widths: rows of 1, 3, 700 and 64 tokens from their slots' windows and states."""
+    gated norm) against layers.gdn.prefill_layer on the CPU (the torch conv, the chunked rule over repeated
+    key heads), at qwen3.5-27b's widths: rows of 1, 3, 700 and 64 tokens from their slots' windows and
+    states."""
     if not torch.cuda.is_available() or gdn.fla_ops() is None:
         pytest.skip("needs a CUDA GPU and fla-core")
     from autoprofile.kernels import triton_gdn

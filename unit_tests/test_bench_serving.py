@@ -385,7 +385,8 @@ def test_the_roofline_of_n_tensor_parallel_gpus_splits_the_weights_but_not_a_ran
 
 def test_a_real_reply_turn_holds_what_the_server_answered_then_the_turns_new_tokens():
     """--multi-turn-replies real: turn t's prompt is the prompt turn t-1 sent, the ids the server answered
-    (return_token_ids), then the new tokens turn t adds; the random reply conversation_jobs planned is gone."""
+    (return_token_ids), then the new tokens turn t adds; the random reply conversation_jobs planned is
+    gone."""
     import random
     jobs = bench_serving.conversation_jobs(1, 3, 5, 3, random.Random(1), {"temperature": 0.0})[0]
     assert jobs[1].prompt[:5] == jobs[0].prompt and len(jobs[1].prompt) == 5 + 3 + 5

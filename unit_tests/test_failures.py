@@ -447,7 +447,8 @@ def measured_kv_tokens() -> list[dict]:
 
 # plan is known to predict above these measurements; strict: the day it does not, drop the entry
 KNOWN_ABOVE: dict[tuple[str, str], str] = {}
-# plan is known to predict more than 2% below these (still never above); the day it is within 2%, drop the entry
+# plan is known to predict more than 2% below these (still never above); the day it is within 2%, drop the
+# entry
 KNOWN_FAR_BELOW: dict[tuple[str, str], str] = {
     ("qwen3.5-27b", "h200"): "-2.8%: the hybrid prefill's peak fell (Triton conv, grouped-value rule), "
                              "gdn_live_bytes not refit (docs/measurements.md, below the plan table)",

@@ -145,15 +145,12 @@ hk, kd, hv, vd, kw = 16, 128, 48, 128, 4
 c = 2 * hk * kd + hv * vd
 conv, ssm = torch.zeros(4, c, kw - 1, dtype=torch.bfloat16), torch.zeros(4, hv, kd, vd)
 w, slots = torch.randn(c, kw, dtype=torch.bfloat16), torch.tensor([2, 0])
-triton_gdn.conv_prefill(torch.randn(7, c, dtype=torch.bfloat16), w, conv, slots, torch.tensor([0, 3, 7]), hk, kd,
-                        hv, vd)
+bf16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
+triton_gdn.conv_prefill(bf16(7, c), w, conv, slots, torch.tensor([0, 3, 7]), hk, kd, hv, vd)
 for pdl.enabled in H100_PDL:
-    triton_gdn.decode_layer(torch.randn(2, c, dtype=torch.bfloat16), torch.randn(2, hv * vd, dtype=torch.bfloat16),
-                            torch.randn(2, 2 * hv, dtype=torch.bfloat16), w, torch.zeros(hv), torch.zeros(hv),
-                            torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots)
-    triton_gdn.gated_rms_norm(torch.randn(2, hv, vd, dtype=torch.bfloat16),
-                              torch.randn(2, hv * vd, dtype=torch.bfloat16), torch.ones(vd, dtype=torch.bfloat16),
-                              1e-6)
+    triton_gdn.decode_layer(bf16(2, c), bf16(2, hv * vd), bf16(2, 2 * hv), w, torch.zeros(hv),
+                            torch.zeros(hv), torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots)
+    triton_gdn.gated_rms_norm(bf16(2, hv, vd), bf16(2, hv * vd), torch.ones(vd, dtype=torch.bfloat16), 1e-6)
 ''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort

@@ -79,9 +79,10 @@ print("ok")
 '''
 
 # prefill rows through the conv's two launches, as the GPU backend's gdn_prefill runs them: rows shorter than
-# the window (1 and 2 tokens: their new window keeps part of the old), a long one, slots out of order; x a view
-# with the projection's row stride; then the rule and the gated norm on the conv's q, k, v against the
-# reference layer (layers.gdn.prefill_layer), windows and states moved on at the rows' slots only
+# the window (1 and 2 tokens: their new window keeps part of the old), a long one, slots out of order; x a
+# view with the projection's row stride; then the rule and the gated norm on the conv's q, k, v against the
+# reference layer (layers.gdn.prefill_layer), windows and states moved on at the rows' slots only; then the
+# backend's layer itself
 PREFILL = r'''
 import sys
 import torch
@@ -103,6 +104,7 @@ ba = (torch.randn(t, 2 * hv) * 3).to(dt)
 weight, a_log, dt_bias = torch.randn(c, kw, dtype=dt), torch.randn(hv), torch.randn(hv)
 norm = torch.randn(vd, dtype=dt)
 conv, ssm = torch.randn(slots_n, c, kw - 1, dtype=dt), torch.randn(slots_n, hv, kd, vd) * 0.1
+conv0, ssm0 = conv.clone(), ssm.clone()
 ref_conv, ref_ssm = conv.clone(), ssm.clone()
 want_c = gdn.conv_prefill(qkv, weight, ref_conv.clone(), slots, cu)
 q, k, v = triton_gdn.conv_prefill(qkv, weight, conv, slots, cu, hk, kd, hv, vd)
@@ -117,6 +119,25 @@ torch.testing.assert_close(got, want, **tol)
 torch.testing.assert_close(ssm, ref_ssm, **tol)
 others = [i for i in range(slots_n) if i not in slots.tolist()]
 assert torch.equal(ssm[others], ref_ssm[others]) and torch.equal(conv[others], ref_conv[others])
+
+# the GPU backend's layer (AiterTritonBackend.gdn_prefill, its kernels here through the interpreter) from the
+# same windows and states: the reference's output, each token's row derived once for a forward's layers
+from types import SimpleNamespace
+from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
+from autoprofile.layers.attention import AttentionMetadata
+conv, ssm, ref_conv, ref_ssm = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
+meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(t, dtype=torch.long), cu_seqlens=cu,
+                         max_seqlen=max(lens), state_slots=slots)
+backend = SimpleNamespace(triton_gdn=triton_gdn)
+for layer in range(2):
+    want = gdn.prefill_layer(qkv, z, ba, weight, a_log, dt_bias, norm, 1e-6, ref_conv, ref_ssm, slots, cu)
+    got = AiterTritonBackend.gdn_prefill(backend, qkv, z, ba, weight, a_log, dt_bias, norm, 1e-6, conv, ssm,
+                                         meta)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(conv, ref_conv), "conv windows"
+    torch.testing.assert_close(ssm, ref_ssm, **tol)
+assert torch.equal(meta._per_forward["gdn_token_rows"], torch.repeat_interleave(torch.arange(len(lens)),
+                                                                                 torch.tensor(lens)))
 print("ok")
 '''
 

@@ -172,10 +172,11 @@ def _conv_prefill_kernel(x_ptr, sx_t, conv_ptr, sc_slot, w_ptr, slots_ptr, cu_pt
     win = conv_ptr + tl.load(slots_ptr + row, mask=tmask, other=0).to(tl.int64) * sc_slot
     t64 = t.to(tl.int64)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):  # tap j of token t: the input at t - (KW - 1) + j, in the chunk or the window
+    for j in tl.static_range(KW):  # tap j of token t: the input at t - (KW - 1) + j, chunk or window
         back = t64 - (KW - 1) + j - start  # its position relative to the row's chunk
         inside = (back >= 0)[:, None]
-        xv = tl.load(x_ptr + (t64 - (KW - 1) + j)[:, None] * sx_t + ch[None, :], mask=mask & inside, other=0.0)
+        xv = tl.load(x_ptr + (t64 - (KW - 1) + j)[:, None] * sx_t + ch[None, :], mask=mask & inside,
+                     other=0.0)
         wv = tl.load(win[:, None] + ch[None, :] * (KW - 1) + (back + KW - 1)[:, None], mask=mask & ~inside,
                      other=0.0)
         w = tl.load(w_ptr + ch * KW + j, mask=cmask, other=0.0).to(tl.float32)
@@ -251,12 +252,21 @@ def conv_decode(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor,
     return out
 
 
+def token_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each of the `tokens` prefill tokens' row [T] (rows split by cu_seqlens [N+1]; no host sync): what
+    conv_prefill's programs look their row up in, the same for every linear layer of a forward
+    (AttentionMetadata.once)."""
+    t = torch.arange(tokens, device=cu_seqlens.device, dtype=torch.int32)
+    return torch.searchsorted(cu_seqlens.to(torch.int32)[1:], t, right=True)
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
-                 cu_seqlens: torch.Tensor, k_heads: int, k_dim: int, v_heads: int,
-                 v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cu_seqlens: torch.Tensor, k_heads: int, k_dim: int, v_heads: int, v_dim: int,
+                 rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefill rows' conv in two launches (layers.gdn.conv_prefill, its reference): x [T, C] (unit channel
-    stride; rows split by cu_seqlens [N+1]), weight [C, K] and conv [slots, C, K-1] contiguous -> contiguous q,
-    k [T, Hk, Dk] and v [T, Hv, Dv] in x's dtype (one buffer); each row's window conv[slots[i]] moved on."""
+    stride; rows split by cu_seqlens [N+1]), weight [C, K] and conv [slots, C, K-1] contiguous -> contiguous
+    q, k [T, Hk, Dk] and v [T, Hv, Dv] in x's dtype (one buffer); each row's window conv[slots[i]] moved on.
+    rows: token_rows(cu_seqlens), when the caller has it already."""
     t, c = x.shape
     kw, qk = weight.shape[1], k_heads * k_dim
     out = torch.empty(t * c, dtype=x.dtype, device=x.device)
@@ -265,7 +275,7 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     if not t:
         return q, k, v
     cu = cu_seqlens.to(torch.int32)
-    seq = torch.searchsorted(cu[1:], torch.arange(t, device=x.device, dtype=torch.int32), right=True)
+    seq = token_rows(cu, t) if rows is None else rows
     _conv_prefill_kernel[(triton.cdiv(t, CONV_PREFILL_TOKENS), triton.cdiv(c, CONV_BLOCK))](
         x, x.stride(0), conv, conv.stride(0), weight, slots, cu, seq, out, t, c, qk, v_heads * v_dim,
         KW=kw, BT=CONV_PREFILL_TOKENS, BC=CONV_BLOCK, num_warps=4)
@@ -282,9 +292,10 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty(b, hv * vd, dtype=o.dtype, device=o.device)
     if b:
         rows = NORM_ROWS if b >= NORM_ROWS else 1  # two compiles: decode rows, prefill rows
-        _gated_norm_kernel[(triton.cdiv(b, rows), hv)](o, z, weight, out, b, o.stride(0), o.stride(1), z.stride(0),
-                                                       out.stride(0), vd, eps, BD=triton.next_power_of_2(vd),
-                                                       ROWS=rows, num_warps=4, **pdl.launch())
+        _gated_norm_kernel[(triton.cdiv(b, rows), hv)](o, z, weight, out, b, o.stride(0), o.stride(1),
+                                                       z.stride(0), out.stride(0), vd, eps,
+                                                       BD=triton.next_power_of_2(vd), ROWS=rows, num_warps=4,
+                                                       **pdl.launch())
     return out
 
 

@@ -355,16 +355,19 @@ class AiterTritonBackend(AttentionBackend):
         """triton_gdn.decode_layer: conv, gates, rule and norm in 1 to 3 launches (launch_rules)."""
         return self.triton_gdn.decode_layer(*args)
 
-    def gdn_prefill(self, qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm, slots,
-                    cu_seqlens) -> torch.Tensor:
-        """Our conv (two launches: the rows' outputs as fla takes them, the windows moved on), fla's chunked
-        rule over the rows' states (key heads not repeated: fla groups the value heads), our gated norm: in
-        place of layers.gdn.prefill_layer's torch ops (~460 ms of a 1,055 ms mixed step of qwen3.5-27b on an
-        H100: 8 x 1,024 fresh tokens, scripts/profile_decode.py --prefill 8)."""
-        hv, kd, vd = ssm.shape[1], ssm.shape[2], ssm.shape[3]
+    def gdn_prefill(self, qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """Our conv (two launches: the rows' outputs as fla takes them, the windows moved on; each token's
+        row found once a forward), fla's chunked rule over the rows' states (key heads not repeated: fla
+        groups the value heads), our gated norm: in place of layers.gdn.prefill_layer's torch ops (~460 ms
+        of a 1,055 ms mixed step of qwen3.5-27b on an H100: 8 x 1,024 fresh tokens,
+        scripts/profile_decode.py --prefill 8)."""
+        t, hv, kd, vd = qkv.shape[0], ssm.shape[1], ssm.shape[2], ssm.shape[3]
         hk = (qkv.shape[1] - hv * vd) // (2 * kd)
-        q, k, v = self.triton_gdn.conv_prefill(qkv, conv_weight, conv, slots, cu_seqlens, hk, kd, hv, vd)
-        o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba, a_log, dt_bias), ssm, slots, cu_seqlens)
+        slots, cu = meta.state_slots, meta.cu_seqlens
+        rows = meta.once("gdn_token_rows", lambda: self.triton_gdn.token_rows(cu, t))
+        q, k, v = self.triton_gdn.conv_prefill(qkv, conv_weight, conv, slots, cu, hk, kd, hv, vd, rows)
+        o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba, a_log, dt_bias), ssm, slots, cu)
         return self.triton_gdn.gated_rms_norm(o, z, norm_weight, eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
