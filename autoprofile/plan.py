@@ -33,6 +33,15 @@ CUDA_CONTEXT_ESTIMATE = 1024 * MiB
 # and within 2% of it (H100: llama-3.1-8b 1.9% below, qwen2.5-7b 1.1%, qwen3-8b 0.4%; FP8 KV 0.9%, 1.1%, 0.4%;
 # H200: within 0.8%, qwen2.5-7b's FP8 cache equal at the 32-bit offset cap).
 ACTIVATION_FACTOR = 2.0
+# A hybrid model's graph pool and decode scratch are charged once, not at ACTIVATION_FACTOR: measured pools
+# (incl. warmup) 0.79 GiB qwen3.5-27b H200, 0.54 qwen3.5-35b-a3b-fp8 H100, 0.21 qwen3.5-27b H100, against
+# these rows' 0.95, 0.69 and 0.29 GiB unmargined (2026-11-27). Doubled, plan fell 2.8% and 3.6% below two of
+# them: the declared v2 partials at 262,144 tokens (0.51-0.76 GiB) counted twice.
+HYBRID_POOL_FACTOR = 1.0
+# What the CUDA context holds when a hybrid's state slots are chosen (profiler.choose_state_slots: after the
+# weights, before the stress reserves local memory): the measured non-torch less that reservation, 0.63 GiB
+# (qwen3.5-27b, H100: 0.89 - 0.26) to 0.71 (H200: 0.97 - 0.26).
+CONTEXT_BEFORE_STRESS = 768 * MiB
 # NCCL's communicator buffers (non-torch, per rank): measured 0.84 GiB per rank on 2xH200 at --tp 2 (NVLink
 # multicast off). Larger TP degrees were not measured: a ring/tree all-reduce keeps two neighbours per
 # channel, so the same figure is assumed.
@@ -279,6 +288,13 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int, dp:
     return tokens * (2 * h * dtype_bytes + 4 * h) + max(mixer, mlp) + fp8
 
 
+def activation_margin(prefill: int, pools: int, hybrid: bool) -> int:
+    """What plan adds to the activation rows (the prefill peak; the graph pools with the decode scratch):
+    ACTIVATION_FACTOR x each, less the row itself; a hybrid's pools at HYBRID_POOL_FACTOR."""
+    pool_factor = HYBRID_POOL_FACTOR if hybrid else ACTIVATION_FACTOR
+    return int(prefill * (ACTIVATION_FACTOR - 1) + pools * (pool_factor - 1))
+
+
 def gather_bytes(m: ModelConfig, tokens: int, dp: int, dtype_bytes: int) -> int:
     """DP attention's all-gather before the MLP: the hidden states of dp ranks' `tokens` each (0 at dp 1)."""
     return tokens * dp * m.hidden_size * dtype_bytes if dp > 1 else 0
@@ -498,17 +514,17 @@ def fixed_rows(cfg: ServerConfig, backend: str, dp_attention: bool = False) -> t
                         f"logits buffer [{gmbs}, vocab] that every graph writes, static buffers incl. block "
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))
-    activations = sum(r.bytes for r in rows[4:])  # prefill peak, graph pools, decode scratch
+    margin = activation_margin(rows[4].bytes, sum(r.bytes for r in rows[5:]), m.is_hybrid)
     if m.is_mla:  # exact arithmetic: no margin on it
         rows.append(mla_expanded_prefix(cfg, m, rows[4]))
     if m.vision is not None:
         rows += vision_rows(cfg, db)
     rows += [
-        Row("activation margin", int(activations * (ACTIVATION_FACTOR - 1)), "assumed",
-            "measured: the probe peak replaces the estimates",
-            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above: the profiler measured 2.00x these "
-            f"estimates "
-            "(llama-3.1-8b, H100 and H200); plan stays at or below the measurement"),
+        Row("activation margin", margin, "assumed", "measured: the probe peak replaces the estimates",
+            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above"
+            + (" but the graph pools and decode scratch (a hybrid's, measured within them)" if m.is_hybrid
+               else "") + ": the profiler measured 2.00x these estimates (llama-3.1-8b, H100 and H200); plan "
+            "stays at or below the measurement"),
         Row("canary", cfg.canary_bytes, "input", "allocated through validation",
             f"--canary_mb {cfg.canary_mb}"),
         Row("peers (other processes)", 0, "assumed", "measured: NVML / mem_get_info", "an idle card"),
@@ -549,7 +565,7 @@ def with_state_slots(cfg: ServerConfig, card: Card) -> ServerConfig:
     if not m.is_hybrid or cfg.running_max_req_size is not None:
         return cfg
     db = DTYPE_BYTES[cfg.dtype]
-    free = card.total - CUDA_CONTEXT_ESTIMATE - weight_bytes(m, db, cfg.tp)
+    free = card.total - CONTEXT_BEFORE_STRESS - weight_bytes(m, db, cfg.tp)
     slots = budget.state_slots(running_reqs(None, cfg.graph_max_batch_size), free, m.state_bytes(cfg.tp, db))
     return cfg.replace(running_max_req_size=slots, graph_max_batch_size=min(cfg.graph_max_batch_size, slots))
 

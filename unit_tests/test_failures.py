@@ -449,11 +449,7 @@ def measured_kv_tokens() -> list[dict]:
 KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 # plan is known to predict more than 2% below these (still never above); the day it is within 2%, drop the
 # entry
-KNOWN_FAR_BELOW: dict[tuple[str, str], str] = {
-    ("qwen3.5-27b", "h200"): "-2.8%: the hybrid prefill's peak fell (Triton conv, grouped-value rule), "
-                             "gdn_live_bytes not refit (docs/measurements.md, below the plan table)",
-    ("qwen3.5-35b-a3b-fp8", "h100"): "-3.6%: as qwen3.5-27b on the H200",
-}
+KNOWN_FAR_BELOW: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("row", measured_kv_tokens(),
