@@ -42,10 +42,19 @@ HYBRID_POOL_FACTOR = 1.0
 # weights, before the stress reserves local memory): the measured non-torch less that reservation, 0.63 GiB
 # (qwen3.5-27b, H100: 0.89 - 0.26) to 0.71 (H200: 0.97 - 0.26).
 CONTEXT_BEFORE_STRESS = 768 * MiB
-# NCCL's communicator buffers (non-torch, per rank): measured 0.84 GiB per rank on 2xH200 at --tp 2 (NVLink
-# multicast off). Larger TP degrees were not measured: a ring/tree all-reduce keeps two neighbours per
-# channel, so the same figure is assumed.
-NCCL_ESTIMATE = 860 * MiB
+# What --tp > 1 adds to the context before the stress: NCCL's communicators, set up before the weights.
+# qwen3.5-122b-a10b-fp8 --tp 2 on 2 x H100 measured 20.45 GiB free after its 57.71 GiB of weights
+# (2026-11-27): 1.02 GiB of context, against 0.77 at --tp 1.
+TP_CONTEXT_BEFORE_STRESS = 384 * MiB
+# NCCL's communicator buffers and what --tp adds beside them (non-torch, per rank, beyond the CUDA context
+# row): 0.84 GiB per rank on 2xH200 at --tp 2 (NVLink multicast off); on 2 x H100 the measured non-torch was
+# 2.49 GiB (deepseek-v2-lite) and 2.56 GiB (qwen3.5-122b-a10b-fp8), 0.44 GiB of it local memory for a kernel
+# that spills only at --tp 2 (a stack of 1,744 B a thread): 1.56 GiB beyond the context row's 1.0. Larger TP
+# degrees were not measured: a ring/tree all-reduce keeps two neighbours per channel, so the same is assumed.
+NCCL_ESTIMATE = 1600 * MiB
+# The prefill's live set at --tp > 1 measured 2.2x its estimate (qwen3.5-122b-a10b-fp8 --tp 2, H100: 2.68 GiB
+# of prefill peak over the 1.22 GiB estimate; 2.0x at --tp 1): one measurement, so a factor of its own
+ACTIVATION_FACTOR_TP = 2.2
 
 
 @dataclass(frozen=True)
@@ -288,11 +297,13 @@ def layer_live_bytes(m: ModelConfig, tokens: int, tp: int, dtype_bytes: int, dp:
     return tokens * (2 * h * dtype_bytes + 4 * h) + max(mixer, mlp) + fp8
 
 
-def activation_margin(prefill: int, pools: int, hybrid: bool) -> int:
+def activation_margin(prefill: int, pools: int, hybrid: bool, tp: int = 1) -> int:
     """What plan adds to the activation rows (the prefill peak; the graph pools with the decode scratch):
-    ACTIVATION_FACTOR x each, less the row itself; a hybrid's pools at HYBRID_POOL_FACTOR."""
+    ACTIVATION_FACTOR x each (the prefill at ACTIVATION_FACTOR_TP under --tp), less the row itself; a
+    hybrid's pools at HYBRID_POOL_FACTOR."""
+    prefill_factor = ACTIVATION_FACTOR_TP if tp > 1 else ACTIVATION_FACTOR
     pool_factor = HYBRID_POOL_FACTOR if hybrid else ACTIVATION_FACTOR
-    return int(prefill * (ACTIVATION_FACTOR - 1) + pools * (pool_factor - 1))
+    return int(prefill * (prefill_factor - 1) + pools * (pool_factor - 1))
 
 
 def gather_bytes(m: ModelConfig, tokens: int, dp: int, dtype_bytes: int) -> int:
@@ -420,8 +431,8 @@ def nccl_row(tp: int, nnodes: int = 1) -> Row:
         return Row("NCCL buffers", 0, "exact", "none", "")
     across = f"; across --nnodes {nnodes} hosts (network transport) not measured either" if nnodes > 1 else ""
     return Row("NCCL buffers", NCCL_ESTIMATE, "ESTIMATED", "measured: NVML per-process use - reserved",
-               f"NCCL communicator buffers per rank: {gib(NCCL_ESTIMATE):.2f} GiB measured on 2xH200 at --tp "
-               f"2; assumed the same at larger --tp (not measured){across}")
+               f"NCCL communicator buffers and what --tp adds per rank: {gib(NCCL_ESTIMATE):.2f} GiB "
+               f"measured on 2 x H100 at --tp 2; assumed the same at larger --tp (not measured){across}")
 
 
 # The vision tower's activation peak in one encoder step (Qwen2.5-VL 7B's tower, bf16), fitted to the H100
@@ -514,17 +525,18 @@ def fixed_rows(cfg: ServerConfig, backend: str, dp_attention: bool = False) -> t
                         f"logits buffer [{gmbs}, vocab] that every graph writes, static buffers incl. block "
                         f"tables for {cfg.context_len} tokens"))
     rows.append(decode_scratch(cfg, m, backend))
-    margin = activation_margin(rows[4].bytes, sum(r.bytes for r in rows[5:]), m.is_hybrid)
+    margin = activation_margin(rows[4].bytes, sum(r.bytes for r in rows[5:]), m.is_hybrid, tp)
     if m.is_mla:  # exact arithmetic: no margin on it
         rows.append(mla_expanded_prefix(cfg, m, rows[4]))
     if m.vision is not None:
         rows += vision_rows(cfg, db)
     rows += [
         Row("activation margin", margin, "assumed", "measured: the probe peak replaces the estimates",
-            f"{ACTIVATION_FACTOR - 1:g} x the activation rows above"
-            + (" but the graph pools and decode scratch (a hybrid's, measured within them)" if m.is_hybrid
-               else "") + ": the profiler measured 2.00x these estimates (llama-3.1-8b, H100 and H200); plan "
-            "stays at or below the measurement"),
+            f"{(ACTIVATION_FACTOR_TP if tp > 1 else ACTIVATION_FACTOR) - 1:g} x the prefill peak, "
+            + ("nothing on the graph pools and decode scratch (a hybrid's, measured within them)"
+               if m.is_hybrid else f"{ACTIVATION_FACTOR - 1:g} x the graph pools and decode scratch")
+            + ": the profiler measured 2.00x these estimates (llama-3.1-8b, H100 and H200), the prefill "
+            "2.2x at --tp 2; plan stays at or below the measurement"),
         Row("canary", cfg.canary_bytes, "input", "allocated through validation",
             f"--canary_mb {cfg.canary_mb}"),
         Row("peers (other processes)", 0, "assumed", "measured: NVML / mem_get_info", "an idle card"),
@@ -565,7 +577,8 @@ def with_state_slots(cfg: ServerConfig, card: Card) -> ServerConfig:
     if not m.is_hybrid or cfg.running_max_req_size is not None:
         return cfg
     db = DTYPE_BYTES[cfg.dtype]
-    free = card.total - CONTEXT_BEFORE_STRESS - weight_bytes(m, db, cfg.tp)
+    context = CONTEXT_BEFORE_STRESS + (TP_CONTEXT_BEFORE_STRESS if cfg.tp > 1 else 0)
+    free = card.total - context - weight_bytes(m, db, cfg.tp)
     slots = budget.state_slots(running_reqs(None, cfg.graph_max_batch_size), free, m.state_bytes(cfg.tp, db))
     return cfg.replace(running_max_req_size=slots, graph_max_batch_size=min(cfg.graph_max_batch_size, slots))
 

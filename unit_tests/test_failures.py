@@ -466,8 +466,9 @@ def test_plan_never_predicts_above_the_profiler_measurement(row, request):
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
     measured = int(row["tokens"])
     off = "--disable_prefix_caching" in row["command"]  # a hybrid's state checkpoints: none
+    tp = int(row["command"].split("--tp ")[1].split()[0]) if "--tp " in row["command"] else 1  # per rank
     p = make_plan(validate(ServerConfig(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"],
-                                        disable_prefix_caching=off)), GPUS[row["card"]])
+                                        disable_prefix_caching=off, tp=tp)), GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         pool = next(r.bytes for r in p.fixed if r.term == "decode graph pools")
         scratch = next(r.bytes for r in p.fixed if r.term == "decode attention scratch")
