@@ -3,6 +3,8 @@ applied one token at a time, across several chunks and from a non-zero state; pr
 in one call, each from and back to its own slot, and decode rows after them, as one row run whole."""
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from autoprofile.layers import gdn
@@ -39,3 +41,19 @@ def test_prefill_rows_and_decode_rows_go_on_from_their_own_slots():
         torch.testing.assert_close(torch.cat([out[a:b], dec[i:i + 1]]), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ssm[slots[i]], state, rtol=1e-5, atol=1e-5)
     assert torch.equal(ssm[[1, 3]], start[[1, 3]])  # no row touched another slot
+
+
+@pytest.mark.parametrize("lens", [[1], [64], [65, 0, 3], [130, 64, 1, 200, 0], [0]])
+def test_fla_chunk_indices_from_the_hosts_cu_seqlens(lens):
+    """The (row, chunk) pairs the backend uploads once a forward for fla's varlen kernels: every 64 tokens of
+    each row, rows in order, none for an empty row; as fla's own prepare_chunk_indices where fla is there."""
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    got = gdn.chunk_indices(cu)
+    assert got.dtype == np.int64 and got.shape == (sum(-(-n // 64) for n in lens), 2)
+    assert got.tolist() == [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
+    assert torch.equal(gdn.upload_chunk_indices(cu, torch.device("cpu")), torch.from_numpy(got))
+    try:
+        from fla.ops.utils.index import prepare_chunk_indices
+    except ImportError:
+        return
+    assert prepare_chunk_indices(torch.from_numpy(cu), 64).tolist() == got.tolist()

@@ -394,7 +394,7 @@ class ModelRunner:
         n, lens = int(host["cu"][-1]), host["lens"]
         positions = parts["positions"]
         meta = AttentionMetadata(is_prefill=True, cu_seqlens=parts["cu"].to(torch.int32),
-                                 max_seqlen=int(lens.max()),
+                                 cu_seqlens_host=host["cu"], max_seqlen=int(lens.max()),
                                  slot_mapping=self._slot_of(parts["token_rows"], positions[:n]))
         if self.backend.paged_prefill:  # every key from the cache: the rows' pages and lengths
             cols = math.ceil(int(host["kv_lens"].max()) / self.cfg.page_size)

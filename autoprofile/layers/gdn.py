@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -98,17 +99,20 @@ def _normed(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       ssm: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+                       ssm: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                       chunks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens,
     each from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's
     dtype. fla's kernels take the key heads as they are (grouped value attention: value head h reads key head
-    h // (Hv / Hk), as _expand lays them out)."""
+    h // (Hv / Hk), as _expand lays them out). chunks: fla's chunk indices (upload_chunk_indices); without
+    them fla derives them from cu_seqlens on the GPU with a host sync (a repeat_interleave over device
+    counts) in every layer whose cu_seqlens is a new tensor."""
     ops = fla_ops() if q.is_cuda else None
     if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
         state = ssm[slots].float()
         q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g.float(), beta))
         o, final = ops[0](q, k, v, g, beta, initial_state=state, output_final_state=True,
-                          cu_seqlens=cu_seqlens.long(), use_qk_l2norm_in_kernel=True)
+                          cu_seqlens=cu_seqlens.long(), chunk_indices=chunks, use_qk_l2norm_in_kernel=True)
         ssm.index_copy_(0, slots, final.to(ssm.dtype))
         return o.squeeze(0).to(v.dtype)
     q, k = _expand(q, k, v.shape[1])
@@ -120,6 +124,24 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         out[a:b] = o.to(v.dtype)
         ssm.index_copy_(0, slot, state.unsqueeze(0).to(ssm.dtype))
     return out
+
+
+def chunk_indices(cu_seqlens, chunk: int = CHUNK) -> np.ndarray:
+    """fla's varlen chunk indices from the host's cu_seqlens [N+1]: one (row, chunk of the row) pair per
+    `chunk` tokens of each row, rows in order -> [chunks, 2] int64 (fla.ops.utils.prepare_chunk_indices)."""
+    counts = -(-np.diff(np.asarray(cu_seqlens, dtype=np.int64)) // chunk)
+    rows = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+    within = np.arange(rows.shape[0], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([rows, within], 1)
+
+
+def upload_chunk_indices(cu_seqlens, device: torch.device) -> torch.Tensor:
+    """chunk_indices() on `device`: from pinned memory without a host sync on CUDA (the caching host
+    allocator keeps the pinned buffer until the copy has run)."""
+    host = torch.from_numpy(chunk_indices(cu_seqlens))
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
