@@ -77,7 +77,11 @@ def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
     qkv, z, ba_d, w, al, db, nw = args(dev)
     conv_d, ssm_d, slots_d, cu_d = conv.to(dev), ssm.to(dev), slots.to(dev), cu.to(dev)
     q, k, v = triton_gdn.conv_prefill(qkv, w, conv_d, slots_d, cu_d, hk, kd, hv, vd)
+    ssm_chunks = ssm_d.clone()  # the rule again with the chunk indices the backend uploads once a forward
     o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_d, slots_d, cu_d)
+    o_chunks = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_chunks, slots_d, cu_d.long(),
+                                      gdn.upload_chunk_indices(cu.numpy(), dev))
+    assert torch.equal(o_chunks, o) and torch.equal(ssm_chunks, ssm_d)
     got = triton_gdn.gated_rms_norm(o, z, nw, 1e-6).cpu()
     assert torch.equal(conv_d.cpu(), ref_conv)
     err = (got.float() - want.float()).norm() / want.float().norm()
