@@ -32,7 +32,9 @@ def measured(model: str, card: str, kv: str = "auto") -> int:
 def planned(model: str, card: str, kv: str = "auto", command: str = "") -> int:
     """`plan` for a measured row's configuration: its command's --disable_prefix_caching (a hybrid model's
     state checkpoints) counts."""
-    cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching="--disable_prefix_caching" in command)
+    tp = int(command.split("--tp ")[1].split()[0]) if "--tp " in command else 1  # a rank's
+    cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching="--disable_prefix_caching" in command,
+                       tp=tp)
     return make_plan(validate(cfg), GPUS[card]).tokens
 
 
@@ -71,7 +73,7 @@ def test_tables_reads_cells_rows_and_separate_tables():
 def test_plan_table_is_every_csv_row_with_plan_today():
     rows = table(MEASUREMENTS.read_text(), "model|card|KV dtype|measured KV tokens|plan")[1:]
     want = [(r["model"], r["card"], r["kv_cache_dtype"], int(r["tokens"]), r["date"]) for r in csv_rows()]
-    got = [(m, c.lower(), kv, number(t), d) for m, c, kv, t, _, _, d in rows]
+    got = [(m.split(" (")[0], c.lower(), kv, number(t), d) for m, c, kv, t, _, _, d in rows]
     assert got == want, "the plan table must list docs/measured_kv_tokens.csv's rows, in order"
     for (model, card, kv, tokens, _), cells, row in zip(want, rows, csv_rows()):
         plan = planned(model, card, kv, row["command"])
