@@ -36,6 +36,17 @@ each once its conversation's previous turn is done; it reports TTFT per turn and
         --random-output-len 128 --request-rate 4 --seed 1 \
         --launch "autoprofile serve --port 0 --host_kv auto" --compare-launch "autoprofile serve --port 0"
 Loopback only: the URL must resolve to this host. Bounded: --num-prompts and --max-duration.
+
+A cut (--max-duration SECONDS, default 1800, counted from the first request; or SIGTERM / SIGINT, e.g. from
+an outer `timeout`): no request is sent after it, those in flight are cancelled (their streams closed, so
+the server aborts them as it does a client that hangs up), and the usual summary is printed over the
+requests that completed, with lines saying the run was cut (by what, when, how many completed whole, how many
+were cancelled in flight, how many were never sent; "cut_by", "cut_at_s", "cancelled", "not_sent" in
+--result-file). The cancelled and never-sent are not failed requests. A launched server is stopped as after
+any run, and the exit status is as for an uncut run (0 unless something failed):
+
+    timeout 590 python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --max-concurrency 512 \
+        --num-prompts 512 --random-input-len 1000 --random-output-len 2000 --max-duration 540
 """
 from __future__ import annotations
 
@@ -169,6 +180,122 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, job: Job, i
     return r
 
 
+# ---------------------------------------------------------------- the cut
+@dataclass
+class Cut:
+    """A run cut short: --max-duration expired (counted from the first request sent) or SIGTERM / SIGINT
+    arrived. Once set, no request is sent any more and those in flight are cancelled (their streams closed:
+    the server aborts them as it does any client that hangs up); the summary is over the requests that
+    completed, with the cancelled and the never-sent ones counted apart (not as failures)."""
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    by: str = ""  # "--max-duration" or the signal's name
+    start: float = 0.0  # perf_counter of the first request
+    at: float = 0.0  # perf_counter of the cut
+    cancelled: int = 0
+    not_sent: int | None = 0  # None: an open-ended workload (the soak)
+    timer: asyncio.TimerHandle | None = None
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    def set(self, by: str) -> None:
+        """Cut now (the first cause only counts)."""
+        if not self.event.is_set():
+            self.by, self.at = by, time.perf_counter()
+            self.event.set()
+
+    def begin(self, max_duration: float | None) -> float:
+        """The first request goes out now: --max-duration counts from here (None: no limit). Its start."""
+        self.start = time.perf_counter()
+        if max_duration is not None:
+            self.timer = asyncio.get_running_loop().call_later(max_duration, self.set, "--max-duration")
+        return self.start
+
+    def end(self, cancelled: int, not_sent: int | None) -> None:
+        """The run is over: stop the timer; when it was cut, what the cut left undone."""
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.is_set():
+            self.cancelled, self.not_sent = cancelled, not_sent
+
+    def figures(self, max_duration: float) -> dict:
+        """The summary's keys for a cut run (none for a run that was not cut)."""
+        if not self.is_set():
+            return {}
+        by = f"--max-duration {max_duration:g} s" if self.by == "--max-duration" else self.by
+        return {"cut_by": by, "cut_at_s": max(self.at - self.start, 0.0) if self.start else 0.0,
+                "cancelled": self.cancelled, "not_sent": self.not_sent}
+
+
+async def unless_cut(aw, cut: Cut) -> bool:
+    """Await aw unless the run is cut first (aw is then cancelled): whether aw completed."""
+    task = asyncio.ensure_future(aw)
+    stopper = asyncio.ensure_future(cut.event.wait())
+    try:
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+    await asyncio.wait({task})
+    if task.cancelled():
+        return False
+    task.result()  # its exception, if it raised one
+    return True
+
+
+async def finish_or_cut(tasks: list[asyncio.Task], cut: Cut, timeout: float | None = None) -> int:
+    """Wait for the request tasks (at most timeout s) unless the run is cut first, then cancel those still
+    running (closing their streams) and wait for them to end: how many were cancelled."""
+    pending = {t for t in tasks if not t.done()}
+    end = None if timeout is None else time.monotonic() + timeout
+    stopper = asyncio.ensure_future(cut.event.wait())
+    try:
+        while pending and not cut.is_set():
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            _, pending = await asyncio.wait(pending | {stopper}, timeout=left,
+                                            return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(stopper)
+    finally:
+        stopper.cancel()
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.wait(pending)
+    return sum(t.cancelled() for t in pending)
+
+
+def install_cut_signals(cut: Cut) -> dict:
+    """SIGTERM and SIGINT cut the run (as --max-duration expiring would): an outer `timeout` still gets the
+    figures. The handlers they replace, for restore_signals; none off the main thread (no signals there)."""
+    loop, saved = asyncio.get_running_loop(), {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous = signal.getsignal(sig)
+            loop.add_signal_handler(sig, cut.set, sig.name)
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        saved[sig] = previous
+    return saved
+
+
+def restore_signals(saved: dict) -> None:
+    loop = asyncio.get_running_loop()
+    for sig, previous in saved.items():
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def cut_line(s: dict) -> str:
+    """The cut in one line: what completed, what was cancelled in flight, what was never sent."""
+    unsent = "" if s["not_sent"] is None else f", {s['not_sent']} never sent"
+    return (f"CUT: the run was cut by {s['cut_by']} at {s['cut_at_s']:.1f} s after its first request: "
+            f"{s['completed']} requests completed whole, {s['cancelled']} cancelled in flight (streams "
+            f"closed){unsent}; the figures above are over the completed ones")
+
+
 # ---------------------------------------------------------------- workloads
 def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, rng: random.Random,
                 sampling: dict) -> list[Job]:
@@ -205,11 +332,12 @@ def with_real_reply(planned: Job, planned_before: Job, sent_before: Job, reply: 
 
 
 async def run_conversations(url: str, model: str, conversations: list[list[Job]], args,
-                            deadline: float) -> tuple[list[Result], float]:
+                            cut: Cut) -> tuple[list[Result], float]:
     """Turns at a steady --request-rate (one every 1 / rate seconds; inf: as soon as one is ready), each
     once its conversation's previous turn has ended, conversations in round-robin order. --multi-turn-replies
     real (the default): each turn's history holds the replies the server gave (their ids: return_token_ids),
-    as a chat client sends it; random: the random ids conversation_jobs put there."""
+    as a chat client sends it; random: the random ids conversation_jobs put there. The cut (--max-duration,
+    a signal) stops the sending and cancels the turns in flight."""
     results: list[Result] = []
     ready = list(range(len(conversations)))
     next_turn = [0] * len(conversations)
@@ -237,23 +365,22 @@ async def run_conversations(url: str, model: str, conversations: list[list[Job]]
                 ready.append(c)
             woken.set()
 
-    start = time.perf_counter()
+    start = cut.begin(args.max_duration)
     tasks = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         sent_n, total = 0, sum(map(len, conversations))
-        while sent_n < total and time.monotonic() < deadline:
+        while sent_n < total and not cut.is_set():
             if not ready:
                 woken.clear()
-                await woken.wait()
+                await unless_cut(woken.wait(), cut)
                 continue
             c = ready.pop(0)
             tasks.append(asyncio.create_task(one(c, turn_job(c))))
             sent_n += 1
             if interval:
-                await asyncio.sleep(interval)
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0) + args.request_timeout)
+                await unless_cut(asyncio.sleep(interval), cut)
+        cut.end(await finish_or_cut(tasks, cut), total - sent_n)
     return results, time.perf_counter() - start
 
 
@@ -423,8 +550,11 @@ def plot_soak_memory(timeline: list[dict], path: str | Path, title: str = "") ->
     return out
 
 
-async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[list[Result], float]:
-    """Send jobs (a list, or a callable making one) at --request-rate (Poisson) and/or --max-concurrency."""
+async def run_jobs(url: str, model: str, jobs, args, cut: Cut, deadline: float = math.inf,
+                   max_duration: float | None = None) -> tuple[list[Result], float]:
+    """Send jobs (a list, or a callable making one) at --request-rate (Poisson) and/or --max-concurrency,
+    until `deadline` (monotonic; then a callable's requests have --request-timeout more to end) or the cut
+    (max_duration after the first request, or a signal: the requests in flight are cancelled)."""
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed + 1)
     results: list[Result] = []
@@ -437,26 +567,24 @@ async def run_jobs(url: str, model: str, jobs, args, deadline: float) -> tuple[l
             if limit:
                 limit.release()
 
-    start = time.perf_counter()
+    start = cut.begin(max_duration)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         tasks = []
         i = 0
-        while time.monotonic() < deadline and (callable(jobs) or i < len(jobs)):
-            if limit:
-                await limit.acquire()
+        while time.monotonic() < deadline and (callable(jobs) or i < len(jobs)) and not cut.is_set():
+            if limit and not await unless_cut(limit.acquire(), cut) or cut.is_set():
+                break
             job = jobs() if callable(jobs) else jobs[i]
             tasks.append(asyncio.create_task(one(job)))
             i += 1
             if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        left = max(deadline - time.monotonic(), 0) + (args.request_timeout if callable(jobs) else 0)
-        done, pending = await asyncio.wait(tasks, timeout=left) if tasks else (set(), set())
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.wait(pending)
-            results += [Result(error="cancelled at --max-duration", lost=False)] * len(pending)
+                await unless_cut(asyncio.sleep(rng.expovariate(args.request_rate)), cut)
+        grace = max(deadline - time.monotonic(), 0) + args.request_timeout if callable(jobs) else None
+        cancelled = await finish_or_cut(tasks, cut, grace)
+        if not cut.is_set():  # the soak's requests still running --request-timeout after its end
+            results += [Result(error="cancelled at --max-duration", lost=False)] * cancelled
+        cut.end(cancelled, None if callable(jobs) else len(jobs) - i)
     return results, time.perf_counter() - start
 
 
@@ -506,11 +634,22 @@ TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1
           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
 
+def cut_rows(s: dict, row) -> list[str]:
+    """A cut run's rows (none for a run that was not cut): by what, when, and what it left undone."""
+    if "cut_at_s" not in s:
+        return []
+    return [row("Cut by:", s["cut_by"]), row("Cut at (s after the first request):", f"{s['cut_at_s']:.2f}"),
+            row("Completed whole before the cut:", s["completed"]),
+            row("Cancelled in flight at the cut:", s["cancelled"]),
+            row("Never sent:", "-" if s["not_sent"] is None else s["not_sent"])]
+
+
 def format_table(s: dict, percentiles: list[float], title: str = "Serving Benchmark Result") -> str:
     row = lambda k, v: f"{k:<40}{v:<10}"  # noqa: E731
     lines = [f"{' ' + title + ' ':=^50}",
              row("Successful requests:", s["completed"]),
              row("Failed requests:", s["failed"]),
+             *cut_rows(s, row),
              row("Benchmark duration (s):", f"{s['duration']:.2f}"),
              row("Total input tokens:", s["total_input_tokens"]),
              row("Total generated tokens:", s["total_output_tokens"]),
@@ -613,6 +752,17 @@ async def model_name(url: str) -> str:
 
 # ---------------------------------------------------------------- main
 async def bench(args, url: str, health: dict) -> dict:
+    """The run and its summary; while it lasts, SIGTERM or SIGINT cuts it (Cut) instead of ending the
+    process, so the summary of what completed is still printed."""
+    cut = Cut()
+    saved = install_cut_signals(cut)
+    try:
+        return await bench_run(args, url, health, cut)
+    finally:
+        restore_signals(saved)
+
+
+async def bench_run(args, url: str, health: dict, cut: Cut) -> dict:
     model = args.model or await model_name(url)
     endpoint = f"{url}/v1/chat/completions" if args.dataset_name == "random-mm" else f"{url}/v1/completions"
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
@@ -627,19 +777,19 @@ async def bench(args, url: str, health: dict) -> dict:
         sampler = asyncio.create_task(sample_memory(url, args.soak_sample_seconds, stop))
         try:
             results, duration = await run_jobs(endpoint, model, lambda: soak_job(
-                rng, context, args.random_output_len, pool, args.soak_images), args, deadline)
+                rng, context, args.random_output_len, pool, args.soak_images), args, cut, deadline)
         finally:
             stop.set()
             timeline = await sampler
     elif args.multi_turn:
         conversations = conversation_jobs(args.multi_turn, args.num_turns, args.random_input_len,
                                           args.random_output_len, rng, sampling_fields(args))
-        results, duration = await run_conversations(endpoint, model, conversations, args,
-                                                    time.monotonic() + args.max_duration)
+        results, duration = await run_conversations(endpoint, model, conversations, args, cut)
     else:
         jobs = dataset_jobs(args, rng)
-        results, duration = await run_jobs(endpoint, model, jobs, args, time.monotonic() + args.max_duration)
+        results, duration = await run_jobs(endpoint, model, jobs, args, cut, max_duration=args.max_duration)
     summary = summarize(results, duration, percentiles)
+    summary.update(cut.figures(args.max_duration))
     if args.multi_turn:
         summary["ttft_by_turn_ms"] = ttft_by_turn(results)
     summary["model"], summary["max_concurrency"], summary["request_rate"] = model, args.max_concurrency, \
@@ -708,7 +858,8 @@ def engine_figures(grew) -> dict:
     for kind in ("prefill", "decode"):
         out[kind] = {"steps": grew(f'autoprofile_engine_step_kind_steps_total{{kind="{kind}"}}'),
                      "tokens": grew(f'autoprofile_engine_step_kind_tokens_total{{kind="{kind}"}}'),
-                     **{f"gpu_{part}_s": grew(f'autoprofile_engine_gpu_seconds_total{{kind="{kind}",part="{part}"}}')
+                     **{f"gpu_{part}_s":
+                        grew(f'autoprofile_engine_gpu_seconds_total{{kind="{kind}",part="{part}"}}')
                         for part in ("prepare", "forward")}}
     out["gpu_idle_s"] = grew('autoprofile_engine_gpu_seconds_total{kind="",part="idle"}')
     out["host_s"] = {part: grew(f'autoprofile_engine_host_seconds_total{{part="{part}"}}')
@@ -724,8 +875,9 @@ def engine_line(e: dict, duration: float) -> str:
         n = d["steps"]
         if not n:
             return f"0 {k} steps"
-        return (f"{n:.0f} {k} steps ({d['tokens'] / n:.0f} tokens each; GPU {1e3 * d['gpu_forward_s'] / n:.2f} ms "
-                f"forward + {1e3 * d['gpu_prepare_s'] / n:.2f} ms inputs each = "
+        return (f"{n:.0f} {k} steps ({d['tokens'] / n:.0f} tokens each; GPU "
+                f"{1e3 * d['gpu_forward_s'] / n:.2f} ms forward + "
+                f"{1e3 * d['gpu_prepare_s'] / n:.2f} ms inputs each = "
                 f"{d['gpu_forward_s'] + d['gpu_prepare_s']:.1f} s)")
     host = ", ".join(f"{p} {v:.1f} s" for p, v in e["host_s"].items())
     forward = e["prefill"]["gpu_forward_s"] + e["decode"]["gpu_forward_s"]
@@ -799,7 +951,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    '\'{"response_format": {"type": "json_schema", "json_schema": {"name": "a", '
                    '"schema": {...}}}}\'')
     p.add_argument("--metric-percentiles", default="50,90,99")
-    p.add_argument("--max-duration", type=float, default=1800, help="stop sending after this many seconds")
+    p.add_argument("--max-duration", type=float, default=1800, metavar="SECONDS",
+                   help="cut the run this long after its first request: send no more, cancel those in flight "
+                        "(closing their streams), report the completed ones and count the cancelled and "
+                        "never-sent apart (not the soak's length: --soak-minutes)")
     p.add_argument("--request-timeout", type=float, default=900,
                    help="a request without an answer by then is lost")
     p.add_argument("--soak-minutes", type=float, default=0,
@@ -861,6 +1016,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.multi_turn <= 100_000 or not 1 <= args.num_turns <= 1000:
         p.error("--multi-turn must be in [0, 100000] and --num-turns in [1, 1000] (e.g. --multi-turn 64 "
                 "--num-turns 10)")
+    if not args.max_duration > 0:
+        p.error("--max-duration must be > 0 seconds, e.g. 540")
     if args.compare_launch and not args.launch:
         p.error("--compare-launch needs --launch (the first server of the comparison)")
     if args.seed is None:
@@ -1044,6 +1201,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.compare_launch:
         first = run_main(args, args.launch)
+        if first[1].get("cut_by") in ("SIGTERM", "SIGINT"):  # told to stop: no second server
+            print(f"--compare-launch not run: the first run was cut by {first[1]['cut_by']}")
+            if args.result_file:
+                with open(args.result_file, "w") as f:
+                    json.dump({"launch": first[1], "compare_launch": None,
+                               "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
+            return first[0]
         second = run_main(args, args.compare_launch)
         print("\n".join(comparison_lines(first[1], second[1], ("--launch", "--compare-launch"))))
         if args.result_file:
@@ -1080,6 +1244,8 @@ def run_main(args, launch: str | None) -> tuple[int, dict]:
     if not args.json:
         shown = ("server", "by_kind", "memory")
         print(json.dumps({k: v for k, v in summary.items() if k in shown}, indent=2))
+    if "cut_at_s" in summary:
+        print(cut_line(summary))
     if args.result_file and not args.compare_launch:
         with open(args.result_file, "w") as f:
             json.dump({**summary, "args": {k: v for k, v in vars(args).items()}}, f, indent=2, default=str)
@@ -1090,8 +1256,9 @@ def run_main(args, launch: str | None) -> tuple[int, dict]:
     note = cold_prefill_note(summary) if reached else None
     if note:
         print(note)
-    if reached and summary["server"]["engine"]["prefill"]["steps"] + summary["server"]["engine"]["decode"]["steps"]:
-        print(engine_line(summary["server"]["engine"], summary["duration"]))
+    engine = summary["server"]["engine"] if reached else None
+    if engine and engine["prefill"]["steps"] + engine["decode"]["steps"]:
+        print(engine_line(engine, summary["duration"]))
     if args.roofline:
         print(roofline_text(summary, rates, args))
     if server is not None and code != 0:

@@ -6,8 +6,12 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import signal
 import statistics
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -396,3 +400,190 @@ def test_a_real_reply_turn_holds_what_the_server_answered_then_the_turns_new_tok
     assert turn1.sampling == {"temperature": 0.0, "return_token_ids": True} and turn1.kind == "turn1"
     turn2 = bench_serving.with_real_reply(jobs[2], jobs[1], turn1, [7, 8, 9])
     assert turn2.prompt == turn1.prompt + [7, 8, 9] + jobs[2].prompt[len(jobs[1].prompt) + 3:]
+
+
+# ---------------------------------------------------------------- the cut (--max-duration, SIGTERM)
+SLOW_SERVER = '''"""An OpenAI-style server streaming one token every argv[1] seconds; one stdout line as each
+request starts, ends, or finds its client gone (a cancelled stream: the server's client-disconnect path)."""
+import asyncio, itertools, json, signal, sys
+from aiohttp import web
+
+TOKEN_S, NUMBER = float(sys.argv[1]), itertools.count()
+
+
+def log(*words):
+    print(*words, flush=True)
+
+
+def event(msg):
+    return b"data: " + json.dumps(msg).encode() + b"\\n\\n"
+
+
+async def completions(request):
+    body, n = await request.json(), next(NUMBER)
+    log("start", n)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    try:
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(TOKEN_S)
+            await resp.write(event({"choices": [{"index": 0, "text": "x"}]}))
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        await resp.write(event({"choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\\n\\n")
+    except (asyncio.CancelledError, ConnectionResetError) as e:
+        log("hung-up", n, type(e).__name__)
+        raise
+    log("done", n)
+    return resp
+
+
+async def health(request):
+    return web.json_response({"max_running_requests": 8})
+
+
+async def models(request):
+    return web.json_response({"data": [{"id": "slow"}]})
+
+
+async def metrics(request):
+    return web.Response(text="")
+
+
+async def main():
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    log(f"serving on http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+asyncio.run(main())
+'''
+CUT_ARGV = ["--num-prompts", "16", "--max-concurrency", "4", "--random-input-len", "4",
+            "--random-output-len", "8", "--seed", "1"]  # 0.8 s a request at 0.1 s a token: waves of 4
+
+
+def _lines(log: list[str], word: str) -> list[str]:
+    return [line for line in list(log) if line.split()[:1] == [word]]
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def slow_script(tmp_path) -> Path:
+    path = tmp_path / "slow_server.py"
+    path.write_text(SLOW_SERVER)
+    return path
+
+
+@pytest.fixture
+def slow_server(slow_script):
+    """The slow server on 127.0.0.1 (a child process): its URL and the lines it has logged so far."""
+    proc = subprocess.Popen([sys.executable, str(slow_script), "0.1"], stdout=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    assert first.startswith("serving on http://127.0.0.1:"), first
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    yield first.split()[-1], log
+    proc.terminate()
+    assert proc.wait(10) == 0
+    reader.join(5)
+
+
+def _check_cut(r: dict, log: list[str]) -> None:
+    """Every prompt is completed, cancelled or never sent, none failed; the server saw each cancelled stream
+    hang up and every completed one end."""
+    assert r["completed"] + r["cancelled"] + r["not_sent"] == 16, r
+    assert r["completed"] >= 1 and r["cancelled"] >= 1, r
+    assert r["failed"] == 0 and r["errors"] == {} and r["lost"] == 0, r
+    _wait_for(lambda: len(_lines(log, "hung-up")) >= r["cancelled"])
+    time.sleep(0.3)  # nothing more comes
+    assert len(_lines(log, "hung-up")) == r["cancelled"]
+    assert len(_lines(log, "done")) == r["completed"]
+    assert len(_lines(log, "start")) == r["completed"] + r["cancelled"]  # the never-sent never came
+
+
+def test_max_duration_cuts_the_run_and_reports_what_completed(slow_server, tmp_path, capsys):
+    """--max-duration 2 against 4 streams at a time of 0.8 s each: two waves complete, the third is cancelled
+    in flight (its streams closed), the last never sent; the usual summary over the completed, the cut in
+    its own lines and keys, no failure; the signal handlers are the process's own again afterwards."""
+    url, log = slow_server
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    out = tmp_path / "cut.json"
+    code = bench_serving.main(["--base-url", url, *CUT_ARGV, "--max-duration", "2", "--result-file",
+                               str(out)])
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert code == 0
+    assert r["cut_by"] == "--max-duration 2 s" and 2.0 <= r["cut_at_s"] < 2.5 and r["duration"] < 3
+    _check_cut(r, log)
+    assert "= Serving Benchmark Result =" in printed and "Mean TTFT (ms):" in printed
+    for row, value in (("Successful requests:", r["completed"]), ("Failed requests:", 0),
+                       ("Cancelled in flight at the cut:", r["cancelled"]), ("Never sent:", r["not_sent"])):
+        assert f"{row:<40}{value}" in printed, row
+    assert (f"CUT: the run was cut by --max-duration 2 s at 2.0 s after its first request: {r['completed']} "
+            f"requests completed whole, {r['cancelled']} cancelled in flight") in printed
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
+
+
+def test_an_uncut_run_prints_and_writes_no_cut(slow_server, tmp_path, capsys):
+    """A run that ends before --max-duration: its table and result as before the cut existed."""
+    url, log = slow_server
+    out = tmp_path / "whole.json"
+    argv = ["--num-prompts", "4", "--max-concurrency", "4", "--random-input-len", "4", "--random-output-len",
+            "3"]
+    assert bench_serving.main(["--base-url", url, *argv, "--result-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and not {"cut_by", "cut_at_s", "cancelled", "not_sent"} & set(r)
+    printed = capsys.readouterr().out
+    assert "Cut" not in printed and "CUT" not in printed and "Never sent" not in printed
+
+
+def test_sigterm_cuts_the_run_prints_the_partial_summary_and_exits_0(slow_server, tmp_path):
+    """An outer `timeout` sends SIGTERM: the benchmark (a process of its own) cuts the run as --max-duration
+    would, prints the summary of what completed and exits 0."""
+    url, log = slow_server
+    out = tmp_path / "term.json"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--base-url", url, *CUT_ARGV, "--result-file",
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: len(_lines(log, "start")) >= 5, 15)  # the first wave done, the second going
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    r = json.loads(out.read_text())
+    assert r["cut_by"] == "SIGTERM" and r["completed"] >= 4
+    _check_cut(r, log)
+    assert "= Serving Benchmark Result =" in stdout and f"{'Cut by:':<40}SIGTERM" in stdout
+    assert "CUT: the run was cut by SIGTERM" in stdout
+
+
+def test_a_cut_run_still_stops_the_server_it_launched(slow_script, tmp_path, capsys):
+    """--launch: after the cut the server is SIGTERMed as after any run, and exits 0."""
+    out = tmp_path / "launch.json"
+    code = bench_serving.main(["--launch", f"{sys.executable} {slow_script} 0.1", *CUT_ARGV,
+                               "--max-duration", "1.5", "--result-file", str(out)])
+    r = json.loads(out.read_text())
+    assert code == 0 and r["server"]["exit_code"] == 0
+    assert r["cut_by"] == "--max-duration 1.5 s" and r["completed"] >= 1 and r["cancelled"] >= 1
+    assert r["completed"] + r["cancelled"] + r["not_sent"] == 16 and r["failed"] == 0
+    err = capsys.readouterr().err
+    assert err.count("[server] hung-up") == r["cancelled"] and err.count("[server] done") == r["completed"]
