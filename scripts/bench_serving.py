@@ -57,6 +57,7 @@ import io
 import ipaddress
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -679,13 +680,24 @@ def check_loopback(url: str) -> None:
                          "(127.0.0.1, ::1, localhost)")
 
 
+def _own_session_tied_to_parent() -> None:
+    """preexec_fn of a launched server: a session of its own, so a signal to the benchmark's process group
+    (an outer `timeout`) reaches the benchmark alone, which cuts the run, reads the server's /metrics and
+    stops it as after any run; and SIGTERM to the server if the benchmark dies first (Linux's
+    PR_SET_PDEATHSIG), so no server outlives it holding a GPU."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
 class Launched:
-    """`--launch CMD`: the server as a child process; its log goes to stderr (prefixed) and is scanned for
-    the address it bound."""
+    """`--launch CMD`: the server as a child process in a session of its own (_own_session_tied_to_parent);
+    its log goes to stderr (prefixed) and is scanned for the address it bound."""
 
     def __init__(self, command: str):
         self.proc = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, preexec_fn=_own_session_tied_to_parent)
         self.url: str | None = None
         self.bound = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -412,7 +413,10 @@ TOKEN_S, NUMBER = float(sys.argv[1]), itertools.count()
 
 
 def log(*words):
-    print(*words, flush=True)
+    try:
+        print(*words, flush=True)
+    except OSError:  # nobody reads the log any more (the benchmark is gone): serve on, as a real server does
+        pass
 
 
 def event(msg):
@@ -587,3 +591,56 @@ def test_a_cut_run_still_stops_the_server_it_launched(slow_script, tmp_path, cap
     assert r["completed"] + r["cancelled"] + r["not_sent"] == 16 and r["failed"] == 0
     err = capsys.readouterr().err
     assert err.count("[server] hung-up") == r["cancelled"] and err.count("[server] done") == r["completed"]
+
+
+def _launch_in_own_group(slow_script, out: Path) -> subprocess.Popen:
+    """bench_serving --launch <the slow server>, as an outer `timeout` runs it: a process group of its own."""
+    return subprocess.Popen([sys.executable, str(SCRIPT), "--launch", f"{sys.executable} {slow_script} 0.1",
+                             *CUT_ARGV, "--result-file", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _server_pid(bench: subprocess.Popen) -> int:
+    psutil = pytest.importorskip("psutil")
+    found: list = []
+    _wait_for(lambda: bool(found.extend(psutil.Process(bench.pid).children()) or found), 15)
+    return found[0].pid
+
+
+def test_a_signal_to_the_benchmarks_group_cuts_the_run_and_the_launched_server_drains(slow_script, tmp_path):
+    """`timeout` signals the whole process group: the launched server (a session of its own) does not get
+    it, so the benchmark cuts the run, reads the server's /metrics and stops it: exit 0, the server's 0."""
+    out = tmp_path / "group.json"
+    bench = _launch_in_own_group(slow_script, out)
+    try:
+        _server_pid(bench)
+        time.sleep(2.0)  # the first wave of requests done, the second in flight
+        os.killpg(bench.pid, signal.SIGTERM)
+        stdout, stderr = bench.communicate(timeout=30)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+    assert bench.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["cut_by"] == "SIGTERM" and r["server"]["exit_code"] == 0 and r["failed"] == 0
+    assert r["completed"] + r["cancelled"] + r["not_sent"] == 16 and r["completed"] >= 1
+    assert "FAIL" not in stdout
+
+
+def test_a_launched_server_does_not_outlive_a_killed_benchmark(slow_script, tmp_path):
+    """SIGKILL to the benchmark (no cut, no stop): its server gets SIGTERM from the kernel and exits, so no
+    server is left holding a GPU."""
+    psutil = pytest.importorskip("psutil")
+    bench = _launch_in_own_group(slow_script, tmp_path / "killed.json")
+    server_pid = None
+    try:
+        server_pid = _server_pid(bench)
+        time.sleep(1.0)  # requests in flight: the server logs their hang-up to a pipe nobody reads
+        bench.kill()
+        bench.wait(10)
+        _wait_for(lambda: not psutil.pid_exists(server_pid) or
+                  psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE, 15)
+    finally:
+        for pid in (bench.pid, server_pid):
+            if pid is not None and psutil.pid_exists(pid):
+                psutil.Process(pid).kill()
