@@ -137,9 +137,10 @@ def test_phase_2_checks_a_constrained_answer_whole_or_cut():
     assert problem('{"text": "ab"} x', "length") and problem('{"note": "', "length")
 
 
-def test_phase_2_checks_every_constrained_answer_served_by_the_cpu_server():
-    """The schema run of scripts/openai_features_check.py through HTTP (the overlapped engine): every
-    answer checked, none breaks the schema."""
+def test_phase_2_reports_the_schema_cost_length_matched_from_the_cpu_server():
+    """Phase 2 of scripts/openai_features_check.py through HTTP (the overlapped engine, streamed requests):
+    every constrained answer checked, none breaks the schema; the length-matched plain run gives exactly the
+    schema answers' token counts, request by request; every run has a TPOT; the three ratios are there."""
     pytest.importorskip("jsonschema")
     check = features_check()
     cfg = validate(ServerConfig(**FLAGS))
@@ -147,14 +148,45 @@ def test_phase_2_checks_every_constrained_answer_served_by_the_cpu_server():
     engine = LLMEngine(runner, overlap=True)
     args = argparse.Namespace(seed=0, prompt_words=4, throughput_max_tokens=24, max_concurrency=4,
                               throughput_prompts=8, request_timeout=300)
+    runs = []
+    real = check.throughput
+
+    async def keep(*a, **kw):
+        runs.append(await real(*a, **kw))
+        return runs[-1]
+    check.throughput = keep
+
+    wanted = {i: 1 + 3 * i for i in range(8)}  # lengths a schema run might give: each request asks its own
 
     async def main():
         async with TestClient(TestServer(server.make_app(cfg, engine, result))) as c:
             url = str(c.make_url("")).rstrip("/")
-            return await check.throughput(url, "tiny", args, schema=True)
+            return await check.phase2(url, "tiny", args), await keep(url, "tiny", args, False, wanted)
     try:
-        out = asyncio.run(main())
+        out, _ = asyncio.run(main())
     finally:
         runner.teardown()
-    assert out["requests"] == out["schema_checked"] == 8 and out["failed"] == 0, out
-    assert out["schema_invalid"] == 0 and out["output_tokens"] > 8, out
+    assert runs[-1]["lengths"] == wanted, runs[-1]  # ignore_eos, max_tokens: exactly the tokens asked
+    constrained, matched = out["json_schema"], out["none_length_matched"]
+    assert constrained["requests"] == constrained["schema_checked"] == 8 and constrained["failed"] == 0, out
+    assert constrained["schema_invalid"] == 0 and constrained["output_tokens"] > 8, out
+    assert runs[2]["lengths"] == runs[1]["lengths"] and len(runs[1]["lengths"]) == 8, runs
+    assert matched["output_tokens"] == constrained["output_tokens"] and matched["failed"] == 0, out
+    assert all(out[k]["tpot_ms"] > 0 for k in ("none", "json_schema", "none_length_matched", "none_again"))
+    assert all(out[k] > 0 for k in ("ratio", "ratio_length_matched", "tpot_ratio")), out
+    assert "lengths" not in json.dumps(out)
+
+
+def test_phase_2_s_ratios_read_as_schema_speed_over_plain_speed():
+    check = features_check()
+    assert check.tpot(1.0, 1.5, 11) == pytest.approx(0.05) and check.tpot(1.0, 1.0, 1) is None
+    run = {"failed": 0, "lengths": {0: 3}}
+    cost = check.schema_cost({**run, "output_tok_s": 90.0, "tpot_ms": 10.0},
+                             {**run, "output_tok_s": 45.0, "tpot_ms": 12.5},
+                             {**run, "output_tok_s": 50.0, "tpot_ms": 11.0},
+                             {**run, "output_tok_s": 110.0, "tpot_ms": 10.0})
+    assert (cost["ratio"], cost["ratio_length_matched"], cost["tpot_ratio"]) == (0.45, 0.9, 0.8)
+    assert cost["meets_target_ratio_length_matched"] and not cost["meets_target"]
+    assert not cost["meets_target_tpot_ratio"] and "lengths" not in cost["none"]
+    lines = check.schema_lines(cost)
+    assert "length-matched" in lines[1] and lines[1].endswith("0.9") and "TPOT" in lines[2]
