@@ -410,6 +410,17 @@ def test_a_text_model_plan_has_no_encoder_rows():
     assert not [r for r in plan_for("h100").fixed if "encoder" in r.term]
 
 
+# state slots the profiler chose on the device (docs/measurements.md, "Hybrid models"; 2026-11-27)
+SLOTS_MEASURED = [("qwen3.5-27b", "h200", 1, 256), ("qwen3.5-27b", "h100", 1, 98),
+                  ("qwen3.5-35b-a3b-fp8", "h100", 1, 256), ("qwen3.5-122b-a10b-fp8", "h100", 2, 142)]
+
+
+@pytest.mark.parametrize("model, gpu, tp, slots", SLOTS_MEASURED)
+def test_plan_keeps_the_state_slots_the_profiler_chose(model, gpu, tp, slots):
+    """plan's slots are the profiler's (never more: their state would take KV the profiler keeps)."""
+    assert plan_for(gpu, model=model, tp=tp).max_num_reqs == slots
+
+
 def test_a_hybrid_plan_trades_state_slots_against_kv_tokens_as_the_profiler_chooses_them():
     """qwen3.5-27b: on an H200 every decode row keeps its state (256 x 147 MiB); on an H100 the state would
     take more than half of what the weights leave, so plan (as the profiler) keeps fewer slots and says so in
