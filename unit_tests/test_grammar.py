@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoprofile.engine.engine import LLMEngine
-from autoprofile.engine.grammar import TokenBitmask, bitmask_width, fill_threads
+from autoprofile.engine.grammar import AllowedTokens, TokenBitmask, bitmask_width, fill_threads
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.serving.structured import Grammars, Spec
 from autoprofile.serving.tokenizer import ByteTokenizer
@@ -236,3 +236,50 @@ def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_
     run_all(engine)
     steps = "".join({"forward": "F", "fill": "M", "process": "P", "sample": "S"}[e] for e in events)
     assert steps.count("M") >= 8 and re.fullmatch(r"(FMPS)+", steps), steps
+
+
+# ---------------------------------------------------------------- the mask over every row (no index list)
+@pytest.mark.parametrize("masked", [1, 5, 8, 11, 12])
+def test_the_mask_over_every_row_equals_the_mask_of_the_named_rows(grammars, masked, monkeypatch):
+    """With at least half of the rows masked, every row is masked (the others allow every token) and no index
+    list goes to xgrammar; with fewer, the named rows alone. The logits are the per-row reference's, bit for
+    bit, either way: a request that ended since the launch (its row left out) keeps its logits."""
+    import xgrammar
+    rng = random.Random(masked)
+    index = sorted(rng.sample(range(12), masked))
+    rows = list(zip(index, _random_matchers(grammars, masked, masked)))
+    logits = torch.randn(12, 4096, generator=torch.Generator().manual_seed(masked))
+    want = logits.clone()
+    bits = torch.full((12, bitmask_width(4096)), -1, dtype=torch.int32)
+    for i, m in rows:
+        m.fill_next_token_bitmask(bits, i)
+    xgrammar.apply_token_bitmask_inplace(want, bits, vocab_size=4096, indices=index)
+    calls = []
+    real = xgrammar.apply_token_bitmask_inplace
+
+    def spy(logits, bitmask, **kw):
+        calls.append(kw["indices"])
+        return real(logits, bitmask, **kw)
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", spy)
+    mask = TokenBitmask(16, 4096, torch.device("cpu"))
+    mask.host.fill_(7)  # a step before's rows: never read as an unmasked row's
+    mask.apply(logits, rows)
+    assert torch.equal(logits, want)
+    assert calls == [None if 2 * masked >= 12 else index]
+    if calls == [None]:
+        assert all(bool((mask.host[i] == -1).all()) for i in set(range(12)) - set(index))
+
+
+def test_allowed_ids_rows_fill_with_and_without_their_grammar(grammars):
+    """AllowedTokens: alone, its ids; with a matcher, the ids its grammar allows too (filled in the batched
+    call with the plain grammar rows)."""
+    m = grammars.new_matcher(Spec("regex", "b+", "regex"))
+    ids = [TOK.encode("a")[0], TOK.encode("b")[0], 7]
+    plain = grammars.new_matcher(Spec("regex", "c+", "regex"))
+    rows = [(0, AllowedTokens.of(ids, 4096)), (2, AllowedTokens.of(ids, 4096, m)), (3, plain)]
+    mask = TokenBitmask(4, 4096, torch.device("cpu"))
+    mask.fill(rows)
+    assert _allowed(mask.host[0]) == sorted(ids)
+    assert _allowed(mask.host[2]) == [TOK.encode("b")[0]]
+    assert {TOK.decode([i]) for i in _allowed(mask.host[3])} == {"c"}
+    assert mask._batch is not None  # rows 2 and 3: one batched call

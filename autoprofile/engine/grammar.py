@@ -7,8 +7,10 @@ back.
     advance(matcher, token)                     # Scheduler.resolve, once per token read back: True = ended
 
 The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinned on CUDA), one copy up,
-xgrammar's in-place kernel over the rows that have a grammar (vLLM's order: first, before the logits
-processors and the sampler, so min_p measures the grammar's distribution; not inside the sampler kernel).
+xgrammar's in-place kernel over the rows that have a grammar (over all the sampled rows when at least
+half have one, the others' rows allowing every token: no index list to copy up; vLLM's order: first,
+before the logits processors and the sampler, so min_p measures the grammar's distribution; not inside the
+sampler kernel).
 Several rows are filled in one call on xgrammar's C++ threads (BatchGrammarMatcher, as vLLM and SGLang fill
 them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The sampler
 masks after the runner has launched the forward: on CUDA the host fills while the GPU computes (the
@@ -77,25 +79,23 @@ class TokenBitmask:
     def fill(self, rows: list[tuple[int, object]]) -> None:
         """Write each row's next-token mask into its host row: a matcher's (AllowedTokens: its matcher's, if
         any, then its ids')."""
-        self._fill_matchers([(i, m.matcher if isinstance(m, AllowedTokens) else m) for i, m in rows
-                             if not isinstance(m, AllowedTokens) or m.matcher is not None])
-        for i, m in rows:
-            if isinstance(m, AllowedTokens):
-                m.restrict(self.host[i])
+        index, matchers, allowed = split_rows(rows)
+        self._fill_matchers(index, matchers)
+        for i, m in allowed:
+            m.restrict(self.host[i])
 
-    def _fill_matchers(self, rows: list[tuple[int, object]]) -> None:
+    def _fill_matchers(self, index: list[int], matchers: list) -> None:
         """One row by its matcher's own call, several in one batched call on xgrammar's threads (the same
         bits)."""
-        if not rows:
+        if not matchers:
             return
-        if len(rows) == 1:
-            i, matcher = rows[0]
-            matcher.fill_next_token_bitmask(self.host, i)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(self.host, index[0])
             return
         if self._batch is None:
             import xgrammar
             self._batch = xgrammar.BatchGrammarMatcher(fill_threads())
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], self.host, [i for i, _ in rows])
+        self._batch.batch_fill_next_token_bitmask(matchers, self.host, index)
 
     def apply_stress(self, logits: torch.Tensor) -> None:
         """The stress: a mask on every sampled row (each allows every token but id 0: a real mask's work and
@@ -109,12 +109,41 @@ class TokenBitmask:
         import xgrammar
         if len(index) > self.rows:
             raise RuntimeError(f"{len(index)} masked rows, the bitmask holds {self.rows}")
-        n = max(index) + 1
+        rest = unmasked(index, logits.shape[0])
+        if rest is not None:  # most rows masked: the others allow every token, and no index list goes up
+            if rest:
+                self.host[rest] = -1
+            index = None
+        n = logits.shape[0] if index is None else max(index) + 1
         if self.dev is not self.host:
             # NOTE: the host rows are written again only once this step is read back (LLMEngine.step)
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        xgrammar.apply_token_bitmask_inplace(logits, self.dev[:n], vocab_size=self.vocab_size,
-                                             indices=index if len(index) < logits.shape[0] else None)
+        xgrammar.apply_token_bitmask_inplace(logits, self.dev[:n], vocab_size=self.vocab_size, indices=index)
+
+
+def split_rows(rows: list[tuple[int, object]]) -> tuple[list[int], list, list[tuple[int, AllowedTokens]]]:
+    """(row indices, matchers) that xgrammar fills, in one pass over the step's (row, matcher): an
+    AllowedTokens row's own matcher if it has one; and the AllowedTokens rows, restricted after the fill."""
+    index, matchers, allowed = [], [], []
+    for i, m in rows:
+        if isinstance(m, AllowedTokens):
+            allowed.append((i, m))
+            m = m.matcher
+            if m is None:
+                continue
+        index.append(i)
+        matchers.append(m)
+    return index, matchers, allowed
+
+
+def unmasked(index: list[int], n: int) -> list[int] | None:
+    """The rows of logits [n, vocab] without a mask when masking every row is cheaper than naming the masked
+    ones (at least half masked: one index list less to build and copy up each step; a request that ended
+    since the launch leaves its row out), else None (xgrammar masks the named rows alone)."""
+    if 2 * len(index) < n:
+        return None
+    named = set(index)
+    return [i for i in range(n) if i not in named]
 
 
 def allowed_bits(ids: list[int], vocab_size: int) -> torch.Tensor:
