@@ -40,8 +40,8 @@ ACTIVATION_FACTOR = 2.0
 HYBRID_POOL_FACTOR = 1.0
 # What the CUDA context holds when a hybrid's state slots are chosen (profiler.choose_state_slots: after the
 # weights, before the stress reserves local memory): the measured non-torch less that reservation, 0.63 GiB
-# (qwen3.5-27b, H100: 0.89 - 0.26) to 0.71 (H200: 0.97 - 0.26); from the free memory the profiler logged (28.25
-# GiB after 50.16 GiB of weights on an H100) 0.77 GiB. At least that, so plan never gives more slots.
+# (qwen3.5-27b, H100: 0.89 - 0.26) to 0.71 (H200: 0.97 - 0.26); from the free memory the profiler logged
+# (28.25 GiB after 50.16 GiB of weights on an H100) 0.77 GiB. At least that, so plan never gives more slots.
 CONTEXT_BEFORE_STRESS = 800 * MiB
 # What --tp > 1 adds to the context before the stress: NCCL's communicators, set up before the weights.
 # qwen3.5-122b-a10b-fp8 --tp 2 on 2 x H100 measured 20.45 GiB free after its 57.71 GiB of weights

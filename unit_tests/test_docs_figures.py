@@ -33,8 +33,8 @@ def planned(model: str, card: str, kv: str = "auto", command: str = "") -> int:
     """`plan` for a measured row's configuration: its command's --disable_prefix_caching (a hybrid model's
     state checkpoints) counts."""
     tp = int(command.split("--tp ")[1].split()[0]) if "--tp " in command else 1  # a rank's
-    cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching="--disable_prefix_caching" in command,
-                       tp=tp)
+    off = "--disable_prefix_caching" in command
+    cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching=off, tp=tp)
     return make_plan(validate(cfg), GPUS[card]).tokens
 
 
