@@ -21,7 +21,8 @@ from autoprofile.layers.moe import Routing, route
 torch.manual_seed(0)
 cases = [(t, k, e, m) for t in (1, 2, 7, 16, 33, 256, 300) for k in (6, 8) for e in (64, 128)
          for m in (16, 64)]
-cases += [(1024, 8, 256, 64), (50, 3, 60, 16)]  # many chunks; experts not a power of two
+cases += [(1024, 8, 256, 64), (2048, 8, 256, 64), (50, 3, 60, 16)]  # many chunks (2048 x 8: the most pairs
+# fused_moe gives it, triton_moe.SORT_KERNEL_MAX_PAIRS); experts not a power of two
 for tokens, top_k, experts, block_m in cases:
     _, ids = route(torch.randn(tokens, experts), top_k, True)
     for routing in moe.ROUTINGS:

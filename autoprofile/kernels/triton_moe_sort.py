@@ -1,5 +1,6 @@
 """The fused MoE path's expert sort (layers.moe.sort_by_expert, vLLM's moe_align_block_size) in one Triton
-launch of one program, for decode: the torch version's dozen small kernels are launch-bound there.
+launch of one program, for decode and small prefill steps: the torch version's dozen small kernels are
+launch-bound there.
 
 The program counts each expert's pairs (tl.histogram), then walks the (token, slot) pairs in steps, each
 pair placed at its expert's next free slot (a running slot per expert, tl.gather) plus the earlier pairs
