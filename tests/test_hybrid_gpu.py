@@ -77,6 +77,10 @@ def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
     qkv, z, ba_d, w, al, db, nw = args(dev)
     conv_d, ssm_d, slots_d, cu_d = conv.to(dev), ssm.to(dev), slots.to(dev), cu.to(dev)
     q, k, v = triton_gdn.conv_prefill(qkv, w, conv_d, slots_d, cu_d, hk, kd, hv, vd)
+    g_ours, beta_ours = triton_gdn.gates(ba_d, al, db)  # the backend's one-launch gates
+    g_ref, beta_ref = gdn.gating(ba_d, al, db)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-5)
+    assert (beta_ours.float() - beta_ref.float()).abs().max() <= 1e-2
     ssm_chunks = ssm_d.clone()  # the rule again with the chunk indices the backend uploads once a forward
     o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_d, slots_d, cu_d)
     o_chunks = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_chunks, slots_d, cu_d.long(),

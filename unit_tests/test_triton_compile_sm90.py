@@ -147,6 +147,7 @@ conv, ssm = torch.zeros(4, c, kw - 1, dtype=torch.bfloat16), torch.zeros(4, hv, 
 w, slots = torch.randn(c, kw, dtype=torch.bfloat16), torch.tensor([2, 0])
 bf16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
 triton_gdn.conv_prefill(bf16(7, c), w, conv, slots, torch.tensor([0, 3, 7]), hk, kd, hv, vd)
+triton_gdn.gates(bf16(40, 2 * hv), torch.zeros(hv), torch.zeros(hv))
 for pdl.enabled in H100_PDL:
     triton_gdn.decode_layer(bf16(2, c), bf16(2, hv * vd), bf16(2, 2 * hv), w, torch.zeros(hv),
                             torch.zeros(hv), torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots)
@@ -166,7 +167,8 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
-    "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel"},
+    "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",
+                   "_gates_kernel"},
 }
 
 

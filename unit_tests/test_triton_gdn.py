@@ -160,6 +160,35 @@ LAYER_LAUNCHES = {
 }
 
 
+GATES = r'''
+import sys
+import torch
+from autoprofile.kernels import triton_gdn
+from autoprofile.layers import gdn
+
+dt = getattr(torch, sys.argv[1])
+torch.manual_seed(0)
+for t, hv in ((1, 4), (33, 48), (70, 32)):  # tokens past a program's 32; value heads not a power of two
+    ba = (torch.randn(t, 2 * hv) * 8).to(dt)  # a + dt_bias past softplus's threshold of 20 and below it
+    ba[0, hv] = 30.0
+    a_log, dt_bias = torch.randn(hv), torch.randn(hv) * 4
+    g, beta = triton_gdn.gates(ba, a_log, dt_bias)
+    want_g, want_beta = gdn.gating(ba, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dt and g.is_contiguous() and beta.is_contiguous()
+    torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beta, want_beta, rtol=0, atol=1e-2 if dt == torch.bfloat16 else 1e-6)
+g, beta = triton_gdn.gates(torch.zeros(0, 8), torch.zeros(4), torch.zeros(4))
+assert g.shape == beta.shape == (0, 4)
+print("ok")
+'''
+
+
+@triton_missing
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_gates_in_one_launch_equal_the_reference(dtype):
+    run_script(GATES, dtype)
+
+
 @triton_missing
 def test_gdn_decode_matches_the_torch_reference_in_place_by_slot():
     run_script(CHECK)

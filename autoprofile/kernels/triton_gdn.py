@@ -285,6 +285,41 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot
     return q, k, v
 
 
+@triton.jit
+def _gates_kernel(ba_ptr, s_ba, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, tokens, HV: tl.constexpr,
+                  BH: tl.constexpr, BT: tl.constexpr):
+    """BT prefill tokens' gates from their in_proj_ba rows (b | a): g [T, HV] fp32, beta [T, HV] in ba's
+    dtype, as layers.gdn.gating (and _gdn_decode_kernel's GATE) computes them."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.arange(0, BH)
+    mask = (t[:, None] < tokens) & (h[None, :] < HV)
+    row = ba_ptr + t[:, None].to(tl.int64) * s_ba + h[None, :]
+    a = tl.load(row + HV, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h, mask=h < HV,
+                                                                          other=0.0).to(tl.float32)[None, :]
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = -tl.exp(tl.load(a_log_ptr + h, mask=h < HV, other=0.0).to(tl.float32))[None, :] * softplus
+    beta = tl.sigmoid(tl.load(row, mask=mask, other=0.0).to(tl.float32))
+    out = t[:, None].to(tl.int64) * HV + h[None, :]
+    tl.store(g_ptr + out, g, mask=mask)
+    tl.store(beta_ptr + out, beta.to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+GATE_TOKENS = 32  # prefill tokens a program of the gates
+
+
+def gates(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill rows' gates in one launch (layers.gdn.gating, its reference: ~8 torch kernels): ba [T, 2 Hv]
+    (b | a, unit stride last) -> (g [T, Hv] fp32, beta [T, Hv] in ba's dtype), both contiguous."""
+    t, hv = ba.shape[0], ba.shape[1] // 2
+    g = torch.empty(t, hv, dtype=torch.float32, device=ba.device)
+    beta = torch.empty(t, hv, dtype=ba.dtype, device=ba.device)
+    if t:
+        _gates_kernel[(triton.cdiv(t, GATE_TOKENS),)](ba, ba.stride(0), a_log, dt_bias, g, beta, t, HV=hv,
+                                                      BH=triton.next_power_of_2(hv), BT=GATE_TOKENS,
+                                                      num_warps=4)
+    return g, beta
+
+
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The gated RMSNorm alone, one launch: o [B, Hv, Dv] (unit stride last), z [B, Hv * Dv] (unit stride
     last) -> [B, Hv * Dv] in o's dtype."""

@@ -358,10 +358,10 @@ class AiterTritonBackend(AttentionBackend):
     def gdn_prefill(self, qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm,
                     meta: AttentionMetadata) -> torch.Tensor:
         """Our conv (two launches: the rows' outputs as fla takes them, the windows moved on; each token's
-        row found once a forward), fla's chunked rule over the rows' states (key heads not repeated: fla
-        groups the value heads), our gated norm: in place of layers.gdn.prefill_layer's torch ops (~460 ms
-        of a 1,055 ms mixed step of qwen3.5-27b on an H100: 8 x 1,024 fresh tokens,
-        scripts/profile_decode.py --prefill 8)."""
+        row found once a forward), our gates (one launch), fla's chunked rule over the rows' states (key
+        heads not repeated: fla groups the value heads), our gated norm: in place of
+        layers.gdn.prefill_layer's torch ops (~460 ms of a 1,055 ms mixed step of qwen3.5-27b on an H100: 8 x
+        1,024 fresh tokens, scripts/profile_decode.py --prefill 8)."""
         t, hv, kd, vd = qkv.shape[0], ssm.shape[1], ssm.shape[2], ssm.shape[3]
         hk = (qkv.shape[1] - hv * vd) // (2 * kd)
         slots, cu = meta.state_slots, meta.cu_seqlens
@@ -372,7 +372,8 @@ class AiterTritonBackend(AttentionBackend):
         cu64 = meta.once("gdn_cu_seqlens", cu.long)
         chunks = None if meta.cu_seqlens_host is None else meta.once(
             "gdn_chunk_indices", lambda: gdn.upload_chunk_indices(meta.cu_seqlens_host, cu.device))
-        o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba, a_log, dt_bias), ssm, slots, cu64, chunks)
+        g, beta = self.triton_gdn.gates(ba, a_log, dt_bias)
+        o = gdn.delta_rule_prefill(q, k, v, g, beta, ssm, slots, cu64, chunks)
         return self.triton_gdn.gated_rms_norm(o, z, norm_weight, eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
