@@ -9,12 +9,13 @@
 #      routing sent from outside (scripts/repeated_prompts.py), every one whole.
 #   TP > 1: --tp TP on the visible GPUs, the roofline of TP GPUs. Any model, not only hybrids.
 #   OUT=dir MODEL=qwen3.5-27b PORT=8124 [SERVE_FLAGS=...] [HOSTILE_N=512 HOSTILE_OUT=2000] [TP=4 REPEATED_N=512] \
-#     bash scripts/hybrid_check.sh
+#     [HOSTILE_MAX_S=S: cut the hostile run at S s and report what completed] bash scripts/hybrid_check.sh
+#   Past one device call (10 minutes): bash scripts/detached.sh start NAME bash scripts/hybrid_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/hybrid}; PORT=${PORT:-8124}; MODEL=${MODEL:-qwen3.5-27b}
 TP=${TP:-1}; REPEATED_N=${REPEATED_N:-0}; HOSTILE_N=${HOSTILE_N:-512}; HOSTILE_OUT=${HOSTILE_OUT:-2000}; HOSTILE_IN=${HOSTILE_IN:-1000}
 mkdir -p "$OUT"
-summary() { grep -E "Successful|Failed req|duration|Output token thr|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT|roofline|oom_while"; }
+summary() { grep -E "Successful|Failed req|duration|Output token thr|Mean TTFT|P99 TTFT|Mean TPOT|P99 TPOT|roofline|oom_while|Cut|CUT"; }
 CACHE="$OUT/profile_cache"
 SERVE="python3 -m autoprofile.cli serve --model $MODEL --port $PORT --profile_cache $CACHE --tp $TP ${SERVE_FLAGS:-}"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | grep -qi h200 && echo h200 || echo h100)
@@ -41,7 +42,7 @@ B=(python3 scripts/bench_serving.py --base-url "$URL" --seed 2)
   --result-file "$OUT/c1.json" | summary
 [ "$HOSTILE_N" -gt 0 ] && "${B[@]}" --random-input-len "$HOSTILE_IN" --random-output-len "$HOSTILE_OUT" \
   --max-concurrency "$HOSTILE_N" --num-prompts "$HOSTILE_N" --temperature 0.8 --top-p 0.95 \
-  --result-file "$OUT/hostile.json" | summary
+  --max-duration "${HOSTILE_MAX_S:-1800}" --result-file "$OUT/hostile.json" | summary
 if [ "$REPEATED_N" -gt 0 ]; then
   echo "worst routing from outside: $REPEATED_N prompts of one token x 1000, 64 out"
   python3 scripts/repeated_prompts.py --base-url "$URL" --prompts "$REPEATED_N" --len 1000 --out 64
