@@ -20,6 +20,7 @@ from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.engine.scheduler import checkpoint_stops
 from autoprofile.engine.state_cache import StateCache
+from autoprofile.layers import gdn
 from autoprofile.model_config import load_model_config
 
 PAGE = 16
@@ -323,3 +324,28 @@ def test_teardown_drops_the_state_slots_and_checkpoints(model):
         r.teardown()
         gc.collect()
         assert r.state is None and all(ref() is None for ref in held), model
+
+
+def test_a_prefill_forward_hands_the_linear_layers_the_hosts_cu_seqlens(runner, monkeypatch):
+    """The runner's prefill metadata carries cu_seqlens as the host built it (cu_seqlens_host): what the
+    aiter_triton backend derives fla's chunk indices from once a forward, with no host sync a layer; equal to
+    the device's cu_seqlens, chunks of two rows in one step included."""
+    seen = []
+    real = type(runner.backend).gdn_prefill
+
+    def spy(self, *args):
+        seen.append(args[-1])  # the step's AttentionMetadata
+        return real(self, *args)
+    monkeypatch.setattr(type(runner.backend), "gdn_prefill", spy)
+    engine = engine_on(runner, prefix_caching=False)
+    for p in (SYSTEM + USERS[1], USERS[2]):
+        engine.add_request(p, GREEDY_LP, max_tokens=2)
+    while engine.has_unfinished():
+        engine.step()
+    assert seen, "no prefill reached a linear layer"
+    for meta in seen:
+        assert meta.cu_seqlens_host is not None
+        assert list(meta.cu_seqlens_host) == meta.cu_seqlens.tolist()
+        assert gdn.chunk_indices(meta.cu_seqlens_host).tolist() == [
+            [i, j] for i, n in enumerate(meta.cu_seqlens.diff().tolist()) for j in range(-(-n // 64))]
+    assert any(len(m.cu_seqlens_host) > 2 for m in seen), "two rows never shared a prefill step"
