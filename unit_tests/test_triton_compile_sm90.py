@@ -152,6 +152,11 @@ for pdl.enabled in H100_PDL:
     triton_gdn.decode_layer(bf16(2, c), bf16(2, hv * vd), bf16(2, 2 * hv), w, torch.zeros(hv),
                             torch.zeros(hv), torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots)
     triton_gdn.gated_rms_norm(bf16(2, hv, vd), bf16(2, hv * vd), torch.ones(vd, dtype=torch.bfloat16), 1e-6)
+    triton_gdn.gated_rms_norm(bf16(20, hv, vd), bf16(20, hv * vd), torch.ones(vd, dtype=torch.bfloat16), 1e-6)
+# a block holding a whole head: the gated norm inside the rule's kernel
+triton_gdn.decode_layer(bf16(2, c), bf16(2, hv * vd), bf16(2, 2 * hv), w, torch.zeros(hv), torch.zeros(hv),
+                        torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots,
+                        launch=triton_gdn.GdnLaunch(block_v=vd))
 ''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort

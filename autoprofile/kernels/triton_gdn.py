@@ -74,15 +74,21 @@ def _conv_decode_kernel(x_ptr, sx_b, conv_ptr, sc_slot, w_ptr, slots_ptr, out_pt
 
 
 @triton.jit
-def _gated_norm(o, z_ptr, w_ptr, vc, vmask, vd, eps):
-    """The output norm of one head (fp32 o, 0 past vd): RMSNorm, times weight in its dtype (the model's),
-    times SiLU(z) in fp32 (layers.gdn.gated_rms_norm)."""
-    dtype = w_ptr.dtype.element_ty
+def _gated_norm(o, z, w, vd, eps, dtype: tl.constexpr):
+    """The output norm over the last axis of a tile of heads (fp32 o, z and w; 0 past vd): RMSNorm, times
+    weight in the model's dtype, times SiLU(z) in fp32 (layers.gdn.gated_rms_norm)."""
     o = o.to(dtype).to(tl.float32)
-    normed = (o * tl.rsqrt(tl.sum(o * o, axis=0) / vd + eps)).to(dtype)
-    w = tl.load(w_ptr + vc, mask=vmask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + vc, mask=vmask, other=0.0).to(tl.float32)
+    normed = (o * tl.rsqrt(tl.sum(o * o, axis=-1, keep_dims=True) / vd + eps)).to(dtype)
     return (w * normed.to(tl.float32)).to(dtype).to(tl.float32) * (z * tl.sigmoid(z))  # w * normed in dtype
+
+
+@triton.jit
+def _gates(a, b, a_log, dt_bias):
+    """Gates from in_proj_ba's b and a (fp32): g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+    (layers.gdn.gating)."""
+    a = a + dt_bias
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    return -tl.exp(a_log) * softplus, tl.sigmoid(b)
 
 
 @triton.jit
@@ -94,13 +100,10 @@ def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, rows, sx_b, sx_h, sz_b, so_
     h = tl.program_id(1).to(tl.int64)
     vc = tl.arange(0, BD)
     mask = (b < rows)[:, None] & (vc < vd)[None, :]
-    dtype = w_ptr.dtype.element_ty
     o = tl.load(x_ptr + b[:, None] * sx_b + h * sx_h + vc[None, :], mask=mask, other=0.0).to(tl.float32)
-    o = o.to(dtype).to(tl.float32)
-    normed = (o * tl.rsqrt(tl.sum(o * o, axis=1) / vd + eps)[:, None]).to(dtype)
     w = tl.load(w_ptr + vc, mask=vc < vd, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + b[:, None] * sz_b + h * vd + vc[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = (w[None, :] * normed.to(tl.float32)).to(dtype).to(tl.float32) * (z * tl.sigmoid(z))
+    y = _gated_norm(o, z, w[None, :], vd, eps, w_ptr.dtype.element_ty)
     tl.store(out_ptr + b[:, None] * so_b + h * vd + vc[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -136,10 +139,9 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr,
             k = _l2normed(_loaded(k_ptr + b * sk_b + kh * sk_h, 1, kd, BK))
             v = tl.load(v_ptr + b * sv_b + h * sv_h + vc, mask=vmask, other=0.0).to(tl.float32)
         if GATE:
-            a = tl.load(g_ptr + b * sg_b + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
-            beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + h).to(tl.float32))
+            g, beta = _gates(tl.load(g_ptr + b * sg_b + h).to(tl.float32),
+                             tl.load(beta_ptr + b * sb_b + h).to(tl.float32),
+                             tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32))
             beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)  # the reference keeps beta in x's dtype
         else:
             g = tl.load(g_ptr + b * sg_b + h).to(tl.float32)
@@ -152,7 +154,9 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ssm_ptr, slots_ptr,
         tl.store(tile, s.to(ssm_ptr.dtype.element_ty), mask=mask)
         o = tl.sum(s * q[:, None], axis=0)
         if NORM:
-            o = _gated_norm(o, z_ptr + b * sz_b + h * vd, nw_ptr, vc, vmask, vd, eps)
+            z = tl.load(z_ptr + b * sz_b + h * vd + vc, mask=vmask, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + vc, mask=vmask, other=0.0).to(tl.float32)
+            o = _gated_norm(o, z, w, vd, eps, nw_ptr.dtype.element_ty)
         tl.store(out_ptr + b * so_b + h * so_h + vc, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
@@ -294,11 +298,10 @@ def _gates_kernel(ba_ptr, s_ba, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, tokens,
     h = tl.arange(0, BH)
     mask = (t[:, None] < tokens) & (h[None, :] < HV)
     row = ba_ptr + t[:, None].to(tl.int64) * s_ba + h[None, :]
-    a = tl.load(row + HV, mask=mask, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + h, mask=h < HV,
-                                                                          other=0.0).to(tl.float32)[None, :]
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = -tl.exp(tl.load(a_log_ptr + h, mask=h < HV, other=0.0).to(tl.float32))[None, :] * softplus
-    beta = tl.sigmoid(tl.load(row, mask=mask, other=0.0).to(tl.float32))
+    g, beta = _gates(tl.load(row + HV, mask=mask, other=0.0).to(tl.float32),
+                     tl.load(row, mask=mask, other=0.0).to(tl.float32),
+                     tl.load(a_log_ptr + h, mask=h < HV, other=0.0).to(tl.float32)[None, :],
+                     tl.load(dt_bias_ptr + h, mask=h < HV, other=0.0).to(tl.float32)[None, :])
     out = t[:, None].to(tl.int64) * HV + h[None, :]
     tl.store(g_ptr + out, g, mask=mask)
     tl.store(beta_ptr + out, beta.to(beta_ptr.dtype.element_ty), mask=mask)
