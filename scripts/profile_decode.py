@@ -11,13 +11,15 @@ By default the step replays its CUDA graph, as serving does (CUPTI reports the k
 --eager runs it eagerly, where the decode attention keeps AITER's own partitions
 (AttentionMetadata.captured).
 
-Random weights; prints the kernels by total CUDA time (name, calls, total and mean us) and the step's
-kernel count. The sampler is timed by scripts/bench_sampler.py.
+Random weights; prints the kernels by total CUDA time (name, calls, total and mean us), the step's kernel
+count, and its wall time with the host (above the GPU time: host-bound). The sampler is timed by
+scripts/bench_sampler.py.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,6 +48,17 @@ def kernel_table(prof, steps: int, top: int) -> str:
         lines.append(f"{t / steps:>9.1f}{t / steps / step_us:>7.1%}{calls[name] // steps:>7}"
                      f"{t / calls[name]:>9.1f}  {name[:110]}")
     return "\n".join(lines)
+
+
+def step_wall_ms(runner: ModelRunner, step, steps: int) -> float:
+    """Wall time of one step from its launch to the GPU's end, host included: above the kernels' GPU time,
+    the gap is the GPU waiting for the host (a host-bound step)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(step)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def mixed_step(runner: ModelRunner, args: argparse.Namespace):
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         runner.execute(step)
     torch.cuda.synchronize()
+    wall_ms = step_wall_ms(runner, step, args.steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             runner.execute(step)
@@ -95,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{how} decode step:"
     print(f"{torch.cuda.get_device_name()}: {what} {args.batch} decode rows at {args.ctx} tokens of context")
     print(kernel_table(prof, args.steps, args.top))
+    print(f"wall time per step {wall_ms:.3f} ms (host and GPU, {args.steps} steps without the profiler)")
     runner.teardown()
     return 0
 
