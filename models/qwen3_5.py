@@ -105,7 +105,7 @@ class GatedAttention(LlamaAttention):
         v = v.reshape(t, hkv, d)
         self.backend.store_kv(k, v, kv, meta.slot_mapping)
         o = self.attend(q, k, v, meta, kv).reshape(t, h, d)
-        o = o * torch.sigmoid(qg[:, :, 1].float()).to(o.dtype)
+        o = o * torch.sigmoid(qg[:, :, 1])  # in fp32 inside, rounded once: one kernel, not three
         return self.o_proj(o.reshape(t, h * d), residual)
 
 
@@ -198,7 +198,7 @@ class SharedExpertMoe(SparseMoeBlock):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.tp.linear(x, self.gate.weight)
-        gate = torch.sigmoid(self.tp.linear(x, self.shared_expert_gate.weight).float()).to(x.dtype)
+        gate = torch.sigmoid(self.tp.linear(x, self.shared_expert_gate.weight))  # fp32 inside, as HF
         shared = self.shared_expert(x) * gate
         return self.experts(x, *self.experts.select(logits, self.renormalize), add=(shared, residual))
 

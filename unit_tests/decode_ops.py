@@ -73,6 +73,7 @@ def tiny_decode(name: str, dtype=torch.float16, ctx: int = 40, seed: int = 0):
     row at position ctx - 1 over a paged cache of random K/V, returning the hidden state."""
     from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
     from autoprofile.engine.kv_cache import KVCache
+    from autoprofile.engine.state_cache import StateCache, layer_caches
     from autoprofile.layers.attention import AttentionMetadata
     from autoprofile.layers.parallel import TP
     from autoprofile.model_config import load_model_config
@@ -94,18 +95,26 @@ def tiny_decode(name: str, dtype=torch.float16, ctx: int = 40, seed: int = 0):
     for module in model.modules():
         if module.__class__.__name__ == "RMSNorm":
             module.weight.data.fill_(1.0)
-    kv = KVCache(mc.num_layers, pages_per_req + 2, kv_heads, page, head_dim, dtype, torch.device("cpu"),
+    attention_layers = mc.num_layers - (mc.linear_layers if mc.is_hybrid else 0)
+    kv = KVCache(attention_layers, pages_per_req + 2, kv_heads, page, head_dim, dtype, torch.device("cpu"),
                  latent=mc.is_mla)
     kv.buffer.normal_()
+    caches = kv.layers
     table = torch.arange(2, pages_per_req + 2, dtype=torch.int32)[None]
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([2 * page + ctx - 1]),
                              block_tables=table, seq_lens=torch.tensor([ctx], dtype=torch.int32),
                              max_seq_len=pages_per_req * page)
+    if mc.is_hybrid:  # the row's recurrent state in slot 0 of a one-slot state cache, random as the K/V
+        state = StateCache(mc, 1, 1, dtype, torch.device("cpu"))
+        state.conv.normal_()
+        state.ssm.normal_()
+        caches = layer_caches(mc, kv.layers, state.layers)
+        meta.state_slots = torch.tensor([0])
     ids, positions = torch.tensor([7]), torch.tensor([ctx - 1])
 
     def run() -> torch.Tensor:
         with torch.no_grad():
-            return model(ids, positions, meta, kv.layers)
+            return model(ids, positions, meta, caches)
 
     return model, backend, run
 

@@ -1,5 +1,6 @@
 """A budget of kernels per MoE decode layer (issue 34: batch-1 decode is launch-bound): one decode forward of
-tiny-moe (Qwen3-MoE: q/k norm) and tiny-mla (DeepSeek-V2: MLA, shared experts) with the aiter_triton backend,
+tiny-moe (Qwen3-MoE: q/k norm), tiny-mla (DeepSeek-V2: MLA, shared experts) and tiny-hybrid-moe (Qwen3.5-MoE)
+with the aiter_triton backend,
 on the CPU through Triton's interpreter (unit_tests/decode_ops.py counts the torch ops that launch a kernel and
 the Triton launches). A fusion undone (a torch rope, a separate sum or residual add, per-layer slot math) goes
 over the budget."""
@@ -39,6 +40,10 @@ CASES = {
     "tiny-mla": (22, {"triton._mla_rope_store_kernel": 4, "triton._mla_decode_kernel": 4,
                       "triton._kv_slots_kernel": 0, "aten.cumsum": 0, "triton._moe_sum_kernel": 3,
                       "aten.index_put_": 0, "aten.stack": 0}),
+    # Qwen3.5-MoE (its last layer: gated attention + MoE with a gated shared expert; 48 before): each sigmoid
+    # gate one kernel (no fp32 casts around it), the linear layers' decode in one rule kernel each
+    "tiny-hybrid-moe": (44, {"aten._to_copy": 2, "aten.sigmoid": 5, "triton._gdn_decode_kernel": 3,
+                             "triton._moe_sum_kernel": 4}),
 }
 
 
