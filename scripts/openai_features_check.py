@@ -39,7 +39,8 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import WORDS, Launched, check_loopback, model_name, scrape, wait_ready  # noqa: E402
+from bench_serving import (WORDS, Launched, check_loopback, engine_figures, engine_line,  # noqa: E402
+                           model_name, scrape, wait_ready)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colour"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -284,7 +285,8 @@ async def throughput(url: str, model: str, args, schema: bool, lengths: dict[int
     """Phase 2's run of --throughput-prompts streamed chat requests (the same prompts every run): with the
     LONG schema, or without; `lengths` {request: tokens} (the length-matched run): each such request asks
     exactly that many tokens (max_tokens, ignore_eos), so that it gives as many tokens as its schema twin.
-    Returns tok/s, mean TPOT and `lengths`, each answered request's completion tokens."""
+    Returns tok/s, mean TPOT, `lengths` (each answered request's completion tokens) and `engine`: the server's
+    step clock grown over the run (bench_serving.engine_figures)."""
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency)
     tokens, tpots, failed, invalid = {}, [], Counter(), Counter()
@@ -310,15 +312,19 @@ async def throughput(url: str, model: str, args, schema: bool, lengths: dict[int
         if problem:
             invalid[problem] += 1
 
+    before = await scrape(url)
     start = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*(one(session, i) for i in range(args.throughput_prompts)))
     duration = time.perf_counter() - start
+    after = await scrape(url)
     total = sum(tokens.values())
     out = {"requests": len(tokens), "failed": sum(failed.values()), "errors": dict(failed),
            "output_tokens": total, "duration_s": round(duration, 2),
            "output_tok_s": round(total / duration, 1),
-           "tpot_ms": None if not tpots else round(1e3 * mean(tpots), 3), "lengths": tokens}
+           "tpot_ms": None if not tpots else round(1e3 * mean(tpots), 3), "lengths": tokens,
+           # where the server's engine spent the run (its step clock): a schema step's host cost shows here
+           "engine": engine_figures(lambda name: after.get(name, 0.0) - before.get(name, 0.0))}
     if schema:  # every answer checked: the schema holds in each, or `invalid` says how it broke
         out |= {"schema_checked": len(tokens), "schema_invalid": sum(invalid.values()),
                 "invalid": dict(invalid.most_common(5))}
@@ -350,13 +356,17 @@ def schema_cost(plain: dict, constrained: dict, matched: dict, again: dict) -> d
 
 
 def schema_lines(cost: dict) -> list[str]:
-    """The three ratios, labelled, for the console."""
-    return [f"schema/plain tok/s (answers of their own lengths): {cost['ratio']}",
-            f"schema/plain tok/s, length-matched (plain requests give the schema answers' token counts, "
-            f"ignore_eos): {cost['ratio_length_matched']}",
-            f"plain TPOT / schema TPOT (ms per output token after the first: {cost['none']['tpot_ms']}, "
-            f"{cost['none_again']['tpot_ms']} / {cost['json_schema']['tpot_ms']}): {cost['tpot_ratio']}",
-            f"target >= {cost['target']}"]
+    """The three ratios, labelled, for the console, and each run's engine line (its step clock)."""
+    runs = ("none", "json_schema", "none_length_matched", "none_again")
+    engines = [f"{name}: {engine_line(cost[name]['engine'], cost[name]['duration_s'])}"
+               for name in runs if "engine" in cost[name]]
+    return engines + [
+        f"schema/plain tok/s (answers of their own lengths): {cost['ratio']}",
+        f"schema/plain tok/s, length-matched (plain requests give the schema answers' token counts, "
+        f"ignore_eos): {cost['ratio_length_matched']}",
+        f"plain TPOT / schema TPOT (ms per output token after the first: {cost['none']['tpot_ms']}, "
+        f"{cost['none_again']['tpot_ms']} / {cost['json_schema']['tpot_ms']}): {cost['tpot_ratio']}",
+        f"target >= {cost['target']}"]
 
 
 async def phase2(url: str, model: str, args) -> dict:

@@ -175,6 +175,12 @@ def test_phase_2_reports_the_schema_cost_length_matched_from_the_cpu_server():
     assert all(out[k]["tpot_ms"] > 0 for k in ("none", "json_schema", "none_length_matched", "none_again"))
     assert all(out[k] > 0 for k in ("ratio", "ratio_length_matched", "tpot_ratio")), out
     assert "lengths" not in json.dumps(out)
+    # each run carries the server's step clock over it: the steps that served its tokens, the engine's seconds
+    for k in ("none", "json_schema", "none_length_matched", "none_again"):
+        e = out[k]["engine"]
+        assert e["decode"]["steps"] + e["prefill"]["steps"] >= out[k]["output_tokens"] / 4, (k, e)
+        assert e["host_s"]["execute"] > 0, (k, e)
+    assert sum(line.startswith("json_schema: engine over") for line in check.schema_lines(out)) == 1
 
 
 def test_phase_2_s_ratios_read_as_schema_speed_over_plain_speed():
