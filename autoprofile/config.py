@@ -76,6 +76,9 @@ class ServerConfig:
     disable_prefix_caching: bool = False
     state_checkpoints: int | None = None  # a hybrid's prefix-cache state rows; None: budget.state_checkpoints
     disable_overlap_schedule: bool = False
+    # when waiting requests join running decode rows (engine.admission.admit_now, TGI's rule)
+    max_waiting_steps: int = 8
+    waiting_served_ratio: float = 0.3
     # the prefix cache's host-memory tier (autoprofile.engine.host_kv), per rank: off, auto or GiB. Off by
     # default: no measurement of the tier's gain on a GPU yet (scripts/bench_serving.py --multi_turn)
     host_kv: str = "off"
@@ -252,6 +255,10 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(not cfg.state_checkpoints or not cfg.disable_prefix_caching, "state_checkpoints",
            f"{cfg.state_checkpoints} checkpoints keep a cached prefix's state, and --disable_prefix_caching "
            f"turns the cache off; drop one of them (or --state_checkpoints 0)")
+    _check(cfg.max_waiting_steps >= 0, "max_waiting_steps",
+           f"must be >= 0, got {cfg.max_waiting_steps}; try --max_waiting_steps 8 (0: admit at once)")
+    _check(cfg.waiting_served_ratio >= 0, "waiting_served_ratio",
+           f"must be >= 0, got {cfg.waiting_served_ratio}; try --waiting_served_ratio 0.3")
     _check(cfg.running_max_req_size is None or cfg.running_max_req_size >= 1, "running_max_req_size",
            f"must be >= 1, got {cfg.running_max_req_size}; try --running_max_req_size 1000 or leave it unset")
     _check(cfg.max_total_token_num is None or cfg.max_total_token_num >= 1, "max_total_token_num",
@@ -687,6 +694,13 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
                   "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "
                   "it never does).")
+    add_flag(run, "max_waiting_steps", type=int, default=d.max_waiting_steps, metavar="N",
+             help="While requests decode, a new request may wait up to N steps to join them with others "
+                  "(TGI's max_waiting_tokens): a step that admits runs eagerly, decode steps replay CUDA "
+                  "graphs. 0: every request joins the next step.")
+    add_flag(run, "waiting_served_ratio", type=float, default=d.waiting_served_ratio,
+             help="Waiting requests join the decoding ones at once when they are at least this fraction of "
+                  "them (TGI's waiting_served_ratio); else after --max_waiting_steps.")
     add_flag(run, "host_kv", default=d.host_kv,
              help="Pinned host memory per rank for the prefix cache's evicted pages, copied back on a hit: "
                   "off, a number of GiB, or auto (half the host's available memory less 8 GiB, split over "

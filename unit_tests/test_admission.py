@@ -110,3 +110,97 @@ def test_light_traffic_is_admitted_at_once():
         engine.add_request(p, max_tokens=40)
     engine.step()
     assert len(engine.scheduler.running) == 16 and not engine.scheduler.waiting
+
+
+# ---------------------------------------------------------------- when waiting requests join decode rows
+def test_admit_now_is_tgi_s_rule():
+    # nothing decodes, nothing waits, or pacing off: at once
+    assert admission.admit_now(0, 5, 0, 8, 0.3) and admission.admit_now(100, 0, 0, 8, 0.3)
+    assert admission.admit_now(100, 1, 0, 0, 0.3)
+    # one waiting beside 100 decode rows: held until its 8th step
+    assert not admission.admit_now(100, 1, 7, 8, 0.3) and admission.admit_now(100, 1, 8, 8, 0.3)
+    # enough waiting against the decode rows: at once
+    assert not admission.admit_now(100, 29, 0, 8, 0.3) and admission.admit_now(100, 30, 0, 8, 0.3)
+
+
+def _paced(max_waiting_steps: int, ratio: float) -> LLMEngine:
+    env = envelope(kv_pages=1024, page_size=4, context=256, batch=320, running=16, graph=16)
+    return LLMEngine(StepRunner(env, 1024), max_waiting_steps=max_waiting_steps, waiting_served_ratio=ratio)
+
+
+def _joins(engine: LLMEngine, prompt: list[int]) -> list[bool]:
+    """Add one request beside the running ones; each next step: whether it carries the request's prompt."""
+    rid = engine.add_request(prompt, max_tokens=4)
+    joined = []
+    while not joined or not joined[-1]:
+        engine.step()
+        req = engine._requests.get(rid)
+        joined.append(req is None or req.num_computed > 0)
+    return joined
+
+
+def test_a_request_arriving_into_a_busy_batch_waits_at_most_max_waiting_steps():
+    """8 requests decoding (long outputs), one arrives: decode-only steps hold it 3 steps, the 4th admits it
+    (a prefill step); the rows decoding meanwhile are the 8 running ones. Pacing off: the next step."""
+    for steps, want in ((3, [False, False, False, True]), (0, [True])):
+        engine = _paced(steps, 0.3)
+        for p in HOSTILE[:8]:
+            engine.add_request(p, max_tokens=200)
+        engine.step()  # nothing decoded yet: all 8 admitted at once
+        assert len(engine.scheduler.running) == 8 and not engine.scheduler.waiting
+        engine.step()  # decoding
+        steps_before = len(engine.runner.steps)
+        assert _joins(engine, HOSTILE[20]) == want
+        held = engine.runner.steps[steps_before:steps_before + len(want) - 1]
+        assert all(not s.is_prefill and len(s.rows) == 8 for s in held), held  # decode graphs replayed
+
+
+def test_enough_waiting_requests_join_at_once_and_chunks_of_running_requests_never_wait():
+    engine = _paced(8, 0.3)
+    for p in HOSTILE[:8]:
+        engine.add_request(p, max_tokens=200)
+    engine.step()
+    engine.step()
+    ids = [engine.add_request(p, max_tokens=4) for p in HOSTILE[20:23]]  # 3 waiting >= 0.3 x 8
+    engine.step()
+    assert all(engine._requests[i].num_computed > 0 for i in ids)
+    # a long prompt admitted beside decode rows goes on in chunks every step (held requests wait meanwhile)
+    env = envelope(kv_pages=1024, page_size=4, context=256, batch=64, running=16, graph=16)
+    engine = LLMEngine(StepRunner(env, 1024), max_waiting_steps=50, waiting_served_ratio=0.3)
+    for p in HOSTILE[:8]:
+        engine.add_request(p, max_tokens=200)
+    while any(r.num_tokens - r.num_computed > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # 160 prompt tokens at 64 a step
+    rid = engine.add_request(list(range(1, 250)), max_tokens=4)
+    engine.add_request(HOSTILE[30], max_tokens=4)  # 2 waiting < 0.3 x 8: held
+    steps = 0
+    while engine._requests[rid].num_computed == 0:
+        engine.step()
+        steps += 1
+    assert steps == 51  # held 50 steps
+    long, done = engine._requests[rid], []
+    while long.num_computed < 249:
+        done.append(long.num_computed)
+        engine.step()
+    assert len(done) >= 4 and all(b > a for a, b in zip(done, done[1:])), done  # 56 tokens a step at most
+
+
+def test_paced_traffic_completes_every_request_whole():
+    """Requests arriving a few at a time into a busy batch, with pacing: the same tokens as without it, every
+    page and slot back."""
+    outs = []
+    for steps in (0, 4):
+        engine = _paced(steps, 0.3)
+        ids, out = [], {}
+        for i, p in enumerate(HOSTILE[:24]):
+            ids.append(engine.add_request(p, max_tokens=10 + i % 7))
+            for o in engine.step():
+                tokens, _ = out.get(o.request_id, ([], None))
+                out[o.request_id] = (tokens + o.new_token_ids, o.finish_reason)
+            invariants(engine)
+        for rid, v in run_all(engine, check=invariants).items():
+            tokens, _ = out.get(rid, ([], None))
+            out[rid] = (tokens + v[0], v[1])
+        outs.append([out[i] for i in ids])
+        assert engine.stats.pages_used == 0 and len(engine.scheduler.free_slots) == 16
+    assert outs[0] == outs[1]

@@ -1,4 +1,5 @@
-"""Admission under an estimate of the output to come: SGLang's new_token_ratio, host-side only (no torch).
+"""Admission under an estimate of the output to come: SGLang's new_token_ratio, host-side only (no torch);
+and when new requests join running decode rows (TGI's waiting_served_ratio and max_waiting_tokens: admit_now).
 
 A request is admitted with the pages of its first chunk; nothing is reserved for the output it will write.
 Admitted on free pages alone, a crowd of long outputs outgrows the cache together and the running set is
@@ -50,6 +51,19 @@ def reserved_tokens(requests: Iterable[Request], page_size: int, ratio: float) -
     """The future_tokens of requests holding pages: those they know beyond their pages, and their output."""
     return sum(future_tokens(max(0, r.num_tokens - len(r.pages) * page_size),
                              r.max_tokens - len(r.output_ids), ratio) for r in requests)
+
+
+def admit_now(decoding: int, waiting: int, held_steps: int, max_waiting_steps: int, ratio: float) -> bool:
+    """Whether this step admits waiting requests beside `decoding` decode rows (TGI's rule, its
+    max_waiting_tokens counted in steps). A step that admits is a prefill step: eager, where decode rows alone
+    replay their CUDA graph (an llama-3.1-8b step of 200 decode rows and one 80-token prompt: 30 ms against
+    ~20 ms replayed, H100), so requests arriving one by one into a busy batch would make nearly every step
+    one (H100: 30 ms for that step in scripts/profile_decode.py, 22 ms a 253-row decode step served). Waiting
+    requests join at once when no row decodes, when they are at least `ratio` of the decode rows, or once
+    they were held `max_waiting_steps` steps; max_waiting_steps 0: always at once."""
+    if max_waiting_steps <= 0 or decoding == 0 or waiting == 0:
+        return True
+    return held_steps >= max_waiting_steps or waiting >= ratio * decoding
 
 
 def admits(free_tokens: int, reserved: float, need: float) -> bool:

@@ -67,12 +67,15 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, runner: StepRunner, prefix_caching: bool = True, overlap: bool = False,
-                 state_checkpoints: int | None = None, schedule_conservativeness: float = 0.0):
+                 state_checkpoints: int | None = None, schedule_conservativeness: float = 0.0,
+                 max_waiting_steps: int = 0, waiting_served_ratio: float = 0.0):
         """overlap: launch each step before reading the one in flight back (a runner that `overlaps`; a TP
         StepBroadcaster does not: its workers would feed tokens they never sampled). state_checkpoints: a
         hybrid's --state_checkpoints, as the runner built them (None: budget.state_checkpoints' default).
         schedule_conservativeness: admission's estimate of the output to come (engine.admission; SGLang's
-        --schedule-conservativeness): 0 admits on free pages alone, 1 (the server's) as SGLang's default."""
+        --schedule-conservativeness): 0 admits on free pages alone, 1 (the server's) as SGLang's default.
+        max_waiting_steps, waiting_served_ratio: when waiting requests join running decode rows
+        (engine.admission.admit_now; 0, the default here: at once; the server's: its flags)."""
         if runner.envelope is None:
             raise RuntimeError("LLMEngine needs a built runner (autoprofile.profiler.boot returns one)")
         if overlap and not runner.overlaps:
@@ -89,7 +92,8 @@ class LLMEngine:
         self.scheduler = Scheduler(runner.envelope, runner.kv.num_pages, prefix_caching,
                                    host_pages=pool.num_pages if pool is not None else 0,
                                    state_checkpoints=checkpoints, hybrid=hybrid,
-                                   schedule_conservativeness=schedule_conservativeness)
+                                   schedule_conservativeness=schedule_conservativeness,
+                                   max_waiting_steps=max_waiting_steps, waiting_served_ratio=waiting_served_ratio)
         if hybrid and prefix_caching:
             log.info("prefix caching %s for %s, a hybrid model: a cached prefix resumes from one of %d state "
                      "checkpoints (--state_checkpoints; the built line gives their GiB; no host tier for it)",
@@ -110,7 +114,8 @@ class LLMEngine:
         does not outgrow the cache together and thrash."""
         return cls(runner, prefix_caching=not cfg.disable_prefix_caching,
                    overlap=not cfg.disable_overlap_schedule and cfg.tp == 1,
-                   state_checkpoints=cfg.state_checkpoints, schedule_conservativeness=1.0)
+                   state_checkpoints=cfg.state_checkpoints, schedule_conservativeness=1.0,
+                   max_waiting_steps=cfg.max_waiting_steps, waiting_served_ratio=cfg.waiting_served_ratio)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams = GREEDY, max_tokens: int = 16,
                     stop_token_ids: Iterable[int] = (), request_id: str | None = None,

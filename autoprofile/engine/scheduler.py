@@ -49,7 +49,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from autoprofile.engine.admission import NewTokenRatio, admits, future_tokens, reserved_tokens
+from autoprofile.engine.admission import NewTokenRatio, admit_now, admits, future_tokens, reserved_tokens
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.multimodal import MultiModalInput
 from autoprofile.engine.prefix_cache import Copies, PrefixCache, PrefixMatch
@@ -75,11 +75,14 @@ def grammar_ended(matcher, token: int) -> bool:
 
 class Scheduler:
     def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0,
-                 state_checkpoints: int = 0, hybrid: bool = False, schedule_conservativeness: float = 0.0):
+                 state_checkpoints: int = 0, hybrid: bool = False, schedule_conservativeness: float = 0.0,
+                 max_waiting_steps: int = 0, waiting_served_ratio: float = 0.0):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
         of the host tier (0: none; needs prefix caching); hybrid: a model with recurrent state, whose cached
         prefix resumes only from one of its state_checkpoints rows (none: no prefix caching);
-        schedule_conservativeness: scales admission's estimate of the output to come (0: free pages alone)."""
+        schedule_conservativeness: scales admission's estimate of the output to come (0: free pages alone);
+        max_waiting_steps, waiting_served_ratio: when waiting requests join running decode rows
+        (admission.admit_now; 0: at once)."""
         self.env = envelope
         self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages,
                                  enabled=prefix_caching and (state_checkpoints > 0 or not hybrid),
@@ -94,6 +97,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preempted_tokens = 0  # tokens computed by requests when preempted: what their recompute redoes
         self.new_token_ratio = NewTokenRatio(schedule_conservativeness)  # admission's estimate (admission.py)
+        self.max_waiting_steps, self.waiting_served_ratio = max_waiting_steps, waiting_served_ratio
+        self.held_steps = 0  # steps in a row that held waiting requests back from running decode rows
         self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
 
     # ------------------------------------------------------------ queue
@@ -147,7 +152,10 @@ class Scheduler:
         preempted = self.num_preemptions
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
-        step = self._schedule_prefill(budget, may_preempt=decode is None) if budget > 0 else None
+        admit = admit_now(len(decode.rows) if decode else 0, len(self.waiting), self.held_steps,
+                          self.max_waiting_steps, self.waiting_served_ratio)
+        self.held_steps = 0 if admit else self.held_steps + 1
+        step = self._schedule_prefill(budget, may_preempt=decode is None, admit=admit) if budget > 0 else None
         writes = []
         if step is not None and not step.rows:  # only admissions whose pages come back from the host tier
             writes, step = step.page_writes, None
@@ -166,15 +174,15 @@ class Scheduler:
         self.new_token_ratio.update(self.num_preemptions > preempted, decode is not None, self.running)
         return step
 
-    def _schedule_prefill(self, budget: int, may_preempt: bool = True) -> Step | None:
+    def _schedule_prefill(self, budget: int, may_preempt: bool = True, admit: bool = True) -> Step | None:
         """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows):
         a running request's chunk that needs pages none can give waits, rather than preempt a row of
-        this step."""
+        this step. admit False: only running requests' chunks (the waiting are held: admission.admit_now)."""
         env, ps = self.env, self.env.page_size
         tokens_left, kv_left = min(env.prefill_tokens, budget), env.prefill_kv_tokens
         step = Step(is_prefill=True, rows=[])
         partial = [r for r in self.running if r.num_tokens - r.num_computed > 1 or r in self._fresh]
-        for req in partial + list(self.waiting):
+        for req in partial + (list(self.waiting) if admit else []):
             if len(step.rows) == env.prefill_rows or tokens_left == 0:
                 break
             admit = req.status is RequestStatus.WAITING
