@@ -121,11 +121,16 @@ def test_admit_now_is_tgi_s_rule():
     assert not admission.admit_now(100, 1, 7, 8, 0.3) and admission.admit_now(100, 1, 8, 8, 0.3)
     # enough waiting against the decode rows: at once
     assert not admission.admit_now(100, 29, 0, 8, 0.3) and admission.admit_now(100, 30, 0, 8, 0.3)
+    # a light load (fewer decode rows than min_rows, 64 by default): at once
+    assert admission.admit_now(63, 1, 0, 8, 0.3) and not admission.admit_now(64, 1, 0, 8, 0.3)
+    assert not admission.admit_now(8, 1, 0, 8, 0.3, min_rows=8) and admission.admit_now(7, 1, 0, 8, 0.3, 8)
 
 
 def _paced(max_waiting_steps: int, ratio: float) -> LLMEngine:
     env = envelope(kv_pages=1024, page_size=4, context=256, batch=320, running=16, graph=16)
-    return LLMEngine(StepRunner(env, 1024), max_waiting_steps=max_waiting_steps, waiting_served_ratio=ratio)
+    engine = LLMEngine(StepRunner(env, 1024), max_waiting_steps=max_waiting_steps, waiting_served_ratio=ratio)
+    engine.scheduler.hold_min_rows = 4  # 16 slots here: a "busy" batch of 8
+    return engine
 
 
 def _joins(engine: LLMEngine, prompt: list[int]) -> list[bool]:
@@ -167,6 +172,7 @@ def test_enough_waiting_requests_join_at_once_and_chunks_of_running_requests_nev
     # a long prompt admitted beside decode rows goes on in chunks every step (held requests wait meanwhile)
     env = envelope(kv_pages=1024, page_size=4, context=256, batch=64, running=16, graph=16)
     engine = LLMEngine(StepRunner(env, 1024), max_waiting_steps=50, waiting_served_ratio=0.3)
+    engine.scheduler.hold_min_rows = 4
     for p in HOSTILE[:8]:
         engine.add_request(p, max_tokens=200)
     while any(r.num_tokens - r.num_computed > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:

@@ -49,7 +49,8 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from autoprofile.engine.admission import NewTokenRatio, admit_now, admits, future_tokens, reserved_tokens
+from autoprofile.engine.admission import (HOLD_MIN_DECODE_ROWS, NewTokenRatio, admit_now, admits, future_tokens,
+                                         reserved_tokens)
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.multimodal import MultiModalInput
 from autoprofile.engine.prefix_cache import Copies, PrefixCache, PrefixMatch
@@ -76,13 +77,14 @@ def grammar_ended(matcher, token: int) -> bool:
 class Scheduler:
     def __init__(self, envelope: Envelope, kv_pages: int, prefix_caching: bool = True, host_pages: int = 0,
                  state_checkpoints: int = 0, hybrid: bool = False, schedule_conservativeness: float = 0.0,
-                 max_waiting_steps: int = 0, waiting_served_ratio: float = 0.0):
+                 max_waiting_steps: int = 0, waiting_served_ratio: float = 0.0,
+                 hold_min_rows: int = HOLD_MIN_DECODE_ROWS):
         """kv_pages: pages of the built cache, the pad page included (never handed out); host_pages: pages
         of the host tier (0: none; needs prefix caching); hybrid: a model with recurrent state, whose cached
         prefix resumes only from one of its state_checkpoints rows (none: no prefix caching);
         schedule_conservativeness: scales admission's estimate of the output to come (0: free pages alone);
-        max_waiting_steps, waiting_served_ratio: when waiting requests join running decode rows
-        (admission.admit_now; 0: at once)."""
+        max_waiting_steps, waiting_served_ratio, hold_min_rows: when waiting requests join running decode
+        rows (admission.admit_now; max_waiting_steps 0: at once)."""
         self.env = envelope
         self.cache = PrefixCache(kv_pages, envelope.page_size, host_pages,
                                  enabled=prefix_caching and (state_checkpoints > 0 or not hybrid),
@@ -98,6 +100,7 @@ class Scheduler:
         self.preempted_tokens = 0  # tokens computed by requests when preempted: what their recompute redoes
         self.new_token_ratio = NewTokenRatio(schedule_conservativeness)  # admission's estimate (admission.py)
         self.max_waiting_steps, self.waiting_served_ratio = max_waiting_steps, waiting_served_ratio
+        self.hold_min_rows = hold_min_rows
         self.held_steps = 0  # steps in a row that held waiting requests back from running decode rows
         self.free_mm_slots = list(range(envelope.encoder_images - 1, -1, -1))  # encoder buffer slots
 
@@ -153,7 +156,7 @@ class Scheduler:
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
         admit = admit_now(len(decode.rows) if decode else 0, len(self.waiting), self.held_steps,
-                          self.max_waiting_steps, self.waiting_served_ratio)
+                          self.max_waiting_steps, self.waiting_served_ratio, self.hold_min_rows)
         self.held_steps = 0 if admit else self.held_steps + 1
         step = self._schedule_prefill(budget, may_preempt=decode is None, admit=admit) if budget > 0 else None
         writes = []
