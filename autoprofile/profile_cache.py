@@ -34,6 +34,8 @@ NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "seed", "repor
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
                           "profile_cache", "served_model_name", "api_key", "reasoning_parser",
                           "host_kv",  # pinned host memory: the copies add no GPU memory
+                          "max_waiting_steps", "waiting_served_ratio",  # when requests join: the envelope's
+                          # limits stay the same
                           "node_rank", "dist_init_addr", "dist_timeout",  # the key holds the global rank
                           "device"})  # only --device cuda probes (autoprofile.cpu measures nothing)
 # The environment that changes what a probe measures: the caching allocator's settings (expandable segments,

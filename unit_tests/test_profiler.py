@@ -290,7 +290,8 @@ HOST_ONLY = {"host", "port", "max_waiting_requests", "seed", "report_dir", "allo
              "tokenizer", "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
              "profile_cache", "served_model_name", "api_key", "host_kv", "reasoning_parser",
              "node_rank", "dist_init_addr", "dist_timeout",  # the key holds the global rank and world size
-             "device"}  # only --device cuda probes
+             "device",  # only --device cuda probes
+             "max_waiting_steps", "waiting_served_ratio"}  # when requests join, inside the same envelope
 MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max_req_size": 64,
             "max_req_total_len": 4096, "graph_max_batch_size": 128, "disable_cudagraph": True,
             "disable_prefix_caching": True, "disable_overlap_schedule": True, "attention_backend": "torch",
