@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autoprofile.layers import gdn
-from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, rope_
+from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer
 from autoprofile.layers.moe import Routing
 from autoprofile.layers.parallel import (TP, ColumnParallelLinear, RowParallelLinear, copy_checked,
                                          load_column, new_param, read_rows, source_shape)
@@ -93,19 +93,15 @@ class GatedAttention(LlamaAttention):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 kv: KVLayer, residual: torch.Tensor | None = None) -> torch.Tensor:
-        d, h, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        d, h = self.head_dim, self.num_heads
         qkv = self.qkv_proj(x)  # x: rows, or rows the norm quantized for an FP8 qkv_proj (Fp8Rows)
         t = qkv.shape[0]
-        qg, k, v = qkv.split([2 * h * d, hkv * d, hkv * d], dim=-1)
-        qg = qg.view(t, h, 2, d)
-        q = self.q_norm(qg[:, :, 0].reshape(-1, d)).view(t, h, d)
-        k = self.k_norm(k.reshape(-1, d)).view(t, hkv, d)
-        rope_(q[..., :self.rotary_dim], *rope)
-        rope_(k[..., :self.rotary_dim], *rope)
-        v = v.reshape(t, hkv, d)
-        self.backend.store_kv(k, v, kv, meta.slot_mapping)
+        q, k, v = self.backend.gated_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight,
+                                                     self.q_norm.eps, *rope, kv, meta.slot_mapping,
+                                                     self.rotary_dim)
         o = self.attend(q, k, v, meta, kv).reshape(t, h, d)
-        o = o * torch.sigmoid(qg[:, :, 1])  # in fp32 inside, rounded once: one kernel, not three
+        gate = qkv[:, :2 * h * d].view(t, h, 2, d)[:, :, 1]
+        o = o * torch.sigmoid(gate)  # in fp32 inside, rounded once: one kernel, not three
         return self.o_proj(o.reshape(t, h * d), residual)
 
 

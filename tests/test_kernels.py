@@ -499,6 +499,43 @@ def test_qwen3_norm_rope_store_matches_the_torch_ops_in_bf16():
     assert torch.equal(caches[3], caches[1])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_qwen3_5_gated_norm_rope_store_matches_the_torch_ops_in_bf16(fp8):
+    """Qwen3.5's gated attention: q beside its gate, q/k norm, RoPE on the first 64 of 256 channels and the KV
+    store (one kernel) against the base backend's torch ops (the model's path before the fusion),
+    qwen3.5-27b's heads (24 q, 4 kv, head_dim 256), into bf16 or FP8 pages."""
+    from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+    if not aiter_installed():
+        pytest.skip("amd-aiter not installed")
+    torch.manual_seed(0)
+    hq, hkv, d, rotary, t, page = 24, 4, 256, 64, 3, 16
+    qkv = torch.randn(t, (2 * hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 3
+    q_w, k_w = [(torch.rand(d, device="cuda") + 0.5).bfloat16() for _ in range(2)]
+    cos, sin = torch.randn(t, 1, rotary // 2, device="cuda"), torch.randn(t, 1, rotary // 2, device="cuda")
+    slots = torch.tensor([17, 40, 95], device="cuda")
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    caches = [torch.zeros(8, hkv, page, d, device="cuda", dtype=cache_dtype) for _ in range(4)]
+    scales = torch.tensor([0.02, 0.01], device="cuda") if fp8 else None
+    ref = TorchBackend(hq, hkv, d, page, torch.bfloat16, torch.device("cuda"))
+    want = ref.gated_norm_rope_store(qkv.clone(), q_w, k_w, 1e-6, cos, sin,
+                                     KVLayer(caches[0], caches[1], scales), slots, rotary)
+    be = AiterTritonBackend(hq, hkv, d, page, torch.bfloat16, torch.device("cuda"))
+    got_qkv = qkv.clone()
+    got = be.gated_norm_rope_store(got_qkv, q_w, k_w, 1e-6, cos, sin, KVLayer(caches[2], caches[3], scales),
+                                   slots, rotary)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=3e-2)
+    assert got[0].is_contiguous() and torch.equal(got_qkv[:, :2 * hq * d], qkv[:, :2 * hq * d])  # gates kept
+    if fp8:  # within an FP8 step of the torch ops' pages
+        for a, b in ((caches[2], caches[0]), (caches[3], caches[1])):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0.13, atol=2 ** -6)
+    else:
+        torch.testing.assert_close(caches[2].float(), caches[0].float(), rtol=2e-2, atol=3e-2)
+        assert torch.equal(caches[3], caches[1])
+
+
 def test_mla_rope_store_matches_the_torch_ops_in_bf16():
     """MLA's rope + latent norm + latent store (one kernel) at deepseek-v2-lite's widths (16 heads, nope 128,
     rope 64, rank 512)."""

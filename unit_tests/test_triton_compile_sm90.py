@@ -158,6 +158,23 @@ triton_gdn.decode_layer(bf16(2, c), bf16(2, hv * vd), bf16(2, 2 * hv), w, torch.
                         torch.ones(vd, dtype=torch.bfloat16), 1e-6, conv, ssm, slots,
                         launch=triton_gdn.GdnLaunch(block_v=vd))
 ''',
+    # rope_store at llama-3.1-8b's heads, qwen3-30b-a3b's (q/k norm) and qwen3.5-27b's (gated, q/k norm,
+    # RoPE on 64 of 256 channels), into bf16 and FP8 pages
+    "triton_rope": r'''
+RUN = False
+from autoprofile.kernels import triton_rope
+bf16 = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
+slots, scales = torch.tensor([17, 40]), torch.ones(2)
+for pdl.enabled in H100_PDL:
+    for cache_dtype, kv_scales in ((torch.bfloat16, None), (torch.float8_e4m3fn, scales)):
+        for hq, hkv, d, rotary, gated, norm in ((32, 8, 128, 0, False, False), (32, 4, 128, 0, False, True),
+                                                (24, 4, 256, 64, True, True)):
+            qkv = bf16(2, ((2 if gated else 1) * hq + 2 * hkv) * d)
+            cache = torch.zeros(8, hkv, 16, d, dtype=cache_dtype)
+            cos, sin = torch.randn(2, 1, (rotary or d) // 2), torch.randn(2, 1, (rotary or d) // 2)
+            triton_rope.rope_store(qkv, cos, sin, cache, cache, slots, hq, hkv, d, kv_scales,
+                                   (bf16(d), bf16(d), 1e-6) if norm else None, rotary, gated)
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -172,6 +189,7 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
+    "triton_rope": {"_rope_store_kernel"},
     "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",
                    "_gates_kernel"},
 }

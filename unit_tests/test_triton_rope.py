@@ -167,3 +167,117 @@ print("ok")
 def test_fused_mla_rope_norm_and_latent_store_match_the_torch_ops():
     """MLA's q/k rope, the latent's norm and its cache store in one kernel equal the unfused ops."""
     run_script(MLA)
+
+
+GATED = r'''
+import torch
+from autoprofile.kernels import triton_rope
+from autoprofile.layers.attention import KVLayer
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+
+torch.manual_seed(0)
+
+
+def reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d, rotary):
+    """Qwen3.5's gated attention as the model ran it before the fusion: q heads beside their gates
+    ([q_h | gate_h]), per-head RMSNorm (fp32, rounded), HF's rotate_half RoPE on the first `rotary` channels
+    in fp32 (rounded), the rest as normed."""
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    def rope(x):
+        x1, x2 = x[..., :rotary].float().chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return torch.cat([rotated, x[..., rotary:]], dim=-1)
+
+    t = qkv.shape[0]
+    qg, k, v = qkv.split([2 * hq * d, hkv * d, hkv * d], dim=-1)
+    q = rope(norm(qg.view(t, hq, 2, d)[:, :, 0], q_w))
+    k = rope(norm(k.reshape(t, hkv, d), k_w))
+    return q, k, v.reshape(t, hkv, d)
+
+
+for dtype, hq, hkv, d, rotary, t in [(torch.float32, 8, 2, 32, 8, 5), (torch.float16, 6, 2, 64, 16, 3),
+                                     (torch.float16, 4, 4, 16, 16, 1), (torch.float32, 24, 4, 256, 64, 3)]:
+    page, pages, eps = 16, 6, 1e-6
+    qkv = (torch.randn(t, (2 * hq + 2 * hkv) * d) * 3).to(dtype)
+    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    table = torch.randn(64, rotary)
+    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    slots = torch.randperm((pages - 1) * page)[:t] + page
+    pages_of, offs = slots // page, slots % page
+    want = reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d, rotary)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
+    be = TorchBackend(hq, hkv, d, page, dtype, torch.device("cpu"))
+    caches = [torch.zeros(pages, hkv, page, d, dtype=dtype) for _ in range(4)]
+    ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+    base = be.gated_norm_rope_store(ref_qkv, q_w, k_w, eps, cos, sin, KVLayer(caches[0], caches[1]), slots,
+                                    rotary)
+    got = triton_rope.rope_store(got_qkv, cos, sin, caches[2], caches[3], slots, hq, hkv, d,
+                                 qk_norm=(q_w, k_w, eps), rotary_dim=rotary, gated=True)
+    for a, b, c in zip(got, base, want):
+        assert a.shape == b.shape == c.shape
+        torch.testing.assert_close(b, c, rtol=0, atol=0)  # the backend's torch ops: the old path, bit for bit
+        torch.testing.assert_close(a, c, **tol)
+        if dtype == torch.float16:  # no FMA in the interpreter: the same roundings, the norm's included
+            assert (a == c).float().mean() > 0.99, (a == c).float().mean()
+    assert got[0].is_contiguous() and got[0].data_ptr() != got_qkv.data_ptr()  # q: a new [T, Hq, D]
+    assert got[1].data_ptr() == got_qkv[:, 2 * hq * d:].data_ptr()  # k: normed and rotated in place
+    # the q part of qkv (the gates with it) untouched
+    torch.testing.assert_close(got_qkv[:, :2 * hq * d], qkv[:, :2 * hq * d], rtol=0, atol=0)
+    torch.testing.assert_close(caches[2][pages_of, :, offs], want[1], **tol)  # K normed and rotated
+    torch.testing.assert_close(caches[3][pages_of, :, offs], want[2], rtol=0, atol=0)
+    torch.testing.assert_close(caches[2], caches[0], **tol)  # nothing else written
+    torch.testing.assert_close(caches[3], caches[1], rtol=0, atol=0)
+    # an FP8 cache: the normed, rotated K and the V divided by the layer's scales (see CHECK's NOTE)
+    fp8 = [torch.zeros(pages, hkv, page, d, dtype=torch.float8_e4m3fn) for _ in range(4)]
+    scales = torch.tensor([0.02, 0.005])
+    ref_qkv, got_qkv = qkv.clone(), qkv.clone()
+    want = be.gated_norm_rope_store(ref_qkv, q_w, k_w, eps, cos, sin, KVLayer(fp8[0], fp8[1], scales), slots,
+                                    rotary)
+    got = triton_rope.rope_store(got_qkv, cos, sin, fp8[2], fp8[3], slots, hq, hkv, d, scales,
+                                 (q_w, k_w, eps), rotary, gated=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in ((fp8[2], fp8[0]), (fp8[3], fp8[1])):
+        close = (a.float() - b.float()).abs() <= 0.13 * b.float().abs() + 2 ** -6
+        assert close.float().mean() > 0.97, close.float().mean()
+print("ok")
+'''
+
+
+def test_fused_gated_norm_partial_rope_store_matches_the_torch_ops():
+    """Qwen3.5's gated attention: q beside its gate, per-head q/k RMSNorm, RoPE on the first rotary_dim
+    channels and the KV store (an FP8 cache too) in the one kernel equal the unfused ops."""
+    run_script(GATED)
+
+
+HYBRID = r'''
+import sys
+from unit_tests import decode_ops
+from autoprofile.engine.attention import aiter_triton
+from autoprofile.engine.attention.torch_sdpa import TorchBackend
+from autoprofile.kernels import triton_rope
+
+name = sys.argv[1]
+calls, fused = [], triton_rope.rope_store
+triton_rope.rope_store = lambda *args, **kwargs: calls.append(kwargs.get("gated")) or fused(*args, **kwargs)
+got = decode_ops.tiny_decode(name)[2]()
+assert calls == [True], calls  # the one attention layer through the fused kernel
+aiter_triton.AiterTritonBackend = TorchBackend  # the same seed: the same weights, caches and state
+want = decode_ops.tiny_decode(name)[2]()
+torch = decode_ops.torch
+torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+print("ok")
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("aiter") is None, reason="amd-aiter not installed")
+@pytest.mark.parametrize("name", ["tiny-hybrid", pytest.param("tiny-hybrid-moe", marks=pytest.mark.slow)])
+def test_a_hybrid_decode_forward_on_aiter_triton_matches_the_torch_backend(name):
+    """A whole decode forward (fp16, random weights, K/V and state; unit_tests/decode_ops.tiny_decode) of a
+    Qwen3.5 hybrid: its gated attention layer through the fused norm + partial RoPE + KV store kernel, the
+    linear layers through theirs, equal to the torch backend's."""
+    run_script(HYBRID, name)

@@ -1,6 +1,7 @@
 """One Triton kernel for what each attention layer does between the QKV projection and attention: RoPE
-in place on the packed projection's q and k heads (Qwen3: each head RMS-normed first), and K/V written to the
-paged cache. In torch ops that
+in place on the packed projection's q and k heads (Qwen3: each head RMS-normed first; Qwen3.5's gated
+attention: normed, RoPE on the first rotary_dim channels, q written apart from its gate), and K/V written to
+the paged cache. In torch ops that
 is ~15 small kernels per layer (rotation in fp32, casts, index arithmetic, two index_puts), which
 dominate a batch-1 decode step's launch count.
 
@@ -20,58 +21,60 @@ from autoprofile.layers.quant import FP8_MAX
 
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr,
+def _rope_store_kernel(qkv_ptr, q_out_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr,
                        q_norm_ptr, k_norm_ptr, eps,
-                       stride_t, stride_cos, stride_sin,
+                       stride_t, stride_qo, stride_cos, stride_sin,
                        stride_cp, stride_ch, stride_co,  # cache strides: page, head, offset (dim: 1)
-                       NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+                       NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr, ROT_HALF: tl.constexpr,
+                       Q_STRIDE: tl.constexpr, PAGE: tl.constexpr,
                        NQK_POW2: tl.constexpr, NKV_POW2: tl.constexpr, QUANT: tl.constexpr,
                        QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False):
     pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + t * stride_t
-    j = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + t * stride_cos + j).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_sin + j).to(tl.float32)
+    # channel d of a head turns with channel p (neox halves of its first 2 * ROT_HALF channels); the rest
+    # (Qwen3.5's partial rotary) keep their value: cos 1, sin 0
+    d = tl.arange(0, 2 * HALF)
+    rot, first = d < 2 * ROT_HALF, d < ROT_HALF
+    p = tl.where(rot, tl.where(first, d + ROT_HALF, d - ROT_HALF), d)
+    c = tl.load(cos_ptr + t * stride_cos + d % ROT_HALF, mask=rot, other=1.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_sin + d % ROT_HALF, mask=rot, other=0.0).to(tl.float32)
+    s = tl.where(first, -s, s)[None, :]
     h = tl.arange(0, NQK_POW2)
-    mask = (h < NQ + NKV)[:, None]
-    first = row + h[:, None] * (2 * HALF) + j[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    is_q = (h < NQ)[:, None]
+    is_k = ((h >= NQ) & (h < NQ + NKV))[:, None]
+    mask = is_q | is_k
+    # q heads Q_STRIDE apart in the row (Qwen3.5: [q_h | gate_h], 4 * HALF), then the k heads
+    head = row + tl.where(h < NQ, h * Q_STRIDE, NQ * Q_STRIDE + (h - NQ) * (2 * HALF))[:, None]
+    x = tl.load(head + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(head + p[None, :], mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:  # Qwen3: each head RMS-normed (q_norm, k_norm weights), rounded as the norm kernel rounds
-        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        is_q = (h < NQ)[:, None]
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + j).to(tl.float32)[None, :],
-                      tl.load(k_norm_ptr + j).to(tl.float32)[None, :])
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + j).to(tl.float32)[None, :],
-                      tl.load(k_norm_ptr + HALF + j).to(tl.float32)[None, :])
-        x1 = (x1 * inv * w1).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-        x2 = (x2 * inv * w2).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-    r1 = x1 * c[None, :] - x2 * s[None, :]
-    r2 = x2 * c[None, :] + x1 * s[None, :]
-    tl.store(first, r1.to(qkv_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, r2.to(qkv_ptr.dtype.element_ty), mask=mask)
+        inv = tl.rsqrt(tl.sum(x * x, 1) / (2 * HALF) + eps)[:, None]
+        w = tl.where(is_q, tl.load(q_norm_ptr + d).to(tl.float32)[None, :],
+                     tl.load(k_norm_ptr + d).to(tl.float32)[None, :])
+        wp = tl.where(is_q, tl.load(q_norm_ptr + p).to(tl.float32)[None, :],
+                      tl.load(k_norm_ptr + p).to(tl.float32)[None, :])
+        x = (x * inv * w).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+        xp = (xp * inv * wp).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    r = tl.where(rot[None, :], x * c + xp * s, x).to(qkv_ptr.dtype.element_ty)
+    # q to q_out (qkv itself for Llama/Qwen3: in place), k in place
+    tl.store(q_out_ptr + t * stride_qo + h[:, None] * (2 * HALF) + d[None, :], r, mask=is_q)
+    tl.store(head + d[None, :], r, mask=is_k)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page, off = slot // PAGE, slot % PAGE
     kh = h - NQ
-    is_k = ((h >= NQ) & (h < NQ + NKV))[:, None]
-    k_dst = k_cache_ptr + page * stride_cp + kh[:, None] * stride_ch + off * stride_co + j[None, :]
-    # K as the model dtype rounds it (what attention reads from the cache without FP8)
-    k1 = r1.to(qkv_ptr.dtype.element_ty).to(tl.float32)
-    k2 = r2.to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    k_dst = k_cache_ptr + page * stride_cp + kh[:, None] * stride_ch + off * stride_co + d[None, :]
+    k = r.to(tl.float32)  # K as the model dtype rounds it (what attention reads from the cache without FP8)
     vh = tl.arange(0, NKV_POW2)
-    d = tl.arange(0, 2 * HALF)
     v_mask = (vh < NKV)[:, None]
-    v = tl.load(row + (NQ + NKV) * 2 * HALF + vh[:, None] * (2 * HALF) + d[None, :], mask=v_mask, other=0.0)
+    v = tl.load(row + NQ * Q_STRIDE + (NKV + vh[:, None]) * (2 * HALF) + d[None, :], mask=v_mask, other=0.0)
     v = v.to(tl.float32)
     if QUANT:
         k_inv = 1.0 / tl.load(scale_ptr)
         v_inv = 1.0 / tl.load(scale_ptr + 1)
-        k1 = tl.minimum(tl.maximum(k1 * k_inv, -FP8_MAX), FP8_MAX)
-        k2 = tl.minimum(tl.maximum(k2 * k_inv, -FP8_MAX), FP8_MAX)
+        k = tl.minimum(tl.maximum(k * k_inv, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v * v_inv, -FP8_MAX), FP8_MAX)
-    tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=is_k)
     v_dst = v_cache_ptr + page * stride_cp + vh[:, None] * stride_ch + off * stride_co + d[None, :]
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
@@ -79,28 +82,37 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                head_dim: int, scales: torch.Tensor | None = None,
-               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, ...]:
-    """qkv [T, (Hq + 2*Hkv) * D] with unit stride in its last dim; cos, sin [T, 1, D/2] (any row stride);
-    caches [pages, Hkv, page, D] with unit stride in D; scales: an FP8 cache's [2] fp32 (k, v); qk_norm:
-    (q_norm weight [D], k_norm weight [D], eps): Qwen3's per-head RMSNorm of q and k before RoPE
-    (AttentionBackend.norm_rope_store). Returns q, k, v views of qkv."""
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, rotary_dim: int = 0,
+               gated: bool = False) -> tuple[torch.Tensor, ...]:
+    """qkv [T, (Hq + 2*Hkv) * D] with unit stride in its last dim; cos, sin [T, 1, rotary_dim/2] (any row
+    stride); caches [pages, Hkv, page, D] with unit stride in D; scales: an FP8 cache's [2] fp32 (k, v);
+    qk_norm: (q_norm weight [D], k_norm weight [D], eps): Qwen3's per-head RMSNorm of q and k before RoPE
+    (AttentionBackend.norm_rope_store); rotary_dim: RoPE on each head's first rotary_dim channels (0: all D).
+    gated: Qwen3.5's q part [Hq, 2, D] (each head's query, then its output gate;
+    AttentionBackend.gated_norm_rope_store), qkv [T, (2*Hq + 2*Hkv) * D]: q goes to a new [T, Hq, D], the
+    gate stays in qkv. Returns q, k, v: views of qkv (q a new tensor when gated)."""
     t, d = qkv.shape[0], head_dim
+    q_stride = 2 * d if gated else d
+    q = torch.empty(t, num_q_heads, d, dtype=qkv.dtype, device=qkv.device) if gated else None
     if t:
         assert qkv.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
         q_w, k_w, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
+        q_out = qkv if q is None else q
         _rope_store_kernel[(t,)](
-            qkv, cos, sin, slot_mapping, k_cache, v_cache, slot_mapping if scales is None else scales,
+            qkv, q_out, cos, sin, slot_mapping, k_cache, v_cache, slot_mapping if scales is None else scales,
             q_w, k_w, float(eps),
-            qkv.stride(0), cos.stride(0), sin.stride(0),
+            qkv.stride(0), q_out.stride(0), cos.stride(0), sin.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NQ=num_q_heads, NKV=num_kv_heads, HALF=d // 2, PAGE=k_cache.shape[2],
-            NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
+            NQ=num_q_heads, NKV=num_kv_heads, HALF=d // 2, ROT_HALF=(rotary_dim or d) // 2, Q_STRIDE=q_stride,
+            PAGE=k_cache.shape[2], NQK_POW2=triton.next_power_of_2(num_q_heads + num_kv_heads),
             NKV_POW2=triton.next_power_of_2(num_kv_heads), QUANT=scales is not None,
             QK_NORM=qk_norm is not None, FP8_MAX=FP8_MAX,
             num_warps=4, **pdl.launch())
-    q = qkv[:, :num_q_heads * d].view(t, num_q_heads, d)
-    k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].view(t, num_kv_heads, d)
-    v = qkv[:, (num_q_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+    q_end = num_q_heads * q_stride
+    if q is None:
+        q = qkv[:, :q_end].view(t, num_q_heads, d)
+    k = qkv[:, q_end:q_end + num_kv_heads * d].view(t, num_kv_heads, d)
+    v = qkv[:, q_end + num_kv_heads * d:].view(t, num_kv_heads, d)
     return q, k, v
 
 

@@ -207,6 +207,23 @@ class AttentionBackend(KernelOps, ABC):
         self.store_kv(k, v, kv, slot_mapping)
         return q, k, v
 
+    def gated_norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                              cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                              rotary_dim: int) -> tuple[torch.Tensor, ...]:
+        """norm_rope_store for Qwen3.5's gated attention: qkv [T, (2*Hq + 2*Hkv) * D] with each q head beside
+        its output gate ([q_h | gate_h]); RoPE on each head's first rotary_dim channels (cos, sin [T, 1,
+        rotary_dim/2]), the rest normed only. Returns q [T, Hq, D] (a new tensor; the gates stay in qkv), k,
+        v [T, Hkv, D]."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_q_heads, self.num_kv_heads
+        qg, k, v = qkv.split([2 * hq * d, hkv * d, hkv * d], dim=-1)
+        q = self.rms_norm(qg.view(t, hq, 2, d)[:, :, 0].reshape(-1, d), q_norm, eps).view(t, hq, d)
+        k = self.rms_norm(k.reshape(-1, d), k_norm, eps).view(t, hkv, d)
+        rope_(q[..., :rotary_dim], cos, sin)
+        rope_(k[..., :rotary_dim], cos, sin)
+        v = v.reshape(t, hkv, d)
+        self.store_kv(k, v, kv, slot_mapping)
+        return q, k, v
+
     def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [N, Hkv, D] of the cache slots (a chunk's prefix + its new tokens) in the model's dtype
         (an FP8 cache dequantised): materialised per layer; the stress runs it at

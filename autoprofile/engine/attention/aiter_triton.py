@@ -263,6 +263,18 @@ class AiterTritonBackend(AttentionBackend):
         return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
                                            self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps))
 
+    def gated_norm_rope_store(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float,
+                              cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                              rotary_dim: int) -> tuple[torch.Tensor, ...]:
+        """Qwen3.5's q/k norm, partial RoPE and the KV store in the one rope_store kernel (two norms, ~20
+        torch ops and two index_puts per layer before); q a new tensor, k and v views of qkv."""
+        if self.triton_rope is None or self.calibrating:
+            return super().gated_norm_rope_store(qkv, q_norm, k_norm, eps, cos, sin, kv, slot_mapping,
+                                                 rotary_dim)
+        return self.triton_rope.rope_store(qkv, cos, sin, kv.k, kv.v, slot_mapping, self.num_q_heads,
+                                           self.num_kv_heads, self.head_dim, kv.scales, (q_norm, k_norm, eps),
+                                           rotary_dim, gated=True)
+
     def mla_absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """Up to triton_mla_absorb.MAX_ROWS rows: one kernel (the weights read once, q_pe copied beside);
         more: the einsum and the cat."""
