@@ -175,7 +175,8 @@ def test_enough_waiting_requests_join_at_once_and_chunks_of_running_requests_nev
     engine.scheduler.hold_min_rows = 4
     for p in HOSTILE[:8]:
         engine.add_request(p, max_tokens=200)
-    while any(r.num_tokens - r.num_computed > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    s = engine.scheduler
+    while any(r.num_tokens - r.num_computed > 1 for r in s.running) or s.waiting:
         engine.step()  # 160 prompt tokens at 64 a step
     rid = engine.add_request(list(range(1, 250)), max_tokens=4)
     engine.add_request(HOSTILE[30], max_tokens=4)  # 2 waiting < 0.3 x 8: held

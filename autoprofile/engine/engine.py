@@ -93,7 +93,8 @@ class LLMEngine:
                                    host_pages=pool.num_pages if pool is not None else 0,
                                    state_checkpoints=checkpoints, hybrid=hybrid,
                                    schedule_conservativeness=schedule_conservativeness,
-                                   max_waiting_steps=max_waiting_steps, waiting_served_ratio=waiting_served_ratio)
+                                   max_waiting_steps=max_waiting_steps,
+                                   waiting_served_ratio=waiting_served_ratio)
         if hybrid and prefix_caching:
             log.info("prefix caching %s for %s, a hybrid model: a cached prefix resumes from one of %d state "
                      "checkpoints (--state_checkpoints; the built line gives their GiB; no host tier for it)",

@@ -49,8 +49,8 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from autoprofile.engine.admission import (HOLD_MIN_DECODE_ROWS, NewTokenRatio, admit_now, admits, future_tokens,
-                                         reserved_tokens)
+from autoprofile.engine.admission import (HOLD_MIN_DECODE_ROWS, NewTokenRatio, admit_now, admits,
+                                         future_tokens, reserved_tokens)
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.multimodal import MultiModalInput
 from autoprofile.engine.prefix_cache import Copies, PrefixCache, PrefixMatch
