@@ -61,6 +61,17 @@ def test_fused_rope_store_matches_the_torch_ops():
     run_script(CHECK)
 
 
+# both norm-rope scripts' inputs: a packed row, the norm weights, cos/sin of `rotary` channels, cache slots
+NORM_CASE = r'''
+def norm_case(dtype, t, width, d, rotary, page, pages):
+    qkv = (torch.randn(t, width) * 3).to(dtype)
+    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
+    table = torch.randn(64, rotary)
+    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
+    slots = torch.randperm((pages - 1) * page)[:t] + page
+    return qkv, q_w, k_w, cos.unsqueeze(1), sin.unsqueeze(1), slots, slots // page, slots % page
+'''
+
 QK_NORM = r'''
 import torch
 from autoprofile.kernels import triton_rope
@@ -91,13 +102,8 @@ def reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d):
 for dtype, hq, hkv, d, t in [(torch.float32, 8, 2, 32, 5), (torch.float16, 4, 1, 64, 3),
                              (torch.float16, 6, 6, 16, 1)]:
     page, pages, eps = 16, 6, 1e-6
-    qkv = (torch.randn(t, (hq + 2 * hkv) * d) * 3).to(dtype)
-    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
-    table = torch.randn(64, d)
-    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    slots = torch.randperm((pages - 1) * page)[:t] + page
-    pages_of, offs = slots // page, slots % page
+    qkv, q_w, k_w, cos, sin, slots, pages_of, offs = norm_case(dtype, t, (hq + 2 * hkv) * d, d, d,
+                                                               page, pages)
     want = reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
     be = TorchBackend(hq, hkv, d, page, dtype, torch.device("cpu"))
@@ -120,7 +126,7 @@ print("ok")
 
 def test_fused_qk_norm_rope_store_matches_the_torch_ops():
     """Qwen3's per-head q/k RMSNorm + RoPE + KV store in the one kernel equals the unfused ops."""
-    run_script(QK_NORM)
+    run_script(NORM_CASE + QK_NORM)
 
 
 MLA = r'''
@@ -201,13 +207,8 @@ def reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d, rotary):
 for dtype, hq, hkv, d, rotary, t in [(torch.float32, 8, 2, 32, 8, 5), (torch.float16, 6, 2, 64, 16, 3),
                                      (torch.float16, 4, 4, 16, 16, 1), (torch.float32, 24, 4, 256, 64, 3)]:
     page, pages, eps = 16, 6, 1e-6
-    qkv = (torch.randn(t, (2 * hq + 2 * hkv) * d) * 3).to(dtype)
-    q_w, k_w = (torch.rand(d) + 0.5).to(dtype), (torch.rand(d) + 0.5).to(dtype)
-    table = torch.randn(64, rotary)
-    cos, sin = table[torch.randint(0, 64, (t,))].chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    slots = torch.randperm((pages - 1) * page)[:t] + page
-    pages_of, offs = slots // page, slots % page
+    qkv, q_w, k_w, cos, sin, slots, pages_of, offs = norm_case(dtype, t, (2 * hq + 2 * hkv) * d, d, rotary,
+                                                               page, pages)
     want = reference(qkv, q_w, k_w, eps, cos, sin, hq, hkv, d, rotary)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=4e-3)
     be = TorchBackend(hq, hkv, d, page, dtype, torch.device("cpu"))
@@ -251,7 +252,7 @@ print("ok")
 def test_fused_gated_norm_partial_rope_store_matches_the_torch_ops():
     """Qwen3.5's gated attention: q beside its gate, per-head q/k RMSNorm, RoPE on the first rotary_dim
     channels and the KV store (an FP8 cache too) in the one kernel equal the unfused ops."""
-    run_script(GATED)
+    run_script(NORM_CASE + GATED)
 
 
 HYBRID = r'''
