@@ -81,10 +81,10 @@ def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
     g_ref, beta_ref = gdn.gating(ba_d, al, db)
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-5)
     assert (beta_ours.float() - beta_ref.float()).abs().max() <= 1e-2
-    ssm_chunks = ssm_d.clone()  # the rule again with the chunk indices the backend uploads once a forward
+    ssm_chunks = ssm_d.clone()  # the rule again with the chunk indices the runner uploads with a step
     o = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_d, slots_d, cu_d)
     o_chunks = gdn.delta_rule_prefill(q, k, v, *gdn.gating(ba_d, al, db), ssm_chunks, slots_d, cu_d.long(),
-                                      gdn.upload_chunk_indices(cu.numpy(), dev))
+                                      torch.from_numpy(gdn.chunk_indices(cu.numpy())).to(dev))
     assert torch.equal(o_chunks, o) and torch.equal(ssm_chunks, ssm_d)
     got = triton_gdn.gated_rms_norm(o, z, nw, 1e-6).cpu()
     assert torch.equal(conv_d.cpu(), ref_conv)

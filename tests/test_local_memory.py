@@ -202,6 +202,12 @@ for t in (1, 8192):  # Qwen3-30B-A3B's q/k norm + RoPE + store (32/4 heads of 12
     slots = torch.arange(t, device="cuda")
     triton_rope.rope_store(qkv, cos, sin, cache, cache, slots, 32, 4, 128,
                            qk_norm=(torch.ones(128, **bf), torch.ones(128, **bf), 1e-6))
+    # Qwen3.5-27B's gated attention: 24 q heads beside their gates, 4 kv heads of 256, rotary 64
+    qkv = torch.randn(t, (2 * 24 + 2 * 4) * 256, **bf)
+    cache = torch.zeros(t // 16 + 1, 4, 16, 256, **bf)
+    triton_rope.rope_store(qkv, cos[..., :32], sin[..., :32], cache, cache, slots, 24, 4, 256,
+                           qk_norm=(torch.ones(256, **bf), torch.ones(256, **bf), 1e-6), rotary_dim=64,
+                           gated=True)
     q, kv_a = torch.randn(t, 16, 192, **bf), torch.randn(t, 512 + 64, **bf)
     latents = torch.zeros(t // 16 + 1, 1, 16, 576, **bf)
     triton_rope.mla_rope_store(q, kv_a, torch.ones(512, **bf), 1e-6, cos[..., :32], sin[..., :32], latents,
@@ -270,8 +276,8 @@ def test_no_kernel_of_the_serving_set_spills_past_the_bound(tmp_path, model, mod
         assert {"_split_decode_kernel", "_merge_splits_kernel"} <= names, names
         assert "_gemv_kernel" in names, names  # the batch-1 graph's linear layers
     assert "_paged_attn_decode_v2_w_dot_reduce_kernel" not in names
-    if model is SMALL_HYBRID:  # Gated DeltaNet: our decode kernel over the state slots, fla's chunked prefill
-        assert "_gdn_decode_kernel" in names, names
+    if model is SMALL_HYBRID:  # the Gated DeltaNet decode; the gated attention's one rope_store kernel
+        assert {"_gdn_decode_kernel", "_rope_store_kernel"} <= names, names
     if model is SMALL_MOE:
         moe_kernels = {"_fused_moe_silu_kernel", "_fused_moe_kernel",  # AITER's experts
                        "_route_kernel", "_sort_by_expert_kernel",  # our router and expert sort
@@ -342,9 +348,9 @@ def test_no_split_decode_kernel_spills_past_the_bound():
 
 
 def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
-    """This session's fused kernels (Qwen3's q/k norm + RoPE + store, MLA's RoPE + latent norm + store, the MoE
-    top-k sum with its addends) and the host tier's page copies, at one token and at a prefill's 8,192: no
-    variant needs more than 1 KiB of local memory per thread."""
+    """This session's fused kernels (Qwen3's q/k norm + RoPE + store and Qwen3.5's gated variant, MLA's RoPE
+    + latent norm + store, the MoE top-k sum with its addends) and the host tier's page copies, at one token
+    and at a prefill's 8,192: no variant needs more than 1 KiB of local memory per thread."""
     got = run_fresh(FUSED)
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)

@@ -51,7 +51,6 @@ def test_fla_chunk_indices_from_the_hosts_cu_seqlens(lens):
     got = gdn.chunk_indices(cu)
     assert got.dtype == np.int64 and got.shape == (sum(-(-n // 64) for n in lens), 2)
     assert got.tolist() == [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
-    assert torch.equal(gdn.upload_chunk_indices(cu, torch.device("cpu")), torch.from_numpy(got))
     try:
         from fla.ops.utils.index import prepare_chunk_indices
     except ImportError:

@@ -20,7 +20,6 @@ from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import SamplingParams
 from autoprofile.engine.scheduler import checkpoint_stops
 from autoprofile.engine.state_cache import StateCache
-from autoprofile.layers import gdn
 from autoprofile.model_config import load_model_config
 
 PAGE = 16
@@ -326,10 +325,11 @@ def test_teardown_drops_the_state_slots_and_checkpoints(model):
         assert r.state is None and all(ref() is None for ref in held), model
 
 
-def test_a_prefill_forward_hands_the_linear_layers_the_hosts_cu_seqlens(runner, monkeypatch):
-    """The runner's prefill metadata carries cu_seqlens as the host built it (cu_seqlens_host): what the
-    aiter_triton backend derives fla's chunk indices from once a forward, with no host sync a layer; equal to
-    the device's cu_seqlens, chunks of two rows in one step included."""
+def test_a_prefill_forward_hands_the_linear_layers_fla_s_chunk_indices(runner, monkeypatch):
+    """The runner's prefill metadata carries fla's chunk indices, made on the host and uploaded with the
+    step's other inputs (gdn_chunk_indices): what the aiter_triton backend hands fla's rule in every linear
+    layer, so no layer derives them with a host sync; those of the device's cu_seqlens, two rows in one step
+    included."""
     seen = []
     real = type(runner.backend).gdn_prefill
 
@@ -344,8 +344,7 @@ def test_a_prefill_forward_hands_the_linear_layers_the_hosts_cu_seqlens(runner, 
         engine.step()
     assert seen, "no prefill reached a linear layer"
     for meta in seen:
-        assert meta.cu_seqlens_host is not None
-        assert list(meta.cu_seqlens_host) == meta.cu_seqlens.tolist()
-        assert gdn.chunk_indices(meta.cu_seqlens_host).tolist() == [
+        assert meta.gdn_chunk_indices is not None and meta.gdn_chunk_indices.dtype == torch.int64
+        assert meta.gdn_chunk_indices.tolist() == [
             [i, j] for i, n in enumerate(meta.cu_seqlens.diff().tolist()) for j in range(-(-n // 64))]
-    assert any(len(m.cu_seqlens_host) > 2 for m in seen), "two rows never shared a prefill step"
+    assert any(len(m.cu_seqlens) > 2 for m in seen), "two rows never shared a prefill step"

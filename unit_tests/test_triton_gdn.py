@@ -127,7 +127,8 @@ from autoprofile.engine.attention.aiter_triton import AiterTritonBackend
 from autoprofile.layers.attention import AttentionMetadata
 conv, ssm, ref_conv, ref_ssm = conv0.clone(), ssm0.clone(), conv0.clone(), ssm0.clone()
 meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.zeros(t, dtype=torch.long), cu_seqlens=cu,
-                         max_seqlen=max(lens), state_slots=slots, cu_seqlens_host=cu.numpy())
+                         max_seqlen=max(lens), state_slots=slots,
+                         gdn_chunk_indices=torch.from_numpy(gdn.chunk_indices(cu.numpy())))
 backend = SimpleNamespace(triton_gdn=triton_gdn)
 chunks_seen, rule = [], gdn.delta_rule_prefill
 def recording(*args):  # fla's chunk indices as the backend hands them to the rule (unused on a CPU); the
@@ -144,8 +145,8 @@ for layer in range(2):
     torch.testing.assert_close(ssm, ref_ssm, **tol)
 assert torch.equal(meta._per_forward["gdn_token_rows"], torch.repeat_interleave(torch.arange(len(lens)),
                                                                                  torch.tensor(lens)))
-# made once a forward from the host's cu_seqlens (no sync per layer on a GPU), one (row, chunk) a 64 tokens
-assert len(chunks_seen) == 2 and chunks_seen[0] is chunks_seen[1]
+# the step's uploaded indices, handed to every layer (no sync a layer on a GPU), one (row, chunk) a 64 tokens
+assert len(chunks_seen) == 2 and chunks_seen[0] is chunks_seen[1] is meta.gdn_chunk_indices
 assert chunks_seen[0].tolist() == [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
 assert meta._per_forward["gdn_cu_seqlens"].dtype == torch.int64
 print("ok")

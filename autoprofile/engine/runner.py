@@ -25,6 +25,7 @@ from autoprofile import budget
 from autoprofile.budget import gib
 from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu, weights_source
 from autoprofile.engine.attention import get_backend_class
+from autoprofile.layers import gdn
 from autoprofile.layers.attention import AttentionMetadata
 from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
 from autoprofile.engine.grammar import TokenBitmask
@@ -390,11 +391,13 @@ class ModelRunner:
         decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
         dev, decode = self.device, decode or []
         host = prefill_inputs(rows, decode, with_keys=not self.backend.paged_prefill)
+        if self.state is not None:  # a hybrid's linear layers: fla's chunk indices from the host's cu
+            host["gdn_chunks"] = gdn.chunk_indices(host["cu"]).reshape(-1)
         parts = upload(host, dev, self.staging)  # one host-to-device copy of every index the step needs
         n, lens = int(host["cu"][-1]), host["lens"]
         positions = parts["positions"]
         meta = AttentionMetadata(is_prefill=True, cu_seqlens=parts["cu"].to(torch.int32),
-                                 cu_seqlens_host=host["cu"], max_seqlen=int(lens.max()),
+                                 max_seqlen=int(lens.max()),
                                  slot_mapping=self._slot_of(parts["token_rows"], positions[:n]))
         if self.backend.paged_prefill:  # every key from the cache: the rows' pages and lengths
             cols = math.ceil(int(host["kv_lens"].max()) / self.cfg.page_size)
@@ -410,6 +413,7 @@ class ModelRunner:
             meta.slot_mapping = torch.cat([meta.slot_mapping, meta.decode.slot_mapping])
         if self.state is not None:  # rows go on from their slot's state; a request's first chunk from zeros
             meta.state_slots = parts["slots"]
+            meta.gdn_chunk_indices = parts["gdn_chunks"].view(-1, 2)
             fresh = torch.tensor([r.slot for r in rows if r.start == 0], dtype=torch.int64)
             self.state.reset(to_device(fresh, dev))
         ids = parts["ids"]

@@ -76,9 +76,10 @@ class AttentionMetadata:
     # a hybrid model's rows' state slots [rows] int64 (engine.state_cache; a mixed step's decode rows: in
     # `decode`'s); a padded graph row's is the pad slot
     state_slots: torch.Tensor | None = None
-    # prefill: cu_seqlens as the host built it ([B+1] numpy), for what a backend derives on the host once a
-    # forward and uploads without a sync (a hybrid's fla chunk indices); None: derived on the device
-    cu_seqlens_host: object | None = None
+    # a hybrid's prefill: fla's chunk indices [chunks, 2] int64 (layers.gdn.chunk_indices), made on the host
+    # and uploaded with the step's other inputs (the runner's one copy); None: fla derives them from
+    # cu_seqlens in every linear layer, a host sync each
+    gdn_chunk_indices: torch.Tensor | None = None
     # what a backend derives from this metadata once per forward for every layer (once()); cleared by the model
     # at each forward's start (new_forward), so a captured graph's forward derives it inside the capture
     _per_forward: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -104,9 +104,9 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """Prefill rows: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] (g fp32), rows split by cu_seqlens,
     each from its slot's state ssm[slots[i]]; the rows' final states written back. -> o [T, Hv, Dv] in v's
     dtype. fla's kernels take the key heads as they are (grouped value attention: value head h reads key head
-    h // (Hv / Hk), as _expand lays them out). chunks: fla's chunk indices (upload_chunk_indices); without
-    them fla derives them from cu_seqlens on the GPU with a host sync (a repeat_interleave over device
-    counts) in every layer whose cu_seqlens is a new tensor."""
+    h // (Hv / Hk), as _expand lays them out). chunks: fla's chunk indices (chunk_indices, on the device);
+    without them fla derives them from cu_seqlens on the GPU with a host sync (a repeat_interleave over
+    device counts) in every layer whose cu_seqlens is a new tensor."""
     ops = fla_ops() if q.is_cuda else None
     if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
         state = ssm[slots].float()
@@ -133,15 +133,6 @@ def chunk_indices(cu_seqlens, chunk: int = CHUNK) -> np.ndarray:
     rows = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
     within = np.arange(rows.shape[0], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.stack([rows, within], 1)
-
-
-def upload_chunk_indices(cu_seqlens, device: torch.device) -> torch.Tensor:
-    """chunk_indices() on `device`: from pinned memory without a host sync on CUDA (the caching host
-    allocator keeps the pinned buffer until the copy has run)."""
-    host = torch.from_numpy(chunk_indices(cu_seqlens))
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -379,13 +379,11 @@ class AiterTritonBackend(AttentionBackend):
         slots, cu = meta.state_slots, meta.cu_seqlens
         rows = meta.once("gdn_token_rows", lambda: self.triton_gdn.token_rows(cu, t))
         q, k, v = self.triton_gdn.conv_prefill(qkv, conv_weight, conv, slots, cu, hk, kd, hv, vd, rows)
-        # fla's int64 cu_seqlens and chunk indices once a forward, the indices from the host's cu_seqlens:
+        # fla's int64 cu_seqlens once a forward and its chunk indices from the step's upload (the runner's):
         # derived by fla in each layer they cost a host sync a layer (48 a step of qwen3.5-27b)
         cu64 = meta.once("gdn_cu_seqlens", cu.long)
-        chunks = None if meta.cu_seqlens_host is None else meta.once(
-            "gdn_chunk_indices", lambda: gdn.upload_chunk_indices(meta.cu_seqlens_host, cu.device))
         g, beta = self.triton_gdn.gates(ba, a_log, dt_bias)
-        o = gdn.delta_rule_prefill(q, k, v, g, beta, ssm, slots, cu64, chunks)
+        o = gdn.delta_rule_prefill(q, k, v, g, beta, ssm, slots, cu64, meta.gdn_chunk_indices)
         return self.triton_gdn.gated_rms_norm(o, z, norm_weight, eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
