@@ -256,20 +256,30 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     return app
 
 
-def activate(app: web.Application, engine, result, tokenizer=None) -> None:
-    """Start the engine loop (call on the app's event loop) and accept requests."""
+def serving_vocab(cfg, tokenizer=None) -> tuple:
+    """(tokenizer, Grammars or None, why there is none): the tokenizer (`tokenizer`, else --tokenizer's or
+    the model's) and xgrammar's view of its vocabulary, built once. Importing xgrammar (it imports
+    transformers and torch._dynamo) took 7 s of an H100 boot: `serve` runs this on a thread beside the
+    boot."""
+    tokenizer = tokenizer or load_tokenizer(cfg)
+    try:
+        return tokenizer, Grammars(tokenizer, cfg.model_config.vocab_size), None
+    except Exception as e:  # noqa: BLE001 - the server serves on; structured requests get a 400 saying why
+        error = f"{type(e).__name__}: {e}"
+        log.warning("structured output and forced tool calls are off: xgrammar cannot read the tokenizer "
+                    "(%s)", error)
+        return tokenizer, None, error
+
+
+def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple | None = None) -> None:
+    """Start the engine loop (call on the app's event loop) and accept requests. vocab: serving_vocab's
+    result when it was built already."""
     st = app[STATE]
     context = engine.envelope.max_req_total_len  # --max_req_total_len auto: the profile may have cut it
     if context != st.cfg.context_len:
         st.cfg = st.cfg.replace(max_req_total_len=context)
     cfg = st.cfg
-    st.tokenizer = tokenizer or load_tokenizer(cfg)
-    try:  # the tokenizer's vocabulary for xgrammar, once
-        st.grammars = Grammars(st.tokenizer, cfg.model_config.vocab_size)
-    except Exception as e:  # noqa: BLE001 - the server serves on; structured requests get a 400 saying why
-        st.grammars_error = f"{type(e).__name__}: {e}"
-        log.warning("structured output and forced tool calls are off: xgrammar cannot read the tokenizer "
-                    "(%s)", st.grammars_error)
+    st.tokenizer, st.grammars, st.grammars_error = vocab or serving_vocab(cfg, tokenizer)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:
@@ -358,6 +368,9 @@ async def serve(cfg, boot) -> int:
 
     # NOTE: a daemon thread: a signal during the profile must not wait for it
     threading.Thread(target=run_boot, name="boot", daemon=True).start()
+    vocab_pool = ThreadPoolExecutor(1, thread_name_prefix="vocab")
+    vocab = vocab_pool.submit(serving_vocab, cfg)  # the tokenizer and xgrammar's vocabulary, beside the boot
+    vocab_pool.shutdown(wait=False)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not booted.done():
@@ -375,7 +388,7 @@ async def serve(cfg, boot) -> int:
         raise
     st = app[STATE]
     try:
-        activate(app, LLMEngine.from_config(runner, cfg), result)
+        activate(app, LLMEngine.from_config(runner, cfg), result, vocab=await asyncio.wrap_future(vocab))
         died = asyncio.ensure_future(st.died.wait())
         await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
         if not st.died.is_set():

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -725,3 +726,27 @@ def test_an_explicit_context_that_does_not_fit_a_pinned_cache_is_refused():
     with pytest.raises(ConfigError, match="--max_total_token_num: 1024 tokens is below the smallest usable "
                                           "cache, 4112 tokens"):
         validate(ServerConfig(**{**FLAGS, "max_req_total_len": 4096}, max_total_token_num=1024))
+
+
+def test_serve_builds_the_vocabulary_beside_the_boot_not_after_it(monkeypatch):
+    """`serve` loads the tokenizer and xgrammar's vocabulary on a thread while the boot runs (importing
+    xgrammar took 7 s of an H100 boot): a boot that waits for the vocabulary sees it built, then fails its
+    profile, and serve ends with exit 1 (built after the boot, the vocabulary would never come)."""
+    from autoprofile.profiler import ProfileError
+    built = threading.Event()
+    real = server.serving_vocab
+
+    def vocab(cfg, tokenizer=None):
+        out = real(cfg, tokenizer)
+        built.set()
+        return out
+
+    def boot(cfg):
+        if not built.wait(60):
+            raise RuntimeError("the vocabulary was not built while the boot ran")
+        raise ProfileError("the boot's end, on purpose")
+
+    monkeypatch.setattr(server, "serving_vocab", vocab)
+    cfg = CFG.replace(host="127.0.0.1", port=0)
+    assert asyncio.run(server.serve(cfg, boot)) == server.EXIT_FAILED
+    assert built.is_set()

@@ -104,11 +104,14 @@ class DecodeGraphs:
         cleanly and propagates like any other build failure."""
         capture_stream(torch.cuda.current_device())
         t0 = time.perf_counter()
+        warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
+            t_warm = time.perf_counter()
             self._derive(bs, bucket)
             warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
+            warming += time.perf_counter() - t_warm
             self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
             del warm
             if before_first is not None:
@@ -127,7 +130,8 @@ class DecodeGraphs:
             capture_graph(graph, self.pool, body)
             self.graphs[bs, bucket] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+        log.info("captured %d decode graphs in %.1f s (%.1f s of it the warm-up steps' host time)",
+                 len(self.graphs), time.perf_counter() - t0, warming)
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""

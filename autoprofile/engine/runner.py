@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -534,7 +535,11 @@ class ModelRunner:
         self._require_built()
         self.stressing = True
         try:
-            return [self._run_corner(step) for step in self.corners(steps)]
+            t0 = time.perf_counter()
+            shapes = [self._run_corner(step) for step in self.corners(steps)]
+            log.info("stress: %d %s corners in %.2f s", len(shapes), getattr(steps, "__name__", "stress"),
+                     time.perf_counter() - t0)
+            return shapes
         finally:
             self.stressing = False
             self.routing.set("model")
@@ -542,9 +547,12 @@ class ModelRunner:
                 self.kv.set_scales(None)
 
     def _run_corner(self, step: Step) -> StepShape:
+        t0 = time.perf_counter()
         self.execute(step)
         self._sync()
-        return step.shape(self.envelope.graph_rows)
+        shape = step.shape(self.envelope.graph_rows)
+        log.debug("stress corner %s: %.3f s", shape, time.perf_counter() - t0)
+        return shape
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from autoprofile.layers.attention import AttentionBackend, AttentionMetadata, KVLayer, write_into
 
@@ -148,5 +147,8 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale
     vh = v.transpose(0, 1).repeat_interleave(group, 0)[None].to(q.dtype)
     if k.shape[0] == q.shape[0]:
         return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
+    # NOTE: imported here: torch.nn.attention.bias imports torch._dynamo (sympy, fx), 1-5 s of every boot,
+    # where a GPU server never takes this path (scripts/boot_profile.py)
+    from torch.nn.attention.bias import causal_lower_right
     mask = causal_lower_right(q.shape[0], k.shape[0])
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)[0].transpose(0, 1)
