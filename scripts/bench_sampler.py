@@ -1,7 +1,15 @@
 """Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new).
 
     PYTHONPATH=. python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
-        [--json out.json]
+        [--json out.json] [--kernel]
+
+--kernel: the Triton kernel alone (autoprofile.kernels.triton_sample), its rejection sampling (ROUNDS as
+shipped) against its exact path (ROUNDS = 0: the threshold search and the race, the kernel before rejection)
+on the same logits and seeds, at --rows (1,8,64,256 unless given), with the rejection's mean rounds a row and
+the rows that fell back; then, per case, 131,072 draws of one row by each path binned against the full-sort
+reference (`top_k_top_p_probs`; 16 likeliest tokens, the rest of the kept set in 16 bins of equal mass, and
+the tokens outside it, which must stay empty): total-variation distance and Pearson's chi-square as a z-score
+(Wilson-Hilferty; |z| < 4.75 for a sampler that follows the reference).
 
 On CUDA sample() is one Triton kernel per batch (autoprofile.kernels.triton_sample) whatever the case; the
 torch paths (CPU, no triton) prefilter and fall back to a sort. Logits are bf16 [rows, vocab]. "peaked" =
@@ -24,7 +32,8 @@ from cuda_timing import cuda_median_ms
 
 from autoprofile.engine import sampling
 from autoprofile.engine.sampling import (
-    PREFILTER, STRESS, SamplingBatch, SamplingParams, reference_sample, sample, sampler_workspace_bytes)
+    PREFILTER, SEED_HIGH, STRESS, SamplingBatch, SamplingParams, reference_sample, sample,
+    sampler_workspace_bytes, top_k_top_p_probs)
 
 MIB = 2**20
 CASES = {  # name: (logits scale, params)
@@ -37,6 +46,8 @@ CASES = {  # name: (logits scale, params)
     "stress": (1.0, STRESS),
 }
 TARGETS_MS = {("greedy", 256): 0.1, ("top_p0.9", 256): 1.0}  # issue 9, H100, vocab 128256
+KERNEL_CASES = ("greedy", "top_p0.9", "top_k50_top_p0.9", "top_p0.9_flat")
+KERNEL_TARGETS_MS = {1: 0.08, 256: 0.3}  # issue 48, item 3: a sampled row at these rows, H100, vocab 128256
 
 
 def peak_bytes(fn) -> int:
@@ -102,17 +113,126 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- --kernel: rejection against the exact path
+def _kernel_inputs(rows: int, vocab: int, scale: float, params: SamplingParams, seed: int):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    batch = SamplingBatch.from_params([params] * rows, torch.device("cuda"))
+    seeds = torch.randint(SEED_HIGH, (rows,), device="cuda", generator=gen)
+    return logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds
+
+
+def kernel_case(rows: int, vocab: int, scale: float, params: SamplingParams, iters: int) -> dict:
+    """ms of the kernel with rejection and with its exact path alone (same logits, seeds); mean rounds."""
+    from autoprofile.kernels import triton_sample as ts
+    args = _kernel_inputs(rows, vocab, scale, params, rows)
+    shipped, ms = ts.ROUNDS, {}
+    try:
+        for name, rounds in (("exact", 0), ("new", shipped)):
+            ts.ROUNDS = rounds
+            ms[name] = cuda_median_ms(lambda: ts.sample_batch(*args), iters)
+    finally:
+        ts.ROUNDS = shipped
+    rounds = ts.sample_batch(*args, bounds=True)[1][:, 2]
+    return {"rows": rows, "exact_ms": ms["exact"], "new_ms": ms["new"], "rounds": float(rounds.mean()),
+            "fell_back": int((rounds > shipped).sum())}
+
+
+def _bins(want: torch.Tensor, top: int = 16, rest: int = 16) -> torch.Tensor:
+    """A bin per token: the `top` likeliest alone, the rest of the kept set by equal mass, the others last."""
+    order = want.argsort(descending=True)
+    p = want[order]
+    cum = p.cumsum(0) - p
+    tail = p[top:].sum().clamp_min(1e-30)
+    ranked = torch.where(torch.arange(len(p), device=p.device) < top, torch.arange(len(p), device=p.device),
+                         top + ((cum - p[:top].sum()) / tail * rest).long().clamp(0, rest - 1))
+    ranked = torch.where(p > 0, ranked, top + rest)
+    return torch.empty_like(ranked).scatter_(0, order, ranked)
+
+
+def kernel_draws(vocab: int, scale: float, params: SamplingParams, draws: int = 2**17) -> dict:
+    """One row's draws by each path against the reference, binned (`_bins`): TV, chi-square z, outside."""
+    from autoprofile.kernels import triton_sample as ts
+    rows = 4096
+    logits, temps, top_ps, top_ks, _ = _kernel_inputs(1, vocab, scale, params, 7)
+    logits = logits.expand(rows, -1).contiguous()
+    batch = SamplingBatch.from_params([params] * rows, torch.device("cuda"))
+    probs, ids = top_k_top_p_probs(logits[:1], batch.rows(0, 1))
+    want = torch.zeros(vocab, dtype=torch.float64, device="cuda").scatter_(0, ids[0], probs[0].double())
+    # which tied tokens are kept is unspecified: each logit value's probability spread over its tokens
+    _, cls = logits[0].unique(return_inverse=True)
+    per = torch.zeros(vocab, dtype=torch.float64, device="cuda").scatter_add_(0, cls, want)
+    want = (per / torch.bincount(cls, minlength=vocab).double().clamp_min(1))[cls]
+    want /= want.sum()
+    bins = _bins(want)
+    nbins = int(bins.max()) + 1
+    expect = torch.zeros(nbins, dtype=torch.float64, device="cuda").scatter_add_(0, bins, want)
+    gen = torch.Generator("cuda").manual_seed(11)
+    shipped, out = ts.ROUNDS, {}
+    try:
+        for name, rounds in (("exact", 0), ("new", shipped)):
+            ts.ROUNDS = rounds
+            got = torch.zeros(nbins, dtype=torch.float64, device="cuda")
+            for _ in range(draws // rows):
+                seeds = torch.randint(SEED_HIGH, (rows,), device="cuda", generator=gen)
+                tok = ts.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds)
+                got += torch.bincount(bins[tok], minlength=nbins).double()
+            n = float(got.sum())
+            live = expect > 0
+            stat = float(((got[live] - n * expect[live]) ** 2 / (n * expect[live])).sum())
+            df = int(live.sum()) - 1
+            z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / (2 / (9 * df)) ** 0.5 if df > 0 else 0.0
+            tv = float((got / n - expect).abs().sum() / 2)
+            out[name] = {"tv": tv, "z": z, "outside": int(got[~live].sum())}
+    finally:
+        ts.ROUNDS = shipped
+    return {"kept": int((want > 0).sum()), **out}
+
+
+def run_kernel(vocab: int, rows_list: list[int], iters: int) -> tuple[list[dict], list[dict]]:
+    times = [{"case": name, **kernel_case(rows, vocab, *CASES[name], iters)}
+             for rows in rows_list for name in KERNEL_CASES]
+    draws = [{"case": name, **kernel_draws(vocab, *CASES[name])} for name in KERNEL_CASES if name != "greedy"]
+    return times, draws
+
+
+def kernel_table(times: list[dict], draws: list[dict]) -> str:
+    head = (f"{'rows':>5} {'case':<17} {'exact ms':>9} {'new ms':>8} {'exact/new':>9} {'rounds':>7} "
+            f"{'fell back':>9}")
+    lines = [head, "-" * len(head)]
+    for r in times:
+        lines.append(f"{r['rows']:>5} {r['case']:<17} {r['exact_ms']:>9.3f} {r['new_ms']:>8.3f} "
+                     f"{r['exact_ms'] / r['new_ms']:>9.2f} {r['rounds']:>7.3f} {r['fell_back']:>9}")
+    lines.append("")
+    lines.append(f"{'case':<17} {'kept':>7} {'TV exact':>9} {'z exact':>8} {'TV new':>8} {'z new':>7} "
+                 f"{'outside':>8}")
+    for d in draws:
+        e, n = d["exact"], d["new"]
+        lines.append(f"{d['case']:<17} {d['kept']:>7} {e['tv']:>9.4f} {e['z']:>8.2f} {n['tv']:>8.4f} "
+                     f"{n['z']:>7.2f} {e['outside'] + n['outside']:>8}")
+    for (rows, target) in KERNEL_TARGETS_MS.items():
+        for r in times:
+            if r["rows"] == rows and r["case"] != "greedy":
+                verdict = "OK" if r["new_ms"] <= target else "MISSED"
+                lines.append(f"target {r['case']} at {rows} rows <= {target} ms: {r['new_ms']:.3f} ms "
+                             f"{verdict}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--rows", default="1,64,256,1024")
+    ap.add_argument("--rows", help="1,64,256,1024 (--kernel: 1,8,64,256)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--kernel", action="store_true", help="the kernel's rejection against its exact path")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = run(args.vocab, [int(r) for r in args.rows.split(",")], args.iters)
+    if args.kernel:
+        return main_kernel(args)
+    results = run(args.vocab, [int(r) for r in (args.rows or "1,64,256,1024").split(",")], args.iters)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits, "
           f"prefilter {PREFILTER}, chunk {sampling.CHUNK_ROWS} rows, sort {sampling.SORT_ROWS} rows at once")
     print(table(results))
@@ -129,6 +249,22 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     return 1 if over else 0
+
+
+def main_kernel(args) -> int:
+    """--kernel: 1 when a path draws outside the kept set or its chi-square z reaches 4.75."""
+    rows = [int(r) for r in (args.rows or "1,8,64,256").split(",")]
+    times, draws = run_kernel(args.vocab, rows, args.iters)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits")
+    print(kernel_table(times, draws))
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "times": times, "draws": draws}
+    print(json.dumps(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    bad = [d["case"] for d in draws for k in ("exact", "new") if d[k]["outside"] or abs(d[k]["z"]) >= 4.75]
+    print(f"draws off the reference: {bad or 'none'}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ torch.cuda.max_memory_allocated at 256 and 1024 rows, no host sync, kept sets an
 reference, seeded rows batch-invariant."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -98,12 +100,17 @@ def test_no_host_sync_on_any_path():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("rounds", [None, 0], ids=["rejection", "exact_path"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9),
                                     SamplingParams(temperature=1.0, top_k=50, top_p=0.95)])
-def test_draws_follow_the_reference_distribution(params):
+def test_draws_follow_the_reference_distribution(params, rounds, monkeypatch):
     """100k draws from one bf16 row at Llama 3's vocabulary against the full-sort reference: the 20 likeliest
     tokens and the rest, each within 5 standard deviations; every draw inside the reference's kept set (or
-    tied with its last token: which ties are kept is unspecified)."""
+    tied with its last token: which ties are kept is unspecified). The kernel's rejection sampling, and its
+    exact path alone (ROUNDS 0: the fallback)."""
+    from autoprofile.kernels import triton_sample
+    if rounds is not None:
+        monkeypatch.setattr(triton_sample, "ROUNDS", rounds)
     row = (torch.randn(VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(9)) * 3)
     row = row.to(torch.bfloat16)
     rows, calls = 4096, 25
@@ -141,6 +148,22 @@ def test_kept_distribution_matches_the_reference(scale):
     assert torch.allclose(dense.sort(-1).values, ref.sort(-1).values, atol=1e-6)
     drawn = sample(logits, batch, torch.Generator("cuda").manual_seed(3))
     assert kept.gather(1, drawn.unsqueeze(1)).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 5.0])
+def test_rejection_takes_few_rounds(scale):
+    """The kernel's rejection rounds a row (its `bounds` third column) at 256 rows: about 1 + ln(1 / top_p)
+    (each rejection's token is a uniform mass quantile of its proposal), none reaching the fallback."""
+    from autoprofile.kernels import triton_sample
+    params = [SamplingParams(temperature=0.8, top_p=p, top_k=k) for p, k in ((0.9, 0), (0.9, 50), (0.5, 0))]
+    for p in params:
+        logits, batch = _logits(256, scale, 5), _batch([p] * 256)
+        seeds = torch.arange(256, device="cuda")
+        _, bounds = triton_sample.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds,
+                                               bounds=True)
+        rounds = bounds[:, 2]
+        print(f"scale {scale} {p.top_p} {p.top_k}: mean rounds {rounds.mean():.3f}, max {rounds.max():.0f}")
+        assert rounds.mean() <= 1.25 + math.log(1 / p.top_p) and rounds.max() <= triton_sample.ROUNDS
 
 
 def test_greedy_is_argmax_and_seeded_rows_are_batch_invariant():

@@ -105,9 +105,84 @@ assert not torch.equal(run(x, params, seeds + 1000), batch)
 print("ok")
 '''
 
+DIST = COMMON + r"""
+import sys
+from autoprofile.engine.sampling import top_k_top_p_probs
+ts.BLOCK, ts.CHUNK = 8, 2  # 24 tokens: 8 lanes of 3, a lane's walk in two chunks
+# 2.0 once, eight at 1.0 (a tie group that top-p and top-k cut), 0.5 twice, 0.0 thrice, -1.0 four times,
+# six masked, scattered over the lanes
+values = [2.0] + [1.0] * 8 + [0.5] * 2 + [0.0] * 3 + [-1.0] * 4 + [float("-inf")] * 6
+logits = torch.tensor(values)[torch.randperm(24, generator=torch.Generator().manual_seed(3))].half()
+F = float("inf")
 
-def _interpret(code: str) -> None:
-    run_script(code)
+def expected(p):
+    # the reference's probabilities, each logit value's spread over its tokens (which ties are kept is
+    # unspecified; the sampler draws the boundary group's tokens alike)
+    probs, ids = top_k_top_p_probs(logits[None].float(), SamplingBatch.from_params([p], torch.device("cpu")))
+    want = torch.zeros(24, dtype=torch.float64).scatter_(0, ids[0], probs[0].double())
+    want /= want.sum()
+    for v in logits.unique():
+        at = logits == v
+        want[at] = want[at].sum() / at.sum()
+    return want
+
+def chi2_ok(counts, want, n):
+    # Pearson's statistic over the kept tokens against the 1e-6 tail (Wilson-Hilferty); nothing outside
+    support = want > 0
+    assert counts[~support].sum() == 0, (counts, want)
+    df = int(support.sum()) - 1
+    if df == 0:
+        return True
+    e = n * want[support]
+    stat = float(((counts[support] - e) ** 2 / e).sum())
+    crit = df * (1 - 2 / (9 * df) + 4.75 * (2 / (9 * df)) ** 0.5) ** 3
+    return stat <= crit
+
+def check(cases, n, rounds_col=None):
+    params = [p for p in cases for _ in range(n)]
+    x = logits.expand(len(params), -1).contiguous()
+    seeds = torch.arange(len(params)) * 104729 + 17
+    tok, got = run(x, params, seeds, bounds=True) if rounds_col else (run(x, params, seeds), None)
+    for i, p in enumerate(cases):
+        counts = torch.bincount(tok[i * n:(i + 1) * n], minlength=24).double()
+        assert chi2_ok(counts, expected(p), n), (p, counts.tolist(), (expected(p) * n).tolist())
+    return got
+
+P = SamplingParams
+group = sys.argv[1]
+if group == "sharp":  # the tie group at the boundary decides most of the mass
+    check([P(temperature=1.0, top_p=0.3), P(temperature=1.0, top_k=2), P(temperature=2.0, top_k=7, top_p=0.6),
+           P(temperature=1.0, top_p=0.6)], 300)
+elif group == "grid":
+    check([P(temperature=t, top_p=p, top_k=k) for t, p, k in [
+        (0.5, 0.1, 0), (0.5, 0.95, 0), (0.5, 1.0, 7), (1.0, 1.0, 1), (1.0, 0.6, 7), (1.0, 1.0, 0),
+        (1.0, 0.95, 0), (2.0, 0.95, 0), (2.0, 1.0, 7), (2.0, 0.1, 7), (2.0, 1.0, 0)]], 150)
+elif group == "fallback":  # no rounds: every row takes step 4; one round: a mix of both
+    cases = [P(temperature=1.0, top_p=0.3), P(temperature=1.0, top_k=2),
+             P(temperature=2.0, top_k=7, top_p=0.6)]
+    ts.ROUNDS = 0
+    got = check(cases, 150, rounds_col=True)
+    assert (got[:, 2] == 1).all()
+    ts.ROUNDS = 1
+    got = check(cases, 150, rounds_col=True)
+    assert (got[:, 2] == 2).any() and (got[:, 2] == 1).any(), got[:, 2]
+# a row's token: its logits, parameters and seed only, whatever else is in the batch
+ts.ROUNDS = 32
+mixed = [P(temperature=t, top_p=p, top_k=k) for t, p, k in [(1.0, 0.3, 0), (2.0, 0.6, 7), (0.5, 1.0, 0),
+                                                            (0.0, 1.0, 0), (1.0, 0.95, 2)]]
+rows = torch.stack([logits, logits.flip(0), logits.roll(5), logits, logits.roll(11)])
+seeds = torch.tensor([11, 12, 13, 14, 15])
+batch = run(rows, mixed, seeds)
+for i in range(5):
+    assert int(run(rows[i:i + 1], mixed[i:i + 1], seeds[i:i + 1])) == int(batch[i]), i
+    same = run(rows[i:i + 1].expand(3, -1).contiguous(), mixed[i:i + 1] * 3, seeds[i:i + 1].repeat(3))
+    assert int(same[2]) == int(batch[i]), i
+print("ok")
+"""
+
+
+def _interpret(code: str, *args: str) -> None:
+    run_script(code, *args)
 
 
 @pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
@@ -123,3 +198,14 @@ def test_draws_follow_the_distribution_and_seeds_fix_them():
     """Draws against the exact kept distribution, per logit value (tied tokens alike; keeping the whole
     tie group would fail it); a row's token depends on its logits, parameters and seed only."""
     _interpret(DRAWS)
+
+
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
+@pytest.mark.parametrize("group", ["sharp", "grid", "fallback"])
+def test_rejection_draws_match_the_reference_distribution(group):
+    """Step 3 (rejection, inverse-CDF draws) against `top_k_top_p_probs` per token, by Pearson's chi-square
+    over many seeds: "sharp": a tie group cut by top-p or top-k holds most of the mass (accepting it whole,
+    or dropping it on a tie-rejection, fails); "grid": temperatures 0.5/1/2, top_p 0.1/0.6/0.95, top_k 1/7,
+    masked logits never drawn; "fallback": ROUNDS 0 (step 4 alone) and 1 (both mixed). Every group also
+    checks that a row's token is the same alone, repeated and in a mixed batch."""
+    _interpret(DIST, group)

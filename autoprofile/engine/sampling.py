@@ -1,8 +1,9 @@
 """Sampling: greedy, temperature, top-k, top-p, per request, batched, without sorting the vocabulary.
 
 CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
-included (autoprofile.kernels.triton_sample: a search over the logits' bit patterns, no sort, no scratch
-beyond a seed and a token per row, no host sync); an all-greedy batch is argmax.
+included (autoprofile.kernels.triton_sample: rejection sampling with inverse-CDF draws, a search over the
+logits' bit patterns for top-k and its exact fallback, no sort, no scratch beyond a seed and a token per row,
+no host sync); an all-greedy batch is argmax.
 Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
 - top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
@@ -14,8 +15,9 @@ Semantics (all paths, and `top_k_top_p_probs`, the full-sort reference): logits 
 smallest prefix by descending probability whose mass reaches top_p (a token is kept when the mass before it is
 <= top_p, so the first token always is; top_p = 1 keeps the whole top-k), renormalised. Ties: which of several
 tokens with equal logits is kept at a top-k/top-p boundary is unspecified (as with torch.sort); how many are
-kept and their probabilities are exact. Draws: exponential race, argmax over kept tokens of logit/T - log(E),
-E ~ Exp(1) (= argmax p/E). Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
+kept and their probabilities are exact. Draws (torch paths, the kernel's fallback): exponential race, argmax
+over kept tokens of logit/T - log(E), E ~ Exp(1) (= argmax p/E); the kernel: inverse-CDF draws, rejected
+until kept. Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
 Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient
 bytes
 are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel needs 16

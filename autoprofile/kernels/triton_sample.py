@@ -1,24 +1,41 @@
 """The sampler on CUDA: one Triton kernel for a whole batch, greedy, temperature, top-k and top-p rows mixed,
 no sort, no scratch, no host sync.
 
-One program per row; the row is read a few times (it stays in L2 at decode batch sizes):
-1. max, its first index, min and sum of exp((x - max) / T), online. A greedy row (T = 0) stops here: argmax.
+One program per row; the row is read a few times (it stays in L2 at decode batch sizes);
+e = exp((x - max) / T).
+1. max, its first index, min, and per lane (the BLOCK lanes that walk the row, lane l holding tokens l,
+   l + BLOCK, ...) the sum of e, online. A greedy row (T = 0) stops here: argmax.
 2. top-k (0 < k < V): the k-th largest logit b_k, found by a WAYS-ary search over the logits' ordered bit
    patterns (`_key`: an int whose order is the float order, so a search ends on a logit present in the row),
-   counting the logits above each of WAYS candidates per pass; then the mass above b_k and the top-k
-   normaliser S_k = mass(> b_k) + (k - count(> b_k)) * exp((b_k - max) / T).
-3. top-p (< 1): the smallest logit b_p >= b_k whose mass above is <= top_p * S_k, by the same search summing
-   exp((x - max) / T) above each candidate. Every token above b_p is kept; of the g tokens equal to b_p,
-   min(g, floor((top_p * S_k - mass(> b_p)) / exp((b_p - max) / T)) + 1) are (the sampler's rule: a token is
-   kept while the mass before it is <= top_p; at b_k, g is the k - count(> b_k) tokens top-k kept).
-4. the exponential race (Gumbel-max) over the kept tokens: argmax (x - max) / T - log E, E = -log U,
-   U from Philox (tl.rand) with the row's seed and the token index. The b_p group races whole, its best
-   score shifted by log(kept / g): the max of g i.i.d. Gumbels is one Gumbel + log g, so the group wins
-   with probability kept * p(b_p) / S_kept and, when it does, each of its tokens alike: exactly the
-   distribution of any `kept` of them (which tied tokens are kept is unspecified, as with a sort).
-Passes: a search takes log_WAYS of the key range between the row's min and max (bf16: at most 16 bits,
-6 passes at WAYS = 8; fp16 19 bits; fp32 32).
-Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference).
+   counting the logits above each of WAYS candidates per pass (no exp); then, in one pass, the mass above b_k
+   per lane and the top-k normaliser S_k = mass(> b_k) + tied * e(b_k), where `tied` = k - count(> b_k) of
+   the g tokens at b_k are in the top-k. Without top-k, S_k is the row's sum S from pass 1.
+3. rejection sampling with inverse-CDF draws. The proposal is e over the tokens above a pivot xp, the tokens
+   at xp weighted w_eq each (start: every token, or the top-k set: xp = b_k, w_eq = tied / g). A round draws
+   ONE uniform u (Philox, tl.rand with the row's seed at offset V + 2 * round) and walks the proposal in a
+   fixed order (lane-major: the lanes' sums are at hand, a cumulative sum over them finds the lane where the
+   mass crosses u * total, then that lane's V / BLOCK tokens find the token t): no per-token random number.
+   If the proposal is the kept set (top_p = 1; or a tie group cut, below) t is the draw. Else one pass
+   measures mass(> x_t) and the g tokens equal to x_t; by the sampler's rule (a token is kept while the mass
+   before it is <= top_p * S_k) min(g, floor((top_p * S_k - mass(> x_t)) / e(x_t)) + 1) of them are kept (0
+   when mass(> x_t) > top_p * S_k; at b_k, g is `tied`). t is accepted with probability kept / g (a second
+   Philox scalar at V + 2 * round + 1). Rejected, the kept set lies at or above x_t: the pivot rises to x_t
+   with w_eq = kept / g, and the pass's per-lane mass is the next round's walk (no new pass). When kept > 0
+   the new proposal IS the kept set (the group at x_t cut where the rule cuts it): the next draw is final.
+   Exact: each round's proposal contains the kept set with the same weights, and a token is accepted with
+   probability (its kept weight) / (its proposal weight), so whatever rounds came before, the draw follows
+   the kept set's distribution, the boundary group's `kept` tokens weighted alike (which tied tokens are
+   kept is unspecified, as with a sort). Passes: top-p 2 (pass 1, the acceptance pass) when the first draw is
+   kept, +1 a rejection; rounds expected about 1 + ln(1 / top_p) (a rejected token is a uniform mass quantile
+   of its proposal): 1.1 at top_p 0.9. Temperature only: 1 pass; top-k: 2 + the count search.
+4. the fallback (ROUNDS rejections without a draw, or `bounds` asked for): the top-p threshold b_p by the
+   same search summing e above each candidate, then the exponential race (Gumbel-max) over the kept tokens:
+   argmax (x - max) / T - log E, E = -log U, U from Philox at the token's index (offsets < V: apart from the
+   rounds'). The b_p group races whole, its best score shifted by log(kept / g): the max of g i.i.d. Gumbels
+   is one Gumbel + log g, so the group wins with probability kept * p(b_p) / S_kept. The search takes
+   log_WAYS of the key range between the row's min and max (bf16: at most 16 bits, 6 passes at WAYS = 8).
+Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference). A row's
+draw depends on its logits, parameters and seed only (one program a row, a fixed order): batch-invariant.
 Imported by the sampler for CUDA tensors only (triton is imported here).
 """
 from __future__ import annotations
@@ -31,6 +48,8 @@ import triton.language as tl
 BLOCK = 4096
 WAYS = 8  # candidates per search pass
 NUM_WARPS = 16
+CHUNK = 64  # tokens of one lane the draw's walk reads at a time (128,256 / 4096: 32 a lane)
+ROUNDS = 32  # rejection rounds before the exact fallback (step 4); tests force 0 and 1
 SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bits of the fp32 pattern
 
 
@@ -43,11 +62,23 @@ def _key(x, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _unkey(key, SHIFT: tl.constexpr):
+    """The logit whose key is `key` (the inverse of `_key` on keys of logits in the row)."""
+    bits = (key << SHIFT).to(tl.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _logits(base, offs, V):
+    """fp32 logits, padding lanes -inf; + 0.0 turns -0.0 into 0.0 (float ties and key ties then agree)."""
+    return tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) + 0.0
+
+
+@triton.jit
 def _load(base, offs, V, SHIFT: tl.constexpr):
     """(x fp32, key int64): padding lanes get -inf and a key below every logit's (-inf's included)."""
-    valid = offs < V
-    x = tl.load(base + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    key = tl.where(valid, _key(x, SHIFT), -2147483648).to(tl.int64)
+    x = _logits(base, offs, V)
+    key = tl.where(offs < V, _key(x, SHIFT), -2147483648).to(tl.int64)
     return x, key
 
 
@@ -76,28 +107,51 @@ def _search(base, V, lo, hi, xmax, inv, limit, MASS: tl.constexpr, SHIFT: tl.con
 
 
 @triton.jit
-def _above(base, V, b, xmax, inv, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """(count of keys > b, their mass, the logit whose key is b, count of keys == b)."""
+def _above(base, V, xb, xmax, inv, BLOCK: tl.constexpr):
+    """Per lane: the count of logits > xb, their mass (exp((x - xmax) * inv)), the count of logits == xb."""
     n = tl.zeros([BLOCK], tl.int32)
     mass = tl.zeros([BLOCK], tl.float32)
-    xb = tl.full([BLOCK], float("-inf"), tl.float32)
     g = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
-        x, key = _load(base, start + tl.arange(0, BLOCK), V, SHIFT)
-        gt = key > b
-        eq = key == b
+        x = _logits(base, start + tl.arange(0, BLOCK), V)
+        gt = x > xb
         n += gt.to(tl.int32)
         mass += tl.where(gt, tl.exp((x - xmax) * inv), 0.0)
-        xb = tl.maximum(xb, tl.where(eq, x, float("-inf")))
-        g += eq.to(tl.int32)
-    return tl.sum(n, axis=0), tl.sum(mass, axis=0), tl.max(xb, axis=0), tl.sum(g, axis=0)
+        g += (x == xb).to(tl.int32)
+    return n, mass, g
+
+
+@triton.jit
+def _draw(base, V, lane_mass, xp, w_eq, xmax, inv, u, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Step 3's inverse-CDF draw: the token where the proposal's mass, walked lane-major, crosses u * total.
+    lane_mass: the proposal's mass per lane (tokens > xp weighted e, == xp weighted e * w_eq). A token of
+    weight 0 is never drawn (rounding: the last positive token of the lane if the walk falls short)."""
+    lanes = tl.arange(0, BLOCK)
+    c = tl.cumsum(lane_mass, axis=0)
+    target = u * tl.max(c, axis=0)
+    lane = tl.min(tl.where((c > target) & (lane_mass > 0), lanes, BLOCK), axis=0)
+    lane = tl.where(lane < BLOCK, lane, tl.max(tl.where(lane_mass > 0, lanes, 0), axis=0))
+    rest = target - tl.sum(tl.where(lanes == lane, c - lane_mass, 0.0), axis=0)
+    pick = tl.full([], 2147483647, tl.int32)
+    last = lane
+    run = tl.zeros([], tl.float32)
+    for j in range(0, tl.cdiv(V, BLOCK), CHUNK):
+        offs = lane + (j + tl.arange(0, CHUNK)) * BLOCK
+        x = _logits(base, offs, V)
+        e = tl.exp((x - xmax) * inv)
+        w = tl.where(x > xp, e, tl.where(x == xp, e * w_eq, 0.0))
+        cross = ((tl.cumsum(w, axis=0) + run) > rest) & (w > 0)
+        pick = tl.minimum(pick, tl.min(tl.where(cross, offs, 2147483647), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(w > 0, offs, -1), axis=0))
+        run += tl.sum(w, axis=0)
+    return tl.where(pick < 2147483647, pick, last)
 
 
 @triton.jit
 def _race(base, lo, hi, V, xmax, inv, seed, b, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 4 over logits [lo, hi) of a row, per lane: the best race score and its index among keys > b and
-    among keys == b (the group at b), the count and mass (exp((x - max) / T)) above b, the group's size and
-    its logit."""
+    """Step 4's race over logits [lo, hi) of a row, per lane: the best race score and its index among keys > b
+    and among keys == b (the group at b), the count and mass (exp((x - max) / T)) above b, the group's size
+    and its logit."""
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     best_eq = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -127,95 +181,150 @@ def _race(base, lo, hi, V, xmax, inv, seed, b, SHIFT: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
+def _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT: tl.constexpr,
+           BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """Step 4, the fallback: (token, tokens kept, the smallest kept logit). b: b_k (no top-k: below every
+    key, lo: the row's min key), `tied` of the tokens at b_k in the top-k, norm: S_k."""
+    # top-p: b = the smallest key >= b_k whose mass above is <= top_p * norm
+    if top_p < 1:
+        b_p = _search(base, V, lo, kmax, xmax, inv, top_p * norm, True, SHIFT, BLOCK, WAYS)
+        if b_p != b:
+            tied = 0  # b_p above b_k: its group is whole (counted in the race pass)
+        b = b_p
+    # the race: keys > b, and the group at b apart (its best shifted by log(kept / g) below)
+    best, best_i, best_eq, best_eq_i, n_gt, mass_gt, g, xb = _race(
+        base, 0, V, V, xmax, inv, seed, b, SHIFT, BLOCK)
+    g_all = tl.sum(g, axis=0)
+    x_b = tl.max(xb, axis=0)
+    group = g_all
+    if tied > 0:
+        group = tied  # the top-k group at b_k (top-p kept at most what top-k did)
+    kept = group
+    if top_p < 1:
+        room = (top_p * norm - tl.sum(mass_gt, axis=0)) / tl.exp((x_b - xmax) * inv)
+        kept = tl.minimum(group, tl.maximum(tl.floor(room).to(tl.int32) + 1, 1))
+    # the group's best, as the best of `kept` tokens (each of them alike); none kept: -inf
+    eq_score = tl.max(best_eq, axis=0) + tl.log(kept.to(tl.float32) / tl.maximum(g_all, 1).to(tl.float32))
+    gt_score = tl.max(best, axis=0)
+    gt_i = tl.min(tl.where(best == gt_score, best_i, 2147483647), axis=0)
+    eq_i = tl.min(tl.where(best_eq == tl.max(best_eq, axis=0), best_eq_i, 2147483647), axis=0)
+    pick = tl.where((kept > 0) & (eq_score > gt_score), eq_i, gt_i)
+    return pick, tl.sum(n_gt, axis=0) + kept, x_b
+
+
+@triton.jit
 def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr,
-                   SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, BOUNDS: tl.constexpr):
+                   SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
+                   ROUNDS: tl.constexpr, BOUNDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     lanes = tl.arange(0, BLOCK)
     temp = tl.load(t_ptr + row)
     inv = 1.0 / tl.maximum(temp, 1e-5)
-    # 1. max, its first index, min key, sum of exp((x - max) * inv)
+    # 1. max, its first index, min, sum of exp((x - max) * inv) per lane
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
     arg = tl.full([BLOCK], 2147483647, tl.int32)
-    kmin = tl.full([BLOCK], 2**62, tl.int64)
+    xmin = tl.full([BLOCK], float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + lanes
-        x, key = _load(base, offs, V, SHIFT)
-        arg = tl.where(x > m, offs, arg)
-        m_new = tl.maximum(m, x)
-        live = m_new > float("-inf")  # a lane that has seen nothing finite adds nothing (no -inf - -inf)
-        s = tl.where(live, s * tl.exp((m - m_new) * inv) + tl.exp((x - m_new) * inv), 0.0)
+        x = _logits(base, offs, V)
+        # one exp a logit: e^-|x - m| / T is the old sum's factor (x > m: a new max) or the new term (else)
+        up = x > m
+        arg = tl.where(up, offs, arg)
+        d = tl.exp(-tl.abs(x - m) * inv)
+        m_new = tl.maximum(m, x)  # a lane that has seen nothing finite adds nothing (no -inf - -inf):
+        s = tl.where(m_new > float("-inf"), tl.where(up, s * d + 1.0, s + d), 0.0)
         m = m_new
-        kmin = tl.minimum(kmin, tl.where(offs < V, key, 2**62))
+        xmin = tl.minimum(xmin, tl.where(offs < V, x, float("inf")))
     xmax = tl.max(m, axis=0)
     first = tl.min(tl.where(m == xmax, arg, 2147483647), axis=0)
     if temp <= 0:  # greedy: the first index of the max, as torch.argmax
         tl.store(out_ptr + row, first.to(tl.int64))
         if BOUNDS:
-            tl.store(bound_ptr + row * 2, 1.0)
-            tl.store(bound_ptr + row * 2 + 1, xmax)
+            tl.store(bound_ptr + row * 3, 1.0)
+            tl.store(bound_ptr + row * 3 + 1, xmax)
+            tl.store(bound_ptr + row * 3 + 2, 0.0)
     else:
-        total = tl.sum(tl.where(m > float("-inf"), s * tl.exp((m - xmax) * inv), 0.0), axis=0)
+        lane_mass = tl.where(m > float("-inf"), s * tl.exp((m - xmax) * inv), 0.0)
+        norm = tl.sum(lane_mass, axis=0)
         kmax = _key(xmax, SHIFT).to(tl.int64)
-        lo = tl.min(kmin, axis=0)
+        lo = _key(tl.min(xmin, axis=0), SHIFT).to(tl.int64)
         top_k = tl.load(k_ptr + row)
         top_p = tl.load(p_ptr + row)
+        seed = tl.load(seed_ptr + row)
         # 2. top-k: b = the k-th largest key; `tied` of the tokens at b are in the top-k
         b = lo - 1  # no top-k: every key is above b
-        tied = 0
-        norm = total
+        tied = tl.zeros([], tl.int32)
+        # the proposal: the logits > xp, and those == xp weighted w_eq each
+        xp = tl.full([], float("-inf"), tl.float32)
+        w_eq = tl.zeros([], tl.float32)
         if (top_k > 0) & (top_k < V):
             b = _search(base, V, lo, kmax, xmax, inv, (top_k - 1).to(tl.float32), False, SHIFT, BLOCK, WAYS)
-            n_gt, mass_gt, xb, _ = _above(base, V, b, xmax, inv, SHIFT, BLOCK)
-            tied = (top_k - n_gt).to(tl.int32)
-            norm = mass_gt + tied * tl.exp((xb - xmax) * inv)
+            xp = _unkey(b, SHIFT)
+            n_l, mass_l, g_l = _above(base, V, xp, xmax, inv, BLOCK)
+            tied = (top_k - tl.sum(n_l, axis=0)).to(tl.int32)
+            e_b = tl.exp((xp - xmax) * inv)
+            norm = tl.sum(mass_l, axis=0) + tied * e_b
+            w_eq = tied / tl.sum(g_l, axis=0).to(tl.float32)
+            lane_mass = mass_l + (w_eq * e_b) * g_l.to(tl.float32)
             lo = b
-        # 3. top-p: b = the smallest key >= b_k whose mass above is <= top_p * norm
-        if top_p < 1:
-            b_p = _search(base, V, lo, kmax, xmax, inv, top_p * norm, True, SHIFT, BLOCK, WAYS)
-            if b_p != b:
-                tied = 0  # b_p above b_k: its group is whole (counted in the race pass)
-            b = b_p
-        # 4. the race: keys > b, and the group at b apart (its best shifted by log(kept / g) below)
-        seed = tl.load(seed_ptr + row)
-        best, best_i, best_eq, best_eq_i, n_gt, mass_gt, g, xb = _race(
-            base, 0, V, V, xmax, inv, seed, b, SHIFT, BLOCK)
-        n_gt_all = tl.sum(n_gt, axis=0)
-        g_all = tl.sum(g, axis=0)
-        x_b = tl.max(xb, axis=0)
-        group = g_all
-        if tied > 0:
-            group = tied  # the top-k group at b_k (top-p kept at most what top-k did)
-        kept = group
-        if top_p < 1:
-            e_b = tl.exp((x_b - xmax) * inv)
-            room = (top_p * norm - tl.sum(mass_gt, axis=0)) / e_b
-            kept = tl.minimum(group, tl.maximum(tl.floor(room).to(tl.int32) + 1, 1))
-        # the group's best, as the best of `kept` tokens (each of them alike); none kept: -inf
-        eq_score = tl.max(best_eq, axis=0) + tl.log(kept.to(tl.float32) / tl.maximum(g_all, 1).to(tl.float32))
-        gt_score = tl.max(best, axis=0)
-        gt_i = tl.min(tl.where(best == gt_score, best_i, 2147483647), axis=0)
-        eq_i = tl.min(tl.where(best_eq == tl.max(best_eq, axis=0), best_eq_i, 2147483647), axis=0)
-        pick = tl.where((kept > 0) & (eq_score > gt_score), eq_i, gt_i)
-        tl.store(out_ptr + row, pick.to(tl.int64))
+        # 3. rejection: the proposal (xp, w_eq, lane_mass) always holds the kept set
+        limit = top_p * norm
+        exact = top_p >= 1  # the proposal is the kept set
+        n_eq = tied  # tokens at xp in the proposal
+        done = tl.full([], 0, tl.int1)
+        rounds = tl.zeros([], tl.int32)
+        tok = first
+        while (rounds < ROUNDS) & ~done:
+            tok = _draw(base, V, lane_mass, xp, w_eq, xmax, inv, tl.rand(seed, V + 2 * rounds), BLOCK, CHUNK)
+            if exact:
+                done = exact
+            else:
+                x_t = tl.load(base + tok).to(tl.float32) + 0.0
+                _, mass_l, g_l = _above(base, V, x_t, xmax, inv, BLOCK)
+                above = tl.sum(mass_l, axis=0)
+                g = tl.sum(g_l, axis=0)
+                e_t = tl.exp((x_t - xmax) * inv)
+                group = tl.where(x_t == xp, n_eq, g)
+                kept = tl.minimum(group, tl.floor((limit - above) / e_t).to(tl.int32) + 1)
+                kept = tl.where(above <= limit, kept, 0)
+                done = tl.rand(seed, V + 2 * rounds + 1) * group.to(tl.float32) < kept.to(tl.float32)
+                # rejected: the kept set lies at or above x_t, its group there cut at `kept` (0: none)
+                xp = x_t
+                n_eq = kept
+                w_eq = kept / g.to(tl.float32)
+                lane_mass = mass_l + (w_eq * e_t) * g_l.to(tl.float32)
+                exact = kept > 0
+            rounds += 1
         if BOUNDS:
-            tl.store(bound_ptr + row * 2, (n_gt_all + kept).to(tl.float32))
-            tl.store(bound_ptr + row * 2 + 1, x_b)
+            pick, n_kept, x_b = _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT, BLOCK,
+                                       WAYS)
+            tl.store(bound_ptr + row * 3, n_kept.to(tl.float32))
+            tl.store(bound_ptr + row * 3 + 1, x_b)
+            tl.store(bound_ptr + row * 3 + 2, (rounds + (~done).to(tl.int32)).to(tl.float32))
+            tok = tl.where(done, tok, pick)
+        else:
+            if ~done:
+                tok, _, _ = _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT, BLOCK,
+                                   WAYS)
+        tl.store(out_ptr + row, tok.to(tl.int64))
 
 
 def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
                  seeds: torch.Tensor, bounds: bool = False):
     """Token ids [rows] int64 for logits x [rows, vocab] (unit stride in vocab; bf16, fp16 or fp32) with
     per-row temperature (0: greedy), top_p (>= 1: off), top_k int64 (<= 0 or >= vocab: off) and Philox seed
-    (int64). bounds: also [rows, 2] fp32 (tokens kept, the smallest kept logit) for tests."""
+    (int64). bounds: also [rows, 3] fp32 (tokens kept, the smallest kept logit, by step 4's search; the
+    rejection rounds taken, ROUNDS + 1 where the fallback drew) for tests and the benchmark."""
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    kept = torch.empty(rows, 2, dtype=torch.float32, device=x.device) if bounds else out
+    kept = torch.empty(rows, 3, dtype=torch.float32, device=x.device) if bounds else out
     if rows:
         assert x.stride(-1) == 1 and x.dtype in SHIFT, (x.stride(), x.dtype)
         _sample_kernel[(rows,)](
             x, x.stride(0), vocab, temperatures.float().contiguous(), top_ps.float().contiguous(),
             top_ks.long().contiguous(), seeds.contiguous(), out, kept,
-            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, BOUNDS=bounds, num_warps=NUM_WARPS)
+            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK, ROUNDS=ROUNDS, BOUNDS=bounds,
+            num_warps=NUM_WARPS)
     return (out, kept) if bounds else out
