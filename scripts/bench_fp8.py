@@ -13,9 +13,14 @@
      bf16 rows; qkv, gate_up, down: rows its norm or SiLU-mul quantized, Fp8Rows), 32 weights a graph; us and
      fraction of the bytes floor (weight + activations + output at the copy rate), a layer's four GEMMs
      summed; then launch_rules.FP8_SKINNY_LAUNCHES and FP8_SKINNY_BLOCK_LAUNCHES to paste, one a layout
-     (llama-3.1-8b-fp8's): a row count keeps today's path (None) where the skinny GEMM is not faster.
+     (llama-3.1-8b-fp8's): a row count keeps today's path (None) where the skinny GEMM is not faster;
+  5. (--rows_gemv alone) the multi-row FP8 GEMV (triton_fp8_rows) at 2, 4, 8, 16 rows over ROWS_GEMV_SWEEP,
+     beside the skinny GEMM (its table's launch) and today's dispatch (triton_fp8.linear as the tree's tables
+     say), the shapes' rows as in section 4, 32 weights a graph: us per layer (the four GEMMs) and fraction of
+     the bytes floor, each launch's layer sum, then launch_rules.FP8_GEMV_ROWS_LAUNCHES and
+     FP8_GEMV_ROWS_BLOCK_LAUNCHES to paste (None where the skinny GEMM's launch is faster).
 
-    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny]
+    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny | --rows_gemv]
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ import bench_attention  # noqa: E402 - the copy-bandwidth timer
 from bench_gemv import SHAPES, graph_us  # noqa: E402
 from cuda_timing import cuda_median_ms  # noqa: E402
 from autoprofile.kernels import launch_rules, triton_fp8, triton_fp8_skinny, triton_gemv  # noqa: E402
-from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch  # noqa: E402
+from autoprofile.kernels import triton_fp8_rows  # noqa: E402
+from autoprofile.kernels.launch_rules import GemvRowsLaunch, SkinnyLaunch, fp8_gemv_rows_launch  # noqa: E402
+from autoprofile.kernels.launch_rules import fp8_skinny_launch  # noqa: E402
 from autoprofile.layers.quant import Fp8Rows  # noqa: E402
 from unit_tests.test_triton_fp8 import REFERENCE  # noqa: E402
 
@@ -50,6 +57,11 @@ SKINNY_ROWS = (1, 2, 4, 8, 16, 32, 64)
 SKINNY_SWEEP = [SkinnyLaunch(*c) for c in (
     (16, 128, 4, 4), (16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
     (64, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 2), (16, 256, 2, 3), (32, 128, 4, 5))]
+
+ROWS_GEMV_ROWS = (2, 4, 8, 16)
+# (block_n, block_k, sum_k, warps): the one-row GEMV's shape first; min_programs the rule's default
+ROWS_GEMV_SWEEP = [GemvRowsLaunch(*c) for c in (
+    (4, 512, 16, 1), (2, 512, 16, 1), (4, 256, 16, 1), (2, 1024, 16, 1), (8, 512, 16, 4), (4, 512, 512, 1))]
 
 
 def fp8_weights(n: int, k: int, scheme, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,7 +184,8 @@ def skinny_times(name: str, m: int, n: int, k: int, scheme, rate: float, launche
     block = tuple(scheme.block) if scheme.weight == "block" else None
     q = fp8_weights(n, k, scheme, 32)
     x = model_rows(name, m, k, scheme)
-    launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()  # today's path
+    launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
+    launch_rules.FP8_GEMV_ROWS_LAUNCHES = launch_rules.FP8_GEMV_ROWS_BLOCK_LAUNCHES = ()  # today's path
     out = {"today": graph_us(lambda: [triton_fp8.linear(x, w, s, scheme) for w, s in q], 32),
            "floor": floor_us(m, n, k, x, rate), "err": 0.0}
     want = triton_fp8.linear(x, *q[0], scheme).float()
@@ -197,7 +210,7 @@ def layer_us(m: int, cfg: SkinnyLaunch, shapes: dict, times: dict) -> float | No
     return sum(times[name][key] for name, key in keys.items())
 
 
-def rule_line(best: dict[int, SkinnyLaunch | None], name: str = "FP8_SKINNY_LAUNCHES") -> str:
+def rule_line(best: dict, name: str = "FP8_SKINNY_LAUNCHES", kind: str = "SkinnyTable") -> str:
     """launch_rules.FP8_SKINNY_LAUNCHES from each row count's choice (None: today's path), neighbours with
     the same choice merged into the larger row count's entry, trailing Nones dropped."""
     entries: list[tuple[int, SkinnyLaunch | None]] = []
@@ -208,7 +221,7 @@ def rule_line(best: dict[int, SkinnyLaunch | None], name: str = "FP8_SKINNY_LAUN
     while entries and entries[-1][1] is None:
         entries.pop()
     body = ", ".join(f"({m}, {None if cfg is None else cfg})" for m, cfg in entries)
-    return f"{name}: SkinnyTable = ({body}{',' if len(entries) == 1 else ''})"
+    return f"{name}: {kind} = ({body}{',' if len(entries) == 1 else ''})"
 
 
 def skinny_table(rate: float, sweep: bool) -> None:
@@ -241,16 +254,81 @@ def skinny_table(rate: float, sweep: bool) -> None:
     print(rule_line(best["block"], "FP8_SKINNY_BLOCK_LAUNCHES"), flush=True)
 
 
+def rows_rule_launch(m: int, n: int, k: int, cfg: GemvRowsLaunch, block: bool) -> GemvRowsLaunch | None:
+    """What launch_rules makes of `cfg` at this shape (block_n halved for a narrow N, K step capped)."""
+    return fp8_gemv_rows_launch(m, n, k, ((launch_rules.GEMV_ROWS_MAX, cfg),), block)
+
+
+def gemv_rows_times(name: str, m: int, n: int, k: int, scheme, rate: float, launches) -> dict:
+    """us per call of today's dispatch ("today"), the skinny GEMM's table launch ("skinny", absent where its
+    table has none) and each launch the rule makes of `launches` (keyed by that launch), 32 weights a graph;
+    "floor", and "err": the GEMV's largest difference from today's output, relative to its largest value."""
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    q = fp8_weights(n, k, scheme, 32)
+    x = model_rows(name, m, k, scheme)
+    out = {"today": graph_us(lambda: [triton_fp8.linear(x, w, s, scheme) for w, s in q], 32),
+           "floor": floor_us(m, n, k, x, rate), "err": 0.0}
+    want = triton_fp8.linear(x, *q[0], scheme).float()
+    q = [(w, s if block else s.reshape(n)) for w, s in q]
+    if (skinny := fp8_skinny_launch(m, n, k, block=block is not None)) is not None:
+        out["skinny"] = graph_us(lambda: [triton_fp8_skinny.linear(x, w, s, block, skinny) for w, s in q], 32)
+    for launch in {rows_rule_launch(m, n, k, cfg, block is not None) for cfg in launches} - {None}:
+        try:
+            got = triton_fp8_rows.linear(x, *q[0], block, launch).float()
+            out[launch] = graph_us(lambda: [triton_fp8_rows.linear(x, w, s, block, launch) for w, s in q], 32)
+        except Exception as e:  # noqa: BLE001 - a launch past the registers is reported
+            print(f"  {name} m={m} {tuple(launch)}: {type(e).__name__}", flush=True)
+            continue
+        out["err"] = max(out["err"], float((got - want).abs().max() / want.abs().max()))
+    return out
+
+
+def gemv_rows_table(rate: float, quick: bool) -> None:
+    launches = ROWS_GEMV_SWEEP[:1] if quick else ROWS_GEMV_SWEEP
+    shapes = {name: nk for name, nk in SHAPES.items() if name != "lm_head"}
+    print("\n== decode rows: the multi-row FP8 GEMV's launches beside the skinny GEMM and today's dispatch "
+          "(us per layer, the four GEMMs; fraction of the bytes floor) ==")
+    best: dict[str, dict[int, GemvRowsLaunch | None]] = {"channel": {}, "block": {}}
+    for scheme in (CHANNEL, BLOCK):
+        is_block = scheme.weight == "block"
+        for m in ROWS_GEMV_ROWS:
+            times = {name: gemv_rows_times(name, m, n, k, scheme, rate, launches)
+                     for name, (n, k) in shapes.items()}
+            floor, today = (sum(t[key] for t in times.values()) for key in ("floor", "today"))
+            skinny = sum(t.get("skinny", float("nan")) for t in times.values())
+            layer = {}
+            for cfg in launches:
+                keys = {name: rows_rule_launch(m, n, k, cfg, is_block) for name, (n, k) in shapes.items()}
+                if all(key in times[name] for name, key in keys.items()):
+                    layer[cfg] = sum(times[name][key] for name, key in keys.items())
+            print(f"{scheme.weight:7s} m={m:2d} | floor {floor:.1f} | today {today:.1f} "
+                  f"({floor / today:.2f}) | skinny {skinny:.1f} ({floor / skinny:.2f}) | err "
+                  f"{max(t['err'] for t in times.values()):.1e}", flush=True)
+            for cfg, us in sorted(layer.items(), key=lambda item: item[1]):
+                shares = " ".join(f"{name} {times[name][rows_rule_launch(m, n, k, cfg, is_block)]:.1f}"
+                                  for name, (n, k) in shapes.items())
+                print(f"    {tuple(cfg)}: {us:.1f} ({floor / us:.2f}) [{shares}]", flush=True)
+            cfg = min(layer, key=layer.get) if layer else None
+            best[scheme.weight][m] = cfg if cfg is not None and not layer[cfg] >= skinny else None
+    print("\nlaunch_rules, one table a weight layout (None: the skinny GEMM's launch was faster):")
+    print(rule_line(best["channel"], "FP8_GEMV_ROWS_LAUNCHES", "GemvRowsTable"), flush=True)
+    print(rule_line(best["block"], "FP8_GEMV_ROWS_BLOCK_LAUNCHES", "GemvRowsTable"), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="no config sweeps")
     p.add_argument("--skinny", action="store_true", help="only the decode rows' table (section 4)")
+    p.add_argument("--rows_gemv", action="store_true", help="only the multi-row GEMV's sweep (section 5)")
     args = p.parse_args()
     torch.manual_seed(0)
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s; FP8 GEMV config "
           f"by shape (gemv_config); bf16 GEMV "
           f"{triton_gemv.BLOCK_N}/{triton_gemv.BLOCK_K}/w{triton_gemv.WARPS}; GEMM {triton_fp8.GEMM_LARGE}")
+    if args.rows_gemv:
+        gemv_rows_table(copy["GB_per_s"] * 1e9, args.quick)
+        return
     if not args.skinny:
         gemv_table(copy["GB_per_s"] * 1e9, not args.quick)
         gemm_table(not args.quick)

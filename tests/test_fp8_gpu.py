@@ -18,10 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(autouse=True)
 def todays_gemm_path(monkeypatch):
     """These tests check the quantize + GEMM path at every row count; the launch tables send 2-32 rows to the
-    skinny W8A16 GEMM, which tests/test_fp8_skinny_gpu.py checks."""
+    W8A16 multi-row GEMV and skinny GEMM, which tests/test_fp8_skinny_gpu.py checks."""
     from autoprofile.kernels import launch_rules
-    monkeypatch.setattr(launch_rules, "FP8_SKINNY_LAUNCHES", ())
-    monkeypatch.setattr(launch_rules, "FP8_SKINNY_BLOCK_LAUNCHES", ())
+    for table in ("FP8_SKINNY_LAUNCHES", "FP8_SKINNY_BLOCK_LAUNCHES", "FP8_GEMV_ROWS_LAUNCHES",
+                  "FP8_GEMV_ROWS_BLOCK_LAUNCHES"):
+        monkeypatch.setattr(launch_rules, table, ())
 
 ref: dict = {}  # the private references' namespace
 exec(compile(REFERENCE, "reference", "exec"), ref)

@@ -1,13 +1,15 @@
-"""GPU: the skinny FP8 GEMM (kernels.triton_fp8_skinny) compiled, in bf16, against the dequantized fp32 matmul
-at llama-3.1-8b's shapes and odd ones, 2 to 64 rows, channel and 128 x 128 block scales, bf16 rows and the
-producers' Fp8Rows; one compile for every row count of a padded tile; the residual added in the epilogue."""
+"""GPU: the skinny FP8 GEMM (kernels.triton_fp8_skinny) and the multi-row FP8 GEMV (kernels.triton_fp8_rows)
+compiled, in bf16, against the dequantized fp32 matmul at llama-3.1-8b's shapes and odd ones, 2 to 64 rows
+(the GEMV: 2 to 16), channel and 128 x 128 block scales, bf16 rows and the producers' Fp8Rows; one compile for
+every row count of a padded tile; the residual added in the epilogue."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from autoprofile.kernels import triton_fp8, triton_fp8_skinny
-from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch
+from autoprofile.kernels import triton_fp8, triton_fp8_rows, triton_fp8_skinny
+from autoprofile.kernels.launch_rules import GemvRowsLaunch, SkinnyLaunch, fp8_gemv_rows_launch
+from autoprofile.kernels.launch_rules import fp8_skinny_launch
 from autoprofile.layers import quant
 from autoprofile.layers.quant import Fp8Rows, Fp8Scheme
 from tests.test_fp8_gpu import rel_err, weights
@@ -62,4 +64,52 @@ def test_one_compile_serves_every_row_count_of_a_tile():
     before = compiled()
     for m in range(18, 33):
         triton_fp8_skinny.linear(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), wq, ws, None, launch)
+    assert compiled() == before
+
+
+# ------------------------------------------------------------ the multi-row GEMV (kernels.triton_fp8_rows)
+GEMV_LAUNCHES = [GemvRowsLaunch(), GemvRowsLaunch(2, 512, 16, 1), GemvRowsLaunch(8, 512, 16, 4),
+                 GemvRowsLaunch(4, 512, 512, 1)]
+
+
+@pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_multi_row_gemv_equals_the_dequantized_matmul(scheme, n, k):
+    wq, ws = weights(n, k, scheme)
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    deq = quant.dequantize_weight(wq, ws, scheme)
+    for m in (2, 3, 8, 16):
+        for cfg in GEMV_LAUNCHES:
+            launch = fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=block is not None)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            got = triton_fp8_rows.linear(x, wq, ws, block, launch)
+            assert got.dtype == torch.bfloat16 and rel_err(got, x.float() @ deq.T) < 1e-2, (m, launch)
+            rows = rows_for(x, scheme)
+            got = triton_fp8_rows.linear(rows, wq, ws, block, launch)
+            want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+            assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+    res = torch.randn(5, n, device="cuda", dtype=torch.bfloat16)
+    keep = res.float()
+    rows = rows_for(torch.randn(5, k, device="cuda", dtype=torch.bfloat16), scheme)
+    out = triton_fp8.linear(rows, wq, ws, scheme, residual=res)  # the table's launch, in its epilogue
+    want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+    assert out is res and rel_err(res, keep + want) < 1e-2
+
+
+def test_one_multi_row_gemv_compile_serves_every_row_count_of_its_rows():
+    n, k = 4096, 4096
+    wq, ws = weights(n, k, CHANNEL)
+    kernel = triton_fp8_rows._gemv_rows_fp8_kernel
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    def run(m: int) -> None:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        triton_fp8_rows.linear(x, wq, ws, None, fp8_gemv_rows_launch(m, n, k, ((16, GemvRowsLaunch()),)))
+
+    run(5)
+    before = compiled()
+    for m in (6, 7, 8):
+        run(m)
     assert compiled() == before

@@ -134,6 +134,7 @@ print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_byte
 FP8 = KERNELS + r'''
 import torch
 from autoprofile.kernels import triton_fp8, triton_moe
+from autoprofile.layers.quant import Fp8Rows
 from unit_tests.test_triton_fp8 import REFERENCE
 ref = {}
 exec(REFERENCE, ref)
@@ -148,6 +149,12 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
             triton_fp8.gemm(*triton_fp8.quantize_per_token(x), wq, ws, scheme.block, torch.float16)
             res = torch.zeros(1, n, device="cuda").bfloat16()
             triton_fp8.linear(x[:1].contiguous(), wq, ws, scheme, residual=res)
+        for m in (2, 3, 8):  # the multi-row GEMV's tables (kernels.triton_fp8_rows): bf16 and producers' rows
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            group = scheme.block[1] if scheme.activation == "group" else None
+            q, s = triton_fp8.quantize_per_group(x, group) if group else triton_fp8.quantize_per_token(x)
+            triton_fp8.linear(Fp8Rows(q, s, x.dtype), wq, ws, scheme, residual=torch.zeros_like(x[:, :1]).expand(m, n).contiguous())
+            triton_fp8.linear(x, wq, ws, scheme)
     for m in (1, 300):  # the producers that quantize their rows: llama-3.1-8b's hidden and intermediate sizes
         triton_fp8.rms_norm_quant(torch.randn(m, 4096, device="cuda").bfloat16(),
                                   torch.ones(4096, device="cuda").bfloat16(), 1e-5, scheme)
@@ -321,17 +328,17 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
 
 
 def test_no_fp8_kernel_spills_past_the_bound():
-    """triton_fp8 (quant, GEMV with and without its residual, both GEMM configs, the norm and SiLU-mul that
-    quantize their rows, at llama-3.1-8b's widest shapes) and the FP8 experts
-    (AITER's block-scaled path, both launch configs), channel and block scales: none needs more than 1 KiB
-    of local memory per thread."""
+    """triton_fp8 (quant, GEMV with and without its residual, the multi-row GEMV's table launches at 2-8 rows
+    from bf16 and FP8 rows, both GEMM configs, the norm and SiLU-mul that quantize their rows, at
+    llama-3.1-8b's widest shapes) and the FP8 experts (AITER's block-scaled path, both launch configs),
+    channel and block scales: none needs more than 1 KiB of local memory per thread."""
     got = run_fresh(FP8)
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_quant_token_kernel", "_quant_group_kernel", "_gemv_fp8_kernel", "_gemm_fp8_kernel",
-            "_rms_norm_quant_kernel", "_silu_mul_quant_kernel", "_fused_moe_silu_kernel",
-            "_fused_moe_kernel"} <= names, names
+            "_gemv_rows_fp8_kernel", "_rms_norm_quant_kernel", "_silu_mul_quant_kernel",
+            "_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
     assert spilling(got["kernels"]) == []
 
 

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.kernels import (pdl, triton_act, triton_decode, triton_fp8, triton_gemv, triton_norm,
-                                 triton_rope)
+from autoprofile.kernels import (pdl, triton_act, triton_decode, triton_fp8, triton_fp8_rows, triton_gemv,
+                                 triton_norm, triton_rope)
+from autoprofile.kernels.launch_rules import GemvRowsLaunch
 from autoprofile.layers.quant import Fp8Scheme, quantize_weight
 from scripts.cuda_timing import capture
 from unit_tests.test_attention_cpu import rel_err
@@ -86,6 +87,12 @@ def consumers():
     wq, ws = quantize_weight(torch.randn(H, 2 * INTER, device=dev, generator=gen) * H ** -0.5,
                              Fp8Scheme("channel"))
     fixed_x = torch.randn(1, 2 * INTER, device=dev, generator=gen).bfloat16()
+    fixed_rows = torch.randn(4, 2 * INTER, device=dev, generator=gen).bfloat16()
+
+    def rows_gemv(x, residual=None):  # the multi-row GEMV (kernels.triton_fp8_rows), 4 rows
+        return triton_fp8_rows.gemv(x, None, wq, ws, None, torch.bfloat16, GemvRowsLaunch(),
+                                    residual=residual)
+
     heads, kv_heads, d, page, seq = 32, 8, 128, 16, 1024
     caches = {kind: [torch.randn(seq // page, kv_heads, page, d, device=dev, generator=gen).to(kind)
                      for _ in range(2)] for kind in (torch.bfloat16, torch.float8_e4m3fn)}
@@ -112,6 +119,8 @@ def consumers():
         "fp8 gemv, its input": ((1, 2 * INTER), lambda: lambda x: [triton_fp8.gemv(x, wq, ws, None)]),
         "fp8 gemv, its residual": ((1, H), lambda: lambda r: [triton_fp8.gemv(fixed_x, wq, ws, None,
                                                                               residual=r)]),
+        "fp8 rows gemv, its input": ((4, 2 * INTER), lambda: lambda x: [rows_gemv(x)]),
+        "fp8 rows gemv, its residual": ((4, H), lambda: lambda r: [rows_gemv(fixed_rows, r)]),
         "rope_store": ((1, (heads + 2 * kv_heads) * d), rope),
         "split decode, bf16 pages": ((1, heads, d), decode(torch.bfloat16)),
         "split decode, fp8 pages": ((1, heads, d), decode(torch.float8_e4m3fn)),
@@ -119,7 +128,8 @@ def consumers():
 
 
 CONSUMERS = ("rms_norm", "bf16 gemv", "silu_mul", "fp8 gemv, its input", "fp8 gemv, its residual",
-             "rope_store", "split decode, bf16 pages", "split decode, fp8 pages")
+             "fp8 rows gemv, its input", "fp8 rows gemv, its residual", "rope_store",
+             "split decode, bf16 pages", "split decode, fp8 pages")
 
 
 @pytest.mark.parametrize("name", CONSUMERS)

@@ -121,3 +121,21 @@ def test_the_fp8_skinny_rule_follows_each_layouts_measured_table():
     assert fp8_skinny_launch(2, 6144, 4096, table).block_n == 16
     assert fp8_skinny_launch(2, 100, 100, table) == SkinnyLaunch(16, 128, 4, 3)
     assert [skinny_block_m(m) for m in (1, 2, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]
+
+
+def test_the_fp8_multi_row_gemv_rule_takes_2_to_its_rows_and_leaves_the_rest_to_the_skinny_rule():
+    from autoprofile.kernels.launch_rules import (GEMV_ROWS_MAX, GemvRowsLaunch, fp8_gemv_rows_launch,
+                                                  gemv_rows_padded)
+    # the tables: one row is the one-row GEMV's, 2 up to the last entry the multi-row GEMV's, none past 16
+    for block in (False, True):
+        got = [fp8_gemv_rows_launch(m, 14336, 4096, block=block) for m in range(1, 40)]
+        last = max(m for m in range(1, 40) if got[m - 1] is not None)
+        assert got[0] is None and all(got[1:last]) and not any(got[last:]) and last <= GEMV_ROWS_MAX, block
+    table = ((4, GemvRowsLaunch(8, 512, 16, 2)), (8, None), (16, GemvRowsLaunch(2, 256, 256, 1)))
+    got = [fp8_gemv_rows_launch(m, 28672, 4096, table) for m in (1, 2, 4, 5, 8, 9, 16, 17)]
+    assert got == [None, table[0][1], table[0][1], None, None, table[2][1], table[2][1], None]
+    # a narrow N halves block_n toward min_programs programs (not below 1); a short K caps the step and the sum
+    assert fp8_gemv_rows_launch(2, 4096, 4096, table).block_n == 2  # 2,048 programs
+    assert fp8_gemv_rows_launch(2, 28672, 4096, table).block_n == 8
+    assert fp8_gemv_rows_launch(9, 100, 100, table) == GemvRowsLaunch(1, 128, 128, 1)
+    assert [gemv_rows_padded(m) for m in (2, 3, 4, 5, 8, 9, 16)] == [2, 4, 4, 8, 8, 16, 16]

@@ -175,6 +175,38 @@ for pdl.enabled in H100_PDL:
             triton_rope.rope_store(qkv, cos, sin, cache, cache, slots, hq, hkv, d, kv_scales,
                                    (bf16(d), bf16(d), 1e-6) if norm else None, rotary, gated)
 ''',
+    # the multi-row FP8 GEMV at llama-3.1-8b's qkv: every padded ROWS under each table's launch (with PDL
+    # and without), bf16 rows and the producers' FP8 rows (a scale a row, a K group's), bias, the residual;
+    # then every launch scripts/bench_fp8.py --rows_gemv sweeps, at 2 and 8 rows
+    "triton_fp8_rows": r'''
+RUN = False
+from autoprofile.kernels import launch_rules, triton_fp8_rows as r
+from autoprofile.kernels.launch_rules import GemvRowsLaunch, fp8_gemv_rows_launch
+FP8 = torch.float8_e4m3fn
+n, k = 6144, 4096
+w, bias = torch.zeros(n, k, dtype=FP8), torch.zeros(n, dtype=torch.bfloat16)
+scales = {None: torch.ones(n), (128, 128): torch.ones(n // 128, k // 128)}
+SWEEP = [GemvRowsLaunch(*c) for c in ((4, 512, 16, 1), (2, 512, 16, 1), (4, 256, 16, 1), (2, 1024, 16, 1),
+                                      (8, 512, 16, 4), (4, 512, 512, 1))]
+
+
+def launch_all(m, block, launch, **kw):
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    xs = torch.ones(m, 1) if block is None else torch.ones(m, k // 128)
+    r.gemv(x, None, w, scales[block], block, torch.bfloat16, launch, **kw)
+    r.gemv(x.to(FP8), xs, w, scales[block], block, torch.bfloat16, launch, **kw)
+
+
+for pdl.enabled in H100_PDL:
+    for block in scales:
+        for m in (2, 3, 8, 16):
+            launch = fp8_gemv_rows_launch(m, n, k, block=block is not None) or GemvRowsLaunch()
+            launch_all(m, block, launch, bias=bias)
+            launch_all(m, block, launch, residual=torch.zeros(m, n, dtype=torch.bfloat16))
+for cfg in SWEEP:
+    for m in (2, 8):
+        launch_all(m, (128, 128), fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=True))
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -189,6 +221,7 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
+    "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},
     "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",
                    "_gates_kernel"},

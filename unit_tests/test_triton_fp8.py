@@ -66,6 +66,7 @@ from autoprofile.kernels import triton_fp8 as f
 from autoprofile.kernels import launch_rules
 # today's quantize + GEMM path at every row count (unit_tests/test_triton_fp8_skinny.py: the skinny GEMM's rows)
 launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
+launch_rules.FP8_GEMV_ROWS_LAUNCHES = launch_rules.FP8_GEMV_ROWS_BLOCK_LAUNCHES = ()
 
 torch.manual_seed(0)
 
@@ -159,6 +160,7 @@ from autoprofile.kernels import triton_act, triton_fp8 as f, triton_norm
 from autoprofile.kernels import launch_rules
 # today's quantize + GEMM path at every row count (unit_tests/test_triton_fp8_skinny.py: the skinny GEMM's rows)
 launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
+launch_rules.FP8_GEMV_ROWS_LAUNCHES = launch_rules.FP8_GEMV_ROWS_BLOCK_LAUNCHES = ()
 from autoprofile.layers.quant import Fp8Rows
 
 torch.manual_seed(0)

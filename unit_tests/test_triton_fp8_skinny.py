@@ -96,6 +96,7 @@ for scheme in (CHANNEL, BLOCK):
     x = torch.randn(8, k).half()
     # the default table: today's path (quantize + GEMM), bit for bit, and no skinny call
     launch_rules.FP8_SKINNY_LAUNCHES = launch_rules.FP8_SKINNY_BLOCK_LAUNCHES = ()
+    launch_rules.FP8_GEMV_ROWS_LAUNCHES = launch_rules.FP8_GEMV_ROWS_BLOCK_LAUNCHES = ()
     today = triton_fp8.linear(x, wq, wscale, scheme)
     assert not calls
     assert torch.equal(today, triton_fp8.gemm(*q.quantize_per_token(x.float()) if scheme is CHANNEL

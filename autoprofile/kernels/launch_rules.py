@@ -219,3 +219,53 @@ def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = Non
     while block_n > SKINNY_MIN_BLOCK_N and -(-n // block_n) < SKINNY_MIN_PROGRAMS:
         block_n //= 2
     return launch._replace(block_n=block_n, block_k=min(launch.block_k, max(32, 1 << (k - 1).bit_length())))
+
+
+# ---------------------------------------------------------------- FP8 weights, 2-8 rows (triton_fp8_rows)
+class GemvRowsLaunch(NamedTuple):
+    """One launch of triton_fp8_rows' GEMV: weight rows a program (halved for a narrow N until it gives
+    min_programs programs, see fp8_gemv_rows_launch), K a step, K columns summed each step before they are
+    accumulated (sum_k: 1 keeps every column, block_k reduces the step across the warp), warps."""
+
+    block_n: int = 4
+    block_k: int = 512
+    sum_k: int = 16
+    warps: int = 1
+    min_programs: int = 1536
+
+
+GemvRowsTable = tuple[tuple[int, GemvRowsLaunch | None], ...]
+GEMV_ROWS_MAX = 16  # activation rows one GEMV program holds at most (padded to 2, 4, 8 or 16)
+# (most rows, launch or None) ascending, as FP8_SKINNY_LAUNCHES: the first entry whose rows reach the call's
+# rows; None, or rows past every entry: the skinny rule (fp8_skinny_launch). Not measured yet: the one-row
+# GEMV's shape (4 weight rows a program, K steps of 512, one warp; 2 rows a program below 1,536 programs),
+# 2 weight rows a program at 8 rows (registers: each row holds its K step's 16 values a thread); for
+# scripts/bench_fp8.py --rows_gemv to replace. Block scales: block_n within the scale block's 128 rows
+FP8_GEMV_ROWS_LAUNCHES: GemvRowsTable = ((4, GemvRowsLaunch(4, 512, 16, 1)),
+                                         (8, GemvRowsLaunch(2, 512, 16, 1)))
+FP8_GEMV_ROWS_BLOCK_LAUNCHES: GemvRowsTable = FP8_GEMV_ROWS_LAUNCHES
+
+
+def gemv_rows_padded(rows: int) -> int:
+    """The GEMV's activation rows at `rows` (its ROWS constexpr): 2, 4, 8 or 16, a compile each."""
+    return max(2, 1 << (rows - 1).bit_length())
+
+
+def fp8_gemv_rows_launch(rows: int, n: int, k: int, table: GemvRowsTable | None = None,
+                         block: bool = False) -> GemvRowsLaunch | None:
+    """The multi-row FP8 GEMV's launch for `rows` activation rows against an [n, k] weight, or None: one row
+    (the one-row GEMV), more than GEMV_ROWS_MAX, or the table's choice (None: the weight layout's,
+    FP8_GEMV_ROWS_BLOCK_LAUNCHES for block scales, else FP8_GEMV_ROWS_LAUNCHES). block_n halves (not below
+    1) until n gives min_programs programs; the K step is capped by K's power of two. Static values only."""
+    if rows < 2 or rows > GEMV_ROWS_MAX:
+        return None
+    if table is None:
+        table = FP8_GEMV_ROWS_BLOCK_LAUNCHES if block else FP8_GEMV_ROWS_LAUNCHES
+    launch = next((cfg for most, cfg in table if rows <= most), None)
+    if launch is None:
+        return None
+    block_n = launch.block_n
+    while block_n > 1 and -(-n // block_n) < launch.min_programs:
+        block_n //= 2
+    block_k = min(launch.block_k, max(16, 1 << (k - 1).bit_length()))
+    return launch._replace(block_n=block_n, block_k=block_k, sum_k=min(launch.sum_k, block_k))

@@ -4,7 +4,8 @@
   gemv            one row: W8A16, reads one byte per weight, x stays in its dtype (decode at batch 1)
   gemm            our Triton W8A8 GEMM: "block" scales per [block_n, block_k] tile applied per K block,
                   "channel" scales once at the end (channel shapes that cuBLASLt refuses, fp16 models)
-  linear          the dispatcher: one row -> gemv; rows where launch_rules.fp8_skinny_launch says ->
+  linear          the dispatcher: one row -> gemv; rows where launch_rules.fp8_gemv_rows_launch says ->
+                  triton_fp8_rows (2-16 rows on CUDA cores); rows where fp8_skinny_launch says ->
                   triton_fp8_skinny; "channel" -> per-token quant + torch._scaled_mm (cuBLASLt, row-wise
                   scales); "block" -> per-group quant + gemm
 
@@ -22,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.kernels import pdl, triton_fp8_skinny, triton_norm
-from autoprofile.kernels.launch_rules import fp8_skinny_launch
+from autoprofile.kernels import pdl, triton_fp8_rows, triton_fp8_skinny, triton_norm
+from autoprofile.kernels.launch_rules import fp8_gemv_rows_launch, fp8_skinny_launch
 from autoprofile.kernels.triton_act import silu_mul_at
 from autoprofile.kernels.triton_matmul import grouped_tile
 from autoprofile.kernels.triton_norm import normed_row
@@ -297,13 +298,16 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
     weight fp8 [N, K] -> [..., N] in x's dtype; with residual, that is added to residual in place (one row:
     in the GEMV's epilogue) and residual is returned.
 
-    One contiguous row: the W8A16 GEMV (x is not quantized). Rows the skinny launch rule takes: its GEMM
-    (x as it comes). More: the scheme's activation quantization, then cuBLASLt's row-wise _scaled_mm
-    ("channel") or our block-scaled GEMM ("block")."""
+    One contiguous row: the W8A16 GEMV (x is not quantized). Rows the multi-row GEMV's rule takes
+    (triton_fp8_rows): that GEMV; then rows the skinny launch rule takes: its GEMM (x as it comes, either
+    way). More: the scheme's activation quantization, then cuBLASLt's row-wise _scaled_mm ("channel") or our
+    block-scaled GEMM ("block")."""
     n, k = weight.shape
     block = tuple(scheme.block) if scheme.weight == "block" else None
     scale = weight_scale if block is not None else weight_scale.reshape(n)
     rows = x.q.shape[0] if isinstance(x, Fp8Rows) else x.numel() // k
+    if rows > 1 and (few := fp8_gemv_rows_launch(rows, n, k, block=block is not None)) is not None:
+        return triton_fp8_rows.linear(x, weight, scale, block, few, bias, residual)
     if rows > 1 and (launch := fp8_skinny_launch(rows, n, k, block=block is not None)) is not None:
         return triton_fp8_skinny.linear(x, weight, scale, block, launch, bias, residual)
     if isinstance(x, Fp8Rows):
