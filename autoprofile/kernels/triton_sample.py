@@ -276,27 +276,29 @@ def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bou
         done = tl.full([], 0, tl.int1)
         rounds = tl.zeros([], tl.int32)
         tok = first
-        while (rounds < ROUNDS) & ~done:
-            tok = _draw(base, V, lane_mass, xp, w_eq, xmax, inv, tl.rand(seed, V + 2 * rounds), BLOCK, CHUNK)
-            if exact:
-                done = exact
-            else:
-                x_t = tl.load(base + tok).to(tl.float32) + 0.0
-                _, mass_l, g_l = _above(base, V, x_t, xmax, inv, BLOCK)
-                above = tl.sum(mass_l, axis=0)
-                g = tl.sum(g_l, axis=0)
-                e_t = tl.exp((x_t - xmax) * inv)
-                group = tl.where(x_t == xp, n_eq, g)
-                kept = tl.minimum(group, tl.floor((limit - above) / e_t).to(tl.int32) + 1)
-                kept = tl.where(above <= limit, kept, 0)
-                done = tl.rand(seed, V + 2 * rounds + 1) * group.to(tl.float32) < kept.to(tl.float32)
-                # rejected: the kept set lies at or above x_t, its group there cut at `kept` (0: none)
-                xp = x_t
-                n_eq = kept
-                w_eq = kept / g.to(tl.float32)
-                lane_mass = mass_l + (w_eq * e_t) * g_l.to(tl.float32)
-                exact = kept > 0
-            rounds += 1
+        if ROUNDS > 0:  # NOTE: Triton 3.6 fails to compile a while loop whose bound is the constant 0 (sm_90)
+            while (rounds < ROUNDS) & ~done:
+                u = tl.rand(seed, V + 2 * rounds)
+                tok = _draw(base, V, lane_mass, xp, w_eq, xmax, inv, u, BLOCK, CHUNK)
+                if exact:
+                    done = exact
+                else:
+                    x_t = tl.load(base + tok).to(tl.float32) + 0.0
+                    _, mass_l, g_l = _above(base, V, x_t, xmax, inv, BLOCK)
+                    above = tl.sum(mass_l, axis=0)
+                    g = tl.sum(g_l, axis=0)
+                    e_t = tl.exp((x_t - xmax) * inv)
+                    group = tl.where(x_t == xp, n_eq, g)
+                    kept = tl.minimum(group, tl.floor((limit - above) / e_t).to(tl.int32) + 1)
+                    kept = tl.where(above <= limit, kept, 0)
+                    done = tl.rand(seed, V + 2 * rounds + 1) * group.to(tl.float32) < kept.to(tl.float32)
+                    # rejected: the kept set lies at or above x_t, its group there cut at `kept` (0: none)
+                    xp = x_t
+                    n_eq = kept
+                    w_eq = kept / g.to(tl.float32)
+                    lane_mass = mass_l + (w_eq * e_t) * g_l.to(tl.float32)
+                    exact = kept > 0
+                rounds += 1
         if BOUNDS:
             pick, n_kept, x_b = _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT, BLOCK,
                                        WAYS)
