@@ -237,12 +237,13 @@ class GemvRowsLaunch(NamedTuple):
 GemvRowsTable = tuple[tuple[int, GemvRowsLaunch | None], ...]
 GEMV_ROWS_MAX = 16  # activation rows one GEMV program holds at most (padded to 2, 4, 8 or 16)
 # (most rows, launch or None) ascending, as FP8_SKINNY_LAUNCHES: the first entry whose rows reach the call's
-# rows; None, or rows past every entry: the skinny rule (fp8_skinny_launch). Not measured yet: the one-row
-# GEMV's shape (4 weight rows a program, K steps of 512, one warp; 2 rows a program below 1,536 programs),
-# 2 weight rows a program at 8 rows (registers: each row holds its K step's 16 values a thread); for
-# scripts/bench_fp8.py --rows_gemv to replace. Block scales: block_n within the scale block's 128 rows
-FP8_GEMV_ROWS_LAUNCHES: GemvRowsTable = ((4, GemvRowsLaunch(4, 512, 16, 1)),
-                                         (8, GemvRowsLaunch(2, 512, 16, 1)))
+# rows; None, or rows past every entry: the skinny rule (fp8_skinny_launch). From scripts/bench_fp8.py
+# --rows_gemv on an H100 (llama-3.1-8b's four GEMMs a layer, fraction of the bytes floor, per-channel / block
+# scales; docs/measurements.md, "FP8 at 2-64 rows"): 2 rows 0.82 / 0.82 (the skinny GEMM 0.63 / 0.59) at the
+# one-row GEMV's shape; 4 rows 0.63 / 0.64 at 2 weight rows a program and K steps of 1,024 (skinny 0.63 /
+# 0.59); 8 rows 0.44 / 0.42 at best (CUDA cores: 8 FMAs a weight byte), where the skinny GEMM keeps 0.63
+FP8_GEMV_ROWS_LAUNCHES: GemvRowsTable = ((2, GemvRowsLaunch(4, 512, 16, 1)),
+                                         (4, GemvRowsLaunch(2, 1024, 16, 1)))
 FP8_GEMV_ROWS_BLOCK_LAUNCHES: GemvRowsTable = FP8_GEMV_ROWS_LAUNCHES
 
 
