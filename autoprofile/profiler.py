@@ -56,6 +56,9 @@ class Recorder:
     t0: float = field(default_factory=time.perf_counter)
     phases: list[tuple[str, float]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # what a phase spent on its timed steps (phase, step, seconds): the runner's take_boot_steps
+    steps: list[tuple[str, str, float]] = field(default_factory=list)
+    take_steps: Callable[[], list[tuple[str, float]]] = lambda: []
 
     def sample(self, label: str) -> None:
         free, total = memory.free_and_total(self.device)
@@ -72,6 +75,7 @@ class Recorder:
         finally:
             took = time.perf_counter() - start
             self.phases.append((name, took))
+            self.steps.extend((name, step, s) for step, s in self.take_steps())
             self.sample(f"{name}:end")
             log.info("phase %s: %.2f s", name, took)
 
@@ -117,6 +121,7 @@ class ProfileResult:
     host_kv_pages: int = 0  # the prefix cache's host tier (--host_kv), this rank's pages (host memory)
     host_kv_bytes: int = 0
     state_slots: int = 0  # a hybrid model's state slots (its request slots); 0: no state cache
+    phase_steps: tuple[tuple[str, str, float], ...] = ()  # (phase, graphs / stress ..., seconds)
 
     @property
     def kv_bytes(self) -> int:
@@ -183,7 +188,7 @@ class Profiler:
         # TP: posts this rank's failure at once, before it votes, so that peers waiting for it in a
         # collective are freed (autoprofile.tp.channel)
         self.on_error = on_error or (lambda text: None)
-        self.rec = Recorder(self.device)
+        self.rec = Recorder(self.device, take_steps=getattr(runner, "take_boot_steps", lambda: []))
         self.sizing: budget.Sizing = runner.sizing
         self.canary: torch.Tensor | None = None
         self.errors: list[str] = []
@@ -522,6 +527,7 @@ class Profiler:
                              forced_routings=tuple(getattr(self.runner, "forced_routings", ())),
                              context_cut_from=self.context_cut_from,
                              state_slots=self.sizing.running_reqs if any(self.sizing.state) else 0,
+                             phase_steps=tuple(self.rec.steps),
                              **host_tier_size(getattr(self.runner, "host_kv", None)))
 
 

@@ -62,6 +62,7 @@ def to_dict(result) -> dict:
         "measurement": asdict(m) if m else None,
         "terms_bytes": result.terms,
         "phases_s": dict(result.phases),
+        "phase_steps_s": [list(step) for step in getattr(result, "phase_steps", ())],
         "timeline": [asdict(s) for s in result.samples],
         "errors": result.errors,
         "stack_limit_bytes": result.stack_limit,
@@ -71,6 +72,15 @@ def to_dict(result) -> dict:
         "host_kv_gib": gib(getattr(result, "host_kv_bytes", 0)),
         "state_slots": getattr(result, "state_slots", 0),
     }
+
+
+def phase_steps_lines(steps) -> list[str]:
+    """A line a phase with timed steps: "    probe: graphs 9.6s, stress prefill 11.9s, stress decode 0.3s"
+    (what the rest of the phase spent: the build, the KV, the measurement)."""
+    by_phase: dict[str, list[str]] = {}
+    for phase, step, seconds in steps:
+        by_phase.setdefault(phase, []).append(f"{step} {seconds:.2f}s")
+    return [f"    {phase}: " + ", ".join(parts) for phase, parts in by_phase.items()]
 
 
 def format_report(result) -> str:
@@ -99,6 +109,7 @@ def format_report(result) -> str:
         lines.append(f"  state slots = {result.state_slots} (one per request slot: --running_max_req_size; "
                      f"{gib(result.terms.get('state_cache', 0)):.2f} GiB declared beside the KV)")
     lines.append("  phases: " + ", ".join(f"{n} {t:.2f}s" for n, t in result.phases))
+    lines += phase_steps_lines(getattr(result, "phase_steps", ()))
     if result.stack_limit is not None:
         lines.append(f"  local memory: stack limit {result.stack_limit} B/thread after the stress, "
                      f"{gib(result.local_memory):.2f} GiB reserved by the driver (inside non-torch)")

@@ -77,6 +77,7 @@ class FakeRunner:
     events: list = field(default_factory=list)
     profiler: object = None  # set by tests that check the canary at build time
     forced_routings: tuple[str, ...] = ()  # an MoE model's (ModelRunner.forced_routings)
+    boot_steps: list = field(default_factory=list)  # ModelRunner's timed steps (take_boot_steps)
     _held: int = 0
 
     def __post_init__(self):
@@ -119,6 +120,11 @@ class FakeRunner:
         self.events.append((name, self.built_tokens))
         self.gpu.alloc(n)
         self.gpu.free(n)
+        self.boot_steps.append((name.replace("_", " "), n / GiB))  # "seconds": the stress's GiB
+
+    def take_boot_steps(self) -> list:
+        steps, self.boot_steps = self.boot_steps, []
+        return steps
 
     def stress_prefill(self) -> None:
         self._stress(self.prefill_act, "stress_prefill")

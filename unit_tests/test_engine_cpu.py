@@ -373,6 +373,18 @@ def test_a_failing_build_tears_down_what_it_built(runner, mocker):
     assert points == ["kv_alloc", "kv_alloc"]  # no graph_capture checkpoint without graphs
 
 
+def test_each_stress_is_a_timed_boot_step_taken_once(runner):
+    """The profiler's phases name what they spent on the stresses (and graphs, on a GPU): the runner times
+    each stress and hands the steps over once."""
+    runner.take_boot_steps()
+    runner.stress_prefill()
+    runner.stress_decode()
+    steps = runner.take_boot_steps()
+    assert [name for name, _ in steps] == ["stress prefill", "stress decode"]
+    assert all(seconds > 0 for _, seconds in steps)
+    assert runner.take_boot_steps() == []
+
+
 @pytest.mark.parametrize("tokens", [128, 1024])
 def test_stresses_reach_every_limit_whatever_the_cache_size(runner, tokens):
     """The corners need no real cache (prefixes reuse pages cyclically): a 128-token cache runs the

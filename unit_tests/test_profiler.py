@@ -56,6 +56,11 @@ def test_phase_order_and_target(gpu):
                       "graph_capture", "canary", "validate_prefill", "validate_decode", "validated"]
     assert result.tokens == runner.built_tokens and result.attempts == 1 and not result.pinned
     assert [p for p, _ in result.phases] == ["probe", "measure", "rebuild+validate#1"]
+    # each phase's timed steps are the runner's, in the phase that ran them (the fake's "seconds": GiB)
+    stresses = [("stress prefill", 3.0), ("stress decode", 1.0)]
+    assert list(result.phase_steps) == [("probe", *s) for s in stresses] + [("rebuild+validate#1", *s)
+                                                                           for s in stresses]
+    assert "    probe: stress prefill 3.00s, stress decode 1.00s" in result.report_text().splitlines()
     m = result.measurement
     assert m.non_kv_peak == runner.weight_bytes + runner.graph_pool + runner.prefill_act
     # the validated build leaves exactly the canary (plus page rounding) unused

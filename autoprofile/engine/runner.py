@@ -66,6 +66,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None):
         self.cfg, self.rank = cfg, rank
+        self.boot_steps: list[tuple[str, float]] = []  # (graphs / stress prefill / stress decode, seconds)
         self.device = runner_device(rank, cfg.device)
         self.tp = TP(rank, world_size, group)
         mc = self.model_config = cfg.model_config
@@ -242,8 +243,10 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len,
                                            rope_delta=self.is_vl,
                                            state_pad=self.state.pad if self.state is not None else None)
+                t0 = time.perf_counter()
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
+                self.boot_steps.append(("graphs", time.perf_counter() - t0))
             self.backend.seal()
         except BaseException:
             self.teardown()
@@ -537,14 +540,21 @@ class ModelRunner:
         try:
             t0 = time.perf_counter()
             shapes = [self._run_corner(step) for step in self.corners(steps)]
-            log.info("stress: %d %s corners in %.2f s", len(shapes), getattr(steps, "__name__", "stress"),
-                     time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            name = getattr(steps, "__name__", "stress").replace("_steps", "")
+            log.info("stress: %d %s corners in %.2f s", len(shapes), name, took)
+            self.boot_steps.append((f"stress {name}", took))
             return shapes
         finally:
             self.stressing = False
             self.routing.set("model")
             if self.kv_scales_pending:  # random K/V set them: the first real batch sets them again
                 self.kv.set_scales(None)
+
+    def take_boot_steps(self) -> list[tuple[str, float]]:
+        """The timed steps (graph captures, stresses) since the last call, for the profiler's phases."""
+        steps, self.boot_steps = self.boot_steps, []
+        return steps
 
     def _run_corner(self, step: Step) -> StepShape:
         t0 = time.perf_counter()
