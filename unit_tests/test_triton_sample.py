@@ -65,6 +65,36 @@ for ts.BLOCK, dtype, vocab, scale in [(4096, torch.float32, 3000, 1.0), (4096, t
 print("ok")
 '''
 
+TOP_K = COMMON + r'''
+# top-k's radix select: the kept count and the smallest kept logit against a full sort, at its corners
+torch.manual_seed(1)
+V = 600
+rows = torch.randn(8, V) * 3
+rows[0, :250] = 1.5  # many ties exactly at b_k, positive
+rows[1, 100:400] = -2.25  # and negative
+rows[2, 40:] = float("-inf")  # 40 finite logits: k beyond them keeps -inf ones (b_k = -inf)
+rows[3] = -rows[3].abs() - 1  # all negative
+rows[4] = rows[4].abs() + 1  # all positive
+rows[5] = torch.where(torch.rand(V) < 0.5, -0.0, 0.0)  # -0.0 and 0.0: one tie group
+rows[5, :5] = -1.0
+rows[6, ::3] = -0.0
+rows[6, 1::3] = 0.0
+rows[7, 0] = float("-inf")  # one masked logit: k = V - 1 keeps every finite one
+for ts.BLOCK, dtype in [(256, torch.float16), (256, torch.float32), (1024, torch.float32),
+                        (128, torch.float16)]:
+    x = rows.to(dtype)
+    for k in (1, 2, 39, 40, 41, 249, 250, 251, 300, 500, V - 1):
+        # top_p * k off the integers: no tie group cut exactly at a boundary (fp32 vs fp64 rounding)
+        for top_p in (1.0, 0.917):
+            params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=k)] * len(x)
+            tok, got = run(x, params, bounds=True)
+            ns, least = rule(x.float(), params)
+            assert got[:, 0].tolist() == ns, (dtype, ts.BLOCK, k, top_p, got[:, 0].tolist(), ns)
+            assert got[:, 1].tolist() == least, (dtype, ts.BLOCK, k, top_p, got[:, 1].tolist(), least)
+            assert (x.float().gather(1, tok[:, None])[:, 0] >= torch.tensor(least)).all(), (dtype, k, top_p)
+print("ok")
+'''
+
 DRAWS = COMMON + r'''
 ts.BLOCK = 8  # two blocks per row (the interpreter takes ~40 ms a row: few draws here, many on the GPU)
 # 12 tokens: 3.0, 2.0, four at 1.0, six at 0.0. top_k 3 keeps 3.0, 2.0 and one of the four 1.0s;
@@ -191,6 +221,14 @@ def test_kept_count_and_boundary_follow_the_sampler_rule():
     buffer, greedy rows (the first index of a tied max, across lanes, blocks and within a lane); every draw a
     kept token."""
     _interpret(BOUNDS)
+
+
+@pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
+def test_top_k_threshold_at_its_corners():
+    """Top-k's radix select against a full sort: many ties at b_k (positive and negative), k beyond the
+    finite logits (masked rows, b_k = -inf), k = 1 and V - 1, all-negative and all-positive rows, -0.0 and
+    0.0 as one tie group; fp16 (3 digit passes) and fp32 (4), several BLOCKs; with and without top-p."""
+    _interpret(TOP_K)
 
 
 @pytest.mark.slow  # minutes on 2 cores (the interpreter or a crowd); the slow run has it
