@@ -240,10 +240,10 @@ GEMV_ROWS_MAX = 16  # activation rows one GEMV program holds at most (padded to 
 # rows; None, or rows past every entry: the skinny rule (fp8_skinny_launch). From scripts/bench_fp8.py
 # --rows_gemv on an H100 (llama-3.1-8b's four GEMMs a layer, fraction of the bytes floor, per-channel / block
 # scales; docs/measurements.md, "FP8 at 2-64 rows"): 2 rows 0.82 / 0.82 (the skinny GEMM 0.63 / 0.59) at the
-# one-row GEMV's shape; 4 rows 0.63 / 0.64 at 2 weight rows a program and K steps of 1,024 (skinny 0.63 /
-# 0.59); 8 rows 0.44 / 0.42 at best (CUDA cores: 8 FMAs a weight byte), where the skinny GEMM keeps 0.63
-FP8_GEMV_ROWS_LAUNCHES: GemvRowsTable = ((2, GemvRowsLaunch(4, 512, 16, 1)),
-                                         (4, GemvRowsLaunch(2, 1024, 16, 1)))
+# one-row GEMV's shape; 4 rows 0.63 / 0.64 at best (skinny 0.63 / 0.59), but llama-3.1-8b-fp8's decode step
+# at 4 rows replayed in 5.14 ms with it against 4.79 with the skinny GEMM (bench_decode); 8 rows 0.44 / 0.42
+# at best (CUDA cores: 8 FMAs a weight byte), where the skinny GEMM keeps 0.63. So: 2 rows only
+FP8_GEMV_ROWS_LAUNCHES: GemvRowsTable = ((2, GemvRowsLaunch(4, 512, 16, 1)),)
 FP8_GEMV_ROWS_BLOCK_LAUNCHES: GemvRowsTable = FP8_GEMV_ROWS_LAUNCHES
 
 
