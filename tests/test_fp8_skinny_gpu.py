@@ -88,9 +88,9 @@ def test_multi_row_gemv_equals_the_dequantized_matmul(scheme, n, k):
             got = triton_fp8_rows.linear(rows, wq, ws, block, launch)
             want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
             assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
-    res = torch.randn(5, n, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(2, n, device="cuda", dtype=torch.bfloat16)
     keep = res.float()
-    rows = rows_for(torch.randn(5, k, device="cuda", dtype=torch.bfloat16), scheme)
+    rows = rows_for(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), scheme)
     out = triton_fp8.linear(rows, wq, ws, scheme, residual=res)  # the table's launch, in its epilogue
     want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
     assert out is res and rel_err(res, keep + want) < 1e-2

@@ -208,17 +208,28 @@ def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = Non
     (the W8A16 GEMV), more than SKINNY_MAX_ROWS, or the table's choice (None: the weight layout's,
     FP8_SKINNY_BLOCK_LAUNCHES for block scales, else FP8_SKINNY_LAUNCHES). Static values only (a captured
     graph replays one launch)."""
-    if rows < 2 or rows > SKINNY_MAX_ROWS:
-        return None
     if table is None:
         table = FP8_SKINNY_BLOCK_LAUNCHES if block else FP8_SKINNY_LAUNCHES
-    launch = next((cfg for most, cfg in table if rows <= most), None)
+    launch = _table_launch(rows, SKINNY_MAX_ROWS, table)
     if launch is None:
         return None
-    block_n = launch.block_n
-    while block_n > SKINNY_MIN_BLOCK_N and -(-n // block_n) < SKINNY_MIN_PROGRAMS:
+    return launch._replace(block_n=_narrowed(launch.block_n, n, SKINNY_MIN_BLOCK_N, SKINNY_MIN_PROGRAMS),
+                           block_k=min(launch.block_k, max(32, 1 << (k - 1).bit_length())))
+
+
+def _table_launch(rows: int, most_rows: int, table):
+    """A few-row table's launch for `rows` (the first entry whose rows reach it), or None: one row, more than
+    most_rows, past every entry, or an entry of None."""
+    if rows < 2 or rows > most_rows:
+        return None
+    return next((cfg for most, cfg in table if rows <= most), None)
+
+
+def _narrowed(block_n: int, n: int, least: int, programs: int) -> int:
+    """block_n halved (not below `least`) until n's weight rows give `programs` programs."""
+    while block_n > least and -(-n // block_n) < programs:
         block_n //= 2
-    return launch._replace(block_n=block_n, block_k=min(launch.block_k, max(32, 1 << (k - 1).bit_length())))
+    return block_n
 
 
 # ---------------------------------------------------------------- FP8 weights, 2-8 rows (triton_fp8_rows)
@@ -258,15 +269,11 @@ def fp8_gemv_rows_launch(rows: int, n: int, k: int, table: GemvRowsTable | None 
     (the one-row GEMV), more than GEMV_ROWS_MAX, or the table's choice (None: the weight layout's,
     FP8_GEMV_ROWS_BLOCK_LAUNCHES for block scales, else FP8_GEMV_ROWS_LAUNCHES). block_n halves (not below
     1) until n gives min_programs programs; the K step is capped by K's power of two. Static values only."""
-    if rows < 2 or rows > GEMV_ROWS_MAX:
-        return None
     if table is None:
         table = FP8_GEMV_ROWS_BLOCK_LAUNCHES if block else FP8_GEMV_ROWS_LAUNCHES
-    launch = next((cfg for most, cfg in table if rows <= most), None)
+    launch = _table_launch(rows, GEMV_ROWS_MAX, table)
     if launch is None:
         return None
-    block_n = launch.block_n
-    while block_n > 1 and -(-n // block_n) < launch.min_programs:
-        block_n //= 2
     block_k = min(launch.block_k, max(16, 1 << (k - 1).bit_length()))
-    return launch._replace(block_n=block_n, block_k=block_k, sum_k=min(launch.sum_k, block_k))
+    return launch._replace(block_n=_narrowed(launch.block_n, n, 1, launch.min_programs), block_k=block_k,
+                           sum_k=min(launch.sum_k, block_k))

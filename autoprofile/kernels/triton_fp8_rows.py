@@ -27,7 +27,7 @@ import triton.language as tl
 from autoprofile.kernels import pdl
 from autoprofile.kernels.launch_rules import GemvRowsLaunch, gemv_rows_padded
 from autoprofile.kernels.triton_fp8_skinny import GROUP_SCALE, x_scale_kind
-from autoprofile.layers.quant import Fp8Rows
+from autoprofile.layers.quant import Fp8Rows, rows_linear
 
 
 @triton.jit
@@ -169,16 +169,5 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
     """triton_fp8.linear's few rows through this GEMV: x [..., K] in the model's dtype (W8A16, not quantized)
     or Fp8Rows -> [..., N] in the model's dtype; with residual, added to it in place (in the epilogue where
     it is contiguous) and it is returned. weight_scale: [N] or the block scales."""
-    if isinstance(x, Fp8Rows):
-        rows, x_scale, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
-    else:
-        rows, x_scale, dtype, lead = x.reshape(-1, x.shape[-1]), None, x.dtype, x.shape[:-1]
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    n = weight.shape[0]
-    fused = residual is not None and residual.is_contiguous() and residual.dtype == dtype
-    y = gemv(rows, x_scale, weight, weight_scale, block, dtype, launch, bias,
-             residual.view(-1, n) if fused else None)
-    if fused:
-        return residual
-    y = y.view(*lead, n)
-    return y if residual is None else residual.add_(y)
+    return rows_linear(x, weight.shape[0], residual, lambda rows, x_scale, dtype, into: gemv(
+        rows, x_scale, weight, weight_scale, block, dtype, launch, bias, into))

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.launch_rules import SkinnyLaunch, skinny_block_m
-from autoprofile.layers.quant import Fp8Rows
+from autoprofile.layers.quant import Fp8Rows, rows_linear
 
 NO_SCALE, ROW_SCALE, GROUP_SCALE = 0, 1, 2  # the activations' scales: none (model dtype), a row's, a group's
 
@@ -113,16 +113,5 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.
     W8A16, as the one-row GEMV) or Fp8Rows -> [..., N] in the model's dtype; with residual, added to it in
     place (in the epilogue where it is contiguous) and it is returned. weight_scale: [N] or the block
     scales."""
-    if isinstance(x, Fp8Rows):
-        rows, x_scale, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
-    else:
-        rows, x_scale, dtype, lead = x.reshape(-1, x.shape[-1]), None, x.dtype, x.shape[:-1]
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    n = weight.shape[0]
-    fused = residual is not None and residual.is_contiguous() and residual.dtype == dtype
-    y = gemm(rows, x_scale, weight, weight_scale, block, dtype, launch, bias,
-             residual.view(-1, n) if fused else None)
-    if fused:
-        return residual
-    y = y.view(*lead, n)
-    return y if residual is None else residual.add_(y)
+    return rows_linear(x, weight.shape[0], residual, lambda rows, x_scale, dtype, into: gemm(
+        rows, x_scale, weight, weight_scale, block, dtype, launch, bias, into))

@@ -64,6 +64,24 @@ class Fp8Rows:
         return self.q.shape
 
 
+def rows_linear(x: torch.Tensor | Fp8Rows, n: int, residual: torch.Tensor | None, product) -> torch.Tensor:
+    """A few-row FP8 kernel's linear: x [..., K] in the model's dtype (W8A16, not quantized) or Fp8Rows ->
+    [..., N] in the model's dtype, where product(rows [M, K] unit stride, x_scale or None, dtype, into) gives
+    [M, N], adding into the contiguous [M, N] residual in its epilogue when `into` is given (then it returns
+    it); a residual that is not contiguous (or of another dtype) is added to after."""
+    if isinstance(x, Fp8Rows):
+        rows, x_scale, dtype, lead = x.q, x.scale, x.dtype, x.q.shape[:-1]
+    else:
+        rows, x_scale, dtype, lead = x.reshape(-1, x.shape[-1]), None, x.dtype, x.shape[:-1]
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    fused = residual is not None and residual.is_contiguous() and residual.dtype == dtype
+    y = product(rows, x_scale, dtype, residual.view(-1, n) if fused else None)
+    if fused:
+        return residual
+    y = y.view(*lead, n)
+    return y if residual is None else residual.add_(y)
+
+
 def fused_input_quant(scheme: Fp8Scheme | None) -> Fp8Scheme | None:
     """The scheme a producer (norm, SiLU-mul) quantizes its rows with for an FP8 layer that reads them alone;
     None where the layer quantizes nothing (bf16) or takes the checkpoint's static scale."""

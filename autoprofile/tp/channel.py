@@ -372,6 +372,9 @@ class GuardedRunner:
     def fingerprint(self) -> dict | None:
         return self.runner.fingerprint()
 
+    def take_boot_steps(self) -> list[tuple[str, float]]:
+        return self.runner.take_boot_steps()
+
     def teardown(self) -> None:
         self.runner.teardown()
 
