@@ -153,7 +153,8 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
             x = torch.randn(m, k, device="cuda").bfloat16()
             group = scheme.block[1] if scheme.activation == "group" else None
             q, s = triton_fp8.quantize_per_group(x, group) if group else triton_fp8.quantize_per_token(x)
-            triton_fp8.linear(Fp8Rows(q, s, x.dtype), wq, ws, scheme, residual=torch.zeros_like(x[:, :1]).expand(m, n).contiguous())
+            res = torch.zeros_like(x[:, :1]).expand(m, n).contiguous()
+            triton_fp8.linear(Fp8Rows(q, s, x.dtype), wq, ws, scheme, residual=res)
             triton_fp8.linear(x, wq, ws, scheme)
     for m in (1, 300):  # the producers that quantize their rows: llama-3.1-8b's hidden and intermediate sizes
         triton_fp8.rms_norm_quant(torch.randn(m, 4096, device="cuda").bfloat16(),

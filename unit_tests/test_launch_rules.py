@@ -134,7 +134,7 @@ def test_the_fp8_multi_row_gemv_rule_takes_2_to_its_rows_and_leaves_the_rest_to_
     table = ((4, GemvRowsLaunch(8, 512, 16, 2)), (8, None), (16, GemvRowsLaunch(2, 256, 256, 1)))
     got = [fp8_gemv_rows_launch(m, 28672, 4096, table) for m in (1, 2, 4, 5, 8, 9, 16, 17)]
     assert got == [None, table[0][1], table[0][1], None, None, table[2][1], table[2][1], None]
-    # a narrow N halves block_n toward min_programs programs (not below 1); a short K caps the step and the sum
+    # a narrow N halves block_n toward min_programs programs (not below 1); a short K caps the step, the sum
     assert fp8_gemv_rows_launch(2, 4096, 4096, table).block_n == 2  # 2,048 programs
     assert fp8_gemv_rows_launch(2, 28672, 4096, table).block_n == 8
     assert fp8_gemv_rows_launch(9, 100, 100, table) == GemvRowsLaunch(1, 128, 128, 1)
