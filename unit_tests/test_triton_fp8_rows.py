@@ -29,19 +29,9 @@ CASES = [((37, 300), (CHANNEL, BLOCK, BLOCK_TOKEN, TALL), (1, 3, 8), FEW),
          ((130, 1000), (CHANNEL, BLOCK), (2, 5), FEW[:1])]  # interpreted: minutes past these
 for (n, k), schemes, ms, launches in CASES:
     for scheme in schemes:
-        wq, ws, block, deq = weight(n, k, scheme)
-        bias = torch.randn(n)
         for m in ms:
             for launch in launches:
-                what = (n, k, scheme.weight, scheme.block, scheme.activation, m, launch)
-                for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-                    x = torch.randn(m, k).to(dtype)
-                    got = g.gemv(x, None, wq, ws, block, dtype, launch, bias.to(dtype))
-                    assert got.shape == (m, n) and got.dtype == dtype
-                    close(got, x.float() @ deq.T + bias.to(dtype).float(), tol, what + (dtype,))
-                rows = rows_of(torch.randn(m, k), scheme)
-                got = g.gemv(rows.q, rows.scale, wq, ws, block, torch.float32, launch, bias)
-                close(got, q.fp8_linear_reference(rows, wq, ws, scheme, bias=bias), 1e-5, what + ("fp8",))
+                check_rows(g.gemv, n, k, m, scheme, launch)
 # 16 rows, the widest ROWS; the residual added in the epilogue, in place, from bf16-like and FP8 rows
 wq, ws, block, deq = weight(24, 520, BLOCK)
 for m in (16, 6):

@@ -44,26 +44,31 @@ def rows_of(x, scheme):
 def close(got, want, tol, what):
     err = float((got.float() - want).abs().max())
     assert err <= tol * (1 + float(want.abs().max())), (what, err)
+
+
+def check_rows(product, n, k, m, scheme, launch):
+    """product(x, x_scale, weight, weight_scale, block, dtype, launch, bias) against the dequantized
+    reference: W8A16 rows in the model's dtype (not quantized), then W8A8 rows a producer quantized (a
+    scale a row, or a K group's)."""
+    wq, ws, block, deq = weight(n, k, scheme)
+    bias = torch.randn(n)
+    what = (n, k, scheme.weight, scheme.block, scheme.activation, m, launch)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x = torch.randn(m, k).to(dtype)
+        got = product(x, None, wq, ws, block, dtype, launch, bias.to(dtype))
+        assert got.shape == (m, n) and got.dtype == dtype
+        close(got, x.float() @ deq.T + bias.to(dtype).float(), tol, what + (dtype,))
+    rows = rows_of(torch.randn(m, k), scheme)
+    got = product(rows.q, rows.scale, wq, ws, block, torch.float32, launch, bias)
+    close(got, q.fp8_linear_reference(rows, wq, ws, scheme, bias=bias), 1e-5, what + ("fp8",))
 '''
 
 KERNEL = SETUP + r'''
 for n, k in [(37, 300), (130, 1000), (256, 128)]:
     for scheme in (CHANNEL, BLOCK, BLOCK_TOKEN, TALL):
-        wq, ws, block, deq = weight(n, k, scheme)
-        bias = torch.randn(n)
         for m in (1, 3, 16, 32):
             for launch in LAUNCHES:
-                what = (n, k, scheme.weight, scheme.block, scheme.activation, m, launch)
-                # W8A16: rows in the model's dtype, not quantized
-                for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-                    x = torch.randn(m, k).to(dtype)
-                    got = s.gemm(x, None, wq, ws, block, dtype, launch, bias.to(dtype))
-                    assert got.shape == (m, n) and got.dtype == dtype
-                    close(got, x.float() @ deq.T + bias.to(dtype).float(), tol, what + (dtype,))
-                # W8A8: rows a producer quantized (a scale a row, or a K group's)
-                rows = rows_of(torch.randn(m, k), scheme)
-                got = s.gemm(rows.q, rows.scale, wq, ws, block, torch.float32, launch, bias)
-                close(got, q.fp8_linear_reference(rows, wq, ws, scheme, bias=bias), 1e-5, what + ("fp8",))
+                check_rows(s.gemm, n, k, m, scheme, launch)
 # 64 rows, the widest tile; the residual added in the epilogue, in place
 wq, ws, block, deq = weight(96, 520, BLOCK)
 x, res = torch.randn(64, 520), torch.randn(64, 96)
