@@ -27,22 +27,34 @@ def rows_for(x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
     return Fp8Rows(*triton_fp8.quantize_per_token(x), x.dtype)
 
 
+def weight_case(n: int, k: int, scheme: Fp8Scheme) -> tuple:
+    """(weight, its scales, the block or None, the dequantized fp32 weight) on the GPU."""
+    wq, ws = weights(n, k, scheme)
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    return wq, ws, block, quant.dequantize_weight(wq, ws, scheme)
+
+
+def check_linear(linear, wq, ws, block, deq, scheme, m: int, launch) -> None:
+    """linear(x, weight, weight_scale, block, launch) of m bf16 rows, then of their Fp8Rows, against the
+    dequantized fp32 matmul."""
+    k = wq.shape[1]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = linear(x, wq, ws, block, launch)
+    assert got.dtype == torch.bfloat16 and rel_err(got, x.float() @ deq.T) < 1e-2, (m, launch)
+    rows = rows_for(x, scheme)
+    got = linear(rows, wq, ws, block, launch)
+    want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+    assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+
+
 @pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["channel", "block"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_skinny_gemm_equals_the_dequantized_matmul(scheme, n, k):
-    wq, ws = weights(n, k, scheme)
-    block = tuple(scheme.block) if scheme.weight == "block" else None
-    deq = quant.dequantize_weight(wq, ws, scheme)
+    wq, ws, block, deq = weight_case(n, k, scheme)
     for m in (2, 8, 24, 64):
         for cfg in LAUNCHES:
-            launch = fp8_skinny_launch(m, n, k, ((64, cfg),))
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            got = triton_fp8_skinny.linear(x, wq, ws, block, launch)
-            assert got.dtype == torch.bfloat16 and rel_err(got, x.float() @ deq.T) < 1e-2, (m, launch)
-            rows = rows_for(x, scheme)
-            got = triton_fp8_skinny.linear(rows, wq, ws, block, launch)
-            want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
-            assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+            check_linear(triton_fp8_skinny.linear, wq, ws, block, deq, scheme, m,
+                         fp8_skinny_launch(m, n, k, ((64, cfg),)))
     res = torch.randn(16, n, device="cuda", dtype=torch.bfloat16)
     keep = res.float()
     x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
@@ -75,19 +87,11 @@ GEMV_LAUNCHES = [GemvRowsLaunch(), GemvRowsLaunch(2, 512, 16, 1), GemvRowsLaunch
 @pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["channel", "block"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_multi_row_gemv_equals_the_dequantized_matmul(scheme, n, k):
-    wq, ws = weights(n, k, scheme)
-    block = tuple(scheme.block) if scheme.weight == "block" else None
-    deq = quant.dequantize_weight(wq, ws, scheme)
+    wq, ws, block, deq = weight_case(n, k, scheme)
     for m in (2, 3, 8, 16):
         for cfg in GEMV_LAUNCHES:
-            launch = fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=block is not None)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            got = triton_fp8_rows.linear(x, wq, ws, block, launch)
-            assert got.dtype == torch.bfloat16 and rel_err(got, x.float() @ deq.T) < 1e-2, (m, launch)
-            rows = rows_for(x, scheme)
-            got = triton_fp8_rows.linear(rows, wq, ws, block, launch)
-            want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
-            assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+            check_linear(triton_fp8_rows.linear, wq, ws, block, deq, scheme, m,
+                         fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=block is not None))
     res = torch.randn(2, n, device="cuda", dtype=torch.bfloat16)
     keep = res.float()
     rows = rows_for(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), scheme)
