@@ -5,14 +5,11 @@ One program per row; the row is read a few times (it stays in L2 at decode batch
 e = exp((x - max) / T).
 1. max, its first index, min, and per lane (the BLOCK lanes that walk the row, lane l holding tokens l,
    l + BLOCK, ...) the sum of e, online. A greedy row (T = 0) stops here: argmax.
-2. top-k (0 < k < V): the k-th largest logit b_k by a radix select over the logits' ordered bit patterns
-   (`_key`: an int whose order is the float order; -0.0 is 0.0 on load): a pass per RADIX-bit digit, top
-   digit first, a histogram (tl.histogram, RADIX 8: 256 bins) of the digit among the logits whose higher
-   digits are b_k's so far, then from the top bin down the bin holding the k-th largest, and the count above
-   it (no exp). Passes: the key's 32 - SHIFT bits in RADIX-bit digits: bf16 2, fp16 3, fp32 4. Then, in one
-   pass, the mass above b_k per lane and the top-k normaliser S_k = mass(> b_k) + tied * e(b_k), where
-   `tied` = k - count(> b_k) of the g tokens at b_k are in the top-k. Without top-k, S_k is the row's sum S
-   from pass 1.
+2. top-k (0 < k < V): the k-th largest logit b_k, found by a WAYS-ary search over the logits' ordered bit
+   patterns (`_key`: an int whose order is the float order, so a search ends on a logit present in the row),
+   counting the logits above each of WAYS candidates per pass (no exp); then, in one pass, the mass above b_k
+   per lane and the top-k normaliser S_k = mass(> b_k) + tied * e(b_k), where `tied` = k - count(> b_k) of
+   the g tokens at b_k are in the top-k. Without top-k, S_k is the row's sum S from pass 1.
 3. rejection sampling with inverse-CDF draws. The proposal is e over the tokens above a pivot xp, the tokens
    at xp weighted w_eq each (start: every token, or the top-k set: xp = b_k, w_eq = tied / g). A round draws
    ONE uniform u (Philox, tl.rand with the row's seed at offset V + 2 * round) and walks the proposal in a
@@ -30,14 +27,13 @@ e = exp((x - max) / T).
    the kept set's distribution, the boundary group's `kept` tokens weighted alike (which tied tokens are
    kept is unspecified, as with a sort). Passes: top-p 2 (pass 1, the acceptance pass) when the first draw is
    kept, +1 a rejection; rounds expected about 1 + ln(1 / top_p) (a rejected token is a uniform mass quantile
-   of its proposal): 1.1 at top_p 0.9. Temperature only: 1 pass; top-k: 2 + the radix select's.
+   of its proposal): 1.1 at top_p 0.9. Temperature only: 1 pass; top-k: 2 + the count search.
 4. the fallback (ROUNDS rejections without a draw, or `bounds` asked for): the top-p threshold b_p by the
-   WAYS-ary search over the keys (`_search`), summing e above each of WAYS candidates a pass, then the
-   exponential race (Gumbel-max) over the kept tokens: argmax (x - max) / T - log E, E = -log U, U from
-   Philox at the token's index (offsets < V: apart from the rounds'). The b_p group races whole, its best
-   score shifted by log(kept / g): the max of g i.i.d. Gumbels is one Gumbel + log g, so the group wins with
-   probability kept * p(b_p) / S_kept. The search takes log_WAYS of the key range between b_k (or the row's
-   min) and max (bf16: at most 16 bits, 6 passes at WAYS = 8).
+   same search summing e above each candidate, then the exponential race (Gumbel-max) over the kept tokens:
+   argmax (x - max) / T - log E, E = -log U, U from Philox at the token's index (offsets < V: apart from the
+   rounds'). The b_p group races whole, its best score shifted by log(kept / g): the max of g i.i.d. Gumbels
+   is one Gumbel + log g, so the group wins with probability kept * p(b_p) / S_kept. The search takes
+   log_WAYS of the key range between the row's min and max (bf16: at most 16 bits, 6 passes at WAYS = 8).
 Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference). A row's
 draw depends on its logits, parameters and seed only (one program a row, a fixed order): batch-invariant.
 Imported by the sampler for CUDA tensors only (triton is imported here).
@@ -50,8 +46,7 @@ import triton.language as tl
 
 # BLOCK/WAYS/warps: fewer, longer loops win; extra passes cost little (docs/measurements.md, "Kernel choices")
 BLOCK = 4096
-WAYS = 8  # candidates per search pass (top-p's exact fallback)
-RADIX = 8  # bits per pass of top-k's radix select: bf16 2 passes, fp16 3, fp32 4
+WAYS = 8  # candidates per search pass
 NUM_WARPS = 16
 CHUNK = 64  # tokens of one lane the draw's walk reads at a time (128,256 / 4096: 32 a lane)
 ROUNDS = 32  # rejection rounds before the exact fallback (step 4); tests force 0 and 1
@@ -89,9 +84,10 @@ def _load(base, offs, V, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _search(base, V, lo, hi, xmax, inv, limit, SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr):
-    """The smallest key v in [lo, hi] whose mass above (the sum of exp((x - xmax) * inv) over keys > v) is
-    <= limit; `hi` must satisfy it. WAYS candidates per pass."""
+def _search(base, V, lo, hi, xmax, inv, limit, MASS: tl.constexpr, SHIFT: tl.constexpr,
+            BLOCK: tl.constexpr, WAYS: tl.constexpr):
+    """The smallest key v in [lo, hi] with above(v) <= limit (MASS: the sum of exp((x - xmax) * inv) over
+    keys > v; else their count, with limit = k - 1); `hi` must satisfy it. WAYS candidates per pass."""
     ways = tl.arange(0, WAYS).to(tl.int64)
     while lo < hi:
         step = (hi - lo + WAYS - 1) // WAYS
@@ -99,41 +95,16 @@ def _search(base, V, lo, hi, xmax, inv, limit, SHIFT: tl.constexpr, BLOCK: tl.co
         acc = tl.zeros([WAYS, BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             x, key = _load(base, start + tl.arange(0, BLOCK), V, SHIFT)
-            w = tl.exp((x - xmax) * inv)
+            if MASS:
+                w = tl.exp((x - xmax) * inv)
+            else:
+                w = tl.full([BLOCK], 1.0, tl.float32)
             acc += tl.where(key[None, :] > cand[:, None], w[None, :], 0.0)
         ok = tl.sum(acc, axis=1) <= limit
         new_hi = tl.min(tl.where(ok, cand, hi), axis=0)
         lo = tl.max(tl.where(ok, lo, cand + 1), axis=0)
         hi = new_hi
     return lo
-
-
-@triton.jit
-def _select(base, V, k, SHIFT: tl.constexpr, BLOCK: tl.constexpr, RADIX: tl.constexpr, PASSES: tl.constexpr):
-    """The k-th largest key of a row (0 < k < V) by a radix select over the fp32 keys (`_key` unshifted, whose
-    low SHIFT bits are zero): a pass per RADIX-bit digit from the top (PASSES of them cover the 32 - SHIFT
-    bits), a histogram of the digit among the keys whose higher digits are b_k's chosen so far, then from
-    the top bin down the bin holding the k-th largest."""
-    BINS: tl.constexpr = 2 ** RADIX
-    bins = tl.arange(0, BINS)
-    prefix = tl.zeros([], tl.int32)  # b_k's digits chosen so far: its key >> shift (signed)
-    r = k.to(tl.int32)  # b_k's rank among the keys under the prefix
-    for i in range(PASSES):
-        shift = 32 - RADIX - RADIX * i
-        top = i == 0
-        h = tl.zeros([BINS], tl.int32)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            key = _key(_logits(base, offs, V), 0) >> shift
-            inside = (offs < V) & (top | ((key >> RADIX) == prefix))
-            digit = tl.where(top, key + BINS // 2, key & (BINS - 1))  # the top digit signed: + BINS / 2
-            # NOTE: keys outside the prefix and padding lanes land in bin 0, whose count is never read below
-            h += tl.histogram(tl.where(inside, digit, 0), BINS)
-        above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # the keys in bins >= each bin
-        d = tl.max(tl.where(above >= r, bins, 0), axis=0)
-        r -= tl.sum(tl.where(bins > d, h, 0), axis=0)
-        prefix = tl.where(top, d - BINS // 2, prefix * BINS + d)
-    return ((prefix << (32 - RADIX * PASSES)) >> SHIFT).to(tl.int64)
 
 
 @triton.jit
@@ -217,7 +188,7 @@ def _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT: tl.c
     key, lo: the row's min key), `tied` of the tokens at b_k in the top-k, norm: S_k."""
     # top-p: b = the smallest key >= b_k whose mass above is <= top_p * norm
     if top_p < 1:
-        b_p = _search(base, V, lo, kmax, xmax, inv, top_p * norm, SHIFT, BLOCK, WAYS)
+        b_p = _search(base, V, lo, kmax, xmax, inv, top_p * norm, True, SHIFT, BLOCK, WAYS)
         if b_p != b:
             tied = 0  # b_p above b_k: its group is whole (counted in the race pass)
         b = b_p
@@ -244,8 +215,8 @@ def _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT: tl.c
 
 @triton.jit
 def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr,
-                   SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, RADIX: tl.constexpr,
-                   PASSES: tl.constexpr, CHUNK: tl.constexpr, ROUNDS: tl.constexpr, BOUNDS: tl.constexpr):
+                   SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
+                   ROUNDS: tl.constexpr, BOUNDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     lanes = tl.arange(0, BLOCK)
@@ -290,7 +261,7 @@ def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bou
         xp = tl.full([], float("-inf"), tl.float32)
         w_eq = tl.zeros([], tl.float32)
         if (top_k > 0) & (top_k < V):
-            b = _select(base, V, top_k, SHIFT, BLOCK, RADIX, PASSES)
+            b = _search(base, V, lo, kmax, xmax, inv, (top_k - 1).to(tl.float32), False, SHIFT, BLOCK, WAYS)
             xp = _unkey(b, SHIFT)
             n_l, mass_l, g_l = _above(base, V, xp, xmax, inv, BLOCK)
             tied = (top_k - tl.sum(n_l, axis=0)).to(tl.int32)
@@ -357,7 +328,6 @@ def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tens
         _sample_kernel[(rows,)](
             x, x.stride(0), vocab, temperatures.float().contiguous(), top_ps.float().contiguous(),
             top_ks.long().contiguous(), seeds.contiguous(), out, kept,
-            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, RADIX=RADIX,
-            PASSES=-(-(32 - SHIFT[x.dtype]) // RADIX), CHUNK=CHUNK, ROUNDS=ROUNDS, BOUNDS=bounds,
+            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK, ROUNDS=ROUNDS, BOUNDS=bounds,
             num_warps=NUM_WARPS)
     return (out, kept) if bounds else out
