@@ -20,9 +20,9 @@ import pytest
 from unit_tests.interpreter import run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-# the sampler runs in every CI run (the default decode step's kernel; the interpreter once accepted a sampler
-# the compiler refused); the other modules in the slow set
-FAST = {"triton_sample"}
+# the sampler and the greedy argmax run in every CI run (the default decode step's kernels; the interpreter
+# once accepted a sampler the compiler refused); the other modules in the slow set
+FAST = {"triton_sample", "triton_argmax"}
 
 RECORD = r'''
 import pickle, sys
@@ -207,6 +207,16 @@ for cfg in SWEEP:
     for m in (2, 8):
         launch_all(m, (128, 128), fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=True))
 ''',
+    # the greedy argmax at llama-3's vocabulary and 256 rows, each dtype: several programs a row (the atomic
+    # max and count), then one (no scratch)
+    "triton_argmax": r'''
+RUN = False
+from autoprofile.kernels import triton_argmax as ta
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    x = torch.empty(256, 128256, dtype=dtype)
+    ta.argmax(x)
+    ta.argmax(x, 1)
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -221,6 +231,7 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
+    "triton_argmax": {"_argmax_kernel"},
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},
     "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",

@@ -24,7 +24,7 @@ from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.kv_cache import to_device
 from autoprofile.engine.logits_process import RowTokens
 from autoprofile.engine.logprobs import PromptLogprobs, SampledLogprobs, TokenLogprob
-from autoprofile.engine.sampling import SamplingBatch, request_generator, sample
+from autoprofile.engine.sampling import SamplingBatch, greedy, request_generator, sample
 from autoprofile.engine.sampling_params import SamplingParams
 from autoprofile.engine.step_inputs import Staging
 
@@ -186,7 +186,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:  # no parameters to upload
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         batch = SamplingBatch.from_params(meta.params, self.device)
         return sample(logits, batch, self.generator, meta.generators)
 

@@ -3,7 +3,8 @@
 CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
 included (autoprofile.kernels.triton_sample: rejection sampling with inverse-CDF draws, a search over the
 logits' bit patterns for top-k and its exact fallback, no sort, no scratch beyond a seed and a token per row,
-no host sync); an all-greedy batch is argmax.
+no host sync); an all-greedy batch is `greedy`: the split-row argmax (autoprofile.kernels.triton_argmax,
+several programs a row: the copy rate at 256 rows, where one program a row is not).
 Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
 - top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
@@ -154,13 +155,21 @@ def reference_sample(logits: torch.Tensor, batch: SamplingBatch,
 
 
 # ---------------------------------------------------------------- the sampler
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Token ids [B] int64 of an all-greedy batch (the sampler's and the engine's): torch.argmax(dim=-1), the
+    first index of each row's max; on the kernels' logits (`_kernel_logits`) the split-row Triton argmax
+    (autoprofile.kernels.triton_argmax: the same ids at the copy rate), else torch's."""
+    argmax = _triton_argmax() if _kernel_logits(logits) else None
+    return logits.argmax(dim=-1) if argmax is None else argmax(logits)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
            row_generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
     """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
     Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`."""
     rows = logits.shape[0]
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     if row_generators is not None and len(row_generators) != rows:
         raise ValueError(f"{len(row_generators)} row generators for {rows} rows")
     seeded = [i for i, g in enumerate(row_generators or ()) if g is not None]
@@ -320,12 +329,24 @@ def _scaled_logsumexp(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(-shift, x, inv).exp_().sum(dim=-1).log_().add_(shift.squeeze(1))
 
 
+def _kernel_logits(logits: torch.Tensor) -> bool:
+    """Logits the Triton kernels take: CUDA, a float dtype, unit stride in the vocabulary."""
+    return logits.is_cuda and logits.stride(-1) == 1 and logits.dtype in _FUSED_DTYPES
+
+
 def _fused(logits: torch.Tensor):
-    """The one-kernel sampler (autoprofile.kernels.triton_sample) where it applies: CUDA logits of a float
-    dtype, unit stride in the vocabulary, triton importable; else None (the torch paths)."""
-    if not logits.is_cuda or logits.stride(-1) != 1 or logits.dtype not in _FUSED_DTYPES:
+    """The one-kernel sampler (autoprofile.kernels.triton_sample) where it applies: `_kernel_logits`, triton
+    importable; else None (the torch paths)."""
+    return _triton_sampler() if _kernel_logits(logits) else None
+
+
+@functools.cache
+def _triton_argmax():
+    try:
+        from autoprofile.kernels.triton_argmax import argmax
+    except ImportError:  # no triton: torch.argmax
         return None
-    return _triton_sampler()
+    return argmax
 
 
 @functools.cache

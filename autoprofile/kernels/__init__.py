@@ -24,6 +24,7 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_reduce    reduce_partitions: split decode     float64 attention (in its test)   test_triton_reduce
   triton_unified   attention: AITER's, batch-invariant engine.attention.torch_sdpa       test_deterministic
   triton_sample    sample_batch: the one-kernel sampler engine.sampling (torch path)     test_triton_sample
+  triton_argmax    argmax: greedy, several programs a row torch.argmax                   test_triton_argmax
   triton_kv_copy   copy_pages: KV pages GPU <-> host     engine.host_kv.HostKVPool._copy   test_triton_kv_copy
   triton_decode    decode: split-KV paged decode         float64 attention (in its test)   test_triton_decode
   pdl              launch, begin: dependent launch      (none: a launch attribute)        test_pdl (GPU:
