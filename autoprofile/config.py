@@ -39,6 +39,7 @@ DEVICE_DEFAULTS = {"model": CPU_MODEL, "dtype": "float32"}
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # --reasoning_parser: vLLM's names (serving.reasoning)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MAX_GRAPH_BATCH = 1024
+MAX_PIECEWISE_TOKENS = 8192  # piecewise graphs hold their largest bucket's activations for good
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
 API_KEY_ENV = "AUTOPROFILE_API_KEY"  # vLLM's VLLM_API_KEY
@@ -73,6 +74,9 @@ class ServerConfig:
     max_req_total_len: int | None = None
     graph_max_batch_size: int = 256
     disable_cudagraph: bool = False
+    # prefill and mixed steps of at most this many tokens replay piecewise CUDA graphs (engine.piecewise;
+    # SGLang's --piecewise-cuda-graph-max-tokens); 0: every such step eager
+    piecewise_cuda_graph_max_tokens: int = 512
     disable_prefix_caching: bool = False
     state_checkpoints: int | None = None  # a hybrid's prefix-cache state rows; None: budget.state_checkpoints
     disable_overlap_schedule: bool = False
@@ -250,6 +254,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be >= 1, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
            f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
+    _check(0 <= cfg.piecewise_cuda_graph_max_tokens <= MAX_PIECEWISE_TOKENS, "piecewise_cuda_graph_max_tokens",
+           f"must be in [0, {MAX_PIECEWISE_TOKENS}], got {cfg.piecewise_cuda_graph_max_tokens}; try "
+           "--piecewise_cuda_graph_max_tokens 512 (0: prefill steps eager)")
     _check(cfg.state_checkpoints is None or cfg.state_checkpoints >= 0, "state_checkpoints",
            f"must be >= 0, got {cfg.state_checkpoints}; try --state_checkpoints 16, or leave it unset (4 to 8)")
     _check(not cfg.state_checkpoints or not cfg.disable_prefix_caching, "state_checkpoints",
@@ -630,7 +637,12 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
                   "as given, or refused when it does not fit. (default: auto)")
     add_flag(budget, "graph_max_batch_size", type=int, default=d.graph_max_batch_size,
              help="The largest decode batch captured as a CUDA graph.")
-    add_flag(budget, "disable_cudagraph", action="store_true", help="Run every decode step eagerly.")
+    add_flag(budget, "disable_cudagraph", action="store_true",
+             help="Run every step eagerly (no decode graphs, no piecewise graphs).")
+    add_flag(budget, "piecewise_cuda_graph_max_tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
+             help="Prefill and mixed steps of at most this many tokens (decode rows included) replay "
+                  "piecewise CUDA graphs, attention eager between them: such steps are otherwise bound by "
+                  "the host's kernel launches. Dense models on one GPU; 0: eager.")
     add_flag(budget, "attention_backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
              help="The attention and GEMM kernels. auto: aiter_triton on NVIDIA, aiter on ROCm; torch is "
                   "the reference (and the CPU's).")

@@ -164,18 +164,22 @@ class LlamaAttention(nn.Module):
         else:  # Qwen3: per-head RMSNorm before RoPE
             q, k, v = self.backend.norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                                    *rope, kv, meta.slot_mapping)
-        o = self.attend(q, k, v, meta, kv)
+        if meta.pieces is not None:  # piecewise graphs: the piece ends here, attention runs between
+            o = meta.pieces.split(self, qkv, q, k, v, kv)
+        else:
+            o = self.attend(q, k, v, meta, kv)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-               kv: KVLayer) -> torch.Tensor:
+               kv: KVLayer, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [T, H, D] over the new k, v (in the cache already) and the cached prefixes: prefill
-        rows, a mixed step's decode rows after them, or decode rows alone."""
+        rows, a mixed step's decode rows after them, or decode rows alone. out (q's shape): written there
+        (a prefill or mixed step; the piecewise graphs' static output)."""
         if meta.is_prefill:
-            o = o_prefill = None
+            o, o_prefill = out, out
             if meta.decode is not None:  # a mixed step: decode rows last, one output for both
                 n = q.shape[0] - meta.decode.slot_mapping.shape[0]
-                o = q.new_empty(q.shape)
+                o = q.new_empty(q.shape) if out is None else out
                 self.backend.decode(q[n:], kv, meta.decode, out=o[n:])
                 q, k, v, o_prefill = q[:n], k[:n], v[:n], o[:n]
             if meta.kv_slots is not None:  # chunks over cached prefixes: read prefix + new from the cache
@@ -308,6 +312,7 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] of every input token."""
         return self.model(input_ids, positions, meta, kv_layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] for the rows that are sampled (select them before calling)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab] for the rows that are sampled (select them before calling); out: written there
+        (ParallelLMHead)."""
+        return self.lm_head(hidden, out)

@@ -329,8 +329,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         embeddings of the mm_mask tokens."""
         return self.model(input_ids, positions, meta, kv_layers, mm_embeds, mm_mask)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)
 
 
 # ---------------------------------------------------------------- prompt positions

@@ -4,8 +4,13 @@
         [--kv_cache_dtype fp8_e4m3]
     PYTHONPATH=. python3 scripts/profile_decode.py --prefill 7 [--prefill_len 1024] --batch 240
 
---prefill N profiles a mixed step instead (eager, as serving runs it): N fresh requests of --prefill_len
-tokens, then --batch decode rows at --ctx (a serving prefill step at concurrency 256 of 1k prompts).
+--prefill N profiles a mixed step instead: N fresh requests of --prefill_len tokens, then --batch decode
+rows at --ctx (a serving prefill step at concurrency 256 of 1k prompts); through the piecewise graphs where
+it has at most --piecewise_cuda_graph_max_tokens tokens (then also its wall time eager), eager with --eager.
+
+--host N: also where the step's host time goes (cProfile over --steps steps: the N functions with the most
+time of their own, then by cumulative time) and each call that synchronizes with the GPU inside one step
+(torch.cuda.set_sync_debug_mode), with the line that made it.
 
 By default the step replays its CUDA graph, as serving does (CUPTI reports the kernels of a graph launch);
 --eager runs it eagerly, where the decode attention keeps AITER's own partitions
@@ -18,8 +23,12 @@ scripts/bench_sampler.py.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,6 +70,32 @@ def step_wall_ms(runner: ModelRunner, step, steps: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
+def host_profile(runner: ModelRunner, step, steps: int, top: int) -> str:
+    """cProfile of `steps` executions (host time by function) and the synchronizing calls of one."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        runner.execute(step)
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.execute(step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:80]}" for w in caught
+             if "synchroniz" in str(w.message)]
+    return "\n".join([f"host profile of {steps} steps (cProfile):", text.getvalue(),
+                      f"synchronizing calls in one step: {len(syncs)}", *syncs])
+
+
 def mixed_step(runner: ModelRunner, args: argparse.Namespace):
     """args.prefill fresh rows of args.prefill_len tokens, then args.batch decode rows at args.ctx."""
     rows = [(0, args.prefill_len)] * args.prefill + [(args.ctx - 1, 1)] * args.batch
@@ -83,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=0, help="fresh requests of a mixed step (0: a decode step)")
     p.add_argument("--prefill_len", type=int, default=1024)
     p.add_argument("--kv_cache_dtype", default="auto", help="auto or fp8_e4m3")
+    p.add_argument("--host", type=int, default=0, help="also the N functions with the most host time")
+    p.add_argument("--piecewise_cuda_graph_max_tokens", type=int, default=512)
     args = p.parse_args(argv)
     fresh = args.prefill * args.prefill_len
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
                                 graph_max_batch_size=max(args.batch, 1), disable_cudagraph=args.eager,
                                 batch_max_tokens=max(fresh + args.batch, 8192),
                                 running_max_req_size=max(args.prefill + args.batch, 1),
-                                kv_cache_dtype=args.kv_cache_dtype, report_dir=None))
+                                kv_cache_dtype=args.kv_cache_dtype, report_dir=None,
+                                piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens))
     runner = ModelRunner(cfg)
     runner.build((args.batch + args.prefill) * (max(args.ctx, args.prefill_len) + cfg.page_size)
                  + 4 * cfg.page_size)
@@ -110,6 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}: {what} {args.batch} decode rows at {args.ctx} tokens of context")
     print(kernel_table(prof, args.steps, args.top))
     print(f"wall time per step {wall_ms:.3f} ms (host and GPU, {args.steps} steps without the profiler)")
+    if args.prefill and runner.pieces is not None:  # the same step eager: the pieces' gain
+        pieces, runner.pieces = runner.pieces, None
+        for _ in range(3):  # its own warm-up: Triton compiles for the step's row count, not the bucket's
+            runner.execute(step)
+        eager_ms = step_wall_ms(runner, step, args.steps)
+        runner.pieces = pieces
+        print(f"the same step eager (no piecewise graphs): {eager_ms:.3f} ms wall")
+    if args.host:
+        print(host_profile(runner, step, args.steps, args.host))
     runner.teardown()
     return 0
 

@@ -128,12 +128,12 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
     made = iter([FakeGraph(cuda_log, invalidated=False), FakeGraph(cuda_log, invalidated=True)])
     calls = []
 
-    def step(ids, pos, meta):
+    def step(ids, pos, meta, out):
         assert DEV in cuda_graph._CAPTURE_STREAMS
         calls.append(ids.shape[0])
         if len(calls) == 4:  # warm 2, capture 2, warm 1, capture 1 <- OOM inside the capture
             oom()
-        return torch.zeros(ids.shape[0], 8)
+        return torch.zeros(ids.shape[0], 8) if out is None else out.zero_()
 
     with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: next(made)), \
             mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
@@ -141,6 +141,33 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
             g.capture(step, show_progress=False)
     assert list(g.graphs) == [(2, 64)] and g.pool == POOL
     assert ("releasePool", DEV, POOL) in cuda_log
+
+
+def test_decode_graphs_write_every_batch_into_one_static_logits_buffer(cuda_log):
+    """The first warm-up (the largest batch) makes the buffer; every later call, warm-up or capture, gets a
+    view of it as `out`, and a step that returns a tensor of its own is refused (its graph would keep it)."""
+    g = cuda_graph.DecodeGraphs(2, ReqTable(3, 64, 16, torch.device("cpu")), 64)
+    outs = []
+
+    def step(ids, pos, meta, out):
+        outs.append(out)
+        return torch.zeros(ids.shape[0], 8) if out is None else out.fill_(ids.shape[0])
+
+    with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: FakeGraph(cuda_log, invalidated=False)), \
+            mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
+        g.capture(step, show_progress=False)
+    assert outs[0] is None and len(outs) == 4  # warm 2, capture 2, warm 1, capture 1
+    assert all(o.data_ptr() == g.logits.data_ptr() for o in outs[1:])
+    assert [o.shape[0] for o in outs[1:]] == [2, 1, 1] and g.logits.shape == (2, 8)
+
+    def own(ids, pos, meta, out):
+        return torch.zeros(ids.shape[0], 8)
+
+    g2 = cuda_graph.DecodeGraphs(2, ReqTable(3, 64, 16, torch.device("cpu")), 64)
+    with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: FakeGraph(cuda_log, invalidated=False)), \
+            mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
+        with pytest.raises(AssertionError, match="static logits"):
+            g2.capture(own, show_progress=False)
 
 
 # ---------------------------------------------------------------- the smallest usable cache

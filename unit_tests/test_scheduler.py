@@ -168,8 +168,10 @@ def cached_only_after_read_back(engine: LLMEngine) -> None:
 def test_every_envelope_limit_is_a_step_field():
     """A limit added to the envelope without a step field (so no stress corner could be checked against
     it) fails here. page_size and image_grid are shapes, not counts a step sums: the grid is checked per image
-    at admission (LLMEngine._check_images) and the stress encodes it (test_images' sweep covers both)."""
-    fields = {f.name for f in dataclasses.fields(Envelope)} - {"page_size", "image_grid"}
+    at admission (LLMEngine._check_images) and the stress encodes it (test_images' sweep covers both);
+    piecewise_tokens is where a step's path changes (its graphs), not a limit: the stress runs a corner at it
+    (test_piecewise)."""
+    fields = {f.name for f in dataclasses.fields(Envelope)} - {"page_size", "image_grid", "piecewise_tokens"}
     assert fields == set(STEP_FIELDS)
 
 

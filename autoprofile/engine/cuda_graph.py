@@ -36,8 +36,8 @@ from autoprofile.engine.kv_cache import PAD_PAGE, ReqTable
 
 log = logging.getLogger(__name__)
 
-# (input_ids, positions, metadata) -> logits
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (input_ids, positions, metadata, out) -> logits, written into out ([rows, vocab]) when it is given
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None], torch.Tensor]
 
 
 class DecodeGraphs:
@@ -110,9 +110,11 @@ class DecodeGraphs:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             t_warm = time.perf_counter()
             self._derive(bs, bucket)
-            warm = step(*args)  # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels
+            # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels; the first (largest batch)
+            # makes the static logits buffer [max_bs, vocab], the others write into it as their graphs will
+            warm = step(*args, None if self.logits is None else self.logits[:bs])
             warming += time.perf_counter() - t_warm
-            self.logits = warm if self.logits is None else self.logits  # largest batch first: [max_bs, vocab]
+            self.logits = warm if self.logits is None else self.logits
             del warm
             if before_first is not None:
                 before_first()
@@ -123,9 +125,11 @@ class DecodeGraphs:
 
             def body(bs=bs, args=args):
                 # NOTE: a graph's own output would stay allocated in the pool for good (one logits tensor
-                # per graph, ~1 GiB for an 8B model at 256); all graphs write the one static buffer
+                # per graph, ~1 GiB for an 8B model at 256); all graphs write the one static buffer, the
+                # lm_head's GEMM into it (ParallelLMHead: no temporary, no copy)
                 self._derive(bs, bucket)
-                self.logits[:bs].copy_(step(*args))
+                out = step(*args, self.logits[:bs])
+                assert out.data_ptr() == self.logits.data_ptr(), "a decode step must write the static logits"
 
             capture_graph(graph, self.pool, body)
             self.graphs[bs, bucket] = graph

@@ -106,19 +106,22 @@ class Envelope:
     image_tokens_per_request: int = 0
     # the largest image's grid (multimodal.worst_image_grid): what the stress encodes; no image is larger
     image_grid: tuple[int, int, int] = (0, 0, 0)
+    # the piecewise graphs' largest bucket (engine.piecewise; 0: none): a stress corner of its own
+    piecewise_tokens: int = 0
 
     @classmethod
     def build(cls, *, kv_pages: int, page_size: int, context_len: int, batch_max_tokens: int,
               running_max_req_size: int | None, graph_max_batch_size: int, use_graphs: bool,
-              vision: VisionLimits | None = None) -> Envelope:
+              vision: VisionLimits | None = None, piecewise_tokens: int = 0) -> Envelope:
         """kv_pages: pages of the built cache, the pad page included. vision: the encoder's limits (VL
-        models)."""
+        models). piecewise_tokens: the piecewise graphs' largest bucket (0: none)."""
         reqs = running_reqs(running_max_req_size, graph_max_batch_size)
         # The longest request holds prompt + output - 1 tokens of K/V: the last sampled token is never fed.
         longest_kv = context_len - 1
         prefill_rows = min(reqs, batch_max_tokens)
         # no row computes more than a request
         prefill_tokens = min(batch_max_tokens, prefill_rows * longest_kv)
+        mixed = mixed_tokens(batch_max_tokens, reqs, prefill_rows, longest_kv)
         return cls(
             page_size=page_size,
             pages=min(kv_pages - 1, reqs * math.ceil(longest_kv / page_size)),
@@ -126,7 +129,7 @@ class Envelope:
             max_req_total_len=context_len,
             decode_rows=reqs,
             graph_rows=min(graph_max_batch_size, reqs) if use_graphs else 0,
-            mixed_tokens=mixed_tokens(batch_max_tokens, reqs, prefill_rows, longest_kv),
+            mixed_tokens=mixed,
             prefill_tokens=prefill_tokens,
             prefill_rows=prefill_rows,
             # one chunk at the end of the longest prompt, or a full batch of fresh prompts
@@ -135,6 +138,7 @@ class Envelope:
             sampled_rows=max(reqs, prefill_rows),
             **(vision.limits(prefill_rows, prefill_tokens) if vision else {}),
             image_grid=vision.worst_grid if vision else (0, 0, 0),
+            piecewise_tokens=min(piecewise_tokens, mixed),
         )
 
     @property

@@ -32,7 +32,7 @@ from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspace
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.host_kv import host_tier
-from autoprofile.engine.kv_cache import KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
+from autoprofile.engine.kv_cache import PAD_PAGE, KV_SCALE_TEXT, KVCache, ReqTable, kv_scale_source, to_device
 from autoprofile.layers.parallel import TP
 from autoprofile.engine import stress
 from autoprofile.engine.logprobs import PromptLogprobs
@@ -40,6 +40,7 @@ from autoprofile.engine.sampler import (NO_TOKENS, SampledTokens, Sampler, Sampl
                                         StepTokens)
 from autoprofile.engine.sampling import make_generator
 from autoprofile.engine.multimodal import ImageInput
+from autoprofile.engine.piecewise import PiecewiseGraphs
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.state_cache import StateCache, layer_caches
 from autoprofile.engine.step_clock import StepClock
@@ -47,6 +48,7 @@ from autoprofile.engine.step_inputs import Staging, prefill_inputs, upload
 from autoprofile.engine.weights import load_weights
 from autoprofile.layers.quant import fp8_capability_problem
 from models import model_class
+from models.llama import LlamaAttention
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,7 @@ class ModelRunner:
         self.req_table: ReqTable | None = None
         self.sampler: Sampler | None = None  # logits to tokens, with structured output's per-row token mask
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None  # small prefill and mixed steps (engine.piecewise)
         # [encoder_images, image_tokens, hidden]: images awaiting prefill
         self.mm_buffer: torch.Tensor | None = None
         self.built_tokens: int | None = None
@@ -151,7 +154,8 @@ class ModelRunner:
                               batch_max_tokens=cfg.batch_max_tokens,
                               running_max_req_size=cfg.running_max_req_size,
                               graph_max_batch_size=cfg.graph_max_batch_size, use_graphs=self.use_graphs,
-                              vision=self.vision_limits)
+                              vision=self.vision_limits,
+                              piecewise_tokens=self.piecewise_tokens if self.piecewise_ok else 0)
 
     @property
     def vision_limits(self) -> VisionLimits | None:
@@ -247,12 +251,19 @@ class ModelRunner:
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
                 self.boot_steps.append(("graphs", time.perf_counter() - t0))
+            if self.graphs is not None and self.piecewise_ok:
+                t0 = time.perf_counter()
+                self.pieces = self._piecewise_graphs()
+                self.pieces.capture(self._hidden, show_progress=self.rank == 0)
+                self.boot_steps.append(("pieces", time.perf_counter() - t0))
             self.backend.seal()
         except BaseException:
             self.teardown()
             raise
         self.built_tokens = pages * cfg.page_size
         decode = f"{len(self.graphs.graphs)} decode graphs" if self.graphs else "eager decode"
+        if self.pieces is not None:
+            decode += f", piecewise prefill graphs up to {self.pieces.max_tokens} tokens"
         state = ("" if self.state is None else f" with their state and {self.state.checkpoints} state "
                  f"checkpoints ({gib(self.state.nbytes):.2f} GiB; {gib(self.state.checkpoint_bytes()):.2f} GiB "
                  "the checkpoints)")
@@ -266,6 +277,9 @@ class ModelRunner:
         for event in self._loads.values():
             event.synchronize()
         self._loads.clear()
+        if self.pieces is not None:
+            self.pieces.teardown()
+        self.pieces = None
         if self.graphs is not None:
             self.graphs.teardown()
         self.graphs = None
@@ -382,9 +396,37 @@ class ModelRunner:
         return (self.kv_scales_pending and step.is_prefill
                 and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.caches))
+    @property
+    def piecewise_ok(self) -> bool:
+        """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): a dense model of
+        LlamaAttention layers on one rank through aiter_triton (its RoPE kernel leaves q, k, v views of the
+        projection), with decode graphs, without --deterministic (its GEMMs must see the step's own rows,
+        not a padded bucket's)."""
+        mc, cfg = self.model_config, self.cfg
+        attention = getattr(self.model.model.layers[0], "self_attn", None)
+        return (self.use_graphs and cfg.piecewise_cuda_graph_max_tokens > 0 and self.tp.size == 1
+                and self.backend.name == "aiter_triton"
+                and not cfg.deterministic and not self.is_vl and not mc.is_hybrid and not mc.is_mla
+                and not mc.num_experts and type(attention) is LlamaAttention)
+
+    @property
+    def piecewise_tokens(self) -> int:
+        """The piecewise graphs' largest bucket: no step has more tokens than --batch_max_tokens."""
+        return min(self.cfg.piecewise_cuda_graph_max_tokens, self.cfg.batch_max_tokens)
+
+    def _piecewise_graphs(self) -> PiecewiseGraphs:
+        attention = self.model.model.layers[0].self_attn
+        width = attention.q_size + 2 * attention.kv_size
+        return PiecewiseGraphs(self.piecewise_tokens, width, attention.num_heads * attention.head_dim, self.dtype,
+                               self.device, PAD_PAGE * self.cfg.page_size)
+
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.caches)
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.caches), out)
 
     def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, PromptLogprobs | None]:
@@ -428,6 +470,9 @@ class ModelRunner:
             rope = to_device(torch.cat([self._mrope(r) for r in rows + decode], dim=1), dev)
             hidden = self.model(ids, rope, meta, self.caches,
                                 *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
+        elif (self.pieces is not None and ids.shape[0] <= self.pieces.max_tokens
+              and not self.backend.calibrating):
+            hidden = self.pieces.forward(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta, self.caches)
         prompt = self.sampler.prompt_logprobs(rows, hidden, host["cu"], self.model.compute_logits)

@@ -13,7 +13,9 @@ sampler paths, STRESS_PARAMS; corner (a) runs twice, so each path samples the mo
 Mixed corners (a prefill step with decode rows, as serving runs whenever both kinds of work exist): the
 most decode rows a mixed step can hold (running requests but one) at the longest contexts (the first at
 --max_req_total_len: the largest bucket, decoded eagerly) beside one chunk over the longest prefix; and,
-when that falls short of mixed_tokens, one decode row beside chunks of the rest of the budget.
+when that falls short of mixed_tokens, one decode row beside chunks of the rest of the budget; with
+piecewise graphs (engine.piecewise), their largest bucket: the most decode rows beside one fresh chunk of
+the rest (its attention runs eagerly between the pieces, at that bucket's most rows).
 Decode corners: the most decode rows (eager above the graph size), and the largest graph when it is
 smaller; every row sampled with the full sampler; the envelope's pages spread over the rows (the
 longest contexts the cache allows), the first row at --max_req_total_len; DECODE_STEPS steps each.
@@ -90,6 +92,9 @@ def mixed_corners(env: Envelope) -> list[tuple[Rows, Rows]]:
             chunks.append((0, min(left, longest)))
             left -= chunks[-1][1]
         corners.append((chunks, spread_rows(env, 1)[-1]))
+    if env.piecewise_tokens:
+        d = min(env.decode_rows, env.running_reqs - 1, env.piecewise_tokens - 1)
+        corners.append(([(0, min(env.piecewise_tokens - d, longest))], spread_rows(env, d)[-1]))
     return corners
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels import pdl
+from autoprofile.layers.quant import linear_out
 
 # scripts/bench_gemv.py --sweep on an H100, llama-3.1-8b's shapes (32 distinct weights a shape, so L2 holds
 # none), against cuBLAS: qkv 1.13x, o_proj 1.25x, gate_up 1.08x, down_proj 1.07x, lm_head 1.31x (best or
@@ -44,15 +45,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [K] or [1, K] (contiguous), weight [N, K] (contiguous) -> [N] or [1, N] in out_dtype (None: x's).
     Both are read in their own dtypes and multiplied in fp32. residual (contiguous, N elements): the product
-    is added to it in the epilogue, in place (rounded once), and it is returned."""
+    is added to it in the epilogue, in place (rounded once), and it is returned. out (N contiguous elements):
+    the product is written there and it is returned."""
     n, k = weight.shape
     if residual is not None:
         assert residual.is_contiguous() and residual.numel() == n, "the GEMV adds into one contiguous row"
-    out = residual if residual is not None else torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype,
-                                                            device=x.device)
+    if residual is not None:
+        out = residual
+    elif out is None:
+        out = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
+    else:
+        assert out.is_contiguous() and out.numel() == n, "the GEMV writes one contiguous row"
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, bias if bias is not None else weight, out, out, n, k,
                                              HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
                                              BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS,
@@ -64,11 +71,12 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1] and x.is_contiguous() and weight.is_contiguous()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV for one contiguous row, cuBLAS (F.linear) otherwise."""
-    if one_row(x, weight):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMV for one contiguous row, cuBLAS (F.linear) otherwise; out: written there (TP.linear)."""
+    if one_row(x, weight) and (out is None or out.is_contiguous()):
+        return gemv(x, weight, bias, out=out)
+    return F.linear(x, weight, bias) if out is None else linear_out(x, weight, bias, out)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

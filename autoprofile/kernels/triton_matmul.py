@@ -72,18 +72,23 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N: tl.constexpr, K: tl.constex
              mask=row_ok & col_ok)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (unit stride in K), weight [N, K] (contiguous), bias [N] -> [..., N] in x's dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (unit stride in K), weight [N, K] (contiguous), bias [N] -> [..., N] in x's dtype; out
+    ([rows, N], unit stride in N, x's dtype): written there and returned."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     assert weight.is_contiguous() and x.shape[-1] == k
-    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (rows.shape[0], n) and out.stride(-1) == 1 and out.dtype == x.dtype, out.shape
     m = rows.shape[0]
     if m:
         cfg = config_for(m, x.dtype)
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, m, n, k, rows.stride(0),
                              out.stride(0), HAS_BIAS=bias is not None, **cfg)
-    return out.view(*x.shape[:-1], n)
+    return out if out.dim() == x.dim() else out.view(*x.shape[:-1], n)

@@ -73,6 +73,9 @@ class AttentionMetadata:
     # decode rows as one-token varlen queries, [0, 1, ..., B] int32 (vLLM's name): a captured graph's metadata
     # carries its static buffer (cuda_graph.DecodeGraphs); None: query_starts() derives it
     query_start_loc: torch.Tensor | None = None
+    # piecewise CUDA graphs (engine.piecewise.PiecewiseGraphs) while they are captured or warmed up: each
+    # attention layer hands its q, k, v to pieces.split() instead of attending
+    pieces: object | None = None
     # a hybrid model's rows' state slots [rows] int64 (engine.state_cache; a mixed step's decode rows: in
     # `decode`'s); a padded graph row's is the pad slot
     state_slots: torch.Tensor | None = None

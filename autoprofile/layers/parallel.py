@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from autoprofile.layers.quant import FP8, Fp8Rows, Fp8Scheme, fp8_linear_reference, quantize_weight
+from autoprofile.layers.quant import (FP8, Fp8Rows, Fp8Scheme, fp8_linear_reference, linear_out,
+                                      quantize_weight)
 
 
 @dataclass
@@ -57,11 +58,15 @@ class TP:
         fn = fp8_linear_reference if self.fp8_matmul is None else self.fp8_matmul
         return fn(x, layer.weight, layer.weight_scale, layer.quant, layer.input_scale, bias, residual)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Every GEMM of the model's layers, sharded or replicated (routers, MLA's kv_a_proj): the backend's
         (aiter_triton: one row through our GEMV, where cuBLAS took 3.3-5.0 us for a router or kv_a_proj at a
-        batch-1 decode; --deterministic: batch-invariant), else F.linear."""
-        return F.linear(x, weight, bias) if self.matmul is None else self.matmul(x, weight, bias)
+        batch-1 decode; --deterministic: batch-invariant), else F.linear. out ([rows, N], unit stride in N):
+        the GEMM writes its result there and returns it (no temporary, no copy)."""
+        if self.matmul is not None:
+            return self.matmul(x, weight, bias) if out is None else self.matmul(x, weight, bias, out=out)
+        return F.linear(x, weight, bias) if out is None else linear_out(x, weight, bias, out)
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits of an fp32 router weight (replicated: no all-reduce)."""
@@ -393,6 +398,13 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Tied embeddings: pass the embedding's Parameter as `weight` (same shard layout, one tensor)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab_size]; out (a [N, vocab_size] view of the decode graphs' static logits buffer):
+        written there and returned. One rank without padded vocab rows: the GEMM writes it (at 256 rows of
+        llama-3.1-8b a 66 MB temporary and its copy fewer a decode step); else the gathered logits are
+        copied in."""
+        if out is not None and self.tp.size == 1 and self.weight.shape[0] == self.vocab_size:
+            return self.tp.linear(hidden, self.weight, out=out)
         logits = self.tp.all_gather_last(self.tp.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+        logits = logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits
+        return logits if out is None else out.copy_(logits)

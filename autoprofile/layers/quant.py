@@ -64,6 +64,15 @@ class Fp8Rows:
         return self.q.shape
 
 
+def linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+               ) -> torch.Tensor:
+    """F.linear of x [rows, K] written into out [rows, N] (cuBLAS's GEMM takes the output's address:
+    nothing allocated, no copy)."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
 def rows_linear(x: torch.Tensor | Fp8Rows, n: int, residual: torch.Tensor | None, product) -> torch.Tensor:
     """A few-row FP8 kernel's linear: x [..., K] in the model's dtype (W8A16, not quantized) or Fp8Rows ->
     [..., N] in the model's dtype, where product(rows [M, K] unit stride, x_scale or None, dtype, into) gives

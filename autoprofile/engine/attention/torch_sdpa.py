@@ -17,7 +17,8 @@ INVARIANT_CHUNK_TOKENS = 64
 INVARIANT_GEMM_ROWS = 32
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear called on tiles of INVARIANT_GEMM_ROWS rows (the last one zero-padded): every call has one
     shape, so the CPU's GEMM takes one kernel and blocking whatever the step's row count, and a row's result
     does not depend on the rows beside it (a [M, K] call picks its kernel by M)."""
@@ -26,9 +27,9 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     pad = -m % INVARIANT_GEMM_ROWS
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    out = torch.cat([F.linear(t, weight, bias) for t in rows.split(INVARIANT_GEMM_ROWS)]) if m else \
+    result = torch.cat([F.linear(t, weight, bias) for t in rows.split(INVARIANT_GEMM_ROWS)]) if m else \
         x.new_empty(0, weight.shape[0])
-    return out[:m].view(*x.shape[:-1], weight.shape[0])
+    return write_into(out, result[:m].view(*x.shape[:-1], weight.shape[0]))
 
 
 class TorchBackend(AttentionBackend):

@@ -1,0 +1,106 @@
+"""Piecewise graphs (engine.piecewise) without a GPU: the buckets, the stress corner of the largest bucket,
+and the seam between the model and the pieces. A CUDA graph cannot be captured on a CPU, so `EagerPieces`
+runs what a replay runs, eagerly: the real PiecewiseGraphs stages the step into its static inputs (padded to
+the bucket) and each layer's attention reads q, k, v from the static QKV buffer and writes the static output,
+on the padded bucket, as the replay's pieces do. Its logits and K/V must be the eager forward's (the GPU test,
+tests/test_piecewise_gpu.py, replays the captured pieces themselves)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autoprofile.engine import stress
+from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.kv_cache import PAD_PAGE
+from autoprofile.engine.piecewise import PiecewiseGraphs, piece_buckets, static_view
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import GREEDY
+from autoprofile.engine.scheduler import StepRow
+from autoprofile.engine.weights import init_random
+from unit_tests.test_engine_cpu import small_cfg
+
+
+def test_buckets_are_powers_of_two_and_their_midpoints_up_to_the_flag():
+    assert piece_buckets(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert piece_buckets(100) == [16, 32, 64, 96, 100]
+    assert piece_buckets(16) == [16] and piece_buckets(10) == [10] and piece_buckets(0) == []
+    pieces = PiecewiseGraphs(100, 8, 4, torch.float32, torch.device("cpu"), pad_slot=0)
+    assert [pieces.pick(n) for n in (1, 16, 17, 97, 100, 101)] == [16, 16, 32, 100, 100, None]
+
+
+def test_the_stress_runs_the_largest_bucket_beside_the_most_decode_rows():
+    def env(piecewise):
+        return Envelope.build(kv_pages=4096, page_size=16, context_len=4096, batch_max_tokens=8192,
+                              running_max_req_size=None, graph_max_batch_size=256, use_graphs=True,
+                              piecewise_tokens=piecewise)
+
+    plain, pieces = stress.mixed_corners(env(0)), stress.mixed_corners(env(512))
+    assert pieces[:-1] == plain
+    chunks, decode = pieces[-1]
+    assert chunks == [(0, 512 - 255)] and len(decode) == 255  # 256 request slots: one is the chunk's
+    assert env(10**6).piecewise_tokens == env(0).mixed_tokens  # no step has more tokens than that
+
+
+class EagerPieces:
+    """What a replay of the captured pieces runs, eagerly (see the module's docstring)."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int):
+        attention = runner.model.model.layers[0].self_attn
+        self.real = PiecewiseGraphs(max_tokens, attention.q_size + 2 * attention.kv_size,
+                                    attention.num_heads * attention.head_dim, runner.dtype, runner.device,
+                                    PAD_PAGE * runner.cfg.page_size)
+        self.runner, self.max_tokens, self.buckets_run = runner, max_tokens, []
+
+    def forward(self, ids, positions, meta):
+        self.n, self.step_meta = ids.shape[0], meta
+        bucket = self.real.stage(ids, positions, meta)
+        self.buckets_run.append(bucket)
+        padded = self.real.meta(bucket)
+        padded.pieces = self
+        return self.runner._hidden(self.real.ids[:bucket], self.real.positions[:bucket], padded)[:self.n]
+
+    def split(self, attention, qkv, q, k, v, kv):
+        o = self.real.split(attention, qkv, q, k, v, kv)
+        static = self.real.qkv[:qkv.shape[0]]
+        qs, ks, vs = (static_view(qkv, static, t)[:self.n] for t in (q, k, v))
+        attention.attend(qs, ks, vs, self.step_meta, kv, out=o[:self.n])
+        return o
+
+
+@pytest.fixture()
+def runner():
+    r = ModelRunner(small_cfg())
+    init_random(r.model, seed=1, std=0.08)
+    r.build(2048)
+    r.req_table.write([(slot, 0, list(range(1 + 8 * slot, 9 + 8 * slot))) for slot in range(4)])
+    yield r
+    r.teardown()
+
+
+def _step(runner: ModelRunner, rows, decode, pieces):
+    runner.pieces = pieces
+    try:
+        logits = runner._prefill(rows, decode)[0].clone()
+    finally:
+        runner.pieces = None
+    return logits, runner.kv.buffer.clone()
+
+
+@torch.no_grad()
+def test_pieces_give_the_eager_forwards_logits_and_kv_and_padding_writes_only_the_pad_page(runner):
+    """A 40-token prompt (bucket 64), then a mixed step: a 30-token chunk of a second prompt and the first
+    request's decode row (31 tokens, bucket 32: its padded row 31 held a real slot of the step before), then
+    a chunk over the second prompt's cached 30 tokens (the kv_slots path)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 4096, (n,), generator=g).tolist() for n in (41, 45))
+    steps = [([StepRow(0, 0, a[:40], True, GREEDY)], None),
+             ([StepRow(1, 0, b[:30], True, GREEDY)], [StepRow(0, 40, [a[40]], True, GREEDY)]),
+             ([StepRow(1, 30, b[30:], True, GREEDY)], None)]
+    pieces = EagerPieces(runner, 64)
+    real = [p for p in range(runner.kv.buffer.shape[2]) if p != PAD_PAGE]  # [k/v, layer, page, ...]
+    for rows, decode in steps:
+        eager, kv_eager = _step(runner, rows, decode, None)
+        piecewise, kv_pieces = _step(runner, rows, decode, pieces)
+        torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kv_eager[:, :, real], kv_pieces[:, :, real]), "a padded row wrote a real slot"
+    assert pieces.buckets_run == [64, 32, 16]
