@@ -639,10 +639,7 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="The largest decode batch captured as a CUDA graph.")
     add_flag(budget, "disable_cudagraph", action="store_true",
              help="Run every step eagerly (no decode graphs, no piecewise graphs).")
-    add_flag(budget, "piecewise_cuda_graph_max_tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
-             help="Prefill and mixed steps of at most this many tokens (decode rows included) replay "
-                  "piecewise CUDA graphs, attention eager between them: such steps are otherwise bound by "
-                  "the host's kernel launches. Dense models on one GPU; 0: eager.")
+
     add_flag(budget, "attention_backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
              help="The attention and GEMM kernels. auto: aiter_triton on NVIDIA, aiter on ROCm; torch is "
                   "the reference (and the CPU's).")
@@ -702,6 +699,11 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Where an FP8 cache's per-layer K and V scales come from. auto: the checkpoint's "
                   "k_scale and v_scale if it has them, else first_batch; first_batch: the first real "
                   "prefill's K and V; unit: 1.0.")
+    add_flag(run, "piecewise_cuda_graph_max_tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
+             help="Prefill and mixed steps of at most this many tokens (decode rows included) replay "
+                  "piecewise CUDA graphs, attention eager between them: such steps are otherwise bound by "
+                  "the host's kernel launches. Dense models on one GPU; 0: eager. The profile measures "
+                  "their pool (autoprofile plan leaves it out).")
     add_flag(run, "disable_overlap_schedule", action="store_true",
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
                   "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "

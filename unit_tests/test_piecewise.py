@@ -20,8 +20,10 @@ from autoprofile.engine.weights import init_random
 from unit_tests.test_engine_cpu import small_cfg
 
 
-def test_buckets_are_powers_of_two_and_their_midpoints_up_to_the_flag():
-    assert piece_buckets(512) == [16, 32, 64, 96, 128, 192, 256, 384, 512]
+def test_buckets_pad_a_step_past_128_tokens_by_at_most_a_quarter_up_to_the_flag():
+    assert piece_buckets(512) == [16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 480, 512]
+    ladder = piece_buckets(8192)
+    assert all(b % 32 == 0 and (b - a) * 4 <= a for a, b in zip(ladder, ladder[1:]) if a >= 128)
     assert piece_buckets(100) == [16, 32, 64, 96, 100]
     assert piece_buckets(16) == [16] and piece_buckets(10) == [10] and piece_buckets(0) == []
     pieces = PiecewiseGraphs(100, 8, 4, torch.float32, torch.device("cpu"), pad_slot=0)

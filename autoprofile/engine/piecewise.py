@@ -39,15 +39,14 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 
 
 def piece_buckets(max_tokens: int) -> list[int]:
-    """Token buckets up to max_tokens, ascending: 16, 32, 64, 96, 128, 192, 256, 384, 512, ... (powers of
-    two and their midpoints: a step pads by at most a third), max_tokens last."""
+    """Token buckets up to max_tokens, ascending: 16, 32, then multiples of 32 at most a quarter apart (64,
+    96, ..., 256, 320, 384, 480, ...), so a step past 128 tokens pads by at most a quarter (its GEMMs run at
+    the bucket's rows: 281 tokens at bucket 384 took 12.8 ms of GPU against the eager step's 11.5);
+    max_tokens last."""
     out, b = [], 16
     while b < max_tokens:
         out.append(b)
-        half = b + b // 2
-        if b >= 64 and half < max_tokens:
-            out.append(half)
-        b *= 2
+        b += 16 if b < 32 else max(32, b // 4 // 32 * 32)
     return out + [max_tokens] if max_tokens >= 1 else []
 
 
