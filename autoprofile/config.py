@@ -254,8 +254,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be >= 1, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
     _check(cfg.graph_max_batch_size <= MAX_GRAPH_BATCH, "graph_max_batch_size",
            f"must be <= {MAX_GRAPH_BATCH}, got {cfg.graph_max_batch_size}; try --graph_max_batch_size 256")
-    _check(0 <= cfg.piecewise_cuda_graph_max_tokens <= MAX_PIECEWISE_TOKENS, "piecewise_cuda_graph_max_tokens",
-           f"must be in [0, {MAX_PIECEWISE_TOKENS}], got {cfg.piecewise_cuda_graph_max_tokens}; try "
+    pieces = cfg.piecewise_cuda_graph_max_tokens
+    _check(0 <= pieces <= MAX_PIECEWISE_TOKENS, "piecewise_cuda_graph_max_tokens",
+           f"must be in [0, {MAX_PIECEWISE_TOKENS}], got {pieces}; try "
            "--piecewise_cuda_graph_max_tokens 512 (0: prefill steps eager)")
     _check(cfg.state_checkpoints is None or cfg.state_checkpoints >= 0, "state_checkpoints",
            f"must be >= 0, got {cfg.state_checkpoints}; try --state_checkpoints 16, or leave it unset (4 to 8)")

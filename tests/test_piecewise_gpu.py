@@ -108,5 +108,6 @@ def test_a_step_through_the_pieces_equals_the_eager_step(runner, prompt, chunk, 
     assert p_logits.shape == (1 + decoded, r.model_config.vocab_size) and not p_logits.isnan().any()
     err, kv_err = close(p_logits, e_logits), close(p_kv.float(), e_kv.float())
     agree = (p_logits.argmax(-1) == e_logits.argmax(-1)).float().mean().item()
-    print(f"\n{prompt - chunk}+{decoded} tokens: logits rel err {err:.2e}, K/V {kv_err:.2e}, argmax {agree:.2f}")
+    print(f"\n{prompt - chunk}+{decoded} tokens: logits rel err {err:.2e}, K/V {kv_err:.2e}, "
+          f"argmax {agree:.2f}")
     assert err < BF16_REL_ERR and kv_err < BF16_REL_ERR and agree >= 0.9

@@ -303,8 +303,8 @@ MEASURED = {"model": "qwen3-8b", "tp": 2, "batch_max_tokens": 4096, "running_max
             "kv_cache_dtype": "fp8_e4m3", "kv_scales": "unit", "dtype": "float16", "page_size": 32,
             "canary_mb": 512, "deterministic": True, "visual_batch_size": 8, "min_image_pixels": 28 * 28,
             "max_image_pixels": 640 * 28 * 28, "max_images_per_request": 8, "load_format": "dummy",
-            "quantization": "fp8", "nnodes": 2, "state_checkpoints": 16,  # nnodes: NCCL's transport across hosts
-            "piecewise_cuda_graph_max_tokens": 0}  # the pieces' pool
+            "quantization": "fp8", "nnodes": 2,  # nnodes: NCCL's transport across hosts
+            "state_checkpoints": 16, "piecewise_cuda_graph_max_tokens": 0}  # the pieces' pool
 FINGERPRINT = {"gpu": "NVIDIA H100 80GB HBM3", "total_memory": 80 * GiB}
 
 

@@ -110,8 +110,8 @@ class DecodeGraphs:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             t_warm = time.perf_counter()
             self._derive(bs, bucket)
-            # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels; the first (largest batch)
-            # makes the static logits buffer [max_bs, vocab], the others write into it as their graphs will
+            # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels; the first (the largest
+            # batch) makes the static logits buffer [max_bs, vocab], the others write it as their graphs will
             warm = step(*args, None if self.logits is None else self.logits[:bs])
             warming += time.perf_counter() - t_warm
             self.logits = warm if self.logits is None else self.logits

@@ -105,7 +105,8 @@ class PiecewiseGraphs:
             with torch.cuda.stream(stream):
                 self._begin()
                 try:
-                    self.hidden[bucket] = forward(self.ids[:bucket], self.positions[:bucket], self.meta(bucket))
+                    self.hidden[bucket] = forward(self.ids[:bucket], self.positions[:bucket],
+                                                  self.meta(bucket))
                 except BaseException:
                     abandon_capture(self._taking.pop(), self.pool, device)
                     self._taking = self._splits = None

@@ -417,8 +417,8 @@ class ModelRunner:
     def _piecewise_graphs(self) -> PiecewiseGraphs:
         attention = self.model.model.layers[0].self_attn
         width = attention.q_size + 2 * attention.kv_size
-        return PiecewiseGraphs(self.piecewise_tokens, width, attention.num_heads * attention.head_dim, self.dtype,
-                               self.device, PAD_PAGE * self.cfg.page_size)
+        return PiecewiseGraphs(self.piecewise_tokens, width, attention.num_heads * attention.head_dim,
+                               self.dtype, self.device, PAD_PAGE * self.cfg.page_size)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                 ) -> torch.Tensor:
