@@ -703,7 +703,7 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(run, "piecewise_cuda_graph_max_tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
              help="Prefill and mixed steps of at most this many tokens (decode rows included) replay "
                   "piecewise CUDA graphs, attention eager between them: such steps are otherwise bound by "
-                  "the host's kernel launches. Dense models on one GPU; 0: eager. The profile measures "
+                  "the host's kernel launches. Dense bf16/fp16 models (weights and cache) on one GPU; 0: eager. The profile measures "
                   "their pool (autoprofile plan leaves it out).")
     add_flag(run, "disable_overlap_schedule", action="store_true",
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "

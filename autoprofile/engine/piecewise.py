@@ -19,8 +19,9 @@ is the attention of its own rows, which an eager step of the same rows also runs
 largest bucket with the most decode rows (stress.mixed_corners).
 
 Which models: a dense decoder of LlamaAttention layers (llama, Qwen2/3 dense) on one rank without
---deterministic (its GEMMs must see the step's own rows); MoE, MLA, hybrid and vision-language models, and a
-step that calibrates an FP8 cache's scales, run eagerly (ModelRunner.piecewise_ok)."""
+--deterministic (its GEMMs must see the step's own rows), weights and cache in the model's dtype; MoE, MLA,
+hybrid and vision-language models, FP8 weights or cache (not yet run on a GPU through the pieces), and a step
+that calibrates an FP8 cache's scales, run eagerly (ModelRunner.piecewise_ok)."""
 from __future__ import annotations
 
 import logging

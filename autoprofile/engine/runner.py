@@ -401,11 +401,13 @@ class ModelRunner:
         """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): a dense model of
         LlamaAttention layers on one rank through aiter_triton (its RoPE kernel leaves q, k, v views of the
         projection), with decode graphs, without --deterministic (its GEMMs must see the step's own rows,
-        not a padded bucket's)."""
+        not a padded bucket's). FP8 weights and an FP8 cache run these steps eagerly until a GPU run of
+        tests/test_piecewise_gpu.py covers them (2026-11-28: verified for bf16 only)."""
         mc, cfg = self.model_config, self.cfg
         attention = getattr(self.model.model.layers[0], "self_attn", None)
         return (self.use_graphs and cfg.piecewise_cuda_graph_max_tokens > 0 and self.tp.size == 1
                 and self.backend.name == "aiter_triton"
+                and getattr(self.backend, "triton_rope", None) is not None and mc.quant is None and self.kv_cache_dtype == self.dtype
                 and not cfg.deterministic and not self.is_vl and not mc.is_hybrid and not mc.is_mla
                 and not mc.num_experts and type(attention) is LlamaAttention)
 
