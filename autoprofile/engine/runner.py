@@ -396,6 +396,10 @@ class ModelRunner:
         return (self.kv_scales_pending and step.is_prefill
                 and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
+    # FP8 weights or cache through the piecewise graphs: off until tests/test_piecewise_gpu.py's FP8 cases
+    # (which set it) pass on a GPU
+    PIECES_FP8 = False
+
     @property
     def piecewise_ok(self) -> bool:
         """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): a dense model of
@@ -407,7 +411,8 @@ class ModelRunner:
         attention = getattr(self.model.model.layers[0], "self_attn", None)
         return (self.use_graphs and cfg.piecewise_cuda_graph_max_tokens > 0 and self.tp.size == 1
                 and self.backend.name == "aiter_triton"
-                and getattr(self.backend, "triton_rope", None) is not None and mc.quant is None and self.kv_cache_dtype == self.dtype
+                and getattr(self.backend, "triton_rope", None) is not None
+                and (self.PIECES_FP8 or (mc.quant is None and self.kv_cache_dtype == self.dtype))
                 and not cfg.deterministic and not self.is_vl and not mc.is_hybrid and not mc.is_mla
                 and not mc.num_experts and type(attention) is LlamaAttention)
 
