@@ -200,8 +200,10 @@ print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 FUSED = KERNELS + r"""
 import torch
 from autoprofile.engine.host_kv import HostKVPool
-from autoprofile.kernels import triton_kv_copy, triton_mla_absorb, triton_moe, triton_rope
+from autoprofile.kernels import triton_argmax, triton_kv_copy, triton_mla_absorb, triton_moe, triton_rope
 torch.empty(1, device="cuda")
+for rows in (1, 256):  # the greedy argmax (the profile's stress samples, so its serving set never has it)
+    triton_argmax.argmax(torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16))
 bf = dict(device="cuda", dtype=torch.bfloat16)
 for t in (1, 8192):  # Qwen3-30B-A3B's q/k norm + RoPE + store (32/4 heads of 128); DeepSeek-V2's MLA
     qkv = torch.randn(t, (32 + 2 * 4) * 128, **bf)
@@ -357,12 +359,13 @@ def test_no_split_decode_kernel_spills_past_the_bound():
 
 def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
     """This session's fused kernels (Qwen3's q/k norm + RoPE + store and Qwen3.5's gated variant, MLA's RoPE
-    + latent norm + store, the MoE top-k sum with its addends) and the host tier's page copies, at one token
-    and at a prefill's 8,192: no variant needs more than 1 KiB of local memory per thread."""
+    + latent norm + store, the MoE top-k sum with its addends), the host tier's page copies, at one token
+    and at a prefill's 8,192, and the greedy argmax at 1 and 256 rows: no variant needs more than 1 KiB of
+    local memory per thread."""
     got = run_fresh(FUSED)
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_rope_store_kernel", "_mla_rope_store_kernel", "_moe_sum_kernel", "_copy_pages_kernel",
-            "_absorb_kernel", "_unabsorb_kernel"} <= names
+            "_absorb_kernel", "_unabsorb_kernel", "_argmax_kernel"} <= names
     assert spilling(got["kernels"]) == []

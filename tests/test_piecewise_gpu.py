@@ -70,6 +70,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_every_bucket_has_a_piece_per_layer_and_one_more_in_one_pool_the_probe_measures(runner):
     """Probe-size build, then target-size build (as the profiler does): the same pieces, the same pool."""
     layers = runner.model_config.num_layers
+    assert runner.envelope.piecewise_tokens == MAX_TOKENS  # the stress's corner at the largest bucket
     pools = []
     runner.teardown()
     try:

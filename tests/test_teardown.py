@@ -45,6 +45,8 @@ def test_teardown_returns_reserved_memory_to_its_pre_build_level(backend, graphs
     outputs = []
     for cycle in range(2):  # build -> teardown -> build works, and gives the same answers
         runner.build(KV_TOKENS)
+        # aiter_triton with graphs: the piecewise graphs too, and the prefill stress runs their corner
+        assert (runner.pieces is not None) == (backend == "aiter_triton" and graphs)
         runner.stress_prefill()
         runner.stress_decode()
         outputs.append(LLMEngine(runner).generate([[1, 2, 3], [4] * 50], max_tokens=8))

@@ -170,6 +170,52 @@ def test_decode_graphs_write_every_batch_into_one_static_logits_buffer(cuda_log)
             g2.capture(own, show_progress=False)
 
 
+def _pieces_forward(pieces, layers: int, fail_in: int | None = None):
+    """A model of `layers` attention layers as the pieces see it: each hands q, k, v (views of its packed
+    projection) to pieces.split(); fail_in: the piece (0-based) that raises a real OOM while captured."""
+    def forward(ids, pos, meta):
+        x = torch.zeros(ids.shape[0], 4)
+        for layer in range(layers):
+            if layer == fail_in and pieces._capturing:
+                oom()
+            qkv = torch.ones(ids.shape[0], 8)
+            x = x + meta.pieces.split(f"attention {layer}", qkv, qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], None)
+        return x
+    return forward
+
+
+@pytest.mark.parametrize("fail", ["none", "begin", "inside"])
+def test_piecewise_capture_keeps_the_ended_pieces_and_gives_up_only_the_failed_one(cuda_log, fail):
+    """Two layers: three pieces a bucket. A capture_begin that raises (the second piece's) is given up by
+    begin_capture alone (no end, no pool release); an OOM inside a piece ends that capture once; the pieces
+    ended before stay with their owner, whose teardown resets them."""
+    from autoprofile.engine.piecewise import PiecewiseGraphs
+    pieces = PiecewiseGraphs(16, 8, 4, torch.float32, torch.device("cpu"), pad_slot=0)
+    made = [FakeGraph(cuda_log, invalidated=fail == "inside") for _ in range(3)]
+    made[0].invalidated = False
+    if fail == "begin":
+        made[1].begin_error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    graphs = iter(made)
+    with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: next(graphs)), \
+            mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
+        forward = _pieces_forward(pieces, 2, fail_in=1 if fail == "inside" else None)
+        if fail == "none":
+            pieces.capture(forward, show_progress=False)
+            assert pieces.graphs[16] == made and [s[0] for s in pieces.splits[16]] == ["attention 0",
+                                                                                       "attention 1"]
+            assert all(g.ended for g in made) and ("releasePool", DEV, POOL) not in cuda_log
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                pieces.capture(forward, show_progress=False)
+            assert pieces.graphs[16] == made[:1] and made[0].ended
+            assert cuda_graph._ABANDONED == [made[1]]  # never destroyed, given up once
+            released = cuda_log.count(("releasePool", DEV, POOL))
+            assert released == (1 if fail == "inside" else 0), cuda_log
+            assert not pieces._capturing and pieces._taking is None
+    pieces.teardown()
+    assert pieces.graphs == {} and cuda_log.count(("reset",)) == {"none": 3, "begin": 1, "inside": 2}[fail]
+
+
 # ---------------------------------------------------------------- the smallest usable cache
 import json  # noqa: E402
 import subprocess  # noqa: E402

@@ -213,24 +213,29 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
     with torch.cuda.stream(stream):
-        try:
-            graph.capture_begin(pool)
-        except BaseException:
-            # NOTE: the generator allocates two 8-byte tensors when its first graph registers, inside
-            # capture_begin, after the graph recorded the generator and before the generator recorded the
-            # graph. With the card full (the rebuild's first capture, no graph registered) that allocation
-            # fails and ~CUDAGraph throws from a destructor ("The graph should be registered to the
-            # state": std::terminate, H100 and H200, torch 2.11). The graph is never freed.
-            _keep_forever(graph)
-            if torch.cuda.is_current_stream_capturing():
-                abandon_capture(graph, pool, device)
-            raise
+        begin_capture(graph, pool, device)
         try:
             body()
         except BaseException:
             abandon_capture(graph, pool, device)
             raise
         graph.capture_end()
+
+
+def begin_capture(graph, pool, device: int) -> None:
+    """graph.capture_begin(pool) on the current (capture) stream; one that raises leaves no capture behind and
+    its graph is never freed. NOTE: the generator allocates two 8-byte tensors when its first graph
+    registers, inside capture_begin, after the graph recorded the generator and before the generator
+    recorded the graph. With the card full (the rebuild's first capture, no graph registered) that
+    allocation fails and ~CUDAGraph throws from a destructor ("The graph should be registered to the state":
+    std::terminate, H100 and H200, torch 2.11)."""
+    try:
+        graph.capture_begin(pool)
+    except BaseException:
+        _keep_forever(graph)
+        if torch.cuda.is_current_stream_capturing():
+            abandon_capture(graph, pool, device)
+        raise
 
 
 def abandon_capture(graph, pool, device: int) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoprofile.engine.cuda_graph import abandon_capture, capture_stream
+from autoprofile.engine.cuda_graph import abandon_capture, begin_capture, capture_stream
 from autoprofile.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,9 @@ class PiecewiseGraphs:
         self.splits: dict[int, list[tuple]] = {}  # per bucket, per layer: (attention module, q, k, v, kv)
         self.hidden: dict[int, torch.Tensor] = {}  # per bucket: the last piece's output
         self.pool = None
-        self._taking: list | None = None  # the bucket being captured: its graphs (the last one capturing)
+        self._taking: list | None = None  # the bucket being captured: its graphs so far
         self._splits: list | None = None
+        self._capturing = False  # the last of _taking is capturing (begun, not ended)
 
     def pick(self, tokens: int) -> int | None:
         """The bucket that runs a step of `tokens` tokens; None: more than the largest (eager)."""
@@ -97,33 +98,42 @@ class PiecewiseGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         for bucket in reversed(self.buckets):
+            torch.cuda.synchronize()  # the static buffers (made or last written on the current stream)
             with torch.cuda.stream(stream):
                 forward(self.ids[:bucket], self.positions[:bucket], self.meta(bucket))  # warm-up
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
             self.graphs[bucket], self.splits[bucket] = [], []
             self._taking, self._splits = self.graphs[bucket], self.splits[bucket]
-            with torch.cuda.stream(stream):
-                self._begin()
-                try:
-                    self.hidden[bucket] = forward(self.ids[:bucket], self.positions[:bucket],
-                                                  self.meta(bucket))
-                except BaseException:
-                    abandon_capture(self._taking.pop(), self.pool, device)
-                    self._taking = self._splits = None
-                    raise
-                self._taking[-1].capture_end()
-            self._taking = self._splits = None
+            try:
+                with torch.cuda.stream(stream):
+                    self._begin(device)
+                    try:
+                        self.hidden[bucket] = forward(self.ids[:bucket], self.positions[:bucket],
+                                                      self.meta(bucket))
+                        self._end()
+                    except BaseException:
+                        if self._capturing:  # (a piece whose begin raised was given up by begin_capture)
+                            self._capturing = False
+                            abandon_capture(self._taking.pop(), self.pool, device)
+                        raise
+            finally:
+                self._taking = self._splits = None
         torch.cuda.synchronize()
         if show_progress:
             log.info("captured the pieces of %d prefill buckets (%d graphs, up to %d tokens) in %.1f s",
                      len(self.graphs), sum(len(g) for g in self.graphs.values()), self.max_tokens,
                      time.perf_counter() - t0)
 
-    def _begin(self) -> None:
+    def _begin(self, device: int) -> None:
         graph = torch.cuda.CUDAGraph()
+        begin_capture(graph, self.pool, device)
         self._taking.append(graph)
-        graph.capture_begin(self.pool)
+        self._capturing = True
+
+    def _end(self) -> None:
+        self._taking[-1].capture_end()
+        self._capturing = False
 
     def split(self, attention, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               kv) -> torch.Tensor:
@@ -136,9 +146,9 @@ class PiecewiseGraphs:
         static.copy_(qkv)
         views = tuple(static_view(qkv, static, t) for t in (q, k, v))
         if self._taking is not None:
-            self._taking[-1].capture_end()
+            self._end()
             self._splits.append((attention, *views, kv))
-            self._begin()
+            self._begin(torch.cuda.current_device())
         return self.o[:rows].view(q.shape)
 
     # ------------------------------------------------------------ replay

@@ -251,7 +251,7 @@ class ModelRunner:
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
                                     show_progress=self.rank == 0)
                 self.boot_steps.append(("graphs", time.perf_counter() - t0))
-            if self.graphs is not None and self.piecewise_ok:
+            if self.piecewise_ok:  # (decode graphs too: piecewise_ok needs use_graphs)
                 t0 = time.perf_counter()
                 self.pieces = self._piecewise_graphs()
                 self.pieces.capture(self._hidden, show_progress=self.rank == 0)
@@ -433,7 +433,7 @@ class ModelRunner:
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.caches), out)
+        return self.model.compute_logits(self._hidden(input_ids, positions, meta), out)
 
     def _prefill(self, rows: list[StepRow], decode: list[StepRow] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, PromptLogprobs | None]:

@@ -76,7 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """The GEMV for one contiguous row, cuBLAS (F.linear) otherwise; out: written there (TP.linear)."""
     if one_row(x, weight) and (out is None or out.is_contiguous()):
         return gemv(x, weight, bias, out=out)
-    return F.linear(x, weight, bias) if out is None else linear_out(x, weight, bias, out)
+    return linear_out(x, weight, bias, out)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -64,9 +64,7 @@ class TP:
         (aiter_triton: one row through our GEMV, where cuBLAS took 3.3-5.0 us for a router or kv_a_proj at a
         batch-1 decode; --deterministic: batch-invariant), else F.linear. out ([rows, N], unit stride in N):
         the GEMM writes its result there and returns it (no temporary, no copy)."""
-        if self.matmul is not None:
-            return self.matmul(x, weight, bias) if out is None else self.matmul(x, weight, bias, out=out)
-        return F.linear(x, weight, bias) if out is None else linear_out(x, weight, bias, out)
+        return (self.matmul or linear_out)(x, weight, bias, out=out)
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """fp32 logits of an fp32 router weight (replicated: no all-reduce)."""
@@ -400,10 +398,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab_size]; out (a [N, vocab_size] view of the decode graphs' static logits buffer):
-        written there and returned. One rank without padded vocab rows: the GEMM writes it (at 256 rows of
-        llama-3.1-8b a 66 MB temporary and its copy fewer a decode step); else the gathered logits are
-        copied in."""
-        if out is not None and self.tp.size == 1 and self.weight.shape[0] == self.vocab_size:
+        written there and returned. One rank (its shard is the whole vocabulary): the GEMM writes it (at 256
+        rows of llama-3.1-8b a 66 MB temporary and its copy fewer a decode step); else the gathered logits
+        are copied in."""
+        if out is not None and self.tp.size == 1:
             return self.tp.linear(hidden, self.weight, out=out)
         logits = self.tp.all_gather_last(self.tp.linear(hidden, self.weight))
         logits = logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -64,10 +64,12 @@ class Fp8Rows:
         return self.q.shape
 
 
-def linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
-               ) -> torch.Tensor:
-    """F.linear of x [rows, K] written into out [rows, N] (cuBLAS's GEMM takes the output's address:
-    nothing allocated, no copy)."""
+def linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; with out, of x [rows, K] written into out [rows, N] (cuBLAS's GEMM takes the output's
+    address: nothing allocated, no copy)."""
+    if out is None:
+        return F.linear(x, weight, bias)
     if bias is None:
         return torch.mm(x, weight.t(), out=out)
     return torch.addmm(bias, x, weight.t(), out=out)
