@@ -481,6 +481,17 @@ def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
     return next((p for q in m.quantized_linears(tp) if (p := q.block_problem(tp))), None)
 
 
+def piecewise_max_tokens(cfg: ServerConfig, backend: str) -> int:
+    """The piecewise graphs' largest bucket where this configuration captures them (engine.piecewise), else 0:
+    --piecewise_cuda_graph_max_tokens capped by --batch_max_tokens, with decode graphs, one rank, `backend`
+    (the resolved attention backend) aiter_triton, not --deterministic, no images, no hybrid or MLA layers.
+    ModelRunner.piecewise_ok adds what only a built model tells (the RoPE kernel, the attention class)."""
+    m = cfg.model_config
+    ruled_out = (cfg.disable_cudagraph or cfg.tp > 1 or backend != "aiter_triton" or cfg.deterministic
+                 or m.vision is not None or m.is_hybrid or m.is_mla)
+    return 0 if ruled_out else min(cfg.piecewise_cuda_graph_max_tokens, cfg.batch_max_tokens)
+
+
 def decode_rows_text(cfg: ServerConfig) -> str:
     if cfg.running_max_req_size is not None:
         return f"--running_max_req_size {cfg.running_max_req_size} decode rows"

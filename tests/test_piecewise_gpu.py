@@ -1,12 +1,15 @@
 """GPU: prefill and mixed steps through the captured piecewise graphs (engine.piecewise) equal the eager
 forward, for every bucket (padded and exact), mixed steps with decode rows, chunks over a cached prefix, and
 a smaller step after a larger one (its padded rows must write only the pad page); the pieces' pool is the
-same in the probe and at the target."""
+same in the probe and at the target. In bf16, with FP8 weights (tiny-fp8), an FP8 cache (fp8_e4m3), and MoE
+layers (tiny-moe, tiny-moe-fp8: the fused experts' sizes follow the bucket's tokens, the routing is a device
+tensor)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from autoprofile import plan
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.kv_cache import PAD_PAGE
 from autoprofile.engine.runner import ModelRunner
@@ -21,17 +24,26 @@ MAX_TOKENS = 256
 # bf16: a piece's GEMMs run at the bucket's rows, the eager step's at its own (cuBLAS picks its kernel by M),
 # so the two round differently; a wrong piece (stale inputs, another layer's q, a missing attention) is O(1)
 BF16_REL_ERR = 2e-2
+# FP8 weights: the activations' per-token scales come from rows whose bf16 values already differ as above;
+# an FP8 cache: a K/V value one e4m3 step off moves it by up to 1/8
+FP8_REL_ERR = 5e-2
+CASES = {"bf16": dict(model="tiny"), "fp8-weights": dict(model="tiny-fp8"),
+         "fp8-cache": dict(model="tiny", kv_cache_dtype="fp8_e4m3"), "moe": dict(model="tiny-moe"),
+         "moe-fp8": dict(model="tiny-moe-fp8")}
 
 
-@pytest.fixture(scope="module")
-def runner():
+@pytest.fixture(scope="module", params=list(CASES))
+def runner(request):
     require_backend("aiter_triton")
-    r = ModelRunner(validate(ServerConfig(model="tiny", dtype="bfloat16", attention_backend="aiter_triton",
+    r = ModelRunner(validate(ServerConfig(dtype="bfloat16", attention_backend="aiter_triton",
                                           max_req_total_len=2048, batch_max_tokens=2048,
                                           graph_max_batch_size=16, running_max_req_size=32,
-                                          piecewise_cuda_graph_max_tokens=MAX_TOKENS, report_dir=None)))
+                                          piecewise_cuda_graph_max_tokens=MAX_TOKENS, report_dir=None,
+                                          **CASES[request.param])))
+    r.case = request.param
     init_random(r.model, seed=3, std=0.08)
     r.build(32768)
+    assert r.piecewise_ok, request.param
     yield r
     r.teardown()
 
@@ -45,22 +57,20 @@ def pages(r: ModelRunner, slots: int, tokens: int) -> None:
 def both(r: ModelRunner, rows, decode):
     """((logits, the real pages' K/V) through the pieces, the same eagerly) of one step: eager first, so a
     padded row of the pieces that wrote a slot of an earlier step shows in the K/V."""
-    out = {}
+    out, replays = {}, []
     saved = r.pieces
+    replay = saved.forward
     for pieces in (None, saved):
         r.pieces = pieces
+        saved.forward = lambda *a: replays.append(a[0].shape[0]) or replay(*a)  # the pieces did run the step
         try:
             logits = r._prefill(rows, decode)[0].float().clone()
         finally:
-            r.pieces = saved
+            r.pieces, saved.forward = saved, replay
         torch.cuda.synchronize()
         out[pieces is None] = (logits, r.kv.buffer[:, :, PAD_PAGE + 1:].clone())
+    assert replays == [sum(len(row.ids) for row in rows) + len(decode or ())], replays
     return out[False], out[True]
-
-
-def pool_bytes(pool) -> int:
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if tuple(s["segment_pool_id"]) == tuple(pool))
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,12 +89,15 @@ def test_every_bucket_has_a_piece_per_layer_and_one_more_in_one_pool_the_probe_m
             p = runner.pieces
             assert list(p.graphs) == [256, 224, 192, 160, 128, 96, 64, 32, 16]  # the largest first
             assert all(len(g) == layers + 1 and len(p.splits[b]) == layers for b, g in p.graphs.items())
-            pools.append(pool_bytes(p.pool))
+            pools.append(p.pool_bytes())
             runner.teardown()
     finally:
         runner.build(32768)
-    print(f"\npieces' pool {pools[0] / 2**20:.1f} MiB in the probe, {pools[1] / 2**20:.1f} MiB at the target")
+    estimate = plan.pieces_row(runner.cfg, runner.model_config, "aiter_triton", 2).bytes
+    print(f"\npieces' pool {pools[0] / 2**20:.1f} MiB in the probe, {pools[1] / 2**20:.1f} MiB at the "
+          f"target, plan's estimate {estimate / 2**20:.1f} MiB")
     assert pools[0] == pools[1] > 0
+    assert pools[0] <= plan.ACTIVATION_FACTOR * estimate  # the pool's 2 MiB segments: the margin's room
 
 
 @pytest.mark.parametrize("prompt,chunk,decoded", [(16, 0, 0), (100, 0, 0), (200, 0, 12), (256, 0, 0),
@@ -109,6 +122,7 @@ def test_a_step_through_the_pieces_equals_the_eager_step(runner, prompt, chunk, 
     assert p_logits.shape == (1 + decoded, r.model_config.vocab_size) and not p_logits.isnan().any()
     err, kv_err = close(p_logits, e_logits), close(p_kv.float(), e_kv.float())
     agree = (p_logits.argmax(-1) == e_logits.argmax(-1)).float().mean().item()
-    print(f"\n{prompt - chunk}+{decoded} tokens: logits rel err {err:.2e}, K/V {kv_err:.2e}, "
+    print(f"\n{r.case} {prompt - chunk}+{decoded} tokens: logits rel err {err:.2e}, K/V {kv_err:.2e}, "
           f"argmax {agree:.2f}")
-    assert err < BF16_REL_ERR and kv_err < BF16_REL_ERR and agree >= 0.9
+    bound = BF16_REL_ERR if r.case == "bf16" else FP8_REL_ERR
+    assert err < bound and kv_err < bound and agree >= 0.9

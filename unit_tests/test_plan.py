@@ -163,6 +163,26 @@ def test_estimated_rows_are_marked():
     assert row(plan_for(disable_cudagraph=True).fixed, "decode graph pools").bytes == 0
 
 
+def test_the_piecewise_pool_is_charged_where_the_engine_captures_pieces():
+    """The largest bucket's layer live set and static buffers, without the margin (the estimate is above the
+    measured pool); none where config.piecewise_max_tokens rules the pieces out (the engine builds none)."""
+    base = plan_for()
+    pieces = row(base.fixed, "piecewise graph pool")
+    m = validate(ServerConfig(), serving=False).model_config
+    assert pieces.how == "ESTIMATED" and "512 tokens" in pieces.note
+    live = plan_module.layer_live_bytes
+    assert pieces.bytes > live(m, 512, 1, 2) > live(m, 256, 1, 2)
+    half = row(plan_for(piecewise_cuda_graph_max_tokens=256).fixed, "piecewise graph pool").bytes
+    assert half < pieces.bytes
+    off = plan_for(piecewise_cuda_graph_max_tokens=0)
+    assert row(off.fixed, "piecewise graph pool").bytes == 0
+    assert row(base.fixed, "activation margin").bytes == row(off.fixed, "activation margin").bytes
+    assert off.tokens > base.tokens
+    for flags in (dict(tp=2), dict(disable_cudagraph=True), dict(deterministic=True),
+                  dict(model="qwen3.5-27b"), dict(model="deepseek-v2-lite"), dict(attention_backend="torch")):
+        assert row(plan_for("h200", **flags).fixed, "piecewise graph pool").bytes == 0, flags
+
+
 def test_moe_config_plans():
     p = plan_for("h200", model="qwen3-30b-a3b")
     m = validate(ServerConfig(model="qwen3-30b-a3b"), serving=False).model_config
@@ -215,7 +235,7 @@ def test_printed_terms_satisfy_the_inequality(gpu, flags):
     cell = number(r"KV per token: ([\d,]+) B")
     fixed = [k for k in b if k not in ("GPU total", "available for T-sized terms", "KV cache",
                                        "attention workspace", "request table", "slack (mem_fraction, pages)")]
-    assert len(fixed) == 11  # incl. NCCL buffers, the activation margin and the driver reserve
+    assert len(fixed) == 12  # incl. NCCL buffers, the pieces' pool, the activation margin, the driver reserve
     available = b["GPU total"] - sum(b[k] for k in fixed)
     assert available == b["available for T-sized terms"]
     assert b["KV cache"] == tokens * cell

@@ -24,7 +24,8 @@ import torch
 
 from autoprofile import budget
 from autoprofile.budget import gib
-from autoprofile.config import ConfigError, ServerConfig, not_invariant_on_gpu, weights_source
+from autoprofile.config import (ConfigError, ServerConfig, not_invariant_on_gpu, piecewise_max_tokens,
+                                weights_source)
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers import gdn
 from autoprofile.layers.attention import AttentionMetadata
@@ -396,30 +397,22 @@ class ModelRunner:
         return (self.kv_scales_pending and step.is_prefill
                 and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
-    # FP8 weights or cache through the piecewise graphs: off until tests/test_piecewise_gpu.py's FP8 cases
-    # (which set it) pass on a GPU
-    PIECES_FP8 = False
-
     @property
     def piecewise_ok(self) -> bool:
-        """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): a dense model of
-        LlamaAttention layers on one rank through aiter_triton (its RoPE kernel leaves q, k, v views of the
-        projection), with decode graphs, without --deterministic (its GEMMs must see the step's own rows,
-        not a padded bucket's). FP8 weights and an FP8 cache run these steps eagerly until a GPU run of
-        tests/test_piecewise_gpu.py covers them (2026-11-28: verified for bf16 only)."""
-        mc, cfg = self.model_config, self.cfg
+        """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): where the
+        configuration allows them (config.piecewise_max_tokens: decode graphs, one rank, aiter_triton, not
+        --deterministic, no images, hybrid or MLA layers) and the model's layers are LlamaAttention (dense or
+        MoE: the fused experts' sizes follow the bucket, the routing is a device tensor; bf16 or FP8 weights
+        and cache) whose RoPE kernel leaves q, k, v views of the projection (aiter_triton's)."""
         attention = getattr(self.model.model.layers[0], "self_attn", None)
-        return (self.use_graphs and cfg.piecewise_cuda_graph_max_tokens > 0 and self.tp.size == 1
-                and self.backend.name == "aiter_triton"
-                and getattr(self.backend, "triton_rope", None) is not None
-                and (self.PIECES_FP8 or (mc.quant is None and self.kv_cache_dtype == self.dtype))
-                and not cfg.deterministic and not self.is_vl and not mc.is_hybrid and not mc.is_mla
-                and not mc.num_experts and type(attention) is LlamaAttention)
+        return (self.use_graphs and self.piecewise_tokens > 0 and type(attention) is LlamaAttention
+                and getattr(self.backend, "triton_rope", None) is not None)
 
     @property
     def piecewise_tokens(self) -> int:
-        """The piecewise graphs' largest bucket: no step has more tokens than --batch_max_tokens."""
-        return min(self.cfg.piecewise_cuda_graph_max_tokens, self.cfg.batch_max_tokens)
+        """The piecewise graphs' largest bucket as the configuration allows it (0: none; no step has more
+        tokens than --batch_max_tokens)."""
+        return piecewise_max_tokens(self.cfg, self.backend.name)
 
     def _piecewise_graphs(self) -> PiecewiseGraphs:
         attention = self.model.model.layers[0].self_attn
