@@ -18,9 +18,16 @@
      beside the skinny GEMM (its table's launch) and today's dispatch (triton_fp8.linear as the tree's tables
      say), the shapes' rows as in section 4, 32 weights a graph: us per layer (the four GEMMs) and fraction of
      the bytes floor, each launch's layer sum, then launch_rules.FP8_GEMV_ROWS_LAUNCHES and
-     FP8_GEMV_ROWS_BLOCK_LAUNCHES to paste (None where the skinny GEMM's launch is faster).
+     FP8_GEMV_ROWS_BLOCK_LAUNCHES to paste (None where the skinny GEMM's launch is faster);
+  6. (--skinny_variants alone) the skinny GEMM's variants (SkinnyLaunch's split_k, tma, a8: VARIANT_SWEEP, a
+     few launches each) at 2, 4, 8, 16, 32, 64 rows, channel and 128x128 block scales, beside today's dispatch
+     and (per-channel) cuBLAS's _scaled_mm with the weight on the left and as today, on rows quantized
+     beforehand; the shapes' rows as in section 4, 32 weights a graph: each shape's us and fraction of the
+     bytes floor under each variant's fastest launch, the layer under one table entry a variant, then the
+     launch_rules tables to paste. Its compiles first run in --prewarm processes (Triton's disk cache),
+     --prewarm_only alone.
 
-    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny | --rows_gemv]
+    PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny | --rows_gemv | --skinny_variants]
 """
 from __future__ import annotations
 
@@ -315,19 +322,229 @@ def gemv_rows_table(rate: float, quick: bool) -> None:
     print(rule_line(best["block"], "FP8_GEMV_ROWS_BLOCK_LAUNCHES", "GemvRowsTable"), flush=True)
 
 
+# ---------------------------------------------------------------- 6. the skinny GEMM's variants (issue 48)
+VARIANT_ROWS = (2, 4, 8, 16, 32, 64)
+# A few launches a variant (SkinnyLaunch's split_k, tma, a8), not a grid: the rule (fp8_skinny_launch) narrows
+# block_n for a narrow N without split_k, and with it keeps block_n and splits K up to split_k for
+# SKINNY_MIN_PROGRAMS programs. "classic": the tree's table launches and the best of the 12-launch sweep
+VARIANT_SWEEP = {
+    "classic": [SkinnyLaunch(*c) for c in ((16, 256, 2, 3), (64, 256, 4, 3), (32, 128, 4, 5),
+                                           (64, 128, 4, 4))],
+    "tma": [SkinnyLaunch(*c, tma=True) for c in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4),
+                                                 (128, 256, 8, 3), (32, 256, 4, 4))],
+    "split": [SkinnyLaunch(*c, split_k=8) for c in ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3))],
+    "tma+split": [SkinnyLaunch(*c, split_k=8, tma=True)
+                  for c in ((64, 256, 4, 3), (64, 128, 4, 5), (128, 128, 8, 4), (128, 256, 8, 3))],
+    # o_proj's bf16 rows quantized in the kernel (the other shapes' rows come quantized: a8 changes nothing)
+    "a8": [SkinnyLaunch(64, 256, 4, 3, 8, True, True), SkinnyLaunch(64, 128, 4, 4, 8, False, True),
+           SkinnyLaunch(64, 128, 4, 4, 1, True, True)],
+}
+CUBLAS = ("cublas swapped", "cublas")  # torch._scaled_mm on rows quantized beforehand, per-channel scales
+
+
+def variant_rows(name: str, x: torch.Tensor, scheme) -> torch.Tensor | Fp8Rows:
+    """x [M, K] bf16 as the model hands it to `name` (model_rows' choice)."""
+    if name == "o":
+        return x
+    if scheme.activation == "group":
+        return Fp8Rows(*triton_fp8.quantize_per_group(x, scheme.block[1]), x.dtype)
+    return Fp8Rows(*triton_fp8.quantize_per_token(x), x.dtype)
+
+
+def variant_calls(name: str, m: int, n: int, k: int, scheme, launches, cublas: bool) -> tuple[dict, object]:
+    """{key: call(weight, scale)} at this shape: "today" (triton_fp8.linear as the tree's tables say), each
+    launch the rule makes of `launches` (keyed by that launch), and with `cublas` (per-channel scales only)
+    torch._scaled_mm on the rows quantized per token and padded to 16, weight as the left operand ("cublas
+    swapped": [N, M] out) and as today ("cublas"); and the rows as the model hands them (for the floor)."""
+    block = tuple(scheme.block) if scheme.weight == "block" else None
+    x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x = variant_rows(name, x16, scheme)
+    calls = {"today": lambda w, s: triton_fp8.linear(x, w, s, scheme)}
+    for launch in {rule_launch(m, n, k, cfg) for cfg in launches} - {None}:
+        calls[launch] = lambda w, s, launch=launch: triton_fp8_skinny.linear(x, w, s, block, launch)
+    if cublas and block is None:
+        padded = -(-m // 16) * 16
+        xq, xs = triton_fp8.quantize_per_token(F.pad(x16, (0, 0, 0, padded - m)))
+        calls[CUBLAS[0]] = lambda w, s: torch._scaled_mm(w, xq.t(), scale_a=s.view(n, 1),
+                                                         scale_b=xs.view(1, padded), out_dtype=torch.bfloat16)
+        calls[CUBLAS[1]] = lambda w, s: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, n),
+                                                         out_dtype=torch.bfloat16)
+    return calls, x
+
+
+def as_rows(key, y: torch.Tensor, m: int) -> torch.Tensor:
+    """A call's output as [M, N] (the swapped GEMM's is [N, padded M])."""
+    return (y.t() if key == CUBLAS[0] else y)[:m].float()
+
+
+def variant_times(name: str, m: int, n: int, k: int, scheme, q: list, rate: float, launches) -> dict:
+    """us per call of each of variant_calls' keys, 32 weights a graph; "floor", and "err" {key: the largest
+    difference from today's output, relative to its largest value}."""
+    calls, x = variant_calls(name, m, n, k, scheme, launches, cublas=True)
+    out = {"floor": floor_us(m, n, k, x, rate), "err": {}}
+    want = as_rows("today", calls["today"](*q[0]), m)
+    for key, call in calls.items():
+        try:
+            got = as_rows(key, call(*q[0]), m)
+            out[key] = graph_us(lambda: [call(w, s) for w, s in q], 32)
+        except Exception as e:  # noqa: BLE001 - a launch past the shared memory or registers is reported
+            print(f"  {name} m={m} {key if isinstance(key, str) else tuple(key)}: {type(e).__name__}: "
+                  f"{str(e)[:200]}", flush=True)
+            continue
+        out["err"][key] = float((got - want).abs().max() / want.abs().max())
+    return out
+
+
+def prewarm_task(task: tuple[str, int, str, str]) -> list[str]:
+    """A worker's compiles (scripts run it in a spawned process): one call of each of variant_calls' keys at
+    (scheme, rows, shape, variant), one weight; Triton's cache on disk then serves the timed run."""
+    scheme_name, m, name, variant = task
+    scheme = CHANNEL if scheme_name == "channel" else BLOCK
+    n, k = SHAPES[name]
+    try:
+        (w, s), = fp8_weights(n, k, scheme, 1)
+        calls, _ = variant_calls(name, m, n, k, scheme, VARIANT_SWEEP.get(variant, []), variant == "today")
+    except Exception as e:  # noqa: BLE001 - the timed run compiles what is missing
+        return [f"{task}: {type(e).__name__}: {str(e)[:100]}"]
+    failed = []
+    for key, call in calls.items():
+        if (key in ("today", *CUBLAS)) == (variant == "today"):
+            try:
+                call(w, s)
+            except Exception as e:  # noqa: BLE001 - the timed run reports it
+                failed.append(f"{scheme_name} m={m} {name} {key}: {type(e).__name__}")
+    torch.cuda.synchronize()
+    return failed
+
+
+def prewarm(workers: int) -> None:
+    """Every compile of variants_table in `workers` spawned processes (a padded row count's compiles once:
+    rows 2, 32, 64; and today's dispatch at 4 rows, the skinny table's where 2 rows take the multi-row
+    GEMV), into Triton's cache on disk."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+    start = time.perf_counter()
+    tasks = [(scheme, m, name, variant) for m in (2, 4, 32, 64) for scheme in ("channel", "block")
+             for name in ("gate_up", "down", "qkv", "o") for variant in ("today", *VARIANT_SWEEP)
+             if variant == "today" or m != 4]  # 2 and 4 rows: one padded tile, the skinny launches' compiles
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        failed = [f for fails in pool.map(prewarm_task, tasks) for f in fails]
+    print(f"prewarm: {len(tasks)} tasks in {workers} processes, {time.perf_counter() - start:.0f} s; "
+          f"{len(failed)} calls failed {failed[:8]}", flush=True)
+
+
+def variant_layer(m: int, cfg, shapes: dict, times: dict) -> float | None:
+    """A layer's four GEMMs under one key (a table launch, or "today"/cuBLAS), or None where one failed."""
+    keys = {name: cfg if isinstance(cfg, str) else rule_launch(m, n, k, cfg)
+            for name, (n, k) in shapes.items()}
+    if not all(key in times[name] for name, key in keys.items()):
+        return None
+    return sum(times[name][key] for name, key in keys.items())
+
+
+def short(cfg) -> str:
+    """A launch in a few characters: block_n/block_k/warps/stages, then s<split_k>, t (tma), a (a8)."""
+    if isinstance(cfg, str) or cfg is None:
+        return str(cfg)
+    split = f" k{cfg.split_k}" if cfg.split_k > 1 else ""
+    return f"{cfg.block_n}/{cfg.block_k}/w{cfg.warps}/s{cfg.stages}{split}" + (" tma" if cfg.tma else "") + (
+        " a8" if cfg.a8 else "")
+
+
+def variants_table(rate: float) -> None:
+    shapes = {name: nk for name, nk in SHAPES.items() if name != "lm_head"}
+    every = [cfg for launches in VARIANT_SWEEP.values() for cfg in launches]
+    print("\n== decode rows: the skinny GEMM's variants (us per call; fraction of the bytes floor), 32 "
+          "weights a graph; per shape the fastest launch of each variant (the rule's launch at that shape); "
+          "a layer's four under one table entry ==", flush=True)
+    summary, best = [], {"channel": {}, "block": {}}
+    for scheme in (CHANNEL, BLOCK):
+        weights = {name: fp8_weights(n, k, scheme, 32) for name, (n, k) in shapes.items()}
+        for m in VARIANT_ROWS:
+            times = {name: variant_times(name, m, n, k, scheme, weights[name], rate, every)
+                     for name, (n, k) in shapes.items()}
+            floor = sum(t["floor"] for t in times.values())
+            print(f"{scheme.weight} m={m}: layer floor {floor:.1f} us", flush=True)
+            for name, (n, k) in shapes.items():
+                t = times[name]
+                line = (f"    {name:7s} floor {t['floor']:6.1f} | today {t['today']:6.1f} "
+                        f"({t['floor'] / t['today']:.2f})")
+                for variant, launches in VARIANT_SWEEP.items():
+                    keys = {rule_launch(m, n, k, cfg) for cfg in launches} & set(t)
+                    if keys:
+                        key = min(keys, key=t.get)
+                        line += f" | {variant} {t[key]:6.1f} ({t['floor'] / t[key]:.2f}) {short(key)}"
+                for key in CUBLAS:
+                    if key in t:
+                        line += f" | {key} {t[key]:6.1f} ({t['floor'] / t[key]:.2f})"
+                err = max((e for key, e in t["err"].items() if key != "today" and not getattr(key, "a8", 0)),
+                          default=0.0)
+                a8 = max((e for key, e in t["err"].items() if getattr(key, "a8", False)), default=0.0)
+                print(line + f" | err {err:.1e}, a8 {a8:.1e}", flush=True)
+            row = {"today": variant_layer(m, "today", shapes, times)}
+            for variant, launches in VARIANT_SWEEP.items():
+                layer = {cfg: us for cfg in launches
+                         if (us := variant_layer(m, cfg, shapes, times)) is not None}
+                row[variant] = min(layer.items(), key=lambda item: item[1]) if layer else None
+            row["cublas swapped"] = variant_layer(m, CUBLAS[0], shapes, times)
+            row["per-shape best"] = sum(min(v for key, v in t.items() if key not in ("floor", "err", *CUBLAS))
+                                        for t in times.values())
+            summary.append((scheme.weight, m, floor, row))
+            fastest = min((row[variant] for variant in VARIANT_SWEEP if row[variant]),
+                          key=lambda item: item[1], default=None)
+            best[scheme.weight][m] = fastest[0] if fastest and fastest[1] < row["today"] else None
+    print("\n== the layer (llama-3.1-8b's four GEMMs), us (fraction of the bytes floor) [the variant's table "
+          "launch]; today: triton_fp8.linear as the tree's tables say; cublas swapped: _scaled_mm with the "
+          "weight on the left, rows quantized beforehand (o's quant not counted); per-shape best: each shape "
+          "its fastest key ==")
+    cols = ["today", *VARIANT_SWEEP, "cublas swapped", "per-shape best"]
+    print("| scales | rows | floor | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 3))
+    for weight, m, floor, row in summary:
+        cells = []
+        for col in cols:
+            value = row[col]
+            if value is None:
+                cells.append("-")
+            elif isinstance(value, tuple):
+                cells.append(f"{value[1]:.1f} ({floor / value[1]:.2f}) [{short(value[0])}]")
+            else:
+                cells.append(f"{value:.1f} ({floor / value:.2f})")
+        print(f"| {weight} | {m} | {floor:.1f} | " + " | ".join(cells) + " |")
+    print("\nlaunch_rules, one table a weight layout: each row count's fastest launch of every variant where "
+          "it beat today's dispatch (None: today's). NOTE: 2 rows go to the multi-row GEMV first "
+          "(FP8_GEMV_ROWS_LAUNCHES); an entry at 2 rows counts only where that table drops them")
+    print(rule_line(best["channel"]), flush=True)
+    print(rule_line(best["block"], "FP8_SKINNY_BLOCK_LAUNCHES"), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="no config sweeps")
     p.add_argument("--skinny", action="store_true", help="only the decode rows' table (section 4)")
     p.add_argument("--rows_gemv", action="store_true", help="only the multi-row GEMV's sweep (section 5)")
+    p.add_argument("--skinny_variants", action="store_true",
+                   help="only the skinny GEMM's variants beside today's and cuBLAS (section 6)")
+    p.add_argument("--prewarm", type=int, default=12, metavar="PROCESSES",
+                   help="--skinny_variants: compile in this many processes first (0: none)")
+    p.add_argument("--prewarm_only", action="store_true", help="--skinny_variants' compiles alone")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.skinny_variants and args.prewarm:
+        prewarm(args.prewarm)
+    if args.prewarm_only:
+        return
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s; FP8 GEMV config "
           f"by shape (gemv_config); bf16 GEMV "
           f"{triton_gemv.BLOCK_N}/{triton_gemv.BLOCK_K}/w{triton_gemv.WARPS}; GEMM {triton_fp8.GEMM_LARGE}")
     if args.rows_gemv:
         gemv_rows_table(copy["GB_per_s"] * 1e9, args.quick)
+        return
+    if args.skinny_variants:
+        variants_table(copy["GB_per_s"] * 1e9)
         return
     if not args.skinny:
         gemv_table(copy["GB_per_s"] * 1e9, not args.quick)

@@ -1,7 +1,9 @@
 """GPU: the skinny FP8 GEMM (kernels.triton_fp8_skinny) and the multi-row FP8 GEMV (kernels.triton_fp8_rows)
 compiled, in bf16, against the dequantized fp32 matmul at llama-3.1-8b's shapes and odd ones, 2 to 64 rows
 (the GEMV: 2 to 16), channel and 128 x 128 block scales, bf16 rows and the producers' Fp8Rows; one compile for
-every row count of a padded tile; the residual added in the epilogue."""
+every row count of a padded tile; the residual added in the epilogue. Then the skinny GEMM's variants
+(SkinnyLaunch's split_k, tma, a8) at 2-64 rows, ragged shapes, bias, the residual, strided rows, a split's sum
+the same bits twice, and a TMA + split launch replayed in a CUDA graph."""
 from __future__ import annotations
 
 import pytest
@@ -117,3 +119,85 @@ def test_one_multi_row_gemv_compile_serves_every_row_count_of_its_rows():
     for m in (6, 7, 8):
         run(m)
     assert compiled() == before
+
+
+# ------------------------------------------------------------ the skinny GEMM's variants (issue 48)
+# a pointer-load split, TMA loads alone, and TMA + split with o_proj's rows quantized in the kernel (a8)
+VARIANTS = [SkinnyLaunch(64, 256, 4, 3, split_k=8), SkinnyLaunch(64, 128, 4, 4, tma=True),
+            SkinnyLaunch(64, 256, 4, 4, split_k=8, tma=True, a8=True)]
+# o_proj's; ragged N and K (a K tail inside a TMA tile and a block scale); a K whose rows the TMA cannot take
+# (300 bytes a row: pointer loads)
+VARIANT_SHAPES = [(4096, 4096), (1000, 4112), (37, 300)]
+
+
+def step_reference(x: torch.Tensor, deq: torch.Tensor, block_k: int) -> torch.Tensor:
+    """a8's product: x quantized per row and K step of block_k (quantize_per_group's groups), fp32."""
+    xq, xs = quant.quantize_per_group(x.float(), block_k)
+    return (xq.float() * xs.repeat_interleave(block_k, dim=1)[:, :x.shape[1]]) @ deq.T
+
+
+@pytest.mark.parametrize("scheme", [CHANNEL, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize("n,k", VARIANT_SHAPES)
+def test_skinny_variants_equal_the_dequantized_matmul(scheme, n, k):
+    """Each variant at 2-64 rows: bf16 rows (a8: against its per-step quantization) and the producers'
+    Fp8Rows, bias, the residual; a split's sum is the same bits twice; rows of a wider tensor (the TMA's row
+    stride); the split counters are back at zero after every call."""
+    wq, ws, block, deq = weight_case(n, k, scheme)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for cfg in VARIANTS:
+        for m in (2, 5, 24, 64):
+            launch = fp8_skinny_launch(m, n, k, ((64, cfg),))
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            got = triton_fp8_skinny.linear(x, wq, ws, block, launch, bias=bias)
+            exact = x.float() @ deq.T
+            block_k = min(launch.block_k, block[1]) if block else launch.block_k
+            want = (step_reference(x, deq, block_k) if launch.a8 else exact) + bias.float()
+            assert rel_err(got, want) < 1e-2, (m, launch)
+            assert launch.a8 or rel_err(got, exact + bias.float()) < 1e-2, (m, launch)
+            if launch.split_k > 1:
+                assert torch.equal(got, triton_fp8_skinny.linear(x, wq, ws, block, launch, bias=bias))
+            if m in (5, 64):
+                rows = rows_for(x, scheme)
+                got = triton_fp8_skinny.linear(rows, wq, ws, block, launch)
+                want = quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+                assert rel_err(got, want) < 1e-2, (m, launch, "fp8 rows")
+        launch = fp8_skinny_launch(24, n, k, ((64, cfg),))
+        res = torch.randn(24, n, device="cuda", dtype=torch.bfloat16)
+        keep = res.float()
+        rows = rows_for(torch.randn(24, k, device="cuda", dtype=torch.bfloat16), scheme)
+        out = triton_fp8_skinny.linear(rows, wq, ws, block, launch, residual=res)
+        want = keep + quant.fp8_linear_reference(rows, wq, ws, scheme).float()
+        assert out is res and rel_err(res, want) < 1e-2, (launch, "residual")
+        wide = torch.randn(7, k + 64, device="cuda", dtype=torch.bfloat16)
+        got = triton_fp8_skinny.linear(wide[:, :k], wq, ws, block, fp8_skinny_launch(7, n, k, ((64, cfg),)))
+        want = step_reference(wide[:, :k], deq, block_k) if cfg.a8 else wide[:, :k].float() @ deq.T
+        assert rel_err(got, want) < 1e-2, (launch, "strided rows")
+    torch.cuda.synchronize()
+    for counters in triton_fp8_skinny._counters.values():
+        assert not counters.any(), "a split launch left a tile's count"
+
+
+def test_split_tma_launch_replays_in_a_cuda_graph():
+    """A TMA + split launch captured (its descriptors' scratch and partials from the graph's pool), replayed
+    on new rows: the eager result, bit for bit."""
+    n, k = 4096, 14336
+    wq, ws, block, deq = weight_case(n, k, BLOCK)
+    launch = fp8_skinny_launch(16, n, k, ((64, VARIANTS[2]._replace(a8=False)),))
+    assert launch.split_k > 1 and launch.tma
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    rows = rows_for(x, BLOCK)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        triton_fp8_skinny.linear(rows, wq, ws, block, launch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_fp8_skinny.linear(rows, wq, ws, block, launch)
+    for _ in range(2):
+        fresh = rows_for(torch.randn(16, k, device="cuda", dtype=torch.bfloat16), BLOCK)
+        rows.q.copy_(fresh.q)
+        rows.scale.copy_(fresh.scale)
+        graph.replay()
+        assert torch.equal(out, triton_fp8_skinny.linear(rows, wq, ws, block, launch))
+        assert rel_err(out, quant.fp8_linear_reference(rows, wq, ws, BLOCK).float()) < 1e-2

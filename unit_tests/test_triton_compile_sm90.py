@@ -96,14 +96,16 @@ SEEDS = torch.arange(len(PARAMS))
 '''
 
 LAUNCHES = {
-    # every dtype the engine gives the fused sampler (sampling._FUSED_DTYPES), with and without bounds
+    # every dtype the engine gives the fused sampler (sampling._FUSED_DTYPES), with and without bounds, with
+    # the split top-k path and without
     "triton_sample": SAMPLING + r'''
 RUN = False
 from autoprofile.kernels import triton_sample as ts
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for bounds in (False, True):
-        ts.sample_batch(torch.randn(3, 151936, dtype=dtype), BATCH.temperatures, BATCH.top_ps, BATCH.top_ks,
-                        SEEDS, bounds=bounds)
+        for split in ("some", "none"):  # _split_kernel (top_k <= K_MAX) beside _sample_kernel, and alone
+            ts.sample_batch(torch.randn(3, 151936, dtype=dtype), BATCH.temperatures, BATCH.top_ps,
+                            BATCH.top_ks, SEEDS, bounds=bounds, split=split)
 ''',
     # llama-3.1-8b sizes in bf16 (router logits in fp32), a deepseek-v3 router, a qwen3-moe sort
     "triton_act": r'''
@@ -207,6 +209,43 @@ for cfg in SWEEP:
     for m in (2, 8):
         launch_all(m, (128, 128), fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=True))
 ''',
+    # the skinny FP8 GEMM at llama-3.1-8b's o_proj (bf16 rows) and qkv (the producers' FP8 rows): each table's
+    # launch at 2, 17 and 33 rows, then with bias and with the residual; then the variants (SkinnyLaunch's
+    # split_k, tma, a8) as scripts/bench_fp8.py --skinny_variants sweeps them; channel and 128 x 128 block
+    # scales
+    "triton_fp8_skinny": r'''
+RUN = False
+from autoprofile.kernels import triton_fp8_skinny as s
+from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch
+FP8 = torch.float8_e4m3fn
+k = 4096
+w = {n: torch.zeros(n, k, dtype=FP8) for n in (4096, 6144)}
+scales = {None: lambda n: torch.ones(n), (128, 128): lambda n: torch.ones(n // 128, k // 128)}
+VARIANTS = [SkinnyLaunch(64, 256, 4, 3, split_k=4), SkinnyLaunch(64, 128, 4, 4, tma=True),
+            SkinnyLaunch(128, 256, 8, 3, tma=True), SkinnyLaunch(64, 256, 4, 4, split_k=8, tma=True),
+            SkinnyLaunch(64, 256, 4, 3, split_k=4, tma=True, a8=True), SkinnyLaunch(64, 128, 4, 4, a8=True)]
+
+
+def launch_all(m, block, table=None, bias=False, residual=False):
+    for n, fp8_rows in ((4096, False), (6144, True)):
+        launch = fp8_skinny_launch(m, n, k, table, block is not None) or SkinnyLaunch()
+        x, xs = torch.zeros(m, k, dtype=torch.bfloat16), None
+        if fp8_rows:
+            x, xs = x.to(FP8), torch.ones(m, 1) if block is None else torch.ones(m, k // 128)
+        s.gemm(x, xs, w[n], scales[block](n), block, torch.bfloat16, launch,
+               bias=torch.zeros(n, dtype=torch.bfloat16) if bias else None,
+               residual=torch.zeros(m, n, dtype=torch.bfloat16) if residual else None)
+
+
+for block in scales:
+    for m in (2, 17, 33):
+        launch_all(m, block)
+    launch_all(2, block, bias=True)
+    launch_all(2, block, residual=True)
+    for cfg in VARIANTS:
+        for m in (2, 64):
+            launch_all(m, block, ((64, cfg),))
+''',
     # the greedy argmax at llama-3's vocabulary and 256 rows, each dtype: several programs a row (the atomic
     # max and count), then one (no scratch)
     "triton_argmax": r'''
@@ -225,7 +264,7 @@ triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32),
 
 # kernels each launch script must reach (a launcher that stops launching one would leave it untested)
 KERNELS = {
-    "triton_sample": {"_sample_kernel"},
+    "triton_sample": {"_sample_kernel", "_split_kernel"},
     "triton_act": {"_silu_mul_kernel"},
     "triton_norm": {"_rms_norm_kernel"},
     "triton_gemv": {"_gemv_kernel"},
@@ -233,6 +272,7 @@ KERNELS = {
     "triton_moe_sort": {"_sort_by_expert_kernel"},
     "triton_argmax": {"_argmax_kernel"},
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
+    "triton_fp8_skinny": {"_skinny_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},
     "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",
                    "_gates_kernel"},

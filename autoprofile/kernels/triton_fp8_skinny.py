@@ -9,6 +9,19 @@ K step. The activations come as the model's rows (W8A16: the weight converted to
 a producer quantized them (layers.quant.Fp8Rows: one scale a row or a K group). No scratch: the output only.
 launch_rules.fp8_skinny_launch chooses it by rows (and N, K); M is never specialized, so the captured batch
 sizes' compiles (one per padded row count) serve every step.
+
+Variants a launch selects (SkinnyLaunch; off by default, candidates for issue 48's 4-64 rows, each to be
+measured by scripts/bench_fp8.py --skinny_variants before a table takes it):
+  split_k  a narrow N (o_proj, down_proj: 64 column tiles of 64 on 132 SMs) walks K in split_k programs a
+           tile, keeping a column tile wide enough for the warpgroup MMA; partials to an fp32 scratch, the
+           tile's last program (an atomic count a tile, COUNTERS, reset by that program) sums them in split
+           order, deterministic, and runs the epilogue (scales, bias, residual) once;
+  tma      the weight and row tiles through device-side tensor descriptors (the TMA and its mbarrier
+           pipeline in place of cp.async); they take Triton's global scratch, which _scratch allocates from
+           torch (graph-capturable: a capture takes it from the graph's pool). The kernel has no PDL: no
+           later kernel's programs run before its own have finished with that scratch;
+  a8       rows in the model's dtype (o_proj's) quantized to e4m3 in the kernel, one scale a row and K step,
+           so the MMA multiplies fp8 by fp8 instead of converting the weight tile.
 """
 from __future__ import annotations
 
@@ -17,41 +30,95 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.launch_rules import SkinnyLaunch, skinny_block_m
+from autoprofile.layers import quant
 from autoprofile.layers.quant import Fp8Rows, rows_linear
 
 NO_SCALE, ROW_SCALE, GROUP_SCALE = 0, 1, 2  # the activations' scales: none (model dtype), a row's, a group's
+STEP_SCALE = 3  # rows in the model's dtype quantized in the kernel, a scale a row and K step (launch.a8)
+FP8_MAX = tl.constexpr(quant.FP8_MAX)  # NOTE: globals a kernel reads must be constexpr objects
+SCALE_MIN = tl.constexpr(quant.MIN_SCALE)
+COUNTERS = 1 << 16  # column tiles a split launch may have (int32 counters a device, zero between launches)
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit(do_not_specialize=["M"])
-def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_xs, stride_y,
-                       X_SCALE: tl.constexpr, X_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_N: tl.constexpr,
-                       SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: the outputs' columns
+def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_split,
+                       stride_x, stride_xs, stride_y, X_SCALE: tl.constexpr, X_GROUP: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr,
+                       SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       TMA: tl.constexpr):
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: the outputs' columns
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-    x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_x + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    if SPLIT_K > 1:  # this program's K range: k_split a split (a multiple of BLOCK_K), the last one short
+        k_lo = tl.program_id(1) * k_split
+        k_hi = tl.minimum(K, k_lo + k_split)
+    else:
+        k_lo = 0
+        k_hi = K
+    if TMA:  # tiles past N, M or K come as zeros
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_x, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    else:
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+        x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_x + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     ws_ptrs = ws_ptr + (cols // SCALE_N) * tl.cdiv(K, SCALE_K)  # "block": the columns' row of scales
     xs_ptrs = xs_ptr + rows * stride_xs
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = ks < K - k
-        w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if TMA:
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            x = x_desc.load([0, k]).T
+        else:
+            k_ok = ks < K - k
+            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         if X_SCALE == 0:
             w = w.to(x.dtype)  # exact: every e4m3 value is a bf16/fp16 value
-        if BLOCKWISE or X_SCALE == 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
+        if X_SCALE == 3:  # the step's rows to e4m3, each by its own amax (as quantize_per_group's groups)
+            x = x.to(tl.float32)
+            step = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), SCALE_MIN)
+            x = tl.clamp(x * tl.math.div_rn(1.0, step)[None, :], -FP8_MAX, FP8_MAX).to(w.dtype)
+        if BLOCKWISE or X_SCALE >= 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
             part = tl.dot(w, x)
             if BLOCKWISE:
                 part *= tl.load(ws_ptrs + k // SCALE_K, mask=col_ok, other=0.0)[:, None]
             if X_SCALE == 2:
                 part *= tl.load(xs_ptrs + k // X_GROUP, mask=row_ok, other=0.0)[None, :]
+            if X_SCALE == 3:
+                part *= step[None, :]
             acc += part
         else:
             acc = tl.dot(w, x, acc)
+    if SPLIT_K > 1:
+        # each split's partial [BLOCK_M, N] slab; the tile's last program (an atomic count, as triton_argmax)
+        # sums them in split order (the same sum whichever program is last), resets the count, writes y
+        slab = part_ptr + rows[None, :] * N + cols[:, None]
+        tl.store(slab + tl.program_id(1) * (BLOCK_M * N), acc, mask=col_ok[:, None])
+        tl.debug_barrier()  # every thread's partial stored before the count's release
+        done = tl.atomic_add(count_ptr + pid_n, 1)  # NOTE: acq_rel, Triton's default
+        if done == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(slab + s * (BLOCK_M * N), mask=col_ok[:, None], other=0.0,
+                                 cache_modifier=".cg")  # L2: another SM wrote it
+            tl.store(count_ptr + pid_n, 0)
+            _epilogue(total, ws_ptr, xs_ptrs, b_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, X_SCALE,
+                      HAS_BIAS, HAS_RESIDUAL, BLOCKWISE)
+    else:
+        _epilogue(acc, ws_ptr, xs_ptrs, b_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, X_SCALE, HAS_BIAS,
+                  HAS_RESIDUAL, BLOCKWISE)
+
+
+@triton.jit
+def _epilogue(acc, ws_ptr, xs_ptrs, b_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, X_SCALE: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr):
+    """The scales left after the K walk (a channel's, a row's), bias, the residual; y's tile stored."""
     if not BLOCKWISE:
         acc *= tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[:, None]
     if X_SCALE == 1:
@@ -73,6 +140,39 @@ def x_scale_kind(x_scale: torch.Tensor | None) -> int:
     return ROW_SCALE if x_scale.shape[1] == 1 else GROUP_SCALE
 
 
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA can load these 2-D row-major tensors: base addresses and row strides (in bytes) a
+    multiple of 16."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's global scratch (the device-side tensor descriptors): from torch's caching allocator on the
+    current device, so a CUDA graph's capture takes it from the graph's pool and replays its address."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_scratch_allocator() -> None:
+    """triton.set_allocator(_scratch) unless the calling context has an allocator already (Triton's
+    allocator is a context variable: a thread that launches sets its own, here, on its first TMA launch)."""
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), getattr(_allocation, "NullAllocator", ())):
+        triton.set_allocator(_scratch)
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The split launches' per-column-tile arrival counts on `device`: COUNTERS int32 zeros, allocated on
+    the first split launch (which must not be inside a graph's capture: a warm-up call comes first) and
+    kept; each tile's last program sets its count back to zero. One stream at a time uses them."""
+    counters = _counters.get(device)
+    if counters is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "a split skinny launch runs once before a graph's capture"
+        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
          block: tuple[int, int] | None, out_dtype: torch.dtype, launch: SkinnyLaunch,
          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +180,9 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
     [M, 1] or [M, ceil(K / bk)] (groups of the block's K); weight fp8 [N, K] contiguous with weight_scale fp32
     [N] (block None) or [ceil(N/bn), ceil(K/bk)] (block (bn, bk)) -> [M, N] in out_dtype. residual
     (contiguous [M, N]): the product is added to it in the epilogue, in place (rounded once), and it is
-    returned."""
+    returned. launch.split_k > 1: that many programs a column tile, over K ranges of whole K steps (an fp32
+    scratch of split_k x [padded M, N]); launch.tma: TMA loads where tma_fits; launch.a8: rows in the model's
+    dtype quantized per row and K step in the kernel (W8A8)."""
     m, k = x.shape
     n = weight.shape[0]
     kind = x_scale_kind(x_scale)
@@ -95,14 +197,30 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
         assert residual.is_contiguous() and residual.shape == (m, n), "the epilogue adds into [M, N] rows"
         assert residual.dtype == out_dtype
     out = residual if residual is not None else torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if m:
-        xs = x_scale if x_scale is not None else weight_scale
-        _skinny_fp8_kernel[(triton.cdiv(n, launch.block_n),)](
-            x, xs, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
-            x.stride(0), xs.stride(0), out.stride(0), X_SCALE=kind, X_GROUP=scale_k,
-            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
-            SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-            num_warps=launch.warps, num_stages=launch.stages)
+    if not m:
+        return out
+    if kind == NO_SCALE and launch.a8:
+        kind = STEP_SCALE
+        assert block_k >= 32, "the fp8 MMA takes K steps of at least 32"
+    tma = launch.tma and tma_fits(x, weight)
+    if tma:
+        use_scratch_allocator()
+    splits = launch.split_k
+    tiles = triton.cdiv(n, launch.block_n)
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    if splits > 1:
+        assert tiles <= COUNTERS, "more column tiles than the split launch's counters"
+        part = torch.empty(splits * block_m * n, dtype=torch.float32, device=x.device)
+        count = tile_counters(x.device)
+    else:
+        part = count = weight_scale  # unused
+    xs = x_scale if x_scale is not None else weight_scale
+    _skinny_fp8_kernel[(tiles, splits)](
+        x, xs, weight, weight_scale, bias if bias is not None else weight_scale, out, part, count, m, n, k,
+        k_split, x.stride(0), xs.stride(0), out.stride(0), X_SCALE=kind, X_GROUP=scale_k,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
+        SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        SPLIT_K=splits, TMA=tma, num_warps=launch.warps, num_stages=launch.stages)
     return out
 
 
