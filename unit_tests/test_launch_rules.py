@@ -105,10 +105,14 @@ def test_fp8_max_is_written_once():
 
 def test_the_fp8_skinny_rule_follows_each_layouts_measured_table():
     from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch, skinny_block_m
-    # the measured tables: 2-32 rows take the skinny GEMM, one row the GEMV, 33 and more today's GEMM
+    # the measured tables: 2-64 rows take the skinny GEMM with split-K, one row the GEMV, 65 and more today's
     for block in (False, True):
         got = [fp8_skinny_launch(m, 14336, 4096, block=block) for m in range(1, 300)]
-        assert got[0] is None and all(g is not None for g in got[1:32]) and not any(got[32:]), block
+        assert got[0] is None and all(g is not None for g in got[1:64]) and not any(got[64:]), block
+        assert all(g.split_k == 2 and g.block_n == 64 and not g.tma and not g.a8 for g in got[1:64]), block
+        # o_proj and down (N = 4096) keep block_n 64 and split K toward 256 programs: 4 splits; gate_up none
+        for n, k, splits in ((4096, 4096, 4), (4096, 14336, 4), (6144, 4096, 3), (28672, 4096, 1)):
+            assert fp8_skinny_launch(8, n, k, block=block)[:5] == (64, 128 if block else 256, 4, 3, splits)
     assert fp8_skinny_launch(8, 14336, 4096).block_k == 256  # per-channel scales: K steps of 256
     assert fp8_skinny_launch(8, 14336, 4096, block=True).block_k == 128  # within a 128-wide block scale
     table = ((8, SkinnyLaunch(64, 256, 4, 3)), (32, None), (64, SkinnyLaunch(32, 128, 8, 2)))
