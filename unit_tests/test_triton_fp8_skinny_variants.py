@@ -15,7 +15,7 @@ from unit_tests.test_triton_fp8_skinny import SETUP
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-VARIANTS = SETUP + r'''
+DEFS = SETUP + r'''
 from autoprofile.kernels.launch_rules import fp8_skinny_launch
 
 # block_k 64: two K steps a 128-wide scale block; split_k 3 over 1040's 17 steps (the last split short)
@@ -58,7 +58,9 @@ def check(n, k, m, scheme, cfg):
     for counters in s._counters.values():
         assert not counters.any(), what + ("a tile's count left",)
 
+'''
 
+VARIANTS = DEFS + r'''
 for cfg in VARIANTS:
     for n, k in [(130, 1040), (37, 300)]:
         for scheme in (CHANNEL, BLOCK, TALL):
@@ -73,6 +75,23 @@ tma = s.gemm(x, None, wq, ws, block, torch.float32, SkinnyLaunch(32, 64, 4, 2, t
 close(tma, s.gemm(x, None, wq, ws, block, torch.float32, SkinnyLaunch(32, 64, 4, 2)), 1e-6, "tma")
 print("ok")
 '''
+
+
+# the tables' launch (split-K at 2-64 rows): one shape a scale layout, fast enough for every CI run
+TABLES = DEFS + r'''
+from autoprofile.kernels import launch_rules
+for scheme, table in ((CHANNEL, launch_rules.FP8_SKINNY_LAUNCHES),
+                      (BLOCK, launch_rules.FP8_SKINNY_BLOCK_LAUNCHES)):
+    cfg = table[-1][1]
+    assert cfg.split_k > 1
+    for m in (2, 17):
+        check(130, 1040, m, scheme, cfg)
+print("ok")
+'''
+
+
+def test_the_tables_split_k_launch_equals_the_dequantized_matmul():
+    run_script(TABLES)
 
 
 @pytest.mark.slow
