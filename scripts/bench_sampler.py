@@ -3,12 +3,16 @@
     python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
         [--json out.json] [--kernel]
 
---kernel: the Triton kernel alone (autoprofile.kernels.triton_sample), its rejection sampling (ROUNDS as
-shipped) against its exact path (ROUNDS = 0: the threshold search and the race, the kernel before rejection)
-on the same logits and seeds, at --rows (1,8,64,256 unless given), with the rejection's mean rounds a row and
-the rows that fell back; each timed twice: "eager ms" (CUDA events around an eager call: on an idle GPU the
+--kernel: the Triton kernels alone (autoprofile.kernels.triton_sample) as sample() launches them ("new": the
+rejection sampling, ROUNDS as shipped, and the split path for rows with top_k <= K_MAX) against the exact path
+(ROUNDS = 0: the threshold search and the race, the kernel before rejection, one program a row) and, on the
+GPU, the one-program kernel with rejection ("one": the kernel before the split path), on the same logits and
+seeds, at --rows (1,8,64,256 unless given), with the rejection's mean rounds a row and the rows that fell back
+(the split path: 1 round); each timed twice: "eager ms" (CUDA events around an eager call: on an idle GPU the
 host's launch of the Triton kernel, tens of microseconds, is in it) and "GPU ms" (GRAPH_CALLS calls captured
 in one CUDA graph, a replay's time / GRAPH_CALLS: the kernel's own). KERNEL_TARGETS_MS are judged on GPU ms.
+--split_sweep: the split path's GPU ms for top-k 50 + top-p 0.9 under other SPAN / STEP / SPLIT_WARPS
+(SPLIT_CONFIGS), beside the shipped ones, at --rows.
 Then the greedy block: torch.argmax against the split-row argmax (autoprofile.kernels.triton_argmax) at
 --rows, eager and graphed, beside the bytes floor (rows x vocab x 2 bytes at the copy rate of a 2 GiB
 device-to-device copy measured in the same run, read + write bytes over its time, as bench_attention's).
@@ -54,7 +58,9 @@ CASES = {  # name: (logits scale, params)
     "stress": (1.0, STRESS),
 }
 TARGETS_MS = {("greedy", 256): 0.1, ("top_p0.9", 256): 1.0}  # issue 9, H100, vocab 128256
-KERNEL_CASES = ("greedy", "top_p0.9", "top_k50_top_p0.9", "top_p0.9_flat")
+KERNEL_CASES = ("greedy", "top_p0.9", "top_k50", "top_k50_top_p0.9", "top_p0.9_flat")
+SPLIT_CONFIGS = [(4096, 2048, 8), (8192, 2048, 4), (8192, 1024, 4), (16384, 2048, 8), (16384, 4096, 16),
+                 (32768, 2048, 8)]  # --split_sweep: (SPAN, STEP, SPLIT_WARPS)
 KERNEL_TARGETS_MS = {1: 0.08, 256: 0.3}  # issue 48, item 3: a sampled row at these rows, H100, vocab 128256
 GRAPH_CALLS = 20  # calls captured in one graph for the GPU time
 
@@ -131,20 +137,53 @@ def _kernel_inputs(rows: int, vocab: int, scale: float, params: SamplingParams, 
     return logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds
 
 
+def split_mode(params: SamplingParams, rows: int, vocab: int) -> str:
+    """The fused sampler's `split` for `rows` rows of `params`, as sample() chooses it."""
+    from autoprofile.kernels import triton_sample as ts
+    return sampling._split_mode((params,) * rows, vocab, ts.K_MAX)
+
+
 def kernel_case(rows: int, vocab: int, scale: float, params: SamplingParams, iters: int) -> dict:
-    """ms of the kernel with rejection and with its exact path alone (same logits, seeds); mean rounds."""
+    """ms of the kernels as sample() runs them (new), of the one-program kernel with rejection (one: GPU ms
+    only) and of its exact path alone (exact), on the same logits and seeds; new's mean rounds."""
     from autoprofile.kernels import triton_sample as ts
     args = _kernel_inputs(rows, vocab, scale, params, rows)
+    split = split_mode(params, rows, vocab)
     shipped, ms = ts.ROUNDS, {}
     try:
-        for name, rounds in (("exact", 0), ("new", shipped)):
+        for name, rounds, how in (("exact", 0, "none"), ("one", shipped, "none"), ("new", shipped, split)):
             ts.ROUNDS = rounds  # read at each launch: the graph captures this one
-            ms[f"{name}_ms"] = cuda_median_ms(lambda: ts.sample_batch(*args), iters)
-            ms[f"{name}_gpu_ms"] = graph_median_ms(lambda: ts.sample_batch(*args), iters, GRAPH_CALLS)
+            call = lambda: ts.sample_batch(*args, split=how)  # noqa: E731
+            if name != "one":
+                ms[f"{name}_ms"] = cuda_median_ms(call, iters)
+            ms[f"{name}_gpu_ms"] = graph_median_ms(call, iters, GRAPH_CALLS)
     finally:
         ts.ROUNDS = shipped
-    rounds = ts.sample_batch(*args, bounds=True)[1][:, 2]
-    return {"rows": rows, **ms, "rounds": float(rounds.mean()), "fell_back": int((rounds > shipped).sum())}
+    rounds = ts.sample_batch(*args, bounds=True, split=split)[1][:, 2]
+    return {"rows": rows, "split": split, **ms, "rounds": float(rounds.mean()),
+            "fell_back": int((rounds > shipped).sum())}
+
+
+def split_sweep(vocab: int, rows_list: list[int], iters: int) -> list[dict]:
+    """The split path's GPU ms for top-k 50 + top-p 0.9 at each (SPAN, STEP, SPLIT_WARPS) of SPLIT_CONFIGS
+    and the shipped one; each config's tokens equal the shipped config's (the draw does not depend on it)."""
+    from autoprofile.kernels import triton_sample as ts
+    scale, params = CASES["top_k50_top_p0.9"]
+    shipped = (ts.SPAN, ts.STEP, ts.SPLIT_WARPS)
+    out = []
+    for rows in rows_list:
+        args = _kernel_inputs(rows, vocab, scale, params, rows)
+        want = ts.sample_batch(*args, split="all")
+        for cfg in [shipped] + [c for c in SPLIT_CONFIGS if c != shipped]:
+            ts.SPAN, ts.STEP, ts.SPLIT_WARPS = cfg
+            try:
+                same = torch.equal(ts.sample_batch(*args, split="all"), want)
+                ms = graph_median_ms(lambda: ts.sample_batch(*args, split="all"), iters, GRAPH_CALLS)
+            finally:
+                ts.SPAN, ts.STEP, ts.SPLIT_WARPS = shipped
+            out.append({"rows": rows, "span": cfg[0], "step": cfg[1], "warps": cfg[2], "gpu_ms": ms,
+                        "same_tokens": same})
+    return out
 
 
 def greedy_case(rows: int, vocab: int, iters: int, copy_gbps: float) -> dict:
@@ -193,12 +232,13 @@ def kernel_draws(vocab: int, scale: float, params: SamplingParams, draws: int = 
     gen = torch.Generator("cuda").manual_seed(11)
     shipped, out = ts.ROUNDS, {}
     try:
-        for name, rounds in (("exact", 0), ("new", shipped)):
+        for name, rounds, split in (("exact", 0, "none"), ("new", shipped, split_mode(params, rows, vocab))):
             ts.ROUNDS = rounds
             got = torch.zeros(nbins, dtype=torch.float64, device="cuda")
             for _ in range(draws // rows):
                 seeds = torch.randint(SEED_HIGH, (rows,), device="cuda", generator=gen)
-                tok = ts.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds)
+                tok = ts.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds,
+                                      split=split)
                 got += torch.bincount(bins[tok], minlength=nbins).double()
             n = float(got.sum())
             live = expect > 0
@@ -228,15 +268,17 @@ def run_kernel(vocab: int, rows_list: list[int], iters: int) -> tuple[list[dict]
 
 
 def kernel_table(times: list[dict], greedy: list[dict], draws: list[dict]) -> str:
-    head = (f"{'':>23} {'eager ms (host launch in)':^27}   {'GPU ms (graphed)':^27}\n"
-            f"{'rows':>5} {'case':<17} {'exact':>8} {'new':>8} {'ex/new':>8}   {'exact':>8} {'new':>8} "
-            f"{'ex/new':>8} {'rounds':>7} {'fell back':>9}")
+    head = (f"{'':>23} {'eager ms (host launch in)':^27}   {'GPU ms (graphed)':^46}\n"
+            f"{'rows':>5} {'case':<17} {'exact':>8} {'new':>8} {'ex/new':>8}   {'exact':>8} {'one':>8} "
+            f"{'new':>8} {'ex/new':>8} {'one/new':>8} {'rounds':>7} {'fell back':>9} {'split':>7}")
     lines = [head, "-" * len(head.splitlines()[-1])]
     for r in times:
         lines.append(f"{r['rows']:>5} {r['case']:<17} {r['exact_ms']:>8.3f} {r['new_ms']:>8.3f} "
                      f"{r['exact_ms'] / r['new_ms']:>8.2f}   {r['exact_gpu_ms']:>8.3f} "
-                     f"{r['new_gpu_ms']:>8.3f} {r['exact_gpu_ms'] / r['new_gpu_ms']:>8.2f} "
-                     f"{r['rounds']:>7.3f} {r['fell_back']:>9}")
+                     f"{r['one_gpu_ms']:>8.3f} {r['new_gpu_ms']:>8.3f} "
+                     f"{r['exact_gpu_ms'] / r['new_gpu_ms']:>8.2f} "
+                     f"{r['one_gpu_ms'] / r['new_gpu_ms']:>8.2f} {r['rounds']:>7.3f} {r['fell_back']:>9} "
+                     f"{r['split']:>7}")
     lines.append("")
     if greedy:
         lines.append(f"greedy: torch.argmax against triton_argmax (bf16); floor: the logits at the copy rate "
@@ -272,10 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--kernel", action="store_true",
                     help="the kernel's rejection against its exact path; greedy: torch.argmax against ours")
+    ap.add_argument("--split_sweep", action="store_true", help="the split path's GPU ms at SPLIT_CONFIGS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.split_sweep:
+        return main_sweep(args)
     if args.kernel:
         return main_kernel(args)
     results = run(args.vocab, [int(r) for r in (args.rows or "1,64,256,1024").split(",")], args.iters)
@@ -312,6 +357,20 @@ def main_kernel(args) -> int:
     bad = [d["case"] for d in draws for k in ("exact", "new") if d[k]["outside"] or abs(d[k]["z"]) >= 4.75]
     print(f"draws off the reference: {bad or 'none'}")
     return 1 if bad else 0
+
+
+def main_sweep(args) -> int:
+    """--split_sweep: 1 when a config's tokens differ from the shipped one's."""
+    rows = [int(r) for r in (args.rows or "1,256").split(",")]
+    sweep = split_sweep(args.vocab, rows, args.iters)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits; the "
+          f"split path, top-k 50 + top-p 0.9, GPU ms (graphed); the first row of each is the shipped config")
+    print(f"{'rows':>5} {'SPAN':>6} {'STEP':>5} {'warps':>5} {'GPU ms':>8} {'same':>5}")
+    for r in sweep:
+        print(f"{r['rows']:>5} {r['span']:>6} {r['step']:>5} {r['warps']:>5} {r['gpu_ms']:>8.4f} "
+              f"{str(r['same_tokens']):>5}")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep}))
+    return 0 if all(r["same_tokens"] for r in sweep) else 1
 
 
 if __name__ == "__main__":

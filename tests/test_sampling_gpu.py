@@ -1,6 +1,7 @@
 """The sampler on a GPU at Llama 3's vocabulary (the fused Triton kernel): declared workspace vs
 torch.cuda.max_memory_allocated at 256 and 1024 rows, no host sync, kept sets and draws against the full-sort
-reference, seeded rows batch-invariant."""
+reference, seeded rows batch-invariant; the split path (top_k <= K_MAX): kept sets against the reference in
+each dtype, every call alike, inside a CUDA graph, over several launches."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ from autoprofile.engine.sampling import (
     STRESS, STRESS_WIDE, SamplingBatch, SamplingParams, kept_probs, reference_sample, request_generator,
     sample,
     sampler_workspace_bytes, top_k_top_p_probs)
+from scripts.cuda_timing import capture
 from tests.conftest import require_backend
 
 pytestmark = pytest.mark.gpu
@@ -102,12 +104,13 @@ def test_no_host_sync_on_any_path():
 
 @pytest.mark.parametrize("rounds", [None, 0], ids=["rejection", "exact_path"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, top_p=0.9),
-                                    SamplingParams(temperature=1.0, top_k=50, top_p=0.95)])
+                                    SamplingParams(temperature=1.0, top_k=50, top_p=0.95),
+                                    SamplingParams(temperature=0.8, top_k=50)])
 def test_draws_follow_the_reference_distribution(params, rounds, monkeypatch):
     """100k draws from one bf16 row at Llama 3's vocabulary against the full-sort reference: the 20 likeliest
     tokens and the rest, each within 5 standard deviations; every draw inside the reference's kept set (or
     tied with its last token: which ties are kept is unspecified). The kernel's rejection sampling, and its
-    exact path alone (ROUNDS 0: the fallback)."""
+    exact path alone (ROUNDS 0: the fallback); top_k 50: the split path (ROUNDS does not reach it)."""
     from autoprofile.kernels import triton_sample
     if rounds is not None:
         monkeypatch.setattr(triton_sample, "ROUNDS", rounds)
@@ -164,6 +167,74 @@ def test_rejection_takes_few_rounds(scale):
         rounds = bounds[:, 2]
         print(f"scale {scale} {p.top_p} {p.top_k}: mean rounds {rounds.mean():.3f}, max {rounds.max():.0f}")
         assert rounds.mean() <= 1.25 + math.log(1 / p.top_p) and rounds.max() <= triton_sample.ROUNDS
+
+
+# ---------------------------------------------------------------- the split path (0 < top_k <= K_MAX)
+def _split_case(dtype: torch.dtype, seed: int = 6):
+    """(x, params): rows with top_k 1..K_MAX (with and without top-p, two temperatures) and others (K_MAX + 1,
+    greedy, top-p alone), rows of a wider buffer at scale 3: a tie group just under each even row's max
+    (b_k of most k), the top quarter of the vocabulary masked in every third row."""
+    from autoprofile.kernels import triton_sample as ts
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.6, 1.0) for p in (1.0, 0.9, 0.5)
+              for k in (1, 20, 50, ts.K_MAX)]
+    params += [SamplingParams(temperature=1.0, top_k=ts.K_MAX + 1), SamplingParams(),
+               SamplingParams(temperature=0.8, top_p=0.9)]
+    gen = torch.Generator("cuda").manual_seed(seed)
+    wide = (torch.randn(len(params), VOCAB + 64, device="cuda", generator=gen) * 3).to(dtype)
+    x = wide[:, 5:VOCAB + 5]
+    x[::2, 60000:60100] = x[::2].max(dim=1, keepdim=True).values - 0.25
+    x[::3, 3 * VOCAB // 4:] = float("-inf")
+    return x, params
+
+
+def _reference_bounds(x: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept count, smallest kept logit) per row by the full-sort reference."""
+    probs, ids = top_k_top_p_probs(x, batch)
+    n = (probs > 0).sum(-1)
+    return n, x.float().gather(1, ids.gather(1, (n - 1).unsqueeze(1))).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_split_path_keeps_the_reference_set(dtype):
+    """Each split row's kept count and boundary logit (bounds) equal the full sort's (a count off by one at
+    a top-p boundary in fp32 rounding allowed once), its draw a kept token; the same bounds through the
+    one-program kernel (split "none"); the other rows as that kernel gives them."""
+    from autoprofile.kernels import triton_sample as ts
+    x, params = _split_case(dtype)
+    batch = _batch(params)
+    seeds = torch.arange(len(params), device="cuda") * 7919
+    args = (x, batch.temperatures, batch.top_ps, batch.top_ks, seeds)
+    tok, got = ts.sample_batch(*args, bounds=True, split="some")
+    n, least = _reference_bounds(x, batch)
+    split = torch.tensor([p.temperature > 0 and 0 < p.top_k <= ts.K_MAX for p in params], device="cuda")
+    off = split & ((got[:, 0].long() != n) | (got[:, 1] != least))
+    assert int(off.sum()) <= 1 and ((got[:, 0].long() - n).abs()[split] <= 1).all(), (got[off], n[off])
+    assert (got[split, 2] == 1).all()
+    assert (x.float().gather(1, tok.unsqueeze(1)).squeeze(1) >= got[:, 1])[split].all()
+    tok_one, got_one = ts.sample_batch(*args, bounds=True, split="none")
+    assert int((got_one[split, 0] != got[split, 0]).sum()) <= 1
+    assert torch.equal(tok_one[~split], tok[~split]) and torch.equal(got_one[~split], got[~split])
+
+
+def test_split_path_every_call_alike_in_a_graph_and_over_launches(monkeypatch):
+    """256 rows of top-k 50 + top-p 0.9: 100 eager calls give the same tokens (a row's last program sees every
+    program's candidates); a captured graph replays them, and again over fresh logits as eager calls give
+    them (the arrival counts back at zero after each); SPLIT_ROWS 100: three launches, the same tokens."""
+    from autoprofile.kernels import triton_sample as ts
+    rows = 256
+    x, batch = _logits(rows, 5.0, 7), _batch([SamplingParams(temperature=0.8, top_k=50, top_p=0.9)] * rows)
+    seeds = torch.randint(2**62, (rows,), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    call = lambda: ts.sample_batch(x, batch.temperatures, batch.top_ps, batch.top_ks, seeds, split="all")  # noqa
+    want = call()
+    assert all(torch.equal(call(), want) for _ in range(100))
+    graph, out = capture(call)
+    for seed in range(8, 12):
+        x.copy_(_logits(rows, 5.0, seed))
+        graph.replay()
+        assert torch.equal(out, call()), seed
+    assert (ts.row_counters(x.device) == 0).all()
+    monkeypatch.setattr(ts, "SPLIT_ROWS", 100)
+    assert torch.equal(call(), out)
 
 
 def test_greedy_is_argmax_and_seeded_rows_are_batch_invariant():

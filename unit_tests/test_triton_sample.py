@@ -1,6 +1,8 @@
-"""The one-kernel sampler (triton_sample) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a
-subprocess: the flag is read when the kernel module is imported). The interpreter has no bfloat16: float16
-and float32 here; bf16 on the GPU (tests/test_sampling_gpu.py, which also runs it through sample())."""
+"""The one-kernel sampler (triton_sample._sample_kernel, one program a row: split "none", every top-k row
+included) on the CPU through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: the flag is read when
+the kernel module is imported). The interpreter has no bfloat16: float16 and float32 here; bf16 on the GPU
+(tests/test_sampling_gpu.py, which also runs it through sample()). Its split path (rows with top_k <= K_MAX
+in sample()): test_triton_sample_topk.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +22,7 @@ from autoprofile.engine.sampling import SamplingBatch, SamplingParams
 def run(x, params, seeds=None, bounds=False):
     b = SamplingBatch.from_params(params, torch.device("cpu"))
     seeds = torch.arange(len(params)) * 7919 + 1 if seeds is None else seeds
-    return ts.sample_batch(x, b.temperatures, b.top_ps, b.top_ks, seeds, bounds=bounds)
+    return ts.sample_batch(x, b.temperatures, b.top_ps, b.top_ks, seeds, bounds=bounds, split="none")
 
 def rule(x, params):
     """(kept count, smallest kept logit) per row by the sampler's rule, through a full sort in fp64."""

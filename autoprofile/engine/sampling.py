@@ -2,9 +2,11 @@
 
 CUDA (float logits, triton importable): every batch with a sampled row is ONE Triton kernel, greedy rows
 included (autoprofile.kernels.triton_sample: rejection sampling with inverse-CDF draws, a search over the
-logits' bit patterns for top-k and its exact fallback, no sort, no scratch beyond a seed and a token per row,
-no host sync); an all-greedy batch is `greedy`: the split-row argmax (autoprofile.kernels.triton_argmax,
-several programs a row: the copy rate at 256 rows, where one program a row is not).
+logits' bit patterns for top-k and its exact fallback, no sort, no host sync), and rows with a small top-k
+(<= triton_sample.K_MAX) its split path (several programs a row in one launch: their candidates merged, the
+draw over the top-k alone; a second launch where the batch also has other rows, `_split_mode`); an
+all-greedy batch is `greedy`: the split-row argmax (autoprofile.kernels.triton_argmax, several programs a
+row: the copy rate at 256 rows, where one program a row is not).
 Elsewhere (CPU, no triton) the path is chosen on the host from the batch's parameters (no device read):
 - every row greedy: argmax.
 - top-k <= PREFILTER on every sampled row: torch.topk of the largest k, the nucleus searched inside them.
@@ -21,8 +23,9 @@ over kept tokens of logit/T - log(E), E ~ Exp(1) (= argmax p/E); the kernel: inv
 until kept. Greedy rows (temperature 0) are argmax of the raw logits whatever the path.
 Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient
 bytes
-are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel needs 16
-bytes per row); the profiler's stress samples with STRESS_PARAMS, the torch paths' worst cases.
+are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel's split
+path needs `fused_bytes_per_row`, allocated whenever a sampled row has a top-k); the profiler's stress samples
+with STRESS_PARAMS, the torch paths' worst cases (STRESS has a top-k: the split path's workspace too).
 Seeds: a row with its own generator draws only from it: the fused kernel takes one Philox seed per row, drawn
 from the row's generator; the torch paths sample the row alone (~15 small kernels per seeded row). Either
 way its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
@@ -42,6 +45,7 @@ from autoprofile.engine.sampling_params import (  # noqa: F401 - re-exported
 CHUNK_ROWS = 128  # rows sampled at a time
 SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
 PROCESS_ROWS = 64  # rows the logits processors take at a time (logits_process): bounded transients
+FUSED_ROWS = 1024  # rows the fused sampler's split path takes at a time (triton_sample.SPLIT_ROWS)
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # logits the one-kernel sampler takes
 SEED_HIGH = 2**63 - 1  # Philox seeds are drawn in [0, SEED_HIGH)
 
@@ -114,20 +118,29 @@ def process_bytes_per_row(vocab_size: int) -> int:
     return vocab_size * (9 * 4 + 4)
 
 
+def fused_bytes_per_row(vocab_size: int) -> int:
+    """The one-kernel sampler (CUDA), per row, FUSED_ROWS at a time: its split path's workspace
+    (autoprofile.kernels.triton_sample.workspace_bytes: a slot of 256 int64 keys a program, a program per
+    8,192 logits; unit_tests/test_triton_sample_topk.py holds it under this bound), a quarter byte a logit +
+    2 KiB; the token, seed and bounds are the 64 bytes a row of `sampler_workspace_bytes`."""
+    return vocab_size // 4 + 2048
+
+
 def sampler_workspace_bytes(rows: int, vocab_size: int, dtype_bytes: int = 4) -> int:
     """Worst-case transient bytes of one step's processors then sample() call over `rows` rows of
-    `dtype_bytes` logits (the logits themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS / PROCESS_ROWS
-    rows whatever `rows` (the processors' transients are freed before the sampler runs), + 64 bytes per row
-    of outputs."""
+    `dtype_bytes` logits (the logits themselves excluded): bounded by CHUNK_ROWS / SORT_ROWS / PROCESS_ROWS /
+    FUSED_ROWS rows whatever `rows` (the processors' transients are freed before the sampler runs), + 64
+    bytes per row of outputs."""
     return (max(min(rows, SORT_ROWS) * sort_bytes_per_row(vocab_size, dtype_bytes),
                 min(rows, CHUNK_ROWS) * fast_bytes_per_row(vocab_size),
-                min(rows, PROCESS_ROWS) * process_bytes_per_row(vocab_size)) + 64 * rows)
+                min(rows, PROCESS_ROWS) * process_bytes_per_row(vocab_size),
+                min(rows, FUSED_ROWS) * fused_bytes_per_row(vocab_size)) + 64 * rows)
 
 
 def sampler_bytes_per_row(vocab_size: int, dtype_bytes: int = 4) -> int:
     """Per sampled row, an upper bound at any number of rows: workspace(rows) <= rows * this."""
     return max(sort_bytes_per_row(vocab_size, dtype_bytes), fast_bytes_per_row(vocab_size),
-               process_bytes_per_row(vocab_size)) + 64
+               process_bytes_per_row(vocab_size), fused_bytes_per_row(vocab_size)) + 64
 
 
 # ---------------------------------------------------------------- reference (the full sort)
@@ -175,8 +188,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     seeded = [i for i, g in enumerate(row_generators or ()) if g is not None]
     fused = _fused(logits)
     if fused is not None:
-        return fused(logits, batch.temperatures, batch.top_ps, batch.top_ks,
-                     _seeds(rows, logits.device, generator, [(i, row_generators[i]) for i in seeded]))
+        seeds = _seeds(rows, logits.device, generator, [(i, row_generators[i]) for i in seeded])
+        return fused.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds,
+                                  split=_split_mode(batch.params, logits.shape[-1], fused.K_MAX))
     if len(seeded) == rows:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif rows <= CHUNK_ROWS:
@@ -195,7 +209,9 @@ def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor
     fused = _fused(logits)
     if fused is not None:
         zeros = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-        _, bounds = fused(logits, batch.temperatures, batch.top_ps, batch.top_ks, zeros, bounds=True)
+        split = _split_mode(batch.params, logits.shape[-1], fused.K_MAX)
+        _, bounds = fused.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, zeros,
+                                       bounds=True, split=split)
         x = logits.float()
         n, least = bounds[:, 0].long(), bounds[:, 1].unsqueeze(1)
         above, at = x > least, x == least
@@ -335,9 +351,23 @@ def _kernel_logits(logits: torch.Tensor) -> bool:
 
 
 def _fused(logits: torch.Tensor):
-    """The one-kernel sampler (autoprofile.kernels.triton_sample) where it applies: `_kernel_logits`, triton
-    importable; else None (the torch paths)."""
+    """The one-kernel sampler's module (autoprofile.kernels.triton_sample) where it applies: `_kernel_logits`,
+    triton importable; else None (the torch paths)."""
     return _triton_sampler() if _kernel_logits(logits) else None
+
+
+def _split_mode(params: tuple[SamplingParams, ...] | None, vocab: int, k_max: int) -> str:
+    """The fused sampler's `split` for a batch, from its host parameters (None: unknown, "some"): "all" when
+    every row is sampled with 0 < top_k <= k_max (and < vocab: a top-k), "some" when some are, else
+    "reserve" when a sampled row has a larger top-k (the stress's STRESS rows: the split path's workspace is
+    measured), else "none"."""
+    if params is None:
+        return "some"
+    ks = [p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab]
+    small = sum(k <= k_max for k in ks)
+    if small:
+        return "all" if small == len(params) else "some"
+    return "reserve" if ks else "none"
 
 
 @functools.cache
@@ -352,10 +382,10 @@ def _triton_argmax():
 @functools.cache
 def _triton_sampler():
     try:
-        from autoprofile.kernels.triton_sample import sample_batch
+        from autoprofile.kernels import triton_sample
     except ImportError:  # no triton: the torch paths
         return None
-    return sample_batch
+    return triton_sample
 
 
 def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,

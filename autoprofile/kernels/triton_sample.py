@@ -1,5 +1,5 @@
 """The sampler on CUDA: one Triton kernel for a whole batch, greedy, temperature, top-k and top-p rows mixed,
-no sort, no scratch, no host sync.
+no sort, no host sync; rows with a small top-k take a second, split-row kernel (5.).
 
 One program per row; the row is read a few times (it stays in L2 at decode batch sizes);
 e = exp((x - max) / T).
@@ -34,9 +34,22 @@ e = exp((x - max) / T).
    rounds'). The b_p group races whole, its best score shifted by log(kept / g): the max of g i.i.d. Gumbels
    is one Gumbel + log g, so the group wins with probability kept * p(b_p) / S_kept. The search takes
    log_WAYS of the key range between the row's min and max (bf16: at most 16 bits, 6 passes at WAYS = 8).
+5. the split path, rows with 0 < top_k <= K_MAX (a second kernel, `_split_kernel`; `_sample_kernel` skips
+   them): one program a row is compute-bound on one SM in step 2's search (issue 48: top-k 50 + top-p 0.9
+   took 0.244 ms at 1 row, 0.529 at 256 on an H100). Here a row is SPAN-logit chunks, a program each, in one
+   launch. A program keeps its chunk's K_MAX best keys (packed: value key, then the index, lower first on
+   ties; `_chunk_top`: a bound from its group maxima, the few keys above it compacted into its workspace
+   slot, tl.topk of the slot); the row's last program (an atomic count, as triton_argmax) merges the
+   chunks' candidates by tl.topk into the row's top K_MAX, sorted, and draws over the first top_k alone:
+   e = exp((x - max) / T), kept while the mass before a token (in that order) is <= top_p * their sum, one
+   inverse-CDF draw (Philox at offset V). Exact; the tied tokens kept at a boundary are the lowest-indexed.
+   Workspace: SLOT int64 keys a program, SPLIT_ROWS rows a launch at most; COUNTERS int32 a device.
 Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference). A row's
-draw depends on its logits, parameters and seed only (one program a row, a fixed order): batch-invariant.
-Imported by the sampler for CUDA tensors only (triton is imported here).
+draw depends on its logits, parameters and seed only (fixed orders, whichever program finishes a row):
+batch-invariant. Imported by the sampler for CUDA tensors only (triton is imported here).
+
+Above the house's 500 lines on purpose: both kernels of the one sampler launch from `sample_batch`, share the
+key and load helpers and the split-row test; a second module would import this one and be imported by it.
 """
 from __future__ import annotations
 
@@ -51,6 +64,15 @@ NUM_WARPS = 16
 CHUNK = 64  # tokens of one lane the draw's walk reads at a time (128,256 / 4096: 32 a lane)
 ROUNDS = 32  # rejection rounds before the exact fallback (step 4); tests force 0 and 1
 SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bits of the fp32 pattern
+# the split path (rows with 0 < top_k <= K_MAX): grid (rows, cdiv(vocab, SPAN)), one launch
+K_MAX = 64  # the largest top_k it takes (a power of two: tl.topk's); its group count G is 2 * K_MAX
+SPAN = 8192  # logits a program reads (a power of two >= 2 * K_MAX; keys in int32 up to 2 ** SHIFT)
+SLOT = 256  # int64 keys a program's workspace slot holds (compaction rounds of SLOT - K_MAX candidates)
+STEP = 2048  # tokens a program's passes take at a time
+SPLIT_WARPS = 8
+SPLIT_ROWS = 1024  # rows a split launch takes (more: launches over one workspace); sampling.FUSED_ROWS
+COUNTERS = SPLIT_ROWS  # int32 arrival counts a device (a launch's rows), zero between launches
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -216,11 +238,24 @@ def _exact(base, V, lo, kmax, b, tied, norm, top_p, xmax, inv, seed, SHIFT: tl.c
 @triton.jit
 def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr,
                    SHIFT: tl.constexpr, BLOCK: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr,
-                   ROUNDS: tl.constexpr, BOUNDS: tl.constexpr):
+                   ROUNDS: tl.constexpr, BOUNDS: tl.constexpr, SKIP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride
-    lanes = tl.arange(0, BLOCK)
     temp = tl.load(t_ptr + row)
+    if SKIP > 0:  # the split path's rows (top_k <= SKIP) are _split_kernel's
+        mine = ~_split_row(temp, tl.load(k_ptr + row), V, SKIP)
+    else:
+        mine = True
+    if mine:
+        _sample_row(x_ptr + row * stride, row, V, temp, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr, SHIFT,
+                    BLOCK, WAYS, CHUNK, ROUNDS, BOUNDS)
+
+
+@triton.jit
+def _sample_row(base, row, V, temp, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr, SHIFT: tl.constexpr,
+                BLOCK: tl.constexpr, WAYS: tl.constexpr, CHUNK: tl.constexpr, ROUNDS: tl.constexpr,
+                BOUNDS: tl.constexpr):
+    """Steps 1 to 4 for one row."""
+    lanes = tl.arange(0, BLOCK)
     inv = 1.0 / tl.maximum(temp, 1e-5)
     # 1. max, its first index, min, sum of exp((x - max) * inv) per lane
     m = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -314,20 +349,211 @@ def _sample_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bou
         tl.store(out_ptr + row, tok.to(tl.int64))
 
 
+# ---------------------------------------------------------------- the split path: 0 < top_k <= K_MAX
+@triton.jit
+def _split_row(temp, top_k, V, K: tl.constexpr):
+    """Whether a row takes the split path: sampled (T > 0) with 0 < top_k <= K (and top_k < V: a top-k)."""
+    return (temp > 0) & (top_k > 0) & (top_k <= K) & (top_k < V)
+
+
+@triton.jit
+def _pack(key, local, LB: tl.constexpr, SPAN: tl.constexpr, WIDE: tl.constexpr):
+    """A chunk's keys made distinct: the value's key, then LB bits of SPAN - 1 - (index in the chunk), so that
+    ties order the lower index first. int32 where the key leaves LB bits free (bf16, fp16), else int64."""
+    if WIDE:
+        packed = (key.to(tl.int64) << LB) | (SPAN - 1 - local).to(tl.int64)
+    else:
+        packed = (key << LB) | (SPAN - 1 - local)
+    return packed
+
+
+@triton.jit
+def _packed(base, lo, start, local, V, SHIFT: tl.constexpr, LB: tl.constexpr, SPAN: tl.constexpr,
+            WIDE: tl.constexpr):
+    """The packed keys of the chunk's tokens start + local (any shape; padding past V: below -inf)."""
+    offs = lo + start + local
+    key = tl.where(offs < V, _key(_logits(base, offs, V), SHIFT), -(1 << (31 - SHIFT)))
+    return _pack(key, start + local, LB, SPAN, WIDE)
+
+
+@triton.jit
+def _compact(base, ws, lo, V, bound, r, SHIFT: tl.constexpr, K: tl.constexpr, SPAN: tl.constexpr,
+             SLOT: tl.constexpr, STEP: tl.constexpr, LB: tl.constexpr, WIDE: tl.constexpr):
+    """The chunk's keys >= bound, numbered in index order: those numbered [r, r + SLOT - K) stored into the
+    slot after its first K; their count."""
+    lanes = tl.arange(0, STEP)
+    count = tl.zeros([], tl.int32)
+    for start in range(0, SPAN, STEP):
+        packed = _packed(base, lo, start, lanes, V, SHIFT, LB, SPAN, WIDE)
+        cand = packed >= bound
+        pos = count + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(ws + K + pos - r, packed.to(tl.int64), mask=cand & (pos >= r) & (pos < r + SLOT - K))
+        count += tl.sum(cand.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _chunk_top(base, ws, lo, V, SHIFT: tl.constexpr, K: tl.constexpr, G: tl.constexpr, SPAN: tl.constexpr,
+               SLOT: tl.constexpr, STEP: tl.constexpr, LB: tl.constexpr, WIDE: tl.constexpr,
+               PMIN: tl.constexpr):
+    """The K largest packed keys of the logits [lo, lo + SPAN) (padding past V: below -inf), descending.
+    Groups: token i of the chunk is in group i % G. The K-th largest of the G group maxima, `bound`, has K
+    distinct keys at or above it, so the chunk's top K lie at or above it too, and few others do (iid
+    logits: about G ln 2). Two passes over the chunk, STEP tokens at a time (the second from L1/L2): the
+    group maxima, then the keys >= bound compacted into the program's workspace slot (SLOT int64 keys)
+    beside the K best so far, SLOT - K at a time (one round but for adversarial rows), tl.topk keeping the K
+    best of the slot."""
+    if WIDE:
+        groups = tl.full([G], PMIN, tl.int64)
+    else:
+        groups = tl.full([G], PMIN, tl.int32)
+    tile = tl.arange(0, STEP // G)[:, None] * G + tl.arange(0, G)[None, :]
+    for start in range(0, SPAN, STEP):
+        groups = tl.maximum(groups, tl.max(_packed(base, lo, start, tile, V, SHIFT, LB, SPAN, WIDE), axis=0))
+    bound = tl.min(tl.topk(groups, K), axis=0)
+    top = tl.full([K], PMIN, groups.dtype)
+    slots = tl.arange(0, SLOT)
+    r = tl.zeros([], tl.int32)
+    count = tl.full([], 1, tl.int32)
+    while r < count:
+        tl.store(ws + tl.arange(0, K), top.to(tl.int64))
+        count = _compact(base, ws, lo, V, bound, r, SHIFT, K, SPAN, SLOT, STEP, LB, WIDE)
+        tl.debug_barrier()  # the slot written by every thread before any reads it
+        buf = tl.load(ws + slots, mask=slots < K + count - r, other=PMIN).to(groups.dtype)
+        top = tl.topk(buf, K)
+        tl.debug_barrier()  # read by every thread before the next round writes it
+        r += SLOT - K
+    return top
+
+
+@triton.jit
+def _finish(base, ws, splits, V, temp, top_k, top_p, seed, K: tl.constexpr, SLOT: tl.constexpr,
+            PARTS: tl.constexpr):
+    """The row's last program: (token, tokens kept, the smallest kept logit). The splits' candidates (K
+    int64 keys each: value key << 32 | 0xFFFFFFFF - index) merged by tl.topk into the row's top K, descending
+    (ties: the lower index first); e = exp((x - max) / T) over the first top_k; kept while the mass before a
+    token is <= top_p * (their sum) (the sampler's rule, in this order); one inverse-CDF draw over the kept
+    tokens (Philox, the row's seed at offset V)."""
+    part = tl.arange(0, PARTS)
+    rank = tl.arange(0, K)
+    cands = tl.load(ws + part[:, None] * SLOT + rank[None, :], mask=(part < splits)[:, None],
+                    other=-9223372036854775808, cache_modifier=".cg")  # L2: other SMs wrote them
+    top = tl.topk(tl.reshape(cands, [PARTS * K]), K)
+    idx = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
+    in_k = rank < top_k
+    x = tl.load(base + idx, mask=in_k, other=float("-inf")).to(tl.float32) + 0.0
+    xmax = tl.max(x, axis=0)
+    inv = 1.0 / tl.maximum(temp, 1e-5)
+    # x == max: e = 1 (also a row of -inf: no -inf - -inf)
+    e = tl.where(in_k, tl.exp(tl.where(x == xmax, 0.0, (x - xmax) * inv)), 0.0)
+    before = tl.cumsum(e, axis=0) - e
+    kept = in_k & (before <= tl.where(top_p < 1, top_p * tl.sum(e, axis=0), float("inf")))
+    w = tl.where(kept, e, 0.0)
+    target = tl.rand(seed, V) * tl.sum(w, axis=0)
+    pick = tl.min(tl.where((tl.cumsum(w, axis=0) > target) & (w > 0), rank, K), axis=0)
+    pick = tl.where(pick < K, pick, tl.max(tl.where(w > 0, rank, 0), axis=0))  # rounding: the last kept
+    tok = tl.sum(tl.where(rank == pick, idx, 0), axis=0)
+    return tok, tl.sum(kept.to(tl.int32), axis=0), tl.min(tl.where(kept, x, float("inf")), axis=0)
+
+
+@triton.jit
+def _split_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, bound_ptr, ws_ptr, count_ptr,
+                  splits, SHIFT: tl.constexpr, K: tl.constexpr, G: tl.constexpr, SPAN: tl.constexpr,
+                  SLOT: tl.constexpr, STEP: tl.constexpr, LB: tl.constexpr, WIDE: tl.constexpr,
+                  PMIN: tl.constexpr, PARTS: tl.constexpr, BOUNDS: tl.constexpr):
+    """Grid (rows, splits): program (row, part) takes the row's logits [part * SPAN, (part + 1) * SPAN) to
+    its K best keys (`_chunk_top`) in its workspace slot; the row's last program (an atomic count, as
+    triton_argmax; it sets the count back to zero) merges and draws (`_finish`). Rows off the split path
+    return at once."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    temp = tl.load(t_ptr + row)
+    top_k = tl.load(k_ptr + row)
+    if _split_row(temp, top_k, V, K):
+        base = x_ptr + row * stride
+        lo = part * SPAN
+        ws = ws_ptr + (row * splits + part) * SLOT
+        top = _chunk_top(base, ws, lo, V, SHIFT, K, G, SPAN, SLOT, STEP, LB, WIDE, PMIN)
+        index = lo + (SPAN - 1) - (top & (SPAN - 1)).to(tl.int32)
+        tl.store(ws + tl.arange(0, K), ((top >> LB).to(tl.int64) << 32) | (0xFFFFFFFF - index.to(tl.int64)))
+        tl.debug_barrier()  # every thread's candidates stored before the count's release
+        done = tl.atomic_add(count_ptr + row, 1)  # NOTE: acq_rel, Triton's default
+        if done == splits - 1:
+            tl.store(count_ptr + row, 0)  # for the next launch (a graph's replay)
+            tok, n_kept, least = _finish(base, ws_ptr + row * splits * SLOT, splits, V, temp, top_k,
+                                         tl.load(p_ptr + row), tl.load(seed_ptr + row), K, SLOT, PARTS)
+            tl.store(out_ptr + row, tok.to(tl.int64))
+            if BOUNDS:
+                tl.store(bound_ptr + row * 3, n_kept.to(tl.float32))
+                tl.store(bound_ptr + row * 3 + 1, least)
+                tl.store(bound_ptr + row * 3 + 2, 1.0)  # one draw, no rejection
+
+
+def splits_for(vocab: int) -> int:
+    """Programs a row of the split path: chunks of SPAN logits."""
+    return triton.cdiv(vocab, SPAN)
+
+
+def workspace_bytes(rows: int, vocab: int) -> int:
+    """The split path's workspace for `rows` rows: a slot of SLOT int64 keys per program, SPLIT_ROWS rows at a
+    time (the arrival counts: COUNTERS int32 a device, allocated once)."""
+    return 8 * min(rows, SPLIT_ROWS) * splits_for(vocab) * SLOT
+
+
+def row_counters(device: torch.device) -> torch.Tensor:
+    """The split path's per-row arrival counts on `device`: COUNTERS int32 zeros, allocated on the first call
+    (which must not be inside a graph's capture: a warm-up call comes first) and kept; each row's last
+    program sets its count back to zero. One stream at a time uses them (the sampler's)."""
+    counters = _counters.get(device)
+    if counters is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "the split sampler runs once before a graph's capture"
+        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
+def _launch_split(x, params, ws, counters, bounds: bool) -> None:
+    """_split_kernel over x's rows, SPLIT_ROWS at a time (one workspace: the launches follow in the stream).
+    params: temperatures, top_ps, top_ks, seeds, out, bounds (rows first)."""
+    rows, vocab = x.shape
+    splits = splits_for(vocab)
+    lb = SPAN.bit_length() - 1
+    wide = lb > SHIFT[x.dtype]
+    for lo in range(0, rows, SPLIT_ROWS):
+        hi = min(lo + SPLIT_ROWS, rows)
+        _split_kernel[(hi - lo, splits)](
+            x[lo:hi], x.stride(0), vocab, *(t[lo:hi] for t in params), ws, counters, splits,
+            SHIFT=SHIFT[x.dtype], K=K_MAX, G=2 * K_MAX, SPAN=SPAN, SLOT=SLOT, STEP=min(STEP, SPAN), LB=lb,
+            WIDE=wide, PMIN=-2**63 if wide else -2**31, PARTS=triton.next_power_of_2(splits), BOUNDS=bounds,
+            num_warps=SPLIT_WARPS)
+
+
 def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-                 seeds: torch.Tensor, bounds: bool = False):
+                 seeds: torch.Tensor, bounds: bool = False, split: str = "some"):
     """Token ids [rows] int64 for logits x [rows, vocab] (unit stride in vocab; bf16, fp16 or fp32) with
     per-row temperature (0: greedy), top_p (>= 1: off), top_k int64 (<= 0 or >= vocab: off) and Philox seed
     (int64). bounds: also [rows, 3] fp32 (tokens kept, the smallest kept logit, by step 4's search; the
-    rejection rounds taken, ROUNDS + 1 where the fallback drew) for tests and the benchmark."""
+    rejection rounds taken, ROUNDS + 1 where the fallback drew; the split path: its own, 1 round) for tests
+    and the benchmark. split, as the host knows the batch (engine.sampling decides it from the parameters):
+    "some" (rows with 0 < top_k <= K_MAX may be there: _split_kernel takes them, _sample_kernel the others),
+    "all" (every row is one: _split_kernel alone), "none" (none is: _sample_kernel alone), "reserve" (none
+    is, but a row has a larger top-k: as "none", the split path's workspace allocated and freed, so that the
+    profiler's stress, whose rows have top_k PREFILTER + 1, measures it)."""
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     kept = torch.empty(rows, 3, dtype=torch.float32, device=x.device) if bounds else out
     if rows:
         assert x.stride(-1) == 1 and x.dtype in SHIFT, (x.stride(), x.dtype)
-        _sample_kernel[(rows,)](
-            x, x.stride(0), vocab, temperatures.float().contiguous(), top_ps.float().contiguous(),
-            top_ks.long().contiguous(), seeds.contiguous(), out, kept,
-            SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK, ROUNDS=ROUNDS, BOUNDS=bounds,
-            num_warps=NUM_WARPS)
+        assert split in ("some", "all", "none", "reserve"), split
+        params = (temperatures.float().contiguous(), top_ps.float().contiguous(), top_ks.long().contiguous(),
+                  seeds.contiguous(), out, kept)
+        if split != "none":
+            ws = torch.empty(workspace_bytes(rows, vocab) // 8, dtype=torch.int64, device=x.device)
+            counters = row_counters(x.device)
+            if split != "reserve":
+                _launch_split(x, params, ws, counters, bounds)
+        if split != "all":
+            _sample_kernel[(rows,)](
+                x, x.stride(0), vocab, *params, SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK,
+                ROUNDS=ROUNDS, BOUNDS=bounds, SKIP=K_MAX if split == "some" else 0, num_warps=NUM_WARPS)
     return (out, kept) if bounds else out
