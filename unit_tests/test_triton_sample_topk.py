@@ -197,6 +197,33 @@ print("ok")
 '''
 
 
+FAST = COMMON + r'''
+# every CI run: six split rows of 300 fp32 logits (5 chunks), a tie group across chunks at b_k, top-p, T
+small()
+torch.manual_seed(2)
+x = torch.randn(4, 300)
+x[:, 40:52] = x.max(dim=1, keepdim=True).values - 0.5
+params = [P(temperature=1.0, top_k=1), P(temperature=0.5, top_k=5, top_p=0.6), P(temperature=2.0, top_k=8),
+          P(temperature=1.0, top_k=8, top_p=0.917), P(temperature=0.25, top_k=8, top_p=0.5),
+          P(temperature=0.1, top_k=8, top_p=0.5)]
+x = torch.cat([x, x[:2]])
+tok, got = run(x, params, split="all")
+check(x, params, tok, got, set(range(len(params))))
+# the temperature decides the last two rows' counts: a kernel that dropped it would be caught
+assert rule(x[4], params[4])[0] != rule(x[4], P(temperature=1.0, top_k=8, top_p=0.5))[0]
+assert rule(x[5], params[5])[0] != rule(x[5], P(temperature=1.0, top_k=8, top_p=0.5))[0]
+assert (ts.row_counters(x.device) == 0).all()
+print("ok")
+'''
+
+
+@needs_triton
+def test_split_rows_keep_the_rule_fast():
+    """The split path's kept counts, boundary logits and draws against a full sort on a few small rows (the
+    slow tests below cover the rest), fast enough for every CI run."""
+    run_script(FAST)
+
+
 @needs_triton
 @pytest.mark.slow  # a minute on 2 cores (the interpreter)
 def test_split_rows_keep_the_rule_in_a_mixed_batch():
