@@ -43,7 +43,8 @@ e = exp((x - max) / T).
    chunks' candidates by tl.topk into the row's top K_MAX, sorted, and draws over the first top_k alone:
    e = exp((x - max) / T), kept while the mass before a token (in that order) is <= top_p * their sum, one
    inverse-CDF draw (Philox at offset V). Exact; the tied tokens kept at a boundary are the lowest-indexed.
-   Workspace: SLOT int64 keys a program, SPLIT_ROWS rows a launch at most; COUNTERS int32 a device.
+   Workspace: SLOT int64 keys a program, SPLIT_ROWS rows a launch at most, and an int32 count a row,
+   zeros made by the call (no buffer outlives it: nothing for a teardown to give back).
 Semantics are the sampler's (autoprofile.engine.sampling; `top_k_top_p_probs` is the reference). A row's
 draw depends on its logits, parameters and seed only (fixed orders, whichever program finishes a row):
 batch-invariant. Imported by the sampler for CUDA tensors only (triton is imported here).
@@ -71,8 +72,6 @@ SLOT = 256  # int64 keys a program's workspace slot holds (compaction rounds of 
 STEP = 2048  # tokens a program's passes take at a time
 SPLIT_WARPS = 8
 SPLIT_ROWS = 1024  # rows a split launch takes (more: launches over one workspace); sampling.FUSED_ROWS
-COUNTERS = SPLIT_ROWS  # int32 arrival counts a device (a launch's rows), zero between launches
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -479,7 +478,7 @@ def _split_kernel(x_ptr, stride, V, t_ptr, p_ptr, k_ptr, seed_ptr, out_ptr, boun
         tl.debug_barrier()  # every thread's candidates stored before the count's release
         done = tl.atomic_add(count_ptr + row, 1)  # NOTE: acq_rel, Triton's default
         if done == splits - 1:
-            tl.store(count_ptr + row, 0)  # for the next launch (a graph's replay)
+            tl.store(count_ptr + row, 0)  # for the call's next launch (rows past SPLIT_ROWS)
             tok, n_kept, least = _finish(base, ws_ptr + row * splits * SLOT, splits, V, temp, top_k,
                                          tl.load(p_ptr + row), tl.load(seed_ptr + row), K, SLOT, PARTS)
             tl.store(out_ptr + row, tok.to(tl.int64))
@@ -496,20 +495,15 @@ def splits_for(vocab: int) -> int:
 
 def workspace_bytes(rows: int, vocab: int) -> int:
     """The split path's workspace for `rows` rows: a slot of SLOT int64 keys per program, SPLIT_ROWS rows at a
-    time (the arrival counts: COUNTERS int32 a device, allocated once)."""
+    time (the arrival counts beside it: `row_counters`, 4 bytes a row)."""
     return 8 * min(rows, SPLIT_ROWS) * splits_for(vocab) * SLOT
 
 
-def row_counters(device: torch.device) -> torch.Tensor:
-    """The split path's per-row arrival counts on `device`: COUNTERS int32 zeros, allocated on the first call
-    (which must not be inside a graph's capture: a warm-up call comes first) and kept; each row's last
-    program sets its count back to zero. One stream at a time uses them (the sampler's)."""
-    counters = _counters.get(device)
-    if counters is None:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, "the split sampler runs once before a graph's capture"
-        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return counters
+def row_counters(rows: int, device: torch.device) -> torch.Tensor:
+    """The split path's per-row arrival counts for one call: int32 zeros, SPLIT_ROWS at most (each row's last
+    program sets its count back to zero, so the call's launches share them). Made by the call, like its
+    workspace: a captured graph makes them in its pool, and no buffer outlives the call."""
+    return torch.zeros(min(rows, SPLIT_ROWS), dtype=torch.int32, device=device)
 
 
 def _launch_split(x, params, ws, counters, bounds: bool) -> None:
@@ -549,9 +543,8 @@ def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tens
                   seeds.contiguous(), out, kept)
         if split != "none":
             ws = torch.empty(workspace_bytes(rows, vocab) // 8, dtype=torch.int64, device=x.device)
-            counters = row_counters(x.device)
             if split != "reserve":
-                _launch_split(x, params, ws, counters, bounds)
+                _launch_split(x, params, ws, row_counters(rows, x.device), bounds)
         if split != "all":
             _sample_kernel[(rows,)](
                 x, x.stride(0), vocab, *params, SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK,
