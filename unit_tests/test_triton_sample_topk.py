@@ -219,6 +219,9 @@ ws = torch.empty(ts.workspace_bytes(len(params), x.shape[1]) // 8, dtype=torch.i
 ts._launch_split(x, (b.temperatures.float(), b.top_ps.float(), b.top_ks, torch.arange(6), out, kept), ws,
                  counters, True)
 assert not counters.any() and torch.equal(kept[:, 0], got[:, 0]), counters
+# "reserve" (the stress: larger top-k rows only) launches the split kernel, every row returning at once
+large = [P(temperature=1.0, top_k=100, top_p=0.9), P(temperature=0.7, top_k=9)]
+assert all(torch.equal(a, b) for a, b in zip(run(x[:2], large, split="reserve"), run(x[:2], large, split="none")))
 print("ok")
 '''
 

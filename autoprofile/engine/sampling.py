@@ -360,7 +360,7 @@ def _split_mode(params: tuple[SamplingParams, ...] | None, vocab: int, k_max: in
     """The fused sampler's `split` for a batch, from its host parameters (None: unknown, "some"): "all" when
     every row is sampled with 0 < top_k <= k_max (and < vocab: a top-k), "some" when some are, else
     "reserve" when a sampled row has a larger top-k (the stress's STRESS rows: the split path's workspace is
-    measured), else "none"."""
+    measured and its kernel compiled and launched), else "none"."""
     if params is None:
         return "some"
     ks = [p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab]

@@ -69,8 +69,9 @@ SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}  # zero low bi
 K_MAX = 64  # the largest top_k it takes (a power of two: tl.topk's); its group count G is 2 * K_MAX
 SPAN = 8192  # logits a program reads (a power of two >= 2 * K_MAX; keys in int32 up to 2 ** SHIFT)
 SLOT = 256  # int64 keys a program's workspace slot holds (compaction rounds of SLOT - K_MAX candidates)
-STEP = 2048  # tokens a program's passes take at a time
-SPLIT_WARPS = 8
+STEP = 1024  # tokens a program's passes take at a time
+SPLIT_WARPS = 2  # with SPAN and STEP: bench_sampler --split_sweep's best, H100 (0.032 / 0.066 / 0.202 ms
+# at 1 / 64 / 256 rows of top-k 50 + top-p 0.9; the same tokens under every config)
 SPLIT_ROWS = 1024  # rows a split launch takes (more: launches over one workspace); sampling.FUSED_ROWS
 
 
@@ -531,8 +532,9 @@ def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tens
     and the benchmark. split, as the host knows the batch (engine.sampling decides it from the parameters):
     "some" (rows with 0 < top_k <= K_MAX may be there: _split_kernel takes them, _sample_kernel the others),
     "all" (every row is one: _split_kernel alone), "none" (none is: _sample_kernel alone), "reserve" (none
-    is, but a row has a larger top-k: as "none", the split path's workspace allocated and freed, so that the
-    profiler's stress, whose rows have top_k PREFILTER + 1, measures it)."""
+    is, but a row has a larger top-k: as "none", and the split path's workspace allocated and its kernel
+    launched, every row returning at once, so that the profiler's stress, whose rows have top_k
+    PREFILTER + 1, measures the workspace and compiles the kernel before a request needs it)."""
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     kept = torch.empty(rows, 3, dtype=torch.float32, device=x.device) if bounds else out
@@ -543,8 +545,7 @@ def sample_batch(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tens
                   seeds.contiguous(), out, kept)
         if split != "none":
             ws = torch.empty(workspace_bytes(rows, vocab) // 8, dtype=torch.int64, device=x.device)
-            if split != "reserve":
-                _launch_split(x, params, ws, row_counters(rows, x.device), bounds)
+            _launch_split(x, params, ws, row_counters(rows, x.device), bounds)  # "reserve": rows return
         if split != "all":
             _sample_kernel[(rows,)](
                 x, x.stride(0), vocab, *params, SHIFT=SHIFT[x.dtype], BLOCK=BLOCK, WAYS=WAYS, CHUNK=CHUNK,
