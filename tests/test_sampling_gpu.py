@@ -225,7 +225,10 @@ def test_split_path_every_call_alike_in_a_graph_and_over_launches(monkeypatch):
     rows = 256
     x, batch = _logits(rows, 5.0, 7), _batch([SamplingParams(temperature=0.8, top_k=50, top_p=0.9)] * rows)
     seeds = torch.randint(2**62, (rows,), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    call = lambda: ts.sample_batch(x, batch.temperatures, batch.top_ps, batch.top_ks, seeds, split="all")  # noqa
+
+    def call():
+        return ts.sample_batch(x, batch.temperatures, batch.top_ps, batch.top_ks, seeds, split="all")
+
     want = call()
     assert all(torch.equal(call(), want) for _ in range(100))
     graph, out = capture(call)

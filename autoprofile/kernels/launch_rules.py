@@ -199,11 +199,13 @@ SKINNY_TMA_BOX = 256  # the TMA's widest tile side (elements): a TMA launch's K 
 SKINNY_TMA_DESCRIPTOR = 128  # bytes of global scratch a device-side tensor descriptor takes
 # (most rows, launch or None) ascending: the first entry whose rows reach the call's rows; None, or rows past
 # every entry: the quantize + GEMM path (triton_fp8.linear). One table a weight layout (per-channel scales,
-# 128x128 block scales), as scripts/bench_fp8.py --skinny_variants printed them on an H100 (docs/measurements.md,
-# "Split-K for the skinny FP8 GEMM"): split-K at every row count, a llama-3.1-8b layer at 0.74-0.77 (channel)
-# and 0.72-0.76 (block) of its bytes floor at 4-32 rows against 0.62-0.67 and 0.56-0.60 before; 64 rows 1.08x
-# and 1.09x the quantize + GEMM path. The TMA and a8 launches measured within 1-3% of these, not taken.
-FP8_SKINNY_LAUNCHES: SkinnyTable = ((64, SkinnyLaunch(block_n=64, block_k=256, warps=4, stages=3, split_k=8)),)
+# 128x128 block scales), as scripts/bench_fp8.py --skinny_variants printed them on an H100
+# (docs/measurements.md, "Split-K for the skinny FP8 GEMM"): split-K at every row count, a llama-3.1-8b layer
+# at 0.74-0.77 (channel) and 0.72-0.76 (block) of its bytes floor at 4-32 rows against 0.62-0.67 and
+# 0.56-0.60 before; 64 rows 1.08x and 1.09x the quantize + GEMM path. The TMA and a8 launches measured
+# within 1-3% of these, not taken.
+FP8_SKINNY_LAUNCHES: SkinnyTable = (
+    (64, SkinnyLaunch(block_n=64, block_k=256, warps=4, stages=3, split_k=8)),)
 FP8_SKINNY_BLOCK_LAUNCHES: SkinnyTable = (  # (K steps within the 128-wide scale block, as the sweep ran them)
     (64, SkinnyLaunch(block_n=64, block_k=128, warps=4, stages=3, split_k=8)),)
 
