@@ -158,17 +158,7 @@ def expected(p):
         want[at] = want[at].sum() / at.sum()
     return want
 
-def chi2_ok(counts, want, n):
-    # Pearson's statistic over the kept tokens against the 1e-6 tail (Wilson-Hilferty); nothing outside
-    support = want > 0
-    assert counts[~support].sum() == 0, (counts, want)
-    df = int(support.sum()) - 1
-    if df == 0:
-        return True
-    e = n * want[support]
-    stat = float(((counts[support] - e) ** 2 / e).sum())
-    crit = df * (1 - 2 / (9 * df) + 4.75 * (2 / (9 * df)) ** 0.5) ** 3
-    return stat <= crit
+from unit_tests.draw_stats import chi2_ok
 
 def check(cases, n, rounds_col=None):
     params = [p for p in cases for _ in range(n)]

@@ -152,15 +152,7 @@ def expected(p):
     want[ids[:n]] = z.softmax(-1)
     return want
 
-def chi2_ok(counts, want, n):
-    support = want > 0
-    assert counts[~support].sum() == 0, (counts, want)
-    df = int(support.sum()) - 1
-    if df == 0:
-        return True
-    e = n * want[support]
-    stat = float(((counts[support] - e) ** 2 / e).sum())
-    return stat <= df * (1 - 2 / (9 * df) + 4.75 * (2 / (9 * df)) ** 0.5) ** 3  # the 1e-6 tail
+from unit_tests.draw_stats import chi2_ok
 
 cases = [P(temperature=0.25, top_k=7), P(temperature=1.0, top_k=7, top_p=0.6),
          P(temperature=2.0, top_k=8, top_p=0.9)]
