@@ -13,7 +13,9 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_gemv      linear: one-row GEMV                torch.nn.functional.linear        test_triton_gemv
   triton_matmul    linear: batch-invariant GEMM        torch.nn.functional.linear        test_deterministic
   triton_fp8       linear: FP8 quant, GEMV, GEMM       layers.quant                      test_triton_fp8
-  triton_fp8_skinny gemm: FP8 weights at 2-64 rows    layers.quant                      test_triton_fp8_skinny
+  triton_fp8_skinny gemm: FP8 weights at 2-64 rows    layers.quant                      test_triton_fp8_
+                   (split-K, TMA and a8 launches)                                        skinny(_variants)
+  triton_fp8_rows  gemv: FP8 weights at 2-16 rows     layers.quant                      test_triton_fp8_rows
   triton_route     route_topk: MoE router              layers.moe.route                  test_triton_route
                    biased_grouped_topk: noaux_tc      layers.moe.biased_grouped_topk    test_triton_route_
                                                                                           grouped
@@ -24,6 +26,7 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_reduce    reduce_partitions: split decode     float64 attention (in its test)   test_triton_reduce
   triton_unified   attention: AITER's, batch-invariant engine.attention.torch_sdpa       test_deterministic
   triton_sample    sample_batch: the one-kernel sampler engine.sampling (torch path)     test_triton_sample
+                   and the split top-k path                                              (and _topk)
   triton_argmax    argmax: greedy, several programs a row torch.argmax                   test_triton_argmax
   triton_kv_copy   copy_pages: KV pages GPU <-> host     engine.host_kv.HostKVPool._copy   test_triton_kv_copy
   triton_decode    decode: split-KV paged decode         float64 attention (in its test)   test_triton_decode
