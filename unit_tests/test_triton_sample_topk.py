@@ -270,7 +270,8 @@ def test_the_host_picks_the_split_mode_from_the_parameters():
     assert _split_mode(None, vocab, k_max) == "some"
     assert _split_mode((small, small), vocab, k_max) == "all"
     assert _split_mode((small, g), vocab, k_max) == _split_mode((small, large), vocab, k_max) == "some"
-    assert _split_mode((large, top_p), vocab, k_max) == "reserve"  # the stress's rows: the workspace measured
+    assert _split_mode((large, top_p), vocab, k_max, stress=True) == "reserve"  # the workspace measured
+    assert _split_mode((large, top_p), vocab, k_max) == "none"  # serving: no launch for rows that skip it
     assert _split_mode((g, top_p), vocab, k_max) == "none"
     assert _split_mode((SamplingParams(top_k=5),), vocab, k_max) == "none"  # greedy with a top_k
     assert _split_mode((SamplingParams(temperature=1.0, top_k=30),), 30, k_max) == "none"  # top_k >= vocab

@@ -188,7 +188,7 @@ class Sampler:
         if meta.all_greedy:  # no parameters to upload
             return greedy(logits)
         batch = SamplingBatch.from_params(meta.params, self.device)
-        return sample(logits, batch, self.generator, meta.generators)
+        return sample(logits, batch, self.generator, meta.generators, stress=meta.stress)
 
     def prompt_logprobs(self, rows: Sequence, hidden: torch.Tensor, cu: np.ndarray,
                         compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobs | None:

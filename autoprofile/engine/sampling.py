@@ -177,9 +177,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
-           row_generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+           row_generators: Sequence[torch.Generator | None] | None = None,
+           stress: bool = False) -> torch.Tensor:
     """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
-    Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`."""
+    Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`.
+    stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`)."""
     rows = logits.shape[0]
     if batch.all_greedy:
         return greedy(logits)
@@ -190,7 +192,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if fused is not None:
         seeds = _seeds(rows, logits.device, generator, [(i, row_generators[i]) for i in seeded])
         return fused.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds,
-                                  split=_split_mode(batch.params, logits.shape[-1], fused.K_MAX))
+                                  split=_split_mode(batch.params, logits.shape[-1], fused.K_MAX, stress))
     if len(seeded) == rows:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     elif rows <= CHUNK_ROWS:
@@ -356,18 +358,19 @@ def _fused(logits: torch.Tensor):
     return _triton_sampler() if _kernel_logits(logits) else None
 
 
-def _split_mode(params: tuple[SamplingParams, ...] | None, vocab: int, k_max: int) -> str:
+def _split_mode(params: tuple[SamplingParams, ...] | None, vocab: int, k_max: int,
+                stress: bool = False) -> str:
     """The fused sampler's `split` for a batch, from its host parameters (None: unknown, "some"): "all" when
-    every row is sampled with 0 < top_k <= k_max (and < vocab: a top-k), "some" when some are, else
-    "reserve" when a sampled row has a larger top-k (the stress's STRESS rows: the split path's workspace is
-    measured and its kernel compiled and launched), else "none"."""
+    every row is sampled with 0 < top_k <= k_max (and < vocab: a top-k), "some" when some are, else, in a
+    stress corner whose sampled rows have a larger top-k (STRESS's), "reserve" (the split path's workspace
+    measured, its kernel compiled and launched: what a batch with such a row could take), else "none"."""
     if params is None:
         return "some"
     ks = [p.top_k for p in params if p.temperature > 0 and 0 < p.top_k < vocab]
     small = sum(k <= k_max for k in ks)
     if small:
         return "all" if small == len(params) else "some"
-    return "reserve" if ks else "none"
+    return "reserve" if ks and stress else "none"
 
 
 @functools.cache
