@@ -19,13 +19,13 @@
      say), the shapes' rows as in section 4, 32 weights a graph: us per layer (the four GEMMs) and fraction of
      the bytes floor, each launch's layer sum, then launch_rules.FP8_GEMV_ROWS_LAUNCHES and
      FP8_GEMV_ROWS_BLOCK_LAUNCHES to paste (None where the skinny GEMM's launch is faster);
-  6. (--skinny_variants alone) the skinny GEMM's variants (SkinnyLaunch's split_k, tma, a8: VARIANT_SWEEP, a
-     few launches each) at 2, 4, 8, 16, 32, 64 rows, channel and 128x128 block scales, beside today's dispatch
-     and (per-channel) cuBLAS's _scaled_mm with the weight on the left and as today, on rows quantized
-     beforehand; the shapes' rows as in section 4, 32 weights a graph: each shape's us and fraction of the
-     bytes floor under each variant's fastest launch, the layer under one table entry a variant, then the
-     launch_rules tables to paste. Its compiles first run in --prewarm processes (Triton's disk cache),
-     --prewarm_only alone.
+  6. (--skinny_variants alone) the skinny GEMM's launches with and without SkinnyLaunch.split_k
+     (VARIANT_SWEEP, a few launches each) at 2, 4, 8, 16, 32, 64 rows, channel and 128x128 block scales,
+     beside today's dispatch and (per-channel) cuBLAS's _scaled_mm with the weight on the left and as today,
+     on rows quantized beforehand; the shapes' rows as in section 4, 32 weights a graph: each shape's us and
+     fraction of the bytes floor under each variant's fastest launch, the layer under one table entry a
+     variant, then the launch_rules tables to paste. Its compiles first run in --prewarm processes (Triton's
+     disk cache), --prewarm_only alone.
 
     PYTHONPATH=. python3 scripts/bench_fp8.py [--quick] [--skinny | --rows_gemv | --skinny_variants]
 """
@@ -324,20 +324,15 @@ def gemv_rows_table(rate: float, quick: bool) -> None:
 
 # ---------------------------------------------------------------- 6. the skinny GEMM's variants (issue 48)
 VARIANT_ROWS = (2, 4, 8, 16, 32, 64)
-# A few launches a variant (SkinnyLaunch's split_k, tma, a8), not a grid: the rule (fp8_skinny_launch) narrows
-# block_n for a narrow N without split_k, and with it keeps block_n and splits K up to split_k for
-# SKINNY_MIN_PROGRAMS programs. "classic": the tree's table launches and the best of the 12-launch sweep
+# A few launches a variant, not a grid: the rule (fp8_skinny_launch) narrows block_n for a narrow N without
+# split_k, and with it keeps block_n and splits K up to split_k for SKINNY_MIN_PROGRAMS programs. "classic":
+# the earlier tables' launches and the best of the 12-launch sweep. (TMA loads and o_proj's rows quantized in
+# the kernel were swept beside these on 2026-11-28, within 1-3% of split-K, and removed.)
 VARIANT_SWEEP = {
     "classic": [SkinnyLaunch(*c) for c in ((16, 256, 2, 3), (64, 256, 4, 3), (32, 128, 4, 5),
                                            (64, 128, 4, 4))],
-    "tma": [SkinnyLaunch(*c, tma=True) for c in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4),
-                                                 (128, 256, 8, 3), (32, 256, 4, 4))],
-    "split": [SkinnyLaunch(*c, split_k=8) for c in ((64, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3))],
-    "tma+split": [SkinnyLaunch(*c, split_k=8, tma=True)
-                  for c in ((64, 256, 4, 3), (64, 128, 4, 5), (128, 128, 8, 4), (128, 256, 8, 3))],
-    # o_proj's bf16 rows quantized in the kernel (the other shapes' rows come quantized: a8 changes nothing)
-    "a8": [SkinnyLaunch(64, 256, 4, 3, 8, True, True), SkinnyLaunch(64, 128, 4, 4, 8, False, True),
-           SkinnyLaunch(64, 128, 4, 4, 1, True, True)],
+    "split": [SkinnyLaunch(*c, split_k=8) for c in ((64, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5),
+                                                    (128, 256, 8, 3), (128, 128, 8, 4))],
 }
 CUBLAS = ("cublas swapped", "cublas")  # torch._scaled_mm on rows quantized beforehand, per-channel scales
 
@@ -445,12 +440,11 @@ def variant_layer(m: int, cfg, shapes: dict, times: dict) -> float | None:
 
 
 def short(cfg) -> str:
-    """A launch in a few characters: block_n/block_k/warps/stages, then s<split_k>, t (tma), a (a8)."""
+    """A launch in a few characters: block_n/block_k/warps/stages, then k<split_k>."""
     if isinstance(cfg, str) or cfg is None:
         return str(cfg)
     split = f" k{cfg.split_k}" if cfg.split_k > 1 else ""
-    return f"{cfg.block_n}/{cfg.block_k}/w{cfg.warps}/s{cfg.stages}{split}" + (" tma" if cfg.tma else "") + (
-        " a8" if cfg.a8 else "")
+    return f"{cfg.block_n}/{cfg.block_k}/w{cfg.warps}/s{cfg.stages}{split}"
 
 
 def variants_table(rate: float) -> None:
@@ -479,10 +473,8 @@ def variants_table(rate: float) -> None:
                 for key in CUBLAS:
                     if key in t:
                         line += f" | {key} {t[key]:6.1f} ({t['floor'] / t[key]:.2f})"
-                err = max((e for key, e in t["err"].items() if key != "today" and not getattr(key, "a8", 0)),
-                          default=0.0)
-                a8 = max((e for key, e in t["err"].items() if getattr(key, "a8", False)), default=0.0)
-                print(line + f" | err {err:.1e}, a8 {a8:.1e}", flush=True)
+                err = max((e for key, e in t["err"].items() if key != "today"), default=0.0)
+                print(line + f" | err {err:.1e}", flush=True)
             row = {"today": variant_layer(m, "today", shapes, times)}
             for variant, launches in VARIANT_SWEEP.items():
                 layer = {cfg: us for cfg in launches

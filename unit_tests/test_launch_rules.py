@@ -109,7 +109,7 @@ def test_the_fp8_skinny_rule_follows_each_layouts_measured_table():
     for block in (False, True):
         got = [fp8_skinny_launch(m, 14336, 4096, block=block) for m in range(1, 300)]
         assert got[0] is None and all(g is not None for g in got[1:64]) and not any(got[64:]), block
-        assert all(g.split_k == 2 and g.block_n == 64 and not g.tma and not g.a8 for g in got[1:64]), block
+        assert all(g.split_k == 2 and g.block_n == 64 for g in got[1:64]), block
         # o_proj and down (N = 4096) keep block_n 64 and split K toward 256 programs: 4 splits; gate_up none
         for n, k, splits in ((4096, 4096, 4), (4096, 14336, 4), (6144, 4096, 3), (28672, 4096, 1)):
             assert fp8_skinny_launch(8, n, k, block=block)[:5] == (64, 128 if block else 256, 4, 3, splits)
@@ -146,7 +146,7 @@ def test_the_fp8_multi_row_gemv_rule_takes_2_to_its_rows_and_leaves_the_rest_to_
 
 
 def test_the_fp8_skinny_rule_splits_k_for_a_narrow_n_where_a_launch_allows_it():
-    from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch, skinny_scratch_bytes
+    from autoprofile.kernels.launch_rules import SkinnyLaunch, fp8_skinny_launch
     split = SkinnyLaunch(64, 256, 4, 3, split_k=8)
     table = ((64, split),)
     # block_n kept; splits for 256 programs: o_proj 64 tiles -> 4, qkv 96 -> 3, gate_up 448 -> 1 (no split)
@@ -155,14 +155,6 @@ def test_the_fp8_skinny_rule_splits_k_for_a_narrow_n_where_a_launch_allows_it():
     assert fp8_skinny_launch(8, 28672, 4096, table) == split._replace(split_k=1)
     assert fp8_skinny_launch(8, 512, 4096, table).split_k == 8  # capped by the launch's split_k
     assert fp8_skinny_launch(8, 512, 300, table).split_k == 2  # a split at least a K step
-    # the TMA's tile side caps a TMA launch's K step at 256, not a pointer launch's
-    assert fp8_skinny_launch(8, 28672, 4096, ((64, SkinnyLaunch(64, 512, 4, 3, tma=True)),)).block_k == 256
-    assert fp8_skinny_launch(8, 28672, 4096, ((64, SkinnyLaunch(64, 512, 4, 3)),)).block_k == 512
-    # the defaults (split_k 1, no TMA, no a8) are the launches of before: block_n narrowed for a narrow N
+    # the default (split_k 1) is the launch of before: block_n narrowed for a narrow N
     narrow = fp8_skinny_launch(8, 4096, 4096, ((64, SkinnyLaunch(64, 256, 4, 3)),))
     assert narrow == SkinnyLaunch(16, 256, 4, 3)
-    # scratch: a split's fp32 partials (padded rows x N a split), a TMA launch's two descriptors a program
-    assert skinny_scratch_bytes(8, 4096, SkinnyLaunch(64, 256, 4, 3, split_k=4)) == 4 * 4 * 16 * 4096
-    assert skinny_scratch_bytes(33, 4096, SkinnyLaunch(64, 256, 4, 3, split_k=4, tma=True)) == \
-        4 * 4 * 64 * 4096 + 2 * 128 * 64 * 4
-    assert skinny_scratch_bytes(8, 4096, SkinnyLaunch(16, 256, 4, 3)) == 0

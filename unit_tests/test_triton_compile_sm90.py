@@ -210,9 +210,9 @@ for cfg in SWEEP:
         launch_all(m, (128, 128), fp8_gemv_rows_launch(m, n, k, ((16, cfg),), block=True))
 ''',
     # the skinny FP8 GEMM at llama-3.1-8b's o_proj (bf16 rows) and qkv (the producers' FP8 rows): each table's
-    # launch at 2, 17 and 33 rows, then with bias and with the residual; then the variants (SkinnyLaunch's
-    # split_k, tma, a8) as scripts/bench_fp8.py --skinny_variants sweeps them; channel and 128 x 128 block
-    # scales
+    # launch at 2, 17 and 33 rows, then with bias and with the residual; then other split launches
+    # (SkinnyLaunch.split_k) as scripts/bench_fp8.py --skinny_variants sweeps them; channel and 128 x 128
+    # block scales
     "triton_fp8_skinny": r'''
 RUN = False
 from autoprofile.kernels import triton_fp8_skinny as s
@@ -221,9 +221,8 @@ FP8 = torch.float8_e4m3fn
 k = 4096
 w = {n: torch.zeros(n, k, dtype=FP8) for n in (4096, 6144)}
 scales = {None: lambda n: torch.ones(n), (128, 128): lambda n: torch.ones(n // 128, k // 128)}
-VARIANTS = [SkinnyLaunch(64, 256, 4, 3, split_k=4), SkinnyLaunch(64, 128, 4, 4, tma=True),
-            SkinnyLaunch(128, 256, 8, 3, tma=True), SkinnyLaunch(64, 256, 4, 4, split_k=8, tma=True),
-            SkinnyLaunch(64, 256, 4, 3, split_k=4, tma=True, a8=True), SkinnyLaunch(64, 128, 4, 4, a8=True)]
+VARIANTS = [SkinnyLaunch(64, 256, 4, 3, split_k=4), SkinnyLaunch(64, 128, 4, 4, split_k=8),
+            SkinnyLaunch(128, 256, 8, 3, split_k=2)]
 
 
 def launch_all(m, block, table=None, bias=False, residual=False):

@@ -24,8 +24,9 @@ until kept. Greedy rows (temperature 0) are argmax of the raw logits whatever th
 Memory: the torch paths sample CHUNK_ROWS rows at a time and sort SORT_ROWS at a time, so their transient
 bytes
 are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound; the fused kernel's split
-path needs `fused_bytes_per_row`, allocated whenever a sampled row has a top-k); the profiler's stress samples
-with STRESS_PARAMS, the torch paths' worst cases (STRESS has a top-k: the split path's workspace too).
+path needs `fused_bytes_per_row`, allocated for a batch with a small top-k row); the profiler's stress samples
+with STRESS_PARAMS, the torch paths' worst cases (STRESS has a larger top-k: the stress allocates the split
+path's workspace and launches its kernel for it, `_split_mode`'s "reserve").
 Seeds: a row with its own generator draws only from it: the fused kernel takes one Philox seed per row, drawn
 from the row's generator; the torch paths sample the row alone (~15 small kernels per seeded row). Either
 way its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.

@@ -177,33 +177,26 @@ class SkinnyLaunch(NamedTuple):
     """One launch of triton_fp8_skinny's GEMM: weight rows a program (halved for a narrow N, see
     fp8_skinny_launch), K a step (capped by a block scale's K), warps, pipeline stages; split_k: at most this
     many programs a column tile, each over a K range (a narrow N keeps block_n and splits K instead, see
-    fp8_skinny_launch; partials in an fp32 scratch, summed in a fixed order by the tile's last program); tma:
-    the weight and row tiles loaded by the TMA (device-side tensor descriptors; pointer loads where a stride
-    is not 16-byte aligned); a8: rows in the model's dtype quantized to e4m3 in the kernel, per row and K
-    step, so the MMA runs on fp8 (W8A8) instead of the weight converted to their dtype (W8A16)."""
+    fp8_skinny_launch; partials in an fp32 scratch, summed in a fixed order by the tile's last program)."""
 
     block_n: int = 32
     block_k: int = 256
     warps: int = 4
     stages: int = 3
     split_k: int = 1
-    tma: bool = False
-    a8: bool = False
 
 
 SkinnyTable = tuple[tuple[int, SkinnyLaunch | None], ...]
 SKINNY_MAX_ROWS = 64  # activation rows one program holds at most (its tile pads them to 16, 32 or 64)
 SKINNY_MIN_BLOCK_N = 16  # tl.dot's smallest side
 SKINNY_MIN_PROGRAMS = 256  # about two programs an SM of an H100: block_n halves until N gives this many
-SKINNY_TMA_BOX = 256  # the TMA's widest tile side (elements): a TMA launch's K step at most
-SKINNY_TMA_DESCRIPTOR = 128  # bytes of global scratch a device-side tensor descriptor takes
 # (most rows, launch or None) ascending: the first entry whose rows reach the call's rows; None, or rows past
 # every entry: the quantize + GEMM path (triton_fp8.linear). One table a weight layout (per-channel scales,
 # 128x128 block scales), as scripts/bench_fp8.py --skinny_variants printed them on an H100
 # (docs/measurements.md, "Split-K for the skinny FP8 GEMM"): split-K at every row count, a llama-3.1-8b layer
 # at 0.74-0.77 (channel) and 0.72-0.76 (block) of its bytes floor at 4-32 rows against 0.62-0.67 and
-# 0.56-0.60 before; 64 rows 1.08x and 1.09x the quantize + GEMM path. The TMA and a8 launches measured
-# within 1-3% of these, not taken.
+# 0.56-0.60 before; 64 rows 1.08x and 1.09x the quantize + GEMM path. TMA loads and in-kernel W8A8 measured
+# within 1-3% of these and were removed.
 FP8_SKINNY_LAUNCHES: SkinnyTable = (
     (64, SkinnyLaunch(block_n=64, block_k=256, warps=4, stages=3, split_k=8)),)
 FP8_SKINNY_BLOCK_LAUNCHES: SkinnyTable = (  # (K steps within the 128-wide scale block, as the sweep ran them)
@@ -227,7 +220,6 @@ def fp8_skinny_launch(rows: int, n: int, k: int, table: SkinnyTable | None = Non
     if launch is None:
         return None
     block_k = min(launch.block_k, max(32, 1 << (k - 1).bit_length()))
-    block_k = min(block_k, SKINNY_TMA_BOX) if launch.tma else block_k
     if launch.split_k > 1:
         return launch._replace(block_k=block_k, split_k=skinny_splits(n, k, launch.block_n, block_k,
                                                                       launch.split_k))
@@ -240,16 +232,6 @@ def skinny_splits(n: int, k: int, block_n: int, block_k: int, most: int) -> int:
     SKINNY_MIN_PROGRAMS programs, at most `most` and one K step a split (1: no split, a wide N)."""
     want = -(-SKINNY_MIN_PROGRAMS // -(-n // block_n))
     return max(1, min(want, most, -(-k // block_k)))
-
-
-def skinny_scratch_bytes(rows: int, n: int, launch: SkinnyLaunch) -> int:
-    """One skinny GEMM call's scratch (allocated by the call, freed after it): a split launch's fp32
-    partials (each split's [padded rows, n]), a TMA launch's two tensor descriptors a program (Triton's
-    global scratch); none otherwise. The split launches' tile counters are one int32 buffer a device,
-    allocated once (triton_fp8_skinny.COUNTERS)."""
-    programs = -(-n // launch.block_n) * launch.split_k
-    partials = 4 * launch.split_k * skinny_block_m(rows) * n if launch.split_k > 1 else 0
-    return partials + (2 * SKINNY_TMA_DESCRIPTOR * programs if launch.tma else 0)
 
 
 def _table_launch(rows: int, most_rows: int, table):

@@ -5,23 +5,18 @@ rows its 64-row tiles are mostly padding, and a llama-3.1-8b-fp8 decode step ran
 where the one-row GEMV ran at 0.83 (H100, issue 48). Here the weight is the MMA's left side (swap-AB): a
 program holds block_n weight rows and every activation row (padded to 16, 32 or 64), walks K once with fp32
 accumulation, and scales as the checkpoint says: per output channel at the end, or per [bn, bk] block at each
-K step. The activations come as the model's rows (W8A16: the weight converted to their dtype, exactly) or as
-a producer quantized them (layers.quant.Fp8Rows: one scale a row or a K group). No scratch: the output only.
-launch_rules.fp8_skinny_launch chooses it by rows (and N, K); M is never specialized, so the captured batch
-sizes' compiles (one per padded row count) serve every step.
+K step. The activations come as the model's rows (W8A16: the weight converted to their dtype, exactly) or as a
+producer quantized them (layers.quant.Fp8Rows: one scale a row or a K group). No scratch but split-K's
+partials (below). launch_rules.fp8_skinny_launch chooses it by rows (and N, K); M is never specialized, so the
+captured batch sizes' compiles (one per padded row count) serve every step.
 
-Variants a launch selects (SkinnyLaunch; off by default, candidates for issue 48's 4-64 rows, each to be
-measured by scripts/bench_fp8.py --skinny_variants before a table takes it):
-  split_k  a narrow N (o_proj, down_proj: 64 column tiles of 64 on 132 SMs) walks K in split_k programs a
-           tile, keeping a column tile wide enough for the warpgroup MMA; partials to an fp32 scratch, the
-           tile's last program (an atomic count a tile, COUNTERS, reset by that program) sums them in split
-           order, deterministic, and runs the epilogue (scales, bias, residual) once;
-  tma      the weight and row tiles through device-side tensor descriptors (the TMA and its mbarrier
-           pipeline in place of cp.async); they take Triton's global scratch, which _scratch allocates from
-           torch (graph-capturable: a capture takes it from the graph's pool). The kernel has no PDL: no
-           later kernel's programs run before its own have finished with that scratch;
-  a8       rows in the model's dtype (o_proj's) quantized to e4m3 in the kernel, one scale a row and K step,
-           so the MMA multiplies fp8 by fp8 instead of converting the weight tile.
+split_k (SkinnyLaunch, the tables' launches): a narrow N (o_proj, down_proj: 64 column tiles of 64 on 132 SMs)
+walks K in split_k programs a tile, keeping a column tile wide enough for the warpgroup MMA; partials to an
+fp32 scratch the call allocates, the tile's last program (an atomic count a tile, COUNTERS, reset by that
+program) sums them in split order, deterministic, and runs the epilogue (scales, bias, residual) once.
+Measured beside it and removed (scripts/bench_fp8.py --skinny_variants, docs/measurements.md "Split-K for the
+skinny FP8 GEMM"): TMA loads (device-side tensor descriptors) and o_proj's rows quantized in the kernel
+(W8A8), each within 1-3% of split-K alone.
 """
 from __future__ import annotations
 
@@ -30,13 +25,9 @@ import triton
 import triton.language as tl
 
 from autoprofile.kernels.launch_rules import SkinnyLaunch, skinny_block_m
-from autoprofile.layers import quant
 from autoprofile.layers.quant import Fp8Rows, rows_linear
 
 NO_SCALE, ROW_SCALE, GROUP_SCALE = 0, 1, 2  # the activations' scales: none (model dtype), a row's, a group's
-STEP_SCALE = 3  # rows in the model's dtype quantized in the kernel, a scale a row and K step (launch.a8)
-FP8_MAX = tl.constexpr(quant.FP8_MAX)  # NOTE: globals a kernel reads must be constexpr objects
-SCALE_MIN = tl.constexpr(quant.MIN_SCALE)
 COUNTERS = 1 << 16  # column tiles a split launch may have (int32 counters a device, zero between launches)
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -46,8 +37,7 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
                        stride_x, stride_xs, stride_y, X_SCALE: tl.constexpr, X_GROUP: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr,
                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       TMA: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: the outputs' columns
     rows = tl.arange(0, BLOCK_M)
@@ -59,39 +49,23 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
     else:
         k_lo = 0
         k_hi = K
-    if TMA:  # tiles past N, M or K come as zeros
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
-        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_x, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-    else:
-        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
-        x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_x + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_x + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     ws_ptrs = ws_ptr + (cols // SCALE_N) * tl.cdiv(K, SCALE_K)  # "block": the columns' row of scales
     xs_ptrs = xs_ptr + rows * stride_xs
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        if TMA:
-            w = w_desc.load([pid_n * BLOCK_N, k])
-            x = x_desc.load([0, k]).T
-        else:
-            k_ok = ks < K - k
-            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        k_ok = ks < K - k
+        w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         if X_SCALE == 0:
             w = w.to(x.dtype)  # exact: every e4m3 value is a bf16/fp16 value
-        if X_SCALE == 3:  # the step's rows to e4m3, each by its own amax (as quantize_per_group's groups)
-            x = x.to(tl.float32)
-            step = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), SCALE_MIN)
-            x = tl.clamp(x * tl.math.div_rn(1.0, step)[None, :], -FP8_MAX, FP8_MAX).to(w.dtype)
-        if BLOCKWISE or X_SCALE >= 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
+        if BLOCKWISE or X_SCALE == 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
             part = tl.dot(w, x)
             if BLOCKWISE:
                 part *= tl.load(ws_ptrs + k // SCALE_K, mask=col_ok, other=0.0)[:, None]
             if X_SCALE == 2:
                 part *= tl.load(xs_ptrs + k // X_GROUP, mask=row_ok, other=0.0)[None, :]
-            if X_SCALE == 3:
-                part *= step[None, :]
             acc += part
         else:
             acc = tl.dot(w, x, acc)
@@ -140,27 +114,6 @@ def x_scale_kind(x_scale: torch.Tensor | None) -> int:
     return ROW_SCALE if x_scale.shape[1] == 1 else GROUP_SCALE
 
 
-def tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether the TMA can load these 2-D row-major tensors: base addresses and row strides (in bytes) a
-    multiple of 16."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Triton's global scratch (the device-side tensor descriptors): from torch's caching allocator on the
-    current device, so a CUDA graph's capture takes it from the graph's pool and replays its address."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def use_scratch_allocator() -> None:
-    """triton.set_allocator(_scratch) unless the calling context has an allocator already (Triton's
-    allocator is a context variable: a thread that launches sets its own, here, on its first TMA launch)."""
-    from triton.runtime import _allocation
-    current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), getattr(_allocation, "NullAllocator", ())):
-        triton.set_allocator(_scratch)
-
-
 def tile_counters(device: torch.device) -> torch.Tensor:
     """The split launches' per-column-tile arrival counts on `device`: COUNTERS int32 zeros, allocated on
     the first split launch (which must not be inside a graph's capture: a warm-up call comes first) and
@@ -181,8 +134,7 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
     [N] (block None) or [ceil(N/bn), ceil(K/bk)] (block (bn, bk)) -> [M, N] in out_dtype. residual
     (contiguous [M, N]): the product is added to it in the epilogue, in place (rounded once), and it is
     returned. launch.split_k > 1: that many programs a column tile, over K ranges of whole K steps (an fp32
-    scratch of split_k x [padded M, N]); launch.tma: TMA loads where tma_fits; launch.a8: rows in the model's
-    dtype quantized per row and K step in the kernel (W8A8)."""
+    scratch of split_k x [padded M, N])."""
     m, k = x.shape
     n = weight.shape[0]
     kind = x_scale_kind(x_scale)
@@ -199,12 +151,6 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
     out = residual if residual is not None else torch.empty(m, n, dtype=out_dtype, device=x.device)
     if not m:
         return out
-    if kind == NO_SCALE and launch.a8:
-        kind = STEP_SCALE
-        assert block_k >= 32, "the fp8 MMA takes K steps of at least 32"
-    tma = launch.tma and tma_fits(x, weight)
-    if tma:
-        use_scratch_allocator()
     splits = launch.split_k
     tiles = triton.cdiv(n, launch.block_n)
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
@@ -220,7 +166,7 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
         k_split, x.stride(0), xs.stride(0), out.stride(0), X_SCALE=kind, X_GROUP=scale_k,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
         SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        SPLIT_K=splits, TMA=tma, num_warps=launch.warps, num_stages=launch.stages)
+        SPLIT_K=splits, num_warps=launch.warps, num_stages=launch.stages)
     return out
 
 
