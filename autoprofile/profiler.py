@@ -599,13 +599,33 @@ def agree_host_tier(runner, world_size: int, group) -> None:
 
 
 def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_group=None,
-         checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None):
+         checkpoint: Checkpoint | None = None, log_report: bool = True, guard=None, plot_later: bool = True):
     """The server's startup hook: load the model once, then probe, measure, rebuild, validate.
 
     guard: this rank's autoprofile.tp.channel.RankGuard under TP (its data group replaces `group`; the
     returned
     runner runs its data-plane work in the guard's sections). Returns (runner, result); the runner is
-    built at the validated size and ready to serve."""
+    built at the validated size and ready to serve. plot_later: the report's PNG drawn on a thread
+    (report.write_report)."""
+    from autoprofile.engine.runner import runner_device
+    from autoprofile.kernels.compile_ahead import CompileAhead
+
+    device = runner_device(rank, cfg.device)
+    # the Triton compiles we can name before the first launch run in a pool beside the weights and graphs
+    with CompileAhead(device) as ahead:
+        ahead.dry(compile_ahead, cfg, device)
+        return _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later)
+
+
+def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
+    """The boot's launches known from the configuration alone, compile-only (kernels.compile_ahead): the
+    sampler's, for the model's vocabulary and logits dtype."""
+    from autoprofile.engine.runner import TORCH_DTYPES
+    from autoprofile.engine.sampling import compile_ahead as sampler
+    sampler(cfg.model_config.vocab_size, TORCH_DTYPES[cfg.dtype], device)
+
+
+def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later):
     from autoprofile.engine.runner import ModelRunner
     from autoprofile.report import write_report
 
@@ -631,7 +651,7 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
         if log_report:
             log.info("\n%s", result.report_text())
         if cfg.report_dir:
-            write_report(result, cfg.report_dir)
+            write_report(result, cfg.report_dir, plot_later)
     return runner, result
 
 
@@ -664,6 +684,7 @@ def profile(cfg: ServerConfig, checkpoint: Checkpoint | None = None) -> ProfileR
     profiler alone and return its report (the runner is dropped)."""
     if cfg.tp > 1:
         raise ValueError("profile() runs one process: --tp > 1 goes through autoprofile.launch.profile_tp")
-    runner, result = boot(cfg, checkpoint=checkpoint, log_report=False)  # the caller prints it
+    # the caller prints the report; the PNG is drawn before the command returns
+    runner, result = boot(cfg, checkpoint=checkpoint, log_report=False, plot_later=False)
     runner.teardown()
     return result

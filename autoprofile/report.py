@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -123,25 +124,31 @@ def format_report(result) -> str:
     return "\n".join(lines)
 
 
-def write_report(result, out_dir: str | Path) -> tuple[Path, Path | None]:
+def write_report(result, out_dir: str | Path, plot_later: bool = False) -> tuple[Path, Path | None]:
+    """The JSON now; the memory timeline's PNG now, or on a thread (plot_later: a server's boot, which is
+    healthy without it; matplotlib's import and the drawing took 1.0-2.4 s of an H100 boot). Not a daemon
+    thread: a server stopped right after its boot still leaves the PNG."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "budget_report.json"
     js.write_text(json.dumps(to_dict(result), indent=2) + "\n")
-    png = plot_timeline(result, out / "budget_timeline.png") if result.samples else None
-    log.info("budget report written: %s%s", js, f", {png}" if png else "")
+    png = out / "budget_timeline.png" if result.samples else None
+    if png is not None and plot_later:
+        threading.Thread(target=plot_timeline, args=(result, png), name="budget-timeline").start()
+    elif png is not None:
+        plot_timeline(result, png)
+    log.info("budget report written: %s%s", js, f", {png}{' (drawing)' if plot_later else ''}" if png else "")
     return js, png
 
 
 def plot_timeline(result, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # matplotlib's object API (Figure draws with Agg, no pyplot state): safe on a thread of its own
+    from matplotlib.figure import Figure
 
     s = result.samples
     t = [x.t for x in s]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig = Figure(figsize=(11, 5))
+    ax = fig.subplots()
     ax.step(t, [gib(x.reserved) for x in s], where="post", label="reserved by this process", lw=2)
     ax.step(t, [gib(x.total - x.free) for x in s], where="post", label="used on the GPU (all processes)",
             lw=1.2)
@@ -161,5 +168,4 @@ def plot_timeline(result, path: Path) -> Path:
     ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

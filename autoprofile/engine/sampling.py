@@ -206,6 +206,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     return out
 
 
+def compile_ahead(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The sampler's Triton launches for logits [rows, vocab] of `dtype`, for kernels.compile_ahead's `dry`
+    (their outputs are never written, nothing here reads them): the fused sampler in each `_split_mode` a
+    step takes (a stress corner's "reserve" and "none", a top-k batch's "all" and "some") and the greedy
+    argmax. Specialized as the steps' launches are: unit-stride rows of `vocab` logits, fresh tensors."""
+    logits = torch.zeros(2, vocab, dtype=dtype, device=device)
+    generator = make_generator(0, device)
+    top_k, top_p = SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_p=0.9)
+    for params, stress in (((STRESS, STRESS), True), ((STRESS_WIDE, STRESS_WIDE), True),
+                           ((top_k, top_k), False), ((top_k, top_p), False)):
+        sample(logits, SamplingBatch.from_params(params, device), generator, stress=stress)
+    greedy(logits)
+
+
 def kept_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [B, V] fp32, kept [B, V] bool): the distribution sample() draws each row from and its kept set,
     through the same path (greedy rows: unspecified, sample() gives their argmax). For tests: [B, V] dense."""

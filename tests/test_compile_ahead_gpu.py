@@ -1,0 +1,86 @@
+"""GPU: kernels.compile_ahead. A dry launch compiles and enqueues nothing; the sampler's dry calls
+(sampling.compile_ahead) are specialized as the real steps' launches are, so each real launch waits for the
+pool's compile instead of submitting its own; the tokens are those of a run without it. Each case runs in a
+subprocess with an empty TRITON_CACHE_DIR (compiles are real, not cache hits)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DRY_WRITES_NOTHING = r'''
+import torch, triton, triton.language as tl
+from autoprofile.kernels.compile_ahead import CompileAhead
+
+@triton.jit
+def _ones(out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.full([BLOCK], 1, tl.int32), mask=offs < n)
+
+out = torch.zeros(64, dtype=torch.int32, device="cuda")
+with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:
+    ahead.dry(lambda: _ones[(1,)](out, 64, BLOCK=64))
+    torch.cuda.synchronize()
+    assert int(out.sum()) == 0, "a dry launch wrote its output"
+    assert len(ahead.mode.raw_futures) == 1, ahead.mode.raw_futures
+    _ones[(1,)](out, 64, BLOCK=64)  # the real launch: the pool's compile, launched
+    assert len(ahead.mode.raw_futures) == 1, "the real launch compiled again"
+torch.cuda.synchronize()
+assert int(out.sum()) == 64
+print("ok")
+'''
+
+SAMPLER_AHEAD = r'''
+import sys, torch
+from autoprofile.engine import sampling
+from autoprofile.engine.sampling import (STRESS, STRESS_WIDE, SamplingBatch, SamplingParams, greedy,
+                                         make_generator, sample)
+from autoprofile.kernels.compile_ahead import CompileAhead
+
+VOCAB, dev = 128256, torch.device("cuda")
+x = torch.randn(256, VOCAB, device=dev).to(torch.bfloat16)
+top_k, top_p = SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=0.9, top_p=0.8)
+BATCHES = [((STRESS,) * 256, True), ((STRESS_WIDE,) * 256, True), ((top_k,) * 256, False),
+           ((top_k, top_p) * 128, False)]
+
+def steps():
+    """What a boot's stress and serving sample: the stress corners' rows, top-k and mixed batches, greedy."""
+    out = [sample(x.clone(), SamplingBatch.from_params(p, dev), make_generator(1, dev), stress=s)
+           for p, s in BATCHES]
+    return out + [greedy(x), greedy(x[:1])]
+
+with CompileAhead(dev, max_workers=4) as ahead:
+    ahead.dry(sampling.compile_ahead, VOCAB, torch.bfloat16, dev)
+    dry = len(ahead.mode.raw_futures)
+    got = steps()
+    assert len(ahead.mode.raw_futures) == dry, f"{len(ahead.mode.raw_futures) - dry} launches compiled anew"
+want = steps()  # the same calls without it (the kernels cached by now)
+for g, w in zip(got, want):
+    assert torch.equal(g, w)
+print("ok", dry)
+'''
+
+
+def _run(script: str, tmp_path) -> str:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": ROOT}
+    path = tmp_path / "case.py"  # a file: @triton.jit reads its kernel's source
+    path.write_text(script)
+    out = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_a_dry_launch_compiles_and_writes_nothing(tmp_path):
+    _run(DRY_WRITES_NOTHING, tmp_path)
+
+
+def test_the_sampler_compiled_ahead_is_what_the_steps_launch(tmp_path):
+    out = _run(SAMPLER_AHEAD, tmp_path)
+    assert int(out.split()[-1]) >= 3  # the split kernel, the one-program kernel (two SKIPs), the argmax
