@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import require_backend
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,3 +86,45 @@ def test_a_dry_launch_compiles_and_writes_nothing(tmp_path):
 def test_the_sampler_compiled_ahead_is_what_the_steps_launch(tmp_path):
     out = _run(SAMPLER_AHEAD, tmp_path)
     assert int(out.split()[-1]) >= 3  # the split kernel, the one-program kernel (two SKIPs), the argmax
+
+
+GRAPHS_AHEAD = r'''
+import torch
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.sampling import GREEDY
+from autoprofile.engine.scheduler import StepRow
+from autoprofile.engine.weights import init_random
+from autoprofile.kernels.compile_ahead import CompileAhead
+
+cfg = validate(ServerConfig(model="tiny", dtype="bfloat16", attention_backend="aiter_triton",
+                            max_req_total_len=4096, batch_max_tokens=8192, graph_max_batch_size=16,
+                            running_max_req_size=32, piecewise_cuda_graph_max_tokens=0, report_dir=None))
+r = ModelRunner(cfg)
+init_random(r.model, seed=3, std=0.08)
+with CompileAhead(r.device, max_workers=4) as ahead:
+    r.build(65536)
+    late = len(ahead.mode.raw_futures) - ahead.dry_compiles
+    assert ahead.dry_compiles > 0 and late == 0, (ahead.dry_compiles, late)
+prompts = [[5 + i, 9, 200 + i, 3] * (3 + i) for i in range(5)]
+r.req_table.write([(slot, 0, [1 + 4 * slot + j for j in range(4)]) for slot in range(len(prompts))])
+with torch.no_grad():
+    tok = r._prefill([StepRow(s, 0, p, True, GREEDY) for s, p in enumerate(prompts)])[0].argmax(-1).tolist()
+    rows = [StepRow(s, len(p), [tok[s]], True, GREEDY) for s, p in enumerate(prompts)]
+    graphed = r._decode(rows)[0].float().clone()
+    graphs, r.graphs = r.graphs, None
+    eager = r._decode(rows)[0].float()
+    r.graphs = graphs
+err = ((graphed - eager).norm() / eager.norm()).item()
+assert err < 3e-2, err  # bf16 graph against eager: tests/test_graphs.py's bound
+r.teardown()
+print("ok", ahead.dry_compiles)
+'''
+
+
+def test_the_decode_graphs_compile_in_their_dry_capture(tmp_path):
+    """Built inside a CompileAhead, every decode graph's Triton launch was compiled by the dry capture (the
+    real warm-ups and captures started none), and the graphs decode as eager decode does."""
+    require_backend("aiter_triton")
+    out = _run(GRAPHS_AHEAD, tmp_path)
+    assert int(out.split()[-1]) > 0

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from autoprofile.kernels.compile_ahead import MAX_WORKERS, CompileAhead, workers
+from autoprofile.kernels.compile_ahead import MAX_WORKERS, CompileAhead, active, workers
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -37,13 +37,15 @@ def test_the_async_mode_is_this_threads_while_open():
     def other_thread():
         seen["other"] = _async_compile.active_mode.get()
 
+    assert active() is None
     with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:  # no CUDA call until a launch
         assert ahead.enabled and _async_compile.active_mode.get() is ahead.mode
+        assert active() is ahead
         assert JITFunction.run is not run
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
         ahead.dry(lambda: seen.setdefault("dry", True))
     assert seen == {"other": None, "dry": True}
-    assert _async_compile.active_mode.get() is None
+    assert _async_compile.active_mode.get() is None and active() is None
     assert JITFunction.run is run

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from autoprofile.kernels import compile_ahead
 from autoprofile.kernels.launch_rules import batch_ladder  # noqa: F401 - the ladder's one owner (no torch)
 from autoprofile.budget import decode_bucket, decode_buckets, decode_graph_keys
 from autoprofile.layers.attention import AttentionMetadata
@@ -104,6 +105,9 @@ class DecodeGraphs:
         cleanly and propagates like any other build failure."""
         capture_stream(torch.cuda.current_device())
         t0 = time.perf_counter()
+        ahead = compile_ahead.active()
+        if ahead is not None:  # a boot: every graph's Triton kernels compile in its pool, several at once
+            ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:
@@ -136,6 +140,27 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured %d decode graphs in %.1f s (%.1f s of it the warm-up steps' host time)",
                  len(self.graphs), time.perf_counter() - t0, warming)
+
+    def _capture_dry(self, step: DecodeStep) -> None:
+        """Every graph's step, in capture order, inside one capture that is then dropped, under
+        kernels.compile_ahead's `dry` (Triton launches compile-only): the compiles of all batch sizes and
+        buckets start at once, and nothing runs on the GPU (a skipped kernel's output is never read, not even
+        by a torch op). A failure here is logged and left to the real captures, which compile what is left."""
+        device = torch.cuda.current_device()
+        graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.stream(capture_stream(device)):
+                begin_capture(graph, pool, device)
+                try:
+                    for bs, bucket in self.keys:
+                        self._derive(bs, bucket)
+                        step(self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket), None)
+                finally:
+                    abandon_capture(graph, pool, device)
+        except Exception as e:  # noqa: BLE001 - the real captures compile what the dry one did not reach
+            log.warning("decode graphs: the dry capture for compiles ahead failed (%s)", _first_line(e))
+        release_cublas_workspaces()  # the capture stream's, made inside the dropped pool
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""

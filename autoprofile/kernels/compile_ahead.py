@@ -10,6 +10,10 @@ Triton's AsyncCompileMode (its thread pool compiles, keyed by Triton's cache key
         ...                                   # weights, graphs: a launch of a kernel the pool is still
                                               # compiling waits for that compile instead of starting its own
 
+and code that can run a step's launches dry offers them to the open one (`active()`): the decode graphs
+capture every graph's step once, dry, inside a capture they drop (engine.cuda_graph), before the real
+captures, so every batch size's and bucket's kernels compile at once.
+
 `dry(fn)` runs fn with every Triton launch of this thread compile-only: JITFunction.run with warmup=True
 (specialized exactly as a launch of those arguments would be, nothing enqueued: fn's outputs are never
 written, so fn must not read them). The pool also builds each kernel's launcher, so the first real launch
@@ -34,6 +38,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_ahead_dry", default=False)
+_OPEN: contextvars.ContextVar[CompileAhead | None] = contextvars.ContextVar("compile_ahead_open",
+                                                                           default=None)
 MAX_WORKERS = 8  # compiles at once (a boot has about 16 distinct kernels; ptxas and LLVM release the GIL)
 
 
@@ -68,6 +74,7 @@ class CompileAhead:
         self.max_workers = max_workers or workers()
         self.pool = self.mode = self._run = None
         self.dry_s = 0.0
+        self.dry_compiles = 0  # compiles the dry calls started (the rest: real launches' own)
 
     def __enter__(self) -> CompileAhead:
         if not self.enabled:
@@ -84,25 +91,28 @@ class CompileAhead:
             return run(kernel, *args, grid=grid, warmup=warmup or _DRY.get(), **kwargs)
 
         JITFunction.run = run_or_compile
+        self._open = _OPEN.set(self)
         return self
 
     def dry(self, fn: Callable, *args, **kwargs) -> None:
-        """fn(*args, **kwargs) with this thread's Triton launches compile-only (their compiles to the pool)."""
+        """fn(*args, **kwargs), this thread's Triton launches compile-only (the compiles: the pool's)."""
         if not self.enabled:
             return
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), len(self.mode.raw_futures)
         token = _DRY.set(True)
         try:
             fn(*args, **kwargs)
         finally:
             _DRY.reset(token)
             self.dry_s += time.perf_counter() - t0
+            self.dry_compiles += len(self.mode.raw_futures) - before
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
         from triton.runtime.jit import JITFunction
         JITFunction.run = self._run
+        _OPEN.reset(self._open)
         t0 = time.perf_counter()
         started = len(self.mode.raw_futures)
         try:
@@ -112,8 +122,15 @@ class CompileAhead:
             self.mode.__exit__(*exc)
         finally:
             self.pool.shutdown(wait=True)
-        log.info("compile ahead: %d Triton compiles in a pool of %d (the dry calls %.2f s; %.2f s waited at "
-                 "the end)", started, self.max_workers, self.dry_s, time.perf_counter() - t0)
+        log.info("compile ahead: %d Triton compiles in a pool of %d, %d of them started by dry calls "
+                 "(%.2f s); %.2f s waited at the end", started, self.max_workers, self.dry_compiles,
+                 self.dry_s, time.perf_counter() - t0)
+
+
+def active() -> CompileAhead | None:
+    """The CompileAhead open in this thread's context (a boot's), else None: code that can run a step's
+    launches dry (engine.cuda_graph's decode graphs) offers them to it."""
+    return _OPEN.get()
 
 
 def _triton():
