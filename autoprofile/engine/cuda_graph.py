@@ -145,13 +145,15 @@ class DecodeGraphs:
         """Every graph's step, in capture order, inside one capture that is then dropped, under
         kernels.compile_ahead's `dry` (Triton launches compile-only): the compiles of all batch sizes and
         buckets start at once, and nothing runs on the GPU (a skipped kernel's output is never read, not even
-        by a torch op). A failure here is logged and left to the real captures, which compile what is left."""
+        by a torch op). Relaxed capture mode: no warm-up ran before it, so cuBLAS creates its handle inside
+        the capture (cublasCreate allocates: refused in the global mode, CUBLAS_STATUS_NOT_INITIALIZED on the
+        H100). A failure here is logged and left to the real captures, which compile what is left."""
         device = torch.cuda.current_device()
         graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
         try:
             with torch.cuda.stream(capture_stream(device)):
-                begin_capture(graph, pool, device)
+                begin_capture(graph, pool, device, mode="relaxed")
                 try:
                     for bs, bucket in self.keys:
                         self._derive(bs, bucket)
@@ -247,15 +249,18 @@ def capture_graph(graph, pool, body: Callable[[], None]) -> None:
         graph.capture_end()
 
 
-def begin_capture(graph, pool, device: int) -> None:
+def begin_capture(graph, pool, device: int, mode: str = "global") -> None:
     """graph.capture_begin(pool) on the current (capture) stream; one that raises leaves no capture behind and
-    its graph is never freed. NOTE: the generator allocates two 8-byte tensors when its first graph
-    registers, inside capture_begin, after the graph recorded the generator and before the generator
-    recorded the graph. With the card full (the rebuild's first capture, no graph registered) that
-    allocation fails and ~CUDAGraph throws from a destructor ("The graph should be registered to the state":
-    std::terminate, H100 and H200, torch 2.11)."""
+    its graph is never freed. mode: CUDA's capture mode (the dry capture's "relaxed": see _capture_dry).
+    NOTE: the generator allocates two 8-byte tensors when its first graph registers, inside capture_begin,
+    after the graph recorded the generator and before the generator recorded the graph. With the card full
+    (the rebuild's first capture, no graph registered) that allocation fails and ~CUDAGraph throws from a
+    destructor ("The graph should be registered to the state": std::terminate, H100 and H200, torch 2.11)."""
     try:
-        graph.capture_begin(pool)
+        if mode == "global":  # torch's default
+            graph.capture_begin(pool)
+        else:
+            graph.capture_begin(pool, capture_error_mode=mode)
     except BaseException:
         _keep_forever(graph)
         if torch.cuda.is_current_stream_capturing():
