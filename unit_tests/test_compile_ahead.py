@@ -1,9 +1,13 @@
-"""kernels.compile_ahead on the CPU: the pool's size, a no-op off CUDA, and the context's effect on Triton
-(its AsyncCompileMode active in this thread only while open, JITFunction.run given back). The compiles
-themselves need a GPU: tests/test_compile_ahead_gpu.py."""
+"""kernels.compile_ahead on the CPU: the pool's size, a no-op off CUDA, the context's effect on Triton (its
+AsyncCompileMode active in this thread only while open, JITFunction's methods given back), and dry launches
+compiled for an H100 (sm_90) through a driver stub: each specialization hashed and compiled once however many
+dry launches it gets, nothing written. Real launches after dry ones: tests/test_compile_ahead_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -31,7 +35,7 @@ def test_the_async_mode_is_this_threads_while_open():
     from triton.runtime import _async_compile
     from triton.runtime.jit import JITFunction
 
-    run = JITFunction.run
+    run, do_compile = JITFunction.run, JITFunction._do_compile
     seen = {}
 
     def other_thread():
@@ -41,11 +45,64 @@ def test_the_async_mode_is_this_threads_while_open():
     with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:  # no CUDA call until a launch
         assert ahead.enabled and _async_compile.active_mode.get() is ahead.mode
         assert active() is ahead
-        assert JITFunction.run is not run
+        assert JITFunction.run is not run and JITFunction._do_compile is not do_compile
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
         ahead.dry(lambda: seen.setdefault("dry", True))
     assert seen == {"other": None, "dry": True}
     assert _async_compile.active_mode.get() is None and active() is None
-    assert JITFunction.run is run
+    assert JITFunction.run is run and JITFunction._do_compile is do_compile
+
+
+DRY_SM90 = r'''
+import torch, triton, triton.language as tl
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from autoprofile.kernels.compile_ahead import CompileAhead
+
+
+class StubDriver:  # the CUDA driver's calls a compile-only launch makes, on a machine without a GPU
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def launcher_cls(self, src, metadata): return None  # gcc and libcuda: a GPU host's
+
+
+driver.set_active(StubDriver())
+misses = []
+knobs.runtime.jit_cache_hook = lambda **kw: misses.append(kw["key"]) and False
+
+
+@triton.jit
+def _ones(out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.full([BLOCK], 1, tl.int32), mask=offs < n)
+
+
+out = torch.zeros(64, dtype=torch.int32)
+with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:
+    ahead.dry(lambda: [_ones[(1,)](out, 64, BLOCK=64) for _ in range(50)])
+    ahead.dry(lambda: _ones[(1,)](out, 7, BLOCK=64))  # another specialization (n % 16 != 0)
+    assert ahead.dry_compiles == 2, ahead.dry_compiles
+assert len(misses) == 2, len(misses)  # each specialization's source hashed once, not once a launch
+cache = _ones.device_caches[0][0]
+assert len(cache) == 2 and all("cubin" in k.asm for k in cache.values()), cache
+assert int(out.sum()) == 0
+print("ok")
+'''
+
+
+@needs_triton
+def test_dry_launches_compile_once_a_specialization_for_sm90(tmp_path):
+    """50 dry launches of one specialization and one of another: two cache misses (Triton 3.6 hashed the
+    source at every dry launch until the pending compile was seated in the kernel's cache: 51 here), two
+    sm_90 cubins in the kernel's cache after the context, the output never written."""
+    (tmp_path / "case.py").write_text(DRY_SM90)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": root}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, str(tmp_path / "case.py")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]

@@ -20,9 +20,10 @@ written, so fn must not read them). The pool also builds each kernel's launcher,
 finds it in Triton's cache. Launches outside `dry` compile as before, each waited for at its launch. Leaving
 the context waits for every compile it started; a compile's error is raised where the kernel is launched.
 
-NOTE: `dry` swaps JITFunction.run for a wrapper while a CompileAhead is open (Triton has no per-launch
-"compile only" switch other than `kernel.warmup`, which the launch sites would each need); the wrapper
-changes nothing for other threads or outside `dry` (a ContextVar).
+NOTE: while a CompileAhead is open, JITFunction.run is a wrapper (Triton has no per-launch "compile only"
+switch other than `kernel.warmup`, which the launch sites would each need; the wrapper changes nothing for
+other threads or outside `dry`: a ContextVar), and JITFunction._do_compile seats a pending compile in the
+kernel's cache (as Triton 3.9 does itself).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class CompileAhead:
     def __init__(self, device: torch.device, max_workers: int | None = None):
         self.enabled = device.type == "cuda" and _triton() is not None
         self.max_workers = max_workers or workers()
-        self.pool = self.mode = self._run = None
+        self.pool = self.mode = self._run = self._do_compile = None
         self.dry_s = 0.0
         self.dry_compiles = 0  # compiles the dry calls started (the rest: real launches' own)
 
@@ -91,6 +92,19 @@ class CompileAhead:
             return run(kernel, *args, grid=grid, warmup=warmup or _DRY.get(), **kwargs)
 
         JITFunction.run = run_or_compile
+        self._do_compile = JITFunction._do_compile
+        do_compile = self._do_compile
+
+        def do_compile_seated(kernel, key, signature, device, *args, **kwargs):
+            # NOTE: Triton 3.6 leaves a pending compile out of the kernel's cache until a launch waits for it,
+            # so each dry launch of the same specialization hashed its source again (~0.3 ms; 62 dry graph
+            # steps took 7 s); later Triton (3.9) seats the FutureKernel there itself, as this does
+            compiled = do_compile(kernel, key, signature, device, *args, **kwargs)
+            if compiled is not None and hasattr(compiled, "result"):
+                kernel.device_caches[device][0].setdefault(key, compiled)
+            return compiled
+
+        JITFunction._do_compile = do_compile_seated
         self._open = _OPEN.set(self)
         return self
 
@@ -111,7 +125,7 @@ class CompileAhead:
         if not self.enabled:
             return
         from triton.runtime.jit import JITFunction
-        JITFunction.run = self._run
+        JITFunction.run, JITFunction._do_compile = self._run, self._do_compile
         _OPEN.reset(self._open)
         t0 = time.perf_counter()
         started = len(self.mode.raw_futures)
