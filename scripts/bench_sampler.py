@@ -1,7 +1,7 @@
 """Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new).
 
     python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
-        [--json out.json] [--kernel]
+        [--json out.json] [--kernel | --split_sweep | --argmax_sweep]
 
 --kernel: the Triton kernels alone (autoprofile.kernels.triton_sample) as sample() launches them ("new": the
 rejection sampling, ROUNDS as shipped, and the split path for rows with top_k <= K_MAX) against the exact path
@@ -16,6 +16,9 @@ in one CUDA graph, a replay's time / GRAPH_CALLS: the kernel's own). KERNEL_TARG
 Then the greedy block: torch.argmax against the split-row argmax (autoprofile.kernels.triton_argmax) at
 --rows, eager and graphed, beside the bytes floor (rows x vocab x 2 bytes at the copy rate of a 2 GiB
 device-to-device copy measured in the same run, read + write bytes over its time, as bench_attention's).
+--argmax_sweep: the argmax's variants (ARGMAX_VARIANTS: its grid, scratch, scan, BLOCK, warps, programs an SM,
+dependent launch) at --rows (1,256,1024 unless given), GPU ms (graphed) beside torch.argmax's and the floor;
+each variant's ids against torch.argmax's, before and after its timing (the kept scratch left clean).
 Then, per case, 131,072 draws of one row by each path binned against the full-sort
 reference (`top_k_top_p_probs`; 16 likeliest tokens, the rest of the kept set in 16 bins of equal mass, and
 the tokens outside it, which must stay empty): total-variation distance and Pearson's chi-square as a z-score
@@ -61,6 +64,17 @@ TARGETS_MS = {("greedy", 256): 0.1, ("top_p0.9", 256): 1.0}  # issue 9, H100, vo
 KERNEL_CASES = ("greedy", "top_p0.9", "top_k50", "top_k50_top_p0.9", "top_p0.9_flat")
 SPLIT_CONFIGS = [(8192, 2048, 8), (8192, 1024, 4), (16384, 1024, 4), (32768, 1024, 4), (8192, 512, 4),
                  (8192, 512, 2), (16384, 512, 4)]  # (SPAN, STEP, warps), beside the shipped one
+# (GRID, SCRATCH, FAST, BLOCK, NUM_WARPS, PROGRAMS_PER_SM, PDL) of kernels.triton_argmax; the shipped one too
+ARGMAX_VARIANTS = [("rows", "fill", False, 2048, 8, 4, False),  # the kernel before the flat grid, near enough
+                   ("rows", "fill", True, 2048, 8, 4, False), ("rows", "kept", True, 2048, 8, 4, False),
+                   ("flat", "fill", True, 2048, 8, 4, False), ("flat", "kept", False, 2048, 8, 4, False),
+                   ("flat", "kept", True, 2048, 8, 2, False), ("flat", "kept", True, 2048, 8, 8, False),
+                   ("flat", "kept", True, 2048, 4, 8, False), ("flat", "kept", True, 2048, 16, 2, False),
+                   ("flat", "kept", True, 1024, 4, 4, False), ("flat", "kept", True, 1024, 4, 8, False),
+                   ("flat", "kept", True, 4096, 8, 4, False), ("flat", "kept", True, 4096, 16, 2, False),
+                   ("flat", "kept", True, 2048, 8, 4, True)]
+ARGMAX_KNOBS = ("GRID", "SCRATCH", "FAST", "BLOCK", "NUM_WARPS", "PROGRAMS_PER_SM", "PDL")
+ARGMAX_TARGET = 1.1  # issue 48, item 3: 256 rows at the copy rate, GPU ms within this of the floor
 KERNEL_TARGETS_MS = {1: 0.08, 256: 0.3}  # issue 48, item 3: a sampled row at these rows, H100, vocab 128256
 GRAPH_CALLS = 20  # calls captured in one graph for the GPU time
 
@@ -200,6 +214,51 @@ def greedy_case(rows: int, vocab: int, iters: int, copy_gbps: float) -> dict:
     return r
 
 
+def argmax_sweep(vocab: int, rows_list: list[int], iters: int, copy_gbps: float) -> list[dict]:
+    """Rows of ms by row count: the floor, torch.argmax, then each ARGMAX_VARIANTS (the shipped one first),
+    GPU ms (graphed) on randn * 5 bf16 logits; a variant's `same`: its ids equal torch's before and after its
+    timing."""
+    from autoprofile.kernels import triton_argmax as ta
+    shipped = tuple(getattr(ta, k) for k in ARGMAX_KNOBS)
+    inputs = {rows: _kernel_inputs(rows, vocab, 5.0, SamplingParams(), rows)[0] for rows in rows_list}
+    floor = {rows: rows * vocab * 2 / (copy_gbps * 1e9) * 1e3 for rows in rows_list}
+    torch_ms = {rows: graph_median_ms(lambda: x.argmax(dim=-1), iters, GRAPH_CALLS)
+                for rows, x in inputs.items()}
+    out = [{"variant": "floor", "ms": floor}, {"variant": "torch.argmax", "ms": torch_ms}]
+    for cfg in [shipped] + [v for v in ARGMAX_VARIANTS if v != shipped]:
+        r = {"variant": " ".join(map(str, cfg)), "shipped": cfg == shipped, "same": True, "ms": {}}
+        try:
+            for knob, value in zip(ARGMAX_KNOBS, cfg):
+                setattr(ta, knob, value)
+            for rows, x in inputs.items():
+                want = x.argmax(dim=-1)
+                r["same"] &= all(torch.equal(ta.argmax(x), want) for _ in range(2))
+                r["ms"][rows] = graph_median_ms(lambda: ta.argmax(x), iters, GRAPH_CALLS)
+                r["same"] &= torch.equal(ta.argmax(x), want)
+        finally:
+            for knob, value in zip(ARGMAX_KNOBS, shipped):
+                setattr(ta, knob, value)
+        out.append(r)
+    return out
+
+
+def argmax_table(sweep: list[dict], rows_list: list[int], copy_gbps: float) -> str:
+    floor = sweep[0]["ms"]
+    head = f"{'variant':<40}" + "".join(f" {f'{n} rows':>10} {'/floor':>6}" for n in rows_list) + "  same"
+    lines = [f"argmax, GPU ms (graphed, {GRAPH_CALLS} calls a replay), bf16 randn * 5; floor: the logits "
+             f"once at the copy rate ({copy_gbps:.0f} GB/s); variant: {' '.join(ARGMAX_KNOBS)}; * shipped",
+             head, "-" * len(head)]
+    for r in sweep:
+        cells = "".join(f" {r['ms'][rows]:>10.4f} {r['ms'][rows] / floor[rows]:>6.2f}" for rows in rows_list)
+        lines.append(f"{('* ' if r.get('shipped') else '  ') + r['variant']:<40}{cells}  {r.get('same', '')}")
+    if 256 in rows_list:
+        best = min((r for r in sweep[2:] if r["same"]), key=lambda r: r["ms"][256])
+        ratio = best["ms"][256] / floor[256]
+        lines.append(f"best at 256 rows: {best['variant']} {best['ms'][256]:.4f} ms, {ratio:.2f}x the floor "
+                     f"(target <= {ARGMAX_TARGET}x: {'OK' if ratio <= ARGMAX_TARGET else 'MISSED'})")
+    return "\n".join(lines)
+
+
 def _bins(want: torch.Tensor, top: int = 16, rest: int = 16) -> torch.Tensor:
     """A bin per token: the `top` likeliest alone, the rest of the kept set by equal mass, the others last."""
     order = want.argsort(descending=True)
@@ -315,12 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", action="store_true",
                     help="the kernel's rejection against its exact path; greedy: torch.argmax against ours")
     ap.add_argument("--split_sweep", action="store_true", help="the split path's GPU ms at SPLIT_CONFIGS")
+    ap.add_argument("--argmax_sweep", action="store_true",
+                    help="the greedy argmax's GPU ms at ARGMAX_VARIANTS")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.split_sweep:
         return main_sweep(args)
+    if args.argmax_sweep:
+        return main_argmax(args)
     if args.kernel:
         return main_kernel(args)
     results = run(args.vocab, [int(r) for r in (args.rows or "1,64,256,1024").split(",")], args.iters)
@@ -371,6 +434,21 @@ def main_sweep(args) -> int:
               f"{str(r['same_tokens']):>5}")
     print(json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep}))
     return 0 if all(r["same_tokens"] for r in sweep) else 1
+
+
+def main_argmax(args) -> int:
+    """--argmax_sweep: 1 when a variant's ids differ from torch.argmax's."""
+    rows = [int(r) for r in (args.rows or "1,256,1024").split(",")]
+    rate = copy_gbps()
+    sweep = argmax_sweep(args.vocab, rows, args.iters, rate)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}")
+    print(argmax_table(sweep, rows, rate))
+    doc = {"device": torch.cuda.get_device_name(), "copy_GB_per_s": rate, "argmax": sweep}
+    print(json.dumps(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if all(r.get("same", True) for r in sweep) else 1
 
 
 if __name__ == "__main__":

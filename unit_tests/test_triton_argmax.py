@@ -18,40 +18,81 @@ KERNEL = r'''
 import torch
 from autoprofile.kernels import triton_argmax as ta
 
-ta.BLOCK = 64
-V = 1000  # 16 tiles of 64, the last one partial
-torch.manual_seed(0)
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for splits in (1, 3, 40):  # 3: chunks of 384 (6 tiles); 40: more than the tiles, a tile each (16)
+ta.BLOCK, ta.SCRATCH_ROWS = 64, 5  # 16 rows: launches of 5, 5, 5 and 1 rows on the kept scratch
+V, R = 1000, 16  # 16 tiles of 64 a row, the last one partial
+
+
+def cuts(row, splits):
+    # the logits of `row` where a program's part begins (past 0), as argmax launches the grid
+    lo = row // ta.SCRATCH_ROWS * ta.SCRATCH_ROWS
+    rows, row, tiles = min(ta.SCRATCH_ROWS, R - lo), row - lo, -(-V // ta.BLOCK)
+    if ta.GRID == "rows":
         n, chunk = ta.chunks(V, splits)
-        c = chunk if n > 1 else 384  # the second program's first logit (one program: some logit inside)
-        wide = torch.randn(16, V + 40).to(dtype)
-        x = wide[:, 3:V + 3]  # a row stride of V + 40, rows starting off any alignment
-        top = float(x.float().abs().max()) + 1
-        x[0] = float("-inf")  # all -inf: index 0
-        x[1, 0] = top  # the max at either end
-        x[2, V - 1] = top
-        x[3, [5, 5 + 64, c + 7, V - 1]] = top  # ties within a lane, then in later programs: the first
-        x[4, [V - 1, c + 1, min(2 * c, V - 2)]] = top  # ties in later programs only
-        x[5, [c, min(2 * c, V - 1)]] = top  # at programs' first logits
-        x[6, :] = float("-inf")  # one finite logit, in the last tile
-        x[6, V - 2] = -5.0
-        x[7, :] = -1.0  # -0.0 ties with 0.0: the first of either
-        x[7, [30, 500]] = -0.0
-        x[7, [400, 900]] = 0.0
-        x[8, [c + 3, V - 1]] = float("nan")  # NaN above every number, +inf included: the first NaN
-        x[8, 2] = float("inf")
-        x[9, [700, 800]] = -float("nan")  # either sign
-        x[10, :] = float("nan")
-        x[11, [3, 600]] = float("inf")  # +inf ties
-        x[12, :] = torch.arange(V, 0, -1).to(dtype)  # strictly falling: index 0
+        return [s * chunk for s in range(1, n)]
+    g = ta.programs_for(rows, V, 132, splits)
+    starts = [p * rows * tiles // g for p in range(g)]
+    return [(t - row * tiles) * ta.BLOCK for t in starts if row * tiles < t < (row + 1) * tiles]
+
+
+torch.manual_seed(0)
+cases = [(g, fast, dtype, splits) for g in ("flat", "rows") for fast in (True, False)
+         for dtype in (torch.bfloat16, torch.float16, torch.float32) for splits in (1, 3, 40)
+         if (fast or splits == 3) and (dtype == torch.bfloat16 or splits < 40)]  # (the compares: 3 alone)
+for ta.GRID, ta.FAST, dtype, splits in cases:  # 3: parts of 5-6 tiles; 40: a tile each
+    c = [(cuts(r, splits) + [384])[0] for r in range(R)]  # each row's second part's first logit (or 384)
+    wide = torch.randn(R, V + 40).to(dtype)
+    x = wide[:, 3:V + 3]  # a row stride of V + 40, rows starting off any alignment
+    top = float(x.float().abs().max()) + 1
+    x[0] = float("-inf")  # all -inf: index 0
+    x[1, 0] = top  # the max at either end
+    x[2, V - 1] = top
+    x[3, [5, 5 + 64, c[3] + 7, V - 1]] = top  # ties within a lane, then in later programs: the first
+    x[4, [V - 1, c[4] + 1, min(2 * c[4], V - 2)]] = top  # ties in later programs only
+    x[5, [c[5], min(2 * c[5], V - 1)]] = top  # at programs' first logits
+    x[6, :] = float("-inf")  # one finite logit, in the last tile
+    x[6, V - 2] = -5.0
+    x[7, :] = -1.0  # -0.0 ties with 0.0: the first of either
+    x[7, [30, 500]] = -0.0
+    x[7, [400, 900]] = 0.0
+    x[8, [c[8] + 3, V - 1]] = float("nan")  # NaN above every number, +inf included: the first NaN
+    x[8, 2] = float("inf")
+    x[9, [700, 800]] = -float("nan")  # either sign
+    x[10, :] = float("nan")
+    x[11, [3, 600]] = float("inf")  # +inf ties
+    x[12, :] = torch.arange(V, 0, -1).to(dtype)  # strictly falling: index 0
+    x[13, [0, 999]] = float("-inf")  # a part's first or last logit below its others
+    x[14, [63, 64, 127]] = top  # ties at a tile's end and the next one's start
+    x[15, :] = 0.0
+    x[15, [c[15] - 1, c[15]]] = -0.0  # -0.0 and 0.0 on either side of a cut
+    want = x.argmax(dim=-1)
+    for call in range(2):  # the kept scratch: the second call finds it as the first left it
         got = ta.argmax(x, splits)
-        want = x.argmax(dim=-1)
-        assert torch.equal(got, want), (dtype, splits, n, chunk, got.tolist(), want.tolist())
-        assert got.dtype == torch.int64 and got[3] == 5 and got[4] == c + 1 and got[8] == c + 3
+        assert torch.equal(got, want), (ta.GRID, ta.FAST, dtype, splits, call, got.tolist(), want.tolist())
+    assert got.dtype == torch.int64 and got[3] == 5 and got[4] == c[4] + 1 and got[8] == c[8] + 3
+    assert (ta.scratch(x.device) == ta.INT64_MIN).all(), ta.scratch(x.device)  # every key and count reset
+    assert splits == 1 or max(len(cuts(r, splits)) for r in range(R)) > 0  # some row is split
 assert ta.argmax(torch.randn(0, V), 3).shape == (0,)
-one = torch.randn(1, V)
-assert int(ta.argmax(one)) == int(one.argmax())  # the split count chosen for an H100's 132 SMs
+ta.SCRATCH = "fill"
+x = torch.randn(R, V)
+x[3, [100, 900]] = 9.0
+assert torch.equal(ta.argmax(x, 3), x.argmax(dim=-1))
+for ta.GRID in ("flat", "rows"):  # the split count chosen for an H100's 132 SMs
+    one = torch.randn(1, V)
+    assert int(ta.argmax(one)) == int(one.argmax())
+print("ok")
+'''
+
+RESET = r'''
+import torch
+from autoprofile.kernels import triton_argmax as ta
+
+ta.BLOCK = 64
+torch.manual_seed(1)
+for ta.GRID in ("flat", "rows"):
+    high, low = torch.randn(6, 1000) + 10, torch.randn(6, 1000)  # low's maxima below high's
+    for x in (high, low, high, low):  # keys or counts left over from a call would spoil the next
+        assert torch.equal(ta.argmax(x, 3), x.argmax(dim=-1)), ta.GRID
+    assert (ta.scratch(high.device) == ta.INT64_MIN).all(), ta.scratch(high.device)[:12]
 print("ok")
 '''
 
@@ -83,6 +124,12 @@ print("ok")
 
 def test_argmax_matches_torch_with_ties_inf_nan_and_several_programs_a_row():
     run_script(KERNEL)
+
+
+def test_the_kept_scratch_is_clean_for_the_next_call():
+    """Calls one after the other on the process-lived keys and counts: each split row's last program sets its
+    two back, so every call gives torch.argmax (the GPU's graph replays: tests/test_argmax_gpu.py)."""
+    run_script(RESET)
 
 
 def test_all_greedy_batches_take_the_kernel():

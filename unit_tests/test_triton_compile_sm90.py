@@ -245,15 +245,19 @@ for block in scales:
         for m in (2, 64):
             launch_all(m, block, ((64, cfg),))
 ''',
-    # the greedy argmax at llama-3's vocabulary and 256 rows, each dtype: several programs a row (the atomic
-    # max and count), then one (no scratch)
+    # the greedy argmax at llama-3's vocabulary and 256 rows, each dtype and grid: several programs a row (the
+    # atomic max and count), then one (no scratch); the flat grid at 1,024 rows (a program ends one row and
+    # starts the next) as a dependent launch
     "triton_argmax": r'''
 RUN = False
 from autoprofile.kernels import triton_argmax as ta
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    x = torch.empty(256, 128256, dtype=dtype)
-    ta.argmax(x)
-    ta.argmax(x, 1)
+for ta.GRID in ("rows", "flat"):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.empty(256, 128256, dtype=dtype)
+        ta.argmax(x)
+        ta.argmax(x, 1)
+ta.PDL, pdl.enabled = True, H100_PDL[1]
+ta.argmax(torch.empty(1024, 128256, dtype=torch.bfloat16))
 ''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort

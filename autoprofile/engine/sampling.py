@@ -174,7 +174,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     first index of each row's max; on the kernels' logits (`_kernel_logits`) the split-row Triton argmax
     (autoprofile.kernels.triton_argmax: the same ids at the copy rate), else torch's."""
     argmax = _triton_argmax() if _kernel_logits(logits) else None
-    return logits.argmax(dim=-1) if argmax is None else argmax(logits)
+    return logits.argmax(dim=-1) if argmax is None else argmax.argmax(logits)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
@@ -182,8 +182,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
            stress: bool = False) -> torch.Tensor:
     """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
     Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`.
-    stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`)."""
+    stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`; the greedy
+    argmax's kept scratch allocated, so that the probe's peak holds it)."""
     rows = logits.shape[0]
+    argmax = _triton_argmax() if stress and _kernel_logits(logits) else None
+    if argmax is not None:
+        argmax.scratch(logits.device)
     if batch.all_greedy:
         return greedy(logits)
     if row_generators is not None and len(row_generators) != rows:
@@ -391,10 +395,10 @@ def _split_mode(params: tuple[SamplingParams, ...] | None, vocab: int, k_max: in
 @functools.cache
 def _triton_argmax():
     try:
-        from autoprofile.kernels.triton_argmax import argmax
+        from autoprofile.kernels import triton_argmax
     except ImportError:  # no triton: torch.argmax
         return None
-    return argmax
+    return triton_argmax
 
 
 @functools.cache
