@@ -33,6 +33,6 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   pdl              launch, begin: dependent launch      (none: a launch attribute)        test_pdl (GPU:
                    (Hopper), a kernel's wait + signal                                      test_pdl_gpu)
   aiter_loader     AITER's Triton modules without its ROCm-only package __init__        test_unspecialize
-  compile_ahead    CompileAhead: a boot's Triton compiles in a pool, dry launches (none: no kernel)  test_compile_
-                                                                                          ahead (GPU too)
+  compile_ahead    CompileAhead: a boot's Triton compiles  (none: compiles only)         test_compile_ahead
+                   in a pool; dry (compile-only) launches                                  (GPU: the same)
 """
