@@ -622,7 +622,8 @@ def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
     sampler's, for the model's vocabulary and logits dtype."""
     from autoprofile.engine.runner import TORCH_DTYPES
     from autoprofile.engine.sampling import compile_ahead as sampler
-    sampler(cfg.model_config.vocab_size, TORCH_DTYPES[cfg.dtype], device)
+    with torch.cuda.device(device):  # Triton specializes for the current device: this rank's GPU
+        sampler(cfg.model_config.vocab_size, TORCH_DTYPES[cfg.dtype], device)
 
 
 def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later):

@@ -55,6 +55,20 @@ def test_the_async_mode_is_this_threads_while_open():
     assert JITFunction.run is run and JITFunction._do_compile is do_compile
 
 
+
+@needs_triton
+def test_a_failed_dry_call_is_logged_and_once_is_once(caplog):
+    """A dry call only gives compiles a head start: its error is logged, the boot goes on; `once` lets the
+    decode graphs' dry capture run in the boot's first build only."""
+    def broken():
+        raise RuntimeError("no such kernel argument")
+
+    with CompileAhead(torch.device("cuda"), max_workers=1) as ahead:
+        ahead.dry(broken)
+        assert [ahead.once("decode graphs"), ahead.once("decode graphs"), ahead.once("other")] == [
+            True, False, True]
+    assert "no such kernel argument" in caplog.text and "broken" in caplog.text
+
 DRY_SM90 = r'''
 import torch, triton, triton.language as tl
 from triton import knobs

@@ -106,7 +106,9 @@ class DecodeGraphs:
         capture_stream(torch.cuda.current_device())
         t0 = time.perf_counter()
         ahead = compile_ahead.active()
-        if ahead is not None:  # a boot: every graph's Triton kernels compile in its pool, several at once
+        # a boot's first build: every graph's Triton kernels compile in its pool at once (the rebuild's and a
+        # retry's graphs are the same: their kernels are compiled by then)
+        if ahead is not None and ahead.once("decode graphs"):
             ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
@@ -147,7 +149,7 @@ class DecodeGraphs:
         buckets start at once, and nothing runs on the GPU (a skipped kernel's output is never read, not even
         by a torch op). Relaxed capture mode: no warm-up ran before it, so cuBLAS creates its handle inside
         the capture (cublasCreate allocates: refused in the global mode, CUBLAS_STATUS_NOT_INITIALIZED on the
-        H100). A failure here is logged and left to the real captures, which compile what is left."""
+        H100). A failure is logged by `dry`; the real captures compile what it did not reach."""
         device = torch.cuda.current_device()
         graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
@@ -160,9 +162,8 @@ class DecodeGraphs:
                         step(self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket), None)
                 finally:
                     abandon_capture(graph, pool, device)
-        except Exception as e:  # noqa: BLE001 - the real captures compile what the dry one did not reach
-            log.warning("decode graphs: the dry capture for compiles ahead failed (%s)", _first_line(e))
-        release_cublas_workspaces()  # the capture stream's, made inside the dropped pool
+        finally:
+            release_cublas_workspaces()  # the capture stream's, made inside the dropped pool
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""

@@ -76,6 +76,7 @@ class CompileAhead:
         self.pool = self.mode = self._run = self._do_compile = None
         self.dry_s = 0.0
         self.dry_compiles = 0  # compiles the dry calls started (the rest: real launches' own)
+        self._done: set[str] = set()  # once()'s names
 
     def __enter__(self) -> CompileAhead:
         if not self.enabled:
@@ -109,17 +110,29 @@ class CompileAhead:
         return self
 
     def dry(self, fn: Callable, *args, **kwargs) -> None:
-        """fn(*args, **kwargs), this thread's Triton launches compile-only (the compiles: the pool's)."""
+        """fn(*args, **kwargs), this thread's Triton launches compile-only (the compiles: the pool's). Its
+        failure is logged, never raised: a dry call only gives compiles a head start, the real launches
+        compile whatever it did not reach (and raise what fails there)."""
         if not self.enabled:
             return
         t0, before = time.perf_counter(), len(self.mode.raw_futures)
         token = _DRY.set(True)
         try:
             fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.warning("compile ahead: a dry call (%s) failed, its kernels compile at their launch: %s",
+                        getattr(fn, "__qualname__", fn), (str(e).splitlines() or [type(e).__name__])[0])
         finally:
             _DRY.reset(token)
             self.dry_s += time.perf_counter() - t0
             self.dry_compiles += len(self.mode.raw_futures) - before
+
+    def once(self, name: str) -> bool:
+        """True the first time `name` asks (then False): work whose compiles one dry pass covers for the whole
+        boot (the decode graphs: the probe's build and the rebuild's are the same graphs)."""
+        first = name not in self._done
+        self._done.add(name)
+        return first
 
     def __exit__(self, *exc) -> None:
         if not self.enabled:
@@ -130,8 +143,8 @@ class CompileAhead:
         t0 = time.perf_counter()
         started = len(self.mode.raw_futures)
         try:
-            # waits for every compile started; one that failed is not raised here: a launch of that kernel
-            # compiles it again (the mode is closed by then) and raises where it is launched
+            # waits for every compile started; one that failed is not raised here: it raises where the kernel
+            # is launched
             self.mode.ignore_errors = True
             self.mode.__exit__(*exc)
         finally:
