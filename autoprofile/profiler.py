@@ -619,11 +619,15 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
 
 def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
     """The boot's launches known from the configuration alone, compile-only (kernels.compile_ahead): the
-    sampler's, for the model's vocabulary and logits dtype."""
+    sampler's and structured output's mask (every stress corner masks), for the model's vocabulary and logits
+    dtype."""
+    from autoprofile.engine.grammar import compile_ahead as mask
     from autoprofile.engine.runner import TORCH_DTYPES
     from autoprofile.engine.sampling import compile_ahead as sampler
+    vocab, dtype = cfg.model_config.vocab_size, TORCH_DTYPES[cfg.dtype]
     with torch.cuda.device(device):  # Triton specializes for the current device: this rank's GPU
-        sampler(cfg.model_config.vocab_size, TORCH_DTYPES[cfg.dtype], device)
+        sampler(vocab, dtype, device)
+        mask(vocab, dtype, device)
 
 
 def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later):

@@ -69,6 +69,7 @@ class ServerState:
     tokenizer: object = None
     grammars: Grammars | None = None  # structured output's compiler and cache (serving.structured)
     grammars_error: str | None = None  # why there is none
+    grammars_loading: asyncio.Future | None = None  # grammars' build, when the server was ready before it
     limits: Limits | None = None
     result: object = None
     dead: str | None = None
@@ -258,28 +259,43 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
 
 def serving_vocab(cfg, tokenizer=None) -> tuple:
     """(tokenizer, Grammars or None, why there is none): the tokenizer (`tokenizer`, else --tokenizer's or
-    the model's) and xgrammar's view of its vocabulary, built once. Importing xgrammar (it imports
-    transformers and torch._dynamo) took 7 s of an H100 boot: `serve` runs this on a thread beside the
-    boot."""
+    the model's) and xgrammar's view of its vocabulary (`grammars_for`)."""
     tokenizer = tokenizer or load_tokenizer(cfg)
+    return (tokenizer, *grammars_for(tokenizer, cfg.model_config.vocab_size))
+
+
+def grammars_for(tokenizer, vocab_size: int) -> tuple:
+    """(Grammars or None, why there is none): structured output's compiler for the tokenizer, built once.
+    Importing xgrammar (it imports transformers) took 5.7-7 s of host time on the GPU hosts: `serve` builds
+    this after the boot, beside the first requests (`activate(grammars_later=True)`), not beside the boot,
+    whose host-bound steps it slowed."""
     try:
-        return tokenizer, Grammars(tokenizer, cfg.model_config.vocab_size), None
+        return Grammars(tokenizer, vocab_size), None
     except Exception as e:  # noqa: BLE001 - the server serves on; structured requests get a 400 saying why
         error = f"{type(e).__name__}: {e}"
         log.warning("structured output and forced tool calls are off: xgrammar cannot read the tokenizer "
                     "(%s)", error)
-        return tokenizer, None, error
+        return None, error
 
 
-def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple | None = None) -> None:
+def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple | None = None,
+             grammars_later: bool = False) -> None:
     """Start the engine loop (call on the app's event loop) and accept requests. vocab: serving_vocab's
-    result when it was built already."""
+    result when it was built already. grammars_later: the server is ready before structured output's
+    compiler is built (on a thread, `grammars_for`); a request with a grammar waits for it (vLLM builds its
+    grammar backend at the first such request)."""
     st = app[STATE]
     context = engine.envelope.max_req_total_len  # --max_req_total_len auto: the profile may have cut it
     if context != st.cfg.context_len:
         st.cfg = st.cfg.replace(max_req_total_len=context)
     cfg = st.cfg
-    st.tokenizer, st.grammars, st.grammars_error = vocab or serving_vocab(cfg, tokenizer)
+    if grammars_later:
+        st.tokenizer = tokenizer or load_tokenizer(cfg)
+        st.grammars_loading = asyncio.get_running_loop().run_in_executor(
+            None, grammars_for, st.tokenizer, cfg.model_config.vocab_size)
+        st.grammars_loading.add_done_callback(functools.partial(_grammars_built, st))
+    else:
+        st.tokenizer, st.grammars, st.grammars_error = vocab or serving_vocab(cfg, tokenizer)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
                        cfg.max_images_per_request if cfg.model_config.vision is not None else 0)
     if cfg.model_config.vision is not None and cfg.allowed_media_domains:
@@ -293,6 +309,13 @@ def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple 
     log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens,
              st.engine.max_running,
              st.engine.max_waiting)
+
+
+def _grammars_built(st: ServerState, built: asyncio.Future) -> None:
+    if built.cancelled():  # the loop closed first
+        return
+    st.grammars, st.grammars_error = built.result()
+    log.info("structured output: %s", "ready" if st.grammars is not None else "off")
 
 
 def _on_dead(st: ServerState, reason: str) -> None:
@@ -369,7 +392,7 @@ async def serve(cfg, boot) -> int:
     # NOTE: a daemon thread: a signal during the profile must not wait for it
     threading.Thread(target=run_boot, name="boot", daemon=True).start()
     vocab_pool = ThreadPoolExecutor(1, thread_name_prefix="vocab")
-    vocab = vocab_pool.submit(serving_vocab, cfg)  # the tokenizer and xgrammar's vocabulary, beside the boot
+    tokenizer = vocab_pool.submit(load_tokenizer, cfg)  # beside the boot; xgrammar's vocabulary after it
     vocab_pool.shutdown(wait=False)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({booted, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -388,7 +411,8 @@ async def serve(cfg, boot) -> int:
         raise
     st = app[STATE]
     try:
-        activate(app, LLMEngine.from_config(runner, cfg), result, vocab=await asyncio.wrap_future(vocab))
+        tokenizer = await asyncio.wrap_future(tokenizer)
+        activate(app, LLMEngine.from_config(runner, cfg), result, tokenizer=tokenizer, grammars_later=True)
         died = asyncio.ensure_future(st.died.wait())
         await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
         if not st.died.is_set():

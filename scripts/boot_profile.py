@@ -4,15 +4,15 @@ the boot thread's work (issue 48's boot item: "show where the time goes").
     PYTHONPATH=. python3 scripts/boot_profile.py --model llama-3.1-8b [serve flags...] [--top 40]
         [--no_cprofile]
 
-Runs what `serve` runs before `/health` says 200, in its order, and prints a line a step (seconds):
-imports (torch, then the engine and the server), CUDA's context, `profiler.boot` (load, probe, measure,
-rebuild, validate: its own phases as the report gives them), the engine, the tokenizer and xgrammar's
-vocabulary (server.serving_vocab, which `serve` runs beside the boot). The log's lines carry the ms since
-the interpreter started (each stress corner's time among them). Then the boot's cProfile: the functions of
-most cumulative time, and the most time of their own (Triton's compiles, CUDA graph captures and stress runs
-show by name). A cold boot: an empty TRITON_CACHE_DIR and `--profile_cache ''`; the profile cache's warm
-boot: run it twice with `--profile_cache DIR`. cProfile adds host time to Python-heavy steps: --no_cprofile
-gives the plain timeline.
+Runs what `serve` runs before `/health` says 200, in its order, and prints a line a step (seconds): imports
+(torch, then the engine and the server), CUDA's context, `profiler.boot` (load, probe, measure, rebuild,
+validate: its own phases as the report gives them), the engine, the tokenizer (`serve` loads it beside the
+boot) and xgrammar's vocabulary (server.grammars_for, which `serve` builds once it is ready). The log's lines
+carry the ms since the interpreter started (each stress corner's time among them). Then the boot's cProfile:
+the functions of most cumulative time, and the most time of their own (Triton's compiles, CUDA graph captures
+and stress runs show by name). A cold boot: an empty TRITON_CACHE_DIR and `--profile_cache ''`; the profile
+cache's warm boot: run it twice with `--profile_cache DIR`. cProfile adds host time to Python-heavy steps:
+--no_cprofile gives the plain timeline.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def main() -> int:
     from autoprofile.engine.engine import LLMEngine
     import autoprofile.engine.runner  # noqa: F401 - timed here: boot() imports it
     from autoprofile.profiler import boot
-    from autoprofile.server import serving_vocab
+    from autoprofile.server import grammars_for
+    from autoprofile.serving.tokenizer import load_tokenizer
     t = lap(timeline, "import autoprofile (engine, runner, profiler, server)", t)
     ns = build_parser().parse_args(["serve", *rest])
     cfg = config_from_args(ns)
@@ -68,9 +69,13 @@ def main() -> int:
     t = t_boot
     engine = LLMEngine.from_config(runner, cfg)
     t = lap(timeline, "engine", t)
-    serving_vocab(cfg)
-    t = lap(timeline, "tokenizer and xgrammar's vocabulary (serve: on a thread beside the boot)", t)
-    print(f"\nboot of {cfg.model}: {t - T0:.2f} s from the interpreter's start (KV {result.tokens} tokens)")
+    tokenizer = load_tokenizer(cfg)
+    t = lap(timeline, "tokenizer (serve: on a thread beside the boot)", t)
+    ready = t
+    grammars_for(tokenizer, cfg.model_config.vocab_size)
+    t = lap(timeline, "xgrammar's vocabulary (serve: on a thread once ready)", t)
+    print(f"\nboot of {cfg.model}: {ready - T0:.2f} s from the interpreter's start to ready "
+          f"(KV {result.tokens} tokens; structured output {t - T0:.2f} s)")
     for name, s in timeline:
         print(f"  {name:<52} {s:8.2f} s")
     if prof is not None:

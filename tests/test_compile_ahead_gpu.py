@@ -41,7 +41,7 @@ print("ok")
 
 SAMPLER_AHEAD = r'''
 import sys, torch
-from autoprofile.engine import sampling
+from autoprofile.engine import grammar, sampling
 from autoprofile.engine.sampling import (STRESS, STRESS_WIDE, SamplingBatch, SamplingParams, greedy,
                                          make_generator, sample)
 from autoprofile.kernels.compile_ahead import CompileAhead
@@ -52,14 +52,22 @@ top_k, top_p = SamplingParams(temperature=0.7, top_k=40), SamplingParams(tempera
 BATCHES = [((STRESS,) * 256, True), ((STRESS_WIDE,) * 256, True), ((top_k,) * 256, False),
            ((top_k, top_p) * 128, False)]
 
+mask = grammar.TokenBitmask(256, VOCAB, dev)
+mask.host[200, :7] = 0
+
 def steps():
-    """What a boot's stress and serving sample: the stress corners' rows, top-k and mixed batches, greedy."""
+    """What a boot's stress and serving sample: the stress corners' rows, top-k and mixed batches, greedy;
+    structured output's mask over every row (the stress's) and over two named rows."""
     out = [sample(x.clone(), SamplingBatch.from_params(p, dev), make_generator(1, dev), stress=s)
            for p, s in BATCHES]
-    return out + [greedy(x), greedy(x[:1])]
+    every, named = x.clone(), x.clone()
+    mask.apply_stress(every)
+    mask._apply(named, [3, 200])
+    return out + [greedy(x), greedy(x[:1]), every, named]
 
 with CompileAhead(dev, max_workers=4) as ahead:
     ahead.dry(sampling.compile_ahead, VOCAB, torch.bfloat16, dev)
+    ahead.dry(grammar.compile_ahead, VOCAB, torch.bfloat16, dev)
     dry = len(ahead.mode.raw_futures)
     got = steps()
     assert len(ahead.mode.raw_futures) == dry, f"{len(ahead.mode.raw_futures) - dry} launches compiled anew"
@@ -85,7 +93,8 @@ def test_a_dry_launch_compiles_and_writes_nothing(tmp_path):
 
 def test_the_sampler_compiled_ahead_is_what_the_steps_launch(tmp_path):
     out = _run(SAMPLER_AHEAD, tmp_path)
-    assert int(out.split()[-1]) >= 3  # the split kernel, the one-program kernel (two SKIPs), the argmax
+    # the split kernel, the one-program kernel (two SKIPs), the argmax, the mask (every row, by index)
+    assert int(out.split()[-1]) >= 5
 
 
 GRAPHS_AHEAD = r'''

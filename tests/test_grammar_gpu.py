@@ -66,6 +66,26 @@ def test_cuda_mask_equals_cpu_and_the_fused_sampler_draws_only_allowed_tokens():
             assert _allowed(mask.host[i], vocab)[tokens[i]], (i, int(tokens[i]))
 
 
+MASK_CASES = [(256, 128256, 128256, None), (256, 151936, 152064, None), (256, 128256, 128256, [0, 7, 255]),
+              (3, 100, 131, [2]), (9, 8200, 8200, None)]
+
+
+@pytest.mark.parametrize("rows, vocab, width, index", MASK_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_mask_kernel_equals_its_torch_reference(rows, vocab, width, index, dtype):
+    """kernels.triton_bitmask on the GPU against its torch path (unit_tests: that path against xgrammar's):
+    random words, every row and named rows, logits wider than the vocabulary left alone past it."""
+    from autoprofile.kernels.triton_bitmask import apply_bitmask_, reference_
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), device="cuda", generator=g,
+                         dtype=torch.int64).to(torch.int32)
+    idx = None if index is None else torch.tensor(index, dtype=torch.int32, device="cuda")
+    got, want = apply_bitmask_(logits.clone(), bits, vocab, idx), reference_(logits.clone(), bits, vocab, idx)
+    assert torch.equal(got, want)
+    assert 0 < int(torch.isinf(got).sum()) and torch.equal(got[:, vocab:], logits[:, vocab:])
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     require_backend("aiter_triton")

@@ -69,7 +69,7 @@ def test_a_failed_dry_call_is_logged_and_once_is_once(caplog):
             True, False, True]
     assert "no such kernel argument" in caplog.text and "broken" in caplog.text
 
-DRY_SM90 = r'''
+STUB_SM90 = r'''
 import torch, triton, triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -94,7 +94,8 @@ def _ones(out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(out_ptr + offs, tl.full([BLOCK], 1, tl.int32), mask=offs < n)
 
-
+'''
+DRY_SM90 = STUB_SM90 + r'''
 out = torch.zeros(64, dtype=torch.int32)
 with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:
     ahead.dry(lambda: [_ones[(1,)](out, 64, BLOCK=64) for _ in range(50)])
@@ -120,3 +121,31 @@ def test_dry_launches_compile_once_a_specialization_for_sm90(tmp_path):
     out = subprocess.run([sys.executable, str(tmp_path / "case.py")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+WARM_SM90 = STUB_SM90 + r'''
+import concurrent.futures
+out = torch.zeros(64, dtype=torch.int32)
+with CompileAhead(torch.device("cuda"), max_workers=2) as ahead:
+    assert not ahead.cache_warm()  # nothing started: nothing known
+    ahead.dry(lambda: (_ones[(1,)](out, 64, BLOCK=64), _ones[(1,)](out, 7, BLOCK=64)))
+    concurrent.futures.wait(ahead.mode.raw_futures)
+    print("warm" if ahead.cache_warm() else "cold", ahead.cache_hits)
+'''
+
+
+@needs_triton
+def test_a_boot_knows_a_warm_triton_cache(tmp_path):
+    """cache_warm: False on an empty TRITON_CACHE_DIR (two real sm_90 compiles), True in the next process on
+    the same cache (both found there): the decode graphs skip their dry capture on it."""
+    (tmp_path / "case.py").write_text(WARM_SM90)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": root}
+    env.pop("TRITON_INTERPRET", None)
+    said = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, str(tmp_path / "case.py")], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        said.append(out.stdout.split()[-2:])
+    assert said == [["cold", "0"], ["warm", "2"]]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoprofile.engine import grammar as grammar_module
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.grammar import AllowedTokens, TokenBitmask, bitmask_width, fill_threads
 from autoprofile.engine.sampling import SamplingParams
@@ -242,7 +243,7 @@ def test_the_mask_is_filled_after_the_forward_and_before_the_processors_and_the_
 @pytest.mark.parametrize("masked", [1, 5, 8, 11, 12])
 def test_the_mask_over_every_row_equals_the_mask_of_the_named_rows(grammars, masked, monkeypatch):
     """With at least half of the rows masked, every row is masked (the others allow every token) and no index
-    list goes to xgrammar; with fewer, the named rows alone. The logits are the per-row reference's, bit for
+    list goes to the kernel; with fewer, the named rows alone. The logits are the per-row reference's, bit for
     bit, either way: a request that ended since the launch (its row left out) keeps its logits."""
     import xgrammar
     rng = random.Random(masked)
@@ -255,12 +256,12 @@ def test_the_mask_over_every_row_equals_the_mask_of_the_named_rows(grammars, mas
         m.fill_next_token_bitmask(bits, i)
     xgrammar.apply_token_bitmask_inplace(want, bits, vocab_size=4096, indices=index)
     calls = []
-    real = xgrammar.apply_token_bitmask_inplace
+    real = grammar_module.apply_bitmask_
 
-    def spy(logits, bitmask, **kw):
-        calls.append(kw["indices"])
-        return real(logits, bitmask, **kw)
-    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", spy)
+    def spy(logits, bitmask, vocab_size, index):
+        calls.append(None if index is None else index.tolist())
+        return real(logits, bitmask, vocab_size, index)
+    monkeypatch.setattr(grammar_module, "apply_bitmask_", spy)
     mask = TokenBitmask(16, 4096, torch.device("cpu"))
     mask.host.fill_(7)  # a step before's rows: never read as an unmasked row's
     mask.apply(logits, rows)
@@ -283,3 +284,28 @@ def test_allowed_ids_rows_fill_with_and_without_their_grammar(grammars):
     assert _allowed(mask.host[2]) == [TOK.encode("b")[0]]
     assert {TOK.decode([i]) for i in _allowed(mask.host[3])} == {"c"}
     assert mask._batch is not None  # rows 2 and 3: one batched call
+
+
+BOOT_WITHOUT_XGRAMMAR = r'''
+import sys
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine import grammar
+from unit_tests.cpu_server import boot_cpu
+from unit_tests.test_server import FLAGS
+
+masked, apply = [], grammar.apply_bitmask_
+grammar.apply_bitmask_ = lambda logits, *a: masked.append(logits.shape[0]) or apply(logits, *a)
+runner, result = boot_cpu(validate(ServerConfig(**FLAGS)))
+runner.stress_prefill()  # the profiler's validation: every sampled row of a corner masked
+runner.stress_decode()
+assert masked and max(masked) > 1, masked
+assert "xgrammar" not in sys.modules and "transformers" not in sys.modules
+print("ok")
+'''
+
+
+def test_a_boot_masks_without_importing_xgrammar():
+    """The stress applies structured output's mask with our kernel: a boot imports neither xgrammar nor the
+    transformers it imports (5.7-7 s of a GPU host's boot); `serve` builds the grammars after it."""
+    from unit_tests.interpreter import run_script
+    run_script(BOOT_WITHOUT_XGRAMMAR, interpret=False)

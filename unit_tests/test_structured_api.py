@@ -346,3 +346,38 @@ def test_langchain_bind_tools_and_structured_output(booted):
     assert isinstance(call["args"]["days"], int)
     assert isinstance(answer, Answer) and len(answer.tag) <= 4
     assert engine.stats.pages_used == 0
+
+
+def test_ready_before_the_grammars_a_schema_request_waits_for_them(booted, monkeypatch):
+    """`serve` activates with grammars_later: /health is 200 and plain requests are served while xgrammar's
+    vocabulary is still being built (held here until released); a json_schema request sent meanwhile waits,
+    then gets an answer that satisfies its schema (not a 400)."""
+    import threading
+    release = threading.Event()
+    real = server.grammars_for
+
+    def held(tokenizer, vocab_size):
+        assert release.wait(60)
+        return real(tokenizer, vocab_size)
+    monkeypatch.setattr(server, "grammars_for", held)
+    engine = LLMEngine(booted[0])
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+    async def main():
+        app = server.make_app(CFG)
+        async with TestClient(TestServer(app)) as c:
+            server.activate(app, engine, booted[1], grammars_later=True)
+            async with client(c) as oa:
+                health = await c.get("/health")
+                schema = asyncio.ensure_future(oa.chat.completions.create(
+                    model="tiny", messages=MSG, max_tokens=80, temperature=1.0, seed=1, response_format=fmt))
+                plain = await oa.chat.completions.create(model="tiny", messages=MSG, max_tokens=4)
+                await asyncio.sleep(0.2)
+                waited = not schema.done() and app[server.STATE].grammars is None
+                release.set()
+                return health.status, plain, waited, await schema
+    status, plain, waited, out = asyncio.run(main())
+    assert status == 200 and plain.usage.completion_tokens == 4 and waited
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    assert engine.stats.pages_used == 0 and not engine.has_unfinished()

@@ -22,7 +22,7 @@ from unit_tests.interpreter import run_script
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 # the sampler and the greedy argmax run in every CI run (the default decode step's kernels; the interpreter
 # once accepted a sampler the compiler refused); the other modules in the slow set
-FAST = {"triton_sample", "triton_argmax"}
+FAST = {"triton_sample", "triton_argmax", "triton_bitmask"}
 
 RECORD = r'''
 import pickle, sys
@@ -259,6 +259,19 @@ for ta.GRID in ("rows", "flat"):
 ta.PDL, pdl.enabled = True, H100_PDL[1]
 ta.argmax(torch.empty(1024, 128256, dtype=torch.bfloat16))
 ''',
+    # structured output's mask: every stress corner applies it to every sampled row; a step with few grammar
+    # rows names them
+    "triton_bitmask": r'''
+RUN = False
+from autoprofile.kernels import triton_bitmask as tb
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    x, bits = torch.empty(256, 128256, dtype=dtype), torch.empty(256, 4008, dtype=torch.int32)
+    grid = (256, -(-128256 // tb.BLOCK))
+    for index in (None, torch.zeros(3, dtype=torch.int32)):
+        rows = index if index is not None else bits
+        tb._apply_bitmask[grid](x, bits, rows, 128256, x.stride(0), bits.stride(0),
+                                HAS_INDEX=index is not None, BLOCK=tb.BLOCK, num_warps=tb.NUM_WARPS)
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -274,6 +287,7 @@ KERNELS = {
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
     "triton_argmax": {"_argmax_kernel"},
+    "triton_bitmask": {"_apply_bitmask"},
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
     "triton_fp8_skinny": {"_skinny_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},

@@ -107,9 +107,14 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         ahead = compile_ahead.active()
         # a boot's first build: every graph's Triton kernels compile in its pool at once (the rebuild's and a
-        # retry's graphs are the same: their kernels are compiled by then)
+        # retry's graphs are the same: their kernels are compiled by then); not on a warm Triton cache, where
+        # the dry pass is host time that saves nothing
         if ahead is not None and ahead.once("decode graphs"):
-            ahead.dry(self._capture_dry, step)
+            if ahead.cache_warm():
+                log.info("compile ahead: no dry capture of the decode graphs: the boot's compiles so far "
+                         "were all in Triton's cache")
+            else:
+                ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
         for bs, bucket in order:

@@ -7,10 +7,11 @@ back.
     advance(matcher, token)                     # Scheduler.resolve, once per token read back: True = ended
 
 The bitmask is [sampled_rows, ceil(vocab / 32)] int32: filled on the host (pinned on CUDA), one copy up,
-xgrammar's in-place kernel over the rows that have a grammar (over all the sampled rows when at least
-half have one, the others' rows allowing every token: no index list to copy up; vLLM's order: first,
-before the logits processors and the sampler, so min_p measures the grammar's distribution; not inside the
-sampler kernel).
+an in-place kernel over the rows that have a grammar (over all the sampled rows when at least half have
+one, the others' rows allowing every token: no index list to copy up; else the rows' indices, from a pinned
+buffer; vLLM's order: first, before the logits processors and the sampler, so min_p measures the grammar's
+distribution; not inside the sampler kernel). The kernel is ours (kernels.triton_bitmask, xgrammar's
+semantics): the stress, and so every boot, masks without `import xgrammar` (it imports transformers).
 Several rows are filled in one call on xgrammar's C++ threads (BatchGrammarMatcher, as vLLM and SGLang fill
 them; fill_threads: the cores this process may use, at most 8); one row by its matcher's own call. The sampler
 masks after the runner has launched the forward: on CUDA the host fills while the GPU computes (the
@@ -36,6 +37,8 @@ import os
 
 import numpy as np
 import torch
+
+from autoprofile.kernels.triton_bitmask import apply_bitmask_
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,11 @@ class TokenBitmask:
         self.host = torch.full(shape, -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.dev = self.host if device.type != "cuda" else torch.full(shape, -1, dtype=torch.int32,
                                                                       device=device)
+        # the masked rows' indices when few rows have a mask (the host side written again, like the mask's
+        # rows, only once the step that read it is read back)
+        self.index_host = torch.zeros(rows, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.index_dev = self.index_host if device.type != "cuda" else torch.zeros(rows, dtype=torch.int32,
+                                                                                   device=device)
         self._batch = None  # xgrammar.BatchGrammarMatcher, made at the first fill of several rows
 
     def apply(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> None:
@@ -106,7 +114,6 @@ class TokenBitmask:
         self._apply(logits, list(range(n)))
 
     def _apply(self, logits: torch.Tensor, index: list[int]) -> None:
-        import xgrammar
         if len(index) > self.rows:
             raise RuntimeError(f"{len(index)} masked rows, the bitmask holds {self.rows}")
         rest = unmasked(index, logits.shape[0])
@@ -115,10 +122,26 @@ class TokenBitmask:
                 self.host[rest] = -1
             index = None
         n = logits.shape[0] if index is None else max(index) + 1
+        rows = None
+        if index is not None:
+            self.index_host[:len(index)] = torch.tensor(index, dtype=torch.int32)
+            rows = self.index_dev[:len(index)]
         if self.dev is not self.host:
             # NOTE: the host rows are written again only once this step is read back (LLMEngine.step)
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        xgrammar.apply_token_bitmask_inplace(logits, self.dev[:n], vocab_size=self.vocab_size, indices=index)
+            if rows is not None:
+                rows.copy_(self.index_host[:len(index)], non_blocking=True)
+        apply_bitmask_(logits, self.dev[:n], self.vocab_size, rows)
+
+
+def compile_ahead(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The mask's launches on logits [rows, vocab_size] of `dtype`, for kernels.compile_ahead's `dry` (nothing
+    here reads their output): over every row (the stress's, a step where most rows have a grammar) and over
+    the rows an index names."""
+    logits = torch.zeros(2, vocab_size, dtype=dtype, device=device)
+    bits = torch.zeros(2, bitmask_width(vocab_size), dtype=torch.int32, device=device)
+    apply_bitmask_(logits, bits, vocab_size)
+    apply_bitmask_(logits, bits, vocab_size, torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def split_rows(rows: list[tuple[int, object]]) -> tuple[list[int], list, list[tuple[int, AllowedTokens]]]:

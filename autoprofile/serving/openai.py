@@ -56,6 +56,7 @@ class Serving(Protocol):
     tokenizer: object
     grammars: Grammars | None
     grammars_error: str | None
+    grammars_loading: asyncio.Future | None  # the grammars' build when the server was ready before it
     limits: Limits
     metrics: ServerMetrics
     bounds: dict[str, BodyBound]
@@ -180,6 +181,8 @@ async def _submit(st: Serving, args: GenerateArgs, index: int = 0):
     # structured output: each choice its own matcher of the request's grammar (compiled off the loop, cached)
     grammar = None
     if args.structured is not None:
+        if st.grammars_loading is not None:  # a server's first seconds: xgrammar still loading
+            await asyncio.shield(st.grammars_loading)
         if st.grammars is None:
             raise bad(args.structured.param, "structured output is not available with this model's tokenizer "
                       f"({st.grammars_error})", code="unsupported_value")
