@@ -1,7 +1,7 @@
 """Sampler time and transient memory on this GPU: the full-sort reference (old) and sample() (new).
 
     python3 scripts/bench_sampler.py [--vocab 128256] [--rows 1,64,256,1024] [--iters 50]
-        [--json out.json] [--kernel | --split_sweep | --argmax_sweep]
+        [--json out.json] [--kernel | --split_sweep | --argmax_sweep | --mask]
 
 --kernel: the Triton kernels alone (autoprofile.kernels.triton_sample) as sample() launches them ("new": the
 rejection sampling, ROUNDS as shipped, and the split path for rows with top_k <= K_MAX) against the exact path
@@ -19,6 +19,7 @@ device-to-device copy measured in the same run, read + write bytes over its time
 --argmax_sweep: the argmax's variants (ARGMAX_VARIANTS: its grid, scratch, scan, BLOCK, warps, programs an SM,
 dependent launch) at --rows (1,256,1024 unless given), GPU ms (graphed) beside torch.argmax's and the floor;
 each variant's ids against torch.argmax's, before and after its timing (the kept scratch left clean).
+--mask: structured output's mask (kernels.triton_bitmask) against xgrammar's kernel, every row and named rows.
 Then, per case, 131,072 draws of one row by each path binned against the full-sort
 reference (`top_k_top_p_probs`; 16 likeliest tokens, the rest of the kept set in 16 bins of equal mass, and
 the tokens outside it, which must stay empty): total-variation distance and Pearson's chi-square as a z-score
@@ -367,6 +368,47 @@ def kernel_table(times: list[dict], greedy: list[dict], draws: list[dict]) -> st
     return "\n".join(lines)
 
 
+def mask_case(rows: int, vocab: int, named: bool, iters: int) -> dict:
+    """Structured output's mask on bf16 logits [rows, vocab], half the tokens of each row masked at random:
+    ours (kernels.triton_bitmask) against xgrammar's apply_token_bitmask_inplace (the kernel the engine ran
+    before), over every row or over a quarter of them named by a device index; eager and GPU ms (graphed)."""
+    import xgrammar
+    from autoprofile.kernels.triton_bitmask import apply_bitmask_
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, vocab, device="cuda", generator=g).to(torch.bfloat16)
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), device="cuda", generator=g,
+                         dtype=torch.int64).to(torch.int32)
+    index = torch.arange(0, rows, 4, dtype=torch.int32, device="cuda") if named else None
+    ours = apply_bitmask_(logits.clone(), bits, vocab, index)
+    theirs = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bits, vocab_size=vocab, indices=index)
+    x = logits.clone()
+    calls = {"ours": lambda: apply_bitmask_(x, bits, vocab, index),
+             "xgrammar": lambda: xgrammar.apply_token_bitmask_inplace(x, bits, vocab_size=vocab,
+                                                                      indices=index)}
+    r = {"rows": rows, "named": named, "same": torch.equal(ours, theirs)}
+    for name, fn in calls.items():
+        r[f"{name}_ms"] = cuda_median_ms(fn, iters)
+        r[f"{name}_gpu_ms"] = graph_median_ms(fn, iters, GRAPH_CALLS)
+    return r
+
+
+def main_mask(args) -> int:
+    """--mask: 1 when ours differs from xgrammar's."""
+    rows = [int(r) for r in (args.rows or "1,8,64,256").split(",")]
+    out = [mask_case(n, args.vocab, named, args.iters) for n in rows for named in (False, True)
+           if n > 1 or not named]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits; the "
+          f"mask (half the tokens masked): ours against xgrammar's kernel, ms")
+    print(f"{'rows':>5} {'rows masked':>11} {'ours eager':>10} {'xgr eager':>10} {'ours GPU':>9} "
+          f"{'xgr GPU':>9} same")
+    for r in out:
+        print(f"{r['rows']:>5} {'a quarter' if r['named'] else 'every':>11} {r['ours_ms']:>10.4f} "
+              f"{r['xgrammar_ms']:>10.4f} {r['ours_gpu_ms']:>9.4f} {r['xgrammar_gpu_ms']:>9.4f} {r['same']}")
+    print(json.dumps({"device": torch.cuda.get_device_name(), "mask": out}))
+    return 0 if all(r["same"] for r in out) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=128256)
@@ -378,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split_sweep", action="store_true", help="the split path's GPU ms at SPLIT_CONFIGS")
     ap.add_argument("--argmax_sweep", action="store_true",
                     help="the greedy argmax's GPU ms at ARGMAX_VARIANTS")
+    ap.add_argument("--mask", action="store_true",
+                    help="structured output's mask: ours against xgrammar's kernel")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -386,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         return main_sweep(args)
     if args.argmax_sweep:
         return main_argmax(args)
+    if args.mask:
+        return main_mask(args)
     if args.kernel:
         return main_kernel(args)
     results = run(args.vocab, [int(r) for r in (args.rows or "1,64,256,1024").split(",")], args.iters)
