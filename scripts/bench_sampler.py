@@ -393,9 +393,49 @@ def mask_case(rows: int, vocab: int, named: bool, iters: int) -> dict:
     return r
 
 
+# (GRID, BLOCK, NUM_WARPS, PROGRAMS_PER_SM) of kernels.triton_bitmask, beside the shipped one
+MASK_VARIANTS = [("tiles", 2048, 4, 1), ("tiles", 4096, 4, 1), ("tiles", 4096, 16, 1),
+                 ("persistent", 4096, 16, 1), ("persistent", 4096, 8, 2), ("persistent", 4096, 4, 4),
+                 ("persistent", 2048, 8, 4), ("persistent", 8192, 16, 1)]
+MASK_KNOBS = ("GRID", "BLOCK", "NUM_WARPS", "PROGRAMS_PER_SM")
+
+
+def mask_sweep(rows_list: list[int], vocab: int, iters: int) -> list[dict]:
+    """Ours at each MASK_VARIANTS (MASK_KNOBS of kernels.triton_bitmask), every row masked, GPU ms; `same`:
+    its logits equal xgrammar's."""
+    import xgrammar
+    from autoprofile.kernels import triton_bitmask as tb
+    shipped, out = tuple(getattr(tb, k) for k in MASK_KNOBS), []
+    try:
+        for cfg in [shipped] + [v for v in MASK_VARIANTS if v != shipped]:
+            for knob, value in zip(MASK_KNOBS, cfg):
+                setattr(tb, knob, value)
+            r = {"variant": " ".join(map(str, cfg)), "shipped": cfg == shipped, "same": True, "ms": {}}
+            for n in rows_list:
+                g = torch.Generator(device="cuda").manual_seed(n)
+                logits = torch.randn(n, vocab, device="cuda", generator=g).to(torch.bfloat16)
+                bits = torch.randint(-2**31, 2**31 - 1, (n, (vocab + 31) // 32), device="cuda", generator=g,
+                                     dtype=torch.int64).to(torch.int32)
+                want = logits.clone()
+                xgrammar.apply_token_bitmask_inplace(want, bits, vocab_size=vocab)
+                r["same"] &= torch.equal(tb.apply_bitmask_(logits.clone(), bits, vocab), want)
+                r["ms"][n] = graph_median_ms(lambda: tb.apply_bitmask_(logits, bits, vocab), iters,
+                                             GRAPH_CALLS)
+            out.append(r)
+    finally:
+        for knob, value in zip(MASK_KNOBS, shipped):
+            setattr(tb, knob, value)
+    return out
+
+
 def main_mask(args) -> int:
     """--mask: 1 when ours differs from xgrammar's."""
     rows = [int(r) for r in (args.rows or "1,8,64,256").split(",")]
+    sweep = mask_sweep(rows, args.vocab, args.iters)
+    print(f"ours by {' '.join(MASK_KNOBS)}: GPU ms (graphed), every row masked; * shipped")
+    for r in sweep:
+        cells = " ".join(f"{n}: {ms:.4f}" for n, ms in r["ms"].items())
+        print(f"{'*' if r['shipped'] else ' '} {r['variant']:<24} {cells}  same {r['same']}")
     out = [mask_case(n, args.vocab, named, args.iters) for n in rows for named in (False, True)
            if n > 1 or not named]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vocab {args.vocab}, bf16 logits; the "
@@ -405,8 +445,8 @@ def main_mask(args) -> int:
     for r in out:
         print(f"{r['rows']:>5} {'a quarter' if r['named'] else 'every':>11} {r['ours_ms']:>10.4f} "
               f"{r['xgrammar_ms']:>10.4f} {r['ours_gpu_ms']:>9.4f} {r['xgrammar_gpu_ms']:>9.4f} {r['same']}")
-    print(json.dumps({"device": torch.cuda.get_device_name(), "mask": out}))
-    return 0 if all(r["same"] for r in out) else 1
+    print(json.dumps({"device": torch.cuda.get_device_name(), "mask": out, "sweep": sweep}))
+    return 0 if all(r["same"] for r in out + sweep) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

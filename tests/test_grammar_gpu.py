@@ -73,17 +73,19 @@ MASK_CASES = [(256, 128256, 128256, None), (256, 151936, 152064, None), (256, 12
 @pytest.mark.parametrize("rows, vocab, width, index", MASK_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_mask_kernel_equals_its_torch_reference(rows, vocab, width, index, dtype):
-    """kernels.triton_bitmask on the GPU against its torch path (unit_tests: that path against xgrammar's):
-    random words, every row and named rows, logits wider than the vocabulary left alone past it."""
-    from autoprofile.kernels.triton_bitmask import apply_bitmask_, reference_
+    """kernels.triton_bitmask on the GPU (engine.grammar.mask_logits_ on CUDA) against the torch path the same
+    call takes on the CPU (unit_tests: that path against xgrammar's): random words, every row and named rows,
+    logits wider than the vocabulary left alone past it."""
+    from autoprofile.engine.grammar import mask_logits_
     g = torch.Generator(device="cuda").manual_seed(rows + vocab)
     logits = torch.randn(rows, width, device="cuda", generator=g).to(dtype)
     bits = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), device="cuda", generator=g,
                          dtype=torch.int64).to(torch.int32)
-    idx = None if index is None else torch.tensor(index, dtype=torch.int32, device="cuda")
-    got, want = apply_bitmask_(logits.clone(), bits, vocab, idx), reference_(logits.clone(), bits, vocab, idx)
+    idx = None if index is None else torch.tensor(index, dtype=torch.int32)
+    got = mask_logits_(logits.clone(), bits, vocab, None if idx is None else idx.cuda()).cpu()
+    want = mask_logits_(logits.cpu(), bits.cpu(), vocab, idx)
     assert torch.equal(got, want)
-    assert 0 < int(torch.isinf(got).sum()) and torch.equal(got[:, vocab:], logits[:, vocab:])
+    assert 0 < int(torch.isinf(got).sum()) and torch.equal(got[:, vocab:], logits[:, vocab:].cpu())
 
 
 @pytest.fixture(scope="module")

@@ -256,12 +256,12 @@ def test_the_mask_over_every_row_equals_the_mask_of_the_named_rows(grammars, mas
         m.fill_next_token_bitmask(bits, i)
     xgrammar.apply_token_bitmask_inplace(want, bits, vocab_size=4096, indices=index)
     calls = []
-    real = grammar_module.apply_bitmask_
+    real = grammar_module.mask_logits_
 
     def spy(logits, bitmask, vocab_size, index):
         calls.append(None if index is None else index.tolist())
         return real(logits, bitmask, vocab_size, index)
-    monkeypatch.setattr(grammar_module, "apply_bitmask_", spy)
+    monkeypatch.setattr(grammar_module, "mask_logits_", spy)
     mask = TokenBitmask(16, 4096, torch.device("cpu"))
     mask.host.fill_(7)  # a step before's rows: never read as an unmasked row's
     mask.apply(logits, rows)
@@ -293,8 +293,8 @@ from autoprofile.engine import grammar
 from unit_tests.cpu_server import boot_cpu
 from unit_tests.test_server import FLAGS
 
-masked, apply = [], grammar.apply_bitmask_
-grammar.apply_bitmask_ = lambda logits, *a: masked.append(logits.shape[0]) or apply(logits, *a)
+masked, apply = [], grammar.mask_logits_
+grammar.mask_logits_ = lambda logits, *a: masked.append(logits.shape[0]) or apply(logits, *a)
 runner, result = boot_cpu(validate(ServerConfig(**FLAGS)))
 runner.stress_prefill()  # the profiler's validation: every sampled row of a corner masked
 runner.stress_decode()

@@ -1,8 +1,8 @@
-"""Structured output's mask kernel (kernels.triton_bitmask) against xgrammar's own
-`apply_token_bitmask_inplace` (its CPU kernel: the reference users know): our torch path in this process, the
-Triton kernel through Triton's interpreter in a subprocess. Rows by index and every row; a vocabulary that
-is not a multiple of 32; logits wider than the vocabulary (the padding left alone); random words (the sign
-bit among them). On the GPU: tests/test_grammar_gpu.py."""
+"""Structured output's mask against xgrammar's own `apply_token_bitmask_inplace` (its CPU kernel: the
+reference users know): our torch path (engine.grammar.mask_logits_ off CUDA) in this process, the Triton
+kernel (kernels.triton_bitmask) through Triton's interpreter in a subprocess. Rows by index and every row;
+a vocabulary that is not a multiple of 32; logits wider than the vocabulary (the padding left alone);
+random words (the sign bit among them). On the GPU: tests/test_grammar_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from autoprofile.kernels.triton_bitmask import apply_bitmask_, check, unpack
+from autoprofile.engine.grammar import check_bitmask, mask_logits_, unpack_bitmask
 from unit_tests.interpreter import run_script
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -34,7 +34,7 @@ def test_the_torch_path_is_xgrammars_mask(rows, vocab, width, index):
     want = logits.clone()
     xgrammar.apply_token_bitmask_inplace(want, bits, vocab_size=vocab, indices=index)
     got = logits.clone()
-    apply_bitmask_(got, bits, vocab, None if index is None else torch.tensor(index, dtype=torch.int32))
+    mask_logits_(got, bits, vocab, None if index is None else torch.tensor(index, dtype=torch.int32))
     assert torch.equal(got, want)
     masked = torch.isinf(got[:, :vocab])
     assert 0 < int(masked.sum()) < masked.numel()  # the case masks some tokens, not all
@@ -43,14 +43,14 @@ def test_the_torch_path_is_xgrammars_mask(rows, vocab, width, index):
 
 def test_unpack_reads_bit_j_of_word_j_over_32():
     bits = torch.tensor([[0b101, -2**31]], dtype=torch.int32)
-    allowed = unpack(bits, 64)
+    allowed = unpack_bitmask(bits, 64)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 63]
 
 
 @pytest.mark.parametrize("shape, words, vocab", [((4, 64), 2, 65), ((4, 64), 1, 64), ((4,), 2, 4)])
 def test_a_mask_that_does_not_fit_is_refused(shape, words, vocab):
     with pytest.raises(ValueError):
-        check(torch.zeros(shape), torch.zeros(4, words, dtype=torch.int32), vocab)
+        check_bitmask(torch.zeros(shape), torch.zeros(4, words, dtype=torch.int32), vocab)
 
 
 INTERPRETED = r'''
@@ -70,6 +70,11 @@ for rows, vocab, width, index in CASES:
         tb._apply_bitmask[grid](got, bits, idx if idx is not None else bits, vocab, got.stride(0),
                                 bits.stride(0), HAS_INDEX=idx is not None, BLOCK=tb.BLOCK)
         assert torch.equal(got, want), (rows, vocab, width, index, dtype)
+        got = logits.clone()  # the persistent grid: 3 programs take every (row, tile) in turn
+        tb._apply_bitmask_persistent[(3,)](got, bits, idx if idx is not None else bits, grid[0], vocab,
+                                           got.stride(0), bits.stride(0), HAS_INDEX=idx is not None,
+                                           BLOCK=1024)
+        assert torch.equal(got, want), ("persistent", rows, vocab, width, index, dtype)
 print("ok")
 '''
 

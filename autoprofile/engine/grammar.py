@@ -38,8 +38,6 @@ import os
 import numpy as np
 import torch
 
-from autoprofile.kernels.triton_bitmask import apply_bitmask_
-
 log = logging.getLogger(__name__)
 
 
@@ -131,7 +129,42 @@ class TokenBitmask:
             self.dev[:n].copy_(self.host[:n], non_blocking=True)
             if rows is not None:
                 rows.copy_(self.index_host[:len(index)], non_blocking=True)
-        apply_bitmask_(logits, self.dev[:n], self.vocab_size, rows)
+        mask_logits_(logits, self.dev[:n], self.vocab_size, rows)
+
+
+def check_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> None:
+    """The shapes xgrammar's apply_token_bitmask_inplace accepts: 2-D logits, int32 words enough for
+    vocab_size, vocab_size at most the logits' width."""
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError(f"logits [rows, V] and an int32 bitmask [rows, words]; got {tuple(logits.shape)}, "
+                         f"{tuple(bitmask.shape)} {bitmask.dtype}")
+    fits = min(logits.shape[1], bitmask.shape[1] * 32)
+    if not 0 < vocab_size <= fits:
+        raise ValueError(f"vocab_size {vocab_size} must be in (0, {fits}]: the logits' and the mask's width")
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab_size] bool, True where the token is allowed (bit j % 32 of word
+    j // 32)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] != 0
+
+
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """logits[i, j] = -inf where bit j of bitmask row i is 0, for the rows `index` names (int32, on the
+    logits' device; else every row) and j < vocab_size, in place (xgrammar.apply_token_bitmask_inplace's
+    semantics). On CUDA our kernel (kernels.triton_bitmask, imported there: it imports triton); elsewhere
+    these torch ops, the kernel's reference."""
+    check_bitmask(logits, bitmask, vocab_size)
+    if logits.is_cuda:
+        from autoprofile.kernels.triton_bitmask import apply_bitmask_
+        return apply_bitmask_(logits, bitmask, vocab_size, index)
+    rows = torch.arange(logits.shape[0], device=logits.device) if index is None else index.long()
+    allowed = unpack_bitmask(bitmask[rows], vocab_size)
+    logits[rows, :vocab_size] = logits[rows, :vocab_size].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def compile_ahead(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -140,8 +173,8 @@ def compile_ahead(vocab_size: int, dtype: torch.dtype, device: torch.device) -> 
     the rows an index names."""
     logits = torch.zeros(2, vocab_size, dtype=dtype, device=device)
     bits = torch.zeros(2, bitmask_width(vocab_size), dtype=torch.int32, device=device)
-    apply_bitmask_(logits, bits, vocab_size)
-    apply_bitmask_(logits, bits, vocab_size, torch.zeros(1, dtype=torch.int32, device=device))
+    mask_logits_(logits, bits, vocab_size)
+    mask_logits_(logits, bits, vocab_size, torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def split_rows(rows: list[tuple[int, object]]) -> tuple[list[int], list, list[tuple[int, AllowedTokens]]]:

@@ -28,6 +28,8 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
   triton_sample    sample_batch: the one-kernel sampler engine.sampling (torch path)     test_triton_sample
                    and the split top-k path                                              (and _topk)
   triton_argmax    argmax: greedy, several programs a row torch.argmax                   test_triton_argmax
+  triton_bitmask   apply_bitmask_: structured output's engine.grammar.mask_logits_      test_triton_bitmask
+                   token mask, in place               (and xgrammar's, in the test)
   triton_kv_copy   copy_pages: KV pages GPU <-> host     engine.host_kv.HostKVPool._copy   test_triton_kv_copy
   triton_decode    decode: split-KV paged decode         float64 attention (in its test)   test_triton_decode
   pdl              launch, begin: dependent launch      (none: a launch attribute)        test_pdl (GPU:
