@@ -10,8 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str, interpret: bool = True) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_script(script: str, *args: str, interpret: bool = True, first_on_path: str | None = None) -> None:
+    """first_on_path: a folder put before the project on PYTHONPATH (another Triton, installed with
+    `pip install --target`)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (first_on_path, str(ROOT)) if p)}
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"

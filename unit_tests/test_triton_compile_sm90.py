@@ -17,7 +17,7 @@ import pickle
 
 import pytest
 
-from unit_tests.interpreter import run_script
+from unit_tests.interpreter import ROOT, run_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 # the sampler and the greedy argmax run in every CI run (the default decode step's kernels; the interpreter
@@ -299,12 +299,27 @@ KERNELS = {
 }
 
 
+# the GPU hosts' Triton (DESIGN: torch 2.11, Triton 3.6), beside the one installed here: .ci/run installs it
+# into this folder (`pip install --no-deps --target .ci/triton-gpu-hosts triton==3.6.0`); a kernel that only
+# that compiler refuses (Triton 3.6's bf16 tl.maximum gave fp32) fails in CI, not first on the device
+GPU_HOSTS_TRITON = ROOT / ".ci" / "triton-gpu-hosts"
+GPU_HOSTS_VERSION = "3.6.0"
+TRITONS = {"installed": None, "gpu-hosts": GPU_HOSTS_TRITON}
+IS_GPU_HOSTS = f"import triton\nassert triton.__version__ == {GPU_HOSTS_VERSION!r}, triton.__version__\n"
+
+
+@pytest.mark.parametrize("triton_at", list(TRITONS))
 @pytest.mark.parametrize("module", [m if m in FAST else pytest.param(m, marks=pytest.mark.slow)
                                     for m in LAUNCHES])
-def test_kernels_compile_for_sm90(module, tmp_path):
+def test_kernels_compile_for_sm90(module, triton_at, tmp_path):
+    first = TRITONS[triton_at]
+    if first is not None and not (first / "triton").is_dir():
+        pytest.skip(f"no Triton at {first} (.ci/run installs the GPU hosts' there)")
+    pin = "" if first is None else IS_GPU_HOSTS
+    first = None if first is None else str(first)
     launches = tmp_path / "launches.pkl"
-    run_script(RECORD + LAUNCHES[module] + SAVE, str(launches))
+    run_script(pin + RECORD + LAUNCHES[module] + SAVE, str(launches), first_on_path=first)
     with open(launches, "rb") as f:
         recorded = pickle.load(f)
     assert {name for _, name, *_ in recorded} >= KERNELS[module]
-    run_script(COMPILE, str(launches), interpret=False)
+    run_script(pin + COMPILE, str(launches), interpret=False, first_on_path=first)
