@@ -1,4 +1,4 @@
-"""Where the engine thread's time goes in a step with grammar rows and without (issue 48 item 1), CPU only.
+"""Where the engine thread's time goes in a step with grammar rows and without (issue 48 item 1).
 
 The real overlapped engine (LLMEngine(overlap=True)) on the tiny model (random weights, torch backend) serves
 --requests requests at once, every one with phase 2's JSON schema (scripts/openai_features_check.py's LONG: a
@@ -16,6 +16,13 @@ and `per_row_us` (each grammar part per masked row, microseconds). The two runs 
 the medians are printed as JSON (--result-file writes them too).
 
     python3 scripts/grammar_host_steps.py --requests 128 --max-tokens 48 --repeats 3
+    python3 scripts/grammar_host_steps.py --model llama-3.1-8b --requests 256 --max-tokens 128  # a GPU host
+
+With --model on a GPU (random weights, bf16, its CUDA graphs) `gpu_ms` adds the step clock's GPU figures: a
+decode step's forward (whose events span the deferred sample of a grammar step: the host's read-back, advance
+and fill between the forward and the sample show there) and its inputs, and the GPU's idle time a step. No
+HTTP: set beside openai_features_check's schema run, it tells the engine's own host path from the event
+loop's share of the GIL.
 """
 from __future__ import annotations
 
@@ -41,7 +48,6 @@ from autoprofile.serving.tokenizer import ByteTokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text"],
           "properties": {"text": {"type": "string"}}}
-VOCAB = 4096  # the tiny model's
 GRAMMAR_PARTS = ("fill", "apply", "advance", "meta", "has_grammar")
 
 
@@ -84,13 +90,16 @@ def wrap_grammar_calls(timed: Timed) -> None:
     timed.wrap(engine_module, "has_grammar", "has_grammar")
 
 
-def runner(requests: int, max_tokens: int, prompt_len: int) -> ModelRunner:
-    """The tiny model with room for every request at once (decode steps of `requests` rows)."""
-    cfg = validate(ServerConfig(model="tiny", dtype="float32", attention_backend="torch", report_dir=None,
-                                max_req_total_len=prompt_len + max_tokens + 16, batch_max_tokens=1024,
-                                graph_max_batch_size=requests, running_max_req_size=requests))
+def runner(requests: int, max_tokens: int, prompt_len: int, model: str = "tiny") -> ModelRunner:
+    """The model with room for every request at once (decode steps of `requests` rows): the tiny one on the
+    CPU (torch backend), another (`--model`, random weights, bf16, the default backend, its CUDA graphs) on
+    this host's GPU."""
+    flags = dict(dtype="float32", attention_backend="torch", device="cpu") if model == "tiny" else {}
+    cfg = validate(ServerConfig(model=model, report_dir=None, max_req_total_len=prompt_len + max_tokens + 16,
+                                batch_max_tokens=max(1024, requests * prompt_len),
+                                graph_max_batch_size=requests, running_max_req_size=requests, **flags))
     r = ModelRunner(cfg)
-    init_random(r.model, seed=1, std=0.08)
+    init_random(r.model, seed=1, std=0.08 if model == "tiny" else 0.02)
     r.build(requests * (prompt_len + max_tokens + 32))
     return r
 
@@ -100,8 +109,9 @@ def serve(r: ModelRunner, grammars: Grammars | None, requests: int, max_tokens: 
     """One run of `requests` at once (each with the schema if grammars is given): per decode step, ms."""
     engine = LLMEngine(r, overlap=True)
     spec = Spec("json", json.dumps(SCHEMA), "response_format")
+    vocab = r.model_config.vocab_size
     for i in range(requests):
-        prompt = [(7 * i + j) % 4000 + 3 for j in range(prompt_len)]
+        prompt = [(7 * i + j) % (vocab - 96) + 3 for j in range(prompt_len)]
         engine.add_request(prompt, SamplingParams(temperature=1.0, seed=i), max_tokens,
                            grammar=grammars.new_matcher(spec) if grammars is not None else None)
     timed = Timed()
@@ -121,8 +131,12 @@ def serve(r: ModelRunner, grammars: Grammars | None, requests: int, max_tokens: 
     per_row = {p: 1e6 * timed.seconds[p] / timed.rows[p] for p in ("fill", "apply") if timed.rows[p]}
     if grammars is not None and out_tokens:
         per_row["advance"] = 1e6 * timed.seconds["advance"] / out_tokens
+    decode = max(1, times.steps["decode"])
+    gpu = {" ".join(k) if isinstance(k, tuple) else k: 1e3 * v / (decode if "decode" in k else steps)
+           for k, v in times.gpu.items()}  # CUDA: ms a decode step (its forward, its inputs), idle a step
     return {"steps": steps, "decode_steps": times.steps["decode"], "output_tokens": out_tokens,
-            "wall_ms_per_step": 1e3 * wall / steps, "host_ms_per_step": per_step, "per_row_us": per_row}
+            "wall_ms_per_step": 1e3 * wall / steps, "host_ms_per_step": per_step, "per_row_us": per_row,
+            "gpu_ms": gpu}
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -139,6 +153,7 @@ def median_of(runs: list[dict]) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny (the CPU) or a model for this host's GPU")
     p.add_argument("--requests", type=int, default=128, help="requests at once (a decode step's rows)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=16)
@@ -149,8 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    r = runner(args.requests, args.max_tokens, args.prompt_len)
-    grammars = Grammars(ByteTokenizer(VOCAB, eos_token_ids=[2], specials=[1]), VOCAB)
+    r = runner(args.requests, args.max_tokens, args.prompt_len, args.model)
+    vocab = r.model_config.vocab_size
+    grammars = Grammars(ByteTokenizer(vocab, eos_token_ids=[2], specials=[1]), vocab)
     shape = (args.requests, args.max_tokens, args.prompt_len)
     serve(r, grammars, *shape)  # warm up: the compile cache, torch's first calls
     schema, plain = [], []
