@@ -33,11 +33,10 @@ PROGRAMS_PER_SM = 1
 
 
 @triton.jit
-def _apply_bitmask(logits_ptr, mask_ptr, index_ptr, vocab, logits_stride, mask_stride,
-                   HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
+def _mask_tile(logits_ptr, mask_ptr, index_ptr, r, start, vocab, logits_stride, mask_stride,
+               HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """Tile [start, start + BLOCK) of masked row r (the index's r-th row, else row r)."""
     row = tl.load(index_ptr + r).to(tl.int64) if HAS_INDEX else r.to(tl.int64)
-    start = tl.program_id(1) * BLOCK
     words = tl.load(mask_ptr + row * mask_stride + start // 32 + tl.arange(0, BLOCK // 32),
                     mask=start // 32 + tl.arange(0, BLOCK // 32) < mask_stride, other=-1)
     masked = ((words[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
@@ -47,19 +46,19 @@ def _apply_bitmask(logits_ptr, mask_ptr, index_ptr, vocab, logits_stride, mask_s
 
 
 @triton.jit
+def _apply_bitmask(logits_ptr, mask_ptr, index_ptr, vocab, logits_stride, mask_stride,
+                   HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    _mask_tile(logits_ptr, mask_ptr, index_ptr, tl.program_id(0), tl.program_id(1) * BLOCK, vocab,
+               logits_stride, mask_stride, HAS_INDEX, BLOCK)
+
+
+@triton.jit
 def _apply_bitmask_persistent(logits_ptr, mask_ptr, index_ptr, rows, vocab, logits_stride, mask_stride,
                               HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
     tiles = tl.cdiv(vocab, BLOCK)
     for work in tl.range(tl.program_id(0), rows * tiles, tl.num_programs(0)):
-        r = work // tiles
-        row = tl.load(index_ptr + r).to(tl.int64) if HAS_INDEX else r.to(tl.int64)
-        start = (work % tiles) * BLOCK
-        words = tl.load(mask_ptr + row * mask_stride + start // 32 + tl.arange(0, BLOCK // 32),
-                        mask=start // 32 + tl.arange(0, BLOCK // 32) < mask_stride, other=-1)
-        masked = ((words[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
-        masked = tl.reshape(masked, [BLOCK])
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=masked & (offs < vocab))
+        _mask_tile(logits_ptr, mask_ptr, index_ptr, work // tiles, (work % tiles) * BLOCK, vocab,
+                   logits_stride, mask_stride, HAS_INDEX, BLOCK)
 
 
 @functools.lru_cache(maxsize=None)
