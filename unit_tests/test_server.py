@@ -729,10 +729,10 @@ def test_an_explicit_context_that_does_not_fit_a_pinned_cache_is_refused():
 
 
 def test_serve_loads_the_tokenizer_beside_the_boot_and_xgrammar_after_it(monkeypatch):
-    """`serve` loads the tokenizer on a thread while the boot runs, and builds xgrammar's vocabulary only after
-    the boot (its import, 5.7-7 s of host time on the GPU hosts, slowed the boot's host-bound steps): a boot
-    that sees the tokenizer loaded and no grammar built, then fails its profile; serve ends with exit 1 and
-    xgrammar's vocabulary was never built."""
+    """`serve` loads the tokenizer on a thread while the boot runs, and builds xgrammar's vocabulary only
+    after the boot (its import, 5.7-7 s of host time on the GPU hosts, slowed the boot's host-bound steps): a
+    boot that sees the tokenizer loaded and no grammar built, then fails its profile; serve ends with exit 1
+    and xgrammar's vocabulary was never built."""
     from autoprofile.profiler import ProfileError
     loaded, grammars = threading.Event(), []
     real = server.load_tokenizer
