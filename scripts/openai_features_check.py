@@ -281,13 +281,17 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-async def throughput(url: str, model: str, args, schema: bool, lengths: dict[int, int] | None = None) -> dict:
-    """Phase 2's run of --throughput-prompts streamed chat requests (the same prompts every run): with the
-    LONG schema, or without; `lengths` {request: tokens} (the length-matched run): each such request asks
-    exactly that many tokens (max_tokens, ignore_eos), so that it gives as many tokens as its schema twin.
-    Returns tok/s, mean TPOT, `lengths` (each answered request's completion tokens) and `engine`: the server's
-    step clock grown over the run (bench_serving.engine_figures)."""
-    rng = random.Random(args.seed + 1)
+async def throughput(url: str, model: str, args, schema: bool, lengths: dict[int, int] | None = None,
+                     run: int = 0) -> dict:
+    """Phase 2's run of --throughput-prompts streamed chat requests: with the LONG schema, or without;
+    `lengths` {request: tokens} (the length-matched run): each such request asks exactly that many tokens
+    (max_tokens, ignore_eos), so that it gives as many tokens as its schema twin. Each `run` draws its own
+    prompts of --prompt-words words: a run that sent the prompts of a run before would find them in the
+    server's prefix cache and skip their prefill (an H200 run: 25 prefill steps of 5,750 tokens in the first
+    plain run, 5-15 of about 490 in the three after it, which skewed every ratio). Returns tok/s, mean TPOT,
+    `lengths` (each answered request's completion tokens) and `engine`: the server's step clock grown over the
+    run (bench_serving.engine_figures)."""
+    rng = random.Random(args.seed + 1 + 1000 * run)
     limit = asyncio.Semaphore(args.max_concurrency)
     tokens, tpots, failed, invalid = {}, [], Counter(), Counter()
 
@@ -371,11 +375,11 @@ def schema_lines(cost: dict) -> list[str]:
 
 async def phase2(url: str, model: str, args) -> dict:
     """None, schema, none length-matched to the schema answers, none again (the plain runs before and after:
-    no order effect)."""
-    plain = await throughput(url, model, args, schema=False)
-    constrained = await throughput(url, model, args, schema=True)
-    matched = await throughput(url, model, args, schema=False, lengths=constrained["lengths"])
-    again = await throughput(url, model, args, schema=False)
+    no order effect); each run its own prompts (`throughput`)."""
+    plain = await throughput(url, model, args, schema=False, run=0)
+    constrained = await throughput(url, model, args, schema=True, run=1)
+    matched = await throughput(url, model, args, schema=False, lengths=constrained["lengths"], run=2)
+    again = await throughput(url, model, args, schema=False, run=3)
     return schema_cost(plain, constrained, matched, again)
 
 
