@@ -291,9 +291,7 @@ def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple 
     cfg = st.cfg
     if grammars_later:
         st.tokenizer = tokenizer or load_tokenizer(cfg)
-        st.grammars_loading = asyncio.get_running_loop().run_in_executor(
-            None, grammars_for, st.tokenizer, cfg.model_config.vocab_size)
-        st.grammars_loading.add_done_callback(functools.partial(_grammars_built, st))
+        build_grammars_later(st, cfg.model_config.vocab_size)
     else:
         st.tokenizer, st.grammars, st.grammars_error = vocab or serving_vocab(cfg, tokenizer)
     st.limits = Limits(served_names(cfg), cfg.context_len, cfg.model_config.vocab_size,
@@ -311,10 +309,26 @@ def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple 
              st.engine.max_waiting)
 
 
-def _grammars_built(st: ServerState, built: asyncio.Future) -> None:
-    if built.cancelled():  # the loop closed first
-        return
-    st.grammars, st.grammars_error = built.result()
+def build_grammars_later(st: ServerState, vocab_size: int) -> None:
+    """`grammars_for` on a daemon thread; st.grammars_loading is done once st.grammars is set. A daemon: a
+    server stopped before the build ends exits without waiting for it (xgrammar's import cannot be cut
+    short; in the loop's default executor the exit waited for it)."""
+    loop = asyncio.get_running_loop()
+    st.grammars_loading = loop.create_future()
+
+    def build() -> None:
+        built = grammars_for(st.tokenizer, vocab_size)
+        try:
+            loop.call_soon_threadsafe(_grammars_built, st, built)
+        except RuntimeError:  # the loop closed first: nobody is left to serve them
+            pass
+    threading.Thread(target=build, name="grammars", daemon=True).start()
+
+
+def _grammars_built(st: ServerState, built: tuple) -> None:
+    st.grammars, st.grammars_error = built
+    if not st.grammars_loading.done():
+        st.grammars_loading.set_result(None)
     log.info("structured output: %s", "ready" if st.grammars is not None else "off")
 
 

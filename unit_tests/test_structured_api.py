@@ -381,3 +381,33 @@ def test_ready_before_the_grammars_a_schema_request_waits_for_them(booted, monke
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
     assert engine.stats.pages_used == 0 and not engine.has_unfinished()
+
+
+def test_a_server_stopped_before_its_grammars_are_built_does_not_wait_for_them(booted, monkeypatch):
+    """The grammars' build runs on a daemon thread: a server stopped while xgrammar still loads (here held)
+    ends its event loop without joining the build, which ends on its own later (its result dropped: the loop
+    is closed). In the loop's default executor, asyncio.run waited for it."""
+    import threading
+    import time
+    release, builders = threading.Event(), []
+
+    def held(tokenizer, vocab_size):
+        builders.append(threading.current_thread())
+        release.wait(20)
+        return None, "held on purpose"
+    monkeypatch.setattr(server, "grammars_for", held)
+    engine = LLMEngine(booted[0])
+
+    async def main():
+        app = server.make_app(CFG)
+        async with TestClient(TestServer(app)) as c:
+            server.activate(app, engine, booted[1], grammars_later=True)
+            return (await c.get("/health")).status
+    assert asyncio.run(main()) == 200
+    deadline = time.monotonic() + 10
+    while not builders and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(builders) == 1 and builders[0].is_alive()  # the loop ended, the build had not
+    release.set()
+    builders[0].join(20)
+    assert not builders[0].is_alive()
