@@ -393,11 +393,9 @@ def mask_case(rows: int, vocab: int, named: bool, iters: int) -> dict:
     return r
 
 
-# (GRID, BLOCK, NUM_WARPS, PROGRAMS_PER_SM) of kernels.triton_bitmask, beside the shipped one
-MASK_VARIANTS = [("tiles", 2048, 4, 1), ("tiles", 4096, 4, 1), ("tiles", 4096, 16, 1),
-                 ("persistent", 4096, 16, 1), ("persistent", 4096, 8, 2), ("persistent", 4096, 4, 4),
-                 ("persistent", 2048, 8, 4), ("persistent", 8192, 16, 1)]
-MASK_KNOBS = ("GRID", "BLOCK", "NUM_WARPS", "PROGRAMS_PER_SM")
+# (BLOCK, NUM_WARPS) of kernels.triton_bitmask, beside the shipped one
+MASK_VARIANTS = [(2048, 4), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (16384, 16)]
+MASK_KNOBS = ("BLOCK", "NUM_WARPS")
 
 
 def mask_sweep(rows_list: list[int], vocab: int, iters: int) -> list[dict]:

@@ -271,9 +271,6 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         rows = index if index is not None else bits
         tb._apply_bitmask[grid](x, bits, rows, 128256, x.stride(0), bits.stride(0),
                                 HAS_INDEX=index is not None, BLOCK=tb.BLOCK, num_warps=tb.NUM_WARPS)
-        tb._apply_bitmask_persistent[(132,)](x, bits, rows, 256, 128256, x.stride(0), bits.stride(0),
-                                             HAS_INDEX=index is not None, BLOCK=4096, num_warps=16,
-                                             num_stages=3)
 ''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
@@ -290,7 +287,7 @@ KERNELS = {
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
     "triton_argmax": {"_argmax_kernel"},
-    "triton_bitmask": {"_apply_bitmask", "_apply_bitmask_persistent"},
+    "triton_bitmask": {"_apply_bitmask"},
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
     "triton_fp8_skinny": {"_skinny_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},

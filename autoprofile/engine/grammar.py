@@ -31,6 +31,7 @@ there is not filled (a terminated matcher has no next mask).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -159,12 +160,23 @@ def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
     these torch ops, the kernel's reference."""
     check_bitmask(logits, bitmask, vocab_size)
     if logits.is_cuda:
-        from autoprofile.kernels.triton_bitmask import apply_bitmask_
-        return apply_bitmask_(logits, bitmask, vocab_size, index)
-    rows = torch.arange(logits.shape[0], device=logits.device) if index is None else index.long()
+        return _bitmask_kernel().apply_bitmask_(logits, bitmask, vocab_size, index)
+    if index is None:
+        logits[:, :vocab_size].masked_fill_(~unpack_bitmask(bitmask[:logits.shape[0]], vocab_size),
+                                            float("-inf"))
+        return logits
+    rows = index.long()
     allowed = unpack_bitmask(bitmask[rows], vocab_size)
     logits[rows, :vocab_size] = logits[rows, :vocab_size].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+@functools.cache
+def _bitmask_kernel():
+    """kernels.triton_bitmask, imported at the first CUDA mask (it imports triton; a host without it never
+    asks)."""
+    from autoprofile.kernels import triton_bitmask
+    return triton_bitmask
 
 
 def compile_ahead(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -16,11 +16,11 @@ and the tests' reference) is its caller's: engine.grammar.mask_logits_.
 H200 (`scripts/bench_sampler.py --mask`, bf16, 128,256 tokens, half masked at random): 256 rows all masked
 0.124 ms of GPU against xgrammar's 0.078 (its grid persistent); 8-64 rows and a quarter of the rows named
 within 0.001-0.004 ms of it; eager (the launch's host time in it) faster up to 64 rows. BLOCK 2048-16384 and
-4-16 warps did not move the 256 rows; GRID "persistent" (xgrammar's shape) is in that sweep, not measured.
+4-16 warps did not move the 256 rows. xgrammar's grid (one program an SM looping over the tiles) is the next
+thing to try there; not built (not measured). 1 KiB of shared memory a program (the [words, 32] -> [BLOCK]
+reshape), no local memory (sm_90, Triton 3.6 and 3.9: cuobjdump -res-usage LOCAL:0 STACK:0).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -28,42 +28,21 @@ import triton.language as tl
 
 BLOCK = 4096  # tokens a tile: 128 words of the mask
 NUM_WARPS = 4
-GRID = "tiles"  # "tiles": a program a (row, tile); "persistent": PROGRAMS_PER_SM x SMs programs loop on them
-PROGRAMS_PER_SM = 1
 
 
 @triton.jit
-def _mask_tile(logits_ptr, mask_ptr, index_ptr, r, start, vocab, logits_stride, mask_stride,
-               HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile [start, start + BLOCK) of masked row r (the index's r-th row, else row r)."""
+def _apply_bitmask(logits_ptr, mask_ptr, index_ptr, vocab, logits_stride, mask_stride,
+                   HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (r, t): tile t (BLOCK tokens) of masked row r (the index's r-th row, else row r)."""
+    r = tl.program_id(0)
     row = tl.load(index_ptr + r).to(tl.int64) if HAS_INDEX else r.to(tl.int64)
+    start = tl.program_id(1) * BLOCK
     words = tl.load(mask_ptr + row * mask_stride + start // 32 + tl.arange(0, BLOCK // 32),
                     mask=start // 32 + tl.arange(0, BLOCK // 32) < mask_stride, other=-1)
     masked = ((words[:, None] >> tl.arange(0, 32)[None, :]) & 1) == 0
     masked = tl.reshape(masked, [BLOCK])
     offs = start + tl.arange(0, BLOCK)
     tl.store(logits_ptr + row * logits_stride + offs, float("-inf"), mask=masked & (offs < vocab))
-
-
-@triton.jit
-def _apply_bitmask(logits_ptr, mask_ptr, index_ptr, vocab, logits_stride, mask_stride,
-                   HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    _mask_tile(logits_ptr, mask_ptr, index_ptr, tl.program_id(0), tl.program_id(1) * BLOCK, vocab,
-               logits_stride, mask_stride, HAS_INDEX, BLOCK)
-
-
-@triton.jit
-def _apply_bitmask_persistent(logits_ptr, mask_ptr, index_ptr, rows, vocab, logits_stride, mask_stride,
-                              HAS_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    tiles = tl.cdiv(vocab, BLOCK)
-    for work in tl.range(tl.program_id(0), rows * tiles, tl.num_programs(0)):
-        _mask_tile(logits_ptr, mask_ptr, index_ptr, work // tiles, (work % tiles) * BLOCK, vocab,
-                   logits_stride, mask_stride, HAS_INDEX, BLOCK)
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
@@ -74,14 +53,7 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int,
     if rows == 0:
         return logits
     rows_ptr = index if index is not None else bitmask  # not read without an index
-    tiles = rows * triton.cdiv(vocab_size, BLOCK)
-    if GRID == "persistent":
-        grid = (min(tiles, PROGRAMS_PER_SM * _sms(logits.device.index or 0)),)
-        _apply_bitmask_persistent[grid](logits, bitmask, rows_ptr, rows, vocab_size, logits.stride(0),
-                                        bitmask.stride(0), HAS_INDEX=index is not None, BLOCK=BLOCK,
-                                        num_warps=NUM_WARPS, num_stages=3)
-        return logits
-    grid = (rows, triton.cdiv(vocab_size, BLOCK))
-    _apply_bitmask[grid](logits, bitmask, rows_ptr, vocab_size, logits.stride(0), bitmask.stride(0),
-                         HAS_INDEX=index is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    _apply_bitmask[(rows, triton.cdiv(vocab_size, BLOCK))](
+        logits, bitmask, rows_ptr, vocab_size, logits.stride(0), bitmask.stride(0),
+        HAS_INDEX=index is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return logits
