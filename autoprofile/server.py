@@ -77,7 +77,8 @@ class ServerState:
 
     def __post_init__(self):
         self.metrics = ServerMetrics(lambda: self.engine.snapshot if self.engine else None, self._device,
-                                     lambda: self.grammars.stats if self.grammars else None)
+                                     lambda: self.grammars.stats if self.grammars else None,
+                                     lambda: self.engine.cpu_seconds() if self.engine else {})
         self.bounds = body_bounds(self.cfg)
         self.max_body = max(b.limit for b in self.bounds.values())  # aiohttp's client_max_size
         self.http = None  # aiohttp.ClientSession for allow-listed image URLs (made on the app's loop)

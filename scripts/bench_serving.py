@@ -877,6 +877,8 @@ def engine_figures(grew) -> dict:
     out["host_s"] = {part: grew(f'autoprofile_engine_host_seconds_total{{part="{part}"}}')
                      # step_clock.HOST_PARTS
                      for part in ("inbox", "schedule", "execute", "wait", "update", "post")}
+    out["cpu_s"] = {t: grew(f'autoprofile_thread_cpu_seconds_total{{thread="{t}"}}')
+                    for t in ("event_loop", "engine")}
     return out
 
 
@@ -895,7 +897,8 @@ def engine_line(e: dict, duration: float) -> str:
     forward = e["prefill"]["gpu_forward_s"] + e["decode"]["gpu_forward_s"]
     return (f"engine over {duration:.1f} s: {kind('prefill')}; {kind('decode')}; forwards "
             f"{forward / duration:.0%} of the run; GPU idle between steps {e['gpu_idle_s']:.1f} s; engine "
-            f"thread: {host}")
+            f"thread: {host}; CPU: event loop {e['cpu_s']['event_loop']:.1f} s, engine thread "
+            f"{e['cpu_s']['engine']:.1f} s")
 
 
 def dataset_jobs(args: argparse.Namespace, rng: random.Random) -> list[Job]:

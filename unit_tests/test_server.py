@@ -25,6 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from autoprofile import server
 from autoprofile.config import ConfigError, ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine.request import RequestOutput
+from autoprofile.engine.sampling import SamplingParams
+from autoprofile.serving.async_engine import EngineFailure, RequestHandle
 from autoprofile.serving.protocol import generate_body_bytes, max_body_bytes
 from autoprofile.serving.tokenizer import ByteTokenizer
 from unit_tests.cpu_server import boot_cpu, booted_fixture, bound_url
@@ -754,3 +757,77 @@ def test_serve_loads_the_tokenizer_beside_the_boot_and_xgrammar_after_it(monkeyp
     cfg = CFG.replace(host="127.0.0.1", port=0)
     assert asyncio.run(server.serve(cfg, boot)) == server.EXIT_FAILED
     assert loaded.is_set() and grammars == []
+
+
+# ---------------------------------------------------------------- a reader behind the steps
+def test_a_reader_behind_the_steps_reads_the_outputs_it_missed_as_one(run):
+    """RequestHandle merges the outputs not yet read (vLLM's RequestOutputCollector): a reader that comes back
+    once the request has ended reads one output, with the same tokens, logprobs and counts as a reader that
+    took each step's output as it came (one SSE chunk for them instead of one a step)."""
+    async def body(c, app):
+        eng = app[server.STATE].engine
+        params = SamplingParams(temperature=0.0, logprobs=2)
+
+        async def read(behind: bool) -> list:
+            handle = await eng.submit([5, 6, 7, 8, 9], params, 12)
+            if behind:
+                await idle(app)  # every step has run and been dispatched, none read
+            return [out async for out in handle]
+        return await read(False), await read(True)
+    eager, behind = run(body)
+    assert len(eager) >= 6 and len(behind) == 1, (len(eager), len(behind))
+    merged = behind[0]
+    assert merged.new_token_ids == [t for o in eager for t in o.new_token_ids]
+    assert len(merged.new_token_ids) == merged.completion_tokens == eager[-1].completion_tokens == 12
+    assert [e[:2] for e in merged.logprobs] == [e[:2] for o in eager for e in o.logprobs]  # (token, logprob)
+    assert merged.finished and merged.finish_reason == eager[-1].finish_reason == "length"
+
+
+def test_a_failure_is_read_after_the_outputs_before_it():
+    """A handle merges outputs but never across a failure: the reader gets what came before, then the error."""
+    out = [RequestOutput("r", [i], False, None, 3, i + 1) for i in range(3)]
+
+    async def go():
+        handle = RequestHandle(None, "r", 3)
+        for o in out:
+            handle.put(o)
+        handle.put(EngineFailure("oom"))
+        handle.put(RequestOutput("r", [9], True, "length", 3, 4))  # never read: the failure ends the handle
+        got = []
+        with pytest.raises(EngineFailure) as e:
+            async for o in handle:
+                got.append(o)
+        return got, e.value.code
+    got, code = asyncio.run(go())
+    assert [o.new_token_ids for o in got] == [[0, 1, 2]] and got[0].completion_tokens == 3
+    assert code == "oom"
+
+
+def test_request_output_then_keeps_the_prompt_logprobs_of_the_first():
+    first = RequestOutput("r", [1], False, None, 4, 1, ["a"], [None, "p1", "p2", "p3"])
+    later = RequestOutput("r", [2, 3], True, "stop", 4, 3, ["b", "c"])
+    both = first.then(later)
+    assert (both.new_token_ids, both.finished, both.finish_reason, both.completion_tokens) == \
+        ([1, 2, 3], True, "stop", 3)
+    assert both.logprobs == ["a", "b", "c"] and both.prompt_logprobs == [None, "p1", "p2", "p3"]
+    assert RequestOutput("r", [1], False, None, 4, 1).then(later).logprobs == ["b", "c"]
+    assert RequestOutput("r", [1], False, None, 4, 1).then(
+        RequestOutput("r", [2], False, None, 4, 2)).logprobs is None
+
+
+def test_metrics_count_the_cpu_of_the_event_loop_and_the_engine_threads(run):
+    """autoprofile_thread_cpu_seconds_total{thread}: what the two threads sharing the GIL spent; the engine
+    thread's grows with the steps it runs."""
+    async def body(c, app):
+        def cpu(text):
+            s = metric_samples(text)
+            return {t: s[("autoprofile_thread_cpu_seconds_total", (("thread", t),))]
+                    for t in ("event_loop", "engine")}
+        before = cpu(await (await c.get("/metrics")).text())
+        status, _ = await post(c, "/v1/completions", greedy(n=48, ignore_eos=True))
+        assert status == 200
+        await idle(app)
+        return before, cpu(await (await c.get("/metrics")).text())
+    before, after = run(body)
+    assert after["engine"] > before["engine"] > 0
+    assert after["event_loop"] > before["event_loop"] > 0

@@ -113,3 +113,13 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list | None = None  # of new_token_ids (logprobs.TokenLogprob each), when the request asks
     prompt_logprobs: list | None = None  # once, with the first output: None, then prompt tokens 1..
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the one after it as one (vLLM's RequestOutputCollector merges so): both steps'
+        tokens and logprobs, the later one's state and counts, the prompt's logprobs from whichever has them
+        (the first output)."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            [*(self.logprobs or ()), *(later.logprobs or ())]
+        return RequestOutput(self.request_id, [*self.new_token_ids, *later.new_token_ids], later.finished,
+                             later.finish_reason, later.prompt_tokens, later.completion_tokens, logprobs,
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)

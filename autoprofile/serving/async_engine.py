@@ -2,7 +2,8 @@
 
     one thread owns the LLMEngine (and the GPU):  drain the inbox (add / abort), step() while there is
     work, block on the inbox when idle; each step's outputs go to the event loop in one call_soon_threadsafe
-    event loop: submit() -> RequestHandle (an asyncio queue of RequestOutputs); close() aborts if unfinished
+    event loop: submit() -> RequestHandle (its RequestOutputs, merged while unread); close() aborts if
+    unfinished
 
 Backpressure: at most `max_running + max_waiting` requests are outstanding (submitted, not finished);
 `max_running` is the engine's running-request limit, so `max_waiting` bounds the requests beyond what the
@@ -24,6 +25,7 @@ reason), which ends the process with a non-zero exit so that a supervisor restar
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -96,14 +98,30 @@ class _NoMetrics:
 
 
 class RequestHandle:
-    """One submitted request: iterate its RequestOutputs; close() (always) aborts it if unfinished."""
+    """One submitted request: iterate its RequestOutputs; close() (always) aborts it if unfinished.
+
+    An output the reader has not taken yet absorbs the next one (RequestOutput.then, as vLLM's
+    RequestOutputCollector): a reader that lags behind the steps (an event loop busy with many streams) reads
+    several steps' tokens at once, one SSE chunk for them, instead of falling further behind one token at a
+    time. A failure is queued after what came before it."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int):
         self.owner, self.request_id, self.prompt_tokens = owner, request_id, prompt_tokens
-        self.queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self._items: collections.deque[RequestOutput | EngineFailure] = collections.deque()
+        self._waiter: asyncio.Future | None = None  # the reader, blocked on an empty handle
         self.added: asyncio.Future | None = None  # settled once the engine thread has taken it
         self.timing = Timing()
         self.finished = False
+
+    def put(self, item: RequestOutput | EngineFailure) -> None:
+        """From the event loop (AsyncEngine._dispatch, _fail)."""
+        items = self._items
+        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+            items[-1] = items[-1].then(item)
+        else:
+            items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self):
         return self
@@ -111,7 +129,13 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, EngineFailure):
             self.finished = True
             raise item
@@ -152,6 +176,7 @@ class AsyncEngine:
     # ------------------------------------------------------------ event-loop side
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._idle = asyncio.Event()
         self._idle.set()
         self._publish()
@@ -199,6 +224,22 @@ class AsyncEngine:
         self._fail(list(self.handles), "dead")
         if self.on_dead is not None:
             self.on_dead(reason)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds of the event loop's thread and the engine loop's, so far (the two share the GIL: their
+        sum near the wall time means a step waits for the GIL, not for the GPU); {} where the platform has no
+        per-thread clock."""
+        threads = {"event_loop": getattr(self, "_loop_thread", None),
+                   "engine": self._thread.ident if self._thread is not None else None}
+        out = {}
+        for name, ident in threads.items():
+            if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+                continue
+            try:
+                out[name] = time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except OSError:  # the thread has ended
+                continue
+        return out
 
     @property
     def capacity(self) -> int:
@@ -259,13 +300,13 @@ class AsyncEngine:
                 continue
             if out.finish_reason == "error":
                 del self.handles[out.request_id]
-                handle.queue.put_nowait(EngineFailure(error_code))
+                handle.put(EngineFailure(error_code))
                 continue
             if out.new_token_ids and handle.timing.first is None:
                 handle.timing.first = now
                 self.metrics.first_token(handle.timing)
             handle.timing.tokens = out.completion_tokens
-            handle.queue.put_nowait(out)
+            handle.put(out)
             if out.finished:
                 del self.handles[out.request_id]
                 if out.finish_reason in ("stop", "length"):
@@ -276,7 +317,7 @@ class AsyncEngine:
         for rid in request_ids:
             handle = self.handles.pop(rid, None)
             if handle is not None:
-                handle.queue.put_nowait(EngineFailure(code))
+                handle.put(EngineFailure(code))
         self._check_idle()
 
     def _post(self, fn, *args) -> None:

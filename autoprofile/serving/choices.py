@@ -54,7 +54,20 @@ class Choice:
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
     """Every choice's outputs as they come, until each choice has ended (its reason set by the caller's
-    advance); an EngineFailure of any choice is raised."""
+    advance); an EngineFailure of any choice is raised. One choice (n = 1, the common case) is read from its
+    handle directly: no task and no second queue a token."""
+    if len(choices) == 1:
+        c = choices[0]
+        for out in c.head:
+            if c.reason is None:
+                yield c, out
+        while c.reason is None:
+            try:
+                out = await anext(c.handle)
+            except StopAsyncIteration:
+                return
+            yield c, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: Choice) -> None:

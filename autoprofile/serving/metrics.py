@@ -31,11 +31,18 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 class EngineCollector:
     """Engine gauges and counters from the loop's latest Snapshot (None before the engine starts)."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot | None]):
-        self.snapshot = snapshot
+    def __init__(self, snapshot: Callable[[], Snapshot | None],
+                 cpu: Callable[[], dict[str, float]] = lambda: {}):
+        self.snapshot, self.cpu = snapshot, cpu
 
     def collect(self):
         s = self.snapshot() or Snapshot()
+        cpu = CounterMetricFamily("autoprofile_thread_cpu_seconds",
+                                  "CPU seconds of the server's event loop thread and its engine loop thread "
+                                  "(they share the GIL)", labels=["thread"])
+        for thread, seconds in self.cpu().items():
+            cpu.add_metric([thread], seconds)
+        yield cpu
         for name, doc, value in (
                 ("autoprofile_num_requests_running", "requests running in the engine", s.running),
                 ("autoprofile_num_requests_waiting", "requests waiting for the engine (incl. preempted)",
@@ -200,10 +207,11 @@ class GrammarCollector:
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], Snapshot | None],
                  device: Callable[[], torch.device | None] = lambda: None,
-                 grammars: Callable[[], object | None] = lambda: None):
+                 grammars: Callable[[], object | None] = lambda: None,
+                 cpu: Callable[[], dict[str, float]] = lambda: {}):
         reg = self.registry = CollectorRegistry()
         self.profile_peak = 0
-        reg.register(EngineCollector(snapshot))
+        reg.register(EngineCollector(snapshot, cpu))
         reg.register(AllocatorCollector(device, lambda: self.profile_peak))
         reg.register(GrammarCollector(grammars))
         self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
