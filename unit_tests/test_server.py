@@ -784,7 +784,8 @@ def test_a_reader_behind_the_steps_reads_the_outputs_it_missed_as_one(run):
 
 
 def test_a_failure_is_read_after_the_outputs_before_it():
-    """A handle merges outputs but never across a failure: the reader gets what came before, then the error."""
+    """A handle merges outputs but never across a failure: the reader gets what came before, then the
+    error."""
     out = [RequestOutput("r", [i], False, None, 3, i + 1) for i in range(3)]
 
     async def go():

@@ -120,6 +120,6 @@ class RequestOutput:
         (the first output)."""
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             [*(self.logprobs or ()), *(later.logprobs or ())]
+        prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         return RequestOutput(self.request_id, [*self.new_token_ids, *later.new_token_ids], later.finished,
-                             later.finish_reason, later.prompt_tokens, later.completion_tokens, logprobs,
-                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+                             later.finish_reason, later.prompt_tokens, later.completion_tokens, logprobs, prompt)
