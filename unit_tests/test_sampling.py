@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 from autoprofile.engine.sampling import (
-    CHUNK_ROWS, PREFILTER, SORT_ROWS, STRESS, SamplingBatch, SamplingParams, kept_probs, make_generator,
-    reference_sample, request_generator, sample, sampler_bytes_per_row, sampler_workspace_bytes,
-    top_k_top_p_probs)
+    CHUNK_ROWS, PREFILTER, SEED_HIGH, SORT_ROWS, STRESS, SamplingBatch, SamplingParams, kept_probs,
+    reference_sample, request_generator, sample, sampler_bytes_per_row,
+    sampler_workspace_bytes, top_k_top_p_probs)
 
 CPU = torch.device("cpu")
 
@@ -255,6 +255,27 @@ def test_seeded_rows_are_batch_invariant():
     assert run(many, CHUNK_ROWS + 1) == alone  # in the second chunk
 
 
+def test_the_fused_samplers_seeds_are_each_seeded_rows_own_draws():
+    """The fused sampler's Philox seed per row (CUDA; the same code on the CPU here): a seeded row's is its
+    stream's next draw wherever it sits and whatever else the batch holds; every other row's comes from the
+    shared generator, as it would without seeded rows."""
+    from autoprofile.engine.sampling import SeedStream, _seeds
+
+    def run(rows: int, at: int) -> tuple[list[int], torch.Tensor]:
+        mine, other = SeedStream(42), SeedStream(7)
+        shared = torch.Generator().manual_seed(rows)
+        out = [_seeds(rows, CPU, shared, [(at, mine), ((at + 1) % rows, other)]) for _ in range(3)]
+        plain = torch.randint(SEED_HIGH, (rows,), generator=torch.Generator().manual_seed(rows))
+        return [int(o[at]) for o in out], out[0], plain
+
+    want = [s.draw() for s in [SeedStream(42)] for _ in range(3)]
+    for rows, at in ((2, 0), (9, 5), (300, 299)):
+        mine, first, plain = run(rows, at)
+        assert mine == want
+        rest = [i for i in range(rows) if i not in (at, (at + 1) % rows)]
+        assert torch.equal(first[rest], plain[rest])
+
+
 def test_same_seed_same_tokens_and_unseeded_rows_use_the_shared_generator():
     logits = _logits(4, 3000, 1.0, 31)
     params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0, seed=5),
@@ -277,8 +298,13 @@ def test_params_validation_and_generators():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=1.5)
     assert request_generator(SamplingParams(), CPU) is None
-    a, b = request_generator(SamplingParams(seed=-3), CPU), make_generator(-3, CPU)
-    assert torch.equal(torch.rand(3, generator=a), torch.rand(3, generator=b))
+
+    def draws(seed: int) -> list[int]:
+        stream = request_generator(SamplingParams(seed=seed), CPU)
+        return [stream.draw() for _ in range(4)]
+    assert draws(-3) == draws(-3) and len(set(draws(-3))) == 4  # a stream: the same seed, the same draws
+    assert draws(-3) != draws(3) and draws(3) != draws(4)
+    assert all(0 <= d < SEED_HIGH for d in draws(2**70))
 
 
 # ---------------------------------------------------------------- declared transient memory

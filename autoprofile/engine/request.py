@@ -44,7 +44,7 @@ class Request:
     slot: int | None = None
     num_preemptions: int = 0
     num_sent: int = 0  # output tokens already reported by step()
-    generator: object | None = None  # a seeded request's own torch.Generator, made on its first sample
+    generator: object | None = None  # a seeded request's own sampling.SeedStream, made on its first sample
     cached_pages: int = 0  # leading pages registered in the prefix cache (or taken from it)
     chain: int = 0  # chain id of the last of them (0: the empty prefix)
     mm: MultiModalInput | None = None  # images (a vision-language model's request)
@@ -121,5 +121,6 @@ class RequestOutput:
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             [*(self.logprobs or ()), *(later.logprobs or ())]
         prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
-        return RequestOutput(self.request_id, [*self.new_token_ids, *later.new_token_ids], later.finished,
-                             later.finish_reason, later.prompt_tokens, later.completion_tokens, logprobs, prompt)
+        tokens = [*self.new_token_ids, *later.new_token_ids]
+        return RequestOutput(self.request_id, tokens, later.finished, later.finish_reason, later.prompt_tokens,
+                             later.completion_tokens, logprobs, prompt)

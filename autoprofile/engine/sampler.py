@@ -24,7 +24,7 @@ from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.kv_cache import to_device
 from autoprofile.engine.logits_process import RowTokens
 from autoprofile.engine.logprobs import PromptLogprobs, SampledLogprobs, TokenLogprob
-from autoprofile.engine.sampling import SamplingBatch, greedy, request_generator, sample
+from autoprofile.engine.sampling import SamplingBatch, SeedStream, greedy, request_generator, sample
 from autoprofile.engine.sampling_params import SamplingParams
 from autoprofile.engine.step_inputs import Staging
 
@@ -68,9 +68,9 @@ class SamplingMetadata:
         return all(p.temperature == 0 for p in self.params)
 
 
-def row_generators(rows: Sequence, device: torch.device) -> tuple[torch.Generator | None, ...] | None:
-    """Seeded requests draw from their own generator (kept on the request, so their tokens do not depend on
-    the batch, nor on a preemption: the generator advances once per sampled token)."""
+def row_generators(rows: Sequence, device: torch.device) -> tuple[SeedStream | None, ...] | None:
+    """Seeded requests draw from their own seed stream (sampling.SeedStream, kept on the request, so their
+    tokens do not depend on the batch, nor on a preemption: it advances once per sampled token)."""
     if all(r.params.seed is None for r in rows):
         return None
     for r in rows:

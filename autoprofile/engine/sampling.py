@@ -27,13 +27,18 @@ are bounded whatever the rows (`sampler_workspace_bytes`, the worst path's bound
 path needs `fused_bytes_per_row`, allocated for a batch with a small top-k row); the profiler's stress samples
 with STRESS_PARAMS, the torch paths' worst cases (STRESS has a larger top-k: the stress allocates the split
 path's workspace and launches its kernel for it, `_split_mode`'s "reserve").
-Seeds: a row with its own generator draws only from it: the fused kernel takes one Philox seed per row, drawn
-from the row's generator; the torch paths sample the row alone (~15 small kernels per seeded row). Either
-way its tokens depend only on its logits, its parameters and its generator, never on the rest of the batch.
+Seeds: a seeded request draws from its own SeedStream, a host PRNG (random.Random of its seed) that gives one
+Philox seed a sampled token: the fused kernel takes one seed per row (the unseeded rows' drawn on the device
+from the engine's generator, the seeded rows' written over them in one upload: no kernel per seeded row; at
+256 seeded rows the two kernels a row that a device generator per request took cost an H200 host 7.2 ms a
+decode step); the torch paths sample such a row alone (~15 small kernels per seeded row) from a generator
+seeded with its draw. Either way its tokens depend only on its logits, its parameters, its seed and how many
+tokens it has drawn, never on the rest of the batch.
 """
 from __future__ import annotations
 
 import functools
+import random
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,9 +96,21 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
-def request_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """The generator a seeded request keeps across its steps (None: it draws from the engine's)."""
-    return None if params.seed is None else make_generator(params.seed, device)
+class SeedStream:
+    """A seeded request's draws: one Philox seed [0, SEED_HIGH) a sampled token, from its own host PRNG (the
+    same seed, the same draws; it advances once per sampled token, preemptions included)."""
+
+    def __init__(self, seed: int):
+        self._rng = random.Random(seed % 2**64)  # a negative seed is its own stream (random takes |seed|)
+
+    def draw(self) -> int:
+        return self._rng.randrange(SEED_HIGH)
+
+
+def request_generator(params: SamplingParams, device: torch.device) -> SeedStream | None:
+    """The SeedStream a seeded request keeps across its steps (None: it draws from the engine's generator);
+    `device` is unused: the stream lives on the host."""
+    return None if params.seed is None else SeedStream(params.seed)
 
 
 # ---------------------------------------------------------------- declared memory
@@ -123,7 +140,8 @@ def fused_bytes_per_row(vocab_size: int) -> int:
     """The one-kernel sampler (CUDA), per row, FUSED_ROWS at a time: its split path's workspace
     (autoprofile.kernels.triton_sample.workspace_bytes: a slot of 256 int64 keys a program, a program per
     8,192 logits; unit_tests/test_triton_sample_topk.py holds it under this bound), a quarter byte a logit +
-    2 KiB; the token, seed and bounds are the 64 bytes a row of `sampler_workspace_bytes`."""
+    2 KiB; the token, seed and bounds (and a seeded row's index and seed going up) are the 64 bytes a row of
+    `sampler_workspace_bytes`."""
     return vocab_size // 4 + 2048
 
 
@@ -178,10 +196,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
-           row_generators: Sequence[torch.Generator | None] | None = None,
+           row_generators: Sequence[SeedStream | None] | None = None,
            stress: bool = False) -> torch.Tensor:
     """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
-    Row i draws from row_generators[i] when given (sampled alone: batch-invariant), else from `generator`.
+    Row i draws from row_generators[i] when given (its own seed stream: batch-invariant), else from
+    `generator`.
     stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`; the greedy
     argmax's kept scratch allocated, so that the probe's peak holds it)."""
     rows = logits.shape[0]
@@ -206,7 +225,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
         out = torch.cat([_sample_chunk(logits[lo:lo + CHUNK_ROWS], batch.rows(lo, lo + CHUNK_ROWS), generator)
                          for lo in range(0, rows, CHUNK_ROWS)])
     for i in seeded:
-        out[i] = _sample_chunk(logits[i:i + 1], batch.rows(i, i + 1), row_generators[i])[0]
+        own = make_generator(row_generators[i].draw(), logits.device)
+        out[i] = _sample_chunk(logits[i:i + 1], batch.rows(i, i + 1), own)[0]
     return out
 
 
@@ -411,12 +431,15 @@ def _triton_sampler():
 
 
 def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,
-           seeded: Sequence[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """One Philox seed per row, drawn on the device: from `generator` (None: torch's default), and for a
-    seeded row from its own generator only (its tokens never depend on the rest of the batch)."""
+           seeded: Sequence[tuple[int, SeedStream]]) -> torch.Tensor:
+    """One Philox seed per row: drawn on the device from `generator` (None: torch's default), and for a
+    seeded row its stream's draw (its tokens never depend on the rest of the batch), the seeded rows' (index,
+    seed) pairs in one upload and one indexed write, whatever their number."""
     seeds = torch.randint(SEED_HIGH, (rows,), generator=generator, device=device)
-    for i, g in seeded:
-        seeds[i:i + 1] = torch.randint(SEED_HIGH, (1,), generator=g, device=device)
+    if seeded:
+        own = torch.tensor([[i for i, _ in seeded], [s.draw() for _, s in seeded]], dtype=torch.int64,
+                           pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        seeds[own[0]] = own[1]
     return seeds
 
 
