@@ -123,5 +123,4 @@ class RequestOutput:
         prompt = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
         tokens = [*self.new_token_ids, *later.new_token_ids]
         return RequestOutput(self.request_id, tokens, later.finished, later.finish_reason,
-                             later.prompt_tokens,
-                             later.completion_tokens, logprobs, prompt)
+                             later.prompt_tokens, later.completion_tokens, logprobs, prompt)
