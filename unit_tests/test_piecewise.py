@@ -104,5 +104,9 @@ def test_pieces_give_the_eager_forwards_logits_and_kv_and_padding_writes_only_th
         eager, kv_eager = _step(runner, rows, decode, None)
         piecewise, kv_pieces = _step(runner, rows, decode, pieces)
         torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
-        assert torch.equal(kv_eager[:, :, real], kv_pieces[:, :, real]), "a padded row wrote a real slot"
+        # a padded row writing a real slot leaves a foreign K/V there (differences of order 1); the real rows'
+        # own K/V may differ in the last bits (a 15-row GEMM against the bucket's 16 rows: 4e-6 on an AVX-512
+        # host, equal on others)
+        torch.testing.assert_close(kv_pieces[:, :, real], kv_eager[:, :, real], rtol=1e-5, atol=1e-5,
+                                   msg="a padded row wrote a real slot")
     assert pieces.buckets_run == [64, 32, 16]

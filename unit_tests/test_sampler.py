@@ -14,7 +14,7 @@ import autoprofile
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.sampler import Sampler, SampledTokens, SamplingMetadata, StepTokens
-from autoprofile.engine.sampling import SamplingParams, make_generator
+from autoprofile.engine.sampling import SamplingParams, SeedStream, make_generator
 from autoprofile.engine.scheduler import StepRow
 from autoprofile.serving.structured import Grammars, Spec
 from unit_tests.test_grammar import TOK
@@ -87,12 +87,12 @@ def test_the_grammar_masks_before_min_p_measures_the_distribution(grammars):
 
 
 def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_crowd():
-    """Its own generator only: the rest of the batch (other params, greedy rows, processors) changes
+    """Its own seed stream only: the rest of the batch (other params, greedy rows, processors) changes
     nothing."""
     mine = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
     crowd = [SamplingParams(), mine, SamplingParams(temperature=0.7, top_k=20),
              SamplingParams(temperature=1.3, presence_penalty=0.5)]
-    g_alone, g_crowd = make_generator(42, CPU), make_generator(42, CPU)
+    g_alone, g_crowd = SeedStream(42), SeedStream(42)
     s_alone, s_crowd = sampler(seed=1), sampler(seed=2)
     for step in range(6):
         logits = random_logits(4, seed=step)

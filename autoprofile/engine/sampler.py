@@ -35,14 +35,14 @@ NO_TOKENS = torch.empty(0, dtype=torch.int64)
 class SamplingMetadata:
     """What the sampler reads of a step's sampled rows, taken from them on the host: each row's parameters,
     the (row, matcher) of rows with a grammar, the processed rows and their inputs (logits_process), each
-    row's generator (None: all draw from the engine's), and whether the rows are a stress corner's (every
-    row masked)."""
+    row's seed stream (None: all draw from the engine's generator), and whether the rows are a stress corner's
+    (every row masked)."""
 
     params: tuple[SamplingParams, ...]
     grammars: tuple[tuple[int, object], ...] = ()
     processed: tuple[int, ...] = ()
     row_tokens: tuple[RowTokens, ...] = ()
-    generators: tuple[torch.Generator | None, ...] | None = None
+    generators: tuple[SeedStream | None, ...] | None = None
     stress: bool = False
 
     @classmethod
