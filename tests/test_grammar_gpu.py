@@ -15,7 +15,7 @@ from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.runner import ModelRunner
-from autoprofile.engine.sampling import SamplingBatch, SamplingParams, make_generator, sample
+from autoprofile.engine.sampling import SamplingBatch, SamplingParams, SeedStream, make_generator, sample
 from autoprofile.engine.weights import init_random
 from autoprofile.serving.structured import Grammars, Spec
 from autoprofile.serving.tokenizer import ByteTokenizer
@@ -59,7 +59,7 @@ def test_cuda_mask_equals_cpu_and_the_fused_sampler_draws_only_allowed_tokens():
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
               SamplingParams(temperature=1.0, seed=7)]
     batch = SamplingBatch.from_params([params[i % 3] for i in range(rows)], dev)
-    gens = [torch.Generator(dev).manual_seed(i) if i % 3 == 2 else None for i in range(rows)]
+    gens = [SeedStream(i) if i % 3 == 2 else None for i in range(rows)]
     for _ in range(4):
         tokens = sample(logits, batch, make_generator(1, dev), gens).cpu()
         for i in picked:
