@@ -13,7 +13,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 = whole vocabulary
-    seed: int | None = None  # OpenAI `seed`: the engine gives the request its own generator
+    seed: int | None = None  # OpenAI `seed`: the engine gives the request its own seed stream (SeedStream)
     # raw-logit logprobs (autoprofile.engine.logprobs): of each sampled token with its top `logprobs`; of
     # each prompt token (but the first) with its top `prompt_logprobs`. None: not computed.
     logprobs: int | None = None
