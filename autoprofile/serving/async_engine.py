@@ -163,6 +163,7 @@ class AsyncEngine:
         self._beat: float | None = time.monotonic()  # the loop thread's last iteration; None: idle, blocked
         self._progress: float | None = time.monotonic()  # a step's last launch, end or failure; None: idle
         self._watchdog: asyncio.Task | None = None
+        self._loop_thread: int | None = None  # the event loop's thread (start())
         self.snapshot = Snapshot()
         self.handles: dict[str, RequestHandle] = {}  # event-loop side only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -226,10 +227,10 @@ class AsyncEngine:
             self.on_dead(reason)
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds of the event loop's thread and the engine loop's, so far (the two share the GIL: their
-        sum near the wall time means a step waits for the GIL, not for the GPU); {} where the platform has no
-        per-thread clock."""
-        threads = {"event_loop": getattr(self, "_loop_thread", None),
+        """CPU seconds of the event loop's thread and the engine loop's, so far ({} where the platform has no
+        per-thread clock). The two share the GIL; the engine thread's also count CUDA's spin-wait for the GPU,
+        which runs without the GIL."""
+        threads = {"event_loop": self._loop_thread,
                    "engine": self._thread.ident if self._thread is not None else None}
         out = {}
         for name, ident in threads.items():
