@@ -64,16 +64,17 @@ def test_the_overlapped_engine_gives_the_synchronous_engine_s_tokens_with_gramma
 
 def test_a_grammar_step_s_forward_launches_before_the_step_before_is_read_back(roomy, grammars):
     """The launch order: step N+1's forward, step N's read back (its tokens advance the matchers), then step
-    N+1's mask and sample; at the fill every masked row's matcher holds all of its request's tokens but the
-    one this step samples."""
+    N+1's mask and sample, and only then step N's reports (built while the GPU samples); at the fill every
+    masked row's matcher holds all of its request's tokens but the one this step samples."""
     engine = LLMEngine(roomy, overlap=True)
     events: list[tuple[str, int]] = []
-    steps: dict[int, int] = {}  # id(step) -> launch index
+    launches = [0]  # steps launched so far (each step is tagged with its index: ids are reused)
     requests = {}  # id(matcher) -> request
     real_launch, real_resolve, real_fill = roomy.launch, engine.scheduler.resolve, TokenBitmask.fill
 
     def launch(step):
-        n = steps[id(step)] = len(steps)
+        n = step.launch_index = launches[0]
+        launches[0] += 1
         tokens = real_launch(step)
         events.append(("forward", n))
         if has_grammar(step):
@@ -87,8 +88,15 @@ def test_a_grammar_step_s_forward_launches_before_the_step_before_is_read_back(r
         return tokens
 
     def resolve(step, sampled):
-        events.append(("read", steps[id(step)]))
+        events.append(("read", step.launch_index))
         return real_resolve(step, sampled)
+
+    real_report = engine._report
+
+    def report(req):  # a report of the step read back last
+        events.append(("report", max(n for kind, n in events if kind == "read")))
+        return real_report(req)
+    engine._report = report
 
     stale = []
 
@@ -113,9 +121,12 @@ def test_a_grammar_step_s_forward_launches_before_the_step_before_is_read_back(r
     sampled = sorted(n for kind, n in events if kind == "sample")
     overlapped = [n for n in sampled if ("read", n - 1) in at and at["forward", n] < at["read", n - 1]]
     assert len(overlapped) >= 10, events  # grammar steps launched while the one before was in flight
+    first = {}
+    for i, e in enumerate(events):
+        first.setdefault(e, i)
     for n in overlapped:
         after = at.get(("forward", n + 1), len(events))
-        assert at["forward", n] < at["read", n - 1] < at["sample", n] < after, events
+        assert at["forward", n] < at["read", n - 1] < at["sample", n] < first["report", n - 1] < after, events
     assert stale and set(stale) == {1}, stale  # only the row's own PENDING id: no matcher a token behind
 
 
@@ -199,3 +210,41 @@ def test_phase_2_s_ratios_read_as_schema_speed_over_plain_speed():
     assert not cost["meets_target_tpot_ratio"] and "lengths" not in cost["none"]
     lines = check.schema_lines(cost)
     assert "length-matched" in lines[1] and lines[1].endswith("0.9") and "TPOT" in lines[2]
+
+
+def test_a_grammar_step_whose_sample_raises_fails_its_rows_once_after_the_step_before_is_reported(roomy,
+                                                                                                  grammars):
+    """The deferred sample of a grammar step raises: the step before is reported first (the tokens its
+    requests got), then that step's requests end with "error"; no request ends twice, nothing is lost and no
+    page stays held."""
+    engine = LLMEngine(roomy, overlap=True)
+    real_launch, grammar_steps = roomy.launch, [0]
+
+    def launch(step):
+        tokens = real_launch(step)
+        if has_grammar(step):
+            grammar_steps[0] += 1
+            if grammar_steps[0] == 4:
+                def fail():
+                    raise RuntimeError("the sample failed")
+                tokens.sample = fail
+        return tokens
+    roomy.launch = launch
+    outputs, requests = [], {}
+    try:
+        for (spec, params), prompt in zip(CROWD, PROMPTS):
+            rid = engine.add_request(prompt, params, 30, stop_token_ids={2},
+                                     grammar=grammars.new_matcher(spec) if spec is not None else None)
+            requests[rid] = engine._requests[rid]
+        while engine.has_unfinished():
+            outputs += engine.step()
+    finally:
+        del roomy.launch
+    ends = [o for o in outputs if o.finished]
+    assert sorted(o.request_id for o in ends) == sorted(requests), ends  # each request ends once
+    failed = {o.request_id for o in ends if o.finish_reason == "error"}
+    assert failed and len(failed) < len(CROWD)  # the failing step's requests, not the ended ones
+    for rid, req in requests.items():  # every token a request holds was reported, once
+        reported = [t for o in outputs if o.request_id == rid for t in o.new_token_ids]
+        assert reported == req.output_ids[:req.num_known], rid
+    assert engine.stats.pages_used == 0

@@ -215,13 +215,15 @@ class LLMEngine:
             step = self.scheduler.schedule()
         launched = self._launch(step, outputs) if step is not None else None
         before, self._inflight = self._inflight, launched if self.overlap else None
-        if before is not None:
-            outputs += self._collect(*before, outputs)
+        got = self._read_back(*before, outputs) if before is not None else []
         if launched is not None and self.overlap and has_grammar(step):
-            # the matchers hold the tokens before now: the mask, then the sample, behind the forward
-            self._inflight = self._sample(*launched, outputs)
+            # the matchers hold the tokens before now: the mask, then the sample, behind the forward; the
+            # reports of the step before are built once the sample is launched
+            self._inflight = self._sample(*launched, outputs, got)
+        else:
+            outputs += self._reports(got)
         if launched is not None and not self.overlap:
-            outputs += self._collect(*launched, outputs)
+            outputs += self._reports(self._read_back(*launched, outputs))
         if not self.has_unfinished() or (step is None and before is None):
             self.clock.idle()
         if step is None and before is None and self.scheduler.pending_loads:
@@ -256,18 +258,24 @@ class LLMEngine:
         self._launched += 1
         return step, tokens
 
-    def _sample(self, step: Step, tokens, outputs: list[RequestOutput]) -> tuple[Step, object] | None:
-        """Launch a grammar step's deferred sample (ModelRunner.launch); its rows fail if it raises."""
+    def _sample(self, step: Step, tokens, outputs: list[RequestOutput],
+                got: list[Request]) -> tuple[Step, object] | None:
+        """Launch a grammar step's deferred sample (ModelRunner.launch), then report `got` (the step before's
+        requests, read back: their reports are built while the GPU samples); its rows fail if it raises
+        (after those reports: what the requests got before)."""
         try:
             with HostTimer(self.clock, "execute"):
                 tokens.sample()
         except Exception as e:  # noqa: BLE001 - every row was counted as launched: all of them fail
+            outputs += self._reports(got)
             self._failed(step.all_rows, e, outputs)
             return None
+        outputs += self._reports(got)
         return step, tokens
 
-    def _collect(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The step's tokens (read back: overlap waits here for that step alone) into its requests."""
+    def _read_back(self, step: Step, tokens, outputs: list[RequestOutput]) -> list[Request]:
+        """The step's tokens (read back: overlap waits here for that step alone) into its requests; the
+        requests that got one (to report)."""
         if self.overlap:
             try:
                 with HostTimer(self.clock, "wait"):
@@ -278,7 +286,11 @@ class LLMEngine:
         self._steps += 1
         with HostTimer(self.clock, "update"):
             keep_logprobs(step, tokens)
-            return [self._report(req) for req in self.scheduler.resolve(step, tokens.tokens)]
+            return self.scheduler.resolve(step, tokens.tokens)
+
+    def _reports(self, got: list[Request]) -> list[RequestOutput]:
+        with HostTimer(self.clock, "update"):
+            return [self._report(req) for req in got]
 
     def _failed(self, rows: list, e: Exception, outputs: list[RequestOutput]) -> None:
         self._failed_steps += 1
