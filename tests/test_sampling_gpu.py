@@ -92,7 +92,7 @@ def test_no_host_sync_on_any_path():
         runs[name] = (_logits(rows, scale, 1), _batch([p] * rows))
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i) if i % 3 == 0
               else SamplingParams(temperature=0.8) for i in range(rows)]
-    gens = [request_generator(p, torch.device("cuda")) for p in seeded]
+    gens = [request_generator(p) for p in seeded]
     seeded_batch = _batch(seeded)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -251,7 +251,7 @@ def test_greedy_is_argmax_and_seeded_rows_are_batch_invariant():
         params = others[:at] + [target] + others[at:]
         x = _logits(len(params), 1.0, len(params))
         x[at] = logits[0]
-        gens = [request_generator(p, torch.device("cuda")) for p in params]
+        gens = [request_generator(p) for p in params]
         return [int(sample(x, _batch(params), None, gens)[at]) for _ in range(3)]
 
     alone = run([], 0)

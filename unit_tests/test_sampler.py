@@ -52,7 +52,7 @@ def metadata(params: list[SamplingParams], grammars: tuple = (), generators: tup
              ) -> SamplingMetadata:
     """What from_rows reads of rows without a request (a stress row's: the processors count its ids), with the
     grammars and the generators given."""
-    meta = SamplingMetadata.from_rows([StepRow(i, 0, [5, 6], True, p) for i, p in enumerate(params)], CPU)
+    meta = SamplingMetadata.from_rows([StepRow(i, 0, [5, 6], True, p) for i, p in enumerate(params)])
     return dataclasses.replace(meta, grammars=grammars, generators=generators)
 
 

@@ -241,7 +241,7 @@ def test_seeded_rows_are_batch_invariant():
         params = others[:at] + [target] + others[at:]
         logits = _logits(len(params), vocab, 0.5, 22)
         logits[at] = row[0]
-        gens = [request_generator(p, CPU) for p in params]
+        gens = [request_generator(p) for p in params]
         shared = torch.Generator().manual_seed(len(params))
         return [int(sample(logits, _batch(params), shared, gens)[at]) for _ in range(steps)]
 
@@ -276,11 +276,21 @@ def test_the_fused_samplers_seeds_are_each_seeded_rows_own_draws():
         assert torch.equal(first[rest], plain[rest])
 
 
+def test_a_stress_corner_uploads_a_seed_for_every_row():
+    """The fused sampler's seeded rows (`_seeded`): those with their own stream; in a stress corner every row,
+    so that the largest upload of seeds is in the probe's peak."""
+    from autoprofile.engine.sampling import SeedStream, _seeded
+    mine = SeedStream(3)
+    assert _seeded([None, mine, None], 3, False) == [(1, mine)] and _seeded(None, 3, False) == []
+    assert [i for i, _ in _seeded(None, 300, True)] == list(range(300))
+    assert [i for i, _ in _seeded([None, mine], 2, True)] == [0, 1]
+
+
 def test_same_seed_same_tokens_and_unseeded_rows_use_the_shared_generator():
     logits = _logits(4, 3000, 1.0, 31)
     params = [SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=1.0, seed=5),
               SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=1.0, top_k=20)]
-    gens = [request_generator(p, CPU) for p in params]
+    gens = [request_generator(p) for p in params]
     out = sample(logits[[0, 0, 2, 3]], _batch(params), torch.Generator().manual_seed(1), gens)
     assert out[0] == out[1]
     plain = sample(logits[[0, 0, 2, 3]], _batch(params), torch.Generator().manual_seed(1))
@@ -297,10 +307,10 @@ def test_params_validation_and_generators():
         SamplingParams(seed=True)
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=1.5)
-    assert request_generator(SamplingParams(), CPU) is None
+    assert request_generator(SamplingParams()) is None
 
     def draws(seed: int) -> list[int]:
-        stream = request_generator(SamplingParams(seed=seed), CPU)
+        stream = request_generator(SamplingParams(seed=seed))
         return [stream.draw() for _ in range(4)]
     assert draws(-3) == draws(-3) and len(set(draws(-3))) == 4  # a stream: the same seed, the same draws
     assert draws(-3) != draws(3) and draws(3) != draws(4)

@@ -29,7 +29,7 @@ import torch
 
 from autoprofile.engine.request import PENDING
 from autoprofile.engine.sampling import PROCESS_ROWS, SamplingParams
-from autoprofile.engine.step_inputs import Staging
+from autoprofile.engine.step_inputs import Staging, upload_array
 
 
 @dataclass(frozen=True)
@@ -104,28 +104,17 @@ def _min_p_offset(p: SamplingParams) -> float:
     return p.temperature * math.log(p.min_p) if p.min_p > 0 and p.temperature > 0 else -math.inf
 
 
-def _upload(a: np.ndarray, device: torch.device, staging: Staging | None) -> torch.Tensor:
-    """An int64 (or int64-viewed) host array on `device`. On a GPU through the runner's pinned Staging buffers
-    (reused once their copy has run; a pageable copy would wait for the overlapped step's forward, and a fresh
-    pin_memory() a step costs milliseconds: step_inputs.Staging)."""
-    if device.type != "cuda":
-        return torch.from_numpy(a)
-    if staging is None:  # a caller without the runner (the GPU tests of this module)
-        return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
-    return staging.copy([a], len(a), device)
-
-
 def _apply_chunk(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[RowTokens],
                  last_tokens: torch.Tensor | None, staging: Staging | None) -> None:
     dev, vocab, n = logits.device, logits.shape[1], len(rows)
     ints, floats = _host_inputs(rows, tokens)
     ends = np.cumsum([len(a) for a in ints]).tolist()
-    flat_i = _upload(np.concatenate(ints), dev, staging)
+    flat_i = upload_array(np.concatenate(ints), dev, staging)
     idx, p_row, p_ids, o_row, o_ids, b_row, b_ids, s_row, s_ids = (
         flat_i[e - len(a):e] for a, e in zip(ints, ends))
     # the fp64 values ride the same int64 buffers, bit for bit
     bits = np.ascontiguousarray(floats, np.float64).view(np.int64)
-    flat_f = _upload(bits, dev, staging).view(torch.float64).float()
+    flat_f = upload_array(bits, dev, staging).view(torch.float64).float()
     nb = len(ints[5])
     b_val = flat_f[:nb]
     rep, freq, pres, min_p_offset = (v.unsqueeze(1) for v in flat_f[nb:].view(4, n))

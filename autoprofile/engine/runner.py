@@ -346,7 +346,7 @@ class ModelRunner:
             if not rows:
                 self.clock.ended()
                 return StepTokens(SamplerOutput(NO_TOKENS, prompt_logprobs=prompt))
-            meta = SamplingMetadata.from_rows(rows, self.device, self.stressing)
+            meta = SamplingMetadata.from_rows(rows, self.stressing)
             sample = functools.partial(self._sample, logits, meta, rows, sample_slots, prompt)
             return StepTokens(sample=sample) if meta.grammars else StepTokens(sample())
 

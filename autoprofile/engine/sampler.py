@@ -5,7 +5,7 @@ logits processors (engine.logits_process), the sample (engine.sampling) and the 
 hidden states are gone once the last rows' logits exist) and ride with the result.
 
     sampler = Sampler(bitmask, generator, last_tokens, staging)        # built with the runner's build()
-    out = sampler(logits, SamplingMetadata.from_rows(rows, device))    # SamplerOutput, on the device
+    out = sampler(logits, SamplingMetadata.from_rows(rows))            # SamplerOutput, on the device
     StepTokens(out).result()                                           # SampledTokens, on the host
 
 The result is explicit: SampledTokens(tokens, logprobs, prompt_logprobs), read by the engine
@@ -46,7 +46,7 @@ class SamplingMetadata:
     stress: bool = False
 
     @classmethod
-    def from_rows(cls, rows: Sequence, device: torch.device, stress: bool = False) -> SamplingMetadata:
+    def from_rows(cls, rows: Sequence, stress: bool = False) -> SamplingMetadata:
         params = tuple(r.params for r in rows)
         processed = tuple(logits_process.processed_rows(params))
         greedy = all(p.temperature == 0 for p in params)
@@ -54,7 +54,7 @@ class SamplingMetadata:
                    tuple((i, r.request.grammar) for i, r in enumerate(rows)
                          if r.request is not None and r.request.grammar is not None),
                    processed, tuple(logits_process.row_tokens(rows[i]) for i in processed),
-                   None if greedy else row_generators(rows, device), stress)
+                   None if greedy else row_generators(rows), stress)
 
     def running(self, rows: Sequence) -> SamplingMetadata:
         """Without the grammar rows of requests that ended since the launch (the overlapped engine samples a
@@ -68,14 +68,14 @@ class SamplingMetadata:
         return all(p.temperature == 0 for p in self.params)
 
 
-def row_generators(rows: Sequence, device: torch.device) -> tuple[SeedStream | None, ...] | None:
+def row_generators(rows: Sequence) -> tuple[SeedStream | None, ...] | None:
     """Seeded requests draw from their own seed stream (sampling.SeedStream, kept on the request, so their
     tokens do not depend on the batch, nor on a preemption: it advances once per sampled token)."""
     if all(r.params.seed is None for r in rows):
         return None
     for r in rows:
         if r.params.seed is not None and r.request is not None and r.request.generator is None:
-            r.request.generator = request_generator(r.params, device)
+            r.request.generator = request_generator(r.params)
     return tuple(r.request.generator if r.request is not None else None for r in rows)
 
 
@@ -188,7 +188,8 @@ class Sampler:
         if meta.all_greedy:  # no parameters to upload
             return greedy(logits)
         batch = SamplingBatch.from_params(meta.params, self.device)
-        return sample(logits, batch, self.generator, meta.generators, stress=meta.stress)
+        return sample(logits, batch, self.generator, meta.generators, stress=meta.stress,
+                      staging=self.staging)
 
     def prompt_logprobs(self, rows: Sequence, hidden: torch.Tensor, cu: np.ndarray,
                         compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> PromptLogprobs | None:

@@ -29,9 +29,10 @@ with STRESS_PARAMS, the torch paths' worst cases (STRESS has a larger top-k: the
 path's workspace and launches its kernel for it, `_split_mode`'s "reserve").
 Seeds: a seeded request draws from its own SeedStream, a host PRNG (random.Random of its seed) that gives one
 Philox seed a sampled token: the fused kernel takes one seed per row (the unseeded rows' drawn on the device
-from the engine's generator, the seeded rows' written over them in one upload: no kernel per seeded row; at
-256 seeded rows the two kernels a row that a device generator per request took cost an H200 host 7.2 ms a
-decode step); the torch paths sample such a row alone (~15 small kernels per seeded row) from a generator
+from the engine's generator, the seeded rows' written over them in one upload from the runner's pinned
+Staging: no kernel per seeded row; at 256 seeded rows the two kernels a row that a device generator per
+request took cost an H200 host 7.2 ms a decode step; a stress corner uploads every row's seed, `_seeded`); the
+torch paths sample such a row alone (~15 small kernels per seeded row) from a generator
 seeded with its draw. Either way its tokens depend only on its logits, its parameters, its seed and how many
 tokens it has drawn, never on the rest of the batch.
 """
@@ -43,10 +44,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from autoprofile.engine.sampling_params import (  # noqa: F401 - re-exported
     GREEDY, MAX_LOGPROBS, PREFILTER, PROCESSORS, STRESS, STRESS_PARAMS, STRESS_WIDE, SamplingParams)
+from autoprofile.engine.step_inputs import Staging, upload_array
 
 CHUNK_ROWS = 128  # rows sampled at a time
 SORT_ROWS = 64  # rows sorted at a time: chosen so that the sort path is the memory worst case
@@ -107,9 +110,8 @@ class SeedStream:
         return self._rng.randrange(SEED_HIGH)
 
 
-def request_generator(params: SamplingParams, device: torch.device) -> SeedStream | None:
-    """The SeedStream a seeded request keeps across its steps (None: it draws from the engine's generator);
-    `device` is unused: the stream lives on the host."""
+def request_generator(params: SamplingParams) -> SeedStream | None:
+    """The SeedStream a seeded request keeps across its steps (None: it draws from the engine's generator)."""
     return None if params.seed is None else SeedStream(params.seed)
 
 
@@ -197,12 +199,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None,
            row_generators: Sequence[SeedStream | None] | None = None,
-           stress: bool = False) -> torch.Tensor:
+           stress: bool = False, staging: Staging | None = None) -> torch.Tensor:
     """Token ids [B] (int64): argmax where temperature == 0, else a draw from the top-k/top-p distribution.
     Row i draws from row_generators[i] when given (its own seed stream: batch-invariant), else from
     `generator`.
-    stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`; the greedy
-    argmax's kept scratch allocated, so that the probe's peak holds it)."""
+    stress: a stress corner's rows (the fused sampler's split path reserved: `_split_mode`; every row's seed
+    uploaded as a seeded row's: `_seeded`; the greedy argmax's kept scratch allocated: so that the probe's
+    peak holds them). staging: the runner's pinned buffers, the seeded rows' seeds go up from them."""
     rows = logits.shape[0]
     argmax = _triton_argmax() if stress and _kernel_logits(logits) else None
     if argmax is not None:
@@ -214,7 +217,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     seeded = [i for i, g in enumerate(row_generators or ()) if g is not None]
     fused = _fused(logits)
     if fused is not None:
-        seeds = _seeds(rows, logits.device, generator, [(i, row_generators[i]) for i in seeded])
+        seeds = _seeds(rows, logits.device, generator, _seeded(row_generators, rows, stress), staging)
         return fused.sample_batch(logits, batch.temperatures, batch.top_ps, batch.top_ks, seeds,
                                   split=_split_mode(batch.params, logits.shape[-1], fused.K_MAX, stress))
     if len(seeded) == rows:
@@ -430,15 +433,26 @@ def _triton_sampler():
     return triton_sample
 
 
+def _seeded(row_generators: Sequence[SeedStream | None] | None, rows: int,
+            stress: bool) -> list[tuple[int, SeedStream]]:
+    """The fused sampler's (row, seed stream) pairs: the rows with their own stream; in a stress corner every
+    row, from one stream (the largest upload of seeds, in the probe's peak; its draws are any)."""
+    if stress:
+        stream = SeedStream(0)
+        return [(i, stream) for i in range(rows)]
+    return [(i, g) for i, g in enumerate(row_generators or ()) if g is not None]
+
+
 def _seeds(rows: int, device: torch.device, generator: torch.Generator | None,
-           seeded: Sequence[tuple[int, SeedStream]]) -> torch.Tensor:
+           seeded: Sequence[tuple[int, SeedStream]], staging: Staging | None = None) -> torch.Tensor:
     """One Philox seed per row: drawn on the device from `generator` (None: torch's default), and for a
     seeded row its stream's draw (its tokens never depend on the rest of the batch), the seeded rows' (index,
-    seed) pairs in one upload and one indexed write, whatever their number."""
+    seed) pairs in one upload (from `staging`'s pinned buffers) and one indexed write, whatever their
+    number."""
     seeds = torch.randint(SEED_HIGH, (rows,), generator=generator, device=device)
     if seeded:
-        own = torch.tensor([[i for i, _ in seeded], [s.draw() for _, s in seeded]], dtype=torch.int64,
-                           pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        pairs = np.array([[i for i, _ in seeded], [s.draw() for _, s in seeded]], dtype=np.int64)
+        own = upload_array(pairs.reshape(-1), device, staging).view(2, -1)
         seeds[own[0]] = own[1]
     return seeds
 

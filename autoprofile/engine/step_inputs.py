@@ -60,6 +60,17 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device,
     return {k: flat[e - len(arrays[k]):e] for k, e in zip(names, ends)}
 
 
+def upload_array(a: np.ndarray, device: torch.device, staging: Staging | None) -> torch.Tensor:
+    """An int64 (or int64-viewed) host array on `device`. On a GPU through the runner's pinned Staging buffers
+    (reused once their copy has run; a pageable copy would wait for the overlapped step's forward, and a fresh
+    pin_memory() a step costs milliseconds: Staging)."""
+    if device.type != "cuda":
+        return torch.from_numpy(a)
+    if staging is None:  # a caller without the runner (GPU tests, compile-ahead's dry calls)
+        return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
+    return staging.copy([a], len(a), device)
+
+
 class Staging(PinnedBuffers):
     """Pinned int64 host buffers that a step's inputs go up from (one owner: the runner; host memory, no GPU
     memory; engine.pinned's reuse rule). Under --tp 2 (2 H100s, c256) a fresh pin_memory() per prefill step
