@@ -70,6 +70,7 @@ import threading
 import time
 from collections import Counter
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -996,6 +997,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--roofline-tp", type=int, default=1, metavar="N",
                    help="the server's --tp: the roofline of N GPUs, each computing and reading 1/N of the "
                         "weights")
+    p.add_argument("--roofline-settle", type=float, default=SETTLE_S, metavar="S",
+                   help="seconds of each rate's own work before the roofline's rates are timed (a card at "
+                        "its power cap lowers its clock under load: the rates it holds); 0: a burst's rates")
     p.add_argument("--roofline", action="store_true",
                    help="measure this GPU's bf16 GEMM and copy rates first (before --launch starts the "
                         "server: the "
@@ -1024,6 +1028,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--soak-sample-seconds must be in [0.1, 600], e.g. 5")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
+    if not 0 <= args.roofline_settle <= 60:
+        p.error("--roofline-settle must be in [0, 60] seconds, e.g. 3")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \
             (args.top_k is not None and args.top_k < 0):
         p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 (e.g. --temperature 0.8 --top-p "
@@ -1044,45 +1050,82 @@ PREFIX_HITS = "autoprofile_prefix_cache_hit_tokens_total"
 
 
 # ---------------------------------------------------------------- the roofline
+SETTLE_S = 3.0  # seconds of a rate's own work before it is timed: a 700 W card settles at its power cap
+BURST_CALLS = 20
+
+
+def held_ms(call, timer, settle_s: float, timed_s: float = 1.0) -> tuple[float, float]:
+    """ms a call: (in a burst of BURST_CALLS, as held after settle_s seconds of the same calls). `timer(call,
+    n)` runs `call` n times and returns their ms (the probe: CUDA events, synchronized). A card at its power
+    cap lowers its clock within a second of full load: under sustained prefill an H200 held 1,425-1,530 MHz
+    at 700 W against its 1,980 MHz maximum (nvidia-smi: SW power cap), so a burst's rate is one no serving
+    run gets. settle_s 0: the burst alone (both the same)."""
+    burst = timer(call, BURST_CALLS) / BURST_CALLS
+    if settle_s <= 0:
+        return burst, burst
+    chunk, spent = max(1, int(200 / burst)), 0.0  # about 0.2 s of calls between syncs
+    while spent < settle_s * 1e3:
+        spent += timer(call, chunk)
+    n = max(BURST_CALLS, int(timed_s * 1e3 / burst))
+    return burst, timer(call, n) / n
+
+
 RATES_PROBE = """
-import json, torch
+import json, sys, torch
+settle = float(sys.argv[1])
 a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
 b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
 src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
 dst = torch.empty_like(src)
-def ms(fn, n=20):
+def timer(fn, n):
     fn(); torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(n):
         fn()
     e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
-gemm = 2 * 8192 ** 3 / (ms(lambda: a @ b) * 1e-3)
-copy = 2 * src.numel() / (ms(lambda: dst.copy_(src)) * 1e-3)
-fp8 = None  # cuBLASLt's FP8 GEMM with row-wise scales (FP8 weights' prefill), where the GPU has FP8
+    return s.elapsed_time(e)
+def rates(name, fn, work):
+    burst, held = held_ms(fn, timer, settle)
+    return {name: work / (held * 1e-3), name.replace("_per_s", "_burst_per_s"): work / (burst * 1e-3)}
+out = {"device": torch.cuda.get_device_name(), "settle_s": settle}
+out.update(rates("gemm_flops_per_s", lambda: a @ b, 2 * 8192 ** 3))
+out.update(rates("copy_bytes_per_s", lambda: dst.copy_(src), 2 * src.numel()))
+out["fp8_gemm_flops_per_s"] = None  # cuBLASLt's FP8 GEMM with row-wise scales (FP8 weights' prefill)
 if torch.cuda.get_device_capability() >= (8, 9):
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
-    fp8 = 2 * 8192 ** 3 / (ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
-                                                       out_dtype=torch.bfloat16)) * 1e-3)
-print(json.dumps({"gemm_flops_per_s": gemm, "copy_bytes_per_s": copy, "fp8_gemm_flops_per_s": fp8,
-                  "device": torch.cuda.get_device_name()}))
+    out.update(rates("fp8_gemm_flops_per_s", lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                                      out_dtype=torch.bfloat16),
+                     2 * 8192 ** 3))
+print(json.dumps(out))
 """
+BURST_KEYS = {"gemm_flops_per_s": "gemm_flops_burst_per_s", "copy_bytes_per_s": "copy_bytes_burst_per_s",
+              "fp8_gemm_flops_per_s": "fp8_gemm_flops_burst_per_s"}
 
 
-def measure_rates() -> dict | str:
-    """The GPU's bf16 GEMM rate (8192^3) and device-to-device copy rate, in a child process (its CUDA context
-    is gone before a server starts); the reason why not, as text, when it cannot run (no GPU, or a server
-    already holding the memory)."""
+def measure_rates(settle_s: float = SETTLE_S) -> dict | str:
+    """The GPU's bf16 (and FP8) GEMM rate (8192^3) and device-to-device copy rate as the card holds them
+    after settle_s seconds of each (held_ms; the burst's rates too, under BURST_KEYS), in a child process
+    (its CUDA context is gone before a server starts); the reason why not, as text, when it cannot run (no
+    GPU, or a server already holding the memory)."""
+    code = inspect.getsource(held_ms) + f"BURST_CALLS = {BURST_CALLS}\n" + RATES_PROBE
     try:
-        out = subprocess.run([sys.executable, "-c", RATES_PROBE], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", code, str(settle_s)], capture_output=True, text=True,
+                             timeout=300)
     except subprocess.TimeoutExpired:
         return "the rate probe timed out"
     if out.returncode != 0:
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode
         return f"the rate probe failed: {last}"
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def burst_rates(rates: dict) -> dict | None:
+    """The rates of a burst in the roofline's keys (None: the probe measured no held rates apart)."""
+    if not rates.get("settle_s") or BURST_KEYS["gemm_flops_per_s"] not in rates:
+        return None
+    return {**rates, **{k: rates.get(b) for k, b in BURST_KEYS.items()}}
 
 
 def ttft_floor(requests: int, burst: int, prefill_s: float, quantile: float) -> float:
@@ -1151,7 +1194,18 @@ def roofline_line(r: dict) -> str:
             f"copy) = "
             f"{r['decode_s']:.1f} s -> {r['roofline_s']:.1f} s against {r['duration_s']:.1f} s measured: "
             f"{r['fraction']:.2f} of the roofline; P99 TTFT floor {r['ttft_p99_floor_s']:.2f} s (the first "
-            f"wave arrives at once: its k-th first token waits for k prompts' prefill)")
+            f"wave arrives at once: its k-th first token waits for k prompts' prefill)" + burst_text(r))
+
+
+def burst_text(r: dict) -> str:
+    """The rates' provenance: held after their settle time, and the fraction at a burst's rates."""
+    b = r.get("burst")
+    if not b:
+        return ""
+    return (f"; the rates as held after {b['settle_s']:g} s of each; at a burst's rates "
+            f"({b['gemm_tflops']:.0f} TFLOP/s, {b['copy_gbps']:.0f} GB/s) {b['fraction']:.2f} of the "
+            f"roofline, "
+            f"P99 TTFT floor {b['ttft_p99_floor_s']:.2f} s")
 
 
 def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namespace) -> str:
@@ -1165,10 +1219,15 @@ def roofline_text(summary: dict, rates: dict | str | None, args: argparse.Namesp
     kv = summary.get("server_kv") or {}
     if not kv.get("tokens") or not summary.get("completed"):
         return "roofline: not computed (no completed request, or no KV size in the server's /metrics)"
-    r = roofline(summary, rates, m, kv["bytes"] / kv["tokens"], 2,
-                 summary["total_input_tokens"] / summary["completed"],
-                 summary["total_output_tokens"] / summary["completed"],
-                 args.max_concurrency or summary["completed"], args.roofline_tp)
+    done = summary["completed"]
+    shape = (m, kv["bytes"] / kv["tokens"], 2, summary["total_input_tokens"] / done,
+             summary["total_output_tokens"] / done, args.max_concurrency or done, args.roofline_tp)
+    r = roofline(summary, rates, *shape)
+    burst = burst_rates(rates)
+    if burst is not None:
+        b = roofline(summary, burst, *shape)
+        r["burst"] = {k: b[k] for k in ("gemm_tflops", "copy_gbps", "fraction", "ttft_p99_floor_s")}
+        r["burst"]["settle_s"] = rates["settle_s"]
     summary["roofline"] = r
     return roofline_line(r)
 
@@ -1235,7 +1294,7 @@ def main(argv=None) -> int:
 
 def run_main(args, launch: str | None) -> tuple[int, dict]:
     """One run (one server, if launched): (exit code, summary)."""
-    rates = measure_rates() if args.roofline else None
+    rates = measure_rates(args.roofline_settle) if args.roofline else None
     server = Launched(launch) if launch else None
     try:
         if server is not None:

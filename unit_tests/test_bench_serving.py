@@ -388,6 +388,58 @@ def test_the_roofline_of_n_tensor_parallel_gpus_splits_the_weights_but_not_a_ran
     assert bench_serving.roofline_line(one).startswith("roofline: prefill")
 
 
+class Throttling:
+    """A card whose calls take 1 ms each until `cap_ms` of work, then 1.5 ms (its clock at the power cap);
+    timer(call, n) is the probe's, on this simulated clock."""
+
+    def __init__(self, cap_ms: float):
+        self.cap_ms, self.spent, self.calls = cap_ms, 0.0, []
+
+    def timer(self, call, n):
+        before = self.spent
+        for _ in range(n):
+            call()
+            self.spent += 1.0 if self.spent < self.cap_ms else 1.5
+        self.calls.append(n)
+        return self.spent - before
+
+
+def test_the_roofline_rates_are_those_the_card_holds_after_settling_not_a_bursts():
+    """A card slowing after 800 ms of work (an H200 at 700 W: 1,425-1,530 MHz against 1,980): the burst's 20
+    calls see 1 ms, the rate held after 3 s of the same calls 1.5 ms; settle 0 keeps the burst's."""
+    card = Throttling(cap_ms=800)
+    burst, held = bench_serving.held_ms(lambda: None, card.timer, settle_s=3.0)
+    assert burst == pytest.approx(1.0) and held == pytest.approx(1.5)
+    assert sum(card.calls[:-1]) >= 3000 * 1.0 / 1.5  # the timed calls came after 3 s of work
+    assert card.calls[-1] >= 1000 / 1.0 * 0.9  # and ran about a second
+    card = Throttling(cap_ms=800)
+    assert bench_serving.held_ms(lambda: None, card.timer, settle_s=0) == (pytest.approx(1.0),) * 2
+    assert card.calls == [bench_serving.BURST_CALLS]
+
+
+def test_the_roofline_line_gives_the_held_rates_fraction_and_the_bursts_beside_it():
+    """Rates from the probe (held, and the burst's under BURST_KEYS): the fraction is at the held rates, the
+    burst's fraction printed beside it is lower (faster rates: a shorter floor); without a settle time only
+    one fraction."""
+    summary = {"model": "llama-3.1-8b", "completed": 1000, "duration": 38.0, "total_input_tokens": 1024000,
+               "total_output_tokens": 128000, "server_kv": {"bytes": 131072 * 1000, "tokens": 1000}}
+    args = bench_serving.parse_args(["--roofline", "--max-concurrency", "256"])
+    rates = {"settle_s": 3.0, "gemm_flops_per_s": 650e12, "gemm_flops_burst_per_s": 800e12,
+             "copy_bytes_per_s": 4.0e12, "copy_bytes_burst_per_s": 4.2e12, "fp8_gemm_flops_per_s": None,
+             "fp8_gemm_flops_burst_per_s": None}
+    line = bench_serving.roofline_text(summary, rates, args)
+    r = summary["roofline"]
+    assert r["gemm_tflops"] == pytest.approx(650) and r["burst"]["gemm_tflops"] == pytest.approx(800)
+    assert r["burst"]["fraction"] < r["fraction"]
+    assert f"{r['fraction']:.2f} of the roofline" in line and f"{r['burst']['fraction']:.2f} of the" in line
+    assert "held after 3 s" in line
+    plain = bench_serving.roofline_text(dict(summary), {"gemm_flops_per_s": 650e12, "copy_bytes_per_s": 4e12},
+                                        args)
+    assert "burst" not in plain and "of the roofline" in plain
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--roofline", "--roofline-settle", "-1"])
+
+
 def test_a_real_reply_turn_holds_what_the_server_answered_then_the_turns_new_tokens():
     """--multi-turn-replies real: turn t's prompt is the prompt turn t-1 sent, the ids the server answered
     (return_token_ids), then the new tokens turn t adds; the random reply conversation_jobs planned is
