@@ -126,6 +126,20 @@ def test_admit_now_is_tgi_s_rule():
     assert not admission.admit_now(8, 1, 0, 8, 0.3, min_rows=8) and admission.admit_now(7, 1, 0, 8, 0.3, 8)
 
 
+def test_waiting_prompts_that_fill_the_steps_budget_join_at_once():
+    """Held by TGI's rule (1 waiting beside 100 decode rows, none of its steps yet), admitted when what
+    waits fills the step (a full prefill step); the scheduler counts the waiting prompts' tokens against
+    the step's budget."""
+    assert not admission.admit_now(100, 1, 0, 8, 0.3)
+    assert admission.admit_now(100, 1, 0, 8, 0.3, fills_step=True)
+    engine = _paced(50, 0.3)
+    s = engine.scheduler
+    for p in HOSTILE[:3]:
+        engine.add_request(p, max_tokens=4)
+    need = sum(len(p) for p in HOSTILE[:3])
+    assert s._waiting_fill(need) and not s._waiting_fill(need + 1)
+
+
 def _paced(max_waiting_steps: int, ratio: float) -> LLMEngine:
     env = envelope(kv_pages=1024, page_size=4, context=256, batch=320, running=16, graph=16)
     engine = LLMEngine(StepRunner(env, 1024), max_waiting_steps=max_waiting_steps, waiting_served_ratio=ratio)
@@ -178,13 +192,13 @@ def test_enough_waiting_requests_join_at_once_and_chunks_of_running_requests_nev
     s = engine.scheduler
     while any(r.num_tokens - r.num_computed > 1 for r in s.running) or s.waiting:
         engine.step()  # 160 prompt tokens at 64 a step
-    rid = engine.add_request(list(range(1, 250)), max_tokens=4)
-    engine.add_request(HOSTILE[30], max_tokens=4)  # 2 waiting < 0.3 x 8: held
-    steps = 0
-    while engine._requests[rid].num_computed == 0:
+    short = engine.add_request(HOSTILE[30][:20], max_tokens=4)  # 1 waiting < 0.3 x 8, 20 tokens < 56: held
+    for _ in range(5):
         engine.step()
-        steps += 1
-    assert steps == 51  # held 50 steps
+    assert engine._requests[short].num_computed == 0
+    rid = engine.add_request(list(range(1, 250)), max_tokens=4)  # now the waiting fill a step: at once
+    engine.step()
+    assert engine._requests[rid].num_computed > 0 and engine._requests[short].num_computed > 0
     long, done = engine._requests[rid], []
     while long.num_computed < 249:
         done.append(long.num_computed)

@@ -156,7 +156,8 @@ class Scheduler:
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
         admit = admit_now(len(decode.rows) if decode else 0, len(self.waiting), self.held_steps,
-                          self.max_waiting_steps, self.waiting_served_ratio, self.hold_min_rows)
+                          self.max_waiting_steps, self.waiting_served_ratio, self.hold_min_rows,
+                          fills_step=self._waiting_fill(budget))
         self.held_steps = 0 if admit else self.held_steps + 1
         step = self._schedule_prefill(budget, may_preempt=decode is None, admit=admit) if budget > 0 else None
         writes = []
@@ -176,6 +177,16 @@ class Scheduler:
             step.kv_ready = c.ready
         self.new_token_ratio.update(self.num_preemptions > preempted, decode is not None, self.running)
         return step
+
+    def _waiting_fill(self, budget: int) -> bool:
+        """Whether the waiting requests' prompts hold at least `budget` tokens (admission.admit_now's
+        fills_step; a prefix cache hit not counted off: an estimate); stops counting once they do."""
+        held = 0
+        for req in self.waiting:
+            held += req.num_tokens
+            if held >= budget:
+                return True
+        return False
 
     def _schedule_prefill(self, budget: int, may_preempt: bool = True, admit: bool = True) -> Step | None:
         """Chunks of at most `budget` new tokens in all. may_preempt False (the step has decode rows):
