@@ -105,6 +105,7 @@ class ServerConfig:
     # README_REPRODUCIBLE names)
     deterministic: bool = False
     report_dir: str | None = "autoprofile_report"
+    profile_dir: str | None = None  # serve: traces of the engine's steps (POST /start_profile); None: off
     # a folder of earlier probes' measurements (autoprofile.profile_cache); None: always probe (the CLI's
     # default is the user's cache folder)
     profile_cache: str | None = None
@@ -318,6 +319,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"must be an integer in [0, 2**62] (a torch generator's seed), got {cfg.seed}; try --seed 0")
     _check(cfg.profile_cache is None or not os.path.isfile(cfg.profile_cache), "profile_cache",
            f"'{cfg.profile_cache}' is a file, not a folder; try --profile_cache auto (or '' to always probe)")
+    problem = None if cfg.profile_dir is None else report_dir_problem(cfg.profile_dir)
+    _check(problem is None, "profile_dir", f"'{cfg.profile_dir}' {problem}; try --profile_dir "
+           "autoprofile_traces in a writable folder (or leave it unset: no traces)")
     problem = None if cfg.report_dir is None else report_dir_problem(cfg.report_dir)
     _check(problem is None, "report_dir", f"'{cfg.report_dir}' {problem}; try --report_dir "
            "autoprofile_report in a writable folder (or --report_dir '' for no report)")
@@ -764,6 +768,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(http, "reasoning_parser", default=None,
              help=f"Chat replies' <think>...</think> as reasoning_content, apart from content (vLLM's flag): "
                   f"{' or '.join(REASONING_PARSERS)}. Unset: the whole reply is content.")
+    add_flag(http, "profile_dir", default=None,
+             help="A folder for torch.profiler traces of the engine's steps as served: POST /start_profile "
+                  "(optional body {\"num_steps\": N}) then /stop_profile write a Chrome trace and a table "
+                  "of the kernels there. Unset: those endpoints answer 400.")
     add_flag(http, "api_key", default=None,
              help=f"A key every /v1/* and /generate request must send as 'Authorization: Bearer <key>' "
                   f"(/health and /metrics stay open). Unset: ${API_KEY_ENV}, else no key. Prefer "

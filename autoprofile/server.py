@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import json
 import logging
 import os
 import signal
@@ -42,7 +43,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from autoprofile import __version__
 from autoprofile.serving import openai, responses
 from autoprofile.serving.async_engine import AsyncEngine, settle
-from autoprofile.serving.errors import APIError
+from autoprofile.engine.step_profile import ProfileError
+from autoprofile.serving.errors import APIError, bad
 from autoprofile.serving.metrics import ServerMetrics
 from autoprofile.serving.openai import RETRY_AFTER_S, body_bounds, engine_dead
 from autoprofile.serving.protocol import Limits
@@ -231,6 +233,47 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
+MAX_PROFILE_STEPS = 100_000
+
+
+def profile_steps(raw: bytes) -> int | None:
+    """/start_profile's body: empty, {} or {"num_steps": N} (1 <= N <= MAX_PROFILE_STEPS; None: until
+    /stop_profile)."""
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        raise bad(None, "the body must be JSON: {} or {\"num_steps\": 50}", code="invalid_json") from None
+    if not isinstance(body, dict) or set(body) - {"num_steps"}:
+        raise bad(None, "the body takes one field, 'num_steps', e.g. {\"num_steps\": 50}")
+    n = body.get("num_steps")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_PROFILE_STEPS):
+        raise bad("num_steps", f"'num_steps' must be an integer in [1, {MAX_PROFILE_STEPS}] (or absent: "
+                  f"until POST /stop_profile), got {json.dumps(n)[:50]}")
+    return n
+
+
+async def start_profile(request: web.Request, st: ServerState) -> web.Response:
+    """vLLM's POST /start_profile (SGLang's num_steps): a torch.profiler trace of the engine's steps."""
+    num_steps = profile_steps(await request.read())
+    await _profile(st, "start", num_steps)
+    return web.json_response({"profiling": True, "num_steps": num_steps, "folder": st.cfg.profile_dir})
+
+
+async def stop_profile(request: web.Request, st: ServerState) -> web.Response:
+    t = await _profile(st, "stop")
+    return web.json_response({"profiling": False, "trace": t.trace, "table": t.table, "steps": t.steps})
+
+
+async def _profile(st: ServerState, action: str, num_steps: int | None = None):
+    if st.engine.profiler is None:
+        raise APIError(400, "this server takes no traces: start it with --profile_dir DIR (e.g. "
+                       "--profile_dir autoprofile_traces)", code="profiling_disabled")
+    try:
+        return await st.engine.profile(action, num_steps)
+    except ProfileError as e:
+        raise APIError(409, str(e), code="profile_state") from None
+
+
 # ---------------------------------------------------------------- the app
 def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     """An app in the "starting" phase; with an engine (an LLMEngine) and its ProfileResult it becomes
@@ -250,6 +293,8 @@ def make_app(cfg, engine=None, result=None, tokenizer=None) -> web.Application:
     app.router.add_post("/tokenize", accepting(openai.tokenize))
     app.router.add_post("/detokenize", accepting(openai.detokenize))
     app.router.add_get("/version", version)
+    app.router.add_post("/start_profile", accepting(start_profile))
+    app.router.add_post("/stop_profile", accepting(stop_profile))
     if engine is not None:
         async def on_startup(app):
             activate(app, engine, result, tokenizer)
@@ -302,7 +347,7 @@ def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple 
     st.result = result
     st.metrics.add_profile(result)
     st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics,
-                            on_dead=functools.partial(_on_dead, st))
+                            on_dead=functools.partial(_on_dead, st), profile_dir=cfg.profile_dir)
     st.engine.start()
     st.phase = "ready"
     log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens,

@@ -14,6 +14,9 @@ mean / median / std / p50 / p90 / p99 in ms; plus failed requests and their erro
     # into the result's "memory_timeline" and plots them against the profile's peak (--soak-plot)
     python3 scripts/bench_serving.py --launch "autoprofile serve --port 0" --soak-minutes 20 \
         --result-file soak.json
+    # where a served step's time goes: a torch.profiler trace of the server's engine steps (its --profile_dir)
+    python3 scripts/bench_serving.py --launch "autoprofile serve --port 0 --profile_dir traces" \
+        --max-concurrency 256 --num-prompts 300 --profile --profile-steps 60
 
 Prompts are random token ids (exact input lengths, no prefix reuse, like vLLM's random dataset), sent
 as `prompt: [ids]` to /v1/completions with `ignore_eos` (exact output lengths) unless --no-ignore-eos.
@@ -770,9 +773,29 @@ async def bench(args, url: str, health: dict) -> dict:
     cut = Cut()
     saved = install_cut_signals(cut)
     try:
-        return await bench_run(args, url, health, cut)
+        if args.profile:
+            await profile_call(url, "/start_profile", {"num_steps": args.profile_steps} if args.profile_steps
+                               else {})
+        summary = await bench_run(args, url, health, cut)
+        if args.profile:
+            summary["profile"] = await profile_call(url, "/stop_profile", {})
+        return summary
     finally:
         restore_signals(saved)
+
+
+async def profile_call(url: str, path: str, body: dict) -> dict:
+    """--profile: the server's /start_profile or /stop_profile (its --profile_dir); the server's refusal
+    ends the run before a request is sent (start) or is kept in the summary (stop)."""
+    async with aiohttp.ClientSession() as s, s.post(f"{url}{path}", json=body) as r:
+        out = await r.json(content_type=None)
+    if r.status != 200:
+        message = (out.get("error") or {}).get("message") if isinstance(out, dict) else out
+        if path == "/start_profile":
+            raise SystemExit(f"error: {path} answered {r.status}: {message}")
+        return {"error": f"{path} answered {r.status}: {message}"}
+    print(f"{path}: {json.dumps(out)}")
+    return out
 
 
 async def bench_run(args, url: str, health: dict, cut: Cut) -> dict:
@@ -997,6 +1020,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--roofline-tp", type=int, default=1, metavar="N",
                    help="the server's --tp: the roofline of N GPUs, each computing and reading 1/N of the "
                         "weights")
+    p.add_argument("--profile", action="store_true",
+                   help="a torch.profiler trace of the server's engine steps during the run (SGLang's "
+                        "--profile): POST /start_profile before it, /stop_profile after (the server needs "
+                        "--profile_dir); a traced server runs slower")
+    p.add_argument("--profile-steps", type=int, default=None, metavar="N",
+                   help="with --profile: the trace ends by itself after N engine steps")
     p.add_argument("--roofline-settle", type=float, default=SETTLE_S, metavar="S",
                    help="seconds of each rate's own work before the roofline's rates are timed (a card at "
                         "its power cap lowers its clock under load: the rates it holds); 0: a burst's rates")
@@ -1028,6 +1057,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--soak-sample-seconds must be in [0.1, 600], e.g. 5")
     if args.random_input_len < 1 or args.random_output_len < 1:
         p.error("--random-input-len and --random-output-len must be >= 1")
+    if args.profile_steps is not None and not (args.profile and args.profile_steps >= 1):
+        p.error("--profile-steps needs --profile and must be >= 1, e.g. --profile --profile-steps 40")
     if not 0 <= args.roofline_settle <= 60:
         p.error("--roofline-settle must be in [0, 60] seconds, e.g. 3")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1) or \

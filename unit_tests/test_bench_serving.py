@@ -82,12 +82,12 @@ def test_soak_requests_fit_the_context():
     assert max(len(j.prompt) for j in jobs if j.kind == "long") + 64 == 256
 
 
-def _run_bench(booted, argv):  # noqa: F811
+def _run_bench(booted, argv, cfg=CFG):  # noqa: F811
     runner, result = booted
     engine = LLMEngine(runner)
 
     async def go():
-        async with TestClient(TestServer(server.make_app(CFG, engine, result))) as c:
+        async with TestClient(TestServer(server.make_app(cfg, engine, result))) as c:
             url = str(c.make_url("")).rstrip("/")
             health = await bench_serving.wait_ready(url, 10, None)
             return await bench_serving.bench(bench_serving.parse_args(argv), url, health)
@@ -102,6 +102,23 @@ def test_a_short_benchmark_against_the_server(booted):  # noqa: F811
     assert s["completed"] == 8 and s["failed"] == 0 and s["total_output_tokens"] == 64
     assert s["total_input_tokens"] == 128 and s["mean_ttft_ms"] > 0 and s["p99_itl_ms"] > 0
     assert s["server"]["oom_while_serving"] == 0 and s["server"]["kv_pages_used_after"] == 0
+
+
+def test_profile_traces_the_runs_steps_and_needs_the_servers_profile_dir(booted, tmp_path):  # noqa: F811
+    """--profile: the server's /start_profile before the run, /stop_profile after; its trace (Chrome JSON)
+    holds the run's engine steps. A server without --profile_dir: the run ends before sending anything."""
+    import gzip
+    argv = ["--num-prompts", "4", "--max-concurrency", "4", "--random-input-len", "16",
+            "--random-output-len", "4"]
+    s = _run_bench(booted, argv + ["--profile"], CFG.replace(profile_dir=str(tmp_path)))
+    t = s["profile"]
+    assert s["completed"] == 4 and t["steps"] >= 4  # a prefill, then a decode step a token
+    events = json.load(gzip.open(t["trace"]))["traceEvents"]
+    assert sum(e.get("name") == "engine step 1" for e in events) == 1
+    with pytest.raises(SystemExit, match="--profile_dir"):
+        _run_bench(booted, argv + ["--profile"])
+    with pytest.raises(SystemExit):
+        bench_serving.parse_args(["--profile-steps", "3"])  # needs --profile
 
 
 def test_a_short_soak_loses_nothing(booted):  # noqa: F811
