@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 from dataclasses import asdict
 from pathlib import Path
 
 from autoprofile.budget import gib
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT
+from autoprofile.timeline_plot import draw
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding the package: the plotting process imports it
 
 log = logging.getLogger(__name__)
 
@@ -125,47 +131,28 @@ def format_report(result) -> str:
 
 
 def write_report(result, out_dir: str | Path, plot_later: bool = False) -> tuple[Path, Path | None]:
-    """The JSON now; the memory timeline's PNG now, or on a thread (plot_later: a server's boot, which is
-    healthy without it; matplotlib's import and the drawing took 1.0-2.4 s of an H100 boot). Not a daemon
-    thread: a server stopped right after its boot still leaves the PNG."""
+    """The JSON now; the memory timeline's PNG now, or in a process of its own (plot_later: a server's boot,
+    which is healthy without it; timeline_plot says why not a thread). The process outlives a server stopped
+    right after its boot, so the PNG is still left."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     js = out / "budget_report.json"
-    js.write_text(json.dumps(to_dict(result), indent=2) + "\n")
+    report = to_dict(result)
+    js.write_text(json.dumps(report, indent=2) + "\n")
     png = out / "budget_timeline.png" if result.samples else None
     if png is not None and plot_later:
-        threading.Thread(target=plot_timeline, args=(result, png), name="budget-timeline").start()
+        plot_apart(js, png)
     elif png is not None:
-        plot_timeline(result, png)
+        draw(report, png)
     log.info("budget report written: %s%s", js, f", {png}{' (drawing)' if plot_later else ''}" if png else "")
     return js, png
 
 
-def plot_timeline(result, path: Path) -> Path:
-    # matplotlib's object API (Figure draws with Agg, no pyplot state): safe on a thread of its own
-    from matplotlib.figure import Figure
-
-    s = result.samples
-    t = [x.t for x in s]
-    fig = Figure(figsize=(11, 5))
-    ax = fig.subplots()
-    ax.step(t, [gib(x.reserved) for x in s], where="post", label="reserved by this process", lw=2)
-    ax.step(t, [gib(x.total - x.free) for x in s], where="post", label="used on the GPU (all processes)",
-            lw=1.2)
-    ax.step(t, [gib(x.free) for x in s], where="post", label="free on the GPU", lw=1.2, ls="--")
-    ax.axhline(gib(s[0].total), color="grey", lw=0.8, ls=":", label="GPU total")
-    starts = {x.label[:-6]: x.t for x in s if x.label.endswith(":start")}
-    for i, x in enumerate(e for e in s if e.label.endswith(":end")):
-        name = x.label[:-4]
-        t0 = starts.get(name, x.t)
-        ax.axvspan(t0, x.t, alpha=0.08, color=f"C{i % 10}")
-        ax.text((t0 + x.t) / 2, gib(s[0].total) * 0.98, name, ha="center", va="top", fontsize=8, rotation=90)
-    ax.set_xlabel("seconds since profiler start")
-    ax.set_ylabel("GiB")
-    ax.set_title(f"autoprofile: {result.cfg.model}: {result.tokens} KV tokens ({gib(result.kv_bytes):.1f} "
-                 f"GiB), "
-                 f"{result.attempts} attempt(s)")
-    ax.legend(loc="center right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+def plot_apart(js: Path, png: Path) -> subprocess.Popen:
+    """`python -m autoprofile.timeline_plot js png`, reaped by a thread that only waits (no GIL held)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                                       if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "autoprofile.timeline_plot", str(js), str(png)], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    threading.Thread(target=proc.wait, name="budget-timeline", daemon=True).start()
+    return proc
