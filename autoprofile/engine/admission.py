@@ -57,7 +57,7 @@ HOLD_MIN_DECODE_ROWS = 64  # fewer decode rows: waiting requests join at once (a
 
 
 def admit_now(decoding: int, waiting: int, held_steps: int, max_waiting_steps: int, ratio: float,
-              min_rows: int = HOLD_MIN_DECODE_ROWS, fills_step: bool = False) -> bool:
+              min_rows: int = HOLD_MIN_DECODE_ROWS) -> bool:
     """Whether this step admits waiting requests beside `decoding` decode rows (TGI's rule, its
     max_waiting_tokens counted in steps). A step that admits is a prefill step: eager, where decode rows alone
     replay their CUDA graph, so requests arriving one by one into a busy batch would make nearly every step
@@ -66,12 +66,9 @@ def admit_now(decoding: int, waiting: int, held_steps: int, max_waiting_steps: i
     (a light load: a held request would wait several short steps for little gain; measured on a multi-turn
     run of 32 conversations, TTFT p50 107 ms held against 48 ms at once), when they are at least `ratio` of
     the decode rows, or once they were held `max_waiting_steps` steps; max_waiting_steps 0: always at once.
-    fills_step: the waiting prompts fill the step's prefill budget (Scheduler._waiting_fill), so the prefill
-    step they make is a full one, no dearer a token than any: they join at once. Held, a burst's arrivals
-    waited for nothing (H200, c256, 1,000 prompts of 1,024 tokens, before this rule: TTFT p50 2.5 s against
-    0.8 s with pacing off, which this rule comes near at that load; tok/s 0.98x; prefill steps of 5,712
-    tokens against 8,077; TPOT p50 49.7 against 60.0 ms)."""
-    if max_waiting_steps <= 0 or decoding < max(min_rows, 1) or waiting == 0 or fills_step:
+    The scheduler also admits what this holds once the waiting prompts fill a step
+    (Scheduler._waiting_fill)."""
+    if max_waiting_steps <= 0 or decoding < max(min_rows, 1) or waiting == 0:
         return True
     return held_steps >= max_waiting_steps or waiting >= ratio * decoding
 

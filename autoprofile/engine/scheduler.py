@@ -156,8 +156,8 @@ class Scheduler:
         decode = self._schedule_decode()
         budget = self.env.mixed_tokens - len(decode.rows) if decode else self.env.prefill_tokens
         admit = admit_now(len(decode.rows) if decode else 0, len(self.waiting), self.held_steps,
-                          self.max_waiting_steps, self.waiting_served_ratio, self.hold_min_rows,
-                          fills_step=self._waiting_fill(budget))
+                          self.max_waiting_steps, self.waiting_served_ratio,
+                          self.hold_min_rows) or self._waiting_fill(budget)
         self.held_steps = 0 if admit else self.held_steps + 1
         step = self._schedule_prefill(budget, may_preempt=decode is None, admit=admit) if budget > 0 else None
         writes = []
@@ -179,8 +179,12 @@ class Scheduler:
         return step
 
     def _waiting_fill(self, budget: int) -> bool:
-        """Whether the waiting requests' prompts hold at least `budget` tokens (admission.admit_now's
-        fills_step; a prefix cache hit not counted off: an estimate); stops counting once they do."""
+        """Whether the waiting requests' prompts hold at least `budget` tokens (a prefix cache hit not counted
+        off: an estimate; counted only when admission.admit_now holds them, and only until they do). Then the
+        prefill step they make is a full one, no dearer a token than any, and they join at once: held, a
+        burst's arrivals waited for nothing (H200, c256, 1,000 prompts of 1,024 tokens, before this rule:
+        TTFT p50 2.5 s against 0.8 s with pacing off, which this rule comes near at that load; tok/s 0.98x;
+        prefill steps of 5,712 tokens against 8,077; TPOT p50 49.7 against 60.0 ms)."""
         held = 0
         for req in self.waiting:
             held += req.num_tokens

@@ -19,6 +19,7 @@ not for how much there is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+log = logging.getLogger(__name__)
 TABLE_ROWS = 40
 
 
@@ -46,7 +48,7 @@ class StepProfiler:
         self._prof: profile | None = None
         self._limit: int | None = None
         self._steps = 0
-        self.done: Trace | None = None  # a trace written after its num_steps, until stop() returns it
+        self.done: Trace | OSError | None = None  # written (or failed) after its num_steps, until stop()
 
     @property
     def active(self) -> bool:
@@ -76,7 +78,11 @@ class StepProfiler:
         with record_function(f"engine step {self._steps}"):
             yield
         if self._limit is not None and self._steps >= self._limit:
-            self.done = self._finish()
+            try:
+                self.done = self._finish()
+            except OSError as e:  # never the engine loop's error: stop() answers it
+                log.error("the trace after %d steps could not be written: %s", self._steps, e)
+                self.done = e
 
     def stop(self) -> Trace:
         """The running profile's trace, written now; or the one that ended after its num_steps (once)."""
@@ -85,7 +91,15 @@ class StepProfiler:
         if self.done is None:
             raise ProfileError("no profile is running: POST /start_profile first")
         done, self.done = self.done, None
+        if isinstance(done, OSError):
+            raise done
         return done
+
+    def close(self) -> None:
+        """The engine loop ends: a running profile is dropped unwritten (one torch profiler a process)."""
+        if self.active:
+            prof, self._prof = self._prof, None
+            prof.stop()
 
     def _finish(self) -> Trace:
         prof, self._prof = self._prof, None

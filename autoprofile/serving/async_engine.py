@@ -376,6 +376,8 @@ class AsyncEngine:
                 if cmd is _STOP:
                     self._abort_live("internal")
                     self._settle()
+                    if self.profiler is not None:
+                        self.profiler.close()
                     return
                 self._apply(cmd)
                 cmd = self._next_nowait()

@@ -415,6 +415,23 @@ def parse_tokenize(body: object, limits: Limits, tokenizer) -> tuple[list[int], 
     return tokenizer.encode(rendered.text, add_special_tokens=False, plain=rendered.client or ()), strs
 
 
+MAX_PROFILE_STEPS = 100_000
+
+
+def parse_start_profile(raw: bytes | bytearray) -> int | None:
+    """POST /start_profile's body (the server's --profile_dir): empty, {} or {"num_steps": N}, 1 <= N <=
+    MAX_PROFILE_STEPS (None: until POST /stop_profile)."""
+    try:
+        body = decode_json(raw) if raw.strip() else {}
+    except APIError as e:  # what to send instead, beside the parser's reason
+        e.message += "; send {} or {\"num_steps\": 50}"
+        raise
+    if not isinstance(body, dict) or set(body) - {"num_steps"}:
+        raise bad(None, "the body takes one field, 'num_steps', e.g. {\"num_steps\": 50}")
+    return _get(body, "num_steps", None, lambda n: _is_int(n) and 1 <= n <= MAX_PROFILE_STEPS,
+                f"must be an integer in [1, {MAX_PROFILE_STEPS}] (or absent: until POST /stop_profile)")
+
+
 def parse_detokenize(body: object, limits: Limits) -> list[int]:
     """POST /detokenize (vLLM's): token ids -> their text."""
     if not isinstance(body, dict):
