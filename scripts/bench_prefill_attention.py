@@ -2,7 +2,7 @@
 (engine/attention/triton_prefill.py) against torch SDPA's flash and cuDNN backends and torch's varlen
 attention (torch.nn.attention.varlen.varlen_attn: FlashAttention kernels bundled with torch 2.10+).
 
-    PYTHONPATH=. python3 scripts/bench_prefill_attention.py [--iters 10]
+    PYTHONPATH=. python3 scripts/bench_prefill_attention.py [--iters 10] [--gather]
 
 bf16, llama-3.1-8b's heads (32 query, 8 KV, dim 128), three shapes:
   causal 8192      one request of 8,192 tokens, causal
@@ -13,6 +13,12 @@ refuses a shape prints its reason instead; the run goes on. "err": max |out - SD
 kernel shows here). SDPA's inputs are [B, H, L, D] batches with K/V expanded to 32 heads outside the timing;
 the chunk is causal_lower_right (where this torch's flash refuses it, the memory-efficient kernel is the
 base, said so in the cell).
+
+--gather: instead, a chunked prefill's K/V gather from the paged cache (AttentionBackend.gather_kv: the keys
+of chunks over cached prefixes, every layer of such a step) in torch's advanced indexing against our one
+launch (kernels.triton_kv_gather), at 8,192 slots (a c256 prefill step) and 131,072 (the stress's longest
+corner), bf16 and FP8 pages of 16 tokens, slots shuffled by page; each cell: median ms and GB/s (bytes
+read + written).
 """
 from __future__ import annotations
 
@@ -144,8 +150,12 @@ def cell(make_runner: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tenso
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--gather", action="store_true", help="the K/V gather instead (see above)")
     args = p.parse_args()
     dev = torch.device("cuda")
+    if args.gather:
+        bench_gather(dev, args.iters)
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16, {HQ}/{HKV} heads x {D}")
     names = ["SDPA flash", "SDPA cuDNN", "torch varlen_attn", "triton_prefill (ours)", "cuDNN varlen"]
     print("| shape | " + " | ".join(names) + " |")
@@ -172,6 +182,30 @@ def bench_shape(q_lens: list[int], k_lens: list[int], dev: torch.device, iters: 
                         lambda: cudnn_varlen_runner(q, k, v, q_lens, k_lens)):
         row.append(cell(make_runner, ref, base, iters)[0])
     return row
+
+
+def bench_gather(dev: torch.device, iters: int, page: int = 16) -> None:
+    from autoprofile.kernels import triton_kv_gather
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; K/V gather, {HKV} heads x {D}, "
+          f"pages of {page}")
+    print("| slots, cache | torch indexing | triton_kv_gather | speed-up |")
+    print("|---|---|---|---|")
+    for n in (8192, 131072):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            pages = 2 * n // page
+            kc = torch.randn(pages, HKV, page, D, device=dev).to(dtype)
+            vc = torch.randn(pages, HKV, page, D, device=dev).to(dtype)
+            order = torch.randperm(pages, device=dev)[:n // page]  # a request's pages: anywhere in the pool
+            slots = (order[:, None] * page + torch.arange(page, device=dev)).reshape(-1)
+            p, o = slots // page, slots % page
+            ms_torch = cuda_median_ms(lambda: (kc[p, :, o], vc[p, :, o]), iters)
+            ms_ours = cuda_median_ms(lambda: triton_kv_gather.gather(kc, vc, slots), iters)
+            got, want = triton_kv_gather.gather(kc, vc, slots), (kc[p, :, o], vc[p, :, o])
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+            gb = 2 * 2 * n * HKV * D * kc.element_size() / 1e9  # K and V, read and written
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {n}, {name} | {ms_torch:.3f} ms ({gb / ms_torch * 1e3:,.0f} GB/s) | {ms_ours:.3f} ms "
+                  f"({gb / ms_ours * 1e3:,.0f} GB/s) | {ms_torch / ms_ours:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

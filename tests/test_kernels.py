@@ -289,6 +289,24 @@ def test_prefill_chunks_over_cached_prefixes(name, chunks, nan_empty):
             assert rel_err(out[qb[i]:qb[i] + 32], want) < BF16_TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n", [37, 8192, 131072])
+def test_kv_gather_equals_torch_indexing(n, dtype):
+    """aiter_triton's one-launch K/V gather (triton_kv_gather) against the base class's advanced indexing,
+    bit for bit, on pages spread over the pool (131,072: the stress's longest corner at llama-3.1's
+    context); an FP8 cache's K/V come back dequantised to bf16 as before."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    be, ref = make("aiter_triton"), make("torch")
+    pages = 2 * (n // PAGE + 1)
+    kc = torch.randn(pages, HKV, PAGE, D, generator=gen, device="cuda").to(dtype)
+    vc = torch.randn(pages, HKV, PAGE, D, generator=gen, device="cuda").to(dtype)
+    slots = torch.randperm(pages * PAGE, generator=gen, device="cuda")[:n]
+    scales = None if dtype == torch.bfloat16 else torch.tensor([0.5, 2.0], device="cuda")
+    got, want = be.gather_kv(KVLayer(kc, vc, scales), slots), ref.gather_kv(KVLayer(kc, vc, scales), slots)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.bfloat16 and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("t", [1, 256, 8192])
 def test_fused_rope_store_equals_the_torch_ops(t):
     """aiter_triton's one-kernel RoPE + KV store against the base class's torch ops (bf16: within one

@@ -272,6 +272,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         tb._apply_bitmask[grid](x, bits, rows, 128256, x.stride(0), bits.stride(0),
                                 HAS_INDEX=index is not None, BLOCK=tb.BLOCK, num_warps=tb.NUM_WARPS)
 ''',
+    # the prefill's K/V gather at llama-3.1-8b's cache (8 heads of 128) and qwen3.5-27b's (4 of 256), bf16 and
+    # FP8 pages
+    "triton_kv_gather": r'''
+RUN = False
+from autoprofile.kernels import triton_kv_gather
+for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for hkv, d in ((8, 128), (4, 256)):
+        cache = torch.zeros(8, hkv, 16, d, dtype=dtype)
+        triton_kv_gather.gather(cache, cache, torch.tensor([17, 40, 3]))
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -291,6 +301,7 @@ KERNELS = {
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},
     "triton_fp8_skinny": {"_skinny_fp8_kernel"},
     "triton_rope": {"_rope_store_kernel"},
+    "triton_kv_gather": {"_gather_kernel"},
     "triton_gdn": {"_conv_prefill_kernel", "_conv_window_kernel", "_gdn_decode_kernel", "_gated_norm_kernel",
                    "_gates_kernel"},
 }

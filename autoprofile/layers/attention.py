@@ -233,7 +233,11 @@ class AttentionBackend(KernelOps, ABC):
         (an FP8 cache dequantised): materialised per layer; the stress runs it at
         envelope.prefill_kv_tokens."""
         pages, offs = slots // self.page_size, slots % self.page_size
-        k, v = kv.k[pages, :, offs], kv.v[pages, :, offs]
+        return self.dequantize_kv(kv, kv.k[pages, :, offs], kv.v[pages, :, offs])
+
+    def dequantize_kv(self, kv: KVLayer, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V read from an FP8 cache in the model's dtype (its scales); a bf16/fp16 cache's as they are."""
         if kv.scales is None:
             return k, v
         return dequantize(k, kv.scales[0], self.dtype), dequantize(v, kv.scales[1], self.dtype)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from autoprofile import budget
-from autoprofile.kernels import (launch_rules, triton_decode, triton_mla_absorb, triton_prefill,
-                                 triton_reduce, triton_rope)
+from autoprofile.kernels import (launch_rules, triton_decode, triton_kv_gather, triton_mla_absorb,
+                                 triton_prefill, triton_reduce, triton_rope)
 from autoprofile.kernels.aiter_loader import is_rocm, load_aiter_triton
 from autoprofile.layers import gdn
 from autoprofile.layers.attention import (AttentionBackend, AttentionMetadata, KVLayer, output_rows,
@@ -243,6 +243,10 @@ class AiterTritonBackend(AttentionBackend):
     def silu_mul_quant(self, x: torch.Tensor, scheme: Fp8Scheme) -> Fp8Rows:
         """One Triton kernel: SiLU-mul's rows quantized in it (triton_fp8), no [T, I] bf16 tensor."""
         return self.triton_fp8.silu_mul_quant(x, scheme)
+
+    def gather_kv(self, kv: KVLayer, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch for K and V (triton_kv_gather) instead of two advanced-indexing kernels."""
+        return self.dequantize_kv(kv, *triton_kv_gather.gather(kv.k, kv.v, slots))
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVLayer,
                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
