@@ -200,7 +200,8 @@ print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 FUSED = KERNELS + r"""
 import torch
 from autoprofile.engine.host_kv import HostKVPool
-from autoprofile.kernels import triton_argmax, triton_kv_copy, triton_mla_absorb, triton_moe, triton_rope
+from autoprofile.kernels import (triton_argmax, triton_kv_copy, triton_kv_gather, triton_mla_absorb,
+                                 triton_moe, triton_rope)
 torch.empty(1, device="cuda")
 for rows in (1, 256):  # the greedy argmax (the profile's stress samples, so its serving set never has it)
     triton_argmax.argmax(torch.randn(rows, 128256, device="cuda", dtype=torch.bfloat16))
@@ -233,6 +234,9 @@ pool = HostKVPool(32, (2, 4, 8, 16, 128), torch.bfloat16, pin=True)
 pairs = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device="cuda")
 triton_kv_copy.copy_pages(gpu, pool.buffer, pairs)
 triton_kv_copy.copy_pages(pool.buffer, gpu, pairs)
+for hkv, d in ((8, 128), (4, 256)):  # a chunked prefill's K/V gather (llama-3.1-8b's cache, qwen3.5-27b's)
+    cache = torch.zeros(64, hkv, 16, d, **bf)
+    triton_kv_gather.gather(cache, cache, torch.arange(1000, device="cuda"))
 torch.cuda.synchronize()
 print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 """
@@ -359,7 +363,8 @@ def test_no_split_decode_kernel_spills_past_the_bound():
 
 def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
     """This session's fused kernels (Qwen3's q/k norm + RoPE + store and Qwen3.5's gated variant, MLA's RoPE
-    + latent norm + store, the MoE top-k sum with its addends), the host tier's page copies, at one token
+    + latent norm + store, the MoE top-k sum with its addends), the host tier's page copies, a chunked
+    prefill's K/V gather, at one token
     and at a prefill's 8,192, and the greedy argmax at 1 and 256 rows: no variant needs more than 1 KiB of
     local memory per thread."""
     got = run_fresh(FUSED)
@@ -367,5 +372,5 @@ def test_no_fused_decode_or_page_copy_kernel_spills_past_the_bound():
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_rope_store_kernel", "_mla_rope_store_kernel", "_moe_sum_kernel", "_copy_pages_kernel",
-            "_absorb_kernel", "_unabsorb_kernel", "_argmax_kernel"} <= names
+            "_absorb_kernel", "_unabsorb_kernel", "_argmax_kernel", "_gather_kernel"} <= names
     assert spilling(got["kernels"]) == []
