@@ -12,6 +12,7 @@ from pathlib import Path
 
 from autoprofile.budget import gib
 from autoprofile.engine.kv_cache import KV_SCALE_TEXT
+from autoprofile.engine.stress import CORNER
 from autoprofile.timeline_plot import draw
 
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding the package: the plotting process imports it
@@ -81,13 +82,28 @@ def to_dict(result) -> dict:
     }
 
 
+SLOWEST_CORNERS = 3  # the stress corners a phase's report names
+
+
 def phase_steps_lines(steps) -> list[str]:
     """A line a phase with timed steps: "    probe: graphs 9.6s, stress prefill 11.9s, stress decode 0.3s"
-    (what the rest of the phase spent: the build, the KV, the measurement)."""
+    (what the rest of the phase spent: the build, the KV, the measurement); and its slowest stress corners
+    (each one a step named stress.CORNER + its label; all of them in the JSON's phase_steps_s)."""
     by_phase: dict[str, list[str]] = {}
+    corners: dict[str, list[tuple[float, str]]] = {}
     for phase, step, seconds in steps:
-        by_phase.setdefault(phase, []).append(f"{step} {seconds:.2f}s")
-    return [f"    {phase}: " + ", ".join(parts) for phase, parts in by_phase.items()]
+        if step.startswith(CORNER):
+            corners.setdefault(phase, []).append((seconds, step.removeprefix(CORNER)))
+        else:
+            by_phase.setdefault(phase, []).append(f"{step} {seconds:.2f}s")
+    lines = []
+    for phase, parts in by_phase.items():
+        lines.append(f"    {phase}: " + ", ".join(parts))
+        slowest = sorted(corners.get(phase, []), reverse=True)[:SLOWEST_CORNERS]
+        if slowest:
+            lines.append(f"      slowest of {len(corners[phase])} stress corners: "
+                         + "; ".join(f"{label} {s:.2f}s" for s, label in slowest))
+    return lines
 
 
 def format_report(result) -> str:

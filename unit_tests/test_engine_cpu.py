@@ -375,13 +375,23 @@ def test_a_failing_build_tears_down_what_it_built(runner, mocker):
 
 def test_each_stress_is_a_timed_boot_step_taken_once(runner):
     """The profiler's phases name what they spent on the stresses (and graphs, on a GPU): the runner times
-    each stress and hands the steps over once."""
+    each stress, and each of its corners named by its shape, and hands the steps over once."""
+    from autoprofile.engine import stress
     runner.take_boot_steps()
-    runner.stress_prefill()
-    runner.stress_decode()
+    prefill = runner.stress_prefill()
+    decode = runner.stress_decode()
     steps = runner.take_boot_steps()
-    assert [name for name, _ in steps] == ["stress prefill", "stress decode"]
+    totals = [(name, s) for name, s in steps if not name.startswith(stress.CORNER)]
+    assert [name for name, _ in totals] == ["stress prefill", "stress decode"]
     assert all(seconds > 0 for _, seconds in steps)
+    corners = [name.removeprefix(stress.CORNER) for name, _ in steps if name.startswith(stress.CORNER)]
+    assert corners == [stress.corner_label(shape, step.routing) for shape, step in
+                       zip(prefill + decode, runner.corners(stress.prefill_steps)
+                           + runner.corners(stress.decode_steps))]
+    # each stress's corners took no longer than the stress
+    cut = len(prefill) + 1
+    assert sum(s for _, s in steps[1:cut]) <= steps[0][1]
+    assert sum(s for _, s in steps[cut + 1:]) <= steps[cut][1]
     assert runner.take_boot_steps() == []
 
 
@@ -542,3 +552,27 @@ def test_tensor_parallel_2_ranks_over_gloo_equals_one_rank(tmp_path):
         tokens, logits = got[rank]
         assert tokens == want
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_report_names_each_phases_slowest_stress_corners():
+    """report.phase_steps_lines: a phase's totals on one line, its SLOWEST_CORNERS slowest corners (by their
+    labels, slowest first) on the next; a phase without corners adds none."""
+    from autoprofile.engine.envelope import StepShape
+    from autoprofile.engine.stress import CORNER, corner_label
+    from autoprofile.report import phase_steps_lines
+    long = corner_label(StepShape(prefill_tokens=8192, prefill_rows=1, prefill_kv_tokens=131071))
+    mixed = corner_label(StepShape(prefill_tokens=7937, prefill_rows=1, prefill_kv_tokens=131071,
+                                   decode_rows=255), "worst")
+    decode = corner_label(StepShape(decode_rows=256, max_req_total_len=131072))
+    assert (long, mixed, decode) == ("8192 new in 1 row, kv 131071",
+                                     "7937 new in 1 row, kv 131071 + 255 decode rows (worst)",
+                                     "256 decode rows to 131072")
+    many = corner_label(StepShape(prefill_tokens=8192, prefill_rows=256, prefill_kv_tokens=8192))
+    steps = [("probe", "graphs", 5.5), ("probe", "stress prefill", 6.0), ("probe", CORNER + many, 0.5),
+             ("probe", CORNER + long, 2.25), ("probe", CORNER + mixed, 1.5), ("probe", CORNER + decode, 0.75),
+             ("rebuild+validate#1", "graphs", 1.9)]
+    assert phase_steps_lines(steps) == [
+        "    probe: graphs 5.50s, stress prefill 6.00s",
+        "      slowest of 4 stress corners: 8192 new in 1 row, kv 131071 2.25s; "
+        "7937 new in 1 row, kv 131071 + 255 decode rows (worst) 1.50s; 256 decode rows to 131072 0.75s",
+        "    rebuild+validate#1: graphs 1.90s"]

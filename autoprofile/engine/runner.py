@@ -584,11 +584,16 @@ class ModelRunner:
         self.stressing = True
         try:
             t0 = time.perf_counter()
-            shapes = [self._run_corner(step) for step in self.corners(steps)]
-            took = time.perf_counter() - t0
             name = getattr(steps, "__name__", "stress").replace("_steps", "")
+            shapes, corners = [], []
+            for step in self.corners(steps):
+                start = time.perf_counter()
+                shapes.append(self._run_corner(step))
+                corners.append((f"{stress.CORNER}{stress.corner_label(shapes[-1], step.routing)}",
+                                time.perf_counter() - start))
+            took = time.perf_counter() - t0
             log.info("stress: %d %s corners in %.2f s", len(shapes), name, took)
-            self.boot_steps.append((f"stress {name}", took))
+            self.boot_steps += [(f"stress {name}", took), *corners]
             return shapes
         finally:
             self.stressing = False
@@ -597,17 +602,15 @@ class ModelRunner:
                 self.kv.set_scales(None)
 
     def take_boot_steps(self) -> list[tuple[str, float]]:
-        """The timed steps (graph captures, stresses) since the last call, for the profiler's phases."""
+        """The timed steps (graph captures, stresses, and each stress corner: named CORNER + its label) since
+        the last call, for the profiler's phases."""
         steps, self.boot_steps = self.boot_steps, []
         return steps
 
     def _run_corner(self, step: Step) -> StepShape:
-        t0 = time.perf_counter()
         self.execute(step)
         self._sync()
-        shape = step.shape(self.envelope.graph_rows)
-        log.debug("stress corner %s: %.3f s", shape, time.perf_counter() - t0)
-        return shape
+        return step.shape(self.envelope.graph_rows)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

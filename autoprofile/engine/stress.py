@@ -42,7 +42,7 @@ import dataclasses
 import math
 import random
 
-from autoprofile.engine.envelope import Envelope
+from autoprofile.engine.envelope import Envelope, StepShape
 from autoprofile.engine.multimodal import ImageInput, MultiModalInput
 from autoprofile.engine.sampling_params import STRESS_PARAMS
 from autoprofile.engine.scheduler import Step, StepRow, image_spans
@@ -206,3 +206,19 @@ def decode_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
     if env.encoder_images:
         steps = [with_images(env, step, seed + i) for i, step in enumerate(steps)]
     return steps + forced(steps, routings)
+
+
+CORNER = "corner: "  # a timed boot step that is one stress corner (runner.take_boot_steps): this + its label
+
+
+def corner_label(shape: StepShape, routing: str = "model") -> str:
+    """A corner in a few words, for the boot's report: "8192 new in 256 rows, kv 8192",
+    "1 new in 1 row, kv 131071 + 255 decode rows (worst)", "256 decode rows to 131072"."""
+    if shape.prefill_rows:
+        text = (f"{shape.prefill_tokens} new in {shape.prefill_rows} row{'s' * (shape.prefill_rows > 1)}, "
+                f"kv {shape.prefill_kv_tokens}")
+        if shape.decode_rows:
+            text += f" + {shape.decode_rows} decode rows"
+    else:
+        text = f"{shape.decode_rows} decode rows to {shape.max_req_total_len}"
+    return text if routing == "model" else f"{text} ({routing})"
