@@ -100,6 +100,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting_requests: int = 1024
+    # a stream's outputs reach its reader every this many tokens (its first token and its end at once):
+    # SGLang's and vLLM's --stream-interval
+    stream_interval: int = 1
     seed: int = 0
     # batch-invariant kernels: a request's tokens do not depend on the requests beside it (the README section
     # README_REPRODUCIBLE names)
@@ -264,6 +267,8 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
     _check(not cfg.state_checkpoints or not cfg.disable_prefix_caching, "state_checkpoints",
            f"{cfg.state_checkpoints} checkpoints keep a cached prefix's state, and --disable_prefix_caching "
            f"turns the cache off; drop one of them (or --state_checkpoints 0)")
+    _check(cfg.stream_interval >= 1, "stream_interval",
+           f"must be >= 1, got {cfg.stream_interval}; try --stream_interval 1 (every token)")
     _check(cfg.max_waiting_steps >= 0, "max_waiting_steps",
            f"must be >= 0, got {cfg.max_waiting_steps}; try --max_waiting_steps 8 (0: admit at once)")
     _check(cfg.waiting_served_ratio >= 0, "waiting_served_ratio",
@@ -759,6 +764,10 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
     add_flag(http, "port", type=int, default=d.port, help="The HTTP port; 0 picks a free one.")
     add_flag(http, "max_waiting_requests", type=int, default=d.max_waiting_requests,
              help="Requests queued beyond the running ones; past them the server answers 429.")
+    add_flag(http, "stream_interval", type=int, default=d.stream_interval, metavar="N",
+             help="A request's tokens reach its HTTP handler (a streamed chunk) every N tokens; the first "
+                  "token and the last at once (SGLang's and vLLM's --stream-interval). Larger: fewer chunks "
+                  "and less host time on the event loop's thread, which shares the GIL with the engine's.")
     add_flag(http, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
              help="Comma-separated hosts whose http(s) image URLs the server may fetch; data: URLs always "
                   "work.")

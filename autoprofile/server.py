@@ -330,7 +330,8 @@ def activate(app: web.Application, engine, result, tokenizer=None, vocab: tuple 
     st.result = result
     st.metrics.add_profile(result)
     st.engine = AsyncEngine(engine, engine.envelope.running_reqs, cfg.max_waiting_requests, st.metrics,
-                            on_dead=functools.partial(_on_dead, st), profile_dir=cfg.profile_dir)
+                            on_dead=functools.partial(_on_dead, st), profile_dir=cfg.profile_dir,
+                            stream_interval=cfg.stream_interval)
     st.engine.start()
     st.phase = "ready"
     log.info("ready: %d KV tokens, %d running + %d waiting requests at most", result.tokens,

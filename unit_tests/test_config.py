@@ -80,6 +80,7 @@ BAD = [
     (["--host", " "], "host", "try --host 127.0.0.1", ["--host", "127.0.0.1"]),
     (["--max_waiting_requests", "-1"], "max_waiting_requests", "try --max_waiting_requests 1024",
      ["--max_waiting_requests", "1024"]),
+    (["--stream_interval", "0"], "stream_interval", "try --stream_interval 1", ["--stream_interval", "1"]),
     (["--model", "no-such-model"], "model", "llama-3.1-8b", ["--model", "llama-3.1-8b"]),
     (["--model", "deepseek-v2-lite", "--attention_backend", "aiter"], "attention_backend",
      "try --attention_backend aiter_triton", ["--model", "deepseek-v2-lite", "--attention_backend", "torch"]),
@@ -99,7 +100,7 @@ BAD = [
 ]
 
 
-SERVE_ONLY = ("host", "port", "max_waiting_requests")
+SERVE_ONLY = ("host", "port", "max_waiting_requests", "stream_interval")
 
 
 def test_at_least_22_bad_cases():

@@ -804,6 +804,67 @@ def test_a_failure_is_read_after_the_outputs_before_it():
     assert code == "oom"
 
 
+def test_a_stream_interval_wakes_the_reader_at_its_first_token_every_n_tokens_and_at_the_end():
+    """--stream_interval 4: the reader takes the first token at once, then the outputs of 4 tokens merged
+    (the steps' outputs of 1 and 2 tokens in between never wake it), then whatever is left at the end; a
+    failure wakes it at once. At 1 every output wakes it."""
+    def outputs(sizes, end=True):
+        done, out = 0, []
+        for i, n in enumerate(sizes):
+            done += n
+            last = end and i == len(sizes) - 1
+            out.append(RequestOutput("r", list(range(done - n, done)), last, "length" if last else None, 3,
+                                     done))
+        return out
+
+    async def read(interval, items):
+        handle, got = RequestHandle(None, "r", 3, stream_interval=interval), []
+
+        async def reader():
+            try:
+                async for o in handle:
+                    got.append(len(o.new_token_ids))
+            except EngineFailure as e:
+                got.append(e.code)
+        task = asyncio.ensure_future(reader())
+        woken, turns = [], 0
+        for item in items:
+            await asyncio.sleep(0)
+            waiting = handle._waiter  # the blocked reader's future
+            handle.put(item)
+            turns += waiting is not None and waiting.done()  # a turn on the event loop for the reader
+            for _ in range(3):  # the reader's turn, if it was woken
+                await asyncio.sleep(0)
+            woken.append(len(got))
+        await task
+        assert turns <= len(got)  # woken only for what it reads: no turn for an output merged
+        return got, woken
+    got, woken = asyncio.run(read(4, outputs([1, 1, 2, 1, 1, 1, 1, 1, 2, 1])))
+    assert got == [1, 4, 4, 3] and woken == [1, 1, 1, 2, 2, 2, 2, 3, 3, 4]
+    got, _ = asyncio.run(read(4, [*outputs([1, 2], end=False), EngineFailure("oom")]))
+    assert got == [1, 2, "oom"]
+    got, woken = asyncio.run(read(1, outputs([1, 1, 2, 1])))
+    assert got == [1, 1, 2, 1] and woken == [1, 2, 3, 4]
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(run, engine, booted):
+    """A streamed completion under --stream_interval 4 carries the same text as at 1 (greedy), its first
+    token alone in the first chunk, in at most 1 + ceil(15 / 4) content chunks; at 1 a chunk a token."""
+    cfg4 = validate(ServerConfig(**FLAGS, max_waiting_requests=2, stream_interval=4))
+    body = greedy(n=16, stream=True, ignore_eos=True, logprobs=1)
+
+    async def streamed(c, app):
+        events = await sse(c, "/v1/completions", body)
+        chunks = [e for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]]
+        return ["".join(e["choices"][0]["text"] for e in chunks),
+                [len(e["choices"][0]["logprobs"]["tokens"]) for e in chunks]]
+    text1, sizes1 = run(streamed)
+    text4, sizes4 = serve(engine, booted[1], streamed, cfg4)
+    assert text4 == text1 and sum(sizes4) == sum(sizes1) == 16
+    assert sizes4[0] == 1 and len(sizes4) <= 5 and all(n >= 4 for n in sizes4[1:-1]), sizes4
+    assert len(sizes1) >= 12, sizes1
+
+
 def test_request_output_then_keeps_the_prompt_logprobs_of_the_first():
     first = RequestOutput("r", [1], False, None, 4, 1, ["a"], [None, "p1", "p2", "p3"])
     later = RequestOutput("r", [2, 3], True, "stop", 4, 3, ["b", "c"])

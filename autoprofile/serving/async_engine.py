@@ -111,10 +111,18 @@ class RequestHandle:
     An output the reader has not taken yet absorbs the next one (RequestOutput.then, as vLLM's
     RequestOutputCollector): a reader that lags behind the steps (an event loop busy with many streams) reads
     several steps' tokens at once, one SSE chunk for them, instead of falling further behind one token at a
-    time. A failure is queued after what came before it."""
+    time. A failure is queued after what came before it.
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int):
+    stream_interval (--stream_interval, SGLang's and vLLM's): the reader is woken once the unread outputs hold
+    that many tokens, or the first token, or the end (finished, or a failure); in between they merge. Each
+    wake is a handler's turn on the event loop (a chunk built and written), whose thread shares the GIL with
+    the engine's."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, stream_interval: int = 1):
         self.owner, self.request_id, self.prompt_tokens = owner, request_id, prompt_tokens
+        self.stream_interval = stream_interval
+        self._unread = 0  # tokens in the unread outputs
+        self._first = True  # no token has reached the reader yet
         self._items: collections.deque[RequestOutput | EngineFailure] = collections.deque()
         self._waiter: asyncio.Future | None = None  # the reader, blocked on an empty handle
         self.added: asyncio.Future | None = None  # settled once the engine thread has taken it
@@ -128,6 +136,10 @@ class RequestHandle:
             items[-1] = items[-1].then(item)
         else:
             items.append(item)
+        if isinstance(item, RequestOutput):
+            self._unread += len(item.new_token_ids)
+        if not self._due():
+            return  # merged into the unread output: the reader is woken with more
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -137,18 +149,28 @@ class RequestHandle:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        while not self._items:
+        while not (self._items and self._due()):
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
         item = self._items.popleft()
+        if isinstance(item, RequestOutput):
+            self._unread = 0
+            self._first = self._first and not item.new_token_ids
         if isinstance(item, EngineFailure):
             self.finished = True
             raise item
         self.finished = item.finished
         return item
+
+    def _due(self) -> bool:
+        """The unread items (at least one) go to the reader now: every output at a stream_interval of 1; else
+        a failure, the end, the first token, or stream_interval tokens."""
+        last = self._items[-1]
+        return (self.stream_interval == 1 or not isinstance(last, RequestOutput) or last.finished
+                or self._unread >= self.stream_interval or (self._first and self._unread > 0))
 
     def close(self, completed: bool = False) -> None:
         """Abort in the engine if it is still running there (a disconnect, a stop string, an error).
@@ -159,12 +181,13 @@ class RequestHandle:
 class AsyncEngine:
     def __init__(self, engine, max_running: int, max_waiting: int, metrics=None, on_dead=None,
                  wedged_after_s: float | None = None, starved_after_s: float | None = None,
-                 profile_dir: str | None = None):
+                 profile_dir: str | None = None, stream_interval: int = 1):
         """metrics: .first_token(timing) and .request_finished(timing, completion_tokens, finish_reason),
         called on the event loop (ServerMetrics). on_dead(reason): called once on the event loop when the
         loop thread dies, wedges or starves (defaults: WEDGED_AFTER_S, STARVED_AFTER_S). profile_dir: where
-        profile() writes its traces (None: no profiler)."""
+        profile() writes its traces (None: no profiler). stream_interval: each handle's (RequestHandle)."""
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
+        self.stream_interval = stream_interval
         self.metrics = metrics or _NoMetrics()
         self.on_dead = on_dead
         self.wedged_after_s = WEDGED_AFTER_S if wedged_after_s is None else wedged_after_s
@@ -275,7 +298,7 @@ class AsyncEngine:
         if not self.has_room():
             raise QueueFull(f"{self.outstanding} requests outstanding: {self.max_running} running + "
                             f"{self.max_waiting} waiting (--max_waiting_requests) is the limit")
-        handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids))
+        handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids), self.stream_interval)
         self.handles[handle.request_id] = handle
         self._idle.clear()
         added = handle.added = self._loop.create_future()
