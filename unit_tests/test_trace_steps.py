@@ -1,6 +1,6 @@
-"""scripts/trace_steps.py on a Chrome trace written the way torch.profiler writes a served step's: "engine step
-N" GPU ranges, kernels inside them (one overlapping another), a memset, a kernel of the next step outside the
-range; the groups' times, the idle inside each step and the long/short split are those of the events."""
+"""scripts/trace_steps.py on a Chrome trace written the way torch.profiler writes a served step's: "engine
+step N" GPU ranges, kernels inside them (one overlapping another), a memset, a kernel of the next step outside
+the range; the groups' times, the idle inside each step and the long/short split are those of the events."""
 from __future__ import annotations
 
 import gzip
