@@ -6,10 +6,12 @@
 Each engine step is a "gpu_user_annotation" range named "engine step N" in torch.profiler's Chrome trace:
 the span of the GPU work that step launched. Inside it, every kernel, memset and copy is put in a group by
 its name (GROUPS: the GEMMs, the two attentions, the elementwise passes, ...); what the span holds beyond the
-union of that work is the GPU idle inside the step. Steps whose span is at least --long_ms are "long"
-(prefill and mixed steps at serving's sizes), the rest "short" (decode); each kind gets a table: the mean
-span, the idle, each group's mean time and its share. A profiled run is slower than a plain one
-(torch.profiler records every op): the shares are what it is for, not the totals.
+union of that work is the GPU idle inside the step, named by the groups of the work on each side of it.
+Steps whose span is at least --long_ms are "long" (prefill and mixed steps at serving's sizes), the rest
+"short" (decode); each kind gets a table: the mean span, the idle, each group's mean time and its share, and
+the TOP_GAPS places of most idle (a step whose launches are late shows its GPU waiting there). A profiled
+run is slower than a plain one (torch.profiler records every op): the shares are what it is for, not the
+totals.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ GROUPS = (  # first match wins; names as CUDA, cuBLAS and our Triton kernels spe
     ("copy", r"memcpy|memset|copy|fill"),
 )
 WORK = ("kernel", "gpu_memset", "gpu_memcpy")
+TOP_GAPS = 3  # the places of most idle GPU a table names
 
 
 def group_of(name: str) -> str:
@@ -48,6 +51,9 @@ class Step:
     span: float  # us
     groups: dict[str, float] = field(default_factory=dict)  # us of work a group
     busy: float = 0.0  # us: the union of the work's intervals inside the span
+    # us of idle GPU by where it falls: (the group of the work before it, of the work after it; "start" and
+    # "end" at the span's edges); a host-bound step's launches show here
+    gaps: dict[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def idle(self) -> float:
@@ -77,13 +83,20 @@ def steps_of(events: list[dict]) -> list[Step]:
             i += 1
         inside = []
         j = i
+        done, before = step.start, "start"  # the latest end so far, and whose
         while j < len(work) and work[j]["ts"] < end:
             e = work[j]
             a, b = e["ts"], min(e["ts"] + e["dur"], end)
             inside.append((a, b))
             g = "copy" if e["cat"] != "kernel" else group_of(e["name"])
             step.groups[g] = step.groups.get(g, 0.0) + (b - a)
+            if a > done:
+                step.gaps[before, g] = step.gaps.get((before, g), 0.0) + (a - done)
+            if b > done:
+                done, before = b, g
             j += 1
+        if end > done:
+            step.gaps[before, "end"] = step.gaps.get((before, "end"), 0.0) + (end - done)
         step.busy = union_length(inside)
     return steps
 
@@ -100,6 +113,14 @@ def table(steps: list[Step], title: str) -> str:
     for g in names:
         ms = sum(s.groups.get(g, 0.0) for s in steps) / len(steps) / 1e3
         lines.append(f"  {g:<14}{ms:>10.2f}{ms / span:>8.1%}")
+    gaps: dict[tuple[str, str], float] = {}
+    for s in steps:
+        for pair, us in s.gaps.items():
+            gaps[pair] = gaps.get(pair, 0.0) + us
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:TOP_GAPS]
+    if worst:
+        lines.append("  idle most between: " + "; ".join(
+            f"{a} -> {b} {us / len(steps) / 1e3:.2f} ms" for (a, b), us in worst))
     return "\n".join(lines) + "\n"
 
 

@@ -49,8 +49,11 @@ def test_groups_idle_and_split(tmp_path, capsys):
                            "copy": 500.0}
     assert long.busy == 80_000.0 + 5_000.0 + 2_000.0 + 2_000.0 + 500.0  # the overlap counted once
     assert long.idle == 100_000.0 - long.busy
+    # the idle by where it falls: after the SiLU (its end, not the attention's), and after the last work
+    assert long.gaps == {("act", "other"): 2_000.0, ("copy", "end"): 8_500.0}
+    assert sum(long.gaps.values()) == long.idle
     assert short.groups == {"attn_decode": 6_000.0, "norm": 1_000.0, "gemm": 1_000.0}
-    assert short.idle == 2_000.0
+    assert short.idle == 2_000.0 and short.gaps == {("attn_decode", "norm"): 500.0, ("norm", "gemm"): 1_500.0}
 
     path = tmp_path / "engine.json.gz"
     with gzip.open(path, "wt") as f:
@@ -60,6 +63,7 @@ def test_groups_idle_and_split(tmp_path, capsys):
     assert "long steps (>= 50 ms): 1 steps, span 100.00 ms (idle inside 10.50 ms, 10.5%)" in out
     assert "short steps: 1 steps, span 10.00 ms (idle inside 2.00 ms, 20.0%)" in out
     assert "  gemm               80.00   80.0%" in out
+    assert "  idle most between: copy -> end 8.50 ms; act -> other 2.00 ms" in out
 
 
 def test_a_trace_without_steps_and_a_bad_flag(tmp_path):
