@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -845,6 +846,36 @@ def test_a_stream_interval_wakes_the_reader_at_its_first_token_every_n_tokens_an
     assert got == [1, 2, "oom"]
     got, woken = asyncio.run(read(1, outputs([1, 1, 2, 1])))
     assert got == [1, 1, 2, 1] and woken == [1, 2, 3, 4]
+    got, woken = asyncio.run(read(math.inf, outputs([1, 1, 2, 1, 3])))  # final_only: first token, end
+    assert got == [1, 7] and woken == [1, 1, 1, 1, 2]
+
+
+def test_a_whole_answer_without_stop_strings_reads_its_first_token_and_its_end(run, monkeypatch):
+    """A non-streamed completion (vLLM's FINAL_ONLY): its handler reads two outputs, the first token and the
+    rest at the end, with the text a stream of the same request carries; with a stop string it reads the
+    outputs as they come, to end the request at the string."""
+    reads: list[int] = []
+    real = RequestHandle.__anext__
+
+    async def counted(self):
+        out = await real(self)
+        reads.append(len(out.new_token_ids))
+        return out
+    monkeypatch.setattr(RequestHandle, "__anext__", counted)
+
+    async def body(c, app):
+        whole = await post(c, "/v1/completions", greedy(n=16, ignore_eos=True))
+        first = list(reads)
+        reads.clear()
+        events = await sse(c, "/v1/completions", greedy(n=16, ignore_eos=True, stream=True))
+        streamed = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]" and e["choices"])
+        reads.clear()
+        await post(c, "/v1/completions", greedy(n=16, ignore_eos=True, stop=["never appears"]))
+        return whole, first, streamed, list(reads)
+    (status, data), whole_reads, streamed, stop_reads = run(body)
+    assert status == 200 and data["choices"][0]["text"] == streamed
+    assert whole_reads == [1, 15], whole_reads
+    assert len(stop_reads) > 2 and sum(stop_reads) == 16, stop_reads
 
 
 def test_a_stream_interval_sends_fewer_chunks_of_the_same_text(run, engine, booted):

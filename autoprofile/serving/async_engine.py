@@ -34,6 +34,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -116,9 +117,10 @@ class RequestHandle:
     stream_interval (--stream_interval, SGLang's and vLLM's): the reader is woken once the unread outputs hold
     that many tokens, or the first token, or the end (finished, or a failure); in between they merge. Each
     wake is a handler's turn on the event loop (a chunk built and written), whose thread shares the GIL with
-    the engine's."""
+    the engine's. math.inf: the first token and the end alone (AsyncEngine.submit's final_only)."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, stream_interval: int = 1):
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int,
+                 stream_interval: float = 1):
         self.owner, self.request_id, self.prompt_tokens = owner, request_id, prompt_tokens
         self.stream_interval = stream_interval
         self._unread = 0  # tokens in the unread outputs
@@ -290,15 +292,19 @@ class AsyncEngine:
         return self.outstanding + n <= self.capacity
 
     async def submit(self, prompt_ids: Sequence[int], params, max_tokens: int,
-                     stop_token_ids: Sequence[int] = (), mm=None, grammar=None) -> RequestHandle:
+                     stop_token_ids: Sequence[int] = (), mm=None, grammar=None,
+                     final_only: bool = False) -> RequestHandle:
         """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it,
-        EngineFailure("dead") once the loop is dead."""
+        EngineFailure("dead") once the loop is dead. final_only (vLLM's RequestOutputKind.FINAL_ONLY: a reader
+        that needs only the whole answer): its handle wakes the reader at the first token and the end
+        alone."""
         if self.dead is not None:
             raise EngineFailure("dead")
         if not self.has_room():
             raise QueueFull(f"{self.outstanding} requests outstanding: {self.max_running} running + "
                             f"{self.max_waiting} waiting (--max_waiting_requests) is the limit")
-        handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids), self.stream_interval)
+        handle = RequestHandle(self, uuid.uuid4().hex, len(prompt_ids),
+                               math.inf if final_only else self.stream_interval)
         self.handles[handle.request_id] = handle
         self._idle.clear()
         added = handle.added = self._loop.create_future()

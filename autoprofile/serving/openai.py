@@ -190,8 +190,11 @@ async def _submit(st: Serving, args: GenerateArgs, index: int = 0):
     if args.allowed_token_ids:
         grammar = AllowedTokens.of(args.allowed_token_ids, st.limits.vocab_size, grammar)
     try:
+        # a whole answer without stop strings needs no output before the end (vLLM's FINAL_ONLY): no turn on
+        # the event loop a step; stop strings are looked for as the text comes, to end the request there
         handle = await st.engine.submit(args.prompt_ids, args.to_sampling_params(index), args.max_tokens,
-                                        stop_ids, mm=args.mm, grammar=grammar)
+                                        stop_ids, mm=args.mm, grammar=grammar,
+                                        final_only=not args.stream and not args.stop)
     except QueueFull as e:
         raise _queue_full(e) from None
     except RequestError as e:
