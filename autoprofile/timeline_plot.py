@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-GIB = float(1 << 30)
+from autoprofile.budget import gib  # (no torch: the plotting process imports none)
 
 
 def draw(report: dict, path: Path) -> Path:
@@ -23,11 +23,11 @@ def draw(report: dict, path: Path) -> Path:
     t = [x["t"] for x in s]
     fig = Figure(figsize=(11, 5))
     ax = fig.subplots()
-    ax.step(t, [x["reserved"] / GIB for x in s], where="post", label="reserved by this process", lw=2)
-    ax.step(t, [(x["total"] - x["free"]) / GIB for x in s], where="post",
+    ax.step(t, [gib(x["reserved"]) for x in s], where="post", label="reserved by this process", lw=2)
+    ax.step(t, [gib(x["total"] - x["free"]) for x in s], where="post",
             label="used on the GPU (all processes)", lw=1.2)
-    ax.step(t, [x["free"] / GIB for x in s], where="post", label="free on the GPU", lw=1.2, ls="--")
-    total = s[0]["total"] / GIB
+    ax.step(t, [gib(x["free"]) for x in s], where="post", label="free on the GPU", lw=1.2, ls="--")
+    total = gib(s[0]["total"])
     ax.axhline(total, color="grey", lw=0.8, ls=":", label="GPU total")
     starts = {x["label"][:-6]: x["t"] for x in s if x["label"].endswith(":start")}
     for i, x in enumerate(e for e in s if e["label"].endswith(":end")):

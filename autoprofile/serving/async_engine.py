@@ -168,11 +168,12 @@ class RequestHandle:
         return item
 
     def _due(self) -> bool:
-        """The unread items (at least one) go to the reader now: every output at a stream_interval of 1; else
-        a failure, the end, the first token, or stream_interval tokens."""
+        """The unread items (at least one) go to the reader now: a failure, the end, the first token, or
+        stream_interval tokens (at 1: every output with a token; the engine reports none without one but the
+        last)."""
         last = self._items[-1]
-        return (self.stream_interval == 1 or not isinstance(last, RequestOutput) or last.finished
-                or self._unread >= self.stream_interval or (self._first and self._unread > 0))
+        return (not isinstance(last, RequestOutput) or last.finished or self._unread >= self.stream_interval
+                or (self._first and self._unread > 0))
 
     def close(self, completed: bool = False) -> None:
         """Abort in the engine if it is still running there (a disconnect, a stop string, an error).
