@@ -245,7 +245,7 @@ async def stop_profile(request: web.Request, st: ServerState) -> web.Response:
 
 
 async def _profile(st: ServerState, action: str, num_steps: int | None = None):
-    if st.engine.profiler is None:
+    if st.engine.profile_dir is None:
         raise APIError(400, "this server takes no traces: start it with --profile_dir DIR (e.g. "
                        "--profile_dir autoprofile_traces)", code="profiling_disabled")
     try:

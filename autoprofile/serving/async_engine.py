@@ -1,7 +1,8 @@
-"""The engine loop on its own thread, and the asyncio side that HTTP handlers talk to.
+"""The asyncio side that HTTP handlers talk to, over the engine loop (serving.engine_loop).
 
-    one thread owns the LLMEngine (and the GPU):  drain the inbox (add / abort), step() while there is
-    work, block on the inbox when idle; each step's outputs go to the event loop in one call_soon_threadsafe
+    engine loop: on a thread of this process (an LLMEngine given), or alone in a process of its own
+    (--engine_process: serving.engine_process); drain the inbox (add / abort), step() while there is work,
+    block on the inbox when idle; each step's outputs come to the event loop in one call_soon_threadsafe
     event loop: submit() -> RequestHandle (its RequestOutputs, merged while unread); close() aborts if
     unfinished
 
@@ -23,67 +24,32 @@ watchdog on the event loop checks both. Dead: every outstanding request fails wi
 reason), which ends the process with a non-zero exit so that a supervisor restarts it.
 
 A trace of the served steps (--profile_dir, POST /start_profile and /stop_profile): profile() hands the start
-or the stop to the engine thread, which owns the profiler (engine.step_profile) and marks each step it runs.
-
-Above the house's 500 lines on purpose: one owner of the engine loop's thread and of both its sides (the
-inbox's commands, the outputs' dispatch, the watchdog); split, a reader would follow one queue across files.
+or the stop to the engine loop, which owns the profiler (engine.step_profile) and marks each step it runs.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import itertools
 import logging
 import math
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from autoprofile.engine.host_kv import HostTierStats
-from autoprofile.engine.request import RequestError, RequestOutput
-from autoprofile.engine.step_clock import HostTimer, StepTimes
-from autoprofile.engine.step_profile import StepProfiler
+from autoprofile.engine.request import RequestOutput
+from autoprofile.serving.engine_loop import STOP, EngineFailure, EngineLoop, Pulse, Snapshot
 
 log = logging.getLogger(__name__)
 WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead
 STARVED_AFTER_S = 60.0  # work outstanding, the loop iterating, and no step run for this long: dead too
+__all__ = ["AsyncEngine", "EngineFailure", "QueueFull", "RequestHandle", "Snapshot", "Timing"]
 
 
 class QueueFull(Exception):
     """More requests outstanding than the running limit plus --max_waiting_requests."""
-
-
-class EngineFailure(Exception):
-    """The engine failed this request (code: "oom" or "internal": the server stays up; "dead": the engine
-    loop ended or wedged, the server is going down)."""
-
-    def __init__(self, code: str):
-        self.code = code
-        super().__init__(code)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Engine state as of the loop's last iteration (published by the engine thread)."""
-
-    running: int = 0
-    waiting: int = 0
-    preemptions: int = 0
-    pages_used: int = 0
-    pages_total: int = 0
-    steps: int = 0
-    ooms: int = 0  # torch.OutOfMemoryError while serving (a validated envelope keeps this 0)
-    errors: int = 0  # failed steps, OOMs included
-    prefix_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    host: HostTierStats | None = None  # the prefix cache's host tier (--host_kv); None: off
-    step_times: StepTimes = field(default_factory=StepTimes)  # where the steps' time went (step_clock)
-    state_slots: int = 0  # a hybrid model's state slots (0: none), and those held by requests
-    state_slots_used: int = 0
 
 
 @dataclass
@@ -93,9 +59,6 @@ class Timing:
     submitted: float = field(default_factory=time.perf_counter)
     first: float | None = None
     tokens: int = 0
-
-
-_STOP = object()
 
 
 class _NoMetrics:
@@ -185,33 +148,41 @@ class AsyncEngine:
     def __init__(self, engine, max_running: int, max_waiting: int, metrics=None, on_dead=None,
                  wedged_after_s: float | None = None, starved_after_s: float | None = None,
                  profile_dir: str | None = None, stream_interval: int = 1):
-        """metrics: .first_token(timing) and .request_finished(timing, completion_tokens, finish_reason),
-        called on the event loop (ServerMetrics). on_dead(reason): called once on the event loop when the
-        loop thread dies, wedges or starves (defaults: WEDGED_AFTER_S, STARVED_AFTER_S). profile_dir: where
-        profile() writes its traces (None: no profiler). stream_interval: each handle's (RequestHandle)."""
+        """engine: an LLMEngine (its loop runs on a thread of this process) or a started
+        serving.engine_process.EngineProcess (its loop runs there). metrics: .first_token(timing) and
+        .request_finished(timing, completion_tokens, finish_reason), called on the event loop
+        (ServerMetrics). on_dead(reason): called once on the event loop when the loop dies, wedges or starves
+        (defaults: WEDGED_AFTER_S, STARVED_AFTER_S). profile_dir: where profile() writes its traces (None: no
+        profiler). stream_interval: each handle's (RequestHandle)."""
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
+        self.remote = getattr(engine, "remote", False)
         self.stream_interval = stream_interval
         self.metrics = metrics or _NoMetrics()
         self.on_dead = on_dead
         self.wedged_after_s = WEDGED_AFTER_S if wedged_after_s is None else wedged_after_s
         self.starved_after_s = STARVED_AFTER_S if starved_after_s is None else starved_after_s
+        self.profile_dir = profile_dir
         self.dead: str | None = None
-        self._beat: float | None = time.monotonic()  # the loop thread's last iteration; None: idle, blocked
-        self._progress: float | None = time.monotonic()  # a step's last launch, end or failure; None: idle
         self._watchdog: asyncio.Task | None = None
         self._loop_thread: int | None = None  # the event loop's thread (start())
         self.snapshot = Snapshot()
         self.handles: dict[str, RequestHandle] = {}  # event-loop side only
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: set[str] = set()  # engine-thread side only: ids the engine holds
-        self._ooms = self._errors = 0
-        self._unposted: tuple[list[RequestOutput], str] | None = None  # a step's outputs, until the next launch
+        self._profiles: dict[int, asyncio.Future] = {}  # profile() calls waiting for the loop's answer
+        self._tokens = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
-        runner = getattr(engine, "runner", None)  # the engine thread's own (step_profile)
-        self.profiler = None if profile_dir is None else StepProfiler(
-            profile_dir, getattr(runner, "device", None) or torch.device("cpu"))
+        if self.remote:
+            self.pulse, self.looper = engine.pulse, None
+        else:
+            self.pulse = Pulse()
+            self.looper = EngineLoop(engine, self._post_kind, self._take_snapshot, self.pulse,
+                                     lambda: self.dead is not None, profile_dir)
+
+    @property
+    def profiler(self):
+        """The step profiler of an engine loop in this process (None: none, or the loop runs elsewhere)."""
+        return None if self.looper is None else self.looper.profiler
 
     # ------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -219,34 +190,46 @@ class AsyncEngine:
         self._loop_thread = threading.get_ident()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._publish()
-        self._beat = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.pulse.beat = time.monotonic()
+        if self.remote:
+            self.engine.attach(self._post_kind, self._take_snapshot, self._lost)
+        else:
+            self._take_snapshot(self.looper)
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
         self._watchdog = asyncio.ensure_future(self._watch())
 
     async def stop(self) -> None:
-        """Stop the loop thread (requests still held are failed first); a dead one is left alone (a wedged
-        thread never returns: only the process exit ends it)."""
+        """Stop the loop (requests still held are failed first); a dead one is left alone (a wedged thread
+        never returns: only the process exit ends it)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._thread is not None and self.dead is None:
-            self._inbox.put(_STOP)
+        if self.remote:
+            await self.engine.stop(wait=self.dead is None)
+        elif self._thread is not None and self.dead is None:
+            self.looper.inbox.put(STOP)
             await asyncio.to_thread(self._thread.join)
         self._thread = None
 
+    def _send(self, cmd) -> None:
+        if self.remote:
+            self.engine.send(cmd)
+        else:
+            self.looper.inbox.put(cmd)
+
     async def _watch(self) -> None:
-        """A thread that ends posts its own death (_run); one that ends otherwise stops beating: wedged."""
+        """A loop that ends posts its own death (_run, _lost); one that ends otherwise stops beating:
+        wedged."""
         period = min(1.0, self.wedged_after_s / 4, self.starved_after_s / 4)
         while self.dead is None:
             await asyncio.sleep(period)
             if not self.handles:
                 continue
-            if since(self._beat) > self.wedged_after_s:
+            if since(self.pulse.beat) > self.wedged_after_s:
                 self._died(f"the engine loop made no progress for {self.wedged_after_s:g} s with "
                            f"{len(self.handles)} requests outstanding (wedged)")
-            elif since(self._beat) < period and since(self._progress) > self.starved_after_s:  # spinning
+            elif since(self.pulse.beat) < period and since(self.pulse.progress) > self.starved_after_s:
                 s = self.snapshot
                 self._died(f"the engine loop ran no step for {self.starved_after_s:g} s with {s.running} "
                            f"running and {s.waiting} waiting requests and {s.pages_used} of {s.pages_total} "
@@ -254,21 +237,23 @@ class AsyncEngine:
                            f"frees (starved)")
 
     def _died(self, reason: str) -> None:
-        """The loop thread is gone or wedged: fail every outstanding request (503) and tell the server."""
+        """The loop is gone or wedged: fail every outstanding request (503) and tell the server."""
         if self.dead is not None:
             return
         self.dead = reason
         log.error("engine loop dead: %s; failing %d requests", reason, len(self.handles))
         for handle in self.handles.values():
             settle(handle.added, EngineFailure("dead"))
+        for fut in self._profiles.values():
+            settle(fut, EngineFailure("dead"))
         self._fail(list(self.handles), "dead")
         if self.on_dead is not None:
             self.on_dead(reason)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds of the event loop's thread and the engine loop's, so far ({} where the platform has no
-        per-thread clock). The two share the GIL; the engine thread's also count CUDA's spin-wait for the GPU,
-        which runs without the GIL."""
+        per-thread clock). In one process the two share the GIL; the engine's also count CUDA's spin-wait
+        for the GPU, which runs without the GIL. An engine process: all of its threads."""
         threads = {"event_loop": self._loop_thread,
                    "engine": self._thread.ident if self._thread is not None else None}
         out = {}
@@ -279,6 +264,8 @@ class AsyncEngine:
                 out[name] = time.clock_gettime(time.pthread_getcpuclockid(ident))
             except OSError:  # the thread has ended
                 continue
+        if self.remote and (engine := self.engine.cpu_seconds()) is not None:
+            out["engine"] = engine
         return out
 
     @property
@@ -298,7 +285,8 @@ class AsyncEngine:
         """Queue one request; QueueFull past the bound, RequestError if the engine can never serve it,
         EngineFailure("dead") once the loop is dead. final_only (vLLM's RequestOutputKind.FINAL_ONLY: a reader
         that needs only the whole answer): its handle wakes the reader at the first token and the end
-        alone."""
+        alone. grammar: a matcher (an engine in this process), or what an engine process builds one from
+        (serving.engine_process.GrammarRequest)."""
         if self.dead is not None:
             raise EngineFailure("dead")
         if not self.has_room():
@@ -309,9 +297,8 @@ class AsyncEngine:
         self.handles[handle.request_id] = handle
         self._idle.clear()
         added = handle.added = self._loop.create_future()
-        self._inbox.put(("add", handle.request_id,
-                         (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm, grammar),
-                         added))
+        self._send(("add", handle.request_id,
+                    (list(prompt_ids), params, max_tokens, tuple(stop_token_ids), mm, grammar)))
         try:
             await added
         except BaseException:  # refused, or the client went away while it was being queued
@@ -321,11 +308,12 @@ class AsyncEngine:
 
     async def profile(self, action: str, num_steps: int | None = None):
         """Start ("start": None) or stop ("stop": its step_profile.Trace) a trace of the engine's steps, on
-        the engine thread that owns the profiler; step_profile.ProfileError: started twice, or no trace."""
+        the engine loop that owns the profiler; step_profile.ProfileError: started twice, or no trace."""
         if self.dead is not None:
             raise EngineFailure("dead")
-        done = self._loop.create_future()
-        self._inbox.put(("profile", action, num_steps, done))
+        token = next(self._tokens)
+        done = self._profiles[token] = self._loop.create_future()
+        self._send(("profile", action, num_steps, token))
         return await done
 
     async def wait_idle(self) -> None:
@@ -336,7 +324,8 @@ class AsyncEngine:
     def _close(self, handle: RequestHandle, completed: bool) -> None:
         if self.handles.pop(handle.request_id, None) is None:
             return
-        self._inbox.put(("abort", handle.request_id))
+        if self.dead is None:
+            self._send(("abort", handle.request_id))
         if completed:
             self.metrics.request_finished(handle.timing, handle.timing.tokens, "stop")
         self._check_idle()
@@ -344,6 +333,16 @@ class AsyncEngine:
     def _check_idle(self) -> None:
         if not self.handles:
             self._idle.set()
+
+    def _added(self, request_id: str, error: BaseException | None) -> None:
+        handle = self.handles.get(request_id)
+        if handle is not None and handle.added is not None:
+            settle(handle.added, error)
+
+    def _profiled(self, token: int, error: BaseException | None, value) -> None:
+        fut = self._profiles.pop(token, None)
+        if fut is not None:
+            settle(fut, error, value)
 
     def _dispatch(self, outputs: list[RequestOutput], error_code: str) -> None:
         now = time.perf_counter()
@@ -379,163 +378,26 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    # ------------------------------------------------------------ engine-thread side
+    # ------------------------------------------------------------ from the engine loop's side
+    def _post_kind(self, kind: str, *args) -> None:
+        """EngineLoop.post: its message to the event loop's handler of that kind (_dispatch, _fail, _added,
+        _profiled)."""
+        self._post(getattr(self, "_" + kind), *args)
+
+    def _take_snapshot(self, looper) -> None:
+        """EngineLoop.publish: a Snapshot (the engine process's reader: one already made there)."""
+        self.snapshot = looper if isinstance(looper, Snapshot) else looper.snapshot()
+
+    def _lost(self, reason: str) -> None:
+        """From an engine process's reader: it ended without being stopped."""
+        self._post(self._died, reason)
+
     def _run(self) -> None:
         try:
-            self._loop_forever()
+            self.looper.run()
         except BaseException as e:  # noqa: BLE001 - the engine's state is unknown: the server must go down
             log.critical("the engine loop thread died", exc_info=True)
             self._post(self._died, f"the engine loop thread died: {type(e).__name__}: {e}")
-
-    def _loop_forever(self) -> None:
-        device = getattr(getattr(self.engine, "runner", None), "device", None)
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)  # NOTE: the current device is per thread
-        while self.dead is None:
-            if self.engine.has_unfinished():
-                cmd = self._next_nowait()
-            else:
-                self._flush()  # no step will launch: the last step's outputs go now
-                self._beat = self._progress = None  # blocked for input: neither wedged nor starved
-                cmd = self._inbox.get()
-            self._beat = time.monotonic()
-            if self._progress is None:
-                self._progress = self._beat
-            inbox = time.perf_counter()
-            while cmd is not None:
-                if cmd is _STOP:
-                    self._abort_live("internal")
-                    self._settle()
-                    if self.profiler is not None:
-                        self.profiler.close()
-                    return
-                self._apply(cmd)
-                cmd = self._next_nowait()
-            self.engine.clock.host("inbox", time.perf_counter() - inbox)
-            if self.engine.has_unfinished():
-                with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
-                    self._step()  # publishes after the step
-            else:
-                self._publish()
-
-    def _settle(self) -> None:
-        """At stop, after every live request is aborted: collect the step still in flight (overlap launches
-        one ahead) and report the aborted ones, so the engine holds no page and no launched step when the
-        runner is torn down or handed to another engine. A failing step is logged: the loop is ending."""
-        for _ in range(4):  # the in-flight step, the reports, a host tier load landing: a few calls
-            if not self.engine.has_unfinished():
-                return
-            try:
-                self.engine.step()
-            except Exception:  # noqa: BLE001 - shutting down: the runner's teardown frees what is left
-                log.exception("the step in flight at stop failed")
-                return
-
-    def _next_nowait(self):
-        try:
-            return self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _apply(self, cmd) -> None:
-        if cmd[0] == "profile":
-            _, action, num_steps, done = cmd
-            try:
-                out = self.profiler.start(num_steps) if action == "start" else self.profiler.stop()
-            except Exception as e:  # noqa: BLE001 - ProfileError, or the trace could not be written: answered
-                self._post(settle, done, e)
-            else:
-                self._post(settle, done, None, out)
-            return
-        if cmd[0] == "abort":
-            if cmd[1] in self._live:
-                self._live.discard(cmd[1])
-                self.engine.abort(cmd[1])
-            return
-        _, rid, (prompt, params, max_tokens, stop_ids, mm, grammar), added = cmd
-        try:
-            self.engine.add_request(prompt, params, max_tokens, stop_token_ids=stop_ids, request_id=rid,
-                                    mm=mm, **({"grammar": grammar} if grammar is not None else {}))
-        except RequestError as e:
-            self._post(settle, added, e)
-            return
-        except Exception:  # noqa: BLE001 - the server answers 500 and stays up
-            log.exception("add_request failed")
-            self._post(settle, added, EngineFailure("internal"))
-            return
-        self._live.add(rid)
-        self._post(settle, added, None)
-
-    def _step(self) -> None:
-        """One engine step. Its outputs are posted to the event loop once the next step's GPU work is
-        enqueued (StepClock.after_launch), or as soon as no step follows: the event loop then writes them
-        to the clients while the GPU runs, instead of contending for the GIL with the host's scheduling and
-        input building. H100, llama-3.1-8b, 256 streams, one run: a prefill step's inputs 13.5 -> 4.6 ms, a
-        decode step's 5.9 -> 0.8 ms, 26,963 -> 30,145 tok/s. The overlapped engine (LLMEngine.overlap) returns
-        a step's outputs once the next step is launched already: they are posted at once (held to the launch
-        after, a launch that waits for a full launch queue held them a step longer)."""
-        stats = self.engine.stats
-        ooms, ran = stats.ooms, (stats.launched, stats.steps, stats.failed_steps)
-        overlap = getattr(self.engine, "overlap", False)
-        if not overlap:
-            self.engine.clock.after_launch(self._flush)
-        try:
-            outputs = self.engine.step()
-            stats = self.engine.stats
-            if (stats.launched, stats.steps, stats.failed_steps) != ran:  # a step launched, ended or failed
-                self._progress = time.monotonic()
-        except torch.OutOfMemoryError:
-            self._progress = time.monotonic()
-            self._ooms += 1
-            self._errors += 1
-            log.error("out of memory in an engine step (%d since start): failing %d requests",
-                      self._ooms, len(self._live), exc_info=True)
-            self._abort_live("oom")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self._publish()
-            return
-        except Exception:  # noqa: BLE001 - fail the requests, keep serving
-            self._progress = time.monotonic()
-            self._errors += 1
-            log.exception("engine step failed: failing %d requests", len(self._live))
-            self._abort_live("internal")
-            self._publish()
-            return
-        with HostTimer(self.engine.clock, "post"):
-            self._flush()  # the step before, if this one launched nothing
-            for out in outputs:
-                if out.finished:
-                    self._live.discard(out.request_id)
-            self._publish()  # before the outputs: what a client has seen, the snapshot already shows
-            if outputs:
-                self._unposted = (outputs, "oom" if stats.ooms > ooms else "internal")
-            if overlap:
-                self._flush()
-
-    def _flush(self) -> None:
-        """Post the outputs held back from the last step (if any) to the event loop."""
-        held, self._unposted = self._unposted, None
-        if held is not None:
-            self._post(self._dispatch, *held)
-
-    def _abort_live(self, code: str) -> None:
-        self._flush()  # what the requests got before they fail
-        failed = list(self._live)
-        for rid in failed:
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - the engine may be inconsistent after a failed step
-                log.exception("abort of %s failed", rid)
-        self._live.clear()
-        if failed:
-            self._post(self._fail, failed, code)
-
-    def _publish(self) -> None:
-        s = self.engine.stats
-        self.snapshot = Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
-                                 s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens,
-                                 s.host, self.engine.step_times(), s.state_slots, s.state_slots_used)
 
 
 def since(stamp: float | None) -> float:
