@@ -103,6 +103,8 @@ class ServerConfig:
     # a stream's outputs reach its reader every this many tokens (its first token and its end at once):
     # SGLang's and vLLM's --stream-interval
     stream_interval: int = 1
+    # the engine loop in a process of its own (serving.engine_process): a GIL apart from the HTTP server's
+    engine_process: bool = False
     seed: int = 0
     # batch-invariant kernels: a request's tokens do not depend on the requests beside it (the README section
     # README_REPRODUCIBLE names)
@@ -269,6 +271,9 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"turns the cache off; drop one of them (or --state_checkpoints 0)")
     _check(cfg.stream_interval >= 1, "stream_interval",
            f"must be >= 1, got {cfg.stream_interval}; try --stream_interval 1 (every token)")
+    _check(not cfg.engine_process or cfg.tp == 1, "engine_process",
+           f"runs one GPU's engine apart from the HTTP server; under --tp {cfg.tp} rank 0's engine serves the "
+           "ranks' step broadcast in the server's process: drop --engine_process (or serve --tp 1)")
     _check(cfg.max_waiting_steps >= 0, "max_waiting_steps",
            f"must be >= 0, got {cfg.max_waiting_steps}; try --max_waiting_steps 8 (0: admit at once)")
     _check(cfg.waiting_served_ratio >= 0, "waiting_served_ratio",
@@ -768,6 +773,11 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="A request's tokens reach its HTTP handler (a streamed chunk) every N tokens; the first "
                   "token and the last at once (SGLang's and vLLM's --stream-interval). Larger: fewer chunks "
                   "and less host time on the event loop's thread, which shares the GIL with the engine's.")
+    add_flag(http, "engine_process", action="store_true",
+             help="Run the engine loop (scheduling, launching, sampling: the GPU's one owner) in a process of "
+                  "its own, as vLLM's EngineCore and SGLang's scheduler run, so that it does not share a GIL "
+                  "with the HTTP server's event loop. The boot runs there; the server process never touches "
+                  "CUDA. One GPU (--tp 1).")
     add_flag(http, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
              help="Comma-separated hosts whose http(s) image URLs the server may fetch; data: URLs always "
                   "work.")

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Flags that do not change what a probe measures (serving-side, applied after the measurement, or the cache's
 # own)
 NOT_MEASURED = frozenset({"host", "port", "max_waiting_requests", "stream_interval", "seed", "report_dir",
-                          "profile_dir",
+                          "profile_dir", "engine_process",
                           "allowed_media_domains", "tokenizer",
                           "mem_fraction", "shrink_ratio", "max_retries", "max_total_token_num",
                           "profile_cache", "served_model_name", "api_key", "reasoning_parser",

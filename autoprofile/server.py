@@ -10,7 +10,8 @@
     POST /tokenize, /detokenize, GET /version   vLLM's: text or chat messages <-> token ids; the version
 
 Handlers only translate HTTP to engine requests and stream tokens back; the engine runs on its own
-thread (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
+thread (autoprofile/serving/async_engine.py), or with --engine_process in a process of its own
+(serving.engine_process). Every client mistake is a 4xx with an OpenAI error object
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
 With --api_key every request but /health and /metrics (so every /v1/* and /generate) must send
@@ -42,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from autoprofile import __version__
 from autoprofile.serving import openai, responses
 from autoprofile.serving.async_engine import AsyncEngine, settle
+from autoprofile.serving.engine_process import EngineBootError, EngineProcess
 from autoprofile.engine.step_profile import ProfileError
 from autoprofile.serving.errors import APIError
 from autoprofile.serving.metrics import ServerMetrics
@@ -425,10 +427,11 @@ async def serve(cfg, boot) -> int:
     app = make_app(cfg)
     site = await start(app, cfg.host, cfg.port)
     booted: asyncio.Future = loop.create_future()
+    remote = EngineProcess(cfg, boot) if cfg.engine_process else None  # boots there, serves from there
 
     def run_boot() -> None:
         try:
-            outcome = (None, boot(cfg))
+            outcome = (None, boot(cfg) if remote is None else (remote, remote.boot()))
         except BaseException as e:  # noqa: BLE001 - handed to the event loop
             outcome = (e, None)
         loop.call_soon_threadsafe(settle, booted, *outcome)
@@ -443,27 +446,32 @@ async def serve(cfg, boot) -> int:
     if not booted.done():
         log.info("stopped during startup: nothing was being served")
         await site.cleanup()
+        if remote is not None:
+            remote.kill()
         logging.shutdown()
         os._exit(EXIT_OK)  # NOTE: the boot thread holds the GPU mid-profile; only the process exit frees it
     try:
         runner, result = booted.result()
     except BaseException as e:
         await site.cleanup()
-        if isinstance(e, ProfileError):
+        if isinstance(e, (ProfileError, EngineBootError)):
             print(str(e), file=sys.stderr)
             return EXIT_FAILED
         raise
     st = app[STATE]
     try:
         tokenizer = await asyncio.wrap_future(tokenizer)
-        activate(app, LLMEngine.from_config(runner, cfg), result, tokenizer=tokenizer, grammars_later=True)
+        engine = runner if remote is not None else LLMEngine.from_config(runner, cfg)
+        activate(app, engine, result, tokenizer=tokenizer, grammars_later=True)
         died = asyncio.ensure_future(st.died.wait())
         await asyncio.wait({stopping, died}, return_when=asyncio.FIRST_COMPLETED)
         if not st.died.is_set():
             await drain(app)
     finally:
         await site.cleanup()  # stops the engine loop (on_cleanup); the failed requests get their 503 first
-        if st.dead is None:
+        if remote is not None:
+            remote.kill()  # stopped already (on_cleanup), or dead: a wedged one never ends by itself
+        elif st.dead is None:
             runner.teardown()  # NOTE: a dead loop's thread may still hold the runner: only the exit frees it
     if st.dead is not None:
         raise EngineDead(f"error: the engine loop died while serving: {st.dead}; exiting with code "

@@ -163,7 +163,7 @@ def test_deterministic_points_to_a_readme_section_that_the_lead_keeps(monkeypatc
 
 
 SERVE_ONLY = {"--host", "--port", "--max_waiting_requests", "--allowed_media_domains", "--served_model_name",
-              "--api_key", "--reasoning_parser", "--profile_dir", "--stream_interval"}
+              "--api_key", "--reasoning_parser", "--profile_dir", "--stream_interval", "--engine_process"}
 MEASURING = {"--load_format", "--tokenizer", "--seed", "--kv_scales", "--piecewise_cuda_graph_max_tokens",
              "--disable_overlap_schedule", "--max_waiting_steps", "--waiting_served_ratio", "--shrink_ratio",
              "--max_retries",

@@ -292,6 +292,7 @@ def test_a_changed_budget_flag_or_gpu_probes_again(gpu, tmp_path):
 # Every ServerConfig field is either host-only (the probe does not measure it: serving-side, applied after the
 # measurement, or the cache's own) or changes the key; a new field must be classified here or the test fails.
 HOST_ONLY = {"host", "port", "max_waiting_requests", "stream_interval", "seed", "report_dir", "profile_dir",
+             "engine_process",
              "allowed_media_domains", "tokenizer", "mem_fraction", "shrink_ratio", "max_retries",
              "max_total_token_num",
              "profile_cache", "served_model_name", "api_key", "host_kv", "reasoning_parser",

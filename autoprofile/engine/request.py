@@ -24,8 +24,11 @@ class RequestError(ValueError):
     """A request the engine can never serve (refused up front): names the field and what would work."""
 
     def __init__(self, field_name: str, message: str):
-        self.field = field_name
+        self.field, self.detail = field_name, message
         super().__init__(f"{field_name}: {message}")
+
+    def __reduce__(self):  # pickled to the server from an engine process (serving.engine_process)
+        return type(self), (self.field, self.detail)
 
 
 @dataclass(eq=False)

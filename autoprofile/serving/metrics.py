@@ -138,14 +138,25 @@ def profile_reserved(result) -> int:
     return (getattr(result, "terms", None) or {}).get("reserved_after", 0)
 
 
-class AllocatorCollector:
-    """The caching allocator, read at scrape time."""
+def device_memory(snapshot: Snapshot | None, device: torch.device | None) -> tuple[int, int, int | None]:
+    """(reserved bytes, segments, CUDA stack limit): an engine process's, as its last snapshot carries them,
+    else read in this process now."""
+    if snapshot is not None and snapshot.device_memory is not None:
+        return snapshot.device_memory
+    from autoprofile import memory
+    local = device is not None and device.type == "cuda"
+    return (*allocator_reading(device), memory.stack_limit_bytes(device) if local else None)
 
-    def __init__(self, device: Callable[[], torch.device | None], profile_peak: Callable[[], int]):
-        self.device, self.profile_peak = device, profile_peak
+
+class AllocatorCollector:
+    """The caching allocator, read at scrape time (an engine process's: from its last snapshot)."""
+
+    def __init__(self, device: Callable[[], torch.device | None], profile_peak: Callable[[], int],
+                 snapshot: Callable[[], Snapshot | None] = lambda: None):
+        self.device, self.profile_peak, self.snapshot = device, profile_peak, snapshot
 
     def collect(self):
-        reserved, segments = allocator_reading(self.device())
+        reserved, segments, _ = device_memory(self.snapshot(), self.device())
         for name, doc, value in (
                 ("autoprofile_cuda_memory_reserved_bytes", "torch.cuda.memory_reserved now", reserved),
                 ("autoprofile_cuda_memory_segments", "caching-allocator segments now (segment.all.current)",
@@ -160,13 +171,11 @@ class LocalMemoryCollector:
     """The CUDA stack limit now (read at scrape) and after the profile's stress: serving must never grow it
     (a kernel the stress never ran that spills; the driver keeps its reservation for good)."""
 
-    def __init__(self, profiled: int):
-        self.profiled, self.warned = profiled, False
+    def __init__(self, profiled: int, now: Callable[[], int | None]):
+        self.profiled, self.now, self.warned = profiled, now, False
 
     def collect(self):
-        from autoprofile import memory
-
-        now = memory.stack_limit_bytes()
+        now = self.now()
         if now is not None and now > self.profiled and not self.warned:
             self.warned = True
             log.warning("the CUDA stack limit grew while serving: %d B/thread, %d B after the profile's "
@@ -212,7 +221,8 @@ class ServerMetrics:
         reg = self.registry = CollectorRegistry()
         self.profile_peak = 0
         reg.register(EngineCollector(snapshot, cpu))
-        reg.register(AllocatorCollector(device, lambda: self.profile_peak))
+        self.reading = lambda: device_memory(snapshot(), device())
+        reg.register(AllocatorCollector(device, lambda: self.profile_peak, snapshot))
         reg.register(GrammarCollector(grammars))
         self.ttft = Histogram("autoprofile_time_to_first_token_seconds", "time to the first output token",
                               buckets=LATENCY_BUCKETS, registry=reg)
@@ -242,7 +252,7 @@ class ServerMetrics:
         for name, seconds in result.phases:
             phases.labels(phase=name).set(seconds)
         if getattr(result, "stack_limit", None) is not None:
-            reg.register(LocalMemoryCollector(result.stack_limit))
+            reg.register(LocalMemoryCollector(result.stack_limit, lambda: self.reading()[2]))
 
     def first_token(self, timing: Timing) -> None:
         self.ttft.observe(timing.first - timing.submitted)

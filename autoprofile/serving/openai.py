@@ -30,6 +30,7 @@ from autoprofile.serving.bodies import (chat_content, chunk, completion_block, e
 from autoprofile.serving.bodies import choice as choice_body
 from autoprofile.serving.bodies import request_id as new_request_id
 from autoprofile.serving.choices import Choice, best, merged
+from autoprofile.serving.engine_process import GrammarRequest
 from autoprofile.serving.errors import APIError, bad
 from autoprofile.serving.images import FETCH_TIMEOUT_S, MAX_IMAGE_BYTES
 from autoprofile.serving.metrics import ServerMetrics
@@ -186,8 +187,11 @@ async def _submit(st: Serving, args: GenerateArgs, index: int = 0):
         if st.grammars is None:
             raise bad(args.structured.param, "structured output is not available with this model's tokenizer "
                       f"({st.grammars_error})", code="unsupported_value")
-        grammar = await st.grammars.matcher(args.structured)
-    if args.allowed_token_ids:
+        grammar = await st.grammars.matcher(args.structured)  # compiled here: a bad spec is a 400 here
+    if st.engine.remote and (args.structured is not None or args.allowed_token_ids):
+        # an engine process builds its own matcher from the spec (an xgrammar matcher does not pickle)
+        grammar = GrammarRequest(args.structured, tuple(args.allowed_token_ids or ()), st.limits.vocab_size)
+    elif args.allowed_token_ids:
         grammar = AllowedTokens.of(args.allowed_token_ids, st.limits.vocab_size, grammar)
     try:
         # a whole answer without stop strings needs no output before the end (vLLM's FINAL_ONLY): no turn on
