@@ -31,6 +31,7 @@ BAD = [
     (["--tp", "0"], "tp", "--tp 1", ["--tp", "1"]),
     (["--tp", "3"], "tp", "--tp 2", ["--tp", "2"]),  # the nearest --tp that divides 32 and 8 heads
     (["--tp", "16"], "tp", "--tp 8", ["--tp", "8"]),
+    (["--tp", "2", "--engine_process"], "engine_process", "drop --engine_process", ["--tp", "2"]),
     (["--tp", "abc"], "tp", "--tp 1", ["--tp", "1"]),
     (["--mem_fraction", "0"], "mem_fraction", "try --mem_fraction 1.0", ["--mem_fraction", "1.0"]),
     (["--mem_fraction", "1.5"], "mem_fraction", "try --mem_fraction 1.0", ["--mem_fraction", "1.0"]),
@@ -100,7 +101,7 @@ BAD = [
 ]
 
 
-SERVE_ONLY = ("host", "port", "max_waiting_requests", "stream_interval")
+SERVE_ONLY = ("host", "port", "max_waiting_requests", "stream_interval", "engine_process")
 
 
 def test_at_least_22_bad_cases():

@@ -39,7 +39,8 @@ class EngineCollector:
         s = self.snapshot() or Snapshot()
         cpu = CounterMetricFamily("autoprofile_thread_cpu_seconds",
                                   "CPU seconds of the server's event loop thread and its engine loop thread "
-                                  "(they share the GIL)", labels=["thread"])
+                                  "(they share the GIL), or its engine process (--engine_process)",
+                                  labels=["thread"])
         for thread, seconds in self.cpu().items():
             cpu.add_metric([thread], seconds)
         yield cpu

@@ -1,0 +1,203 @@
+"""`serve --engine_process` (serving.engine_process): the engine loop in a spawned process of its own, against
+the engine thread of the same server, on the tiny CPU model (unit_tests.cpu_server: the same random weights
+in both processes). Real servers over loopback: the same tokens, grammars built there from their specs, a
+disconnect that frees its pages there, the allocator's readings through the snapshots, a clean stop that
+leaves no process behind, and an engine process that dies failing every request and ending the server."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from autoprofile.engine.request import RequestError
+from autoprofile.serving.engine_loop import Snapshot
+from autoprofile.serving.metrics import device_memory
+from unit_tests.cpu_server import bound_url
+
+FLAGS = ["--model", "tiny", "--dtype", "float32", "--attention_backend", "torch", "--max_req_total_len", "256",
+         "--report_dir", "", "--profile_cache", ""]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+class Server:
+    def __init__(self, *extra: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", "--port", "0", *FLAGS,
+                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        lines = iter(self.proc.stdout.readline, "")
+        self.url = bound_url(self._kept(lines))
+        assert self.url, "".join(self.log)
+        ready = next((line for line in self._kept(lines) if "ready:" in line or "Error" in line), "")
+        assert "ready:" in ready, "".join(self.log)
+        threading.Thread(target=lambda: [None for _ in self._kept(lines)], daemon=True).start()
+
+    def _kept(self, lines):
+        for line in lines:
+            self.log.append(line)
+            yield line
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def post(self, path: str, body: dict) -> tuple[int, dict | list[str]]:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                text = r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+        if body.get("stream"):
+            return r.status, [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        return r.status, json.loads(text)
+
+    def engine_children(self) -> list[psutil.Process]:
+        """This server's engine process (a spawned child; the resource tracker is one too)."""
+        return [c for c in psutil.Process(self.proc.pid).children()
+                if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def _answers(s: Server) -> dict:
+    """What the comparison asks of each server: greedy text, a stream, a JSON schema, allowed ids, a 400."""
+    out = {}
+    _, c = s.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 16,
+                                      "temperature": 0, "ignore_eos": True})
+    out["greedy"] = c["choices"][0]["text"]
+    _, chunks = s.post("/v1/completions", {"prompt": "Once upon", "max_tokens": 12, "temperature": 0,
+                                           "ignore_eos": True, "stream": True})
+    out["stream"] = "".join(json.loads(x)["choices"][0]["text"] for x in chunks if x != "[DONE]")
+    _, c = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a json"}],
+                                           "max_tokens": 60, "temperature": 0,
+                                           "response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "t", "schema": SCHEMA}}})
+    out["schema"] = c["choices"][0]["message"]["content"]
+    _, c = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                                      "allowed_token_ids": [70, 71, 72]})
+    out["allowed"] = c["choices"][0]["text"]
+    status, err = s.post("/v1/completions", {"prompt": "x" * 300, "max_tokens": 4})
+    out["too_long"] = (status, err["error"]["param"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(the engine in a process of its own, its answers; the same server's engine thread, its answers)."""
+    servers = []
+    try:
+        servers = [Server("--engine_process"), Server()]
+        yield [(s, _answers(s)) for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_an_engine_process_answers_as_the_engine_thread_does(pair):
+    (remote, got), (_, want) = pair
+    assert got == want
+    assert json.loads(got["schema"]).keys() == {"a", "b"} and set(got["allowed"]) <= {"C", "D", "E"}  # ids 70-72, the byte-level offset 3
+    assert got["too_long"][0] == 400 and got["too_long"][1] == "prompt"
+    assert len(remote.engine_children()) == 1  # the engine in its own process
+    assert "[engine]" in "".join(remote.log)  # its log lines, marked
+
+
+def test_a_disconnect_frees_its_pages_in_the_engine_process(pair):
+    (remote, _), _ = pair
+    req = urllib.request.Request(remote.url + "/v1/completions", json.dumps(
+        {"prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode(),
+        {"Content-Type": "application/json"})
+    r = urllib.request.urlopen(req, timeout=60)
+    r.readline()  # its first chunk: running there
+    held, steps = _gauge(remote, "autoprofile_kv_pages_used"), _gauge(remote, "autoprofile_engine_steps_total")
+    r.close()  # the client goes away
+    deadline = time.monotonic() + 30
+    while _gauge(remote, "autoprofile_kv_pages_used") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held > 0 and _gauge(remote, "autoprofile_kv_pages_used") == 0
+    # aborted there, not run to its 200 tokens: a few steps past the disconnect (the steps in flight)
+    assert _gauge(remote, "autoprofile_engine_steps_total") - steps < 50
+    assert json.loads(remote.get("/health")[1])["outstanding_requests"] == 0
+
+
+def _gauge(s: Server, name: str) -> float:
+    text = s.get("/metrics")[1]
+    line = next(x for x in text.splitlines() if x.startswith(name + " ") or x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_the_engine_process_counts_its_own_cpu_time(pair):
+    (remote, _), (local, _) = pair
+    for s in (remote, local):
+        assert _cpu(s, "engine") > 0 and _cpu(s, "event_loop") > 0
+    # the engine process's figure is the whole process: at least its boot's
+    child = psutil.Process(remote.engine_children()[0].pid).cpu_times()
+    assert _cpu(remote, "engine") >= child.user + child.system - 0.5
+
+
+def _cpu(s: Server, thread: str) -> float:
+    text = s.get("/metrics")[1]
+    prefix = f'autoprofile_thread_cpu_seconds_total{{thread="{thread}"}} '
+    return float(next(x for x in text.splitlines() if x.startswith(prefix))[len(prefix):])
+
+
+def test_a_stop_ends_the_engine_process_and_exits_0():
+    s = Server("--engine_process")
+    child = s.engine_children()[0]
+    assert s.stop() == 0
+    child.wait(timeout=30)  # gone, not orphaned
+    assert not child.is_running()
+
+
+def test_a_killed_engine_process_fails_every_request_and_the_server_exits_1():
+    """An engine process that dies (OOM-killed, a crash) is a dead engine: outstanding requests get a 503,
+    /health says why, and the server exits 1 so that a supervisor restarts it."""
+    s = Server("--engine_process")
+    try:
+        answers = []
+
+        def ask():
+            answers.append(s.post("/v1/completions", {"prompt": "slow", "max_tokens": 230, "ignore_eos": True}))
+        t = threading.Thread(target=ask)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not json.loads(s.get("/health")[1]).get("outstanding_requests") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(s.engine_children()[0].pid, signal.SIGKILL)
+        t.join(60)
+        status, body = answers[0]
+        assert status == 503 and body["error"]["code"] == "engine_dead", body
+        assert s.proc.wait(timeout=60) == 1
+        assert "the engine process ended (exit code -9) without being stopped" in "".join(s.log)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def test_a_request_error_crosses_the_pipe_with_its_field():
+    e = pickle.loads(pickle.dumps(RequestError("images", "too many")))
+    assert e.field == "images" and str(e) == "images: too many"
+
+
+def test_an_engine_process_s_device_memory_comes_from_its_snapshot_not_this_process():
+    """The server process never reads CUDA for an engine process: /metrics takes its snapshot's figures."""
+    assert device_memory(Snapshot(device_memory=(5 << 30, 7, 1024)), None) == (5 << 30, 7, 1024)
+    assert device_memory(Snapshot(), None) == (0, 0, None)
