@@ -24,8 +24,8 @@ from autoprofile.serving.engine_loop import Snapshot
 from autoprofile.serving.metrics import device_memory
 from unit_tests.cpu_server import bound_url
 
-FLAGS = ["--model", "tiny", "--dtype", "float32", "--attention_backend", "torch", "--max_req_total_len", "256",
-         "--report_dir", "", "--profile_cache", ""]
+FLAGS = ["--model", "tiny", "--dtype", "float32", "--attention_backend", "torch",
+         "--max_req_total_len", "256", "--report_dir", "", "--profile_cache", ""]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
           "required": ["a", "b"], "additionalProperties": False}
 
@@ -89,7 +89,8 @@ def _answers(s: Server) -> dict:
     _, c = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "a json"}],
                                            "max_tokens": 60, "temperature": 0,
                                            "response_format": {"type": "json_schema",
-                                                               "json_schema": {"name": "t", "schema": SCHEMA}}})
+                                                               "json_schema": {"name": "t",
+                                                                               "schema": SCHEMA}}})
     out["schema"] = c["choices"][0]["message"]["content"]
     _, c = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                                       "allowed_token_ids": [70, 71, 72]})
@@ -114,7 +115,8 @@ def pair():
 def test_an_engine_process_answers_as_the_engine_thread_does(pair):
     (remote, got), (_, want) = pair
     assert got == want
-    assert json.loads(got["schema"]).keys() == {"a", "b"} and set(got["allowed"]) <= {"C", "D", "E"}  # ids 70-72, the byte-level offset 3
+    assert json.loads(got["schema"]).keys() == {"a", "b"}
+    assert set(got["allowed"]) <= {"C", "D", "E"}  # ids 70-72: the byte-level tokenizer's offset is 3
     assert got["too_long"][0] == 400 and got["too_long"][1] == "prompt"
     assert len(remote.engine_children()) == 1  # the engine in its own process
     assert "[engine]" in "".join(remote.log)  # its log lines, marked
@@ -127,7 +129,8 @@ def test_a_disconnect_frees_its_pages_in_the_engine_process(pair):
         {"Content-Type": "application/json"})
     r = urllib.request.urlopen(req, timeout=60)
     r.readline()  # its first chunk: running there
-    held, steps = _gauge(remote, "autoprofile_kv_pages_used"), _gauge(remote, "autoprofile_engine_steps_total")
+    held = _gauge(remote, "autoprofile_kv_pages_used")
+    steps = _gauge(remote, "autoprofile_engine_steps_total")
     r.close()  # the client goes away
     deadline = time.monotonic() + 30
     while _gauge(remote, "autoprofile_kv_pages_used") and time.monotonic() < deadline:
@@ -175,7 +178,8 @@ def test_a_killed_engine_process_fails_every_request_and_the_server_exits_1():
         answers = []
 
         def ask():
-            answers.append(s.post("/v1/completions", {"prompt": "slow", "max_tokens": 230, "ignore_eos": True}))
+            answers.append(s.post("/v1/completions", {"prompt": "slow", "max_tokens": 230,
+                                                      "ignore_eos": True}))
         t = threading.Thread(target=ask)
         t.start()
         deadline = time.monotonic() + 30
