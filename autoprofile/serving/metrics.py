@@ -144,9 +144,8 @@ def device_memory(snapshot: Snapshot | None, device: torch.device | None) -> tup
     else read in this process now."""
     if snapshot is not None and snapshot.device_memory is not None:
         return snapshot.device_memory
-    from autoprofile import memory
-    local = device is not None and device.type == "cuda"
-    return (*allocator_reading(device), memory.stack_limit_bytes(device) if local else None)
+    from autoprofile import memory  # None in a process that never touched CUDA (an engine process's server)
+    return (*allocator_reading(device), memory.stack_limit_bytes(device))
 
 
 class AllocatorCollector:
