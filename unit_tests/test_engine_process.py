@@ -31,8 +31,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum
 
 
 class Server:
-    def __init__(self, *extra: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", "--port", "0", *FLAGS,
+    def __init__(self, *extra: str, flags=tuple(FLAGS)):
+        self.proc = subprocess.Popen([sys.executable, "-m", "unit_tests.cpu_server", "--port", "0", *flags,
                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         lines = iter(self.proc.stdout.readline, "")
@@ -205,3 +205,43 @@ def test_an_engine_process_s_device_memory_comes_from_its_snapshot_not_this_proc
     """The server process never reads CUDA for an engine process: /metrics takes its snapshot's figures."""
     assert device_memory(Snapshot(device_memory=(5 << 30, 7, 1024)), None) == (5 << 30, 7, 1024)
     assert device_memory(Snapshot(), None) == (0, 0, None)
+
+
+VL = ["--model", "tiny-vl", "--dtype", "float32", "--attention_backend", "torch", "--max_req_total_len", "512",
+      "--max_image_pixels", str(64 * 28 * 28), "--min_image_pixels", str(4 * 28 * 28), "--report_dir", "",
+      "--profile_cache", ""]
+
+
+def test_an_image_crosses_to_the_engine_process_and_is_answered_as_in_one_process():
+    """tiny-vl (Qwen2.5-VL): the image's patches go over the pipe with the request; the answer and its
+    image tokens are those of the engine thread."""
+    from unit_tests.test_server_images import data_url, png
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(png(90, 60, seed=3))}},
+        {"type": "text", "text": "describe"}]}], "max_tokens": 6, "temperature": 0}
+    answers = []
+    for extra in (["--engine_process"], []):
+        s = Server(*VL, *extra, flags=())
+        try:
+            status, out = s.post("/v1/chat/completions", body)
+            assert status == 200, out
+            answers.append((out["choices"][0]["message"]["content"], out["usage"]))
+        finally:
+            assert s.stop() == 0
+    assert answers[0] == answers[1] and answers[0][1]["prompt_tokens"] > 20  # the image's tokens counted
+
+
+def test_a_trace_of_the_engine_process_s_steps(tmp_path):
+    """--profile_dir: POST /start_profile and /stop_profile reach the profiler in the engine process; its
+    trace is written there and named in the answer."""
+    s = Server("--engine_process", "--profile_dir", str(tmp_path))
+    try:
+        assert s.post("/start_profile", {"num_steps": 3})[0] == 200
+        s.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "ignore_eos": True})
+        status, out = s.post("/stop_profile", {})
+        assert status == 200 and out["steps"] >= 1, out
+        assert (tmp_path / os.path.basename(out["trace"])).exists()
+        status, err = s.post("/stop_profile", {})  # none running: the engine process's ProfileError, a 409
+        assert status == 409 and err["error"]["code"] == "profile_state"
+    finally:
+        s.stop()
