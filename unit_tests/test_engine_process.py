@@ -92,6 +92,12 @@ def _answers(s: Server) -> dict:
                                                                "json_schema": {"name": "t",
                                                                                "schema": SCHEMA}}})
     out["schema"] = c["choices"][0]["message"]["content"]
+    _, c = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "another"}],
+                                           "max_tokens": 60, "temperature": 0,
+                                           "response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "t",
+                                                                               "schema": SCHEMA}}})
+    out["schema_again"] = c["choices"][0]["message"]["content"]  # compiled there already: built at once
     _, c = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                                       "allowed_token_ids": [70, 71, 72]})
     out["allowed"] = c["choices"][0]["text"]
@@ -207,9 +213,9 @@ def test_an_engine_process_s_device_memory_comes_from_its_snapshot_not_this_proc
     assert device_memory(Snapshot(), None) == (0, 0, None)
 
 
-VL = ["--model", "tiny-vl", "--dtype", "float32", "--attention_backend", "torch", "--max_req_total_len", "512",
-      "--max_image_pixels", str(64 * 28 * 28), "--min_image_pixels", str(4 * 28 * 28), "--report_dir", "",
-      "--profile_cache", ""]
+VL = ["--model", "tiny-vl", "--dtype", "float32", "--attention_backend", "torch",
+      "--max_req_total_len", "512", "--max_image_pixels", str(64 * 28 * 28),
+      "--min_image_pixels", str(4 * 28 * 28), "--report_dir", "", "--profile_cache", ""]
 
 
 def test_an_image_crosses_to_the_engine_process_and_is_answered_as_in_one_process():
@@ -245,3 +251,57 @@ def test_a_trace_of_the_engine_process_s_steps(tmp_path):
         assert status == 409 and err["error"]["code"] == "profile_state"
     finally:
         s.stop()
+
+
+class _SlowCompiler:
+    """Stands for the engine process's compiler (engine_process._Grammars): a spec compiles once `gate` is
+    set, then stays compiled."""
+
+    def __init__(self):
+        self.gate, self.done = threading.Event(), set()
+
+    def compiled(self, req) -> bool:
+        return req.spec in self.done
+
+    def build(self, req):
+        if req.spec not in self.done:
+            assert self.gate.wait(30)
+            self.done.add(req.spec)
+        return ("matcher of", req.spec)
+
+
+def test_a_first_seen_grammar_compiles_aside_and_an_abort_meanwhile_drops_it():
+    """The engine process's pipe reader (a real pipe, the loop's real inbox): an add whose grammar is not
+    compiled there yet waits on a compile thread while the commands behind it go on; its abort during the
+    compile drops it (it never reaches the loop, which would run it with nobody listening)."""
+    import multiprocessing
+    import queue
+
+    from autoprofile.serving.engine_loop import STOP
+    from autoprofile.serving.engine_process import GrammarRequest, _Reader
+    ours, theirs = multiprocessing.Pipe()
+    inbox, compiler = queue.SimpleQueue(), _SlowCompiler()
+    reader = _Reader(theirs, inbox, compiler, lambda msg: None)
+    threading.Thread(target=reader.run, daemon=True).start()
+
+    def add(rid, grammar):
+        ours.send(("add", rid, ([1, 2], None, 4, (), None, grammar)))
+    add("slow", GrammarRequest("S"))
+    add("plain", None)
+    assert inbox.get(timeout=30)[1] == "plain"  # not held behind the compile
+    ours.send(("abort", "slow"))
+    _until(lambda: reader.pending.get("slow"))  # the abort read while "slow" compiles
+    compiler.gate.set()
+    _until(lambda: "S" in compiler.done and not reader.pending)
+    add("again", GrammarRequest("S"))  # compiled there now: built at once, in its turn
+    ours.send(STOP)
+    got = [inbox.get(timeout=30) for _ in range(2)]
+    assert [c if c == STOP else (c[1], c[2][5]) for c in got] == [("again", ("matcher of", "S")), STOP]
+    assert inbox.empty()
+
+
+def _until(ok, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

@@ -15,7 +15,8 @@ What crosses the pipe (pickled): the commands of EngineLoop's inbox; its posts (
 "profiled") and snapshots; at the boot, ("ready", ProfileResult, Envelope) or ("boot_failed", kind, text).
 A grammar crosses as a GrammarRequest (an xgrammar matcher does not pickle): the server compiled its spec
 already (a bad one was a 400 there); the engine process compiles it again into a cache of its own
-(serving.structured.Grammars) on its pipe's reader thread, before the request reaches the loop. The pulse
+(serving.structured.Grammars), a first-seen spec on a compile thread of its own, before the request reaches
+the loop. The pulse
 (the watchdog's beat and progress) is shared memory; the engine process's allocator and CUDA stack limit come
 with its snapshots (Snapshot.device_memory), so that the server process never touches CUDA: a context there
 would take GPU memory the profile never counted.
@@ -35,6 +36,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from autoprofile.serving.engine_loop import STOP, EngineFailure, EngineLoop
@@ -217,27 +219,63 @@ def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
     looper = EngineLoop(engine, lambda kind, *args: send((kind, *args)),
                         lambda loop: send(("snapshot", loop.snapshot(memory.reading()))), pulse,
                         profile_dir=cfg.profile_dir)
-    grammars = _Grammars(cfg, engine.runner.model_config.vocab_size)
+    reader = _Reader(conn, looper.inbox, _Grammars(cfg, engine.runner.model_config.vocab_size), send)
+    threading.Thread(target=reader.run, name="engine-inbox", daemon=True).start()
+    looper.run()
 
-    def read() -> None:
+
+class _Reader:
+    """The engine process's end of the pipe: commands into the loop's inbox, in order, but for an add whose
+    grammar is not compiled here yet: that one is built on a compile thread and joins the inbox once built, so
+    a first-seen schema holds up nobody else's commands (an abort that comes meanwhile drops it)."""
+
+    def __init__(self, conn, inbox, grammars: _Grammars, send):
+        self.conn, self.inbox, self.grammars, self.send = conn, inbox, grammars, send
+        self.lock = threading.Lock()  # NOTE: the inbox's order between this thread and the compile threads
+        self.pending: dict[str, bool] = {}  # adds compiling: request id -> aborted meanwhile
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="engine-grammar")
+
+    def run(self) -> None:
         while True:
             try:
-                cmd = conn.recv()
+                cmd = self.conn.recv()
             except (EOFError, OSError):  # the server is gone
                 log.error("the server's end of the pipe closed: stopping")
                 cmd = STOP
-            if cmd != STOP and cmd[0] == "add" and isinstance(cmd[2][5], GrammarRequest):
-                try:
-                    cmd = (*cmd[:2], (*cmd[2][:5], grammars.build(cmd[2][5])))
-                except Exception:  # noqa: BLE001 - the server compiled it: this is ours, a 500
-                    log.exception("the grammar of %s did not build in the engine process", cmd[1])
-                    send(("added", cmd[1], EngineFailure("internal")))
-                    continue
-            looper.inbox.put(cmd)
             if cmd == STOP:
+                self.inbox.put(STOP)
                 return
-    threading.Thread(target=read, name="engine-inbox", daemon=True).start()
-    looper.run()
+            if cmd[0] == "add" and isinstance(cmd[2][5], GrammarRequest):
+                if not self.grammars.compiled(cmd[2][5]):
+                    with self.lock:
+                        self.pending[cmd[1]] = False
+                    self.pool.submit(self._add_later, cmd)
+                    continue
+                cmd = self._built(cmd)
+            with self.lock:
+                if cmd is None:
+                    continue
+                if cmd[0] == "abort" and cmd[1] in self.pending:
+                    self.pending[cmd[1]] = True
+                    continue
+                self.inbox.put(cmd)
+
+    def _built(self, cmd):
+        """The add with its matcher; None when it did not build (the server hears a 500)."""
+        rid, payload = cmd[1], cmd[2]
+        try:
+            return ("add", rid, (*payload[:5], self.grammars.build(payload[5])))
+        except Exception:  # noqa: BLE001 - the server compiled it: this is ours, a 500
+            log.exception("the grammar of %s did not build in the engine process", rid)
+            self.send(("added", rid, EngineFailure("internal")))
+            return None
+
+    def _add_later(self, cmd) -> None:
+        built = self._built(cmd)
+        with self.lock:
+            aborted = self.pending.pop(cmd[1])
+            if built is not None and not aborted:
+                self.inbox.put(built)
 
 
 class _DeviceMemory:
@@ -277,6 +315,14 @@ class _Grammars:
             finally:
                 self.ready.set()
         threading.Thread(target=load, name="grammars", daemon=True).start()
+
+    def compiled(self, req: GrammarRequest) -> bool:
+        """Whether build(req) is quick: no spec, or its grammar compiled here already."""
+        if req.spec is None:
+            return True
+        if not self.ready.is_set() or self.grammars is None:
+            return False
+        return self.grammars.cached(req.spec)
 
     def build(self, req: GrammarRequest):
         from autoprofile.engine.grammar import AllowedTokens

@@ -257,6 +257,10 @@ class Grammars:
                 self.cache.move_to_end(key)
             return hit
 
+    def cached(self, spec: Spec) -> bool:
+        """Whether spec's grammar is compiled and kept."""
+        return self._cached((spec.kind, spec.source)) is not None
+
     def compiled(self, spec: Spec):
         """The compiled grammar of spec (cached); a 400 naming spec.param if xgrammar refuses it."""
         key = (spec.kind, spec.source)
