@@ -244,16 +244,30 @@ def _main(argv: Sequence[str] | None) -> int:
     setup_logging()
     if ns.command == "plan":
         return _cmd_plan(cfg, card, ns.json, ns.dp_attention)
+    remote = _engine_process(cfg) if ns.command == "serve" else None  # booting beside our own imports
     if cfg.device == "cpu":
-        return _cmd_serve_cpu(cfg) if ns.command == "serve" else _profile_on_cpu()
+        return _cmd_serve_cpu(cfg, remote) if ns.command == "serve" else _profile_on_cpu()
     if not _gpu_present():
+        if remote is not None:
+            remote.kill()
         print(f"error: `autoprofile {ns.command}` measures GPU memory and needs a CUDA/ROCm GPU, and none is "
               f"visible here (torch.cuda.is_available() is False).\n"
               f"To see the memory budget on paper, run: autoprofile plan --model {cfg.model} --gpu h100\n"
               f"To try the API on this CPU, run: autoprofile serve --device cpu --model tiny",
               file=sys.stderr)
         return EXIT_FAILED
-    return _cmd_profile(cfg) if ns.command == "profile" else _cmd_serve(cfg)
+    return _cmd_profile(cfg) if ns.command == "profile" else _cmd_serve(cfg, remote)
+
+
+def _engine_process(cfg):
+    """--engine_process: the engine process spawned now, before this process imports torch and the server
+    (its boot function named, not imported), so that the two processes' imports overlap; else None."""
+    if not cfg.engine_process:
+        return None
+    from autoprofile.serving.engine_process import BootRef, EngineProcess
+    where = ("autoprofile.cpu", "boot_cpu") if cfg.device == "cpu" else ("autoprofile.profiler", "boot")
+    boot = BootRef(*where)
+    return EngineProcess(cfg, boot).start()
 
 
 def _plan_card(ns: argparse.Namespace):
@@ -308,19 +322,19 @@ def _profile_on_cpu() -> int:
     return EXIT_USAGE
 
 
-def _cmd_serve_cpu(cfg) -> int:
+def _cmd_serve_cpu(cfg, remote=None) -> int:
     from autoprofile.cpu import boot_cpu
     from autoprofile.server import run_server
-    return run_server(cfg, boot_cpu)  # no probe: the cache is sized from the context and the host's memory
+    return run_server(cfg, boot_cpu, remote)  # no probe: the cache is sized from the context and host memory
 
 
-def _cmd_serve(cfg) -> int:
+def _cmd_serve(cfg, remote=None) -> int:
     from autoprofile.profiler import boot
     from autoprofile.server import run_server
     if cfg.tp > 1:  # one process per GPU: rank 0 serves HTTP and ships each step to the others
         from autoprofile.launch import serve_tp
         return serve_tp(cfg)
-    return run_server(cfg, boot)  # binds, boots (load, probe, measure, rebuild, validate), serves, drains
+    return run_server(cfg, boot, remote)  # binds, boots (load, probe, measure, rebuild, validate), serves
 
 
 if __name__ == "__main__":

@@ -402,9 +402,11 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
 
 
 # ---------------------------------------------------------------- the process
-async def serve(cfg, boot) -> int:
+async def serve(cfg, boot, remote: EngineProcess | None = None) -> int:
     """Bind first (/health says 503 "starting"), boot (load + profile) on a thread, serve until SIGTERM or
     SIGINT, drain, exit 0. boot(cfg) -> (runner, result); ProfileError ends with its diagnostic, exit 1.
+    --engine_process: the boot and the engine loop run in `remote` (an EngineProcess, started already or not),
+    else in one made here from boot.
     An engine loop that dies or wedges raises EngineDead once the failed requests are answered."""
     from autoprofile.engine.engine import LLMEngine
     from autoprofile.profiler import ProfileError
@@ -427,7 +429,8 @@ async def serve(cfg, boot) -> int:
     app = make_app(cfg)
     site = await start(app, cfg.host, cfg.port)
     booted: asyncio.Future = loop.create_future()
-    remote = EngineProcess(cfg, boot) if cfg.engine_process else None  # boots there, serves from there
+    if remote is None and cfg.engine_process:
+        remote = EngineProcess(cfg, boot)  # boots there, serves from there
 
     def run_boot() -> None:
         try:
@@ -479,9 +482,9 @@ async def serve(cfg, boot) -> int:
     return EXIT_OK
 
 
-def run_server(cfg, boot) -> int:
+def run_server(cfg, boot, remote: EngineProcess | None = None) -> int:
     try:
-        return asyncio.run(serve(cfg, boot))
+        return asyncio.run(serve(cfg, boot, remote))
     except EngineDead as e:
         print(str(e), file=sys.stderr, flush=True)
         logging.shutdown()

@@ -93,8 +93,8 @@ def test_serve_starts_the_server_with_the_profiler_boot(mocker):
     mocker.patch("torch.cuda.is_available", return_value=True)
     run = mocker.patch("autoprofile.server.run_server", return_value=0)
     assert cli.main(["serve", "--model", "tiny", "--port", "0", "--max_waiting_requests", "7"]) == 0
-    (cfg, boot_fn), _ = run.call_args
-    assert cfg.port == 0 and cfg.max_waiting_requests == 7 and boot_fn is boot
+    (cfg, boot_fn, remote), _ = run.call_args
+    assert cfg.port == 0 and cfg.max_waiting_requests == 7 and boot_fn is boot and remote is None
 
 
 def test_serve_exit_code_is_the_servers(mocker):

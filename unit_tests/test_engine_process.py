@@ -305,3 +305,41 @@ def _until(ok, timeout_s: float = 30) -> None:
     while not ok():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_the_cli_spawns_the_engine_process_before_importing_torch():
+    """`serve --engine_process` starts the engine process first, so that its imports and boot overlap the
+    server's own: the module that starts it imports no torch, and the boot function goes by name."""
+    code = ("import sys, pickle; from autoprofile.serving.engine_process import BootRef; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "b = pickle.loads(pickle.dumps(BootRef('autoprofile.cpu', 'boot_cpu'))); "
+            "assert 'torch' not in sys.modules and b.name == 'boot_cpu'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_cli_serves_through_an_engine_process_and_stops_it():
+    """The command a user types, on the CPU: the engine process booted by name (autoprofile.cpu's boot)."""
+    proc = subprocess.Popen([sys.executable, "-m", "autoprofile.cli", "serve", "--device", "cpu",
+                             "--port", "0", "--max_req_total_len", "256", "--report_dir", "",
+                             "--profile_cache", "", "--engine_process"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    s = Server.__new__(Server)
+    s.proc, s.log = proc, []
+    try:
+        lines = iter(proc.stdout.readline, "")
+        s.url = bound_url(s._kept(lines))
+        assert s.url and "ready:" in next((x for x in s._kept(lines) if "ready:" in x or "Error" in x), "")
+        threading.Thread(target=lambda: [None for _ in s._kept(lines)], daemon=True).start()
+        status, out = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+        assert status == 200 and out["usage"]["completion_tokens"] == 4
+        assert len(s.engine_children()) == 1
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+
+
+def test_no_gpu_with_an_engine_process_started_still_ends_with_the_message():
+    """On a host without a GPU `serve --engine_process` (its engine process spawned before the check) says so
+    and exits 1: the command ends, it does not wait on the engine process."""
+    r = subprocess.run([sys.executable, "-m", "autoprofile.cli", "serve", "--engine_process", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "needs a CUDA/ROCm GPU" in r.stderr, r.stderr

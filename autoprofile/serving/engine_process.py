@@ -36,14 +36,29 @@ import signal
 import threading
 import time
 import traceback
+import importlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-from autoprofile.serving.engine_loop import STOP, EngineFailure, EngineLoop
 
 log = logging.getLogger(__name__)
 DEVICE_MEMORY_EVERY_S = 0.5  # the engine process reads its allocator for /metrics at most this often
 STOP_WAIT_S = 60.0  # a stopped engine process that has not ended by then is killed
+
+
+# NOTE: no torch here at import (the engine loop's modules come in where they run): `serve` spawns the engine
+# process before it imports torch and the server, so that both processes' imports overlap
+
+
+@dataclass(frozen=True)
+class BootRef:
+    """A boot function by module and name (`autoprofile.profiler`, `boot`): pickled to the engine process
+    without importing its module here first."""
+
+    module: str
+    name: str
+
+    def __call__(self, cfg):
+        return getattr(importlib.import_module(self.module), self.name)(cfg)
 
 
 class EngineBootError(RuntimeError):
@@ -107,12 +122,19 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self.envelope = None
 
+    def start(self) -> EngineProcess:
+        """Spawn it (its boot begins there); boot() waits for it."""
+        if self.proc.pid is None:
+            self.proc.start()
+            self._child_end.close()  # NOTE: ours closed, the child's end alone holds it: its exit is our EOF
+        return self
+
     def boot(self):
-        """Start the engine process and wait for its boot: its ProfileResult. ProfileError (its diagnostic)
-        or EngineBootError when the boot failed; EngineBootError when the process died during it."""
+        """Start the engine process (unless started) and wait for its boot: its ProfileResult. ProfileError
+        (its diagnostic) or EngineBootError when the boot failed; EngineBootError when the process died
+        during it."""
         from autoprofile.profiler import ProfileError
-        self.proc.start()
-        self._child_end.close()  # NOTE: ours closed, the child's end alone holds it: its exit is our EOF
+        self.start()
         try:
             msg = self.conn.recv()
         except (EOFError, OSError):
@@ -153,6 +175,7 @@ class EngineProcess:
     async def stop(self, wait: bool = True) -> None:
         """Tell it to stop (its live requests aborted, the runner torn down) and wait for its exit; killed
         past STOP_WAIT_S, or at once when not `wait` (a wedged loop never reads STOP)."""
+        from autoprofile.serving.engine_loop import STOP
         self._stopping = True
         if not self.proc.is_alive():
             return
@@ -165,9 +188,9 @@ class EngineProcess:
             await asyncio.to_thread(self.proc.join, 10)
 
     def kill(self) -> None:
-        """At once (the server stopped during the boot)."""
+        """At once (the server stopped during the boot, or found no GPU)."""
         self._stopping = True
-        if self.proc.is_alive():
+        if self.proc.pid is not None and self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
 
@@ -210,6 +233,7 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
 
 
 def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
+    from autoprofile.serving.engine_loop import EngineLoop
     lock = threading.Lock()  # the loop's thread and the reader's both send
 
     def send(msg) -> None:
@@ -234,6 +258,8 @@ class _Reader:
         self.lock = threading.Lock()  # NOTE: the inbox's order between this thread and the compile threads
         self.pending: dict[str, bool] = {}  # adds compiling: request id -> aborted meanwhile
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="engine-grammar")
+        from autoprofile.serving.engine_loop import STOP, EngineFailure
+        self.stop, self.failure = STOP, EngineFailure
 
     def run(self) -> None:
         while True:
@@ -241,9 +267,9 @@ class _Reader:
                 cmd = self.conn.recv()
             except (EOFError, OSError):  # the server is gone
                 log.error("the server's end of the pipe closed: stopping")
-                cmd = STOP
-            if cmd == STOP:
-                self.inbox.put(STOP)
+                cmd = self.stop
+            if cmd == self.stop:
+                self.inbox.put(cmd)
                 return
             if cmd[0] == "add" and isinstance(cmd[2][5], GrammarRequest):
                 if not self.grammars.compiled(cmd[2][5]):
@@ -267,7 +293,7 @@ class _Reader:
             return ("add", rid, (*payload[:5], self.grammars.build(payload[5])))
         except Exception:  # noqa: BLE001 - the server compiled it: this is ours, a 500
             log.exception("the grammar of %s did not build in the engine process", rid)
-            self.send(("added", rid, EngineFailure("internal")))
+            self.send(("added", rid, self.failure("internal")))
             return None
 
     def _add_later(self, cmd) -> None:
