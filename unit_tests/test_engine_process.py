@@ -343,3 +343,26 @@ def test_no_gpu_with_an_engine_process_started_still_ends_with_the_message():
     r = subprocess.run([sys.executable, "-m", "autoprofile.cli", "serve", "--engine_process", "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "needs a CUDA/ROCm GPU" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-mla", "tiny-hybrid"])
+def test_other_families_answer_through_an_engine_process_as_through_the_thread(model):
+    """MoE, MLA and a hybrid model (its per-request state beside the KV cache) served through an engine
+    process: the same greedy text and stream as the engine thread's, and the state slots in /health."""
+    flags = ["--model", model, *FLAGS[2:]]
+    got = []
+    for extra in (["--engine_process"], []):
+        s = Server(*extra, flags=flags)
+        try:
+            _, c = s.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12,
+                                              "temperature": 0, "ignore_eos": True})
+            _, chunks = s.post("/v1/completions", {"prompt": "Once upon", "max_tokens": 8, "temperature": 0,
+                                                   "ignore_eos": True, "stream": True})
+            health = json.loads(s.get("/health")[1])
+            got.append((c["choices"][0]["text"],
+                        "".join(json.loads(x)["choices"][0]["text"] for x in chunks if x != "[DONE]"),
+                        health.get("state_slots")))
+        finally:
+            assert s.stop() == 0
+    assert got[0] == got[1] and len(got[0][0]) > 0
+    assert (got[0][2] is not None) == (model == "tiny-hybrid")
