@@ -109,8 +109,8 @@ class EngineProcess:
     remote = True
 
     def __init__(self, cfg, boot):
-        """boot(cfg) -> (runner, result), run in the engine process (a module-level function: it is pickled
-        by name)."""
+        """boot(cfg) -> (runner, result), run in the engine process: pickled there by name (a module-level
+        function, or a BootRef, whose module this process need not have imported)."""
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         now = time.monotonic()
