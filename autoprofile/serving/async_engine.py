@@ -194,7 +194,7 @@ class AsyncEngine:
         if self.remote:
             self.engine.attach(self._post_kind, self._take_snapshot, self._lost)
         else:
-            self._take_snapshot(self.looper)
+            self.looper.report()
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
         self._watchdog = asyncio.ensure_future(self._watch())
@@ -384,9 +384,9 @@ class AsyncEngine:
         _profiled)."""
         self._post(getattr(self, "_" + kind), *args)
 
-    def _take_snapshot(self, looper) -> None:
-        """EngineLoop.publish: a Snapshot (the engine process's reader: one already made there)."""
-        self.snapshot = looper if isinstance(looper, Snapshot) else looper.snapshot()
+    def _take_snapshot(self, snapshot: Snapshot) -> None:
+        """EngineLoop.publish (an engine process's: from its pipe's reader)."""
+        self.snapshot = snapshot
 
     def _lost(self, reason: str) -> None:
         """From an engine process's reader: it ended without being stopped."""

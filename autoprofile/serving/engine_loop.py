@@ -8,7 +8,7 @@ runs on a thread of the server's process or alone in a process of its own (servi
   token), and STOP;
 - `post(kind, *args)`: what the owner must act on: ("dispatch", outputs, error_code), ("fail", request_ids,
   code), ("added", request_id, error or None), ("profiled", token, error or None, value);
-- `publish(loop)` after every iteration (the owner takes `loop.snapshot()`), and `pulse`: the last
+- `publish(Snapshot)` after every iteration, and `pulse`: the last
   iteration's and the last step's times (time.monotonic(); None: idle, blocked on the inbox), which the
   owner's watchdog reads.
 
@@ -77,11 +77,12 @@ class Pulse:
 
 class EngineLoop:
     def __init__(self, engine, post, publish, pulse: Pulse, halted=lambda: False,
-                 profile_dir: str | None = None):
-        """engine: an LLMEngine; post(kind, *args) and publish(loop): to the owner; halted(): the owner
+                 profile_dir: str | None = None, device_memory=lambda: None):
+        """engine: an LLMEngine; post(kind, *args) and publish(snapshot): to the owner; halted(): the owner
         gave up on this loop (it returns at its next iteration); profile_dir: where the step profiler writes
         (None: no profiler)."""
         self.engine, self.post, self.publish, self.pulse, self.halted = engine, post, publish, pulse, halted
+        self.device_memory = device_memory  # each snapshot's Snapshot.device_memory (an engine process's)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: set[str] = set()  # ids the engine holds
         self._ooms = self._errors = 0
@@ -120,7 +121,7 @@ class EngineLoop:
                 with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
                     self._step()  # publishes after the step
             else:
-                self._publish()
+                self.report()
 
     def _settle(self) -> None:
         """At stop, after every live request is aborted: collect the step still in flight (overlap launches
@@ -197,21 +198,21 @@ class EngineLoop:
             self._abort_live("oom")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            self._publish()
+            self.report()
             return
         except Exception:  # noqa: BLE001 - fail the requests, keep serving
             self.pulse.progress = time.monotonic()
             self._errors += 1
             log.exception("engine step failed: failing %d requests", len(self._live))
             self._abort_live("internal")
-            self._publish()
+            self.report()
             return
         with HostTimer(self.engine.clock, "post"):
             self._flush()  # the step before, if this one launched nothing
             for out in outputs:
                 if out.finished:
                     self._live.discard(out.request_id)
-            self._publish()  # before the outputs: what a client has seen, the snapshot already shows
+            self.report()  # before the outputs: what a client has seen, the snapshot already shows
             if outputs:
                 self._unposted = (outputs, "oom" if stats.ooms > ooms else "internal")
             if overlap:
@@ -235,11 +236,10 @@ class EngineLoop:
         if failed:
             self.post("fail", failed, code)
 
-    def snapshot(self, device_memory=None) -> Snapshot:
+    def report(self) -> None:
+        """Publish a Snapshot of the engine now."""
         s = self.engine.stats
-        return Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
-                        s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens, s.host,
-                        self.engine.step_times(), s.state_slots, s.state_slots_used, device_memory)
-
-    def _publish(self) -> None:
-        self.publish(self)
+        self.publish(Snapshot(s.running, s.waiting, s.preemptions, s.pages_used, s.pages_total, s.steps,
+                              s.ooms + self._ooms, s.failed_steps + self._errors, s.prefix_hit_tokens, s.host,
+                              self.engine.step_times(), s.state_slots, s.state_slots_used,
+                              self.device_memory()))

@@ -75,31 +75,20 @@ class GrammarRequest:
     vocab_size: int = 0
 
 
+def _shared(i: int) -> property:
+    """Slot i of the shared array as a float or None (NaN)."""
+    return property(lambda self: None if math.isnan(v := self.array[i]) else v,
+                    lambda self, v: self.array.__setitem__(i, math.nan if v is None else v))
+
+
 class SharedPulse:
     """engine_loop.Pulse over shared memory: the engine process writes, the server's watchdog reads."""
 
+    beat = _shared(0)
+    progress = _shared(1)
+
     def __init__(self, array):
         self.array = array
-
-    @staticmethod
-    def _get(v: float) -> float | None:
-        return None if math.isnan(v) else v
-
-    @property
-    def beat(self) -> float | None:
-        return self._get(self.array[0])
-
-    @beat.setter
-    def beat(self, v: float | None) -> None:
-        self.array[0] = math.nan if v is None else v
-
-    @property
-    def progress(self) -> float | None:
-        return self._get(self.array[1])
-
-    @progress.setter
-    def progress(self, v: float | None) -> None:
-        self.array[1] = math.nan if v is None else v
 
 
 class EngineProcess:
@@ -140,7 +129,8 @@ class EngineProcess:
         except (EOFError, OSError):
             self.proc.join(5)
             raise EngineBootError(f"the engine process exited with code {self.proc.exitcode} during the boot "
-                                  "(its log is above)") from None
+                                  "(its log is above); to boot in the server's own process, serve without "
+                                  "--engine_process") from None
         if msg[0] == "ready":
             _, result, self.envelope = msg
             return result
@@ -241,8 +231,8 @@ def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
             conn.send(msg)
     memory = _DeviceMemory(getattr(engine.runner, "device", None))
     looper = EngineLoop(engine, lambda kind, *args: send((kind, *args)),
-                        lambda loop: send(("snapshot", loop.snapshot(memory.reading()))), pulse,
-                        profile_dir=cfg.profile_dir)
+                        lambda snap: send(("snapshot", snap)), pulse, profile_dir=cfg.profile_dir,
+                        device_memory=memory.reading)
     reader = _Reader(conn, looper.inbox, _Grammars(cfg, engine.runner.model_config.vocab_size), send)
     threading.Thread(target=reader.run, name="engine-inbox", daemon=True).start()
     looper.run()
@@ -305,8 +295,8 @@ class _Reader:
 
 
 class _DeviceMemory:
-    """(reserved bytes, segments, CUDA stack limit) of this process's device, read at most every
-    DEVICE_MEMORY_EVERY_S (torch.cuda.memory_stats builds a dict of a few hundred entries)."""
+    """metrics.device_memory of this process's device, read at most every DEVICE_MEMORY_EVERY_S
+    (torch.cuda.memory_stats builds a dict of a few hundred entries); None off CUDA."""
 
     def __init__(self, device):
         self.device, self.last, self.value = device, -math.inf, None
@@ -316,10 +306,8 @@ class _DeviceMemory:
             return None
         now = time.monotonic()
         if now - self.last >= DEVICE_MEMORY_EVERY_S:
-            from autoprofile import memory
-            from autoprofile.serving.metrics import allocator_reading
-            limit = memory.stack_limit_bytes(self.device)
-            self.last, self.value = now, (*allocator_reading(self.device), limit)
+            from autoprofile.serving.metrics import device_memory
+            self.last, self.value = now, device_memory(None, self.device)
         return self.value
 
 
