@@ -260,9 +260,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _engine_process(cfg):
-    """--engine_process: the engine process spawned now, before this process imports torch and the server
-    (its boot function named, not imported), so that the two processes' imports overlap; else None."""
-    if not cfg.engine_process:
+    """The engine process (cfg.uses_engine_process) spawned now, before this process imports torch and the
+    server (its boot function named, not imported), so that the two processes' imports overlap; else None."""
+    if not cfg.uses_engine_process:
         return None
     from autoprofile.serving.engine_process import BootRef, EngineProcess
     where = ("autoprofile.cpu", "boot_cpu") if cfg.device == "cpu" else ("autoprofile.profiler", "boot")

@@ -103,8 +103,10 @@ class ServerConfig:
     # a stream's outputs reach its reader every this many tokens (its first token and its end at once):
     # SGLang's and vLLM's --stream-interval
     stream_interval: int = 1
-    # the engine loop in a process of its own (serving.engine_process): a GIL apart from the HTTP server's
-    engine_process: bool = False
+    # the engine loop in a process of its own (serving.engine_process): a GIL apart from the HTTP server's;
+    # None: in one with a single CUDA GPU (--tp 1), on a thread of the server's process otherwise (the CPU
+    # device, tensor-parallel ranks). uses_engine_process says which
+    engine_process: bool | None = None
     seed: int = 0
     # batch-invariant kernels: a request's tokens do not depend on the requests beside it (the README section
     # README_REPRODUCIBLE names)
@@ -137,6 +139,14 @@ class ServerConfig:
     def model_config(self) -> ModelConfig:
         mc = load_model_config(self.model)
         return with_runtime_fp8(mc) if self.quantization == "fp8" else mc
+
+    @property
+    def uses_engine_process(self) -> bool:
+        """Whether `serve` runs its engine loop in a process of its own (--engine_process; unset: with a single
+        CUDA GPU, as vLLM's EngineCore runs apart from its API server)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.device == "cuda" and self.tp == 1
 
     @property
     def random_weights(self) -> bool:
@@ -271,7 +281,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"turns the cache off; drop one of them (or --state_checkpoints 0)")
     _check(cfg.stream_interval >= 1, "stream_interval",
            f"must be >= 1, got {cfg.stream_interval}; try --stream_interval 1 (every token)")
-    _check(not cfg.engine_process or cfg.tp == 1, "engine_process",
+    _check(cfg.engine_process is not True or cfg.tp == 1, "engine_process",
            f"runs one GPU's engine apart from the HTTP server; under --tp {cfg.tp} rank 0's engine serves the "
            "ranks' step broadcast in the server's process: drop --engine_process (or serve --tp 1)")
     _check(cfg.max_waiting_steps >= 0, "max_waiting_steps",
@@ -773,11 +783,15 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="A request's tokens reach its HTTP handler (a streamed chunk) every N tokens; the first "
                   "token and the last at once (SGLang's and vLLM's --stream-interval). Larger: fewer chunks "
                   "and less host time on the event loop's thread, which shares the GIL with the engine's.")
-    add_flag(http, "engine_process", action="store_true",
+    engine = http.add_mutually_exclusive_group()
+    add_flag(engine, "engine_process", action="store_const", const=True, default=None,
              help="Run the engine loop (scheduling, launching, sampling: the GPU's one owner) in a process of "
                   "its own, as vLLM's EngineCore and SGLang's scheduler run, so that it does not share a GIL "
                   "with the HTTP server's event loop. The boot runs there; the server process never touches "
-                  "CUDA. One GPU (--tp 1).")
+                  "CUDA. One GPU (--tp 1). (default: on with one CUDA GPU; off with --device cpu or --tp > 1)")
+    add_flag(engine, "engine_thread", action="store_true",
+             help="Run the engine loop on a thread of the HTTP server's process instead (the default under "
+                  "--tp > 1 and with --device cpu).")
     add_flag(http, "allowed_media_domains", type=_domains, default=d.allowed_media_domains,
              help="Comma-separated hosts whose http(s) image URLs the server may fetch; data: URLs always "
                   "work.")
@@ -815,6 +829,8 @@ def _domains(text: str) -> tuple[str, ...]:
 def config_from_args(ns: argparse.Namespace, serving: bool = True) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     given = {k: v for k, v in vars(ns).items() if k in names and not (k in DEVICE_DEFAULTS and v is None)}
+    if getattr(ns, "engine_thread", False):  # --engine_thread: the engine_process switch, off
+        given["engine_process"] = False
     cfg = on_device(ServerConfig(**given), given)
     if cfg.report_dir == "" or "report_dir" not in vars(ns):  # plan writes no report
         cfg = cfg.replace(report_dir=None)

@@ -9,9 +9,9 @@
     POST /generate             LightLLM parity: {"input_ids": [[ids]], "max_new_tokens"} -> {"output_ids"}
     POST /tokenize, /detokenize, GET /version   vLLM's: text or chat messages <-> token ids; the version
 
-Handlers only translate HTTP to engine requests and stream tokens back; the engine runs on its own
-thread (autoprofile/serving/async_engine.py), or with --engine_process in a process of its own
-(serving.engine_process). Every client mistake is a 4xx with an OpenAI error object
+Handlers only translate HTTP to engine requests and stream tokens back; the engine runs in a process of
+its own with one CUDA GPU (serving.engine_process; --engine_thread: not), else on its own thread of this
+process (autoprofile/serving/async_engine.py). Every client mistake is a 4xx with an OpenAI error object
 naming the field; a 500 never carries internal text. SIGTERM/SIGINT: stop accepting (503), finish every
 request already accepted, exit 0. Everything is per app: two servers in one process share nothing.
 With --api_key every request but /health and /metrics (so every /v1/* and /generate) must send
@@ -405,8 +405,8 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
 async def serve(cfg, boot, remote: EngineProcess | None = None) -> int:
     """Bind first (/health says 503 "starting"), boot (load + profile) on a thread, serve until SIGTERM or
     SIGINT, drain, exit 0. boot(cfg) -> (runner, result); ProfileError ends with its diagnostic, exit 1.
-    --engine_process: the boot and the engine loop run in `remote` (an EngineProcess, started already or not),
-    else in one made here from boot.
+    cfg.uses_engine_process: the boot and the engine loop run in `remote` (an EngineProcess, started already
+    or not), else in one made here from boot.
     An engine loop that dies or wedges raises EngineDead once the failed requests are answered."""
     from autoprofile.engine.engine import LLMEngine
     from autoprofile.profiler import ProfileError
@@ -429,7 +429,7 @@ async def serve(cfg, boot, remote: EngineProcess | None = None) -> int:
     app = make_app(cfg)
     site = await start(app, cfg.host, cfg.port)
     booted: asyncio.Future = loop.create_future()
-    if remote is None and cfg.engine_process:
+    if remote is None and cfg.uses_engine_process:
         remote = EngineProcess(cfg, boot)  # boots there, serves from there
 
     def run_boot() -> None:

@@ -88,19 +88,36 @@ def test_profile_give_up_exits_1_with_the_diagnostic(mocker, capsys):
     assert "no size survived: knobs" in capsys.readouterr().err
 
 
-def test_serve_starts_the_server_with_the_profiler_boot(mocker):
+def test_serve_starts_the_server_with_the_profiler_boot_in_an_engine_process(mocker):
+    """One CUDA GPU: the engine process is spawned with the profiler's boot (by name) and handed to the
+    server."""
     from autoprofile.profiler import boot
+    from autoprofile.serving.engine_process import BootRef, EngineProcess
     mocker.patch("torch.cuda.is_available", return_value=True)
     run = mocker.patch("autoprofile.server.run_server", return_value=0)
     assert cli.main(["serve", "--model", "tiny", "--port", "0", "--max_waiting_requests", "7"]) == 0
     (cfg, boot_fn, remote), _ = run.call_args
-    assert cfg.port == 0 and cfg.max_waiting_requests == 7 and boot_fn is boot and remote is None
+    try:
+        assert cfg.port == 0 and cfg.max_waiting_requests == 7 and boot_fn is boot
+        assert isinstance(remote, EngineProcess) and remote.proc.pid is not None
+        assert remote.boot_fn == BootRef("autoprofile.profiler", "boot")
+    finally:
+        remote.kill()  # NOTE: the server that would stop it is mocked
+
+
+def test_serve_engine_thread_boots_in_the_server_s_process(mocker):
+    from autoprofile.profiler import boot
+    mocker.patch("torch.cuda.is_available", return_value=True)
+    run = mocker.patch("autoprofile.server.run_server", return_value=0)
+    assert cli.main(["serve", "--model", "tiny", "--port", "0", "--engine_thread"]) == 0
+    (cfg, boot_fn, remote), _ = run.call_args
+    assert boot_fn is boot and remote is None
 
 
 def test_serve_exit_code_is_the_servers(mocker):
     mocker.patch("torch.cuda.is_available", return_value=True)
     mocker.patch("autoprofile.server.run_server", return_value=1)
-    assert cli.main(["serve", "--model", "tiny"]) == 1
+    assert cli.main(["serve", "--model", "tiny", "--engine_thread"]) == 1
 
 
 # ---------------------------------------------------------------- help and messages (issue 35)
@@ -163,7 +180,8 @@ def test_deterministic_points_to_a_readme_section_that_the_lead_keeps(monkeypatc
 
 
 SERVE_ONLY = {"--host", "--port", "--max_waiting_requests", "--allowed_media_domains", "--served_model_name",
-              "--api_key", "--reasoning_parser", "--profile_dir", "--stream_interval", "--engine_process"}
+              "--api_key", "--reasoning_parser", "--profile_dir", "--stream_interval", "--engine_process",
+              "--engine_thread"}
 MEASURING = {"--load_format", "--tokenizer", "--seed", "--kv_scales", "--piecewise_cuda_graph_max_tokens",
              "--disable_overlap_schedule", "--max_waiting_steps", "--waiting_served_ratio", "--shrink_ratio",
              "--max_retries",

@@ -449,3 +449,24 @@ def test_profile_cache_defaults_to_the_user_cache_folder_and_empty_means_always_
     a_file.write_text("x")
     with pytest.raises(ConfigError, match="--profile_cache: .* is a file, not a folder; try --profile_cache"):
         config_from_args(parser.parse_args(["serve", "--profile_cache", str(a_file)]))
+
+
+@pytest.mark.parametrize("argv, in_process", [
+    ([], True),  # one CUDA GPU: the engine loop in a process of its own, as vLLM's EngineCore
+    (["--engine_thread"], False),
+    (["--engine-thread"], False),
+    (["--engine_process"], True),
+    (["--device", "cpu"], False),  # the forward runs on the same cores: no second process by default
+    (["--device", "cpu", "--engine_process"], True),
+    (["--tp", "2"], False),  # rank 0's engine serves the ranks' step broadcast in the server's process
+    (["--tp", "2", "--engine_thread"], False),
+])
+def test_serve_runs_its_engine_in_a_process_of_its_own_with_one_cuda_gpu(argv, in_process):
+    from autoprofile.config import config_from_args
+    cfg = validate(config_from_args(cli.build_parser().parse_args(["serve", "--profile_cache", "", *argv])))
+    assert cfg.uses_engine_process is in_process
+
+
+def test_engine_process_and_engine_thread_together_are_refused(capsys):
+    assert cli.main(["serve", "--engine_process", "--engine_thread"]) == 2
+    assert "--engine_thread: not allowed with argument --engine_process" in capsys.readouterr().err

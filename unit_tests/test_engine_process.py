@@ -337,10 +337,11 @@ def test_the_cli_serves_through_an_engine_process_and_stops_it():
         assert s.stop() == 0, "".join(s.log)
 
 
-def test_no_gpu_with_an_engine_process_started_still_ends_with_the_message():
-    """On a host without a GPU `serve --engine_process` (its engine process spawned before the check) says so
-    and exits 1: the command ends, it does not wait on the engine process."""
-    r = subprocess.run([sys.executable, "-m", "autoprofile.cli", "serve", "--engine_process", "--port", "0"],
+@pytest.mark.parametrize("flags", [[], ["--engine_process"]])
+def test_no_gpu_with_an_engine_process_started_still_ends_with_the_message(flags):
+    """On a host without a GPU `serve` (its engine process spawned before the check: the default, or asked
+    for) says so and exits 1: the command ends, it does not wait on the engine process."""
+    r = subprocess.run([sys.executable, "-m", "autoprofile.cli", "serve", *flags, "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "needs a CUDA/ROCm GPU" in r.stderr, r.stderr
 

@@ -1,5 +1,5 @@
-"""The engine loop in a process of its own (`serve --engine_process`), as vLLM's EngineCore and SGLang's
-scheduler run: the HTTP server's event loop (parsing, tokenizing, the streams' chunks) and the engine loop
+"""The engine loop in a process of its own (`serve` with one CUDA GPU, or `--engine_process`), as vLLM's
+EngineCore and SGLang's scheduler run: the HTTP server's event loop (parsing, tokenizing, the streams' chunks) and the engine loop
 (scheduling, launching, sampling) each hold a GIL of their own.
 
 In one process they share one: every torch op and Triton launch of the engine thread lets the GIL go, and
@@ -104,6 +104,7 @@ class EngineProcess:
         self.conn, child = ctx.Pipe()
         now = time.monotonic()
         self.pulse = SharedPulse(ctx.RawArray("d", [now, now]))
+        self.boot_fn = boot
         self.proc = ctx.Process(target=engine_main, args=(cfg, boot, child, self.pulse.array),
                                 name="autoprofile-engine")
         self._child_end = child
@@ -212,6 +213,11 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     except BaseException:  # noqa: BLE001 - the server prints it and exits 1
         conn.send(("boot_failed", "error", traceback.format_exc()))
         raise SystemExit(1) from None
+    if getattr(runner, "device", torch.device("cpu")).type == "cuda":
+        # NOTE: the loop's host ops are small; an OpenMP pool that spins after each one (15 threads on a
+        # 16-core H200 host, 1.6 s of CPU each in a 6 s JSON-schema run) takes the cores this loop and the HTTP
+        # process run on. The boot above keeps the pool (vLLM pins its workers' to one thread too)
+        torch.set_num_threads(1)
     try:
         engine = LLMEngine.from_config(runner, cfg)
         conn.send(("ready", result, engine.envelope))
