@@ -142,8 +142,8 @@ class ServerConfig:
 
     @property
     def uses_engine_process(self) -> bool:
-        """Whether `serve` runs its engine loop in a process of its own (--engine_process; unset: with a single
-        CUDA GPU, as vLLM's EngineCore runs apart from its API server)."""
+        """Whether `serve` runs its engine loop in a process of its own (--engine_process; unset: with a
+        single CUDA GPU, as vLLM's EngineCore runs apart from its API server)."""
         if self.engine_process is not None:
             return self.engine_process
         return self.device == "cuda" and self.tp == 1
@@ -788,7 +788,8 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
              help="Run the engine loop (scheduling, launching, sampling: the GPU's one owner) in a process of "
                   "its own, as vLLM's EngineCore and SGLang's scheduler run, so that it does not share a GIL "
                   "with the HTTP server's event loop. The boot runs there; the server process never touches "
-                  "CUDA. One GPU (--tp 1). (default: on with one CUDA GPU; off with --device cpu or --tp > 1)")
+                  "CUDA. One GPU (--tp 1). (default: on with one CUDA GPU; off with --device cpu or --tp > "
+                  "1)")
     add_flag(engine, "engine_thread", action="store_true",
              help="Run the engine loop on a thread of the HTTP server's process instead (the default under "
                   "--tp > 1 and with --device cpu).")

@@ -1,6 +1,6 @@
 """The engine loop in a process of its own (`serve` with one CUDA GPU, or `--engine_process`), as vLLM's
-EngineCore and SGLang's scheduler run: the HTTP server's event loop (parsing, tokenizing, the streams' chunks) and the engine loop
-(scheduling, launching, sampling) each hold a GIL of their own.
+EngineCore and SGLang's scheduler run: the HTTP server's event loop (parsing, tokenizing, the streams'
+chunks) and the engine loop (scheduling, launching, sampling) each hold a GIL of their own.
 
 In one process they share one: every torch op and Triton launch of the engine thread lets the GIL go, and
 each time the event loop may keep it for up to the switch interval. At c256 on an H200 a served FP8 prefill
@@ -215,8 +215,8 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
         raise SystemExit(1) from None
     if getattr(runner, "device", torch.device("cpu")).type == "cuda":
         # NOTE: the loop's host ops are small; an OpenMP pool that spins after each one (15 threads on a
-        # 16-core H200 host, 1.6 s of CPU each in a 6 s JSON-schema run) takes the cores this loop and the HTTP
-        # process run on. The boot above keeps the pool (vLLM pins its workers' to one thread too)
+        # 16-core H200 host, 1.6 s of CPU each in a 6 s JSON-schema run) takes the cores this loop and the
+        # HTTP process run on. The boot above keeps the pool (vLLM pins its workers' to one thread too)
         torch.set_num_threads(1)
     try:
         engine = LLMEngine.from_config(runner, cfg)
