@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--wedged_after_s", type=float, default=60.0)
     ns = p.parse_args(argv)
     cfg = config_from_args(ns)
+    if cfg.engine_process is None:  # it boots on the CPU: the engine thread, as `serve --device cpu` runs it
+        cfg = cfg.replace(engine_process=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.inject_fault:
         inject_fault(ns.inject_fault, ns.wedged_after_s)

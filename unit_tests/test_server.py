@@ -36,7 +36,8 @@ from unit_tests.cpu_server import boot_cpu, booted_fixture, bound_url
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(model="tiny", dtype="float32", attention_backend="torch", max_req_total_len=256,
              batch_max_tokens=64,
-             graph_max_batch_size=4, running_max_req_size=8, report_dir=None)
+             graph_max_batch_size=4, running_max_req_size=8, report_dir=None,
+             engine_process=False)  # the boots here are closures, run by the engine thread of this process
 CFG = validate(ServerConfig(**FLAGS, max_waiting_requests=2))
 RUNNING = 8  # running_max_req_size: the engine's running-request limit
 
@@ -623,6 +624,7 @@ def test_the_openai_client_end_to_end(run):
 # ---------------------------------------------------------------- SIGTERM: drain, lose nothing, exit 0
 def _cli_flags(**extra) -> list[str]:
     flags = {**FLAGS, "report_dir": "", "port": 0, **extra}
+    flags.pop("engine_process")  # a switch without a value; cpu_server serves on its engine thread unasked
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
