@@ -271,6 +271,28 @@ def test_the_mask_over_every_row_equals_the_mask_of_the_named_rows(grammars, mas
         assert all(bool((mask.host[i] == -1).all()) for i in set(range(12)) - set(index))
 
 
+@pytest.mark.parametrize("masked", [3, 9])
+def test_the_host_mask_is_written_without_torch_ops(grammars, masked, monkeypatch):
+    """The mask's host rows and index list are written through numpy views (and xgrammar's fill), never by a
+    torch op: a torch write of a few rows enters the intra-op OpenMP pool, whose threads then spin beside the
+    engine loop (15 of them on an H200 host in a JSON-schema run). Both of _apply's paths (the named rows;
+    every row, the unmasked ones set to allow all) and the stress's."""
+    from torch.profiler import ProfilerActivity, profile
+    index = sorted(random.Random(masked).sample(range(12), masked))  # 3: the named rows; 9: every row
+    rows = list(zip(index, _random_matchers(grammars, masked, masked)))
+    monkeypatch.setattr(grammar_module, "mask_logits_", lambda logits, bitmask, vocab_size, index: logits)
+    mask = TokenBitmask(16, 4096, torch.device("cpu"))
+    logits = torch.zeros(12, 4096)
+    mask.apply(logits, rows)  # xgrammar's batch matcher made outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mask.apply(logits, rows)
+        mask.apply_stress(logits)
+    writes = {e.key for e in prof.key_averages()} & {"aten::index_put_", "aten::fill_", "aten::copy_",
+                                                     "aten::_index_put_impl_"}
+    assert not writes, writes
+    assert bool((mask.host[:12, 0] == -2).all()) and bool((mask.host[:12, 1:] == -1).all())  # the stress's
+
+
 def test_allowed_ids_rows_fill_with_and_without_their_grammar(grammars):
     """AllowedTokens: alone, its ids; with a matcher, the ids its grammar allows too (filled in the batched
     call with the plain grammar rows)."""
