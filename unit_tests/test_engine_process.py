@@ -337,6 +337,18 @@ def test_the_cli_serves_through_an_engine_process_and_stops_it():
         assert s.stop() == 0, "".join(s.log)
 
 
+def _boot_dies(cfg):
+    os._exit(3)  # the engine process ends during its boot, as an OOM kill would end it
+
+
+def test_an_engine_process_that_dies_booting_names_the_flag_that_boots_in_the_server():
+    from autoprofile.config import ServerConfig, validate
+    from autoprofile.serving.engine_process import BootRef, EngineBootError, EngineProcess
+    cfg = validate(ServerConfig(model="tiny", device="cpu", report_dir=None))
+    with pytest.raises(EngineBootError, match="exited with code 3 during the boot.*serve with --engine_thread"):
+        EngineProcess(cfg, BootRef("unit_tests.test_engine_process", "_boot_dies")).boot()
+
+
 @pytest.mark.parametrize("flags", [[], ["--engine_process"]])
 def test_no_gpu_with_an_engine_process_started_still_ends_with_the_message(flags):
     """On a host without a GPU `serve` (its engine process spawned before the check: the default, or asked

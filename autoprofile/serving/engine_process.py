@@ -130,8 +130,8 @@ class EngineProcess:
         except (EOFError, OSError):
             self.proc.join(5)
             raise EngineBootError(f"the engine process exited with code {self.proc.exitcode} during the boot "
-                                  "(its log is above); to boot in the server's own process, serve without "
-                                  "--engine_process") from None
+                                  "(its log is above); to boot in the server's own process, serve with "
+                                  "--engine_thread") from None
         if msg[0] == "ready":
             _, result, self.envelope = msg
             return result
