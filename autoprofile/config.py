@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import logging
 import math
 import os
@@ -393,7 +394,7 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
            f"does not divide (TP splits every expert's intermediate dimension); try --tp "
            f"{nearest_divisor(cfg.tp, m.moe_intermediate_size)}")
     if m.is_hybrid:
-        _validate_hybrid(cfg, m)
+        _validate_hybrid(cfg, m, serving)
     heads = math.gcd(m.num_heads, m.num_kv_heads)
     _check(heads % cfg.tp == 0, "tp",
            f"{m.name} has {m.num_heads} query and {m.num_kv_heads} KV heads, which --tp {cfg.tp} does not "
@@ -446,8 +447,11 @@ def _validate_device(cfg: ServerConfig) -> None:
            "--device cpu keeps the KV cache in host memory already; use --host_kv off")
 
 
-def _validate_hybrid(cfg: ServerConfig, m) -> None:
-    """A hybrid model (Gated DeltaNet + attention): what its state cache does not serve yet."""
+def _validate_hybrid(cfg: ServerConfig, m, serving: bool = True) -> None:
+    """A hybrid model (Gated DeltaNet + attention): what its state cache does not serve yet, and fla-core's
+    kernels on a GPU."""
+    if serving and cfg.device == "cuda" and (problem := fla_problem(m.name)):
+        raise ConfigError("model", problem)
     _check(cfg.host_kv == "off", "host_kv",
            f"{m.name} is a hybrid model: a cached prefix resumes from a state checkpoint on the GPU, and the "
            "host tier keeps K/V pages only; use --host_kv off")
@@ -465,6 +469,23 @@ def _validate_hybrid(cfg: ServerConfig, m) -> None:
            f"{m.name} has {m.linear_num_key_heads} key and {m.linear_num_value_heads} value heads in its "
            f"linear-attention layers, which --tp {cfg.tp} does not divide; try --tp "
            f"{nearest_divisor(cfg.tp, heads)}")
+
+
+FLA_REQUIREMENT = "fla-core==0.6.0"  # pyproject's pin: the version the GPU measurements ran
+
+
+def fla_problem(name: str, find_spec=importlib.util.find_spec) -> str | None:
+    """Why a hybrid model's prefill cannot run at speed on a GPU here, or None: fla-core's chunked delta-rule
+    kernels (layers.gdn.fla_ops) are not installed. Without them every row's prefill runs as torch ops, 64
+    tokens at a time in a Python loop (an H200: a 4,101-token prefill step of qwen3.5-35b-a3b-fp8 took 2.5 s,
+    a stress corner 7-13 s). Looked up without importing it (the server process spawns the engine's before
+    it imports torch)."""
+    if find_spec("fla") is not None:
+        return None
+    return (f"{name} is a hybrid model: its Gated DeltaNet prefill on a GPU runs fla-core's chunked "
+            f"kernels, which are not installed here (without them each row's prefill would run as torch ops, "
+            f"64 tokens at a time: tens of times slower); install them with `pip install {FLA_REQUIREMENT}` "
+            f"(a dependency of autoprofile on Linux), or serve with --device cpu")
 
 
 def nearest_divisor(n: int, of: int) -> int:

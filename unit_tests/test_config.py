@@ -3,11 +3,14 @@ call; valid combinations get past validation."""
 from __future__ import annotations
 
 import json
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from autoprofile import cli
-from autoprofile.config import ConfigError, ServerConfig, validate
+from autoprofile.config import FLA_REQUIREMENT, ConfigError, ServerConfig, config_from_args, validate
 from autoprofile.model_config import CONFIG_DIR
 
 CUDA_ENTRY_POINTS = ("is_available", "init", "mem_get_info", "device_count", "current_device",
@@ -213,6 +216,37 @@ def test_model_folder_with_config_json(tmp_path, cuda_spy, capsys):
     assert cli.main(["serve", "--model", str(tmp_path), "--load_format", "dummy"]) == 1
     assert cli.main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "error: --model: no config.json" in capsys.readouterr().err
+
+
+def test_a_hybrid_on_a_gpu_without_fla_core_exits_2_naming_the_install(monkeypatch, cuda_spy, capsys):
+    """fla-core's chunked kernels run a hybrid model's prefill on a GPU (without them each row's prefill ran
+    as torch ops, 64 tokens at a time). Hidden from import, serve exits 2 naming --model and the pip line
+    before any torch.cuda call; --device cpu and plan do not need it. Installed (a Linux dependency), serve
+    passes."""
+    monkeypatch.setitem(sys.modules, "fla", None)  # as Python blocks an import: find_spec gives None
+    for model in ("qwen3.5-35b-a3b-fp8", "tiny-hybrid"):
+        assert cli.main(["serve", "--model", model]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --model: {model} is a hybrid model"), err
+        assert f"pip install {FLA_REQUIREMENT}" in err and "--device cpu" in err
+    assert_cuda_untouched(cuda_spy)
+    on_cpu = cli.build_parser().parse_args(["serve", "--model", "tiny-hybrid", "--device", "cpu"])
+    assert config_from_args(on_cpu).model_config.is_hybrid
+    assert cli.main(["plan", "--model", "qwen3.5-35b-a3b-fp8", "--gpu", "h100"]) == 0
+    cuda_spy["is_available"].side_effect = None
+    cuda_spy["is_available"].return_value = False
+    capsys.readouterr()
+    assert cli.main(["serve", "--model", "tiny"]) == 1  # no linear-attention layers: past validation, no GPU
+    monkeypatch.delitem(sys.modules, "fla")
+    if sys.platform == "linux":
+        assert cli.main(["serve", "--model", "qwen3.5-35b-a3b-fp8"]) == 1
+    assert capsys.readouterr().err.count("needs a CUDA/ROCm GPU") == (2 if sys.platform == "linux" else 1)
+
+
+def test_the_fla_core_the_error_names_is_the_one_pyproject_pins():
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    deps = pyproject["project"]["dependencies"]
+    assert f"{FLA_REQUIREMENT}; platform_system == 'Linux'" in deps
 
 
 def test_mla_is_served_by_aiter_triton_and_torch_not_by_the_native_aiter_backend():
