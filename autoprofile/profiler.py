@@ -609,12 +609,16 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
     (report.write_report)."""
     from autoprofile.engine.runner import runner_device
     from autoprofile.kernels.compile_ahead import CompileAhead
+    from autoprofile.kernels.compile_watch import watch_after_boot
 
     device = runner_device(rank, cfg.device)
     # the Triton compiles we can name before the first launch run in a pool beside the weights and graphs
     with CompileAhead(device) as ahead:
         ahead.dry(compile_ahead, cfg, device)
-        return _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later)
+        booted = _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later)
+    if device.type == "cuda":  # from here a compile is a served step outside the stress's specializations
+        watch_after_boot()
+    return booted
 
 
 def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:

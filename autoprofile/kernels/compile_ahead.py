@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from autoprofile.kernels.compile_watch import CompileWatch
+
 log = logging.getLogger(__name__)
 
 _DRY: contextvars.ContextVar[bool] = contextvars.ContextVar("compile_ahead_dry", default=False)
@@ -112,7 +114,8 @@ class CompileAhead:
         JITFunction._do_compile = do_compile_seated
         from triton import knobs
         self._listener = knobs.compilation.listener
-        chained = self._listener
+        # a boot after serving began (a test's second boot): its compiles are not a served step's
+        chained = self._listener.chained if isinstance(self._listener, CompileWatch) else self._listener
 
         def count_hits(**kwargs):
             with self._lock:

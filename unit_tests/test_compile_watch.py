@@ -1,0 +1,77 @@
+"""Triton compiles after the boot (kernels.compile_watch): Triton's own compiler, run for an H100 (sm_90) on
+this CPU into a fresh cache, calls the watch; a compile is counted, named and logged, a load from the cache is
+counted apart, and the listener that was there before still hears both."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def _compile_add_one(block: int):
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    src = ASTSource(add_one, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {(2,): block})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.fixture
+def fresh_triton(tmp_path, monkeypatch):
+    """An empty Triton cache and no listener; the watch module's state restored after."""
+    from triton import knobs
+
+    from autoprofile.kernels import compile_watch
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    monkeypatch.setattr(compile_watch, "_WATCH", None)
+    return knobs
+
+
+def test_a_compile_after_the_boot_is_counted_named_and_logged_and_a_cache_load_apart(fresh_triton, caplog):
+    from autoprofile.kernels.compile_watch import current, watch_after_boot
+    heard = []
+    fresh_triton.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
+    assert current() is None
+    watch = watch_after_boot()
+    assert watch_after_boot() is watch is current() and fresh_triton.compilation.listener is watch
+    with caplog.at_level(logging.WARNING, logger="autoprofile.kernels.compile_watch"):
+        _compile_add_one(64)
+    assert (watch.compiles, watch.loads, dict(watch.kernels)) == (1, 0, {"add_one": 1})
+    assert 0 < watch.seconds < 120
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Triton compiled add_one after the boot"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="autoprofile.kernels.compile_watch"):
+        _compile_add_one(64)  # the same specialization: Triton's cache
+    assert (watch.compiles, watch.loads) == (1, 1) and not caplog.records
+    _compile_add_one(128)  # another constexpr: another compile
+    assert (watch.compiles, watch.loads, watch.kernels["add_one"]) == (2, 1, 2)
+    assert heard == [False, True, False]
+
+
+def test_a_boot_s_compiles_are_not_counted_as_a_served_step_s(fresh_triton):
+    """A second boot in a process already serving (CompileAhead open): its compiles pass the watch by, and
+    the watch is the listener again once the boot's context closes."""
+    import torch
+
+    from autoprofile.kernels.compile_ahead import CompileAhead
+    from autoprofile.kernels.compile_watch import watch_after_boot
+    watch = watch_after_boot()
+    ahead = CompileAhead(torch.device("cuda"))
+    ahead.enabled = True  # (no GPU here: the context's listener and JIT hooks alone)
+    with ahead:
+        _compile_add_one(64)
+    assert (watch.compiles, watch.loads) == (0, 0) and ahead.mode is not None
+    assert fresh_triton.compilation.listener is watch
+    _compile_add_one(32)
+    assert watch.compiles == 1
