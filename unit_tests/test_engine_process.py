@@ -341,6 +341,20 @@ def _boot_dies(cfg):
     os._exit(3)  # the engine process ends during its boot, as an OOM kill would end it
 
 
+def _boot_names_threads(cfg):
+    raise RuntimeError(f"threads while booting: {sorted(t.name for t in threading.enumerate())}")
+
+
+def test_the_engine_process_builds_its_grammar_compiler_beside_the_boot():
+    """xgrammar's vocabulary is built on a thread that starts with the boot: built after `ready`, its import
+    held the GIL beside the first served steps (a host-bound hybrid MoE's prefill steps 3x slower, H200)."""
+    from autoprofile.config import ServerConfig, validate
+    from autoprofile.serving.engine_process import BootRef, EngineBootError, EngineProcess
+    cfg = validate(ServerConfig(model="tiny", device="cpu", report_dir=None))
+    with pytest.raises(EngineBootError, match=r"threads while booting: \[.*'grammars'"):
+        EngineProcess(cfg, BootRef("unit_tests.test_engine_process", "_boot_names_threads")).boot()
+
+
 def test_an_engine_process_that_dies_booting_names_the_flag_that_boots_in_the_server():
     from autoprofile.config import ServerConfig, validate
     from autoprofile.serving.engine_process import BootRef, EngineBootError, EngineProcess

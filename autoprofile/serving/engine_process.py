@@ -205,6 +205,9 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
+    # xgrammar's vocabulary (its import, transformers', seconds of the GIL) built beside the boot, not beside
+    # the first served steps: after `ready` it slowed a host-bound hybrid MoE's prefill steps 3x
+    grammars = _Grammars(cfg, cfg.model_config.vocab_size)
     try:
         runner, result = boot(cfg)
     except ProfileError as e:
@@ -221,14 +224,14 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     try:
         engine = LLMEngine.from_config(runner, cfg)
         conn.send(("ready", result, engine.envelope))
-        _serve(engine, cfg, conn, SharedPulse(pulse_array))
+        _serve(engine, cfg, conn, SharedPulse(pulse_array), grammars)
     finally:
         runner.teardown()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
 
-def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
+def _serve(engine, cfg, conn, pulse: SharedPulse, grammars: _Grammars) -> None:
     from autoprofile.serving.engine_loop import EngineLoop
     lock = threading.Lock()  # the loop's thread and the reader's both send
 
@@ -239,7 +242,7 @@ def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
     looper = EngineLoop(engine, lambda kind, *args: send((kind, *args)),
                         lambda snap: send(("snapshot", snap)), pulse, profile_dir=cfg.profile_dir,
                         device_memory=memory.reading)
-    reader = _Reader(conn, looper.inbox, _Grammars(cfg, engine.runner.model_config.vocab_size), send)
+    reader = _Reader(conn, looper.inbox, grammars, send)
     threading.Thread(target=reader.run, name="engine-inbox", daemon=True).start()
     looper.run()
 
@@ -318,8 +321,8 @@ class _DeviceMemory:
 
 
 class _Grammars:
-    """The engine process's grammar compiler (serving.structured.Grammars), built on a thread after the boot
-    (xgrammar's import takes seconds); build() waits for it."""
+    """The engine process's grammar compiler (serving.structured.Grammars), built on a thread that starts
+    with the boot (xgrammar's import takes seconds); build() waits for it."""
 
     def __init__(self, cfg, vocab_size: int):
         self.vocab_size, self.ready = vocab_size, threading.Event()
