@@ -64,6 +64,19 @@ def perturb(hf) -> None:
                 p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else 0.1)
 
 
+@pytest.fixture(autouse=True)
+def hf_torch_delta_rule(monkeypatch):
+    """transformers takes fla-core's Triton delta rule where fla is installed (our dependency on Linux), which
+    needs a GPU: the reference here is its torch path, the function fla's wrapper was made from."""
+    import importlib
+    import inspect
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            if hasattr(mod, fn):
+                monkeypatch.setattr(mod, fn, inspect.unwrap(getattr(mod, fn)))
+
+
 def hf_model(config: dict, seed: int = 0):
     cls, cfg_cls = (getattr(transformers, n) for n in HF_CLASSES[config["architectures"][0]])
     torch.manual_seed(seed)
