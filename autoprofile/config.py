@@ -474,13 +474,13 @@ def _validate_hybrid(cfg: ServerConfig, m, serving: bool = True) -> None:
 FLA_REQUIREMENT = "fla-core==0.6.0"  # pyproject's pin: the version the GPU measurements ran
 
 
-def fla_problem(name: str, find_spec=importlib.util.find_spec) -> str | None:
+def fla_problem(name: str) -> str | None:
     """Why a hybrid model's prefill cannot run at speed on a GPU here, or None: fla-core's chunked delta-rule
     kernels (layers.gdn.fla_ops) are not installed. Without them every row's prefill runs as torch ops, 64
     tokens at a time in a Python loop (an H200: a 4,101-token prefill step of qwen3.5-35b-a3b-fp8 took 2.5 s,
     a stress corner 7-13 s). Looked up without importing it (the server process spawns the engine's before
     it imports torch)."""
-    if find_spec("fla") is not None:
+    if importlib.util.find_spec("fla") is not None:
         return None
     return (f"{name} is a hybrid model: its Gated DeltaNet prefill on a GPU runs fla-core's chunked "
             f"kernels, which are not installed here (without them each row's prefill would run as torch ops, "

@@ -39,17 +39,19 @@ def fresh_triton(tmp_path, monkeypatch):
 
 
 def test_a_compile_after_the_boot_is_counted_named_and_logged_and_a_cache_load_apart(fresh_triton, caplog):
-    from autoprofile.kernels.compile_watch import current, watch_after_boot
+    from autoprofile.kernels import compile_watch
     heard = []
     fresh_triton.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
-    assert current() is None
-    watch = watch_after_boot()
-    assert watch_after_boot() is watch is current() and fresh_triton.compilation.listener is watch
+    assert compile_watch._WATCH is None
+    watch = compile_watch.watch_after_boot()
+    assert compile_watch.watch_after_boot() is watch is compile_watch._WATCH
+    assert fresh_triton.compilation.listener is watch
     with caplog.at_level(logging.WARNING, logger="autoprofile.kernels.compile_watch"):
         _compile_add_one(64)
     assert (watch.compiles, watch.loads, dict(watch.kernels)) == (1, 0, {"add_one": 1})
     assert 0 < watch.seconds < 120
-    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["Triton compiled add_one after the boot"]
+    logged = [r.getMessage().split(" (")[0] for r in caplog.records]
+    assert logged == ["Triton compiled add_one after the boot"]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="autoprofile.kernels.compile_watch"):
         _compile_add_one(64)  # the same specialization: Triton's cache

@@ -3,6 +3,8 @@ applied one token at a time, across several chunks and from a non-zero state; pr
 in one call, each from and back to its own slot, and decode rows after them, as one row run whole."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -56,3 +58,18 @@ def test_fla_chunk_indices_from_the_hosts_cu_seqlens(lens):
     except ImportError:
         return
     assert prepare_chunk_indices(torch.from_numpy(cu), 64).tolist() == got.tolist()
+
+
+def test_fla_that_does_not_import_is_an_error_naming_the_install_not_a_slower_prefill(monkeypatch):
+    """A GPU's prefill rows run fla's rule (delta_rule_prefill takes no other path on CUDA): an fla that is
+    missing or broken raises naming the pip line, where the torch reference once ran them 64 tokens at a time
+    (10.7x slower a step on an H200)."""
+    from autoprofile.config import FLA_REQUIREMENT
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")] + ["fla"]:
+        monkeypatch.setitem(sys.modules, name, None)  # imported by an earlier test or not: blocked
+    gdn.fla_ops.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=f"pip install {FLA_REQUIREMENT}"):
+            gdn.fla_ops()
+    finally:
+        gdn.fla_ops.cache_clear()

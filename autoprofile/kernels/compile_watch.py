@@ -73,8 +73,3 @@ def watch_after_boot() -> CompileWatch | None:
         _WATCH = CompileWatch(chained=knobs.compilation.listener)
         knobs.compilation.listener = _WATCH
     return _WATCH
-
-
-def current() -> CompileWatch | None:
-    """The installed watch, else None."""
-    return _WATCH

@@ -32,12 +32,17 @@ class StateLayer(NamedTuple):
 
 @functools.cache
 def fla_ops():
-    """fla-core's delta-rule kernels, or None (not installed: the torch reference runs)."""
+    """fla-core's chunked delta rule: a GPU's prefill rows (the torch reference below serves the CPU). Not
+    importable: RuntimeError naming the install. `serve` refuses a hybrid on a GPU without fla before its
+    boot (config.fla_problem); this is where an install that is there but does not import shows, instead of
+    a prefill tens of times slower."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return (chunk_gated_delta_rule,)
+    except ImportError as e:
+        from autoprofile.config import FLA_REQUIREMENT
+        raise RuntimeError(f"fla-core's delta-rule kernels did not import ({e}); a hybrid model's prefill on "
+                           f"a GPU runs them: pip install {FLA_REQUIREMENT}") from e
+    return chunk_gated_delta_rule
 
 
 # ---------------------------------------------------------------- conv1d
@@ -107,12 +112,11 @@ def delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     h // (Hv / Hk), as _expand lays them out). chunks: fla's chunk indices (chunk_indices, on the device);
     without them fla derives them from cu_seqlens on the GPU with a host sync (a repeat_interleave over
     device counts) in every layer whose cu_seqlens is a new tensor."""
-    ops = fla_ops() if q.is_cuda else None
-    if ops is not None:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
+    if q.is_cuda:  # NOTE: fla's kernels assume contiguous [1, T, H, D] inputs (a split's views are not)
         state = ssm[slots].float()
         q, k, v, g, beta = (t.contiguous().unsqueeze(0) for t in (q, k, v, g.float(), beta))
-        o, final = ops[0](q, k, v, g, beta, initial_state=state, output_final_state=True,
-                          cu_seqlens=cu_seqlens.long(), chunk_indices=chunks, use_qk_l2norm_in_kernel=True)
+        o, final = fla_ops()(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                             cu_seqlens=cu_seqlens.long(), chunk_indices=chunks, use_qk_l2norm_in_kernel=True)
         ssm.index_copy_(0, slots, final.to(ssm.dtype))
         return o.squeeze(0).to(v.dtype)
     q, k = _expand(q, k, v.shape[1])
