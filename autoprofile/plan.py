@@ -384,19 +384,32 @@ def graph_static_bytes(m: ModelConfig, gmbs: int, context_len: int, page_size: i
 def pieces_row(cfg: ServerConfig, m: ModelConfig, backend: str, dtype_bytes: int) -> Row:
     """The piecewise graphs' pool (engine.piecewise): every bucket's pieces share one pool, the largest
     bucket's layer live set and final hidden states, beside the static inputs (ids, positions, slots: int64)
-    and the QKV and attention-output buffers the eager attention reads and writes between pieces. Charged
+    and the input and output buffers the eager parts read and write between pieces (piece_widths). Charged
     without the activation margin: llama-3.1-8b's measured 68.0 MiB at 512 tokens (H100, 2026-11-28) against
     this row's 76.0 MiB."""
     tokens = piecewise_max_tokens(cfg, backend)
     if not tokens:
         return Row("piecewise graph pool", 0, "exact", "none",
-                   "no piecewise graphs here (--piecewise_cuda_graph_max_tokens 0, --tp, a hybrid, MLA or "
-                   "vision model, --deterministic, or no decode graphs)")
-    qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-    static = tokens * (3 * 8 + (qkv + m.num_heads * m.head_dim + m.hidden_size) * dtype_bytes)
+                   "no piecewise graphs here (--piecewise_cuda_graph_max_tokens 0, --tp, an MLA or vision "
+                   "model, --deterministic, or no decode graphs)")
+    static = tokens * (3 * 8 + (sum(piece_widths(m)) + m.hidden_size) * dtype_bytes)
     return Row("piecewise graph pool", layer_live_bytes(m, tokens, 1, dtype_bytes) + static, "ESTIMATED",
                "measured in the probe peak", f"the pieces of every bucket up to {tokens} tokens share one "
                f"pool: the largest bucket's layer live set, its static inputs, QKV and attention output")
+
+
+def piece_widths(m: ModelConfig) -> tuple[int, int]:
+    """The widest eager part between two pieces, per token: (its inputs, its output) in elements. An
+    attention layer reads q, k, v (packed; a gated attention's q is a tensor of its own beside the packed
+    projection and its gate) and writes the heads' output; a Gated DeltaNet layer reads q|k|v, z and b|a
+    and writes the value heads' output (engine.piecewise.PiecewiseGraphs.static_inputs)."""
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    attention = (3 * q + 2 * kv if m.attn_output_gate else q + 2 * kv, q)
+    if not m.is_hybrid:
+        return attention
+    linear = (2 * m.linear_key_dim + 2 * m.linear_value_dim + 2 * m.linear_num_value_heads,
+              m.linear_value_dim)
+    return max(attention[0], linear[0]), max(attention[1], linear[1])
 
 
 def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:

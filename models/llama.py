@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -143,6 +144,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    # its attention is where piecewise graphs split (engine.piecewise; ModelRunner.piecewise_ok reads this in
+    # a class's own namespace: a subclass that runs another forward says so itself)
+    piecewise_split = True
+
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         super().__init__()
         self.backend, self.head_dim = backend, mc.head_dim
@@ -165,7 +170,7 @@ class LlamaAttention(nn.Module):
             q, k, v = self.backend.norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                                    *rope, kv, meta.slot_mapping)
         if meta.pieces is not None:  # piecewise graphs: the piece ends here, attention runs between
-            o = meta.pieces.split(self, qkv, q, k, v, kv)
+            o = meta.pieces.split(partial(self.attend, kv=kv), (q, k, v), q.shape[1:])
         else:
             o = self.attend(q, k, v, meta, kv)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim), residual)

@@ -77,6 +77,8 @@ class GatedAttention(LlamaAttention):
     """q_proj gives each head's query and its output gate ([q_h | gate_h] per head); o = attention * sigmoid
     (gate) before o_proj."""
 
+    piecewise_split = True  # (engine.piecewise: q a new tensor, k and v views of qkv)
+
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype):
         nn.Module.__init__(self)
         self.backend, self.head_dim, self.rotary_dim = backend, mc.head_dim, mc.rotary_dim
@@ -99,7 +101,11 @@ class GatedAttention(LlamaAttention):
         q, k, v = self.backend.gated_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight,
                                                      self.q_norm.eps, *rope, kv, meta.slot_mapping,
                                                      self.rotary_dim)
-        o = self.attend(q, k, v, meta, kv).reshape(t, h, d)
+        if meta.pieces is not None:  # piecewise graphs: the piece ends here, attention runs between
+            o = meta.pieces.split(partial(self.attend, kv=kv), (q, k, v), q.shape[1:])
+        else:
+            o = self.attend(q, k, v, meta, kv)
+        o = o.reshape(t, h, d)
         gate = qkv[:, :2 * h * d].view(t, h, 2, d)[:, :, 1]
         o = o * torch.sigmoid(gate)  # in fp32 inside, rounded once: one kernel, not three
         return self.o_proj(o.reshape(t, h * d), residual)
@@ -110,6 +116,8 @@ class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear attention: in_proj_qkv -> causal conv1d (SiLU) -> q, k, v; in_proj_z the output gate,
     in_proj_b (beta = sigmoid) and in_proj_a (g = -exp(A_log) softplus(a + dt_bias)); the gated delta rule
     over the row's state; the gated RMSNorm; out_proj. Heads split over TP ranks as attention heads."""
+
+    piecewise_split = True  # (engine.piecewise: the graphs hold the projections, `mix` runs between)
 
     def __init__(self, mc: ModelConfig, backend: AttentionBackend, tp: TP, dtype: torch.dtype,
                  layer: int = 0):
@@ -156,27 +164,37 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: gdn.StateLayer,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        t = x.shape[0]
         if self.grouped:
             qkv, z = self.in_proj_qkvz(x).split([2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim,
                                                  self.v_heads * self.v_dim], dim=-1)
         else:
             qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         ba = self.in_proj_ba(x)
+        if meta.pieces is not None:  # piecewise graphs: the piece ends here, the rule runs between
+            o = meta.pieces.split(partial(self.mix, state=state), (qkv, z, ba), (self.v_heads * self.v_dim,))
+        else:
+            o = self.mix(qkv, z, ba, meta, state)
+        return self.out_proj(o, residual)
+
+    def mix(self, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, meta: AttentionMetadata,
+            state: gdn.StateLayer, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's rows from their projections to out_proj's input [T, Hv Dv] (prefill rows, then a mixed
+        step's decode rows): conv, gates, the delta rule over each row's state (moved on in place), the
+        gated norm; written into `out` where given (the piecewise graphs' static output)."""
+        t = qkv.shape[0]
         weight = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)
         decode = meta if not meta.is_prefill else meta.decode  # the decode rows, after n prefill tokens
         n = t - (decode.state_slots.shape[0] if decode is not None else 0)
+        if out is None:
+            out = qkv.new_empty(t, self.v_heads * self.v_dim)
         if decode is not None:  # conv, gates, rule and norm: one to three kernels on a GPU backend
-            od = self.backend.gdn_decode(qkv[n:], z[n:], ba[n:], weight, self.A_log, self.dt_bias,
-                                         self.norm.weight, self.eps, state.conv, state.ssm,
-                                         decode.state_slots)
-            if not n:
-                return self.out_proj(od, residual)
-        op = self.backend.gdn_prefill(qkv[:n], z[:n], ba[:n], weight, self.A_log, self.dt_bias,
-                                      self.norm.weight, self.eps, state.conv, state.ssm, meta)
-        if decode is None:
-            return self.out_proj(op, residual)
-        return self.out_proj(torch.cat([op, od]), residual)
+            self.backend.gdn_decode(qkv[n:], z[n:], ba[n:], weight, self.A_log, self.dt_bias,
+                                    self.norm.weight, self.eps, state.conv, state.ssm, decode.state_slots,
+                                    out=out[n:])
+        if n:
+            self.backend.gdn_prefill(qkv[:n], z[:n], ba[:n], weight, self.A_log, self.dt_bias,
+                                     self.norm.weight, self.eps, state.conv, state.ssm, meta, out=out[:n])
+        return out
 
 
 # ---------------------------------------------------------------- MoE with a gated shared expert

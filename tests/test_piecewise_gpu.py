@@ -1,9 +1,10 @@
 """GPU: prefill and mixed steps through the captured piecewise graphs (engine.piecewise) equal the eager
 forward, for every bucket (padded and exact), mixed steps with decode rows, chunks over a cached prefix, and
 a smaller step after a larger one (its padded rows must write only the pad page); the pieces' pool is the
-same in the probe and at the target. In bf16, with FP8 weights (tiny-fp8), an FP8 cache (fp8_e4m3), and MoE
+same in the probe and at the target. In bf16, with FP8 weights (tiny-fp8), an FP8 cache (fp8_e4m3), MoE
 layers (tiny-moe, tiny-moe-fp8: the fused experts' sizes follow the bucket's tokens, the routing is a device
-tensor)."""
+tensor), and hybrids (tiny-hybrid, tiny-hybrid-moe: the Gated DeltaNet layers' conv, gates, fla's rule and
+gated norm run between the pieces from each row's state, which both ways must leave the same)."""
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,8 @@ BF16_REL_ERR = 2e-2
 FP8_REL_ERR = 5e-2
 CASES = {"bf16": dict(model="tiny"), "fp8-weights": dict(model="tiny-fp8"),
          "fp8-cache": dict(model="tiny", kv_cache_dtype="fp8_e4m3"), "moe": dict(model="tiny-moe"),
-         "moe-fp8": dict(model="tiny-moe-fp8")}
+         "moe-fp8": dict(model="tiny-moe-fp8"), "hybrid": dict(model="tiny-hybrid"),
+         "hybrid-moe": dict(model="tiny-hybrid-moe")}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -53,14 +55,23 @@ def pages(r: ModelRunner, slots: int, tokens: int) -> None:
     r.req_table.write([(s, 0, list(range(1 + s * per, 1 + (s + 1) * per))) for s in range(slots)])
 
 
+def states(r: ModelRunner) -> list[torch.Tensor]:
+    """A hybrid's conv windows and delta-rule states (none for the others)."""
+    return [] if r.state is None else [r.state.conv, r.state.ssm]
+
+
 @torch.no_grad()
 def both(r: ModelRunner, rows, decode):
-    """((logits, the real pages' K/V) through the pieces, the same eagerly) of one step: eager first, so a
-    padded row of the pieces that wrote a slot of an earlier step shows in the K/V."""
+    """((logits, the real pages' K/V, a hybrid's states after) through the pieces, the same eagerly) of one
+    step, each from the same states: eager first, so a padded row of the pieces that wrote a slot of an
+    earlier step shows in the K/V."""
     out, replays = {}, []
     saved = r.pieces
     replay = saved.forward
+    before = [t.clone() for t in states(r)]
     for pieces in (None, saved):
+        for t, kept in zip(states(r), before):
+            t.copy_(kept)
         r.pieces = pieces
         saved.forward = lambda *a: replays.append(a[0].shape[0]) or replay(*a)  # the pieces did run the step
         try:
@@ -68,7 +79,8 @@ def both(r: ModelRunner, rows, decode):
         finally:
             r.pieces, saved.forward = saved, replay
         torch.cuda.synchronize()
-        out[pieces is None] = (logits, r.kv.buffer[:, :, PAD_PAGE + 1:].clone())
+        out[pieces is None] = (logits, r.kv.buffer[:, :, PAD_PAGE + 1:].clone(),
+                               [t.clone() for t in states(r)])
     assert replays == [sum(len(row.ids) for row in rows) + len(decode or ())], replays
     return out[False], out[True]
 
@@ -98,6 +110,9 @@ def test_every_bucket_has_a_piece_per_layer_and_one_more_in_one_pool_the_probe_m
           f"target, plan's estimate {estimate / 2**20:.1f} MiB")
     assert pools[0] == pools[1] > 0
     assert pools[0] <= plan.ACTIVATION_FACTOR * estimate  # the pool's 2 MiB segments: the margin's room
+    wide, out = plan.piece_widths(runner.model_config)  # the static buffers the plan charges beside the pool
+    assert runner.pieces.outputs.numel() == MAX_TOKENS * out
+    assert runner.pieces.inputs.numel() <= MAX_TOKENS * wide + 3 * 64
 
 
 @pytest.mark.parametrize("prompt,chunk,decoded", [(16, 0, 0), (100, 0, 0), (200, 0, 12), (256, 0, 0),
@@ -118,7 +133,7 @@ def test_a_step_through_the_pieces_equals_the_eager_step(runner, prompt, chunk, 
     if decode:  # the decode rows' 40 tokens of context
         r._prefill([StepRow(1 + i, 0, torch.randint(0, 4096, (40,), generator=g).tolist(), True, GREEDY)
                     for i in range(decoded)])
-    (p_logits, p_kv), (e_logits, e_kv) = both(r, rows, decode)
+    (p_logits, p_kv, p_states), (e_logits, e_kv, e_states) = both(r, rows, decode)
     assert p_logits.shape == (1 + decoded, r.model_config.vocab_size) and not p_logits.isnan().any()
     err, kv_err = close(p_logits, e_logits), close(p_kv.float(), e_kv.float())
     agree = (p_logits.argmax(-1) == e_logits.argmax(-1)).float().mean().item()
@@ -126,3 +141,5 @@ def test_a_step_through_the_pieces_equals_the_eager_step(runner, prompt, chunk, 
           f"argmax {agree:.2f}")
     bound = BF16_REL_ERR if r.case == "bf16" else FP8_REL_ERR
     assert err < bound and kv_err < bound and agree >= 0.9
+    for got, want in zip(p_states, e_states):  # the linear layers' rows went on from their states alike
+        assert close(got.float(), want.float()) < bound

@@ -179,7 +179,7 @@ def _pieces_forward(pieces, layers: int, fail_in: int | None = None):
             if layer == fail_in and pieces._capturing:
                 oom()
             qkv = torch.ones(ids.shape[0], 8)
-            x = x + meta.pieces.split(f"attention {layer}", qkv, qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], None)
+            x = x + meta.pieces.split(f"attention {layer}", (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]), (4,))
         return x
     return forward
 
@@ -190,7 +190,7 @@ def test_piecewise_capture_keeps_the_ended_pieces_and_gives_up_only_the_failed_o
     begin_capture alone (no end, no pool release); an OOM inside a piece ends that capture once; the pieces
     ended before stay with their owner, whose teardown resets them."""
     from autoprofile.engine.piecewise import PiecewiseGraphs
-    pieces = PiecewiseGraphs(16, 8, 4, torch.float32, torch.device("cpu"), pad_slot=0)
+    pieces = PiecewiseGraphs(16, torch.float32, torch.device("cpu"), pad_slot=0)
     made = [FakeGraph(cuda_log, invalidated=fail == "inside") for _ in range(3)]
     made[0].invalidated = False
     if fail == "begin":
@@ -524,6 +524,7 @@ KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 # entry
 KNOWN_FAR_BELOW: dict[tuple[str, str], str] = {}
 PIECES_SINCE = "2026-11-28"  # the profiler's graph pools include the piecewise graphs' pool from this date
+HYBRID_PIECES_SINCE = "2026-11-29"  # a hybrid's: measured before it, its prefill steps ran eagerly
 
 
 @pytest.mark.parametrize("row", measured_kv_tokens(),
@@ -541,8 +542,10 @@ def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     measured = int(row["tokens"])
     off = "--disable_prefix_caching" in row["command"]  # a hybrid's state checkpoints: none
     tp = int(row["command"].split("--tp ")[1].split()[0]) if "--tp " in row["command"] else 1  # per rank
-    p = make_plan(validate(ServerConfig(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"],
-                                        disable_prefix_caching=off, tp=tp)), GPUS[row["card"]])
+    flags = dict(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"], disable_prefix_caching=off, tp=tp)
+    if validate(ServerConfig(**flags)).model_config.is_hybrid and row["date"] < HYBRID_PIECES_SINCE:
+        flags["piecewise_cuda_graph_max_tokens"] = 0  # the configuration measured
+    p = make_plan(validate(ServerConfig(**flags)), GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         terms = ("decode graph pools", "decode attention scratch") + (
             ("piecewise graph pool",) if row["date"] >= PIECES_SINCE else ())  # measured with the pieces

@@ -6,13 +6,17 @@ on the padded bucket, as the replay's pieces do. Its logits and K/V must be the 
 tests/test_piecewise_gpu.py, replays the captured pieces themselves)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from autoprofile import plan
+from autoprofile.config import piecewise_max_tokens
 from autoprofile.engine import stress
 from autoprofile.engine.envelope import Envelope
 from autoprofile.engine.kv_cache import PAD_PAGE
-from autoprofile.engine.piecewise import PiecewiseGraphs, piece_buckets, static_view
+from autoprofile.engine.piecewise import PiecewiseGraphs, piece_buckets, splits_pieces
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.engine.sampling import GREEDY
 from autoprofile.engine.scheduler import StepRow
@@ -26,7 +30,7 @@ def test_buckets_pad_a_step_past_128_tokens_by_at_most_a_quarter_up_to_the_flag(
     assert all(b % 32 == 0 and (b - a) * 4 <= a for a, b in zip(ladder, ladder[1:]) if a >= 128)
     assert piece_buckets(100) == [16, 32, 64, 96, 100]
     assert piece_buckets(16) == [16] and piece_buckets(10) == [10] and piece_buckets(0) == []
-    pieces = PiecewiseGraphs(100, 8, 4, torch.float32, torch.device("cpu"), pad_slot=0)
+    pieces = PiecewiseGraphs(100, torch.float32, torch.device("cpu"), pad_slot=0)
     assert [pieces.pick(n) for n in (1, 16, 17, 97, 100, 101)] == [16, 16, 32, 100, 100, None]
 
 
@@ -47,10 +51,7 @@ class EagerPieces:
     """What a replay of the captured pieces runs, eagerly (see the module's docstring)."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int):
-        attention = runner.model.model.layers[0].self_attn
-        self.real = PiecewiseGraphs(max_tokens, attention.q_size + 2 * attention.kv_size,
-                                    attention.num_heads * attention.head_dim, runner.dtype, runner.device,
-                                    PAD_PAGE * runner.cfg.page_size)
+        self.real = PiecewiseGraphs(max_tokens, runner.dtype, runner.device, PAD_PAGE * runner.cfg.page_size)
         self.runner, self.max_tokens, self.buckets_run = runner, max_tokens, []
 
     def forward(self, ids, positions, meta):
@@ -61,22 +62,42 @@ class EagerPieces:
         padded.pieces = self
         return self.runner._hidden(self.real.ids[:bucket], self.real.positions[:bucket], padded)[:self.n]
 
-    def split(self, attention, qkv, q, k, v, kv):
-        o = self.real.split(attention, qkv, q, k, v, kv)
-        static = self.real.qkv[:qkv.shape[0]]
-        qs, ks, vs = (static_view(qkv, static, t)[:self.n] for t in (q, k, v))
-        attention.attend(qs, ks, vs, self.step_meta, kv, out=o[:self.n])
-        return o
+    def split(self, run, views, out_shape):
+        """As a replay between two pieces: run on the static copies' first n rows, into the static output."""
+        static, out = self.real.static_inputs(views, out_shape)
+        assert all(v.untyped_storage().data_ptr() == self.real.inputs.untyped_storage().data_ptr()
+                   for v in static) and out.untyped_storage().data_ptr() == self.real.outputs.data_ptr()
+        run(*(v[:self.n] for v in static), self.step_meta, out=out[:self.n])
+        return out
 
 
-@pytest.fixture()
-def runner():
-    r = ModelRunner(small_cfg())
+MODELS = ["tiny", "tiny-hybrid", "tiny-hybrid-moe"]
+
+
+@pytest.mark.parametrize("model", MODELS + ["tiny-moe", "tiny-fp8", "tiny-mla", "tiny-vl"])
+def test_which_models_run_their_small_steps_through_pieces(model):
+    """Llama-style and Qwen3.5 layers hand their eager part to the pieces; MLA layers do not, and the
+    configuration rules out MLA and vision-language models (a VL step's image rows: eager)."""
+    extra = dict(max_image_pixels=199136) if model == "tiny-vl" else {}
+    cfg = small_cfg(model=model, **extra)
+    gpu = piecewise_max_tokens(dataclasses.replace(cfg, attention_backend="aiter_triton"), "aiter_triton")
+    assert (gpu == cfg.batch_max_tokens) is (model not in ("tiny-mla", "tiny-vl"))  # (256 < 512)
+    assert splits_pieces(ModelRunner(cfg).model) is (model != "tiny-mla")
+
+
+@pytest.fixture(params=MODELS)
+def runner(request):
+    r = ModelRunner(small_cfg(model=request.param))
     init_random(r.model, seed=1, std=0.08)
     r.build(2048)
     r.req_table.write([(slot, 0, list(range(1 + 8 * slot, 9 + 8 * slot))) for slot in range(4)])
     yield r
     r.teardown()
+
+
+def _states(runner: ModelRunner) -> list[torch.Tensor]:
+    """A hybrid's conv windows and delta-rule states (none for a dense model)."""
+    return [] if runner.state is None else [runner.state.conv, runner.state.ssm]
 
 
 def _step(runner: ModelRunner, rows, decode, pieces):
@@ -85,14 +106,16 @@ def _step(runner: ModelRunner, rows, decode, pieces):
         logits = runner._prefill(rows, decode)[0].clone()
     finally:
         runner.pieces = None
-    return logits, runner.kv.buffer.clone()
+    return logits, runner.kv.buffer.clone(), [t.clone() for t in _states(runner)]
 
 
 @torch.no_grad()
-def test_pieces_give_the_eager_forwards_logits_and_kv_and_padding_writes_only_the_pad_page(runner):
+def test_pieces_give_the_eager_forwards_logits_kv_and_states_and_padding_writes_only_the_pad_page(runner):
     """A 40-token prompt (bucket 64), then a mixed step: a 30-token chunk of a second prompt and the first
     request's decode row (31 tokens, bucket 32: its padded row 31 held a real slot of the step before), then
-    a chunk over the second prompt's cached 30 tokens (the kv_slots path)."""
+    a chunk over the second prompt's cached 30 tokens (the kv_slots path). A hybrid's linear layers run their
+    rule between the pieces from each row's state: each step starts both ways from the same states and ends
+    in the same ones (the decode row and the second chunk go on from them)."""
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, 4096, (n,), generator=g).tolist() for n in (41, 45))
     steps = [([StepRow(0, 0, a[:40], True, GREEDY)], None),
@@ -101,12 +124,23 @@ def test_pieces_give_the_eager_forwards_logits_and_kv_and_padding_writes_only_th
     pieces = EagerPieces(runner, 64)
     real = [p for p in range(runner.kv.buffer.shape[2]) if p != PAD_PAGE]  # [k/v, layer, page, ...]
     for rows, decode in steps:
-        eager, kv_eager = _step(runner, rows, decode, None)
-        piecewise, kv_pieces = _step(runner, rows, decode, pieces)
+        before = [t.clone() for t in _states(runner)]
+        eager, kv_eager, states_eager = _step(runner, rows, decode, None)
+        for t, saved in zip(_states(runner), before):
+            t.copy_(saved)
+        piecewise, kv_pieces, states_pieces = _step(runner, rows, decode, pieces)
         torch.testing.assert_close(piecewise, eager, rtol=1e-5, atol=1e-5)
         # a padded row writing a real slot leaves a foreign K/V there (differences of order 1); the real rows'
         # own K/V may differ in the last bits (a 15-row GEMM against the bucket's 16 rows: 4e-6 on an AVX-512
         # host, equal on others)
         torch.testing.assert_close(kv_pieces[:, :, real], kv_eager[:, :, real], rtol=1e-5, atol=1e-5,
                                    msg="a padded row wrote a real slot")
+        for got, want in zip(states_pieces, states_eager):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the states moved on
+        assert all(not torch.equal(t, saved) for t, saved in zip(_states(runner), before))
     assert pieces.buckets_run == [64, 32, 16]
+    # the static output the plan charges (plan.piece_widths); the inputs follow the backend's q, k, v (the
+    # torch backend's rotated q and k are tensors of their own: the GPU test bounds aiter_triton's)
+    wide, out = plan.piece_widths(runner.model_config)
+    assert pieces.real.outputs.numel() == 64 * out and pieces.real.inputs.numel() >= 64 * wide

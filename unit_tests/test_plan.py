@@ -179,8 +179,17 @@ def test_the_piecewise_pool_is_charged_where_the_engine_captures_pieces():
     assert row(base.fixed, "activation margin").bytes == row(off.fixed, "activation margin").bytes
     assert off.tokens > base.tokens
     for flags in (dict(tp=2), dict(disable_cudagraph=True), dict(deterministic=True),
-                  dict(model="qwen3.5-27b"), dict(model="deepseek-v2-lite"), dict(attention_backend="torch")):
+                  dict(model="deepseek-v2-lite"), dict(attention_backend="torch")):
         assert row(plan_for("h200", **flags).fixed, "piecewise graph pool").bytes == 0, flags
+    # a hybrid's pieces, by default up to 8192 tokens (their static buffers against the real ones:
+    # tests/test_piecewise_gpu.py)
+    hybrid = validate(ServerConfig(model="qwen3.5-35b-a3b"), serving=False).model_config
+    charged = row(plan_for("h200", model="qwen3.5-35b-a3b").fixed, "piecewise graph pool")
+    assert "8192 tokens" in charged.note
+    assert charged.bytes > live(hybrid, 8192, 1, 2) + 8192 * 2 * sum(plan_module.piece_widths(hybrid))
+    small = row(plan_for("h200", model="qwen3.5-35b-a3b", piecewise_cuda_graph_max_tokens=512).fixed,
+                "piecewise graph pool")
+    assert "512 tokens" in small.note and 0 < small.bytes < charged.bytes
 
 
 def test_moe_config_plans():

@@ -5,27 +5,33 @@ An eager step pays the host's launch time for every kernel: a llama-3.1-8b step 
 200 decode rows ran 11.5 ms of kernels in 22.3 ms of wall time on an H100 (host-bound: ~0.6 ms of Python and
 launches a layer, most of it Triton's launcher), so a step that admits a request costs twice a decode step.
 Here such a step replays graphs: for each token bucket T, the forward is captured in L + 1 pieces (L
-attention layers), each from one attention call to the next (embedding, norms, QKV projection, RoPE and the
-K/V store, O projection, MLP, and the next layer's QKV). Between two pieces the layer's attention runs
-eagerly with the step's own metadata (varlen prefill, the decode rows' paged decode: shapes that vary per
-step), reading q/k/v from one static QKV buffer and writing one static output buffer, which the next piece
-reads. A step of n <= T tokens copies its ids, positions and slots into the static inputs; the T - n padded
-tokens write their K/V into the pad page and their rows of every buffer are never read.
+layers whose mixing part runs eagerly), each from one such part to the next (embedding, norms, projections,
+RoPE and the K/V store, the output projection, the MLP or experts, and the next layer's projections). Between
+two pieces the eager part runs with the step's own metadata: an attention layer's varlen prefill and its
+decode rows' paged decode, a Gated DeltaNet layer's conv, gates, delta rule over the rows' states and gated
+norm (shapes and states that vary per step; vLLM splits Qwen3-Next's graphs at the same two ops). It reads
+its inputs (q, k, v; the linear layer's projections) from one static input buffer and writes one static
+output buffer, which the next piece reads. A step of n <= T tokens copies its ids, positions and slots into
+the static inputs; the T - n padded tokens write their K/V into the pad page and their rows of every buffer
+are never read (a linear layer's eager part reads only the step's n rows: pads never touch a state).
 
 Memory: the pieces of every bucket share one pool (captured largest first, replayed in capture order, so
-what one piece frees a later one reuses), plus the static buffers (T_max x (QKV + O) widths); the profile
-measures them with the decode graphs' pools ("graph_capture" to the end of the build). A step's eager part
-is the attention of its own rows, which an eager step of the same rows also runs; the stress runs the
-largest bucket with the most decode rows (stress.mixed_corners).
+what one piece frees a later one reuses), plus the static buffers (T_max x the widest eager part's inputs
+and output, sized by the largest bucket's warm-up); the profile measures them with the decode graphs' pools
+("graph_capture" to the end of the build). A step's eager part is the attention (or rule) of its own rows,
+which an eager step of the same rows also runs; the stress runs the largest bucket with the most decode rows
+(stress.mixed_corners).
 
 Which models: a decoder of LlamaAttention layers (llama, Qwen2/3 dense and Qwen3-MoE: the fused experts'
-sizes follow the bucket, the routing is a device tensor), bf16 or FP8 weights and cache, on one rank without
---deterministic (its GEMMs must see the step's own rows); MLA, hybrid and vision-language models and a step
-that calibrates an FP8 cache's scales run eagerly (ModelRunner.piecewise_ok, config.piecewise_max_tokens).
+sizes follow the bucket, the routing is a device tensor) or of Qwen3.5's gated attention and Gated DeltaNet
+layers (dense or MoE), bf16 or FP8 weights and cache, on one rank without --deterministic (its GEMMs must see
+the step's own rows); MLA and vision-language models and a step that calibrates an FP8 cache's scales run
+eagerly (ModelRunner.piecewise_ok, config.piecewise_max_tokens).
 `autoprofile plan` charges the pool (plan.pieces_row: llama-3.1-8b 76 MiB at 512 tokens, 68.0 measured)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -53,28 +59,42 @@ def piece_buckets(max_tokens: int) -> list[int]:
 
 
 def static_view(base: torch.Tensor, static: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """t (a view of base: q, k or v of the packed QKV projection) as the same view of `static`, a buffer of
-    base's row width."""
-    assert t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), "q, k, v must be views of qkv"
+    """t (base itself or a view of it: q, k or v of the packed QKV projection) as the same view of `static`,
+    a copy of base in another storage."""
+    assert t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), "t must be a view of base"
     return static.as_strided(t.shape, t.stride(), static.storage_offset() + t.storage_offset()
                              - base.storage_offset())
+
+
+def splits_pieces(model: torch.nn.Module) -> bool:
+    """Whether every decoder layer's attention or linear attention hands its eager part to split(): a
+    `piecewise_split` in its class's own namespace (a subclass that runs another forward says so itself)."""
+    mixers = [getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None)
+              for layer in model.model.layers]
+    return all("piecewise_split" in type(m).__dict__ for m in mixers)
+
+
+def root_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor t is a view of (torch keeps the root of a chain of views), or t itself."""
+    return t if t._base is None else t._base
 
 
 class PiecewiseGraphs:
     """Owns the pieces of every bucket, their pool and the static buffers: teardown() drops them all."""
 
-    def __init__(self, max_tokens: int, qkv_width: int, o_width: int, dtype: torch.dtype,
-                 device: torch.device, pad_slot: int):
+    def __init__(self, max_tokens: int, dtype: torch.dtype, device: torch.device, pad_slot: int):
         self.buckets = piece_buckets(max_tokens)
         self.max_tokens = max_tokens
+        self.dtype, self.device = dtype, device
         self.ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slots = torch.full((max_tokens,), pad_slot, dtype=torch.int64, device=device)
-        self.qkv = torch.zeros(max_tokens, qkv_width, dtype=dtype, device=device)
-        self.o = torch.zeros(max_tokens, o_width, dtype=dtype, device=device)
+        # the eager parts' inputs and outputs, flat: sized by the largest bucket's warm-up (static_inputs)
+        self.inputs = torch.empty(0, dtype=dtype, device=device)
+        self.outputs = torch.empty(0, dtype=dtype, device=device)
         self.pad_slot = pad_slot
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.splits: dict[int, list[tuple]] = {}  # per bucket, per layer: (attention module, q, k, v, kv)
+        self.splits: dict[int, list[tuple]] = {}  # per bucket, per layer: (eager part, its inputs, output)
         self.hidden: dict[int, torch.Tensor] = {}  # per bucket: the last piece's output
         self.pool = None
         self._taking: list | None = None  # the bucket being captured: its graphs so far
@@ -142,21 +162,49 @@ class PiecewiseGraphs:
         self._taking[-1].capture_end()
         self._capturing = False
 
-    def split(self, attention, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              kv) -> torch.Tensor:
-        """Called by an attention layer in place of its attention (AttentionMetadata.pieces): q, k, v (views
-        of qkv, rotated, K/V stored) copied into the static QKV buffer; while capturing, the piece ends here
-        and the next begins. Returns the static output's rows, shaped as q, which the next piece reads."""
-        rows = qkv.shape[0]
-        assert qkv.is_contiguous() and qkv.shape[1] == self.qkv.shape[1], (qkv.shape, self.qkv.shape)
-        static = self.qkv[:rows]
-        static.copy_(qkv)
-        views = tuple(static_view(qkv, static, t) for t in (q, k, v))
+    def split(self, run: Callable, views: tuple[torch.Tensor, ...],
+              out_shape: tuple[int, ...]) -> torch.Tensor:
+        """Called by a layer in place of its eager part (AttentionMetadata.pieces): `views` (what run reads,
+        each [rows, ...]: a tensor of the piece or a view of one, as q, k, v of the packed projection) copied
+        into the static inputs; while capturing, the piece ends here and the next begins, and a replay calls
+        run(*views[:n] of those copies, meta, out=the static output's first n rows) between the two. Returns
+        the static output [rows, *out_shape], which the next piece reads."""
+        static, out = self.static_inputs(views, out_shape)
         if self._taking is not None:
             self._end()
-            self._splits.append((attention, *views, kv))
+            self._splits.append((run, static, out))
             self._begin(torch.cuda.current_device())
-        return self.o[:rows].view(q.shape)
+        return out
+
+    def static_inputs(self, views: tuple[torch.Tensor, ...], out_shape: tuple[int, ...]
+                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """views' roots (each contiguous, once) copied one after the other into the static inputs -> (views as
+        the same views of the copies, the static output [rows, *out_shape]). Outside a capture the buffers
+        grow to fit (the largest bucket's warm-up sizes them); inside one they must fit already."""
+        rows = views[0].shape[0]
+        roots: list[torch.Tensor] = []
+        for t in views:
+            root = root_of(t)
+            assert t.shape[0] == rows and root.is_contiguous() and root.dtype == self.dtype, (t.shape, rows)
+            if not any(r is root for r in roots):
+                roots.append(root)
+        starts = [0]
+        for r in roots:  # each copy 128-byte aligned, as an allocation is (kernels specialize on it)
+            starts.append(starts[-1] + -(-r.numel() * r.element_size() // 128) * 128 // r.element_size())
+        out_size = rows * math.prod(out_shape)
+        if starts[-1] > self.inputs.numel() or out_size > self.outputs.numel():
+            assert self._taking is None, "the static buffers grow in a warm-up, never inside a capture"
+            self.inputs = torch.empty(max(starts[-1], self.inputs.numel()), dtype=self.dtype,
+                                      device=self.device)
+            self.outputs = torch.empty(max(out_size, self.outputs.numel()), dtype=self.dtype,
+                                       device=self.device)
+        copies = {}
+        for root, start in zip(roots, starts):
+            copy = self.inputs[start:start + root.numel()].view(root.shape)
+            copy.copy_(root)
+            copies[id(root)] = (root, copy)
+        static = tuple(static_view(*copies[id(root_of(t))], t) for t in views)
+        return static, self.outputs[:out_size].view(rows, *out_shape)
 
     # ------------------------------------------------------------ replay
     def stage(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
@@ -178,8 +226,8 @@ class PiecewiseGraphs:
         bucket = self.stage(ids, positions, meta)
         graphs = self.graphs[bucket]
         graphs[0].replay()
-        for (attention, q, k, v, kv), graph in zip(self.splits[bucket], graphs[1:], strict=True):
-            attention.attend(q[:n], k[:n], v[:n], meta, kv, out=self.o[:n].view(q[:n].shape))
+        for (run, views, out), graph in zip(self.splits[bucket], graphs[1:], strict=True):
+            run(*(v[:n] for v in views), meta, out=out[:n])
             graph.replay()
         return self.hidden[bucket][:n]
 
@@ -194,4 +242,4 @@ class PiecewiseGraphs:
         self.splits.clear()
         self.hidden.clear()
         self.pool = None
-        self.ids = self.positions = self.slots = self.qkv = self.o = None
+        self.ids = self.positions = self.slots = self.inputs = self.outputs = None

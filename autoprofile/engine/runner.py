@@ -41,7 +41,7 @@ from autoprofile.engine.sampler import (NO_TOKENS, SampledTokens, Sampler, Sampl
                                         StepTokens)
 from autoprofile.engine.sampling import make_generator
 from autoprofile.engine.multimodal import ImageInput
-from autoprofile.engine.piecewise import PiecewiseGraphs
+from autoprofile.engine.piecewise import PiecewiseGraphs, splits_pieces
 from autoprofile.engine.scheduler import Step, StepRow
 from autoprofile.engine.state_cache import StateCache, layer_caches
 from autoprofile.engine.step_clock import StepClock
@@ -49,7 +49,6 @@ from autoprofile.engine.step_inputs import Staging, prefill_inputs, upload
 from autoprofile.engine.weights import load_weights
 from autoprofile.layers.quant import fp8_capability_problem
 from models import model_class
-from models.llama import LlamaAttention
 
 log = logging.getLogger(__name__)
 
@@ -401,11 +400,11 @@ class ModelRunner:
     def piecewise_ok(self) -> bool:
         """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): where the
         configuration allows them (config.piecewise_max_tokens: decode graphs, one rank, aiter_triton, not
-        --deterministic, no images, hybrid or MLA layers) and the model's layers are LlamaAttention (dense or
-        MoE: the fused experts' sizes follow the bucket, the routing is a device tensor; bf16 or FP8 weights
-        and cache) whose RoPE kernel leaves q, k, v views of the projection (aiter_triton's)."""
-        attention = getattr(self.model.model.layers[0], "self_attn", None)
-        return (self.use_graphs and self.piecewise_tokens > 0 and type(attention) is LlamaAttention
+        --deterministic, no images or MLA layers), every layer's attention or linear attention splits the
+        pieces (piecewise.splits_pieces: LlamaAttention, Qwen3.5's gated attention and Gated DeltaNet; dense
+        or MoE: the fused experts' sizes follow the bucket, the routing is a device tensor; bf16 or FP8
+        weights and cache) and the backend's RoPE kernel runs (aiter_triton's)."""
+        return (self.use_graphs and self.piecewise_tokens > 0 and splits_pieces(self.model)
                 and getattr(self.backend, "triton_rope", None) is not None)
 
     @property
@@ -415,10 +414,7 @@ class ModelRunner:
         return piecewise_max_tokens(self.cfg, self.backend.name)
 
     def _piecewise_graphs(self) -> PiecewiseGraphs:
-        attention = self.model.model.layers[0].self_attn
-        width = attention.q_size + 2 * attention.kv_size
-        return PiecewiseGraphs(self.piecewise_tokens, width, attention.num_heads * attention.head_dim,
-                               self.dtype, self.device, PAD_PAGE * self.cfg.page_size)
+        return PiecewiseGraphs(self.piecewise_tokens, self.dtype, self.device, PAD_PAGE * self.cfg.page_size)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
                 ) -> torch.Tensor:

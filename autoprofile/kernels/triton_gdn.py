@@ -323,11 +323,13 @@ def gates(ba: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple
     return g, beta
 
 
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The gated RMSNorm alone, one launch: o [B, Hv, Dv] (unit stride last), z [B, Hv * Dv] (unit stride
-    last) -> [B, Hv * Dv] in o's dtype."""
+    last) -> [B, Hv * Dv] in o's dtype (into `out`, unit stride last, where given)."""
     b, hv, vd = o.shape
-    out = torch.empty(b, hv * vd, dtype=o.dtype, device=o.device)
+    if out is None:
+        out = torch.empty(b, hv * vd, dtype=o.dtype, device=o.device)
     if b:
         rows = NORM_ROWS if b >= NORM_ROWS else 1  # two compiles: decode rows, prefill rows
         _gated_norm_kernel[(triton.cdiv(b, rows), hv)](o, z, weight, out, b, o.stride(0), o.stride(1),
@@ -340,11 +342,12 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
                  a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                  conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor,
-                 launch: GdnLaunch | None = None) -> torch.Tensor:
+                 launch: GdnLaunch | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """A Gated DeltaNet layer's decode rows from its projections to out_proj's input (layers.gdn.decode_layer,
     its reference): qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], ba [B, 2 Hv] (b | a), each of unit stride along
     its last dim; conv_weight [C, K]; a_log, dt_bias [Hv] fp32; conv [slots, C, K-1] and ssm [slots, Hv, Dk,
-    Dv], advanced in place at slots [B] -> [B, Hv Dv] in qkv's dtype. Launches: the conv step (or CONV), the
+    Dv], advanced in place at slots [B] -> [B, Hv Dv] in qkv's dtype (into `out`, contiguous, where given).
+    Launches: the conv step (or CONV), the
     rule with its gates (GATE), the norm (or NORM where a block holds a head)."""
     b, c = qkv.shape
     hv, kd, vd = ssm.shape[1], ssm.shape[2], ssm.shape[3]
@@ -356,9 +359,11 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
     norm = launch.block_v >= vd
     vblocks = triton.cdiv(vd, launch.block_v)
     heads = hv // hk if fuse_conv else (launch.heads if hv % launch.heads == 0 else 1)
-    out = torch.empty(b, hv, vd, dtype=qkv.dtype, device=qkv.device)
+    dest = out
+    out = (torch.empty(b, hv, vd, dtype=qkv.dtype, device=qkv.device) if dest is None or not norm
+           else dest.view(b, hv, vd))
     if not b:
-        return out.reshape(b, hv * vd)
+        return out.reshape(b, hv * vd) if dest is None else dest
     if fuse_conv:
         x = q = k = v = qkv
         strides = (qkv.stride(0), kd, qkv.stride(0), kd, qkv.stride(0), vd)
@@ -375,4 +380,4 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
                              norm_weight, eps, BK=triton.next_power_of_2(kd), BV=launch.block_v, HEADS=heads,
                              VBLOCKS=vblocks if fuse_conv else 1, GATE=True, CONV=fuse_conv, NORM=norm, KW=kw,
                              KP=triton.next_power_of_2(kw), **_launch_options(launch))
-    return out.reshape(b, hv * vd) if norm else gated_rms_norm(out, z, norm_weight, eps)
+    return out.reshape(b, hv * vd) if norm else gated_rms_norm(out, z, norm_weight, eps, dest)

@@ -250,19 +250,25 @@ class AttentionBackend(KernelOps, ABC):
 
     def gdn_decode(self, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """A Gated DeltaNet layer's decode rows from its projections to out_proj's input, conv and state in
-        place by slot (layers.gdn.decode_layer: the torch reference); a GPU backend's kernels fuse it."""
-        return gdn.decode_layer(qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm, slots)
+                   conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """A Gated DeltaNet layer's decode rows from its projections to out_proj's input (into `out` where
+        given), conv and state in place by slot (layers.gdn.decode_layer: the torch reference); a GPU
+        backend's kernels fuse it."""
+        o = gdn.decode_layer(qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm, slots)
+        return o if out is None else out.copy_(o)
 
     def gdn_prefill(self, qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weight: torch.Tensor,
                     a_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    conv: torch.Tensor, ssm: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    conv: torch.Tensor, ssm: torch.Tensor, meta: AttentionMetadata,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """A Gated DeltaNet layer's prefill rows (meta's cu_seqlens and state_slots) from its projections to
-        out_proj's input, conv window and state in place by slot (layers.gdn.prefill_layer: the torch
-        reference, fla's rule on a GPU); a GPU backend's kernels take the conv and the norm."""
-        return gdn.prefill_layer(qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm,
-                                 meta.state_slots, meta.cu_seqlens)
+        out_proj's input (into `out` where given), conv window and state in place by slot
+        (layers.gdn.prefill_layer: the torch reference, fla's rule on a GPU); a GPU backend's kernels take
+        the conv and the norm."""
+        o = gdn.prefill_layer(qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm,
+                              meta.state_slots, meta.cu_seqlens)
+        return o if out is None else out.copy_(o)
 
     # ------------------------------------------------------------ MLA (DeepSeek-V2): a latent cache
     # The cache of an MLA model holds one latent per token and layer: KVLayer.k [num_pages, 1, page_size, L]

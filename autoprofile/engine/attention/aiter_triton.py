@@ -367,12 +367,12 @@ class AiterTritonBackend(AttentionBackend):
         """Our kernel (triton_gdn): each row's state tile read and written once, in place by slot."""
         return self.triton_gdn.decode(q, k, v, g, beta, ssm, slots)
 
-    def gdn_decode(self, *args) -> torch.Tensor:
+    def gdn_decode(self, *args, out: torch.Tensor | None = None) -> torch.Tensor:
         """triton_gdn.decode_layer: conv, gates, rule and norm in 1 to 3 launches (launch_rules)."""
-        return self.triton_gdn.decode_layer(*args)
+        return self.triton_gdn.decode_layer(*args, out=out)
 
     def gdn_prefill(self, qkv, z, ba, conv_weight, a_log, dt_bias, norm_weight, eps, conv, ssm,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """Our conv (two launches: the rows' outputs as fla takes them, the windows moved on; each token's
         row found once a forward), our gates (one launch), fla's chunked rule over the rows' states (key
         heads not repeated: fla groups the value heads), our gated norm: in place of
@@ -388,7 +388,7 @@ class AiterTritonBackend(AttentionBackend):
         cu64 = meta.once("gdn_cu_seqlens", cu.long)
         g, beta = self.triton_gdn.gates(ba, a_log, dt_bias)
         o = gdn.delta_rule_prefill(q, k, v, g, beta, ssm, slots, cu64, meta.gdn_chunk_indices)
-        return self.triton_gdn.gated_rms_norm(o, z, norm_weight, eps)
+        return self.triton_gdn.gated_rms_norm(o, z, norm_weight, eps, out)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Our one-program-per-row kernel (triton_norm): one compile serves every row count."""
