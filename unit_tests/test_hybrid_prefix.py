@@ -333,9 +333,9 @@ def test_a_prefill_forward_hands_the_linear_layers_fla_s_chunk_indices(runner, m
     seen = []
     real = type(runner.backend).gdn_prefill
 
-    def spy(self, *args):
+    def spy(self, *args, **kwargs):
         seen.append(args[-1])  # the step's AttentionMetadata
-        return real(self, *args)
+        return real(self, *args, **kwargs)
     monkeypatch.setattr(type(runner.backend), "gdn_prefill", spy)
     engine = engine_on(runner, prefix_caching=False)
     for p in (SYSTEM + USERS[1], USERS[2]):
