@@ -43,8 +43,10 @@ MAX_GRAPH_BATCH = 1024
 MAX_PIECEWISE_TOKENS = 8192  # piecewise graphs hold their largest bucket's activations for good
 # --piecewise_cuda_graph_max_tokens unset: a dense model's prefill steps of 1k tokens and more are GPU-bound
 # eagerly; a hybrid MoE's stay host-bound to 4k tokens and past (qwen3.5-35b-a3b-fp8 on an H200: 4,032 tokens
-# 128 ms eager against 82 ms through the pieces; docs/measurements.md, "Piecewise graphs for hybrids")
-DEFAULT_PIECEWISE_TOKENS, HYBRID_PIECEWISE_TOKENS = 512, MAX_PIECEWISE_TOKENS
+# 128 ms eager against 82 ms through the pieces; docs/measurements.md, "Piecewise graphs for hybrids"). Not
+# a dense hybrid's: its large steps are its GEMMs', and the pool of an 8,192-token bucket would cost
+# qwen3.5-27b a quarter of its KV on an H100 (plan)
+DEFAULT_PIECEWISE_TOKENS, HYBRID_MOE_PIECEWISE_TOKENS = 512, MAX_PIECEWISE_TOKENS
 MAX_BATCH_TOKENS = 1 << 20  # one prefill of a million tokens: beyond any card's activation memory
 MAX_CANARY_MB = 1 << 16  # 64 GiB of headroom is already more than a card's slack
 API_KEY_ENV = "AUTOPROFILE_API_KEY"  # vLLM's VLLM_API_KEY
@@ -81,7 +83,7 @@ class ServerConfig:
     disable_cudagraph: bool = False
     # prefill and mixed steps of at most this many tokens replay piecewise CUDA graphs (engine.piecewise;
     # SGLang's --piecewise-cuda-graph-max-tokens); 0: every such step eager; None: DEFAULT_PIECEWISE_TOKENS,
-    # a hybrid's HYBRID_PIECEWISE_TOKENS (piecewise_max_tokens)
+    # a hybrid MoE's HYBRID_MOE_PIECEWISE_TOKENS (piecewise_max_tokens)
     piecewise_cuda_graph_max_tokens: int | None = None
     disable_prefix_caching: bool = False
     state_checkpoints: int | None = None  # a hybrid's prefix-cache state rows; None: budget.state_checkpoints
@@ -533,16 +535,16 @@ def fp8_block_problem(m: ModelConfig, tp: int) -> str | None:
 
 def piecewise_max_tokens(cfg: ServerConfig, backend: str) -> int:
     """The piecewise graphs' largest bucket where this configuration captures them (engine.piecewise), else 0:
-    --piecewise_cuda_graph_max_tokens (unset: 512, a hybrid's 8192) capped by --batch_max_tokens, with decode
-    graphs, one rank, `backend` (the resolved attention backend) aiter_triton, not --deterministic, no images,
-    no MLA layers.
+    --piecewise_cuda_graph_max_tokens (unset: 512, a hybrid MoE's 8192) capped by --batch_max_tokens, with
+    decode graphs, one rank, `backend` (the resolved attention backend) aiter_triton, not --deterministic, no
+    images, no MLA layers.
     ModelRunner.piecewise_ok adds what only a built model tells (the RoPE kernel, the attention class)."""
     m = cfg.model_config
     ruled_out = (cfg.disable_cudagraph or cfg.tp > 1 or backend != "aiter_triton" or cfg.deterministic
                  or m.vision is not None or m.is_mla)
     wanted = cfg.piecewise_cuda_graph_max_tokens
     if wanted is None:
-        wanted = HYBRID_PIECEWISE_TOKENS if m.is_hybrid else DEFAULT_PIECEWISE_TOKENS
+        wanted = HYBRID_MOE_PIECEWISE_TOKENS if m.is_hybrid and m.num_experts else DEFAULT_PIECEWISE_TOKENS
     return 0 if ruled_out else min(wanted, cfg.batch_max_tokens)
 
 
@@ -770,8 +772,8 @@ def add_server_args(p: argparse.ArgumentParser, command: str = "serve") -> None:
                   "piecewise CUDA graphs, attention eager between them: such steps are otherwise bound by "
                   "the host's kernel launches. One GPU with decode graphs, not MLA or vision models "
                   "(dense, MoE or hybrid; bf16 or FP8 weights and cache); 0: eager. Default: 512, a "
-                  "hybrid model's 8192 (its MoE and linear layers launch many small kernels a token "
-                  "count). The profile measures their pool (autoprofile plan estimates it).")
+                  "hybrid MoE's 8192 (its experts and linear layers launch many small kernels at any "
+                  "token count). The profile measures their pool (autoprofile plan estimates it).")
     add_flag(run, "disable_overlap_schedule", action="store_true",
              help="Run each step and read its tokens back before scheduling the next. Otherwise, on one "
                   "GPU, the engine schedules and launches the next step while the GPU computes (under --tp "

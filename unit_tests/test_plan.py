@@ -190,6 +190,8 @@ def test_the_piecewise_pool_is_charged_where_the_engine_captures_pieces():
     small = row(plan_for("h200", model="qwen3.5-35b-a3b", piecewise_cuda_graph_max_tokens=512).fixed,
                 "piecewise graph pool")
     assert "512 tokens" in small.note and 0 < small.bytes < charged.bytes
+    dense = row(plan_for("h100", model="qwen3.5-27b").fixed, "piecewise graph pool")  # a dense hybrid's
+    assert "512 tokens" in dense.note
 
 
 def test_moe_config_plans():
