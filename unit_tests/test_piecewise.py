@@ -34,6 +34,25 @@ def test_buckets_pad_a_step_past_128_tokens_by_at_most_a_quarter_up_to_the_flag(
     assert [pieces.pick(n) for n in (1, 16, 17, 97, 100, 101)] == [16, 16, 32, 100, 100, None]
 
 
+def test_static_inputs_copy_each_root_once_aligned_and_grow_only_outside_a_capture():
+    """The eager part's tensors: views of one root share its copy (q, k, v of the packed projection), each
+    root's copy starts 128 bytes after a boundary (kernels specialize on their pointers' alignment), the
+    output has the asked shape; the buffers grow in a warm-up, never while a bucket is being captured."""
+    pieces = PiecewiseGraphs(64, torch.float32, torch.device("cpu"), pad_slot=0)
+    qkv, ba = torch.randn(3, 10), torch.randn(3, 5)
+    q, k, v = qkv.split([6, 2, 2], dim=-1)
+    static, out = pieces.static_inputs((q.unflatten(-1, (3, 2)), k, v, ba), (4, 2))
+    assert [torch.equal(a, b) for a, b in zip(static, (q.unflatten(-1, (3, 2)), k, v, ba))] == [True] * 4
+    base = pieces.inputs.data_ptr()
+    assert static[0].data_ptr() == static[1].data_ptr() - 6 * 4 == base  # one copy of qkv
+    assert (static[3].data_ptr() - base) % 128 == 0 and static[3].data_ptr() - base >= qkv.nbytes
+    assert out.shape == (3, 4, 2) and out.data_ptr() == pieces.outputs.data_ptr()
+    pieces._taking = []  # a bucket being captured: what the warm-up did not size cannot fit
+    with pytest.raises(AssertionError, match="never inside a capture"):
+        pieces.static_inputs((torch.randn(30, 10),), (4,))
+    pieces.static_inputs((qkv,), (4,))  # what fits is copied
+
+
 def test_the_stress_runs_the_largest_bucket_beside_the_most_decode_rows():
     def env(piecewise):
         return Envelope.build(kv_pages=4096, page_size=16, context_len=4096, batch_max_tokens=8192,
