@@ -205,9 +205,7 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
-    # xgrammar's vocabulary (its import, transformers', seconds of the GIL) built beside the boot, not beside
-    # the first served steps: after `ready` it slowed a host-bound hybrid MoE's prefill steps 3x
-    grammars = _Grammars(cfg, cfg.model_config.vocab_size)
+    grammars = _Grammars(cfg, cfg.model_config.vocab_size)  # (built at the first request with a grammar)
     try:
         runner, result = boot(cfg)
     except ProfileError as e:
@@ -321,28 +319,39 @@ class _DeviceMemory:
 
 
 class _Grammars:
-    """The engine process's grammar compiler (serving.structured.Grammars), built on a thread that starts
-    with the boot (xgrammar's import takes seconds); build() waits for it."""
+    """The engine process's grammar compiler (serving.structured.Grammars), built on a thread that the first
+    request with a grammar starts (vLLM builds its grammar backend at the first such request); build() waits
+    for it. xgrammar's import (transformers', seconds of the GIL) is paid where grammars are used: beside the
+    boot it cost llama-3.1-8b's warm boot 3.7-5.1 s, beside the first served steps after `ready` it slowed a
+    host-bound hybrid MoE's prefill steps 3x (H200, docs/measurements.md)."""
 
     def __init__(self, cfg, vocab_size: int):
-        self.vocab_size, self.ready = vocab_size, threading.Event()
+        self.cfg, self.vocab_size, self.ready = cfg, vocab_size, threading.Event()
         self.grammars = self.error = None
+        self.started, self._lock = False, threading.Lock()
 
-        def load() -> None:
-            try:
-                from autoprofile.serving.structured import Grammars
-                from autoprofile.serving.tokenizer import load_tokenizer
-                self.grammars = Grammars(load_tokenizer(cfg), vocab_size)
-            except Exception as e:  # noqa: BLE001 - a grammar request then fails with a 500
-                self.error = e
-            finally:
-                self.ready.set()
-        threading.Thread(target=load, name="grammars", daemon=True).start()
+    def _start(self) -> None:
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+        threading.Thread(target=self._load, name="grammars", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            from autoprofile.serving.structured import Grammars
+            from autoprofile.serving.tokenizer import load_tokenizer
+            self.grammars = Grammars(load_tokenizer(self.cfg), self.vocab_size)
+        except Exception as e:  # noqa: BLE001 - a grammar request then fails with a 500
+            self.error = e
+        finally:
+            self.ready.set()
 
     def compiled(self, req: GrammarRequest) -> bool:
         """Whether build(req) is quick: no spec, or its grammar compiled here already."""
         if req.spec is None:
             return True
+        self._start()
         if not self.ready.is_set() or self.grammars is None:
             return False
         return self.grammars.cached(req.spec)
@@ -351,6 +360,7 @@ class _Grammars:
         from autoprofile.engine.grammar import AllowedTokens
         matcher = None
         if req.spec is not None:
+            self._start()
             self.ready.wait()
             if self.grammars is None:
                 raise RuntimeError(f"xgrammar did not load in the engine process: {self.error}")
