@@ -25,7 +25,7 @@ def _inputs(t: int, hk: int, hv: int, d: int, dev):
 def test_fla_prefill_and_decode_equal_the_reference_over_states_by_slot():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    assert gdn.fla_ops() is not None, "fla-core is a dependency on Linux: serve refuses a hybrid without it"
+    gdn.fla_ops()  # fla-core is a dependency on Linux: without it this raises naming the install
     dev, hk, hv, d = torch.device("cuda"), 4, 8, 128
     lens = [1, 77, 300, 5]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
@@ -60,7 +60,7 @@ def test_triton_prefill_layer_equals_the_reference_on_qwen3_5_widths():
     states."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    assert gdn.fla_ops() is not None, "fla-core is a dependency on Linux: serve refuses a hybrid without it"
+    gdn.fla_ops()  # fla-core is a dependency on Linux: without it this raises naming the install
     from autoprofile.kernels import triton_gdn
     dev, hk, kd, hv, vd, kw = torch.device("cuda"), 16, 128, 48, 128, 4
     c, lens = 2 * hk * kd + hv * vd, [1, 3, 700, 64]

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autoprofile.config import ServerConfig, validate
 from autoprofile.plan import GPUS, make_plan
-from unit_tests.test_failures import HYBRID_PIECES_SINCE
+from unit_tests.test_failures import measured_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "docs" / "measurements.md"
@@ -31,15 +30,8 @@ def measured(model: str, card: str, kv: str = "auto") -> int:
 
 
 def planned(model: str, card: str, kv: str = "auto", command: str = "", date: str = "") -> int:
-    """`plan` for a measured row's configuration: its command's --disable_prefix_caching (a hybrid model's
-    state checkpoints) counts, and a hybrid measured before its piecewise graphs ran its prefill eagerly."""
-    tp = int(command.split("--tp ")[1].split()[0]) if "--tp " in command else 1  # a rank's
-    off = "--disable_prefix_caching" in command
-    cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching=off, tp=tp)
-    if date and date < HYBRID_PIECES_SINCE and validate(cfg, serving=False).model_config.is_hybrid:
-        cfg = ServerConfig(model=model, kv_cache_dtype=kv, disable_prefix_caching=off, tp=tp,
-                           piecewise_cuda_graph_max_tokens=0)
-    return make_plan(validate(cfg), GPUS[card]).tokens
+    """`plan` for a measured row's configuration (test_failures.measured_config)."""
+    return make_plan(measured_config(model, kv, command, date), GPUS[card]).tokens
 
 
 def number(cell: str) -> int:

@@ -213,6 +213,7 @@ def test_piecewise_capture_keeps_the_ended_pieces_and_gives_up_only_the_failed_o
             assert released == (1 if fail == "inside" else 0), cuda_log
             assert not pieces._capturing and pieces._taking is None
     pieces.teardown()
+    assert pieces.inputs is None and pieces.outputs is None  # the eager parts' static buffers
     assert pieces.graphs == {} and cuda_log.count(("reset",)) == {"none": 3, "begin": 1, "inside": 2}[fail]
 
 
@@ -527,6 +528,19 @@ PIECES_SINCE = "2026-11-28"  # the profiler's graph pools include the piecewise 
 HYBRID_PIECES_SINCE = "2026-11-29"  # a hybrid's: measured before it, its prefill steps ran eagerly
 
 
+def measured_config(model: str, kv: str = "auto", command: str = "", date: str = "") -> ServerConfig:
+    """The configuration a docs/measured_kv_tokens.csv row ran: its command's --tp (a rank's share) and
+    --disable_prefix_caching (a hybrid's state checkpoints), and a hybrid measured before its piecewise
+    graphs ran its prefill eagerly."""
+    tp = int(command.split("--tp ")[1].split()[0]) if "--tp " in command else 1
+    flags = dict(model=model, kv_cache_dtype=kv, disable_prefix_caching="--disable_prefix_caching" in command,
+                 tp=tp)
+    hybrid = validate(ServerConfig(**flags), serving=False).model_config.is_hybrid
+    if hybrid and date and date < HYBRID_PIECES_SINCE:
+        flags["piecewise_cuda_graph_max_tokens"] = 0
+    return validate(ServerConfig(**flags))
+
+
 @pytest.mark.parametrize("row", measured_kv_tokens(),
                          ids=lambda r: f"{r['model']}-{r['card']}-{r['kv_cache_dtype']}-{r['date']}")
 def test_plan_never_predicts_above_the_profiler_measurement(row, request):
@@ -540,12 +554,8 @@ def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     if (row["model"], row["card"]) in KNOWN_ABOVE:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
     measured = int(row["tokens"])
-    off = "--disable_prefix_caching" in row["command"]  # a hybrid's state checkpoints: none
-    tp = int(row["command"].split("--tp ")[1].split()[0]) if "--tp " in row["command"] else 1  # per rank
-    flags = dict(model=row["model"], kv_cache_dtype=row["kv_cache_dtype"], disable_prefix_caching=off, tp=tp)
-    if validate(ServerConfig(**flags)).model_config.is_hybrid and row["date"] < HYBRID_PIECES_SINCE:
-        flags["piecewise_cuda_graph_max_tokens"] = 0  # the configuration measured
-    p = make_plan(validate(ServerConfig(**flags)), GPUS[row["card"]])
+    p = make_plan(measured_config(row["model"], row["kv_cache_dtype"], row["command"], row["date"]),
+                  GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         terms = ("decode graph pools", "decode attention scratch") + (
             ("piecewise graph pool",) if row["date"] >= PIECES_SINCE else ())  # measured with the pieces

@@ -347,8 +347,8 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
     its reference): qkv [B, 2 Hk Dk + Hv Dv], z [B, Hv Dv], ba [B, 2 Hv] (b | a), each of unit stride along
     its last dim; conv_weight [C, K]; a_log, dt_bias [Hv] fp32; conv [slots, C, K-1] and ssm [slots, Hv, Dk,
     Dv], advanced in place at slots [B] -> [B, Hv Dv] in qkv's dtype (into `out`, contiguous, where given).
-    Launches: the conv step (or CONV), the
-    rule with its gates (GATE), the norm (or NORM where a block holds a head)."""
+    Launches: the conv step (or CONV), the rule with its gates (GATE), the norm (or NORM where a block holds a
+    head)."""
     b, c = qkv.shape
     hv, kd, vd = ssm.shape[1], ssm.shape[2], ssm.shape[3]
     hk = (c - hv * vd) // (2 * kd)
@@ -359,11 +359,11 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
     norm = launch.block_v >= vd
     vblocks = triton.cdiv(vd, launch.block_v)
     heads = hv // hk if fuse_conv else (launch.heads if hv % launch.heads == 0 else 1)
-    dest = out
-    out = (torch.empty(b, hv, vd, dtype=qkv.dtype, device=qkv.device) if dest is None or not norm
-           else dest.view(b, hv, vd))
+    # the rule's output: the caller's rows where the rule's kernel norms them too, else a temporary
+    o = (out.view(b, hv, vd) if out is not None and norm
+         else torch.empty(b, hv, vd, dtype=qkv.dtype, device=qkv.device))
     if not b:
-        return out.reshape(b, hv * vd) if dest is None else dest
+        return o.reshape(b, hv * vd) if out is None else out
     if fuse_conv:
         x = q = k = v = qkv
         strides = (qkv.stride(0), kd, qkv.stride(0), kd, qkv.stride(0), vd)
@@ -373,11 +373,11 @@ def decode_layer(qkv: torch.Tensor, z: torch.Tensor, ba: torch.Tensor, conv_weig
         strides = (x.stride(0), kd, x.stride(0), kd, x.stride(0), vd)
     bpart, apart = ba.split([hv, hv], dim=-1)
     grid = (b, hv // heads, 1 if fuse_conv else vblocks)
-    _gdn_decode_kernel[grid](q, k, v, apart, bpart, ssm, slots, out, *strides, ba.stride(0), ba.stride(0),
-                             out.stride(0), out.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2),
+    _gdn_decode_kernel[grid](q, k, v, apart, bpart, ssm, slots, o, *strides, ba.stride(0), ba.stride(0),
+                             o.stride(0), o.stride(1), ssm.stride(0), ssm.stride(1), ssm.stride(2),
                              kd, vd, hv // hk, kd ** -0.5,
                              conv, conv.stride(0), conv_weight, hk * kd, a_log, dt_bias, z, z.stride(0),
                              norm_weight, eps, BK=triton.next_power_of_2(kd), BV=launch.block_v, HEADS=heads,
                              VBLOCKS=vblocks if fuse_conv else 1, GATE=True, CONV=fuse_conv, NORM=norm, KW=kw,
                              KP=triton.next_power_of_2(kw), **_launch_options(launch))
-    return out.reshape(b, hv * vd) if norm else gated_rms_norm(out, z, norm_weight, eps, dest)
+    return o.reshape(b, hv * vd) if norm else gated_rms_norm(o, z, norm_weight, eps, out)

@@ -205,7 +205,6 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
-    grammars = _Grammars(cfg, cfg.model_config.vocab_size)  # (built at the first request with a grammar)
     try:
         runner, result = boot(cfg)
     except ProfileError as e:
@@ -222,14 +221,14 @@ def engine_main(cfg, boot, conn, pulse_array) -> None:
     try:
         engine = LLMEngine.from_config(runner, cfg)
         conn.send(("ready", result, engine.envelope))
-        _serve(engine, cfg, conn, SharedPulse(pulse_array), grammars)
+        _serve(engine, cfg, conn, SharedPulse(pulse_array))
     finally:
         runner.teardown()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
 
-def _serve(engine, cfg, conn, pulse: SharedPulse, grammars: _Grammars) -> None:
+def _serve(engine, cfg, conn, pulse: SharedPulse) -> None:
     from autoprofile.serving.engine_loop import EngineLoop
     lock = threading.Lock()  # the loop's thread and the reader's both send
 
@@ -240,7 +239,7 @@ def _serve(engine, cfg, conn, pulse: SharedPulse, grammars: _Grammars) -> None:
     looper = EngineLoop(engine, lambda kind, *args: send((kind, *args)),
                         lambda snap: send(("snapshot", snap)), pulse, profile_dir=cfg.profile_dir,
                         device_memory=memory.reading)
-    reader = _Reader(conn, looper.inbox, grammars, send)
+    reader = _Reader(conn, looper.inbox, _Grammars(cfg, engine.runner.model_config.vocab_size), send)
     threading.Thread(target=reader.run, name="engine-inbox", daemon=True).start()
     looper.run()
 
