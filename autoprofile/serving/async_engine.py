@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from autoprofile.engine.request import RequestOutput
 from autoprofile.serving.engine_loop import STOP, EngineFailure, EngineLoop, Pulse, Snapshot
+from autoprofile.serving.engine_process import PREPARE_GRAMMARS
 
 log = logging.getLogger(__name__)
 WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead
@@ -172,6 +173,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle: asyncio.Event | None = None
+        self._grammars_prepared = False  # prepare_grammars() sent
         if self.remote:
             self.pulse, self.looper = engine.pulse, None
         else:
@@ -211,6 +213,14 @@ class AsyncEngine:
             self.looper.inbox.put(STOP)
             await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    def prepare_grammars(self) -> None:
+        """An engine process starts building its grammar compiler now (once), beside the server's own build
+        of the first grammar request, instead of after it: the two are seconds each (xgrammar's import and
+        vocabulary). An engine in this process uses the server's compiler: nothing to do."""
+        if self.remote and not self._grammars_prepared:
+            self._grammars_prepared = True
+            self._send((PREPARE_GRAMMARS,))
 
     def _send(self, cmd) -> None:
         if self.remote:

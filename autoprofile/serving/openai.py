@@ -182,6 +182,7 @@ async def _submit(st: Serving, args: GenerateArgs, index: int = 0):
     # structured output: each choice its own matcher of the request's grammar (compiled off the loop, cached)
     grammar = None
     if args.structured is not None:
+        st.engine.prepare_grammars()  # an engine process's own build, beside ours below
         if st.grammars_loading is not None:  # a server's first seconds: xgrammar still loading
             await asyncio.shield(st.grammars_loading)
         if st.grammars is None:
