@@ -611,14 +611,33 @@ def boot(cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None, cpu_
     from autoprofile.kernels.compile_ahead import CompileAhead
     from autoprofile.kernels.compile_watch import watch_after_boot
 
+    before = start_phase()
+    t0 = time.perf_counter()
     device = runner_device(rank, cfg.device)
     # the Triton compiles we can name before the first launch run in a pool beside the weights and graphs
     with CompileAhead(device) as ahead:
         ahead.dry(compile_ahead, cfg, device)
-        booted = _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later)
+        before.append(("init", time.perf_counter() - t0))
+        booted = _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later,
+                       before)
     if device.type == "cuda":  # from here a compile is a served step outside the stress's specializations
         watch_after_boot()
     return booted
+
+
+_started = False  # start_phase() counted this process's start already
+
+
+def start_phase() -> list[tuple[str, float]]:
+    """[("start", seconds from this process's creation to now)] at its first boot: the interpreter, the
+    imports and, in an engine process, its spawn (none of it inside the boot's own phases); [] at a later
+    boot in the same process (a test's), whose start is not its own."""
+    global _started
+    if _started:
+        return []
+    _started = True
+    import psutil
+    return [("start", max(0.0, time.time() - psutil.Process().create_time()))]
 
 
 def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
@@ -646,7 +665,7 @@ def keep_scratch(cfg: ServerConfig, device: torch.device) -> None:
         triton_fp8_skinny.tile_counters(device)
 
 
-def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later):
+def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later, before=()):
     from autoprofile.engine.runner import ModelRunner
     from autoprofile.report import write_report
 
@@ -667,7 +686,7 @@ def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard
         except Exception as e:  # noqa: BLE001 - the profiler's own error is the one to report
             log.error("teardown after a failed profile also failed: %s", describe(e))
         raise
-    result.phases.insert(0, ("load_weights", load_s))
+    result.phases[:0] = [*before, ("load_weights", load_s)]  # before: start_phase() and the init
     if rank == 0:
         if log_report:
             log.info("\n%s", result.report_text())

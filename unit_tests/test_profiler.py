@@ -463,3 +463,17 @@ def test_a_boot_from_the_profile_cache_cuts_the_same_context(tmp_path):
         second = prof.run()
     assert second.reused_probe is not None
     assert second.cfg.context_len == first.cfg.context_len < 131072
+
+
+def test_the_start_phase_counts_the_process_s_time_before_the_boot_once():
+    """phases: `start` is the time from the process's creation to its boot (interpreter, imports, an engine
+    process's spawn): a process that sleeps 0.5 s before importing counts at least that; a second boot in
+    the same process (a test's) counts none."""
+    import subprocess
+    import sys
+    code = ("import time; time.sleep(0.5); from autoprofile.profiler import start_phase; "
+            "print(repr((start_phase(), start_phase())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    first, again = eval(out.stdout.strip())
+    (name, took), = first
+    assert name == "start" and 0.5 <= took < 60 and again == []
