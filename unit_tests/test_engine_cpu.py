@@ -197,6 +197,19 @@ def test_decode_graph_keys_capture_the_largest_scratch_first():
     assert budget.coarse_ladder(24) == [1, 2, 4, 8, 16, 24] and budget.coarse_ladder(1) == [1]
 
 
+def test_each_batch_size_warms_up_once_before_its_first_capture():
+    """An eager warm-up precedes each batch size's first graph in capture order (its longest bucket), not
+    every graph: 35 of llama-3.1-8b's 62 at 131072, the first graph (the static logits' maker) among them."""
+    from autoprofile.engine.cuda_graph import first_of_each_batch
+    keys = budget.decode_graph_keys(256, 131072)
+    warm = first_of_each_batch(keys)
+    assert keys[0] in warm and len(warm) == len(batch_ladder(256)) == 35
+    assert sorted(bs for bs, _ in warm) == batch_ladder(256)
+    for bs, bucket in warm:  # before any other graph of its rows
+        assert bucket == max(b for s, b in keys if s == bs)
+    assert (1, 131072) in warm and (1, 4096) not in warm and (24, 4096) in warm
+
+
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():
     from autoprofile.engine.cuda_graph import DecodeGraphs
 
