@@ -379,8 +379,8 @@ def test_prepare_grammars_starts_the_engine_process_s_build_with_no_request():
     import queue
 
     from autoprofile.config import ServerConfig, validate
-    from autoprofile.serving.engine_loop import STOP
-    from autoprofile.serving.engine_process import PREPARE_GRAMMARS, _Grammars, _Reader
+    from autoprofile.serving.engine_loop import PREPARE_GRAMMARS, STOP
+    from autoprofile.serving.engine_process import _Grammars, _Reader
     cfg = validate(ServerConfig(model="tiny", device="cpu", report_dir=None))
     ours, theirs = multiprocessing.Pipe()
     inbox, grammars = queue.SimpleQueue(), _Grammars(cfg, cfg.model_config.vocab_size)
@@ -406,7 +406,8 @@ def test_a_first_grammar_request_starts_the_engine_process_s_build_before_the_se
 
     from autoprofile import server
     from autoprofile.config import ServerConfig, validate
-    from autoprofile.serving.engine_process import PREPARE_GRAMMARS, BootRef, EngineProcess
+    from autoprofile.serving.engine_loop import PREPARE_GRAMMARS
+    from autoprofile.serving.engine_process import BootRef, EngineProcess
     pytest.importorskip("xgrammar")
     cfg = validate(ServerConfig(model="tiny", device="cpu", dtype="float32", attention_backend="torch",
                                 max_req_total_len=256, report_dir=None, profile_cache=None))

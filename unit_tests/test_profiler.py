@@ -473,7 +473,8 @@ def test_the_start_phase_counts_the_process_s_time_before_the_boot_once():
     import sys
     code = ("import time; time.sleep(0.5); from autoprofile.profiler import start_phase; "
             "print(repr((start_phase(), start_phase())))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     first, again = eval(out.stdout.strip())
     (name, took), = first
     assert name == "start" and 0.5 <= took < 60 and again == []

@@ -40,8 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from autoprofile.engine.request import RequestOutput
-from autoprofile.serving.engine_loop import STOP, EngineFailure, EngineLoop, Pulse, Snapshot
-from autoprofile.serving.engine_process import PREPARE_GRAMMARS
+from autoprofile.serving.engine_loop import PREPARE_GRAMMARS, STOP, EngineFailure, EngineLoop, Pulse, Snapshot
 
 log = logging.getLogger(__name__)
 WEDGED_AFTER_S = 60.0  # work outstanding and no loop iteration for this long: the engine loop is dead

@@ -33,6 +33,7 @@ from autoprofile.engine.step_profile import StepProfiler
 
 log = logging.getLogger(__name__)
 STOP = "stop"  # the inbox's last command: abort what is live, collect the step in flight, return
+PREPARE_GRAMMARS = "prepare_grammars"  # an engine process starts building its grammar compiler
 
 
 class EngineFailure(Exception):

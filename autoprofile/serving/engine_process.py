@@ -43,7 +43,6 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 DEVICE_MEMORY_EVERY_S = 0.5  # the engine process reads its allocator for /metrics at most this often
 STOP_WAIT_S = 60.0  # a stopped engine process that has not ended by then is killed
-PREPARE_GRAMMARS = "prepare_grammars"  # a command: start building the grammar compiler (_Grammars.start)
 
 
 # NOTE: no torch here at import (the engine loop's modules come in where they run): `serve` spawns the engine
@@ -255,8 +254,8 @@ class _Reader:
         self.lock = threading.Lock()  # NOTE: the inbox's order between this thread and the compile threads
         self.pending: dict[str, bool] = {}  # adds compiling: request id -> aborted meanwhile
         self.pool = ThreadPoolExecutor(2, thread_name_prefix="engine-grammar")
-        from autoprofile.serving.engine_loop import STOP, EngineFailure
-        self.stop, self.failure = STOP, EngineFailure
+        from autoprofile.serving.engine_loop import PREPARE_GRAMMARS, STOP, EngineFailure
+        self.stop, self.failure, self.prepare = STOP, EngineFailure, PREPARE_GRAMMARS
 
     def run(self) -> None:
         while True:
@@ -268,7 +267,7 @@ class _Reader:
             if cmd == self.stop:
                 self.inbox.put(cmd)
                 return
-            if cmd[0] == PREPARE_GRAMMARS:  # the server compiles a first grammar: build ours beside it
+            if cmd[0] == self.prepare:  # the server compiles a first grammar: build ours beside it
                 self.grammars.start()
                 continue
             if cmd[0] == "add" and isinstance(cmd[2][5], GrammarRequest):
@@ -325,8 +324,9 @@ class _Grammars:
     """The engine process's grammar compiler (serving.structured.Grammars), built on a thread that the first
     request with a grammar starts (vLLM builds its grammar backend at the first such request): the server's
     PREPARE_GRAMMARS as it begins compiling that request's grammar, so that both processes' builds overlap
-    (one after the other, llama-3.1-8b's first JSON request took 7.1-8.2 s, H200); build() waits for it. xgrammar's import (transformers', seconds of the GIL) is paid where grammars are used: beside the
-    boot it cost llama-3.1-8b's warm boot 3.7-5.1 s, beside the first served steps after `ready` it slowed a
+    (one after the other, llama-3.1-8b's first JSON request took 7.1-8.2 s, H200); build() waits for it.
+    xgrammar's import (transformers', seconds of the GIL) is paid where grammars are used: beside the boot it
+    cost llama-3.1-8b's warm boot 3.7-5.1 s, beside the first served steps after `ready` it slowed a
     host-bound hybrid MoE's prefill steps 3x (H200, docs/measurements.md)."""
 
     def __init__(self, cfg, vocab_size: int):
