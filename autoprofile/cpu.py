@@ -124,6 +124,8 @@ def boot_cpu(cfg: ServerConfig):
     import psutil
     import torch
 
+    from autoprofile.profiler import start_phase
+    before = start_phase()
     problem = weights_problem(cfg, psutil.virtual_memory().available)
     if problem:
         raise CPUSizeError(problem)
@@ -133,4 +135,6 @@ def boot_cpu(cfg: ServerConfig):
         torch.set_num_threads(cpu_threads(runner.weight_bytes, psutil.cpu_count(logical=False) or 1))
     log.info("cpu: %d torch threads for %.2f GiB of weights", torch.get_num_threads(),
              gib(runner.weight_bytes))
-    return build_cpu(runner, load_s=time.perf_counter() - t0)
+    runner, result = build_cpu(runner, load_s=time.perf_counter() - t0)
+    result.phases[:0] = before
+    return runner, result

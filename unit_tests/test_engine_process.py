@@ -333,6 +333,10 @@ def test_the_cli_serves_through_an_engine_process_and_stops_it():
         status, out = s.post("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
         assert status == 200 and out["usage"]["completion_tokens"] == 4
         assert len(s.engine_children()) == 1
+        status, text = s.get("/metrics")  # the engine process's start (its spawn and imports) is a phase
+        (start,) = [float(x.split()[-1]) for x in text.splitlines()
+                    if x.startswith('autoprofile_profile_phase_seconds{phase="start"}')]
+        assert status == 200 and 0 < start < 300
     finally:
         assert s.stop() == 0, "".join(s.log)
 
