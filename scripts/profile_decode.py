@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv_cache_dtype", default="auto", help="auto or fp8_e4m3")
     p.add_argument("--host", type=int, default=0, help="also the N functions with the most host time")
     p.add_argument("--piecewise_cuda_graph_max_tokens", type=int, default=None,
-                   help="the server's flag (unset: its default, 512 or a hybrid's 8192)")
+                   help="the server's flag (unset: its default, 512 or a hybrid MoE's 8192)")
     args = p.parse_args(argv)
     fresh = args.prefill * args.prefill_len
     cfg = validate(ServerConfig(model=args.model, dtype="bfloat16", max_req_total_len=4096,
