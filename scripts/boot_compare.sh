@@ -27,7 +27,7 @@ boot() {  # label, tree, cache dir
   pkill -TERM -P $pid; wait $pid
   printf "%-24s boot %6.1f s   first JSON request %5.2f s\n" "$label" "$(python3 -c "print($t1 - $t0)")" \
     "$(python3 -c "print($t2 - $t1)")"
-  grep -E "^  phases:|^    [a-z+#0-9]+: graphs" "$OUT/boot_$label.log"
+  grep -E "^  phases:|^    [a-z+#0-9]+: graphs|slowest of|non-KV peak|max_total_token_num =" "$OUT/boot_$label.log"
 }
 i=0
 for tree in $TREES; do rm -rf "$OUT/cache$i"; i=$((i + 1)); done

@@ -54,11 +54,13 @@ def main() -> None:
         for kind, steps in (("prefill", stress.prefill_steps), ("decode", stress.decode_steps)):
             for step in runner.corners(steps):
                 torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
                 runner.execute(step)
                 shape = step.shape(runner.envelope.graph_rows)
                 print(line(f"{kind} {shape.decode_rows} decode rows, {shape.mixed_tokens} mixed tokens"),
                       flush=True)
-                print(f"    {shape}", flush=True)
+                print(f"    {stress.corner_label(shape, step.routing)}: {time.perf_counter() - start:.2f} s",
+                      flush=True)
     finally:
         runner.stressing = False
         runner.teardown()

@@ -215,6 +215,17 @@ def test_the_stress_runs_the_most_tokens_under_both_forced_routings(runner):
     for forced in by_routing.values():
         assert max(sum(len(r.ids) for r in s.rows) for s in forced) == env.prefill_tokens
         assert any(s.decode for s in forced)  # a mixed step too
+    # the forced mixed corner: the model's first mixed corner's tokens (chunk + decode rows at their
+    # contexts), its chunk over no prefix (the attention over the longest prefix ran under the model's routing)
+    long = dataclasses.replace(env, max_req_total_len=1024, prefill_kv_tokens=1024, max_prefix_len=1022)
+    steps = stress.prefill_steps(long, 100, 4096, 0, runner.forced_routings)
+    model_mixed = next(s for s in steps if s.routing == "model" and s.decode)
+    assert model_mixed.rows[0].start + len(model_mixed.rows[0].ids) == 1023
+    for forced in ([s for s in steps if s.routing == r] for r in ("worst", "balanced")):
+        mixed = [s for s in forced if s.decode]
+        assert len(mixed) == 1 and all(r.start == 0 for r in mixed[0].rows)
+        assert [len(r.ids) for r in mixed[0].rows] == [len(r.ids) for r in model_mixed.rows]
+        assert [r.start for r in mixed[0].decode] == [r.start for r in model_mixed.decode]
     decode = stress.decode_steps(env, 100, 4096, 0, runner.forced_routings)
     assert {len(s.rows) for s in decode if s.routing == "worst"} == {env.decode_rows}
     dense = dataclasses.replace(env)

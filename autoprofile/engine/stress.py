@@ -31,7 +31,11 @@ reads the most image tokens (mm_tokens) from the encoder buffer, each row a requ
 images; every decode corner's rows carry images too (the M-RoPE decode path, rope delta included).
 MoE corners (an MoE model): the steps with the most tokens again under each forced routing (layers.moe:
 every token to the same top_k experts, and tokens spread evenly): prefill corners (a) and (b), the first
-mixed corner, and the decode corners. The router's own choice depends on the tokens, so serving can route
+mixed corner, and the decode corners. The mixed corner's chunk runs fresh there (its prefix's attention
+ran under the model's routing already): an expert's scratch follows the tokens routed to it, not the keys
+an attention read, and a layer's gathered prefix is freed before its experts run. Measured on an H200
+(docs/measurements.md, "The experts' corners over no prefix"): the same peak, 2 x 3 s less a stress at a
+262k context. The router's own choice depends on the tokens, so serving can route
 anywhere between those ends, whatever the stress's random tokens happened to reach.
 Prefixes and contexts need no real cache: rows take the cache's pages cyclically (the memory a step
 needs does not depend on what the pages hold), so the probe's small cache runs the same corners.
@@ -169,11 +173,18 @@ def forced(steps: list[Step], routings: tuple[str, ...]) -> list[Step]:
     return [dataclasses.replace(step, routing=r) for r in routings for step in steps]
 
 
-def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) -> list[Step]:
-    """The mixed corners as steps: chunks in rows, decode rows (other slots) in decode; a vision-language
-    model's decode rows carry images."""
+def fresh_chunks(corners: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
+    """The mixed corners with each chunk's new tokens over no prefix: the same tokens through every
+    layer's GEMMs and experts, attention over the chunk alone."""
+    return [([(0, n) for _, n in chunks], decode) for chunks, decode in corners]
+
+
+def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
+                corners: list[tuple[Rows, Rows]] | None = None) -> list[Step]:
+    """The mixed corners (or `corners`) as steps: chunks in rows, decode rows (other slots) in decode; a
+    vision-language model's decode rows carry images."""
     steps = []
-    for i, (chunks, decode) in enumerate(mixed_corners(env)):
+    for i, (chunks, decode) in enumerate(mixed_corners(env) if corners is None else corners):
         step = corner_step(env, True, chunks + decode, usable_pages, vocab_size, seed + i)
         step.rows, step.decode = step.rows[:len(chunks)], step.rows[len(chunks):]
         if env.encoder_images:
@@ -186,15 +197,19 @@ def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int) ->
 def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
                   routings: tuple[str, ...] = ()) -> list[Step]:
     """The prefill corners as steps, the mixed corners, the image corner (vision-language models), then
-    the MoE corners under each of `routings`."""
+    the MoE corners under each of `routings`: corners (a) and (b), and the first mixed corner with its
+    chunk fresh (fresh_chunks: its attention over the longest prefix ran under the model's routing)."""
     steps = [corner_step(env, True, rows, usable_pages, vocab_size, seed + i)
              for i, rows in enumerate(prefill_corners(env))]
     most = steps[len(STRESS_PARAMS) - 1:len(STRESS_PARAMS) + 1]  # corners (a) and (b): the most tokens
-    mixed = mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
-    steps += mixed
+    steps += mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
     if env.encoder_images:
         steps.append(image_corner_step(env, usable_pages, vocab_size, seed))
-    return steps + forced(most + mixed[:1], routings)
+    if not routings:
+        return steps
+    experts = mixed_steps(env, usable_pages, vocab_size, seed + len(steps),
+                          fresh_chunks(mixed_corners(env)[:1]))
+    return steps + forced(most + experts, routings)
 
 
 def decode_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
