@@ -13,6 +13,15 @@ BLOCK_SIZE_M stays.
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
+    PYTHONPATH=. python3 scripts/tune_moe.py --block_m [--models ...] [--tokens 8,...,512] [--json out.json]
+
+times both row blocks (launch_rules.MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M) at each token count instead, bf16
+and FP8 (block-scaled 128 x 128, as the shipped checkpoints) experts with uniform random routing, each
+checked against the torch reference first: where the small block stops winning, in pairs per expert (T k / E),
+is what launch_rules.moe_block_m's rule is set from.
+
+    PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
+
 times DeepSeek-V3's noaux_tc router instead (fp32 logits [T, 256], 8 groups, 4 kept, top 8, renormalised,
 times 2.5): the one Triton launch (kernels.triton_route.biased_grouped_topk) against the torch path
 (layers.moe.biased_grouped_topk, then Routing.apply), each checked against the other first (the same ids),
@@ -36,9 +45,11 @@ from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 from autoprofile.kernels import launch_rules  # noqa: E402
 from autoprofile.kernels import triton_moe, triton_route  # noqa: E402
 from autoprofile.layers.moe import Routing, biased_grouped_topk, moe_reference  # noqa: E402
+from autoprofile.layers.quant import Fp8Scheme, MoeQuant, moe_reference_fp8, quantize_weight  # noqa: E402
 
 # (experts, hidden, expert intermediate, top-k)
-SHAPES = {"deepseek-v2-lite": (64, 2048, 1408, 6), "qwen3-30b-a3b": (128, 2048, 768, 8)}
+SHAPES = {"deepseek-v2-lite": (64, 2048, 1408, 6), "qwen3-30b-a3b": (128, 2048, 768, 8),
+          "qwen3.5-35b-a3b": (256, 2048, 512, 8)}
 LAYERS = 8
 V3_ROUTER = (256, 8, 8, 4, 2.5)  # experts, top_k, n_group, topk_group, routed_scaling_factor
 ROUTER_CALLS = 16
@@ -117,6 +128,81 @@ def time_router(tokens: int, iters: int) -> dict:
     return out
 
 
+def fp8_experts(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 experts [E, N, K] -> (fp8 [E, N, K], block scales [E, N/bn, K/bk]): N, K multiples of a block."""
+    e, n, k = w.shape
+    q, scale = quantize_weight(w.reshape(e * n, k), scheme)
+    return q.view(e, n, k), scale.view(e, n // scheme.block[0], -1)
+
+
+def block_m_case(model: str, tokens_list: list[int], fp8: bool, iters: int,
+                 bytes_per_s: float) -> list[dict]:
+    """Each row block's us a layer (a graph of LAYERS layers, distinct weights) at each token count, beside
+    the floor of the experts reached read once; None where the output strays from the torch reference."""
+    experts, hidden, inter, top_k = SHAPES[model]
+    scheme = Fp8Scheme("block", (128, 128), "group") if fp8 else None
+    w13, w2, quant = [], [], []
+    for _ in range(LAYERS):
+        a = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
+        b = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
+        if fp8:
+            (a, sa), (b, sb) = fp8_experts(a, scheme), fp8_experts(b, scheme)
+            quant.append(MoeQuant(sa, sb, scheme))
+        else:
+            quant.append(None)
+        w13.append(a)
+        w2.append(b)
+    gen, rows = torch.Generator().manual_seed(0), []
+    rule = launch_rules.moe_block_m
+    try:
+        for tokens in tokens_list:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            weights, ids = routing(tokens, experts, top_k, gen)
+            reached = len(set(ids.flatten().tolist()))
+            floor_us = reached * 3 * hidden * inter * (1 if fp8 else 2) / bytes_per_s * 1e6
+            if fp8:
+                want = moe_reference_fp8(x.float(), w13[0], w2[0], weights, ids, quant[0])
+            else:
+                want = moe_reference(x.float(), w13[0].float(), w2[0].float(), weights, ids)
+            row = {"model": model, "fp8": fp8, "tokens": tokens, "pairs_per_expert": tokens * top_k / experts,
+                   "experts_reached": reached, "floor_us": floor_us}
+            for block in (launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M):
+                launch_rules.moe_block_m = lambda *_, block=block: block
+                got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids, quant[0]).float()
+                err = ((got - want).norm() / want.norm()).item()
+                if err > 3e-2:
+                    row[f"us_{block}"] = None
+                    row[f"error_{block}"] = err
+                    continue
+                replay = graphed(lambda: [triton_moe.fused_moe(x, w13[i], w2[i], weights, ids, quant[i])
+                                          for i in range(LAYERS)])
+                row[f"us_{block}"] = cuda_median_ms(replay, iters) * 1e3 / LAYERS
+                del replay
+            rows.append(row)
+    finally:
+        launch_rules.moe_block_m = rule
+    return rows
+
+
+def block_ms(args: argparse.Namespace, bytes_per_s: float) -> None:
+    small, large = launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M
+    results = []
+    with torch.inference_mode():
+        for model in args.models.split(","):
+            for fp8 in (False, True):
+                print(f"{model} {'FP8 block 128' if fp8 else 'bf16'}: us a layer (of the floor), block "
+                      f"{small} against {large}")
+                for r in block_m_case(model, args.tokens, fp8, args.iters, bytes_per_s):
+                    results.append(r)
+                    a, b = r[f"us_{small}"], r[f"us_{large}"]
+                    cell = (lambda us: "refused" if us is None else f"{us:7.1f} ({r['floor_us'] / us:.2f})")
+                    win = "" if a is None or b is None else f"  small/large {a / b:.2f}"
+                    print(f"   T={r['tokens']:4d} ({r['pairs_per_expert']:6.2f} pairs/expert, "
+                          f"{r['experts_reached']} experts): {cell(a)}  {cell(b)}{win}")
+    if args.json:
+        args.json.write_text(json.dumps({"block_m": results}, indent=2))
+
+
 def routers(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}: noaux_tc router, {V3_ROUTER[0]} experts, fp32 logits")
     results = []
@@ -151,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--router", action="store_true", help="time the noaux_tc router instead of the experts")
+    p.add_argument("--block_m", action="store_true",
+                   help="time the small and large row blocks at each of --tokens, bf16 and FP8 experts")
     p.add_argument("--router_tokens", type=lambda s: [int(t) for t in s.split(",")],
                    default=[1, 64, 256, 8192])
     args = p.parse_args(argv)
@@ -160,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         return routers(args)
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s")
+    if args.block_m:
+        return block_ms(args, copy["GB_per_s"] * bench_attention.GB)
     results = []
     with torch.inference_mode():
         for model in args.models.split(","):

@@ -81,7 +81,7 @@ def test_the_rules_the_budget_and_plan_import_without_torch_or_triton(module):
 def test_the_rules_keep_their_values():
     assert launch_rules.split_decode_splits(1, 8, 1024) == 8  # 1,024 keys in parts of at least 128
     assert launch_rules.split_decode_splits(64, 8, 131072) == 1  # 512 programs from the rows alone
-    assert launch_rules.moe_block_m(8, 8, 64) == 16 and launch_rules.moe_block_m(9, 8, 64) == 64
+    assert launch_rules.moe_block_m(96, 8, 64) == 16 and launch_rules.moe_block_m(97, 8, 64) == 64
     assert [launch_rules.mla_kv_splits(n) for n in (1, 16, 64, 256)] == [32, 9, 3, 1]
     assert launch_rules.triton_decode_partition(1, 32, 1024) == 128
     assert launch_rules.batch_ladder(40) == [1, 2, 4, 8, 16, 24, 32, 40]

@@ -24,7 +24,7 @@ E, K, H, I = 16, 4, 64, 40  # I: not a multiple of the blocks
 configs = set()
 for dtype, weight_dtype, tol in ((torch.float32, torch.float32, 1e-5), (torch.float16, torch.float16, 3e-3),
                                  (torch.float16, torch.float32, 3e-3)):  # fp32 weights: DeepSeek's router
-    for tokens in (1, 3, 40):
+    for tokens in (1, 40, 60):  # small blocks (40 pairs on one expert under worst: 3 blocks), then large
         for routing in ("model", "worst", "balanced"):
             w13 = (torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype)
             w2 = (torch.randn(E, H, I) * I ** -0.5).to(dtype)

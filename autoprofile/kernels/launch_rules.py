@@ -83,10 +83,17 @@ def split_decode_scratch_bytes(num_seqs: int, q_heads: int, head_dim: int, split
 MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per block (kernels.triton_moe)
 
 
+# Pairs per expert (T * k / E) up to which the small blocks win. scripts/tune_moe.py --block_m on an H200
+# (uniform random routing; deepseek-v2-lite's, qwen3-30b-a3b's and qwen3.5-35b-a3b's experts, bf16 and FP8
+# block-scaled): the small block's time over the large one's 0.56-0.98 at 0.03-12 pairs an expert, 0.85-1.01 at
+# 16-16.5, 1.04-1.20 at 24 (docs/measurements.md, "The experts' row blocks by tokens")
+MOE_SMALL_BLOCK_PAIRS = 12
+
+
 def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
-    """Rows per block of the fused MoE kernels: small blocks while T * k pairs are no more than the experts
-    (few pairs per expert), else large."""
-    return MOE_SMALL_BLOCK_M if tokens * top_k <= num_experts else MOE_LARGE_BLOCK_M
+    """Rows per block of the fused MoE kernels: small blocks while the T * k pairs are at most
+    MOE_SMALL_BLOCK_PAIRS an expert (decode's steps, and small prefills), else large."""
+    return MOE_SMALL_BLOCK_M if tokens * top_k <= MOE_SMALL_BLOCK_PAIRS * num_experts else MOE_LARGE_BLOCK_M
 
 
 def sorted_slots(tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
