@@ -34,10 +34,17 @@ def test_buckets_pad_a_step_past_128_tokens_by_at_most_a_quarter_up_to_the_flag(
     assert [pieces.pick(n) for n in (1, 16, 17, 97, 100, 101)] == [16, 16, 32, 100, 100, None]
 
 
-def test_static_inputs_copy_each_root_once_aligned_and_grow_only_outside_a_capture():
+@pytest.mark.parametrize("inference_mode", [False, True])
+def test_static_inputs_copy_each_root_once_aligned_and_grow_only_outside_a_capture(inference_mode):
     """The eager part's tensors: views of one root share its copy (q, k, v of the packed projection), each
     root's copy starts 128 bytes after a boundary (kernels specialize on their pointers' alignment), the
-    output has the asked shape; the buffers grow in a warm-up, never while a bucket is being captured."""
+    output has the asked shape; the buffers grow in a warm-up, never while a bucket is being captured.
+    Under torch.inference_mode too, where a view keeps no `_base` (scripts/bench_decode.py builds in it)."""
+    with torch.inference_mode(inference_mode):
+        static_inputs_copy_each_root_once()
+
+
+def static_inputs_copy_each_root_once():
     pieces = PiecewiseGraphs(64, torch.float32, torch.device("cpu"), pad_slot=0)
     qkv, ba = torch.randn(3, 10), torch.randn(3, 5)
     q, k, v = qkv.split([6, 2, 2], dim=-1)

@@ -75,8 +75,13 @@ def splits_pieces(model: torch.nn.Module) -> bool:
 
 
 def root_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor t is a view of (torch keeps the root of a chain of views), or t itself."""
-    return t if t._base is None else t._base
+    """The tensor t is a view of (torch keeps the root of a chain of views), or t itself; under
+    torch.inference_mode, where views keep no root, the whole of t's storage (flat) unless t is all of it."""
+    if t._base is not None:
+        return t._base
+    if t.is_contiguous() and t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes():
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
 
 class PiecewiseGraphs:
@@ -182,14 +187,13 @@ class PiecewiseGraphs:
         the same views of the copies, the static output [rows, *out_shape]). Outside a capture the buffers
         grow to fit (the largest bucket's warm-up sizes them); inside one they must fit already."""
         rows = views[0].shape[0]
-        roots: list[torch.Tensor] = []
+        roots: dict[int, torch.Tensor] = {}  # by storage: views of one root share its copy
         for t in views:
             root = root_of(t)
             assert t.shape[0] == rows and root.is_contiguous() and root.dtype == self.dtype, (t.shape, rows)
-            if not any(r is root for r in roots):
-                roots.append(root)
+            roots.setdefault(root.untyped_storage().data_ptr(), root)
         starts = [0]
-        for r in roots:  # each copy 128-byte aligned, as an allocation is (kernels specialize on it)
+        for r in roots.values():  # each copy 128-byte aligned, as an allocation is (kernels specialize on it)
             starts.append(starts[-1] + -(-r.numel() * r.element_size() // 128) * 128 // r.element_size())
         out_size = rows * math.prod(out_shape)
         if starts[-1] > self.inputs.numel() or out_size > self.outputs.numel():
@@ -199,11 +203,11 @@ class PiecewiseGraphs:
             self.outputs = torch.empty(max(out_size, self.outputs.numel()), dtype=self.dtype,
                                        device=self.device)
         copies = {}
-        for root, start in zip(roots, starts):
+        for (key, root), start in zip(roots.items(), starts):
             copy = self.inputs[start:start + root.numel()].view(root.shape)
             copy.copy_(root)
-            copies[id(root)] = (root, copy)
-        static = tuple(static_view(*copies[id(root_of(t))], t) for t in views)
+            copies[key] = (root, copy)
+        static = tuple(static_view(*copies[t.untyped_storage().data_ptr()], t) for t in views)
         return static, self.outputs[:out_size].view(rows, *out_shape)
 
     # ------------------------------------------------------------ replay
