@@ -5,7 +5,7 @@
 #   MODEL=llama-3.1-8b BEFORE="before" WARM=2 OUT=dir bash scripts/boot_compare.sh
 # (FLAGS: more `serve` flags for every boot, e.g. FLAGS="--device cpu" MODEL=tiny to try it without a GPU)
 # cold: an empty Triton cache and profile cache for each tree; warm: both filled by that tree's boot before.
-# The trees alternate, so a host's drift falls on both.
+# The trees alternate, so a host's drift falls on both. Each boot's line is kept in $OUT/summary.txt too.
 set -u
 MODEL=${MODEL:-llama-3.1-8b}; FLAGS=${FLAGS:-}; PORT=${PORT:-8131}; WARM=${WARM:-2}; OUT=${OUT:-/tmp/boot_compare}
 TREES=". ${BEFORE:-}"
@@ -26,7 +26,7 @@ boot() {  # label, tree, cache dir
   t2=$(date +%s.%N)
   pkill -TERM -P $pid; wait $pid
   printf "%-24s boot %6.1f s   first JSON request %5.2f s\n" "$label" "$(python3 -c "print($t1 - $t0)")" \
-    "$(python3 -c "print($t2 - $t1)")"
+    "$(python3 -c "print($t2 - $t1)")" | tee -a "$OUT/summary.txt"
   grep -E "^  phases:|^    [a-z+#0-9]+: graphs|slowest of|non-KV peak|max_total_token_num =" "$OUT/boot_$label.log"
 }
 i=0
