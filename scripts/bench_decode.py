@@ -153,8 +153,9 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
         from autoprofile.kernels import launch_rules
         from autoprofile.kernels import triton_moe
-        triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M,
-                                                        **args.moe_small_config}
+        table = triton_moe.FP8_CONFIGS if runner.model_config.quant else triton_moe.CONFIGS
+        table[launch_rules.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M,
+                                                 **args.moe_small_config}
     tokens = max(args.batches) * (args.ctx + cfg.page_size) + 4 * cfg.page_size
     t = time.perf_counter()
     runner.build(tokens)
@@ -258,8 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's "
                         "GEMV")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
-                   help='the bf16 experts\' launch config for steps of few tokens instead of '
-                        'kernels.triton_moe\'s, '
+                   help='the experts\' launch config for steps of few tokens (bf16\'s, or FP8\'s on an FP8 '
+                        'model) instead of kernels.triton_moe\'s, '
                         'e.g. \'{"BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, '
                         '"num_stages": 3}\' (scripts/tune_moe.py)')
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 256])

@@ -5,11 +5,19 @@ so L2 holds none between layers; CUDA events, median), against the floor of read
 reach once at the copy bandwidth.
 
     PYTHONPATH=. python3 scripts/tune_moe.py [--models deepseek-v2-lite,qwen3-30b-a3b] [--tokens 1,8]
-        [--json out.json]
+        [--fp8] [--json out.json]
+
+(--fp8: the FP8 experts' configs, triton_moe.FP8_CONFIGS, block-scaled 128 x 128 weights as the shipped
+checkpoints; K tiles of 64 or 128, 4 or 8 warps.)
 
 Only the small-block configs (launch_rules.MOE_SMALL_BLOCK_M rows a block, the steps of few tokens) are
 swept: the block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so
 BLOCK_SIZE_M stays.
+
+    PYTHONPATH=. python3 scripts/tune_moe.py --gemv [--models ...] [--tokens 1,2,4,8] [--json out.json]
+
+times AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) the same way: where the
+GEMVs stop winning, in pairs (T k), is what launch_rules.MOE_GEMV_MAX_PAIRS is set from.
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
@@ -19,6 +27,11 @@ times both row blocks (launch_rules.MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M) at eac
 and FP8 (block-scaled 128 x 128, as the shipped checkpoints) experts with uniform random routing, each
 checked against the torch reference first: where the small block stops winning, in pairs per expert (T k / E),
 is what launch_rules.moe_block_m's rule is set from.
+
+    PYTHONPATH=. python3 scripts/tune_moe.py --gemv [--models ...] [--tokens 1,2,4,8] [--json out.json]
+
+times AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) the same way: where the
+GEMVs stop winning, in pairs (T k), is what launch_rules.MOE_GEMV_MAX_PAIRS is set from.
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
@@ -55,11 +68,13 @@ V3_ROUTER = (256, 8, 8, 4, 2.5)  # experts, top_k, n_group, topk_group, routed_s
 ROUTER_CALLS = 16
 
 
-def candidates() -> list[dict]:
+def candidates(fp8: bool = False) -> list[dict]:
+    """The small-block configs swept; FP8 experts' K tiles stay within a 128-wide scale block."""
     out = []
-    for n, k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4,), (2, 3, 4, 5)):
+    ks, warps = ((64, 128), (4, 8)) if fp8 else ((64, 128, 256), (4,))
+    for n, k, w, stages in itertools.product((32, 64, 128), ks, warps, (2, 3, 4, 5)):
         out.append({"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k,
-                    "GROUP_SIZE_M": 1, "num_warps": warps, "num_stages": stages})
+                    "GROUP_SIZE_M": 1, "num_warps": w, "num_stages": stages})
     return out
 
 
@@ -69,38 +84,69 @@ def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tupl
     return (weights / weights.sum(-1, keepdim=True)).cuda(), ids.to(torch.int32).cuda()
 
 
-def sweep(model: str, tokens: int, iters: int, bytes_per_s: float) -> dict:
+def fp8_experts(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 experts [E, N, K] -> (fp8 [E, N, K], block scales [E, N/bn, K/bk]): N, K multiples of a block."""
+    e, n, k = w.shape
+    q, scale = quantize_weight(w.reshape(e * n, k), scheme)
+    return q.view(e, n, k), scale.view(e, n // scheme.block[0], -1)
+
+
+def experts_layers(model: str, fp8: bool) -> tuple[list, list, list]:
+    """LAYERS layers of random experts (w13, w2, quant each): bf16, or FP8 block-scaled 128 x 128 as the
+    shipped checkpoints (quant None for bf16)."""
+    experts, hidden, inter, _ = SHAPES[model]
+    scheme = Fp8Scheme("block", (128, 128), "group") if fp8 else None
+    w13, w2, quant = [], [], []
+    for _ in range(LAYERS):
+        a = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
+        b = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
+        if fp8:
+            (a, sa), (b, sb) = fp8_experts(a, scheme), fp8_experts(b, scheme)
+        w13.append(a)
+        w2.append(b)
+        quant.append(MoeQuant(sa, sb, scheme) if fp8 else None)
+    return w13, w2, quant
+
+
+def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              quant) -> torch.Tensor:
+    if quant is not None:
+        return moe_reference_fp8(x.float(), w13, w2, weights, ids, quant)
+    return moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+def sweep(model: str, tokens: int, iters: int, bytes_per_s: float, fp8: bool = False) -> dict:
+    """Each small-block candidate (the shipped one first) checked against the torch reference, then timed:
+    us a layer and the fraction of the floor (the experts reached, read once)."""
     experts, hidden, inter, top_k = SHAPES[model]
+    table = triton_moe.FP8_CONFIGS if fp8 else triton_moe.CONFIGS
     gen = torch.Generator().manual_seed(0)
-    w13 = [torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
-           for _ in range(LAYERS)]
-    w2 = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-          for _ in range(LAYERS)]
+    w13, w2, quant = experts_layers(model, fp8)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(tokens, experts, top_k, gen)
     reached = len(set(ids.flatten().tolist()))
-    floor_us = reached * 3 * hidden * inter * 2 / bytes_per_s * 1e6
-    want = moe_reference(x.float(), w13[0].float(), w2[0].float(), weights, ids)
+    floor_us = reached * 3 * hidden * inter * (1 if fp8 else 2) / bytes_per_s * 1e6
+    want = reference(x, w13[0], w2[0], weights, ids, quant[0])
     rows = []
-    default = dict(triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M])
-    for cfg in [default] + candidates():
-        triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = cfg
+    default = dict(table[launch_rules.MOE_SMALL_BLOCK_M])
+    for cfg in [default] + candidates(fp8):
+        table[launch_rules.MOE_SMALL_BLOCK_M] = cfg
         try:
-            got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids).float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            if err > 2e-2:
-                rows.append({"config": cfg, "error": f"max rel error {err:.3g}"})
+            got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids, quant[0]).float()
+            err = ((got - want).norm() / want.norm()).item()
+            if err > 3e-2:
+                rows.append({"config": cfg, "error": f"rel error {err:.3g}"})
                 continue
-            replay = graphed(lambda: [triton_moe.fused_moe(x, w13[layer], w2[layer], weights, ids)
-                                      for layer in range(LAYERS)])
+            replay = graphed(lambda: [triton_moe.fused_moe(x, w13[i], w2[i], weights, ids, quant[i])
+                                      for i in range(LAYERS)])
             us = cuda_median_ms(replay, iters) * 1e3 / LAYERS
             rows.append({"config": cfg, "us": us, "floor_fraction": floor_us / us})
             del replay
         except Exception as e:  # noqa: BLE001 - a config the compiler refuses (shared memory) is a row
             rows.append({"config": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
-    triton_moe.CONFIGS[launch_rules.MOE_SMALL_BLOCK_M] = default
+    table[launch_rules.MOE_SMALL_BLOCK_M] = default
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    return {"model": model, "tokens": tokens, "experts_reached": reached, "floor_us": floor_us,
+    return {"model": model, "fp8": fp8, "tokens": tokens, "experts_reached": reached, "floor_us": floor_us,
             "default": rows[0], "best": timed[:5], "rows": rows[1:],
             "errors": [r for r in rows if "error" in r][:5]}
 
@@ -128,79 +174,77 @@ def time_router(tokens: int, iters: int) -> dict:
     return out
 
 
-def fp8_experts(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 experts [E, N, K] -> (fp8 [E, N, K], block scales [E, N/bn, K/bk]): N, K multiples of a block."""
-    e, n, k = w.shape
-    q, scale = quantize_weight(w.reshape(e * n, k), scheme)
-    return q.view(e, n, k), scale.view(e, n // scheme.block[0], -1)
-
-
-def block_m_case(model: str, tokens_list: list[int], fp8: bool, iters: int,
-                 bytes_per_s: float) -> list[dict]:
-    """Each row block's us a layer (a graph of LAYERS layers, distinct weights) at each token count, beside
-    the floor of the experts reached read once; None where the output strays from the torch reference."""
+def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_per_s: float,
+               paths: dict) -> list[dict]:
+    """Each path's us a layer (a graph of LAYERS layers, distinct weights) at each token count, beside the
+    floor of the experts reached read once; None where its output strays from the torch reference. paths:
+    name -> a function setting the launch rules that pick it (both rules are restored after)."""
     experts, hidden, inter, top_k = SHAPES[model]
-    scheme = Fp8Scheme("block", (128, 128), "group") if fp8 else None
-    w13, w2, quant = [], [], []
-    for _ in range(LAYERS):
-        a = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
-        b = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
-        if fp8:
-            (a, sa), (b, sb) = fp8_experts(a, scheme), fp8_experts(b, scheme)
-            quant.append(MoeQuant(sa, sb, scheme))
-        else:
-            quant.append(None)
-        w13.append(a)
-        w2.append(b)
+    w13, w2, quant = experts_layers(model, fp8)
     gen, rows = torch.Generator().manual_seed(0), []
-    rule = launch_rules.moe_block_m
+    rule, gemv_pairs = launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS
     try:
         for tokens in tokens_list:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = routing(tokens, experts, top_k, gen)
             reached = len(set(ids.flatten().tolist()))
             floor_us = reached * 3 * hidden * inter * (1 if fp8 else 2) / bytes_per_s * 1e6
-            if fp8:
-                want = moe_reference_fp8(x.float(), w13[0], w2[0], weights, ids, quant[0])
-            else:
-                want = moe_reference(x.float(), w13[0].float(), w2[0].float(), weights, ids)
+            want = reference(x, w13[0], w2[0], weights, ids, quant[0])
             row = {"model": model, "fp8": fp8, "tokens": tokens, "pairs_per_expert": tokens * top_k / experts,
-                   "experts_reached": reached, "floor_us": floor_us}
-            for block in (launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M):
-                launch_rules.moe_block_m = lambda *_, block=block: block
+                   "experts_reached": reached, "floor_us": floor_us, "us": {}, "error": {}}
+            for name, pick in paths.items():
+                launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
+                pick()
                 got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids, quant[0]).float()
-                err = ((got - want).norm() / want.norm()).item()
+                row["error"][name] = err = ((got - want).norm() / want.norm()).item()
                 if err > 3e-2:
-                    row[f"us_{block}"] = None
-                    row[f"error_{block}"] = err
+                    row["us"][name] = None
                     continue
                 replay = graphed(lambda: [triton_moe.fused_moe(x, w13[i], w2[i], weights, ids, quant[i])
                                           for i in range(LAYERS)])
-                row[f"us_{block}"] = cuda_median_ms(replay, iters) * 1e3 / LAYERS
+                row["us"][name] = cuda_median_ms(replay, iters) * 1e3 / LAYERS
                 del replay
             rows.append(row)
     finally:
-        launch_rules.moe_block_m = rule
+        launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
     return rows
 
 
-def block_ms(args: argparse.Namespace, bytes_per_s: float) -> None:
-    small, large = launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M
-    results = []
+def block_paths() -> dict:
+    """The small and the large row block, forced."""
+    def force(block: int):
+        def pick():
+            launch_rules.moe_block_m = lambda *_: block
+        return pick
+    return {f"block {b}": force(b) for b in (launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M)}
+
+
+def gemv_paths() -> dict:
+    """AITER's blocked kernels (the row block by launch_rules.moe_block_m) against the experts' GEMVs."""
+    def blocked():
+        launch_rules.MOE_GEMV_MAX_PAIRS = 0
+
+    def gemv():
+        launch_rules.MOE_GEMV_MAX_PAIRS = 1 << 30
+    return {"blocked": blocked, "gemv": gemv}
+
+
+def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key: str) -> None:
+    results, (first, second) = [], list(paths)
     with torch.inference_mode():
         for model in args.models.split(","):
             for fp8 in (False, True):
-                print(f"{model} {'FP8 block 128' if fp8 else 'bf16'}: us a layer (of the floor), block "
-                      f"{small} against {large}")
-                for r in block_m_case(model, args.tokens, fp8, args.iters, bytes_per_s):
+                print(f"{model} {'FP8 block 128' if fp8 else 'bf16'}: us a layer (of the floor), {first} "
+                      f"against {second}")
+                for r in paths_case(model, args.tokens, fp8, args.iters, bytes_per_s, paths):
                     results.append(r)
-                    a, b = r[f"us_{small}"], r[f"us_{large}"]
+                    a, b = r["us"][first], r["us"][second]
                     cell = (lambda us: "refused" if us is None else f"{us:7.1f} ({r['floor_us'] / us:.2f})")
-                    win = "" if a is None or b is None else f"  small/large {a / b:.2f}"
+                    win = "" if a is None or b is None else f"  {first}/{second} {a / b:.2f}"
                     print(f"   T={r['tokens']:4d} ({r['pairs_per_expert']:6.2f} pairs/expert, "
                           f"{r['experts_reached']} experts): {cell(a)}  {cell(b)}{win}")
     if args.json:
-        args.json.write_text(json.dumps({"block_m": results}, indent=2))
+        args.json.write_text(json.dumps({key: results}, indent=2))
 
 
 def routers(args: argparse.Namespace) -> None:
@@ -237,8 +281,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--router", action="store_true", help="time the noaux_tc router instead of the experts")
+    p.add_argument("--fp8", action="store_true",
+                   help="sweep the FP8 experts' small-block configs (triton_moe.FP8_CONFIGS), not bf16's")
     p.add_argument("--block_m", action="store_true",
                    help="time the small and large row blocks at each of --tokens, bf16 and FP8 experts")
+    p.add_argument("--gemv", action="store_true",
+                   help="time AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) "
+                        "at each of --tokens, bf16 and FP8 experts")
     p.add_argument("--router_tokens", type=lambda s: [int(t) for t in s.split(",")],
                    default=[1, 64, 256, 8192])
     args = p.parse_args(argv)
@@ -249,12 +298,14 @@ def main(argv: list[str] | None = None) -> None:
     copy = bench_attention.copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy['GB_per_s']:.0f} GB/s")
     if args.block_m:
-        return block_ms(args, copy["GB_per_s"] * bench_attention.GB)
+        return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, block_paths(), "block_m")
+    if args.gemv:
+        return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_paths(), "gemv")
     results = []
     with torch.inference_mode():
         for model in args.models.split(","):
             for tokens in args.tokens:
-                r = sweep(model, tokens, args.iters, copy["GB_per_s"] * bench_attention.GB)
+                r = sweep(model, tokens, args.iters, copy["GB_per_s"] * bench_attention.GB, args.fp8)
                 results.append(r)
                 d = r["default"]
                 print(f"{model} T={tokens}: {r['experts_reached']} experts, floor {r['floor_us']:.1f} us; "

@@ -282,6 +282,24 @@ for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         cache = torch.zeros(8, hkv, 16, d, dtype=dtype)
         triton_kv_gather.gather(cache, cache, torch.tensor([17, 40, 3]))
 ''',
+    # the experts' GEMVs at qwen3-30b-a3b's experts (128 of 2,048 x 768, top 8), bf16 and FP8 (block 128 x 128
+    # and per channel), one token
+    "triton_moe_gemv": r'''
+RUN = False
+from autoprofile.kernels import triton_moe_gemv
+from autoprofile.layers.quant import Fp8Scheme, MoeQuant
+E, H, I = 128, 2048, 768
+ids, weights = torch.randint(0, E, (1, 8), dtype=torch.int32), torch.rand(1, 8)
+x = torch.zeros(1, H, dtype=torch.bfloat16)
+w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
+triton_moe_gemv.experts(x, w13, w2, weights, ids)
+f13, f2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+block = Fp8Scheme("block", (128, 128), "group")
+quant = MoeQuant(torch.ones(E, 2 * I // 128, H // 128), torch.ones(E, H // 128, I // 128), block)
+triton_moe_gemv.experts(x, f13, f2, weights, ids, quant)
+triton_moe_gemv.experts(x, f13, f2, weights, ids, MoeQuant(torch.ones(E, 2 * I), torch.ones(E, H),
+                                                           Fp8Scheme("channel")))
+''',
     "triton_moe_sort": r'''
 from autoprofile.kernels import triton_moe_sort
 triton_moe_sort.sort_by_expert(torch.randint(0, 128, (5, 8), dtype=torch.int32), 128, 64)
@@ -296,6 +314,7 @@ KERNELS = {
     "triton_gemv": {"_gemv_kernel"},
     "triton_route": {"_route_kernel", "_grouped_route_kernel"},
     "triton_moe_sort": {"_sort_by_expert_kernel"},
+    "triton_moe_gemv": {"_gate_up_kernel", "_down_kernel"},
     "triton_argmax": {"_argmax_kernel"},
     "triton_bitmask": {"_apply_bitmask"},
     "triton_fp8_rows": {"_gemv_rows_fp8_kernel"},

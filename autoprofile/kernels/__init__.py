@@ -21,6 +21,8 @@ each kernel's CPU test (unit_tests/, through Triton's interpreter) checks the ke
                                                                                           grouped
   triton_moe_sort  sort_by_expert: expert sort         layers.moe.sort_by_expert         test_triton_moe_sort
   triton_moe       fused_moe: AITER's fused experts    layers.moe.moe_reference          test_triton_moe
+  triton_moe_gemv  experts: the experts as GEMVs       layers.moe.moe_reference          test_triton_moe_gemv
+                   at a few (token, slot) pairs
   triton_mla       mla_decode: MLA absorbed decode     engine.attention.torch_sdpa       test_triton_mla
   triton_prefill   prefill: varlen prefill attention   engine.attention.torch_sdpa       test_triton_prefill
   triton_reduce    reduce_partitions: split decode     float64 attention (in its test)   test_triton_reduce

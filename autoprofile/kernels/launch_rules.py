@@ -85,9 +85,17 @@ MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M = 16, 64  # the fused kernels' rows per blo
 
 # Pairs per expert (T * k / E) up to which the small blocks win. scripts/tune_moe.py --block_m on an H200
 # (uniform random routing; deepseek-v2-lite's, qwen3-30b-a3b's and qwen3.5-35b-a3b's experts, bf16 and FP8
-# block-scaled): the small block's time over the large one's 0.56-0.98 at 0.03-12 pairs an expert, 0.85-1.01 at
-# 16-16.5, 1.04-1.20 at 24 (docs/measurements.md, "The experts' row blocks by tokens")
+# block-scaled): the small block's time over the large one's 0.56-0.98 at 0.03-12 pairs an expert, 0.85-1.01
+# at 16-16.5, 1.04-1.20 at 24 (docs/measurements.md, "The experts' row blocks by tokens")
 MOE_SMALL_BLOCK_PAIRS = 12
+
+
+# Pairs (T * k) up to which the experts run as GEMVs (kernels.triton_moe_gemv: each weight read once at its
+# own width, FP8 as W8A16, no sort or block padding) instead of AITER's blocked kernels. 0: off. Built and
+# checked on the CPU (unit_tests/test_triton_moe_gemv.py) after the device time ran out: to be set from
+# scripts/tune_moe.py --gemv on a GPU (the blocked FP8 path took 30.9 us a layer at one token of
+# qwen3-30b-a3b, 0.29 of its floor, on an H200).
+MOE_GEMV_MAX_PAIRS = 0
 
 
 def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:
