@@ -150,6 +150,9 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
         runner.backend.split_decode_rows = args.split_decode_rows
     if args.cublas_router:  # an fp32 router's logits as before the router GEMV: x.float() through cuBLAS
         runner.tp.router_matmul = None
+    if args.moe_gemv_pairs is not None:  # the experts as GEMVs up to this many pairs (kernels.triton_moe_gemv)
+        from autoprofile.kernels import launch_rules
+        launch_rules.MOE_GEMV_MAX_PAIRS = args.moe_gemv_pairs
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
         from autoprofile.kernels import launch_rules
         from autoprofile.kernels import triton_moe
@@ -258,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cublas_router", action="store_true",
                    help="an fp32 router (DeepSeek's) through x.float() and cuBLAS instead of the backend's "
                         "GEMV")
+    p.add_argument("--moe_gemv_pairs", type=int, default=None,
+                   help="launch_rules.MOE_GEMV_MAX_PAIRS for this run: the experts as GEMVs up to this many "
+                        "(token, slot) pairs (kernels.triton_moe_gemv)")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
                    help='the experts\' launch config for steps of few tokens (bf16\'s, or FP8\'s on an FP8 '
                         'model) instead of kernels.triton_moe\'s, '
