@@ -233,7 +233,8 @@ def test_an_image_crosses_to_the_engine_process_and_is_answered_as_in_one_proces
             assert status == 200, out
             answers.append((out["choices"][0]["message"]["content"], out["usage"]))
         finally:
-            assert s.stop() == 0
+            code = s.stop()  # (once -6 in a CI run on a loaded CPU, not reproduced since: the log says why)
+            assert code == 0, (extra, code, "".join(s.log)[-4000:])
     assert answers[0] == answers[1] and answers[0][1]["prompt_tokens"] > 20  # the image's tokens counted
 
 
