@@ -29,14 +29,19 @@ DOWN_CONFIG = (4, 512, 1)
 
 
 @triton.jit
+def _pair_rows(ids_ptr, N, BLOCK_N: tl.constexpr):
+    """The program's pair p, row tile nb, the pair's expert e (int64), the tile's rows and their mask < N."""
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, nb, tl.load(ids_ptr + p).to(tl.int64), rows, rows < N
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, stride_x, H, INTER, TOP_K: tl.constexpr,
                     SCALES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < INTER
+    p, nb, e, rows, row_ok = _pair_rows(ids_ptr, INTER, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_e = w_ptr + e * 2 * INTER * H
     g_rows = w_e + rows.to(tl.int64)[:, None] * H
@@ -73,11 +78,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, stride_x, H, INTER, T
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, SCALES: tl.constexpr,
                  SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < H
+    p, nb, e, rows, row_ok = _pair_rows(ids_ptr, H, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + e * H * INTER + rows.to(tl.int64)[:, None] * INTER
     a_row = act_ptr + p.to(tl.int64) * INTER
