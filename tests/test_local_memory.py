@@ -133,7 +133,7 @@ print("RESULT " + json.dumps({"before": before, "after": memory.stack_limit_byte
 
 FP8 = KERNELS + r'''
 import torch
-from autoprofile.kernels import triton_fp8, triton_moe
+from autoprofile.kernels import triton_fp8, triton_moe, triton_moe_gemv
 from autoprofile.layers.quant import Fp8Rows
 from unit_tests.test_triton_fp8 import REFERENCE
 ref = {}
@@ -169,6 +169,12 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
         ids = torch.randint(0, e, (tokens, 8), device="cuda", dtype=torch.int32)
         triton_moe.fused_moe(torch.randn(tokens, h, device="cuda").bfloat16(), w13, w2,
                              torch.rand(tokens, 8, device="cuda"), ids, ref["MoeQuant"](s13, s2, scheme))
+    # the experts as GEMVs (kernels.triton_moe_gemv, off by default until timed): FP8 here, bf16 below
+    ids = torch.randint(0, e, (2, 8), device="cuda", dtype=torch.int32)
+    x, rw = torch.randn(2, h, device="cuda").bfloat16(), torch.rand(2, 8, device="cuda")
+    triton_moe_gemv.experts(x, w13, w2, rw, ids, ref["MoeQuant"](s13, s2, scheme))
+triton_moe_gemv.experts(x, torch.randn(e, 2 * i, h, device="cuda").bfloat16(),
+                        torch.randn(e, h, i, device="cuda").bfloat16(), rw, ids)
 torch.cuda.synchronize()
 print("RESULT " + json.dumps({"kernels": compiled_kernels()}))
 '''
@@ -337,15 +343,17 @@ def test_tp2_serving_never_grows_the_stack_limit_or_the_non_torch_memory_the_pro
 def test_no_fp8_kernel_spills_past_the_bound():
     """triton_fp8 (quant, GEMV with and without its residual, the multi-row GEMV's table launches at 2-8 rows
     from bf16 and FP8 rows, both GEMM configs, the norm and SiLU-mul that quantize their rows, at
-    llama-3.1-8b's widest shapes) and the FP8 experts (AITER's block-scaled path, both launch configs),
-    channel and block scales: none needs more than 1 KiB of local memory per thread."""
+    llama-3.1-8b's widest shapes) and the FP8 experts (AITER's block-scaled path, both launch configs; the
+    experts' GEMVs, bf16 too), channel and block scales: none needs more than 1 KiB of local memory per
+    thread."""
     got = run_fresh(FP8)
     for k in sorted(got["kernels"], key=lambda k: -k["local"]):
         print(k)
     names = {k["kernel"] for k in got["kernels"]}
     assert {"_quant_token_kernel", "_quant_group_kernel", "_gemv_fp8_kernel", "_gemm_fp8_kernel",
             "_gemv_rows_fp8_kernel", "_rms_norm_quant_kernel", "_silu_mul_quant_kernel",
-            "_fused_moe_silu_kernel", "_fused_moe_kernel"} <= names, names
+            "_fused_moe_silu_kernel", "_fused_moe_kernel", "_gate_up_kernel",
+            "_down_kernel"} <= names, names
     assert spilling(got["kernels"]) == []
 
 

@@ -180,11 +180,11 @@ def fresh_chunks(corners: list[tuple[Rows, Rows]]) -> list[tuple[Rows, Rows]]:
 
 
 def mixed_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
-                corners: list[tuple[Rows, Rows]] | None = None) -> list[Step]:
-    """The mixed corners (or `corners`) as steps: chunks in rows, decode rows (other slots) in decode; a
-    vision-language model's decode rows carry images."""
+                corners: list[tuple[Rows, Rows]]) -> list[Step]:
+    """Mixed corners (mixed_corners, fresh_chunks) as steps: chunks in rows, decode rows (other slots) in
+    decode; a vision-language model's decode rows carry images."""
     steps = []
-    for i, (chunks, decode) in enumerate(mixed_corners(env) if corners is None else corners):
+    for i, (chunks, decode) in enumerate(corners):
         step = corner_step(env, True, chunks + decode, usable_pages, vocab_size, seed + i)
         step.rows, step.decode = step.rows[:len(chunks)], step.rows[len(chunks):]
         if env.encoder_images:
@@ -202,13 +202,13 @@ def prefill_steps(env: Envelope, usable_pages: int, vocab_size: int, seed: int,
     steps = [corner_step(env, True, rows, usable_pages, vocab_size, seed + i)
              for i, rows in enumerate(prefill_corners(env))]
     most = steps[len(STRESS_PARAMS) - 1:len(STRESS_PARAMS) + 1]  # corners (a) and (b): the most tokens
-    steps += mixed_steps(env, usable_pages, vocab_size, seed + len(steps))
+    mixed = mixed_corners(env)
+    steps += mixed_steps(env, usable_pages, vocab_size, seed + len(steps), mixed)
     if env.encoder_images:
         steps.append(image_corner_step(env, usable_pages, vocab_size, seed))
     if not routings:
         return steps
-    experts = mixed_steps(env, usable_pages, vocab_size, seed + len(steps),
-                          fresh_chunks(mixed_corners(env)[:1]))
+    experts = mixed_steps(env, usable_pages, vocab_size, seed + len(steps), fresh_chunks(mixed[:1]))
     return steps + forced(most + experts, routings)
 
 
