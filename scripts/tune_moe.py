@@ -14,13 +14,6 @@ Only the small-block configs (launch_rules.MOE_SMALL_BLOCK_M rows a block, the s
 swept: the block's rows set the sort's padding and the declared scratch (budget.moe_scratch_bytes), so
 BLOCK_SIZE_M stays.
 
-    PYTHONPATH=. python3 scripts/tune_moe.py --gemv [--models ...] [--tokens 1,2,4,8] [--json out.json]
-
-times AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) the same way: where the
-GEMVs stop winning, in pairs (T k), is what launch_rules.MOE_GEMV_MAX_PAIRS is set from.
-
-    PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
-
     PYTHONPATH=. python3 scripts/tune_moe.py --block_m [--models ...] [--tokens 8,...,512] [--json out.json]
 
 times both row blocks (launch_rules.MOE_SMALL_BLOCK_M, MOE_LARGE_BLOCK_M) at each token count instead, bf16
@@ -31,7 +24,15 @@ is what launch_rules.moe_block_m's rule is set from.
     PYTHONPATH=. python3 scripts/tune_moe.py --gemv [--models ...] [--tokens 1,2,4,8] [--json out.json]
 
 times AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) the same way: where the
-GEMVs stop winning, in pairs (T k), is what launch_rules.MOE_GEMV_MAX_PAIRS is set from.
+GEMVs stop winning, in pairs (T k), is what launch_rules.MOE_GEMV_MAX_PAIRS is set from. FP8 experts: the
+blocked path quantizes its activations (W8A8) and is checked against the W8A8 reference
+(layers.quant.moe_reference_fp8); the GEMVs do not (W8A16) and are checked against the dequantized weights'
+reference (layers.moe.moe_reference).
+
+    PYTHONPATH=. python3 scripts/tune_moe.py --gemv_configs [--models ...] [--tokens 1,4] [--json out.json]
+
+sweeps the GEMVs' launch configs (triton_moe_gemv.GATE_UP_CONFIG, DOWN_CONFIG: rows a program, K step,
+warps) the same way, bf16 and FP8, one kernel's candidates at a time with the other's shipped config.
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
@@ -58,7 +59,9 @@ from cuda_timing import cuda_median_ms, graphed  # noqa: E402
 from autoprofile.kernels import launch_rules  # noqa: E402
 from autoprofile.kernels import triton_moe, triton_route  # noqa: E402
 from autoprofile.layers.moe import Routing, biased_grouped_topk, moe_reference  # noqa: E402
-from autoprofile.layers.quant import Fp8Scheme, MoeQuant, moe_reference_fp8, quantize_weight  # noqa: E402
+from autoprofile.kernels import triton_moe_gemv  # noqa: E402
+from autoprofile.layers.quant import (Fp8Scheme, MoeQuant, dequantize_weight, moe_reference_fp8,  # noqa: E402
+                                      quantize_weight)
 
 # (experts, hidden, expert intermediate, top-k)
 SHAPES = {"deepseek-v2-lite": (64, 2048, 1408, 6), "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -109,10 +112,15 @@ def experts_layers(model: str, fp8: bool) -> tuple[list, list, list]:
 
 
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              quant) -> torch.Tensor:
-    if quant is not None:
+              quant, w8a16: bool = False) -> torch.Tensor:
+    """The torch reference of fused_moe over these experts: FP8 ones W8A8 as AITER's blocked kernels run them
+    (the activations quantized), or with w8a16 as the GEMVs do (the dequantized weights, x as it is)."""
+    if quant is None:
+        return moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    if not w8a16:
         return moe_reference_fp8(x.float(), w13, w2, weights, ids, quant)
-    return moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    return moe_reference(x.float(), dequantize_weight(w13, quant.w13_scale, quant.scheme),
+                         dequantize_weight(w2, quant.w2_scale, quant.scheme), weights, ids)
 
 
 def sweep(model: str, tokens: int, iters: int, bytes_per_s: float, fp8: bool = False) -> dict:
@@ -178,23 +186,28 @@ def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_
                paths: dict) -> list[dict]:
     """Each path's us a layer (a graph of LAYERS layers, distinct weights) at each token count, beside the
     floor of the experts reached read once; None where its output strays from the torch reference. paths:
-    name -> a function setting the launch rules that pick it (both rules are restored after)."""
+    name -> (a function setting the launch rules that pick it, whether it runs FP8 experts as W8A16: the
+    reference it is checked against); both rules and the GEMVs' configs are restored after."""
     experts, hidden, inter, top_k = SHAPES[model]
     w13, w2, quant = experts_layers(model, fp8)
     gen, rows = torch.Generator().manual_seed(0), []
     rule, gemv_pairs = launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS
+    configs = triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG
     try:
         for tokens in tokens_list:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             weights, ids = routing(tokens, experts, top_k, gen)
             reached = len(set(ids.flatten().tolist()))
             floor_us = reached * 3 * hidden * inter * (1 if fp8 else 2) / bytes_per_s * 1e6
-            want = reference(x, w13[0], w2[0], weights, ids, quant[0])
+            wants = {a16: reference(x, w13[0], w2[0], weights, ids, quant[0], a16)
+                     for a16 in {a16 for _, a16 in paths.values()}}
             row = {"model": model, "fp8": fp8, "tokens": tokens, "pairs_per_expert": tokens * top_k / experts,
                    "experts_reached": reached, "floor_us": floor_us, "us": {}, "error": {}}
-            for name, pick in paths.items():
+            for name, (pick, a16) in paths.items():
                 launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
+                triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = configs
                 pick()
+                want = wants[a16]
                 got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids, quant[0]).float()
                 row["error"][name] = err = ((got - want).norm() / want.norm()).item()
                 if err > 3e-2:
@@ -207,6 +220,7 @@ def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_
             rows.append(row)
     finally:
         launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
+        triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = configs
     return rows
 
 
@@ -216,7 +230,8 @@ def block_paths() -> dict:
         def pick():
             launch_rules.moe_block_m = lambda *_: block
         return pick
-    return {f"block {b}": force(b) for b in (launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M)}
+    return {f"block {b}": (force(b), False)
+            for b in (launch_rules.MOE_SMALL_BLOCK_M, launch_rules.MOE_LARGE_BLOCK_M)}
 
 
 def gemv_paths() -> dict:
@@ -226,7 +241,30 @@ def gemv_paths() -> dict:
 
     def gemv():
         launch_rules.MOE_GEMV_MAX_PAIRS = 1 << 30
-    return {"blocked": blocked, "gemv": gemv}
+    return {"blocked": (blocked, False), "gemv": (gemv, True)}
+
+
+GEMV_CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps) of each GEMV kernel, swept one kernel at a time
+    "gate_up": ((2, 256, 1), (4, 128, 1), (4, 512, 1), (8, 128, 1), (8, 256, 2), (4, 256, 2), (16, 128, 2)),
+    "down": ((2, 512, 1), (4, 256, 1), (8, 256, 1), (8, 512, 2), (4, 1024, 2), (16, 256, 2), (4, 512, 2)),
+}
+
+
+def gemv_config_paths() -> dict:
+    """The GEMVs at their shipped configs, then each candidate of one kernel beside the other's shipped one."""
+    shipped = triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG
+
+    def use(gate_up, down):
+        def pick():
+            launch_rules.MOE_GEMV_MAX_PAIRS = 1 << 30
+            triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = gate_up, down
+        return pick, True
+    paths = {"shipped": use(*shipped)}
+    for c in GEMV_CANDIDATES["gate_up"]:
+        paths[f"gate_up {c}"] = use(c, shipped[1])
+    for c in GEMV_CANDIDATES["down"]:
+        paths[f"down {c}"] = use(shipped[0], c)
+    return paths
 
 
 def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key: str) -> None:
@@ -238,11 +276,17 @@ def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key
                       f"against {second}")
                 for r in paths_case(model, args.tokens, fp8, args.iters, bytes_per_s, paths):
                     results.append(r)
-                    a, b = r["us"][first], r["us"][second]
                     cell = (lambda us: "refused" if us is None else f"{us:7.1f} ({r['floor_us'] / us:.2f})")
-                    win = "" if a is None or b is None else f"  {first}/{second} {a / b:.2f}"
-                    print(f"   T={r['tokens']:4d} ({r['pairs_per_expert']:6.2f} pairs/expert, "
-                          f"{r['experts_reached']} experts): {cell(a)}  {cell(b)}{win}")
+                    head = (f"   T={r['tokens']:4d} ({r['pairs_per_expert']:6.2f} pairs/expert, "
+                            f"{r['experts_reached']} experts): ")
+                    if len(paths) == 2:
+                        a, b = r["us"][first], r["us"][second]
+                        win = "" if a is None or b is None else f"  {first}/{second} {a / b:.2f}"
+                        print(f"{head}{cell(a)}  {cell(b)}{win}")
+                        continue
+                    print(f"{head}{first} {cell(r['us'][first])}")
+                    for name in list(paths)[1:]:
+                        print(f"      {name:24s} {cell(r['us'][name])}")
     if args.json:
         args.json.write_text(json.dumps({key: results}, indent=2))
 
@@ -288,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gemv", action="store_true",
                    help="time AITER's blocked kernels against the experts' GEMVs (kernels.triton_moe_gemv) "
                         "at each of --tokens, bf16 and FP8 experts")
+    p.add_argument("--gemv_configs", action="store_true",
+                   help="sweep the experts' GEMV launch configs at each of --tokens, bf16 and FP8 experts")
     p.add_argument("--router_tokens", type=lambda s: [int(t) for t in s.split(",")],
                    default=[1, 64, 256, 8192])
     args = p.parse_args(argv)
@@ -301,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, block_paths(), "block_m")
     if args.gemv:
         return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_paths(), "gemv")
+    if args.gemv_configs:
+        return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(), "gemv_configs")
     results = []
     with torch.inference_mode():
         for model in args.models.split(","):
@@ -313,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
                 for b in r["best"]:
                     c = b["config"]
                     print(f"   {b['us']:7.1f} us  {b['floor_fraction']:.2f} of floor  N{c['BLOCK_SIZE_N']} "
-                          f"K{c['BLOCK_SIZE_K']} w{c['num_warps']} s{c['num_stages']}")
+                          f"K{c['BLOCK_SIZE_K']} w{c.get('num_warps', '-')} s{c.get('num_stages', '-')}")
                 for e in r["errors"]:
                     print(f"   refused {e['config']}: {e['error']}")
     best = pick(results)
