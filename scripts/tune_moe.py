@@ -31,8 +31,8 @@ reference (layers.moe.moe_reference).
 
     PYTHONPATH=. python3 scripts/tune_moe.py --gemv_configs [--models ...] [--tokens 1,4] [--json out.json]
 
-sweeps the GEMVs' launch configs (triton_moe_gemv.GATE_UP_CONFIG, DOWN_CONFIG: rows a program, K step,
-warps) the same way, bf16 and FP8, one kernel's candidates at a time with the other's shipped config.
+sweeps the GEMVs' launch configs (triton_moe_gemv.CONFIGS: rows a program, K step, warps of each kernel) the
+same way, bf16 and FP8, one kernel's candidates at a time with the other's shipped config.
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
@@ -192,7 +192,7 @@ def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_
     w13, w2, quant = experts_layers(model, fp8)
     gen, rows = torch.Generator().manual_seed(0), []
     rule, gemv_pairs = launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS
-    configs = triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG
+    configs = dict(triton_moe_gemv.CONFIGS)
     try:
         for tokens in tokens_list:
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -205,7 +205,7 @@ def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_
                    "experts_reached": reached, "floor_us": floor_us, "us": {}, "error": {}}
             for name, (pick, a16) in paths.items():
                 launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
-                triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = configs
+                triton_moe_gemv.CONFIGS = dict(configs)
                 pick()
                 want = wants[a16]
                 got = triton_moe.fused_moe(x, w13[0], w2[0], weights, ids, quant[0]).float()
@@ -220,7 +220,7 @@ def paths_case(model: str, tokens_list: list[int], fp8: bool, iters: int, bytes_
             rows.append(row)
     finally:
         launch_rules.moe_block_m, launch_rules.MOE_GEMV_MAX_PAIRS = rule, gemv_pairs
-        triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = configs
+        triton_moe_gemv.CONFIGS = configs
     return rows
 
 
@@ -251,24 +251,25 @@ GEMV_CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps) of each GEMV kernel, swept 
 
 
 def gemv_config_paths() -> dict:
-    """The GEMVs at their shipped configs, then each candidate of one kernel beside the other's shipped one."""
-    shipped = triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG
+    """The GEMVs at their shipped configs (each dtype's), then each candidate of one kernel beside the other
+    kernel's shipped config."""
+    shipped = dict(triton_moe_gemv.CONFIGS)
 
-    def use(gate_up, down):
+    def use(kernel: int, cfg):
         def pick():
             launch_rules.MOE_GEMV_MAX_PAIRS = 1 << 30
-            triton_moe_gemv.GATE_UP_CONFIG, triton_moe_gemv.DOWN_CONFIG = gate_up, down
+            triton_moe_gemv.CONFIGS = {k: tuple(cfg if i == kernel else c for i, c in enumerate(v))
+                                       for k, v in shipped.items()}
         return pick, True
-    paths = {"shipped": use(*shipped)}
-    for c in GEMV_CANDIDATES["gate_up"]:
-        paths[f"gate_up {c}"] = use(c, shipped[1])
-    for c in GEMV_CANDIDATES["down"]:
-        paths[f"down {c}"] = use(shipped[0], c)
+    paths = {"shipped": use(-1, None)}
+    for kernel, name in enumerate(("gate_up", "down")):
+        for c in GEMV_CANDIDATES[name]:
+            paths[f"{name} {c}"] = use(kernel, c)
     return paths
 
 
 def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key: str) -> None:
-    results, (first, second) = [], list(paths)
+    results, (first, second) = [], (list(paths) + [None])[:2]
     with torch.inference_mode():
         for model in args.models.split(","):
             for fp8 in (False, True):

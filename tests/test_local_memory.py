@@ -169,7 +169,7 @@ for scheme in schemes:  # llama-3.1-8b's widest GEMMs, one row (the GEMV) and ea
         ids = torch.randint(0, e, (tokens, 8), device="cuda", dtype=torch.int32)
         triton_moe.fused_moe(torch.randn(tokens, h, device="cuda").bfloat16(), w13, w2,
                              torch.rand(tokens, 8, device="cuda"), ids, ref["MoeQuant"](s13, s2, scheme))
-    # the experts as GEMVs (kernels.triton_moe_gemv, off by default until timed): FP8 here, bf16 below
+    # the experts as GEMVs (kernels.triton_moe_gemv, at each dtype's config): FP8 here, bf16 below
     ids = torch.randint(0, e, (2, 8), device="cuda", dtype=torch.int32)
     x, rw = torch.randn(2, h, device="cuda").bfloat16(), torch.rand(2, 8, device="cuda")
     triton_moe_gemv.experts(x, w13, w2, rw, ids, ref["MoeQuant"](s13, s2, scheme))

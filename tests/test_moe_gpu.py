@@ -48,6 +48,41 @@ def test_aiter_triton_experts_match_the_torch_reference(tokens, routing):
     assert err < 1e-2, (tokens, routing, float(err))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5])
+def test_the_experts_run_as_gemvs_where_the_rule_says_and_both_paths_match_the_reference(tokens, fp8,
+                                                                                          monkeypatch):
+    """fused_moe sends a step of few (token, slot) pairs to the experts' GEMVs (launch_rules.moe_gemv), the
+    rest to AITER's blocked kernels; each path against its own torch reference: FP8 block-scaled experts as
+    W8A16 (the GEMVs: the dequantized weights, x as it is) or W8A8 (the blocked kernels: activations
+    quantized)."""
+    require_backend("aiter_triton")
+    from autoprofile.kernels import launch_rules, triton_moe, triton_moe_gemv
+    from autoprofile.layers.quant import dequantize_weight, moe_reference_fp8
+    from tests.test_fp8_gpu import BLOCK, fp8_experts
+    x, weights, ids = routed(tokens, E, K, H, "model")
+    if fp8:
+        w13, w2, quant = fp8_experts(BLOCK, E, H, I)
+        d13, d2 = dequantize_weight(w13, quant.w13_scale, BLOCK), dequantize_weight(w2, quant.w2_scale, BLOCK)
+    else:
+        (w13, w2), quant = experts(E, H, I), None
+        d13, d2 = w13.float(), w2.float()
+    calls = []
+    real = triton_moe_gemv.experts
+    monkeypatch.setattr(triton_moe_gemv, "experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = triton_moe.fused_moe(x, w13, w2, weights, ids, quant).float()
+    gemv = launch_rules.moe_gemv(tokens * K)
+    assert len(calls) == gemv, (tokens, fp8, calls)
+    if gemv or not fp8:
+        want = moe_reference(x.float(), d13, d2, weights.float(), ids)
+        tol = 1e-2
+    else:
+        want = moe_reference_fp8(x.float(), w13, w2, weights.float(), ids, quant)
+        tol = 3e-2  # (test_fp8_gpu: the blocked kernel rounds silu(gate) * up to bf16 before quantizing it)
+    err = (got - want).norm() / want.norm()
+    assert err < tol, (tokens, fp8, gemv, float(err))
+
+
 @pytest.mark.parametrize("tokens", [16, 4096])
 def test_worst_routing_holds_more_than_balanced_in_the_reference_and_the_same_in_the_kernels(tokens):
     """Measured: the torch reference gathers each expert's tokens, so the worst routing (every token on the

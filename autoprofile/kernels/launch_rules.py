@@ -91,11 +91,17 @@ MOE_SMALL_BLOCK_PAIRS = 12
 
 
 # Pairs (T * k) up to which the experts run as GEMVs (kernels.triton_moe_gemv: each weight read once at its
-# own width, FP8 as W8A16, no sort or block padding) instead of AITER's blocked kernels. 0: off. Built and
-# checked on the CPU (unit_tests/test_triton_moe_gemv.py) after the device time ran out: to be set from
-# scripts/tune_moe.py --gemv on a GPU (the blocked FP8 path took 30.9 us a layer at one token of
-# qwen3-30b-a3b, 0.29 of its floor, on an H200).
-MOE_GEMV_MAX_PAIRS = 0
+# own width, FP8 as W8A16, no sort or block padding) instead of AITER's blocked kernels; 0: never.
+# scripts/tune_moe.py --gemv on an H200 (deepseek-v2-lite's, qwen3-30b-a3b's and qwen3.5-35b-a3b's experts, a
+# layer's time, blocked over GEMV): bf16 1.05-1.20 at 1-4 tokens (6-32 pairs), 0.95-1.09 at 8 (48-64); FP8
+# block-scaled at its configs 1.53-1.56 at 1 token, 1.08-1.49 at 2, 1.03-1.25 at 4, 0.78-1.17 at 8
+# (docs/measurements.md, "The experts as GEMVs at a few tokens")
+MOE_GEMV_MAX_PAIRS = 32
+
+
+def moe_gemv(pairs: int) -> bool:
+    """Whether a step's experts at this many (token, slot) pairs run as GEMVs."""
+    return pairs <= MOE_GEMV_MAX_PAIRS
 
 
 def moe_block_m(tokens: int, top_k: int, num_experts: int) -> int:

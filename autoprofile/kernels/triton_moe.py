@@ -115,8 +115,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               ids: torch.Tensor, quant=None, deterministic: bool = False,
               add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference),
-    plus each tensor of `add` [T, H] (at most 2), summed with the top-k rows in one kernel (moe_sum). Up to
-    launch_rules.MOE_GEMV_MAX_PAIRS pairs the experts run as GEMVs (triton_moe_gemv), else AITER's kernels.
+    plus each tensor of `add` [T, H] (at most 2), summed with the top-k rows in one kernel (moe_sum). At a few
+    (token, slot) pairs (launch_rules.moe_gemv) the experts run as GEMVs (triton_moe_gemv), else AITER's kernels.
     quant (layers.quant.MoeQuant): w13/w2 are float8_e4m3fn with its scales (as layers.quant's
     moe_reference_fp8). deterministic: batch-invariant (invariant_block_m, summed_in_order, then the addends
     in order)."""
@@ -126,7 +126,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty_like(x)
     if tokens == 0:
         return out
-    if (not deterministic and tokens * top_k <= launch_rules.MOE_GEMV_MAX_PAIRS
+    if (not deterministic and launch_rules.moe_gemv(tokens * top_k)
             and triton_moe_gemv.serves(w13, quant)):  # a few pairs: GEMVs over the experts they reach
         return moe_sum(triton_moe_gemv.experts(x, w13, w2, weights, ids, quant), out, add)
     block_m = invariant_block_m() if deterministic else launch_rules.moe_block_m(tokens, top_k, num_experts)

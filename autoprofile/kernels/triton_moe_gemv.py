@@ -22,10 +22,18 @@ import triton
 import triton.language as tl
 
 NONE, CHANNEL, BLOCK = 0, 1, 2  # the weights' scales (SCALES)
-# (BLOCK_N, BLOCK_K, num_warps) of each kernel: the dense one-row FP8 GEMV's shape (4 rows a program, 1 warp),
-# the gate/up kernel's K step halved for its two accumulators. Not tuned yet (scripts/tune_moe.py --gemv).
-GATE_UP_CONFIG = (4, 256, 1)
-DOWN_CONFIG = (4, 512, 1)
+# (BLOCK_N, BLOCK_K, num_warps) of the gate/up kernel and of the down kernel, for bf16/fp16 experts and for
+# FP8 ones. scripts/tune_moe.py --gemv_configs on an H200 (three models' experts at 1, 2 and 4 tokens, one
+# kernel's candidates at a time): bf16 keeps the dense one-row GEMV's shape (4 rows a program, 1 warp; every
+# candidate 1.01-1.46x slower, geometric mean); FP8, a byte a weight, takes wider programs: down 16 rows of 256
+# with 2 warps (0.89 of the first shape's time), gate/up 8 rows, 2 warps (0.91). docs/measurements.md, "The
+# experts as GEMVs at a few tokens".
+CONFIGS = {"bf16": ((4, 256, 1), (4, 512, 1)), "fp8": ((8, 256, 2), (16, 256, 2))}
+
+
+def configs(quant) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(gate/up, down) launch configs of these experts (quant None: unquantized)."""
+    return CONFIGS["bf16" if quant is None else "fp8"]
 
 
 @triton.jit
@@ -114,7 +122,7 @@ def serves(w13: torch.Tensor, quant) -> bool:
     if kind != BLOCK:
         return True
     inter = w13.shape[1] // 2
-    return (inter % scale_n == 0 and scale_n % GATE_UP_CONFIG[0] == 0 and scale_n % DOWN_CONFIG[0] == 0)
+    return inter % scale_n == 0 and all(scale_n % cfg[0] == 0 for cfg in configs(quant))
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -128,7 +136,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     kind, scale_n, scale_k = _scales(quant)
     if not serves(w13, quant):
         raise ValueError(f"the experts' GEMV takes block scales of rows dividing the intermediate size "
-                         f"({inter}) and a multiple of {GATE_UP_CONFIG[0]}, got {scale_n}")
+                         f"({inter}) and a multiple of {max(c[0] for c in configs(quant))}, got {scale_n}")
     if x.stride(-1) != 1 or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("the experts' GEMV reads x with unit stride in H and contiguous expert weights")
     pairs = tokens * top_k
@@ -138,11 +146,11 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     down = torch.empty(tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     if pairs == 0:
         return down
-    bn, bk, warps = GATE_UP_CONFIG
+    (bn, bk, warps), down_cfg = configs(quant)
     _gate_up_kernel[(pairs, triton.cdiv(inter, bn))](
         x, w13, s13, ids, act, x.stride(0), hidden, inter, TOP_K=top_k, SCALES=kind, SCALE_N=scale_n,
         SCALE_K=scale_k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    bn, bk, warps = DOWN_CONFIG
+    bn, bk, warps = down_cfg
     _down_kernel[(pairs, triton.cdiv(hidden, bn))](
         act, w2, s2, ids, weights, down, hidden, inter, SCALES=kind, SCALE_N=scale_n, SCALE_K=scale_k,
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
