@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
-def _compile_add_one(block: int):
+def _compile_add_one(block: int, attrs: dict | None = None, n_is_one: bool = False):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -22,7 +22,9 @@ def _compile_add_one(block: int):
         offs = tl.arange(0, BLOCK)
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
-    src = ASTSource(add_one, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {(2,): block})
+    constants = {(2,): block, **({(1,): 1} if n_is_one else {})}
+    signature = {"x_ptr": "*fp32", "n": "constexpr" if n_is_one else "i32", "BLOCK": "constexpr"}
+    src = ASTSource(add_one, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
@@ -77,3 +79,16 @@ def test_a_boot_s_compiles_are_not_counted_as_a_served_step_s(fresh_triton):
     assert fresh_triton.compilation.listener is watch
     _compile_add_one(32)
     assert watch.compiles == 1
+
+
+def test_the_log_names_what_the_compile_specialized_its_arguments_on(fresh_triton, caplog):
+    """The warning says which arguments' specialization (an integer equal to 1, a pointer or integer divisible
+    by 16) made the compile, not the declared constexprs."""
+    from autoprofile.kernels import compile_watch
+    compile_watch.watch_after_boot()
+    with caplog.at_level(logging.WARNING, logger="autoprofile.kernels.compile_watch"):
+        _compile_add_one(64, attrs={(0,): [["tt.divisibility", 16]]})
+        _compile_add_one(64, n_is_one=True)
+        _compile_add_one(32)
+    said = [r.getMessage().split("specialization: ")[1].split(")")[0] for r in caplog.records]
+    assert said == ["x_ptr %16", "n=1", "none"]
