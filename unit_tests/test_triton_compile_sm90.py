@@ -350,3 +350,23 @@ def test_kernels_compile_for_sm90(module, triton_at, tmp_path):
         recorded = pickle.load(f)
     assert {name for _, name, *_ in recorded} >= KERNELS[module]
     run_script(pin + COMPILE, str(launches), interpret=False, first_on_path=first)
+
+
+GATHER_COUNTS = r'''
+RUN = False
+from autoprofile.kernels import triton_kv_gather
+cache = torch.zeros(8, 8, 16, 128, dtype=torch.bfloat16)
+for n in (1, 16, 17, 4096, 4103):
+    triton_kv_gather.gather(cache, cache, torch.zeros(n, dtype=torch.int64))
+'''
+
+
+def test_the_kv_gather_is_one_specialization_at_every_slot_count(tmp_path):
+    """A chunk over a prefix gathers its rows' slots, a count that follows the step: recorded as a CUDA
+    launch would specialize it, 1, 16, 17, 4,096 and 4,103 slots are one compile (the stress's corners gather
+    one count; a served step's other count would compile on the serving path)."""
+    launches = tmp_path / "launches.pkl"
+    run_script(RECORD + GATHER_COUNTS + SAVE, str(launches))
+    with open(launches, "rb") as f:
+        recorded = pickle.load(f)
+    assert [name for _, name, *_ in recorded] == ["_gather_kernel"]
