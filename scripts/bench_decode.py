@@ -153,6 +153,9 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     if args.moe_gemv_pairs is not None:  # the experts as GEMVs up to this many pairs (kernels.triton_moe_gemv)
         from autoprofile.kernels import launch_rules
         launch_rules.MOE_GEMV_MAX_PAIRS = args.moe_gemv_pairs
+    if args.skinny_min_programs is not None:  # the skinny FP8 GEMM's split/narrowing target (a card's own)
+        from autoprofile.kernels import launch_rules
+        launch_rules.SKINNY_MIN_PROGRAMS = args.skinny_min_programs
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
         from autoprofile.kernels import launch_rules
         from autoprofile.kernels import triton_moe
@@ -264,6 +267,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe_gemv_pairs", type=int, default=None,
                    help="launch_rules.MOE_GEMV_MAX_PAIRS for this run: the experts as GEMVs up to this many "
                         "(token, slot) pairs (kernels.triton_moe_gemv)")
+    p.add_argument("--skinny_min_programs", type=int, default=None,
+                   help="launch_rules.SKINNY_MIN_PROGRAMS for this run: the programs the skinny FP8 GEMM's "
+                        "K splits (or narrower column tiles) aim at")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
                    help='the experts\' launch config for steps of few tokens (bf16\'s, or FP8\'s on an FP8 '
                         'model) instead of kernels.triton_moe\'s, '
