@@ -197,6 +197,13 @@ def test_paged_decode_reads_only_seq_len_tokens():
     vc2[p0, :, 4:] = -100.0
     kc2[p1, :, 7:] = 100.0
     assert torch.equal(be.decode(q, KVLayer(kc2, vc2), meta), before)
+    # a cache is allocated uninitialized: cells past seq_len may hold NaN or inf bits, which a masked score's
+    # zero weight must not carry into the output (0 * NaN is NaN; the unit test of piecewise steps saw a
+    # decode row's logits turn NaN from its last page's unwritten tail)
+    for bad in (float("nan"), float("inf")):
+        kc3, vc3 = kc.clone(), vc.clone()
+        kc3[p0, :, 4:], vc3[p0, :, 4:], vc3[p1, :, 7:] = bad, bad, bad
+        assert torch.equal(be.decode(q, KVLayer(kc3, vc3), meta), before), bad
 
 
 def test_decode_has_no_host_sync_or_data_dependent_shape(monkeypatch):

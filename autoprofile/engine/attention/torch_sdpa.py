@@ -120,6 +120,9 @@ class TorchBackend(AttentionBackend):
             scores = qg @ keys.transpose(-1, -2)  # [b, hkv, group, n]
             valid = (first * self.page_size + offsets[:n]) < seq_lens[:, None].to(offsets.dtype)
             scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+            # NOTE: and their values zeroed: an uninitialized cache cell may hold NaN or inf, and its zero
+            # weight would carry it into p @ values (0 * NaN is NaN)
+            values = values.masked_fill_(~valid[:, None, :, None], 0.0)
             m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
             # NOTE: a chunk wholly past seq_len leaves m_new = -inf, and exp(-inf - -inf) is nan
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
