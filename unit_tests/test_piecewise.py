@@ -135,13 +135,31 @@ def _step(runner: ModelRunner, rows, decode, pieces):
     return logits, runner.kv.buffer.clone(), [t.clone() for t in _states(runner)]
 
 
+def _nan_filled_allocations(monkeypatch) -> None:
+    """Every floating torch.empty, empty_like and new_empty from now on filled with NaN (uninitialized memory
+    may hold any bits): the pieces' static buffers, so their padded rows write NaN K/V into the pad page."""
+    def filled(make):
+        def alloc(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() and t.numel() else t
+        return alloc
+    monkeypatch.setattr(torch, "empty", filled(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", filled(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", filled(torch.Tensor.new_empty))
+
+
 @torch.no_grad()
-def test_pieces_give_the_eager_forwards_logits_kv_and_states_and_padding_writes_only_the_pad_page(runner):
+def test_pieces_give_the_eager_forwards_logits_kv_and_states_and_padding_writes_only_the_pad_page(runner,
+                                                                                                 monkeypatch):
     """A 40-token prompt (bucket 64), then a mixed step: a 30-token chunk of a second prompt and the first
     request's decode row (31 tokens, bucket 32: its padded row 31 held a real slot of the step before), then
     a chunk over the second prompt's cached 30 tokens (the kv_slots path). A hybrid's linear layers run their
     rule between the pieces from each row's state: each step starts both ways from the same states and ends
-    in the same ones (the decode row and the second chunk go on from them)."""
+    in the same ones (the decode row and the second chunk go on from them).
+    Allocations start as NaN: the padded rows' NaN K/V in the pad page, which a decode row's table reaches
+    past its seq_len, must not reach a real row (the torch decode once multiplied them by a zero weight:
+    NaN logits, a flake of this test where memory happened to hold NaN)."""
+    _nan_filled_allocations(monkeypatch)
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randint(0, 4096, (n,), generator=g).tolist() for n in (41, 45))
     steps = [([StepRow(0, 0, a[:40], True, GREEDY)], None),
