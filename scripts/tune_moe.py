@@ -268,7 +268,7 @@ def gemv_config_paths() -> dict:
     return paths
 
 
-def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key: str) -> None:
+def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key: str) -> list[dict]:
     results, (first, second) = [], (list(paths) + [None])[:2]
     with torch.inference_mode():
         for model in args.models.split(","):
@@ -290,6 +290,18 @@ def compare_paths(args: argparse.Namespace, bytes_per_s: float, paths: dict, key
                         print(f"      {name:24s} {cell(r['us'][name])}")
     if args.json:
         args.json.write_text(json.dumps({key: results}, indent=2))
+    return results
+
+
+def gemv_max_pairs(results: list[dict], first: str = "blocked", second: str = "gemv") -> int:
+    """launch_rules.MOE_GEMV_MAX_PAIRS from --gemv's rows (every model and dtype timed): the most pairs (T k)
+    timed below the fewest pairs where the GEMVs (`second`) were refused or not faster than the blocked
+    kernels (`first`); every timed count when they always won, 0 when they lost at the fewest."""
+    def pairs(row: dict) -> int:
+        return round(row["pairs_per_expert"] * SHAPES[row["model"]][0])
+    lost = [pairs(r) for r in results
+            if r["us"][second] is None or r["us"][first] is not None and r["us"][second] >= r["us"][first]]
+    return max((pairs(r) for r in results if not lost or pairs(r) < min(lost)), default=0)
 
 
 def routers(args: argparse.Namespace) -> None:
@@ -347,7 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.block_m:
         return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, block_paths(), "block_m")
     if args.gemv:
-        return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_paths(), "gemv")
+        results = compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_paths(), "gemv")
+        print(f"launch_rules.MOE_GEMV_MAX_PAIRS = {gemv_max_pairs(results)} (today "
+              f"{launch_rules.MOE_GEMV_MAX_PAIRS}): the GEMVs won at every count timed up to it")
+        return
     if args.gemv_configs:
         return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(), "gemv_configs")
     results = []
