@@ -32,7 +32,8 @@ reference (layers.moe.moe_reference).
     PYTHONPATH=. python3 scripts/tune_moe.py --gemv_configs [--models ...] [--tokens 1,4] [--json out.json]
 
 sweeps the GEMVs' launch configs (triton_moe_gemv.CONFIGS: rows a program, K step, warps of each kernel) the
-same way, bf16 and FP8, one kernel's candidates at a time with the other's shipped config.
+same way, bf16 and FP8, one kernel's candidates at a time with the other's shipped config, then prints each
+dtype's and kernel's pick (gemv_config_pick).
 
     PYTHONPATH=. python3 scripts/tune_moe.py --router [--router_tokens 1,64,256,8192] [--json out.json]
 
@@ -304,6 +305,26 @@ def gemv_max_pairs(results: list[dict], first: str = "blocked", second: str = "g
     return max((pairs(r) for r in results if not lost or pairs(r) < min(lost)), default=0)
 
 
+def gemv_config_pick(results: list[dict]) -> dict:
+    """triton_moe_gemv.CONFIGS from --gemv_configs' rows: for each dtype ("bf16", "fp8") and kernel, the
+    candidate with the least geometric mean of its time over the shipped configs' across that dtype's rows
+    (timed in all of them), if below 1.0; else the shipped config stays (None)."""
+    picks: dict = {}
+    for dtype, fp8 in (("bf16", False), ("fp8", True)):
+        rows = [r for r in results if r["fp8"] is fp8 and r["us"].get("shipped")]
+        for kernel in ("gate_up", "down"):
+            scores = {}
+            for name in {n for r in rows for n in r["us"] if n.startswith(kernel + " ")}:
+                ratios = [r["us"][name] / r["us"]["shipped"] for r in rows if r["us"].get(name)]
+                if rows and len(ratios) == len(rows):
+                    scores[name] = math.prod(ratios) ** (1 / len(ratios))
+            best = min(scores, key=scores.get, default=None)
+            picks.setdefault(dtype, {})[kernel] = (
+                None if best is None or scores[best] >= 1.0 else
+                {"config": best.split(" ", 1)[1], "ratio": round(scores[best], 3)})
+    return picks
+
+
 def routers(args: argparse.Namespace) -> None:
     print(f"{torch.cuda.get_device_name()}: noaux_tc router, {V3_ROUTER[0]} experts, fp32 logits")
     results = []
@@ -364,7 +385,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{launch_rules.MOE_GEMV_MAX_PAIRS}): the GEMVs won at every count timed up to it")
         return
     if args.gemv_configs:
-        return compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(), "gemv_configs")
+        results = compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(), "gemv_configs")
+        print(f"pick (the geometric mean of each candidate's time over the shipped configs'; None: keep "
+              f"{triton_moe_gemv.CONFIGS}):")
+        print(json.dumps(gemv_config_pick(results)))
+        return
     results = []
     with torch.inference_mode():
         for model in args.models.split(","):

@@ -1,6 +1,7 @@
-"""scripts/tune_moe.py's reading of a --gemv run: launch_rules.MOE_GEMV_MAX_PAIRS is the most (token, slot)
-pairs timed below the fewest where the experts' GEMVs did not beat AITER's blocked kernels, on any model or
-dtype (a refused GEMV counts as a loss)."""
+"""scripts/tune_moe.py's reading of its runs. --gemv: launch_rules.MOE_GEMV_MAX_PAIRS is the most (token,
+slot) pairs timed below the fewest where the experts' GEMVs did not beat AITER's blocked kernels, on any model
+or dtype (a refused GEMV counts as a loss). --gemv_configs: triton_moe_gemv.CONFIGS, each dtype's and kernel's
+candidate of the least geometric mean over the shipped time."""
 from __future__ import annotations
 
 import importlib.util
@@ -36,3 +37,24 @@ def test_a_gemv_that_always_won_takes_every_count_timed_and_a_refused_blocked_pa
     assert tune_moe.gemv_max_pairs(rows) == 64
     rows.append(row("qwen3.5-35b-a3b", 16, None, 150.0))  # the blocked path refused: the GEMVs won
     assert tune_moe.gemv_max_pairs(rows) == 128
+
+
+def config_row(fp8: bool, shipped: float, **candidates: float | None) -> dict:
+    us = {"shipped": shipped}
+    us.update({name.replace("__", " "): t for name, t in candidates.items()})
+    return {"fp8": fp8, "us": us}
+
+
+def test_the_gemv_config_pick_is_each_dtype_and_kernels_least_geometric_mean_below_the_shipped():
+    """--gemv_configs' rows: per dtype and kernel, the candidate whose time over the shipped configs' has the
+    least geometric mean across that dtype's rows; none below 1.0 (or none timed in every row): keep."""
+    a, b = "gate_up__(8, 256, 2)", "down__(16, 256, 2)"
+    rows = [config_row(True, 10.0, **{a: 9.0, b: 8.0, "down__(4, 256, 1)": 7.0}),
+            config_row(True, 20.0, **{a: 19.0, b: 17.0, "down__(4, 256, 1)": 24.0}),
+            config_row(False, 10.0, **{a: 10.0, b: 9.0}), config_row(False, 12.0, **{a: 12.0, b: None})]
+    pick = tune_moe.gemv_config_pick(rows)
+    assert pick["fp8"]["gate_up"] == {"config": "(8, 256, 2)", "ratio": round((0.9 * 0.95) ** 0.5, 3)}
+    # (4, 256, 1) is faster in one row, slower in the other: its geometric mean 0.917 loses to 0.824
+    assert pick["fp8"]["down"] == {"config": "(16, 256, 2)", "ratio": round((0.8 * 0.85) ** 0.5, 3)}
+    # bf16: gate_up exactly the shipped time (1.0: no gain); down faster in one row, refused (None) in the other
+    assert pick["bf16"] == {"gate_up": None, "down": None}
