@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{launch_rules.MOE_GEMV_MAX_PAIRS}): the GEMVs won at every count timed up to it")
         return
     if args.gemv_configs:
-        results = compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(), "gemv_configs")
+        results = compare_paths(args, copy["GB_per_s"] * bench_attention.GB, gemv_config_paths(),
+                                "gemv_configs")
         print(f"pick (the geometric mean of each candidate's time over the shipped configs'; None: keep "
               f"{triton_moe_gemv.CONFIGS}):")
         print(json.dumps(gemv_config_pick(results)))

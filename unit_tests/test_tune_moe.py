@@ -24,7 +24,8 @@ def row(model: str, tokens: int, blocked: float | None, gemv: float | None) -> d
 def test_the_threshold_stops_below_the_fewest_pairs_any_model_lost_at():
     rows = [row("qwen3-30b-a3b", 1, 31.0, 20.0), row("qwen3-30b-a3b", 4, 55.0, 50.0),  # 8, 32 pairs: won
             row("qwen3-30b-a3b", 8, 80.0, 88.0),  # 64 pairs: lost
-            row("deepseek-v2-lite", 4, 67.0, 65.0), row("deepseek-v2-lite", 8, 91.0, 116.0)]  # 24 won, 48 lost
+            row("deepseek-v2-lite", 4, 67.0, 65.0),  # 24 pairs: won
+            row("deepseek-v2-lite", 8, 91.0, 116.0)]  # 48 pairs: lost
     assert tune_moe.gemv_max_pairs(rows) == 32
     rows.append(row("deepseek-v2-lite", 2, 41.0, 41.0))  # 12 pairs: a tie is not a win
     assert tune_moe.gemv_max_pairs(rows) == 8
@@ -56,5 +57,5 @@ def test_the_gemv_config_pick_is_each_dtype_and_kernels_least_geometric_mean_bel
     assert pick["fp8"]["gate_up"] == {"config": "(8, 256, 2)", "ratio": round((0.9 * 0.95) ** 0.5, 3)}
     # (4, 256, 1) is faster in one row, slower in the other: its geometric mean 0.917 loses to 0.824
     assert pick["fp8"]["down"] == {"config": "(16, 256, 2)", "ratio": round((0.8 * 0.85) ** 0.5, 3)}
-    # bf16: gate_up exactly the shipped time (1.0: no gain); down faster in one row, refused (None) in the other
+    # bf16: gate_up exactly the shipped time (1.0: no gain); down faster in one row, refused in the other
     assert pick["bf16"] == {"gate_up": None, "down": None}

@@ -42,24 +42,26 @@ class CompileWatch:
                 self.seconds += seconds
                 self.kernels[name] += 1
         if not cache_hit:
-            log.warning("Triton compiled %s after the boot (%.2f s; its arguments' specialization: %s): a step "
-                        "with a specialization the stress's corners did not launch (%d such compiles so far, "
-                        "%.1f s)", name, seconds, specialization(src) or "none", self.compiles, self.seconds)
+            log.warning("Triton compiled %s after the boot (%.2f s; its arguments' specialization: %s): a "
+                        "step with a specialization the stress's corners did not launch (%d such compiles so "
+                        "far, %.1f s)", name, seconds, specialization(src) or "none", self.compiles,
+                        self.seconds)
         if self.chained is not None:
             self.chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                          cache_hit=cache_hit, **kwargs)
 
 
 def specialization(src) -> str:
-    """What Triton specialized a compile's arguments on (its ASTSource: the non-constexpr parameters that became
-    constants, such as an integer equal to 1, and the pointers and integers known divisible by 16), as
-    "n=1, x_ptr %16": the part of the key that a step outside the stress's corners changed. "" where src
+    """What Triton specialized a compile's arguments on (its ASTSource: the non-constexpr parameters that
+    became constants, such as an integer equal to 1, and the pointers and integers known divisible by 16),
+    as "n=1, x_ptr %16": the part of the key that a step outside the stress's corners changed. "" where src
     carries none of it."""
     fn = getattr(src, "fn", None)
     names = getattr(fn, "arg_names", None)
     if not names:
         return ""
-    declared = {i for i, param in enumerate(getattr(fn, "params", ())) if getattr(param, "is_constexpr", False)}
+    declared = {i for i, param in enumerate(getattr(fn, "params", ()))
+                if getattr(param, "is_constexpr", False)}
     parts = []
     for key, value in sorted((getattr(src, "constants", None) or {}).items()):
         if len(key) == 1 and key[0] not in declared and key[0] < len(names):

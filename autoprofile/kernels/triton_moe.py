@@ -116,7 +116,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               add: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights/ids [T, k] -> [T, H] (as layers.moe.moe_reference),
     plus each tensor of `add` [T, H] (at most 2), summed with the top-k rows in one kernel (moe_sum). At a few
-    (token, slot) pairs (launch_rules.moe_gemv) the experts run as GEMVs (triton_moe_gemv), else AITER's kernels.
+    (token, slot) pairs (launch_rules.moe_gemv) the experts run as GEMVs (triton_moe_gemv), else AITER's
+    kernels.
     quant (layers.quant.MoeQuant): w13/w2 are float8_e4m3fn with its scales (as layers.quant's
     moe_reference_fp8). deterministic: batch-invariant (invariant_block_m, summed_in_order, then the addends
     in order)."""

@@ -24,10 +24,10 @@ import triton.language as tl
 NONE, CHANNEL, BLOCK = 0, 1, 2  # the weights' scales (SCALES)
 # (BLOCK_N, BLOCK_K, num_warps) of the gate/up kernel and of the down kernel, for bf16/fp16 experts and for
 # FP8 ones. scripts/tune_moe.py --gemv_configs on an H200 (three models' experts at 1, 2 and 4 tokens, one
-# kernel's candidates at a time): bf16 keeps the dense one-row GEMV's shape (4 rows a program, 1 warp; every
-# candidate 1.01-1.46x slower, geometric mean); FP8, a byte a weight, takes wider programs: down 16 rows of 256
-# with 2 warps (0.89 of the first shape's time), gate/up 8 rows, 2 warps (0.91). docs/measurements.md, "The
-# experts as GEMVs at a few tokens".
+# kernel's candidates at a time): bf16 keeps the dense one-row GEMV's shape (4 rows a program, 1 warp;
+# every candidate 1.01-1.46x slower, geometric mean); FP8, a byte a weight, takes wider programs: down 16
+# rows of 256 with 2 warps (0.89 of the first shape's time), gate/up 8 rows, 2 warps (0.91).
+# docs/measurements.md, "The experts as GEMVs at a few tokens".
 CONFIGS = {"bf16": ((4, 256, 1), (4, 512, 1)), "fp8": ((8, 256, 2), (16, 256, 2))}
 
 
