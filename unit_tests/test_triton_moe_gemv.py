@@ -20,6 +20,7 @@ from autoprofile.kernels import launch_rules, triton_moe, triton_moe_gemv
 from autoprofile.layers.moe import Routing, moe_reference, route
 
 torch.manual_seed(0)
+SHIPPED = launch_rules.MOE_GEMV_MAX_PAIRS
 E, K = 8, 2
 channel, block = Scheme("channel"), Scheme("block", (128, 128), "group")
 for scheme, H, I, dtype, tol in ((None, 96, 40, torch.float32, 1e-5), (None, 96, 40, torch.float16, 3e-3),
@@ -63,6 +64,32 @@ for scheme, H, I, dtype, tol in ((None, 96, 40, torch.float32, 1e-5), (None, 96,
                     assert err < tol, (scheme, dtype, tokens, routing, "fused_moe", err)
         finally:
             triton_moe_gemv.experts = real
+# what a GEMV step allocates (fused_moe's output, the act and down intermediates; moe_sum writes the output)
+# lies inside the envelope's term for a step of experts, budget.moe_scratch_bytes: the sum of every allocation
+# (more than the peak), at the most pairs the rule sends to the GEMVs, under the worst routing
+from autoprofile import budget
+E2, K2, H2, I2 = 16, 4, 256, 128
+launch_rules.MOE_GEMV_MAX_PAIRS = SHIPPED
+tokens = SHIPPED // K2
+assert tokens >= 1
+w13, w2 = torch.randn(E2, 2 * I2, H2) * H2 ** -0.5, torch.randn(E2, H2, I2) * I2 ** -0.5
+weights, ids = route(torch.randn(tokens, E2), K2, True)
+r = Routing()
+r.set("worst")
+ids = r.apply(ids, E2)
+gemvs, allocated, allocators = triton_moe_gemv.experts, [], (torch.empty, torch.empty_like)
+calls = []
+triton_moe_gemv.experts = lambda *a, **kw: calls.append(1) or gemvs(*a, **kw)
+torch.empty = lambda *a, **kw: allocated.append(allocators[0](*a, **kw)) or allocated[-1]
+torch.empty_like = lambda *a, **kw: allocated.append(allocators[1](*a, **kw)) or allocated[-1]
+try:
+    triton_moe.fused_moe(torch.randn(tokens, H2), w13, w2, weights, ids)
+finally:
+    torch.empty, torch.empty_like = allocators
+    triton_moe_gemv.experts = gemvs
+assert calls == [1], calls
+held = sum(t.nbytes for t in allocated)
+assert held <= budget.moe_scratch_bytes(tokens, K2, E2, I2, H2, 4), (held, [tuple(t.shape) for t in allocated])
 # block scales whose rows do not divide the intermediate size: not served (fused_moe keeps AITER's kernels)
 w13, s13 = quantize_weight(torch.randn(E, 2 * 192, 256), block)
 assert not triton_moe_gemv.serves(w13, MoeQuant(s13, s13, block))
