@@ -40,6 +40,7 @@ from autoprofile.engine.runner import ModelRunner  # noqa: E402
 from autoprofile.engine.sampling import (GREEDY, SamplingBatch, SamplingParams,  # noqa: E402
                                          make_generator, sample)
 from autoprofile.engine.scheduler import Step  # noqa: E402
+from autoprofile.kernels import launch_rules  # noqa: E402
 
 TOP_P = SamplingParams(temperature=0.8, top_p=0.9)
 TARGETS = {"floor_b1": 0.75, "floor_b256": 0.6, "context_ratio": 1.15, "greedy_ms": 0.1, "top_p_ms": 1.0,
@@ -151,13 +152,10 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
     if args.cublas_router:  # an fp32 router's logits as before the router GEMV: x.float() through cuBLAS
         runner.tp.router_matmul = None
     if args.moe_gemv_pairs is not None:  # the experts as GEMVs up to this many pairs (kernels.triton_moe_gemv)
-        from autoprofile.kernels import launch_rules
         launch_rules.MOE_GEMV_MAX_PAIRS = args.moe_gemv_pairs
     if args.skinny_min_programs is not None:  # the skinny FP8 GEMM's split/narrowing target (a card's own)
-        from autoprofile.kernels import launch_rules
         launch_rules.SKINNY_MIN_PROGRAMS = args.skinny_min_programs
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
-        from autoprofile.kernels import launch_rules
         from autoprofile.kernels import triton_moe
         table = triton_moe.FP8_CONFIGS if runner.model_config.quant else triton_moe.CONFIGS
         table[launch_rules.MOE_SMALL_BLOCK_M] = {"BLOCK_SIZE_M": launch_rules.MOE_SMALL_BLOCK_M,
