@@ -153,6 +153,10 @@ def build(args: argparse.Namespace, context: int) -> ModelRunner:
         runner.tp.router_matmul = None
     if args.moe_gemv_pairs is not None:  # the experts as GEMVs up to this many pairs (kernels.triton_moe_gemv)
         launch_rules.MOE_GEMV_MAX_PAIRS = args.moe_gemv_pairs
+    if args.fp8_gemv_rows is not None:  # the multi-row FP8 GEMV's rows (kernels.triton_fp8_rows; 0: none)
+        rows, launch = args.fp8_gemv_rows, launch_rules.FP8_GEMV_ROWS_LAUNCHES[0][1]
+        table = ((rows, launch),) if rows else ()
+        launch_rules.FP8_GEMV_ROWS_LAUNCHES = launch_rules.FP8_GEMV_ROWS_BLOCK_LAUNCHES = table
     if args.skinny_min_programs is not None:  # the skinny FP8 GEMM's split/narrowing target (a card's own)
         launch_rules.SKINNY_MIN_PROGRAMS = args.skinny_min_programs
     if args.moe_small_config:  # scripts/tune_moe.py's candidate for the experts' steps of few tokens
@@ -268,6 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skinny_min_programs", type=int, default=None,
                    help="launch_rules.SKINNY_MIN_PROGRAMS for this run: the programs the skinny FP8 GEMM's "
                         "K splits (or narrower column tiles) aim at")
+    p.add_argument("--fp8_gemv_rows", type=int, default=None,
+                   help="FP8 weights: the multi-row GEMV (kernels.triton_fp8_rows) at 2-N rows, the skinny "
+                        "GEMM past them (0: the skinny GEMM from 2 rows; default: launch_rules' tables)")
     p.add_argument("--moe_small_config", type=json.loads, default=None,
                    help='the experts\' launch config for steps of few tokens (bf16\'s, or FP8\'s on an FP8 '
                         'model) instead of kernels.triton_moe\'s, '
