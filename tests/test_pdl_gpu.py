@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.kernels import (pdl, triton_act, triton_decode, triton_fp8, triton_fp8_rows,
-                                 triton_fp8_skinny, triton_gemv, triton_norm, triton_rope)
-from autoprofile.kernels.launch_rules import GemvRowsLaunch, fp8_skinny_launch
+from autoprofile.kernels import (pdl, triton_act, triton_decode, triton_fp8, triton_fp8_rows, triton_gemv,
+                                 triton_norm, triton_rope)
+from autoprofile.kernels.launch_rules import GemvRowsLaunch
 from autoprofile.layers.quant import Fp8Scheme, quantize_weight
 from scripts.cuda_timing import capture
 from unit_tests.test_attention_cpu import rel_err
@@ -88,16 +88,10 @@ def consumers():
                              Fp8Scheme("channel"))
     fixed_x = torch.randn(1, 2 * INTER, device=dev, generator=gen).bfloat16()
     fixed_rows = torch.randn(4, 2 * INTER, device=dev, generator=gen).bfloat16()
-    fixed_skinny = torch.randn(8, 2 * INTER, device=dev, generator=gen).bfloat16()
 
     def rows_gemv(x, residual=None):  # the multi-row GEMV (kernels.triton_fp8_rows), 4 rows
         return triton_fp8_rows.gemv(x, None, wq, ws, None, torch.bfloat16, GemvRowsLaunch(),
                                     residual=residual)
-
-    def skinny(x, residual=None):  # the skinny GEMM (kernels.triton_fp8_skinny), 8 rows, its K split
-        launch = fp8_skinny_launch(8, H, 2 * INTER)
-        assert launch.split_k > 1
-        return triton_fp8_skinny.gemm(x, None, wq, ws, None, torch.bfloat16, launch, residual=residual)
 
     heads, kv_heads, d, page, seq = 32, 8, 128, 16, 1024
     caches = {kind: [torch.randn(seq // page, kv_heads, page, d, device=dev, generator=gen).to(kind)
@@ -127,8 +121,6 @@ def consumers():
                                                                               residual=r)]),
         "fp8 rows gemv, its input": ((4, 2 * INTER), lambda: lambda x: [rows_gemv(x)]),
         "fp8 rows gemv, its residual": ((4, H), lambda: lambda r: [rows_gemv(fixed_rows, r)]),
-        "fp8 skinny, its input": ((8, 2 * INTER), lambda: lambda x: [skinny(x)]),
-        "fp8 skinny, its residual": ((8, H), lambda: lambda r: [skinny(fixed_skinny, r)]),
         "rope_store": ((1, (heads + 2 * kv_heads) * d), rope),
         "split decode, bf16 pages": ((1, heads, d), decode(torch.bfloat16)),
         "split decode, fp8 pages": ((1, heads, d), decode(torch.float8_e4m3fn)),
@@ -136,8 +128,7 @@ def consumers():
 
 
 CONSUMERS = ("rms_norm", "bf16 gemv", "silu_mul", "fp8 gemv, its input", "fp8 gemv, its residual",
-             "fp8 rows gemv, its input", "fp8 rows gemv, its residual", "fp8 skinny, its input",
-             "fp8 skinny, its residual", "rope_store",
+             "fp8 rows gemv, its input", "fp8 rows gemv, its residual", "rope_store",
              "split decode, bf16 pages", "split decode, fp8 pages")
 
 

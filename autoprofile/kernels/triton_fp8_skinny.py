@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from autoprofile.kernels import pdl
 from autoprofile.kernels.launch_rules import SkinnyLaunch, skinny_block_m
 from autoprofile.layers.quant import Fp8Rows, rows_linear
 
@@ -38,8 +37,7 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
                        stride_x, stride_xs, stride_y, X_SCALE: tl.constexpr, X_GROUP: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCKWISE: tl.constexpr,
                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: the outputs' columns
     rows = tl.arange(0, BLOCK_M)
@@ -55,17 +53,22 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
     x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_x + ks[:, None]  # x^T: [BLOCK_K, BLOCK_M]
     ws_ptrs = ws_ptr + (cols // SCALE_N) * tl.cdiv(K, SCALE_K)  # "block": the columns' row of scales
     xs_ptrs = xs_ptr + rows * stride_xs
-    # the first weight tile before the wait: weights are constant, so with PDL it streams in while the kernel
-    # before still runs (kernels.pdl); the first K step peeled (a tile loaded under a branch in the loop
-    # would be loop-carried)
-    w = tl.load(w_ptrs + k_lo, mask=col_ok[:, None] & (ks < K - k_lo)[None, :], other=0.0)
-    pdl.begin(PDL)
-    acc = _k_step(tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), w, x_ptrs, ws_ptrs, xs_ptrs, k_lo, K, ks,
-                  col_ok, row_ok, X_SCALE, X_GROUP, BLOCKWISE, SCALE_K)
-    for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        w = tl.load(w_ptrs + k, mask=col_ok[:, None] & (ks < K - k)[None, :], other=0.0)
-        acc = _k_step(acc, w, x_ptrs, ws_ptrs, xs_ptrs, k, K, ks, col_ok, row_ok, X_SCALE, X_GROUP, BLOCKWISE,
-                      SCALE_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = ks < K - k
+        w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        if X_SCALE == 0:
+            w = w.to(x.dtype)  # exact: every e4m3 value is a bf16/fp16 value
+        if BLOCKWISE or X_SCALE == 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
+            part = tl.dot(w, x)
+            if BLOCKWISE:
+                part *= tl.load(ws_ptrs + k // SCALE_K, mask=col_ok, other=0.0)[:, None]
+            if X_SCALE == 2:
+                part *= tl.load(xs_ptrs + k // X_GROUP, mask=row_ok, other=0.0)[None, :]
+            acc += part
+        else:
+            acc = tl.dot(w, x, acc)
     if SPLIT_K > 1:
         # each split's partial [BLOCK_M, N] slab; the tile's last program (an atomic count, as triton_argmax)
         # sums them in split order (the same sum whichever program is last), resets the count, writes y
@@ -84,24 +87,6 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, cou
     else:
         _epilogue(acc, ws_ptr, xs_ptrs, b_ptr, y_ptr, rows, cols, row_ok, col_ok, stride_y, X_SCALE, HAS_BIAS,
                   HAS_RESIDUAL, BLOCKWISE)
-
-
-@triton.jit
-def _k_step(acc, w, x_ptrs, ws_ptrs, xs_ptrs, k, K, ks, col_ok, row_ok, X_SCALE: tl.constexpr,
-            X_GROUP: tl.constexpr, BLOCKWISE: tl.constexpr, SCALE_K: tl.constexpr):
-    """One K step: the rows' [BLOCK_K, BLOCK_M] tile at k times the weight tile w, added to acc (the K step's
-    block scales applied to its part where the weight or the rows have them)."""
-    x = tl.load(x_ptrs + k, mask=(ks < K - k)[:, None] & row_ok[None, :], other=0.0)
-    if X_SCALE == 0:
-        w = w.to(x.dtype)  # exact: every e4m3 value is a bf16/fp16 value
-    if BLOCKWISE or X_SCALE == 2:  # BLOCK_K divides SCALE_K and X_GROUP: the step lies in one block
-        part = tl.dot(w, x)
-        if BLOCKWISE:
-            part *= tl.load(ws_ptrs + k // SCALE_K, mask=col_ok, other=0.0)[:, None]
-        if X_SCALE == 2:
-            part *= tl.load(xs_ptrs + k // X_GROUP, mask=row_ok, other=0.0)[None, :]
-        return acc + part
-    return tl.dot(w, x, acc)
 
 
 @triton.jit
@@ -181,7 +166,7 @@ def gemm(x: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, we
         k_split, x.stride(0), xs.stride(0), out.stride(0), X_SCALE=kind, X_GROUP=scale_k,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCKWISE=block is not None,
         SCALE_N=scale_n, SCALE_K=scale_k, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        SPLIT_K=splits, num_warps=launch.warps, num_stages=launch.stages, **pdl.launch())
+        SPLIT_K=splits, num_warps=launch.warps, num_stages=launch.stages)
     return out
 
 
