@@ -74,13 +74,24 @@ def state_cache_bytes(model, slots: int, dtype_bytes: int, tp: int = 1,
 
 
 # ---------------------------------------------------------------- sizes derived from T
-INDEX_LIMIT = (1 << 31) - 1  # attention kernels index one layer's K (or V) view with 32-bit offsets
+INDEX_LIMIT = (1 << 31) - 1  # 32-bit offsets: AITER's paged kernels index one layer's K (or V) view with them
 
 
-def max_indexable_tokens(kv_heads: int, head_dim: int, page_size: int) -> int:
-    """The most KV tokens whose per-layer K view, [pages, kv_heads, page, head_dim], stays addressable with
-    32-bit offsets (a small model on a large card reaches it: past it decode reads out of bounds)."""
-    return round_down(INDEX_LIMIT // (kv_heads * head_dim), page_size)
+def wide_offsets(backend: str, deterministic: bool) -> bool:
+    """Whether every kernel that indexes one layer's cache on `backend`'s serving path computes 64-bit
+    offsets, so that a layer's view may pass INDEX_LIMIT elements: the torch backend's (torch indexing), and
+    aiter_triton's (our split decode, MLA decode, K/V gather and RoPE stores take int64 pages and slots; its
+    AITER v1/v2 decode runs only over a view within the limit, AiterTritonBackend.decode) but not under
+    --deterministic (AITER's unified attention) nor native AITER's ("aiter")."""
+    return backend == "torch" or (backend == "aiter_triton" and not deterministic)
+
+
+def max_indexable_tokens(kv_heads: int, head_dim: int, page_size: int, wide: bool = False) -> int:
+    """The most KV tokens one layer's view, [pages, kv_heads, page, head_dim], holds within what the kernels
+    address: INDEX_LIMIT elements with 32-bit offsets (a small model on a large card reaches it: past it
+    decode reads out of bounds); with 64-bit ones (wide: wide_offsets), INDEX_LIMIT tokens (the int32 slots
+    and page tables)."""
+    return round_down(INDEX_LIMIT // (1 if wide else kv_heads * head_dim), page_size)
 
 
 def round_down(tokens: int, page_size: int) -> int:
@@ -318,7 +329,7 @@ class Sizing:
     running_reqs: int  # request slots (envelope.running_reqs)
     decode_rows: int  # rows of one decode step (envelope.decode_rows)
     workspace: Callable[[int, int], int] | None = None  # (decode_rows, longest_seq) -> declared bytes
-    max_tokens: int | None = None  # the kernels' 32-bit offset bound (max_indexable_tokens)
+    max_tokens: int | None = None  # what the kernels address (max_indexable_tokens)
     state: tuple[int, int] = (0, 0)  # a hybrid model's state cache: its two tensors (state_cache_bytes)
 
     def workspace_reserved(self, tokens: int) -> int:

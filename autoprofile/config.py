@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from autoprofile.budget import (context_that_fits, max_indexable_tokens, min_usable_tokens, round_up,
-                                running_reqs)
+from autoprofile.budget import (cache_shape, context_that_fits, max_indexable_tokens, min_usable_tokens,
+                                round_up, running_reqs, wide_offsets)
 from autoprofile.model_config import (FIRST_FOLDED, LOAD_FORMATS, ModelConfig, ModelConfigError,
                                       builtin_models, find_weights, load_model_config,
                                       unsupported_architecture, with_runtime_fp8)
@@ -425,10 +425,14 @@ def validate(cfg: ServerConfig, serving: bool = True) -> ServerConfig:
                f"{cfg.batch_max_tokens} in whole pages of {cfg.page_size}, a page for each of the "
                f"{decode_rows_text(cfg)}, plus the pad page; try --max_total_token_num {floor} or lower "
                f"{floor_flag(cfg)}")
-        bound = max_indexable_tokens(m.num_kv_heads // cfg.tp, m.head_dim, cfg.page_size)
+        heads, width = cache_shape(m, cfg.tp)
+        # "auto" as on CUDA (aiter_triton); ROCm's native backend is checked again by the runner's build
+        backend = "aiter_triton" if cfg.attention_backend == "auto" else cfg.attention_backend
+        bound = max_indexable_tokens(heads, width, cfg.page_size, wide_offsets(backend, cfg.deterministic))
         _check(n <= bound, "max_total_token_num",
-               f"{n} tokens is past what the attention kernels' 32-bit offsets address in one layer's K view "
-               f"({m.num_kv_heads // cfg.tp} KV heads x {m.head_dim}); try --max_total_token_num {bound}")
+               f"{n} tokens is past what the {backend} backend's kernels address in one layer's cache "
+               f"({heads} heads x {width}{', --deterministic' if cfg.deterministic else ''}); try "
+               f"--max_total_token_num {bound}")
         # NOTE: pinned sizes are whole pages, so what is built is what is reported
         _check(n % cfg.page_size == 0, "max_total_token_num",
                f"{n} is not a multiple of --page_size {cfg.page_size}; "

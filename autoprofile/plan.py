@@ -444,6 +444,8 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
         n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
         note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
                 if n else "AITER Triton takes its v1 path here: no scratch")
+        # NOTE: a cache past the 32-bit limit takes the split decode at every row count
+        # (AiterTritonBackend.decode); its partials past these rows are the validation's to measure
         small = min(rows, launch_rules.SPLIT_DECODE_ROWS)
         split = budget.split_decode_peak_scratch_bytes(small, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
                                                        ctx)
@@ -591,7 +593,8 @@ def sizing_for(cfg: ServerConfig, backend: str) -> budget.Sizing:
         return budget.persistent_workspace_bytes(backend, rows, longest, q_heads, m.head_dim)
 
     reqs = running_reqs(cfg.running_max_req_size, cfg.graph_max_batch_size)  # the envelope's rows
-    cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size)  # as the runner caps it
+    wide = budget.wide_offsets(backend, cfg.deterministic)
+    cap = budget.max_indexable_tokens(*budget.cache_shape(m, cfg.tp), cfg.page_size, wide)  # as the runner's
     checkpoints = budget.state_checkpoints(reqs, not cfg.disable_prefix_caching,
                                            cfg.state_checkpoints)  # as the runner builds them
     state = (budget.state_cache_bytes(m, reqs, DTYPE_BYTES[cfg.dtype], cfg.tp, checkpoints) if m.is_hybrid

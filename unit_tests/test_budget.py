@@ -243,6 +243,18 @@ def test_the_target_never_passes_the_kernels_32_bit_offsets():
     assert budget.solve_target_tokens(1 << 30, small) < bound  # below the bound the memory decides
 
 
+def test_only_the_backends_whose_kernels_offset_in_64_bits_pass_the_32_bit_bound():
+    """aiter_triton's serving path (our decode, MLA decode, gather and RoPE stores; AITER's paged decode only
+    within the bound) and torch's indexing offset a layer's cache in 64 bits; --deterministic's unified
+    attention and native AITER in 32. Wide, the int32 slots bound the cache."""
+    assert budget.wide_offsets("aiter_triton", False) and budget.wide_offsets("torch", False)
+    assert budget.wide_offsets("torch", True)
+    assert not budget.wide_offsets("aiter_triton", True) and not budget.wide_offsets("aiter", False)
+    narrow, wide = (budget.max_indexable_tokens(2, 256, 16, w) for w in (False, True))
+    assert narrow == 4194288 < wide == budget.INDEX_LIMIT // 16 * 16  # qwen3.5-35b-a3b's full layers: 2 x 256
+    assert budget.max_indexable_tokens(1, 576, 64) == 3728256  # an MLA latent, pages of 64 (deepseek)
+
+
 def test_mla_splits_fill_one_program_per_sm_and_the_peak_scratch_sits_below_it():
     splits = {rows: launch_rules.mla_kv_splits(rows) for rows in range(1, 1025)}
     assert splits[1] == 32 and splits[16] == 9 and splits[64] == 3 and splits[256] == 1  # the H100 tuning

@@ -269,11 +269,21 @@ def test_report_dir_empty_means_none():
 
 
 def test_a_pinned_size_past_the_kernels_32_bit_offsets_is_refused_naming_the_bound():
-    from autoprofile.budget import max_indexable_tokens
+    """AITER's unified attention (--deterministic) and native kernels offset a layer's cache in 32 bits: a pin
+    past that is refused, naming the flag and the bound. The default backend's kernels (and torch's) offset
+    in 64 bits there: the same pin is served, up to the int32 slots' bound."""
+    from autoprofile.budget import INDEX_LIMIT, max_indexable_tokens
     bound = max_indexable_tokens(8, 128, 16)
-    with pytest.raises(ConfigError, match=f"try --max_total_token_num {bound}"):
-        validate(ServerConfig(max_total_token_num=bound + 16))
-    validate(ServerConfig(max_total_token_num=bound))
+    for backend in ("auto", "aiter_triton"):
+        with pytest.raises(ConfigError, match=f"--deterministic\\); try --max_total_token_num {bound}$"):
+            validate(ServerConfig(max_total_token_num=bound + 16, deterministic=True, attention_backend=backend))
+        validate(ServerConfig(max_total_token_num=bound, deterministic=True, attention_backend=backend))
+        validate(ServerConfig(max_total_token_num=bound + 16, attention_backend=backend))
+    validate(ServerConfig(max_total_token_num=bound + 16, attention_backend="torch", deterministic=True))
+    wide = max_indexable_tokens(8, 128, 16, wide=True)
+    assert wide == INDEX_LIMIT // 16 * 16
+    with pytest.raises(ConfigError, match=f"try --max_total_token_num {wide}$"):
+        validate(ServerConfig(max_total_token_num=wide + 16))
 
 
 def test_a_report_dir_this_user_cannot_write_is_refused_before_any_gpu_work(tmp_path, cuda_spy, capsys):

@@ -173,9 +173,16 @@ class ModelRunner:
             context_len=cfg.context_len, page_size=cfg.page_size,
             running_reqs=env.running_reqs, decode_rows=env.decode_rows,
             workspace=lambda rows, longest: cls.workspace_bytes(rows, longest, q_heads, head_dim),
-            max_tokens=budget.max_indexable_tokens(self.cache_heads, self.cache_width, cfg.page_size),
+            max_tokens=self.max_cache_tokens,
             state=budget.state_cache_bytes(mc, env.running_reqs, self.dtype.itemsize, self.tp.size,
                                            self.state_checkpoints(env)) if mc.is_hybrid else (0, 0))
+
+    @property
+    def max_cache_tokens(self) -> int:
+        """The most KV tokens this backend's kernels address in one layer's view
+        (budget.max_indexable_tokens)."""
+        wide = budget.wide_offsets(self.backend_cls.name, self.cfg.deterministic)
+        return budget.max_indexable_tokens(self.cache_heads, self.cache_width, self.cfg.page_size, wide)
 
     def state_checkpoints(self, env: Envelope) -> int:
         """A hybrid model's state checkpoint rows (its prefix cache's resumable points; none without it)."""
@@ -222,6 +229,11 @@ class ModelRunner:
         pages = kv_tokens // cfg.page_size
         if pages < 2:
             raise ValueError(f"{kv_tokens} KV tokens is less than two pages of {cfg.page_size} tokens")
+        if kv_tokens > self.max_cache_tokens:  # config's check of a pin assumed "auto" is aiter_triton
+            raise ConfigError("max_total_token_num",
+                              f"{kv_tokens} KV tokens is past what the {self.backend_cls.name} backend's "
+                              f"kernels address in one layer's cache; try --max_total_token_num "
+                              f"{self.max_cache_tokens}")
         env = self.envelope_for(pages)
         try:
             checkpoint("kv_alloc")

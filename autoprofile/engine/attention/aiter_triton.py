@@ -333,9 +333,10 @@ class AiterTritonBackend(AttentionBackend):
         """Requires seq_lens >= 1 (a 0-length row divides by a zero exp-sum) and max_seq_len >=
         every seq_len; max_seq_len must be static (--max_req_total_len) for graphs.
 
-        An FP8 cache, or a bf16 one at up to split_decode_rows rows: our split decode (triton_decode), which
-        reads the scales, device values that the first batch may set after capture, inside the kernel. Else
-        AITER's v1 or v2."""
+        An FP8 cache, a bf16 one at up to split_decode_rows rows, or one whose layer view passes
+        budget.INDEX_LIMIT elements (AITER's kernels offset pages in 32 bits; ours in 64): our split decode
+        (triton_decode), which reads the scales, device values that the first batch may set after capture,
+        inside the kernel. Else AITER's v1 or v2."""
         if meta.max_seq_len < 1:
             raise ValueError(f"decode needs a static max_seq_len >= 1, got {meta.max_seq_len}")
         if self.deterministic:  # one query token per row: the same kernel and tiles as a prefill chunk
@@ -345,7 +346,8 @@ class AiterTritonBackend(AttentionBackend):
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = output_rows(out, q)
-        if kv.scales is not None or q.shape[0] <= self.split_decode_rows:
+        wide = k_cache.numel() > budget.INDEX_LIMIT
+        if kv.scales is not None or q.shape[0] <= self.split_decode_rows or wide:
             scales = (kv.scales[0], kv.scales[1]) if kv.scales is not None else (None, None)
             return triton_decode.decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.max_seq_len, self.scale, *scales)
