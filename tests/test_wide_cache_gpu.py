@@ -95,10 +95,11 @@ def test_mla_decode_reads_latents_past_the_32_bit_limit(rows):
     ours.build(64, 4096, 16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     width = rank + rope
-    pages = budget.INDEX_LIMIT // (PAGE * width) + 4096
+    first = budget.INDEX_LIMIT // (PAGE * width) + 1  # the first page past the limit
+    pages = first + 64 * 64
     latents = torch.empty(pages, 1, PAGE, width, dtype=torch.bfloat16, device="cuda")
     assert latents.numel() > budget.INDEX_LIMIT
-    tables = top_pages(rows, 64, pages, budget.INDEX_LIMIT // (PAGE * width) + 1, gen)
+    tables = top_pages(rows, 64, pages, first, gen)
     used = tables.flatten().long()
     latents[used] = torch.randn(used.numel(), 1, PAGE, width, device="cuda", generator=gen).bfloat16()
     lens = torch.randint(1, 64 * PAGE + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)

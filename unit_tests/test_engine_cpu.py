@@ -425,6 +425,23 @@ def test_stresses_reach_every_limit_whatever_the_cache_size(runner, tokens):
         runner.build(1024)
 
 
+def test_a_size_past_what_the_backends_kernels_address_is_refused_before_any_allocation(runner, monkeypatch):
+    """The runner's own bound (budget.max_indexable_tokens for its backend): a backend whose kernels offset a
+    layer's cache in 32 bits (ROCm's native one under auto, which config's pin check reads as aiter_triton)
+    refuses a size past it, naming the flag and the bound, before anything is allocated."""
+    from autoprofile.config import ConfigError
+    runner.teardown()
+    monkeypatch.setattr(budget, "wide_offsets", lambda backend, deterministic: False)
+    bound = runner.max_cache_tokens
+    assert bound == budget.max_indexable_tokens(runner.cache_heads, runner.cache_width, 16)
+    with pytest.raises(ConfigError, match=f"try --max_total_token_num {bound}$") as e:
+        runner.build(bound + 16)
+    assert e.value.flag == "max_total_token_num" and runner.kv is None and runner.built_tokens is None
+    monkeypatch.undo()
+    assert runner.max_cache_tokens == budget.INDEX_LIMIT // 16 * 16  # torch's indexing: 64-bit offsets
+    runner.build(1024)
+
+
 def test_sizing_matches_what_build_allocates(runner):
     s = runner.sizing
     mc = runner.model_config
