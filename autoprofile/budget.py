@@ -78,19 +78,15 @@ INDEX_LIMIT = (1 << 31) - 1  # 32-bit offsets: AITER's paged kernels index one l
 
 
 def wide_offsets(backend: str, deterministic: bool) -> bool:
-    """Whether every kernel that indexes one layer's cache on `backend`'s serving path computes 64-bit
-    offsets, so that a layer's view may pass INDEX_LIMIT elements: the torch backend's (torch indexing), and
-    aiter_triton's (our split decode, MLA decode, K/V gather and RoPE stores take int64 pages and slots; its
-    AITER v1/v2 decode runs only over a view within the limit, AiterTritonBackend.decode) but not under
-    --deterministic (AITER's unified attention) nor native AITER's ("aiter")."""
+    """Whether the kernels indexing a layer's cache on `backend`'s path offset it in 64 bits (a view past
+    INDEX_LIMIT elements): torch's indexing; aiter_triton's own kernels (its AITER v1/v2 decode only within
+    the limit: AiterTritonBackend.decode), not --deterministic's unified attention nor native AITER's."""
     return backend == "torch" or (backend == "aiter_triton" and not deterministic)
 
 
 def max_indexable_tokens(kv_heads: int, head_dim: int, page_size: int, wide: bool = False) -> int:
-    """The most KV tokens one layer's view, [pages, kv_heads, page, head_dim], holds within what the kernels
-    address: INDEX_LIMIT elements with 32-bit offsets (a small model on a large card reaches it: past it
-    decode reads out of bounds); with 64-bit ones (wide: wide_offsets), INDEX_LIMIT tokens (the int32 slots
-    and page tables)."""
+    """The most KV tokens a layer's view [pages, kv_heads, page, head_dim] holds within what the kernels
+    address: INDEX_LIMIT elements with 32-bit offsets, INDEX_LIMIT tokens (int32 slots) with 64-bit ones."""
     return round_down(INDEX_LIMIT // (1 if wide else kv_heads * head_dim), page_size)
 
 

@@ -432,25 +432,21 @@ def decode_scratch(cfg: ServerConfig, m: ModelConfig, backend: str) -> Row:
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
                    f"MLA decode: the splits' partials, {what}, and the old kernel's token slots ({gmbs} x "
                    f"{ctx}) until re-measured")
-    if backend == "aiter_triton" and cfg.kv_dtype_bytes == 1:  # FP8 pages: our split decode
+    if backend == "aiter_triton":  # our split decode: FP8 pages at every row count, bf16 at SPLIT_DECODE_ROWS
         kv_heads = max(m.num_kv_heads // tp, 1)
-        n = budget.split_decode_peak_scratch_bytes(rows, q_heads, kv_heads, m.head_dim, ctx)
-        return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})",
-                   f"split decode partials at the most of 1..{rows} rows x {q_heads} heads (fewer rows split "
-                   "more)" if n else "split decode runs one split here: no scratch")
-    if backend == "aiter_triton":
-        part = launch_rules.TRITON_PARTITION if cfg.disable_cudagraph else \
-            launch_rules.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
-        n = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype], part)
-        note = (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x ceil({ctx}/{part}) partitions"
-                if n else "AITER Triton takes its v1 path here: no scratch")
-        # NOTE: a cache past the 32-bit limit takes the split decode at every row count
-        # (AiterTritonBackend.decode); its partials past these rows are the validation's to measure
-        small = min(rows, launch_rules.SPLIT_DECODE_ROWS)
-        split = budget.split_decode_peak_scratch_bytes(small, q_heads, max(m.num_kv_heads // tp, 1), m.head_dim,
-                                                       ctx)
-        if split > n:
-            n, note = split, f"split decode partials at the most of 1..{small} rows x {q_heads} heads"
+        small = rows if cfg.kv_dtype_bytes == 1 else min(rows, launch_rules.SPLIT_DECODE_ROWS)
+        n = budget.split_decode_peak_scratch_bytes(small, q_heads, kv_heads, m.head_dim, ctx)
+        note = (f"split decode partials at the most of 1..{small} rows x {q_heads} heads (fewer rows split "
+                "more)" if n else "split decode runs one split here: no scratch")
+        if small < rows:  # AITER's v1/v2 past them (a cache past the 32-bit limit takes ours there too:
+            # AiterTritonBackend.decode, measured by the validation)
+            part = launch_rules.TRITON_PARTITION if cfg.disable_cudagraph else \
+                launch_rules.triton_decode_partition(gmbs, q_heads, ctx, cfg.page_size)
+            v2 = budget.triton_decode_scratch_bytes(gmbs, q_heads, m.head_dim, ctx, DTYPE_BYTES[cfg.dtype],
+                                                    part)
+            if v2 > n:
+                n, note = v2, (f"AITER Triton v2 partials for {gmbs} seqs x {q_heads} heads x "
+                               f"ceil({ctx}/{part}) partitions")
         return Row("decode attention scratch", n, "declared", f"measured in the probe ({where})", note)
     if backend == "torch":
         kv_heads = max(m.num_kv_heads // tp, 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoprofile.plan import GPUS, make_plan
-from unit_tests.test_failures import measured_config
+from unit_tests.test_failures import measured_config, record_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = ROOT / "docs" / "measurements.md"
@@ -30,8 +30,10 @@ def measured(model: str, card: str, kv: str = "auto") -> int:
 
 
 def planned(model: str, card: str, kv: str = "auto", command: str = "", date: str = "") -> int:
-    """`plan` for a measured row's configuration (test_failures.measured_config)."""
-    return make_plan(measured_config(model, kv, command, date), GPUS[card]).tokens
+    """`plan` for a measured row's configuration and kernel rules (test_failures.measured_config,
+    record_rules)."""
+    with record_rules(date):
+        return make_plan(measured_config(model, kv, command, date), GPUS[card]).tokens
 
 
 def number(cell: str) -> int:
@@ -95,7 +97,10 @@ def test_moe_and_mla_table_matches_the_csv_and_plan():
     assert len(rows) == 2
     for name, kv_cell, plan_cell, *_ in rows:
         model, card = (s.strip() for s in name.split(","))
-        tokens, plan = measured(model, CARDS[card]), planned(model, CARDS[card])
+        key = (model, CARDS[card], "auto")
+        row = next(r for r in csv_rows() if (r["model"], r["card"], r["kv_cache_dtype"]) == key)
+        tokens = measured(model, CARDS[card])
+        plan = planned(model, CARDS[card], "auto", row["command"], row["date"])  # under the row's rules
         assert number(kv_cell) == tokens, f"{name}: {kv_cell}, the CSV {tokens:,}"
         assert number(plan_cell) == plan, f"{name}: {plan_cell}, `plan` says {plan:,} today"
         assert f"({(plan - tokens) / tokens * 100:.1f}%)" in plan_cell, plan_cell

@@ -526,6 +526,24 @@ KNOWN_ABOVE: dict[tuple[str, str], str] = {}
 KNOWN_FAR_BELOW: dict[tuple[str, str], str] = {}
 PIECES_SINCE = "2026-11-28"  # the profiler's graph pools include the piecewise graphs' pool from this date
 HYBRID_PIECES_SINCE = "2026-11-29"  # a hybrid's: measured before it, its prefill steps ran eagerly
+# measured before it: every cache capped at 32-bit offsets, bf16 pages past 32 rows on AITER's v1/v2
+WIDE_CACHE_SINCE = "2026-11-30"
+
+
+@contextlib.contextmanager
+def record_rules(date: str):
+    """The kernel rules a docs/measured_kv_tokens.csv row was measured under, for `plan` to reproduce it:
+    before WIDE_CACHE_SINCE, budget.wide_offsets false everywhere and launch_rules.SPLIT_DECODE_ROWS 32."""
+    from autoprofile.kernels import launch_rules
+    if not date or date >= WIDE_CACHE_SINCE:
+        yield
+        return
+    saved = budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS
+    budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS = (lambda backend, deterministic: False), 32
+    try:
+        yield
+    finally:
+        budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS = saved
 
 
 def measured_config(model: str, kv: str = "auto", command: str = "", date: str = "") -> ServerConfig:
@@ -554,8 +572,9 @@ def test_plan_never_predicts_above_the_profiler_measurement(row, request):
     if (row["model"], row["card"]) in KNOWN_ABOVE:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_ABOVE[row["model"], row["card"]]))
     measured = int(row["tokens"])
-    p = make_plan(measured_config(row["model"], row["kv_cache_dtype"], row["command"], row["date"]),
-                  GPUS[row["card"]])
+    with record_rules(row["date"]):
+        p = make_plan(measured_config(row["model"], row["kv_cache_dtype"], row["command"], row["date"]),
+                      GPUS[row["card"]])
     if row["graph_pools_bytes"]:  # one shared logits buffer, not one per ladder size: near the measured pool
         terms = ("decode graph pools", "decode attention scratch") + (
             ("piecewise graph pool",) if row["date"] >= PIECES_SINCE else ())  # measured with the pieces

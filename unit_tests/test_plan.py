@@ -82,13 +82,20 @@ def test_native_aiter_workspace_is_charged():
     assert row(t.sized, "attention workspace").bytes == 0 and t.tokens > p.tokens
 
 
-def test_triton_scratch_is_the_declared_v2_formula():
+def test_bf16_pages_declare_the_split_decode_peak_and_v2_only_past_its_rows(monkeypatch):
+    """bf16 pages take the split decode at launch_rules.SPLIT_DECODE_ROWS rows (every row count): the plan
+    declares its peak partials, as for FP8 pages; with the rows set below the envelope's, AITER's v2 partials
+    past them where larger."""
+    for ctx in (131072, 1024):
+        p = plan_for("h100", max_req_total_len=ctx)
+        assert row(p.fixed, "decode attention scratch").bytes == budget.split_decode_peak_scratch_bytes(
+            256, 32, 8, 128, ctx) > 0
+    monkeypatch.setattr(launch_rules, "SPLIT_DECODE_ROWS", 32)
     p = plan_for("h100")
     assert row(p.fixed, "decode attention scratch").bytes == budget.triton_decode_workspace_bytes(
-        256, 32, 128, 131072, 2)
+        256, 32, 128, 131072, 2) > budget.split_decode_peak_scratch_bytes(32, 32, 8, 128, 131072)
     short = plan_for("h100", max_req_total_len=1024)  # one 1024-token partition: v1, no scratch; up to 32
-    rows = launch_rules.SPLIT_DECODE_ROWS
-    split = budget.split_decode_peak_scratch_bytes(rows, 32, 8, 128, 1024)  # rows: split
+    split = budget.split_decode_peak_scratch_bytes(32, 32, 8, 128, 1024)  # rows: split
     assert row(short.fixed, "decode attention scratch").bytes == split > 0
 
 

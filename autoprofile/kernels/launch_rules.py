@@ -62,9 +62,11 @@ def triton_decode_partition(num_seqs: int, q_heads: int, max_seq_len: int, page_
 SPLIT_DECODE_PROGRAMS = 512
 SPLIT_DECODE_MIN_TOKENS = 128
 SPLIT_DECODE_MAX_SPLITS = 64
-# bf16/fp16 caches take the split decode at up to this many rows, AITER's v1/v2 past them (aiter_triton): the
-# faster at 1 to 32 rows, tied at 256 (docs/measurements.md, "FP8 KV cache accuracy and decode")
-SPLIT_DECODE_ROWS = 32
+# bf16/fp16 caches take the split decode at up to this many rows, AITER's v1/v2 past them (aiter_triton):
+# every row count, the faster at each on an H200 (33-256 rows: 2.9-28.6% less graph replay;
+# docs/measurements.md, "Our split decode at every row count"); an H100 chose 32 on 2026-11-26 (tied at
+# 256), not re-measured since
+SPLIT_DECODE_ROWS = 1 << 30
 
 
 def split_decode_splits(num_seqs: int, kv_heads: int, max_seq_len: int) -> int:

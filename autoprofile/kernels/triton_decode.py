@@ -45,7 +45,7 @@ class Config:
 
 # The fastest launch configs of scripts/bench_decode_attention.py --configs on an H100 (docs/measurements.md,
 # "FP8 KV cache accuracy and decode"): FP8 pages 64-key tiles, 2 warps, 3 stages, dots in fp16, at 1 to 256
-# rows; bf16 pages (ours up to launch_rules.SPLIT_DECODE_ROWS rows) 32-key tiles, 4 warps
+# rows; bf16 pages (ours at launch_rules.SPLIT_DECODE_ROWS: every row count) 32-key tiles, 4 warps
 DEFAULT = Config(32, 4, 3)
 FP8 = Config(64, 2, 3, f16_dots=True)
 STAGE2_WARPS = 4
