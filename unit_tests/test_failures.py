@@ -530,20 +530,15 @@ HYBRID_PIECES_SINCE = "2026-11-29"  # a hybrid's: measured before it, its prefil
 WIDE_CACHE_SINCE = "2026-11-30"
 
 
-@contextlib.contextmanager
-def record_rules(date: str):
+def record_rules(date: str) -> contextlib.AbstractContextManager:
     """The kernel rules a docs/measured_kv_tokens.csv row was measured under, for `plan` to reproduce it:
     before WIDE_CACHE_SINCE, budget.wide_offsets false everywhere and launch_rules.SPLIT_DECODE_ROWS 32."""
     from autoprofile.kernels import launch_rules
-    if not date or date >= WIDE_CACHE_SINCE:
-        yield
-        return
-    saved = budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS
-    budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS = (lambda backend, deterministic: False), 32
-    try:
-        yield
-    finally:
-        budget.wide_offsets, launch_rules.SPLIT_DECODE_ROWS = saved
+    rules = contextlib.ExitStack()
+    if date and date < WIDE_CACHE_SINCE:
+        rules.enter_context(mock.patch.object(budget, "wide_offsets", lambda backend, deterministic: False))
+        rules.enter_context(mock.patch.object(launch_rules, "SPLIT_DECODE_ROWS", 32))
+    return rules
 
 
 def measured_config(model: str, kv: str = "auto", command: str = "", date: str = "") -> ServerConfig:

@@ -346,8 +346,8 @@ class AiterTritonBackend(AttentionBackend):
         # stride)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = output_rows(out, q)
-        wide = k_cache.numel() > budget.INDEX_LIMIT
-        if kv.scales is not None or q.shape[0] <= self.split_decode_rows or wide:
+        if (kv.scales is not None or q.shape[0] <= self.split_decode_rows
+                or k_cache.numel() > budget.INDEX_LIMIT):  # AITER's page offsets would wrap there
             scales = (kv.scales[0], kv.scales[1]) if kv.scales is not None else (None, None)
             return triton_decode.decode(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                         meta.max_seq_len, self.scale, *scales)
