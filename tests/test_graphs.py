@@ -136,6 +136,33 @@ def test_each_bucket_replays_its_own_graph_and_equals_eager(runner, bucket):
     assert not g_logits.isnan().any()
 
 
+def test_a_rebuild_warms_up_only_its_first_graph_and_still_replays_as_eager(runner):
+    """The profiler's rebuild in the same process (cuda_graph.warm_ups_due): one eager warm-up, the first
+    graph's, then every graph captured cold; replay equals eager at a full, a padded and a long batch."""
+    from autoprofile.engine.cuda_graph import first_of_each_batch
+    assert runner.warmed_graphs == first_of_each_batch(runner.graphs.keys)
+    eager_calls, step = [], runner._decode_logits
+    runner.teardown()
+    try:
+        def counted(*args):
+            if not torch.cuda.is_current_stream_capturing():
+                eager_calls.append(args[0].shape[0])
+            return step(*args)
+        runner._decode_logits = counted
+        runner.build(65536)
+    finally:
+        del runner._decode_logits  # the method again
+        if runner.kv is None:
+            runner.build(65536)
+    assert eager_calls == [GMBS]  # the first graph's rows: its warm-up alone
+    for b, longest in ((16, 300), (5, 300), (3, 300)):
+        prompts = prompts_for(b, longest)
+        g_logits, g_inputs = decode(runner, prompts, graphs=True)
+        e_logits, _ = decode(runner, prompts, graphs=False, forced=g_inputs)
+        err = ((e_logits - g_logits).norm() / g_logits.norm()).item()
+        assert err < (1e-4 if runner.cfg.dtype == "float32" else BF16_REL_ERR), (b, err)
+
+
 def pool_bytes(pool) -> int:
     """Bytes of the segments the caching allocator holds for this graph pool."""
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot()

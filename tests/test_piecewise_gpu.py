@@ -90,20 +90,27 @@ def close(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_every_bucket_has_a_piece_per_layer_and_one_more_in_one_pool_the_probe_measures(runner):
-    """Probe-size build, then target-size build (as the profiler does): the same pieces, the same pool."""
+    """Probe-size build, then target-size build (as the profiler does): the same pieces, the same pool. A
+    build after the first warms up the first decode graph and the largest bucket alone (the steps of
+    test_a_step_through_the_pieces... replay such a build's pieces)."""
     layers = runner.model_config.num_layers
     assert runner.envelope.piecewise_tokens == MAX_TOKENS  # the stress's corner at the largest bucket
-    pools = []
+    pools, eager, hidden = [], [], runner._hidden
+    runner._hidden = lambda ids, *a: (eager.append(ids.shape[0]) if not torch.cuda.is_current_stream_capturing()
+                                      else None) or hidden(ids, *a)
     runner.teardown()
     try:
         for tokens in (8192, 32768):
+            eager.clear()
             runner.build(tokens)
+            assert eager == [runner.graphs.keys[0][0], MAX_TOKENS], eager  # decode graph 1, the largest piece
             p = runner.pieces
             assert list(p.graphs) == [256, 224, 192, 160, 128, 96, 64, 32, 16]  # the largest first
             assert all(len(g) == layers + 1 and len(p.splits[b]) == layers for b, g in p.graphs.items())
             pools.append(p.pool_bytes())
             runner.teardown()
     finally:
+        del runner._hidden
         runner.build(32768)
     estimate = plan.pieces_row(runner.cfg, runner.model_config, "aiter_triton", 2).bytes
     print(f"\npieces' pool {pools[0] / 2**20:.1f} MiB in the probe, {pools[1] / 2**20:.1f} MiB at the "

@@ -210,6 +210,21 @@ def test_each_batch_size_warms_up_once_before_its_first_capture():
     assert (1, 131072) in warm and (1, 4096) not in warm and (24, 4096) in warm
 
 
+def test_a_later_build_warms_up_only_its_first_graph_and_the_rows_no_build_warmed():
+    """A cold boot's rebuild after its probe (or a retry) captures the same graphs in the same process: their
+    rows' kernels ran eagerly already, so only the first graph (the static logits' maker, cuBLAS's workspace
+    on the capture stream) warms up again; a context cut's new buckets warm up as in a first build."""
+    from autoprofile.engine.cuda_graph import first_of_each_batch, warm_ups_due
+    keys = budget.decode_graph_keys(256, 131072)
+    assert warm_ups_due(keys, set()) == first_of_each_batch(keys)
+    assert warm_ups_due(keys, first_of_each_batch(keys)) == {keys[0]}
+    cut = budget.decode_graph_keys(256, 65536)  # a shorter longest bucket: its firsts are new, due again
+    due = warm_ups_due(cut, first_of_each_batch(keys))
+    assert cut[0] == (256, 65536) and {(256, 65536), (1, 65536)} <= due
+    assert (24, 4096) in first_of_each_batch(cut) and (24, 4096) not in due  # warmed by the first build
+    assert due == (first_of_each_batch(cut) - first_of_each_batch(keys)) | {cut[0]}
+
+
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():
     from autoprofile.engine.cuda_graph import DecodeGraphs
 

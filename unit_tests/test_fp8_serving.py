@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from autoprofile import profiler, server
 from autoprofile.config import ServerConfig, validate
 from autoprofile.engine.engine import LLMEngine
+from autoprofile.engine import weights
 from autoprofile.engine.runner import ModelRunner
 from autoprofile.layers.quant import FP8, dequantize_weight, quantize_weight
 from unit_tests.cpu_server import boot_cpu
@@ -38,10 +39,14 @@ def test_fp8_tiny_models_run_the_stress_and_serve(model):
         runner.teardown()
 
 
+@pytest.mark.parametrize("experts_at_once", [None, 3])
 @pytest.mark.parametrize("model,flags", [("tiny-moe-fp8", {}), ("tiny-moe", {"quantization": "fp8"})])
-def test_random_fp8_weights_are_their_bf16_twin_quantized(model, flags):
+def test_random_fp8_weights_are_their_bf16_twin_quantized(model, flags, experts_at_once, monkeypatch):
     """Same seed: every FP8 weight and scale is the quantization of the plain model's weight (drawn in the
-    same order, one layer at a time), so an FP8 run's numbers are comparable with the bf16 one's."""
+    same order, one layer at a time), so an FP8 run's numbers are comparable with the bf16 one's. The experts
+    are drawn several at a time (weights.DRAW_ELEMENTS; 3: groups of 3 of the 16 and a last one of 1)."""
+    if experts_at_once:  # an expert's gate_up [256, 256] is the larger: 3 of those, 6 of down's [256, 128]
+        monkeypatch.setattr(weights, "DRAW_ELEMENTS", experts_at_once * 256 * 256)
     fp8 = ModelRunner(config(model, **flags)).model
     twin = dict(ModelRunner(config("tiny-moe")).model.named_parameters())
     params = dict(fp8.named_parameters())
@@ -60,6 +65,13 @@ def test_random_fp8_weights_are_their_bf16_twin_quantized(model, flags):
         assert ((dequantize_weight(p, s, quant) - w).norm() / w.norm()) < 0.05
         checked += 1
     assert checked == 4 * 4  # qkv, o and (dense gate_up, down or the experts' two) in each of 4 layers
+
+
+def test_experts_drawn_at_once_only_where_no_block_spans_two():
+    assert weights.expert_group(128, 1536, 2048, 128) == weights.DRAW_ELEMENTS // (1536 * 2048)
+    assert weights.expert_group(16, 256, 256, 32) == 16  # all of them under the bound
+    assert weights.expert_group(16, 200, 256, 128) == 1  # 200 rows: a 128-row block would span two experts
+    assert weights.expert_group(8, 1 << 14, 1 << 14, 1) == 1  # one expert past the bound: still one
 
 
 def test_health_and_report_name_the_weight_format():

@@ -53,6 +53,14 @@ def first_of_each_batch(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     return set(firsts.values())
 
 
+def warm_ups_due(keys: list[tuple[int, int]], warmed: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """first_of_each_batch, less the graphs an earlier build of this process warmed (a cold boot's rebuild
+    after its probe, a retry: the same rows ran the same kernels eagerly, their Triton compiles, cuBLAS's
+    picks and the kernels' process-lived scratch are made); the first graph always (it makes the static
+    logits buffer, and cuBLAS's workspace on the capture stream, which every teardown releases)."""
+    return (first_of_each_batch(keys) - warmed) | set(keys[:1])
+
+
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
@@ -111,10 +119,11 @@ class DecodeGraphs:
                                  state_slots=self.state_slots[:bs] if self.state_slots is not None else None)
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
-                show_progress: bool = True) -> None:
+                show_progress: bool = True, warmed: set[tuple[int, int]] | None = None) -> None:
         """In self.keys order (largest scratch first), so later graphs reuse the pool's blocks. `step` is
         not kept. A failure inside a capture (a real OOM: a peer grew after measure) ends that capture
-        cleanly and propagates like any other build failure."""
+        cleanly and propagates like any other build failure. warmed: the graphs an earlier build of this
+        process warmed up (warm_ups_due); the ones this capture warms are added to it."""
         capture_stream(torch.cuda.current_device())
         t0 = time.perf_counter()
         ahead = compile_ahead.active()
@@ -129,7 +138,7 @@ class DecodeGraphs:
                 ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
-        warm_ups = first_of_each_batch(self.keys)
+        warm_ups = warm_ups_due(self.keys, warmed if warmed is not None else set())
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             t_warm = time.perf_counter()
@@ -141,6 +150,8 @@ class DecodeGraphs:
                 warm = step(*args, None if self.logits is None else self.logits[:bs])
                 self.logits = warm if self.logits is None else self.logits
                 del warm
+                if warmed is not None:
+                    warmed.add((bs, bucket))
             warming += time.perf_counter() - t_warm
             if before_first is not None:
                 before_first()

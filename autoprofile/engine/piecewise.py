@@ -114,19 +114,26 @@ class PiecewiseGraphs:
         return AttentionMetadata(is_prefill=True, slot_mapping=self.slots[:bucket], pieces=self)
 
     # ------------------------------------------------------------ capture
-    def capture(self, forward: Forward, show_progress: bool = True) -> None:
+    def capture(self, forward: Forward, show_progress: bool = True, warmed: set[int] | None = None) -> None:
         """Every bucket, the largest first: an eager warm-up (Triton compiles, cuBLAS picks its kernels),
         then the capture of its pieces. A failure inside a capture (a real OOM) ends it cleanly, keeps the
-        pieces captured before (teardown() drops them) and propagates."""
+        pieces captured before (teardown() drops them) and propagates. warmed: the buckets an earlier build of
+        this process warmed up, whose warm-up is skipped but for the first bucket's (as the decode graphs':
+        cuda_graph.warm_ups_due); the ones warmed here are added to it."""
         device = torch.cuda.current_device()
         stream = capture_stream(device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
-        for bucket in reversed(self.buckets):
+        order = list(reversed(self.buckets))
+        warm_ups = (set(order) - (warmed if warmed is not None else set())) | set(order[:1])
+        for bucket in order:
             torch.cuda.synchronize()  # the static buffers (made or last written on the current stream)
-            with torch.cuda.stream(stream):
-                forward(self.ids[:bucket], self.positions[:bucket], self.meta(bucket))  # warm-up
+            if bucket in warm_ups:
+                with torch.cuda.stream(stream):
+                    forward(self.ids[:bucket], self.positions[:bucket], self.meta(bucket))  # warm-up
+                if warmed is not None:
+                    warmed.add(bucket)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
             self.graphs[bucket], self.splits[bucket] = [], []

@@ -69,6 +69,8 @@ class ModelRunner:
     def __init__(self, cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None):
         self.cfg, self.rank = cfg, rank
         self.boot_steps: list[tuple[str, float]] = []  # (graphs / stress prefill / stress decode, seconds)
+        self.warmed_graphs: set[tuple[int, int]] = set()  # decode graphs warmed up by a build (cuda_graph)
+        self.warmed_pieces: set[int] = set()  # piecewise buckets warmed up by a build (piecewise)
         self.device = runner_device(rank, cfg.device)
         self.tp = TP(rank, world_size, group)
         mc = self.model_config = cfg.model_config
@@ -261,12 +263,12 @@ class ModelRunner:
                                            state_pad=self.state.pad if self.state is not None else None)
                 t0 = time.perf_counter()
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
-                                    show_progress=self.rank == 0)
+                                    show_progress=self.rank == 0, warmed=self.warmed_graphs)
                 self.boot_steps.append(("graphs", time.perf_counter() - t0))
             if self.piecewise_ok:  # (decode graphs too: piecewise_ok needs use_graphs)
                 t0 = time.perf_counter()
                 self.pieces = self._piecewise_graphs()
-                self.pieces.capture(self._hidden, show_progress=self.rank == 0)
+                self.pieces.capture(self._hidden, show_progress=self.rank == 0, warmed=self.warmed_pieces)
                 self.boot_steps.append(("pieces", time.perf_counter() - t0))
             self.backend.seal()
         except BaseException:

@@ -21,6 +21,7 @@ from autoprofile.layers.quant import FP8
 log = logging.getLogger(__name__)
 
 INIT_STD = 0.02
+DRAW_ELEMENTS = 1 << 26  # random experts drawn at once: 128 MiB of bf16 temporaries at most
 IGNORED = ("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")  # buffers in some HF checkpoints; computed
 NORM_WEIGHTS = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")  # RMSNorm scales: 1 when random
 # An FP8 checkpoint's per-tensor KV cache scales, in the spellings vLLM reads: self_attn.{k,v}_scale,
@@ -110,15 +111,28 @@ def init_random(model: nn.Module, seed: int, std: float = INIT_STD) -> None:
 
 def draw_fp8(weight: nn.Parameter, scale: nn.Parameter, quant, dtype: torch.dtype, std: float,
              gen: torch.Generator) -> None:
-    """N(0, std) in dtype, quantized into an FP8 weight [N, K] (or experts [E, N, K]) and its scale."""
+    """N(0, std) in dtype, quantized into an FP8 weight [N, K] (or experts [E, N, K]) and its scale. Experts
+    are drawn `expert_group` at a time as one [g * N, K] (one draw and a few quantize chunks, not a dozen
+    launches an expert: qwen3-30b-a3b-fp8's 12,288 experts took 6 s), in the same order as one at a time."""
     if weight.dim() == 2:
         w = torch.empty(weight.shape, dtype=dtype, device=weight.device).normal_(0.0, std, generator=gen)
         quantize_rows(weight, w, 0, scale, quant)
         return
-    for e in range(weight.shape[0]):
-        w = torch.empty(weight.shape[1:], dtype=dtype, device=weight.device).normal_(0.0, std, generator=gen)
-        quantize_rows(nn.Parameter(weight.data[e], requires_grad=False), w, 0,
-                      nn.Parameter(scale.data[e], requires_grad=False), quant)
+    experts, n, k = weight.shape
+    group = expert_group(experts, n, k, 1 if quant.weight == "channel" else quant.block[0])
+    for e in range(0, experts, group):
+        g = min(group, experts - e)
+        w = torch.empty(g * n, k, dtype=dtype, device=weight.device).normal_(0.0, std, generator=gen)
+        quantize_rows(nn.Parameter(weight.data[e:e + g].flatten(0, 1), requires_grad=False), w, 0,
+                      nn.Parameter(scale.data[e:e + g].flatten(0, 1), requires_grad=False), quant)
+
+
+def expert_group(experts: int, n: int, k: int, bn: int) -> int:
+    """Experts drawn at once (DRAW_ELEMENTS of temporaries at most): their [N, K] stacked into rows quantize
+    as each one alone when N is whole blocks of bn rows (a block never spans two experts), else one."""
+    if n % bn:
+        return 1
+    return max(1, min(experts, DRAW_ELEMENTS // (n * k)))
 
 
 def checkpoint_target(name: str, packed: dict[str, tuple[str, int]],

@@ -159,7 +159,15 @@ def load_vocab(param: nn.Parameter, src, part: int, *, start: int, valid: int) -
     copy_checked(param.data[:valid], read_rows(src, start, valid, 0))
 
 
-QUANT_CHUNK_ROWS = 2048  # rows quantized at once at load: bounds the fp32 temporaries on the device
+QUANT_CHUNK_ROWS = 2048  # rows quantized at once at load (at least): bounds the fp32 temporaries on the device
+QUANT_CHUNK_ELEMENTS = 1 << 24  # ... or more rows, up to this many elements (64 MiB of fp32 a temporary)
+
+
+def quant_chunk_rows(k: int, bn: int) -> int:
+    """Rows of K quantized at once: QUANT_CHUNK_ROWS, or more while QUANT_CHUNK_ELEMENTS allows; whole blocks
+    of bn rows."""
+    rows = max(QUANT_CHUNK_ROWS, QUANT_CHUNK_ELEMENTS // max(k, 1))
+    return max(bn, rows // bn * bn)
 
 
 def quantize_rows(param: nn.Parameter, rows: torch.Tensor, offset: int, scale: nn.Parameter,
@@ -168,7 +176,7 @@ def quantize_rows(param: nn.Parameter, rows: torch.Tensor, offset: int, scale: n
     (--quantization fp8 and random weights); a block scheme's offset is whole blocks. A chunk of rows at a
     time, so the load's temporaries stay small beside the weights."""
     bn = 1 if scheme.weight == "channel" else scheme.block[0]
-    step = -(-QUANT_CHUNK_ROWS // bn) * bn
+    step = quant_chunk_rows(rows.shape[1], bn)
     for start in range(0, rows.shape[0], step):
         q, s = quantize_weight(rows[start:start + step].to(param.device), scheme)
         copy_checked(param.data.narrow(0, offset + start, q.shape[0]), q)
