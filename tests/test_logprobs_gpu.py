@@ -50,8 +50,10 @@ def test_generated_logprobs_equal_the_prompt_logprobs_of_the_same_tokens(runner,
     tokens, lps, _ = run_all(engine, prompt, SamplingParams(logprobs=MAX_LOGPROBS), 24)
     assert len(lps) == len(tokens) == 24
     for t, (tid, lp, top) in zip(tokens, lps):
-        # greedy: the best of its row
-        assert tid == t and len(top) == MAX_LOGPROBS and top[0][0] == t and top[0][1] == lp
+        # greedy: the best of its row (among its ties: bf16 logits tie, and top-k orders a tie either way;
+        # an H200 run had 4219 sampled, 25299 listed first at the same -5.7589)
+        assert tid == t and len(top) == MAX_LOGPROBS and top[0][1] == lp
+        assert t in {i for i, v in top if v == lp}
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
     _, _, again = run_all(engine, prompt + tokens, SamplingParams(prompt_logprobs=MAX_LOGPROBS), 1)
     assert again[0] is None and len(again) == len(prompt) + len(tokens)
