@@ -25,13 +25,18 @@ FEW = (GemvRowsLaunch(4, 64, 16, 1), GemvRowsLaunch(2, 256, 1, 1), GemvRowsLaunc
 '''
 
 KERNEL = ROWS + r'''
+import itertools, sys
+FULL, checked = sys.argv[1:] == ["full"], []
 CASES = [((37, 300), (CHANNEL, BLOCK, BLOCK_TOKEN, TALL), (1, 3, 8), FEW),
          ((130, 1000), (CHANNEL, BLOCK), (2, 5), FEW[:1])]  # interpreted: minutes past these
 for (n, k), schemes, ms, launches in CASES:
-    for scheme in schemes:
-        for m in ms:
-            for launch in launches:
-                check_rows(g.gemv, n, k, m, scheme, launch)
+    for (i, scheme), (j, launch) in itertools.product(enumerate(schemes), enumerate(launches)):
+        # the full grid, or each (scheme, launch) at one row count, the row counts rotating (each scheme
+        # and each launch still meets every row count): a third of the grid's 5 minutes interpreted
+        for m in ms if FULL else ms[(i + j) % len(ms)::len(ms)]:
+            check_rows(g.gemv, n, k, m, scheme, launch)
+            checked.append(m)
+assert len(checked) == (4 * 3 * 3 + 2 * 2 if FULL else 4 * 3 + 2) and set(checked) == {1, 2, 3, 5, 8}, checked
 # 16 rows, the widest ROWS; the residual added in the epilogue, in place, from bf16-like and FP8 rows
 wq, ws, block, deq = weight(24, 520, BLOCK)
 for m in (16, 6):
@@ -95,6 +100,11 @@ print("ok")
 
 def test_multi_row_gemv_equals_the_dequantized_matmul_at_1_to_16_rows():
     run_script(KERNEL)
+
+
+@pytest.mark.slow
+def test_multi_row_gemv_over_the_full_grid_of_schemes_launches_and_rows():
+    run_script(KERNEL, "full")
 
 
 def test_linear_sends_2_to_gemv_rows_max_rows_to_the_gemv_and_more_to_the_skinny_gemm():

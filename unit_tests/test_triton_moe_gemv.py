@@ -19,13 +19,16 @@ GEMV = FP8_CAST + REFERENCE + r'''
 from autoprofile.kernels import launch_rules, triton_moe, triton_moe_gemv
 from autoprofile.layers.moe import Routing, moe_reference, route
 
+import sys
 torch.manual_seed(0)
+FULL, ran_cases = sys.argv[1:] == ["full"], []
 SHIPPED = launch_rules.MOE_GEMV_MAX_PAIRS
 E, K = 8, 2
 channel, block = Scheme("channel"), Scheme("block", (128, 128), "group")
-for scheme, H, I, dtype, tol in ((None, 96, 40, torch.float32, 1e-5), (None, 96, 40, torch.float16, 3e-3),
-                                 (channel, 96, 40, torch.float32, 1e-5),
-                                 (block, 256, 128, torch.float32, 1e-5)):
+for case, (scheme, H, I, dtype, tol) in enumerate(((None, 96, 40, torch.float32, 1e-5),
+                                                   (None, 96, 40, torch.float16, 3e-3),
+                                                   (channel, 96, 40, torch.float32, 1e-5),
+                                                   (block, 256, 128, torch.float32, 1e-5))):
     w13 = (torch.randn(E, 2 * I, H) * H ** -0.5).to(dtype)
     w2 = (torch.randn(E, H, I) * I ** -0.5).to(dtype)
     quant, d13, d2 = None, w13.float(), w2.float()
@@ -34,7 +37,10 @@ for scheme, H, I, dtype, tol in ((None, 96, 40, torch.float32, 1e-5), (None, 96,
         quant = MoeQuant(s13, s2, scheme)
         d13, d2 = dequantize_weight(w13, s13, scheme), dequantize_weight(w2, s2, scheme)
     assert triton_moe_gemv.serves(w13, quant)
-    for tokens, routing in ((1, "model"), (3, "worst"), (5, "balanced")):
+    routings = ((1, "model"), (3, "worst"), (5, "balanced"))
+    # the full grid (the slow set), or every routing for the first case and one, rotating, for the others
+    for tokens, routing in routings if FULL or case == 0 else routings[case % 3:case % 3 + 1]:
+        ran_cases.append((case, tokens))
         wide = torch.randn(tokens, H + 8).to(dtype)
         x = wide[:, :H]  # rows with a stride
         weights, ids = route(torch.randn(tokens, E), K, True)
@@ -64,6 +70,7 @@ for scheme, H, I, dtype, tol in ((None, 96, 40, torch.float32, 1e-5), (None, 96,
                     assert err < tol, (scheme, dtype, tokens, routing, "fused_moe", err)
         finally:
             triton_moe_gemv.experts = real
+assert len(ran_cases) == (12 if FULL else 6) and {t for _, t in ran_cases} == {1, 3, 5}, ran_cases
 # what a GEMV step allocates (fused_moe's output, the act and down intermediates; moe_sum writes the output)
 # lies inside the envelope's term for a step of experts, budget.moe_scratch_bytes: the sum of every allocation
 # (more than the peak), at the most pairs the rule sends to the GEMVs, under the worst routing
@@ -99,3 +106,8 @@ print("ok")
 
 def test_the_experts_gemvs_match_the_reference_and_fused_moe_dispatches_to_them():
     run_script(GEMV)
+
+
+@pytest.mark.slow
+def test_the_experts_gemvs_over_every_scheme_and_routing():
+    run_script(GEMV, "full")
