@@ -96,8 +96,8 @@ def test_every_bucket_has_a_piece_per_layer_and_one_more_in_one_pool_the_probe_m
     layers = runner.model_config.num_layers
     assert runner.envelope.piecewise_tokens == MAX_TOKENS  # the stress's corner at the largest bucket
     pools, eager, hidden = [], [], runner._hidden
-    runner._hidden = lambda ids, *a: (eager.append(ids.shape[0]) if not torch.cuda.is_current_stream_capturing()
-                                      else None) or hidden(ids, *a)
+    runner._hidden = lambda ids, *a: (None if torch.cuda.is_current_stream_capturing()
+                                      else eager.append(ids.shape[0])) or hidden(ids, *a)
     runner.teardown()
     try:
         for tokens in (8192, 32768):

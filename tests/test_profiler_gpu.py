@@ -97,7 +97,7 @@ def serve_check(runner) -> None:
 
 def test_full_cycle_tiny(tmp_path):
     cfg = tiny_cfg(tmp_path)
-    runner, result = boot(cfg, plot_later=False)  # the PNG drawn before boot returns (a server draws it apart)
+    runner, result = boot(cfg, plot_later=False)  # the PNG drawn before boot returns (serve: apart)
     try:
         free, total = torch.cuda.mem_get_info()
         assert result.attempts == 1 and not result.pinned

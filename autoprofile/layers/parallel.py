@@ -159,7 +159,7 @@ def load_vocab(param: nn.Parameter, src, part: int, *, start: int, valid: int) -
     copy_checked(param.data[:valid], read_rows(src, start, valid, 0))
 
 
-QUANT_CHUNK_ROWS = 2048  # rows quantized at once at load (at least): bounds the fp32 temporaries on the device
+QUANT_CHUNK_ROWS = 2048  # rows quantized at once at load (at least): bounds the fp32 temporaries
 QUANT_CHUNK_ELEMENTS = 1 << 24  # ... or more rows, up to this many elements (64 MiB of fp32 a temporary)
 
 
