@@ -374,6 +374,7 @@ class Profiler:
             self.errors.extend(errors)
             log.warning("attempt %d at %d tokens failed on some rank: %s", attempt, tokens, self.errors[-1])
             self.release()  # a leak raises here, outside any retry
+            self.runner.forget_warm_ups()  # every rank alike: the next attempt warms every graph again
             if not_memory_failures(errors):  # a shape error or an assertion: shrinking cannot fix it
                 raise ProfileError(failure_text("validation", tokens, not_memory_failures(errors)))
         last = self.errors[-1] if self.errors else "no size at or above the smallest usable cache to try"

@@ -78,6 +78,7 @@ class FakeRunner:
     profiler: object = None  # set by tests that check the canary at build time
     forced_routings: tuple[str, ...] = ()  # an MoE model's (ModelRunner.forced_routings)
     boot_steps: list = field(default_factory=list)  # ModelRunner's timed steps (take_boot_steps)
+    forgot_warm_ups: int = 0  # ModelRunner.forget_warm_ups calls (after a failed attempt)
     _held: int = 0
 
     def __post_init__(self):
@@ -110,6 +111,9 @@ class FakeRunner:
         except BaseException:
             self.teardown()
             raise
+
+    def forget_warm_ups(self) -> None:
+        self.forgot_warm_ups += 1
 
     def teardown(self) -> None:
         self.events.append(("teardown", self.built_tokens))

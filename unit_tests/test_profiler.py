@@ -67,6 +67,7 @@ def test_phase_order_and_target(gpu):
     left = gpu.total - gpu.non_torch - gpu.peak - CFG.canary_bytes - budget.DRIVER_RESERVE
     assert 0 <= left < CFG.page_size * runner.sizing.cell_bytes
     assert result.terms["graph_pools"] == runner.graph_pool
+    assert runner.forgot_warm_ups == 0  # the rebuild after a passed probe keeps its warm-ups
 
 
 def test_mem_fraction_scales_the_budget(gpu):
@@ -208,6 +209,8 @@ def test_peer_growth_after_measure_is_absorbed_by_a_retry(gpu):
     result = prof.run()
     assert result.attempts >= 2 and result.tokens < builds(runner)[1]
     assert "OutOfMemoryError" in result.errors[0]
+    # each failed attempt makes the next build warm every graph again (a capture cut short: partial warm-ups)
+    assert runner.forgot_warm_ups == result.attempts - 1
 
 
 def test_probe_failure_gives_diagnostic_and_releases_everything(gpu):

@@ -284,6 +284,13 @@ class ModelRunner:
         log.info("built: %d KV tokens (%.2f GiB), %d request slots%s, %s", self.built_tokens,
                  gib(self.kv_bytes), env.running_reqs, state, decode)
 
+    def forget_warm_ups(self) -> None:
+        """The next build warms up every batch size and bucket again (cuda_graph.warm_ups_due). The profiler
+        calls it on every rank after an attempt failed anywhere: a capture cut short leaves a rank's warm-ups
+        partial, and under --tp one rank's extra eager warm-up would all-reduce with none on the others."""
+        self.warmed_graphs.clear()
+        self.warmed_pieces.clear()
+
     def teardown(self) -> None:
         """Graphs, attention state, request table, KV; idempotent. Weights stay (and the host tier's pool).
         Host tier loads still writing into the KV pages are waited for first: the allocator only knows the

@@ -345,6 +345,9 @@ class GuardedRunner:
         with self.guard.section("build"):
             self.runner.build(kv_tokens, checkpoint)
 
+    def forget_warm_ups(self) -> None:
+        self.runner.forget_warm_ups()  # local: every rank calls it at the same point of the profiler
+
     def stress_prefill(self):
         with self.guard.section("prefill stress"):
             return self.runner.stress_prefill()
