@@ -141,6 +141,7 @@ def test_a_rebuild_warms_up_only_its_first_graph_and_still_replays_as_eager(runn
     graph's, then every graph captured cold; replay equals eager at a full, a padded and a long batch."""
     from autoprofile.engine.cuda_graph import first_of_each_batch
     assert runner.warmed_graphs == first_of_each_batch(runner.graphs.keys)
+    pool = pool_bytes(runner.graphs.pool)  # the warmed build's (the probe's, in a boot)
     eager_calls, step = [], runner._decode_logits
     runner.teardown()
     try:
@@ -155,6 +156,7 @@ def test_a_rebuild_warms_up_only_its_first_graph_and_still_replays_as_eager(runn
         if runner.kv is None:
             runner.build(65536)
     assert eager_calls == [GMBS]  # the first graph's rows: its warm-up alone
+    assert pool_bytes(runner.graphs.pool) == pool  # the pool the probe measured, without the warm-ups
     for b, longest in ((16, 300), (5, 300), (3, 300)):
         prompts = prompts_for(b, longest)
         g_logits, g_inputs = decode(runner, prompts, graphs=True)

@@ -223,6 +223,9 @@ def test_a_later_build_warms_up_only_its_first_graph_and_the_rows_no_build_warme
     assert cut[0] == (256, 65536) and {(256, 65536), (1, 65536)} <= due
     assert (24, 4096) in first_of_each_batch(cut) and (24, 4096) not in due  # warmed by the first build
     assert due == (first_of_each_batch(cut) - first_of_each_batch(keys)) | {cut[0]}
+    buckets = [512, 256, 128, 64]  # the piecewise graphs': every bucket warms in a first build
+    assert warm_ups_due(buckets, set(), set(buckets)) == set(buckets)
+    assert warm_ups_due(buckets, set(buckets), set(buckets)) == {512}
 
 
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():

@@ -53,12 +53,14 @@ def first_of_each_batch(keys: list[tuple[int, int]]) -> set[tuple[int, int]]:
     return set(firsts.values())
 
 
-def warm_ups_due(keys: list[tuple[int, int]], warmed: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """first_of_each_batch, less the graphs an earlier build of this process warmed (a cold boot's rebuild
-    after its probe, a retry: the same rows ran the same kernels eagerly, their Triton compiles, cuBLAS's
-    picks and the kernels' process-lived scratch are made); the first graph always (it makes the static
-    logits buffer, and cuBLAS's workspace on the capture stream, which every teardown releases)."""
-    return (first_of_each_batch(keys) - warmed) | set(keys[:1])
+def warm_ups_due(keys: list, warmed: set, firsts: set | None = None) -> set:
+    """The graphs (in capture order `keys`) whose capture an eager warm-up precedes: `firsts` (default
+    first_of_each_batch, the decode graphs'; engine.piecewise passes every bucket) less the ones an earlier
+    build of this process warmed (a cold boot's rebuild after its probe: the same rows ran the same kernels
+    eagerly, their Triton compiles, cuBLAS's picks and the kernels' process-lived scratch are made); the
+    first always (it makes the static logits buffer, and cuBLAS's workspace on the capture stream, which every
+    teardown releases)."""
+    return ((first_of_each_batch(keys) if firsts is None else firsts) - warmed) | set(keys[:1])
 
 
 class DecodeGraphs:
@@ -138,7 +140,8 @@ class DecodeGraphs:
                 ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
-        warm_ups = warm_ups_due(self.keys, warmed if warmed is not None else set())
+        warmed = set() if warmed is None else warmed
+        warm_ups = warm_ups_due(self.keys, warmed)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             t_warm = time.perf_counter()
@@ -150,8 +153,7 @@ class DecodeGraphs:
                 warm = step(*args, None if self.logits is None else self.logits[:bs])
                 self.logits = warm if self.logits is None else self.logits
                 del warm
-                if warmed is not None:
-                    warmed.add((bs, bucket))
+                warmed.add((bs, bucket))
             warming += time.perf_counter() - t_warm
             if before_first is not None:
                 before_first()

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoprofile.engine.cuda_graph import abandon_capture, begin_capture, capture_stream
+from autoprofile.engine.cuda_graph import abandon_capture, begin_capture, capture_stream, warm_ups_due
 from autoprofile.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -125,15 +125,14 @@ class PiecewiseGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
-        order = list(reversed(self.buckets))
-        warm_ups = (set(order) - (warmed if warmed is not None else set())) | set(order[:1])
+        order, warmed = list(reversed(self.buckets)), set() if warmed is None else warmed
+        warm_ups = warm_ups_due(order, warmed, set(order))
         for bucket in order:
             torch.cuda.synchronize()  # the static buffers (made or last written on the current stream)
             if bucket in warm_ups:
                 with torch.cuda.stream(stream):
                     forward(self.ids[:bucket], self.positions[:bucket], self.meta(bucket))  # warm-up
-                if warmed is not None:
-                    warmed.add(bucket)
+                warmed.add(bucket)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture gets every cached byte
             self.graphs[bucket], self.splits[bucket] = [], []
