@@ -245,6 +245,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if ns.command == "plan":
         return _cmd_plan(cfg, card, ns.json, ns.dp_attention)
     remote = _engine_process(cfg) if ns.command == "serve" else None  # booting beside our own imports
+    if remote is None and cfg.device != "cpu":  # this process boots: Triton's key hashed beside its imports
+        from autoprofile.kernels import triton_key
+        triton_key.start()
     if cfg.device == "cpu":
         return _cmd_serve_cpu(cfg, remote) if ns.command == "serve" else _profile_on_cpu()
     if not _gpu_present():

@@ -12,7 +12,8 @@ carry the ms since the interpreter started (each stress corner's time among them
 the functions of most cumulative time, and the most time of their own (Triton's compiles, CUDA graph captures
 and stress runs show by name). A cold boot: an empty TRITON_CACHE_DIR and `--profile_cache ''`; the profile
 cache's warm boot: run it twice with `--profile_cache DIR`. cProfile adds host time to Python-heavy steps:
---no_cprofile gives the plain timeline.
+--no_cprofile gives the plain timeline; --log_compiles logs each Triton compile and cache load as it ends (its
+kernel's name and seconds), so the timeline shows which compiles a step waited for.
 """
 from __future__ import annotations
 
@@ -33,13 +34,33 @@ def lap(timeline: list, name: str, since: float) -> float:
     return now
 
 
+def log_compiles() -> None:
+    """Chain a listener onto Triton's compilation listener that logs every compile and cache load as it ends
+    (the boot's CompileAhead chains its own onto this one)."""
+    from triton import knobs
+
+    from autoprofile.kernels.compile_watch import compile_seconds
+    log, chained = logging.getLogger("triton.compiles"), knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit, **kwargs):
+        name = getattr(src, "name", None) or str(metadata.get("name", "?"))
+        log.info("%s %s (%.2f s)", "loaded" if cache_hit else "compiled", name, compile_seconds(times))
+        if chained is not None:
+            chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit,
+                    **kwargs)
+    knobs.compilation.listener = listener
+
+
 def main() -> int:
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--top", type=int, default=40)
     ours.add_argument("--no_cprofile", action="store_true")
+    ours.add_argument("--log_compiles", action="store_true")
     args, rest = ours.parse_known_args()
     timeline: list[tuple[str, float]] = []
     t = T0
+    from autoprofile.kernels import triton_key
+    triton_key.start()  # as the engine process does: beside torch's import
     import torch  # noqa: F401 - timed
     t = lap(timeline, "import torch", t)
     from autoprofile.cli import build_parser
@@ -54,6 +75,8 @@ def main() -> int:
     cfg = config_from_args(ns)
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     logging.getLogger("autoprofile.engine.runner").setLevel(logging.DEBUG)  # each stress corner's time
+    if args.log_compiles:
+        log_compiles()
     torch.cuda.init()
     torch.empty(1, device="cuda")
     t = lap(timeline, "CUDA context", t)

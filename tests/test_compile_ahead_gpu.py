@@ -144,3 +144,40 @@ def test_the_decode_graphs_compile_in_their_dry_capture(tmp_path, model):
     require_backend("aiter_triton")
     out = _run(GRAPHS_AHEAD, tmp_path, model)
     assert int(out.split()[-1]) > 0
+
+
+PREFILL_AHEAD = r'''
+import sys
+import torch
+from autoprofile.config import ServerConfig, validate
+from autoprofile.engine.runner import ModelRunner
+from autoprofile.engine.weights import init_random
+from autoprofile.kernels.compile_ahead import CompileAhead
+from autoprofile.profiler import compile_ahead
+
+cfg = validate(ServerConfig(model=sys.argv[1], dtype="bfloat16", attention_backend="aiter_triton",
+                            max_req_total_len=4096, batch_max_tokens=8192, graph_max_batch_size=16,
+                            running_max_req_size=32, report_dir=None))
+r = ModelRunner(cfg)
+init_random(r.model, seed=3, std=0.08)
+with CompileAhead(r.device, max_workers=4) as ahead:
+    ahead.dry(compile_ahead, cfg, r.device)
+    r.build(65536)
+    built = len(ahead.mode.raw_futures)
+    r.stress_prefill()
+    late = len(ahead.mode.raw_futures) - built
+    assert late == 0, f"{late} Triton compiles started at the prefill corners"
+r.teardown()
+print("ok", built)
+'''
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-fp8", "tiny-moe"])
+def test_the_prefill_corners_compile_during_the_build(tmp_path, model):
+    """A boot's first build runs the stress's prefill corners' forwards dry (runner._prefill_dry): every
+    Triton kernel the prefill corners launch (the prefill attention's long and short configs, the prefix's
+    K/V gather, the mixed corners' eager decode, MoE's experts at a corner's tokens) was compiled by then,
+    none at the corners."""
+    require_backend("aiter_triton")
+    out = _run(PREFILL_AHEAD, tmp_path, model)
+    assert int(out.split()[-1]) > 0

@@ -183,20 +183,11 @@ class DecodeGraphs:
         by a torch op). Relaxed capture mode: no warm-up ran before it, so cuBLAS creates its handle inside
         the capture (cublasCreate allocates: refused in the global mode, CUBLAS_STATUS_NOT_INITIALIZED on the
         H100). A failure is logged by `dry`; the real captures compile what it did not reach."""
-        device = torch.cuda.current_device()
-        graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize()
-        try:
-            with torch.cuda.stream(capture_stream(device)):
-                begin_capture(graph, pool, device, mode="relaxed")
-                try:
-                    for bs, bucket in self.keys:
-                        self._derive(bs, bucket)
-                        step(self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket), None)
-                finally:
-                    abandon_capture(graph, pool, device)
-        finally:
-            release_cublas_workspaces()  # the capture stream's, made inside the dropped pool
+        def steps() -> None:
+            for bs, bucket in self.keys:
+                self._derive(bs, bucket)
+                step(self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket), None)
+        dry_capture(torch.cuda.current_device(), steps)
 
     def _derive(self, bs: int, bucket: int) -> None:
         """The metadata of rows inputs[:bs] into the static buffers (captured: every replay recomputes it)."""
@@ -249,6 +240,24 @@ def _keep_forever(graph) -> None:
     import ctypes
     _ABANDONED.append(graph)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(graph))
+
+
+def dry_capture(device: int, body: Callable[[], None]) -> None:
+    """body() inside one capture on the capture stream that is then dropped: nothing it launches runs on the GPU
+    (under kernels.compile_ahead's `dry`, its Triton launches start their compiles). Relaxed capture mode: a
+    cuBLAS handle may be created inside it (see DecodeGraphs._capture_dry). The cuBLAS workspaces made inside
+    the dropped pool are released after."""
+    graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(capture_stream(device)):
+            begin_capture(graph, pool, device, mode="relaxed")
+            try:
+                body()
+            finally:
+                abandon_capture(graph, pool, device)
+    finally:
+        release_cublas_workspaces()  # the capture stream's, made inside the dropped pool
 
 
 def capture_stream(device: int) -> torch.cuda.Stream:

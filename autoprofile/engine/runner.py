@@ -29,7 +29,7 @@ from autoprofile.config import (ConfigError, ServerConfig, not_invariant_on_gpu,
 from autoprofile.engine.attention import get_backend_class
 from autoprofile.layers import gdn
 from autoprofile.layers.attention import AttentionMetadata
-from autoprofile.engine.cuda_graph import DecodeGraphs, release_cublas_workspaces
+from autoprofile.engine.cuda_graph import DecodeGraphs, dry_capture, release_cublas_workspaces
 from autoprofile.engine.grammar import TokenBitmask
 from autoprofile.engine.envelope import Envelope, StepShape, VisionLimits
 from autoprofile.engine.host_kv import host_tier
@@ -47,6 +47,7 @@ from autoprofile.engine.state_cache import StateCache, layer_caches
 from autoprofile.engine.step_clock import StepClock
 from autoprofile.engine.step_inputs import Staging, prefill_inputs, upload
 from autoprofile.engine.weights import load_weights
+from autoprofile.kernels import compile_ahead
 from autoprofile.layers.quant import fp8_capability_problem
 from models import model_class
 
@@ -257,6 +258,10 @@ class ModelRunner:
                                              dtype=self.dtype,
                                              device=self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size), env.graph_rows)
+            ahead = compile_ahead.active()
+            if (ahead is not None and self.dry_prefill_ok and ahead.once("prefill corners")
+                    and not ahead.cache_warm()):
+                ahead.dry(self._prefill_dry)
             if env.graph_rows:
                 self.graphs = DecodeGraphs(env.graph_rows, self.req_table, cfg.context_len,
                                            rope_delta=self.is_vl,
@@ -418,6 +423,12 @@ class ModelRunner:
                 and (not self.stressing or all(r.start == 0 for r in step.rows)))
 
     @property
+    def dry_prefill_ok(self) -> bool:
+        """Whether a boot's first build runs the prefill corners' forwards dry (_prefill_dry): on one CUDA GPU,
+        without images or a hybrid's linear layers (their inputs' host work: image embeddings, state resets)."""
+        return (self.device.type == "cuda" and self.tp.size == 1 and not self.is_vl and self.state is None)
+
+    @property
     def piecewise_ok(self) -> bool:
         """Whether small prefill and mixed steps replay piecewise graphs (engine.piecewise): where the
         configuration allows them (config.piecewise_max_tokens: decode graphs, one rank, aiter_triton, not
@@ -452,6 +463,24 @@ class ModelRunner:
         Rows with a cached prefix (start > 0) attend to it through the cache (AttentionMetadata.kv_slots).
         A mixed step's decode rows follow the prefill tokens in the same forward (meta.decode: the paged
         decode kernel, eager, at the smallest bucket that holds its longest row); all of them are sampled."""
+        ids, positions, meta, host, parts = self._prefill_inputs(rows, decode)
+        lens, decode = host["lens"], decode or []
+        self.clock.launched()
+        if self.is_vl:
+            rope = to_device(torch.cat([self._mrope(r) for r in rows + decode], dim=1), self.device)
+            hidden = self.model(ids, rope, meta, self.caches,
+                                *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
+        elif (self.pieces is not None and ids.shape[0] <= self.pieces.max_tokens
+              and not self.backend.calibrating):
+            hidden = self.pieces.forward(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta, self.caches)
+        prompt = self.sampler.prompt_logprobs(rows, hidden, host["cu"], self.model.compute_logits)
+        return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"], prompt
+
+    def _prefill_inputs(self, rows: list[StepRow], decode: list[StepRow] | None = None) -> tuple:
+        """A prefill (or mixed) step's forward inputs on the device: (ids, positions, metadata, the host
+        arrays, their device views); a hybrid's fresh rows' state reset."""
         dev, decode = self.device, decode or []
         host = prefill_inputs(rows, decode, with_keys=not self.backend.paged_prefill)
         if self.state is not None:  # a hybrid's linear layers: fla's chunk indices from the host's cu
@@ -482,18 +511,24 @@ class ModelRunner:
         ids = parts["ids"]
         if decode:
             ids = torch.cat([ids[:n], self.req_table.feed(ids[n:], parts["decode_slots"])])
-        self.clock.launched()
-        if self.is_vl:
-            rope = to_device(torch.cat([self._mrope(r) for r in rows + decode], dim=1), dev)
-            hidden = self.model(ids, rope, meta, self.caches,
-                                *self._image_embeds(rows + decode, lens.tolist() + [1] * len(decode)))
-        elif (self.pieces is not None and ids.shape[0] <= self.pieces.max_tokens
-              and not self.backend.calibrating):
-            hidden = self.pieces.forward(ids, positions, meta)
-        else:
-            hidden = self.model(ids, positions, meta, self.caches)
-        prompt = self.sampler.prompt_logprobs(rows, hidden, host["cu"], self.model.compute_logits)
-        return self.model.compute_logits(hidden[parts["last"]]), parts["sample_slots"], prompt
+        return ids, positions, meta, host, parts
+
+    def _prefill_dry(self) -> None:
+        """The stress's prefill corners' forwards, dry (kernels.compile_ahead): their inputs made for real,
+        the forwards inside one capture that is dropped (cuda_graph.dry_capture), so that their Triton kernels
+        (the prefill attention's launch configs, the prefix's K/V gather) compile in the pool while the decode
+        graphs capture, not at the corners (a cold llama-3.1-8b probe waited 2 s there, H200). Each shape once
+        (the forced routings' corners repeat the model's); its pool and cached blocks given back."""
+        steps = [self._prefill_inputs(s.rows, s.decode)[:3] for s in self.corners(stress.prefill_steps)
+                 if s.routing == "model"]
+
+        def forwards() -> None:
+            for ids, positions, meta in steps:
+                self.model(ids, positions, meta, self.caches)
+        with self._on_device():
+            dry_capture(torch.cuda.current_device(), forwards)
+        del steps
+        torch.cuda.empty_cache()
 
     def _decode_meta(self, pos: torch.Tensor, slots: torch.Tensor, longest: int) -> AttentionMetadata:
         """Eager decode metadata of rows at positions `pos` of request slots `slots` (on the device), at the

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from autoprofile.kernels import triton_key
 from autoprofile.kernels.compile_watch import CompileWatch
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class CompileAhead:
     def __enter__(self) -> CompileAhead:
         if not self.enabled:
             return self
+        triton_key.wait()  # the process's key, hashed beside its imports: not a second time here
         triton = _triton()
         from triton.runtime.jit import JITFunction
         self.pool = _Pool(self.max_workers, thread_name_prefix="triton-compile")

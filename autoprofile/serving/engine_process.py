@@ -198,6 +198,9 @@ class EngineProcess:
 # ---------------------------------------------------------------- the engine process
 def engine_main(cfg, boot, conn, pulse_array) -> None:
     """The engine process: boot, tell the server, run the engine loop until STOP, tear down."""
+    if cfg.device != "cpu":
+        from autoprofile.kernels import triton_key
+        triton_key.start()  # beside torch's import
     import torch
 
     from autoprofile.engine.engine import LLMEngine
