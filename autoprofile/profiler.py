@@ -644,8 +644,7 @@ def start_phase() -> list[tuple[str, float]]:
 def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
     """The boot's launches known from the configuration alone, compile-only (kernels.compile_ahead): the
     sampler's and structured output's mask (every stress corner masks), for the model's vocabulary and logits
-    dtype; and the kept scratch of a kernel whose first launch the decode graphs' dry capture makes
-    (keep_scratch)."""
+    dtype."""
     from autoprofile.engine.grammar import compile_ahead as mask
     from autoprofile.engine.runner import TORCH_DTYPES
     from autoprofile.engine.sampling import compile_ahead as sampler
@@ -653,17 +652,6 @@ def compile_ahead(cfg: ServerConfig, device: torch.device) -> None:
     with torch.cuda.device(device):  # Triton specializes for the current device: this rank's GPU
         sampler(vocab, dtype, device)
         mask(vocab, dtype, device)
-        keep_scratch(cfg, device)
-
-
-def keep_scratch(cfg: ServerConfig, device: torch.device) -> None:
-    """FP8 linear layers: the split skinny GEMM's tile counters (256 KiB, kept for the process), made here.
-    Its first launch would make them, and in a boot with compiles ahead that launch is inside the decode
-    graphs' dry capture, where they may not be made: the dry capture then failed (its compiles fell back to
-    the real captures, one after the other; seen on qwen3.5-35b-a3b-fp8's cold boots)."""
-    if cfg.model_config.quant is not None:
-        from autoprofile.kernels import triton_fp8_skinny
-        triton_fp8_skinny.tile_counters(device)
 
 
 def _boot(cfg, rank, world_size, group, cpu_group, checkpoint, log_report, guard, plot_later, before=()):

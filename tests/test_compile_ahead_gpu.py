@@ -140,7 +140,7 @@ def test_the_decode_graphs_compile_in_their_dry_capture(tmp_path, model):
     """Built inside a CompileAhead, every decode graph's Triton launch was compiled by the dry capture (the
     real warm-ups and captures started none), and the graphs decode as eager decode does. FP8 weights: the
     split skinny GEMM's first launch is inside the dry capture, its kept counters made before it
-    (profiler.keep_scratch); without them the dry capture failed and its compiles came late."""
+    (by the runner's build); without them the dry capture failed and its compiles came late."""
     require_backend("aiter_triton")
     out = _run(GRAPHS_AHEAD, tmp_path, model)
     assert int(out.split()[-1]) > 0

@@ -154,15 +154,15 @@ def test_a_boot_knows_a_warm_triton_cache(tmp_path):
 @needs_triton
 @pytest.mark.parametrize("model,kept", [("tiny-fp8", True), ("tiny", False)])
 def test_fp8_weights_get_the_split_gemms_counters_before_any_capture(model, kept, monkeypatch):
-    """The split skinny FP8 GEMM's counters are made where a boot's compiles ahead start
-    (profiler.keep_scratch), not at its first launch, which the decode graphs' dry capture makes inside a
-    capture: there they may not be made (the dry capture failed, its compiles came one by one)."""
+    """The split skinny FP8 GEMM's counters are made by a build before its graphs (runner.keep_scratch), not at
+    its first launch, which is inside a capture (the decode graphs' dry one, or a graph no warm-up precedes):
+    there they may not be made (the dry capture failed, its compiles came one by one)."""
     from autoprofile.config import ServerConfig, validate
+    from autoprofile.engine.runner import keep_scratch
     from autoprofile.kernels import triton_fp8_skinny
-    from autoprofile.profiler import keep_scratch
     monkeypatch.setattr(triton_fp8_skinny, "_counters", {})
     cpu = torch.device("cpu")
-    keep_scratch(validate(ServerConfig(model=model, device="cpu", report_dir=None)), cpu)
+    keep_scratch(validate(ServerConfig(model=model, device="cpu", report_dir=None)).model_config, cpu)
     assert (cpu in triton_fp8_skinny._counters) is kept
     if kept:  # the launches' own call finds them, zeros as a launch leaves them
         counters = triton_fp8_skinny.tile_counters(cpu)

@@ -197,35 +197,22 @@ def test_decode_graph_keys_capture_the_largest_scratch_first():
     assert budget.coarse_ladder(24) == [1, 2, 4, 8, 16, 24] and budget.coarse_ladder(1) == [1]
 
 
-def test_each_batch_size_warms_up_once_before_its_first_capture():
-    """An eager warm-up precedes each batch size's first graph in capture order (its longest bucket), not
-    every graph: 35 of llama-3.1-8b's 62 at 131072, the first graph (the static logits' maker) among them."""
-    from autoprofile.engine.cuda_graph import first_of_each_batch
+def test_the_decode_graphs_warm_up_their_first_graph_alone_in_every_build():
+    """An eager warm-up precedes the first graph in capture order (the static logits' maker, cuBLAS's workspace
+    on the capture stream) and no other, in a first build, a rebuild and a context cut's build alike; the
+    piecewise graphs warm every bucket in a first build, the largest alone once a build of the process warmed
+    them."""
+    from autoprofile.engine.cuda_graph import warm_ups_due
     keys = budget.decode_graph_keys(256, 131072)
-    warm = first_of_each_batch(keys)
-    assert keys[0] in warm and len(warm) == len(batch_ladder(256)) == 35
-    assert sorted(bs for bs, _ in warm) == batch_ladder(256)
-    for bs, bucket in warm:  # before any other graph of its rows
-        assert bucket == max(b for s, b in keys if s == bs)
-    assert (1, 131072) in warm and (1, 4096) not in warm and (24, 4096) in warm
-
-
-def test_a_later_build_warms_up_only_its_first_graph_and_the_rows_no_build_warmed():
-    """A cold boot's rebuild after its probe (or a retry) captures the same graphs in the same process: their
-    rows' kernels ran eagerly already, so only the first graph (the static logits' maker, cuBLAS's workspace
-    on the capture stream) warms up again; a context cut's new buckets warm up as in a first build."""
-    from autoprofile.engine.cuda_graph import first_of_each_batch, warm_ups_due
-    keys = budget.decode_graph_keys(256, 131072)
-    assert warm_ups_due(keys, set()) == first_of_each_batch(keys)
-    assert warm_ups_due(keys, first_of_each_batch(keys)) == {keys[0]}
-    cut = budget.decode_graph_keys(256, 65536)  # a shorter longest bucket: its firsts are new, due again
-    due = warm_ups_due(cut, first_of_each_batch(keys))
-    assert cut[0] == (256, 65536) and {(256, 65536), (1, 65536)} <= due
-    assert (24, 4096) in first_of_each_batch(cut) and (24, 4096) not in due  # warmed by the first build
-    assert due == (first_of_each_batch(cut) - first_of_each_batch(keys)) | {cut[0]}
-    buckets = [512, 256, 128, 64]  # the piecewise graphs': every bucket warms in a first build
+    assert keys[0] == (256, 131072) and len(keys) == 62
+    assert warm_ups_due(keys, set()) == {keys[0]}
+    assert warm_ups_due(keys, {keys[0]}) == {keys[0]}
+    cut = budget.decode_graph_keys(256, 65536)
+    assert warm_ups_due(cut, {keys[0]}) == {(256, 65536)}
+    buckets = [512, 256, 128, 64]
     assert warm_ups_due(buckets, set(), set(buckets)) == set(buckets)
     assert warm_ups_due(buckets, set(buckets), set(buckets)) == {512}
+    assert warm_ups_due(buckets, {512, 256}, set(buckets)) == {512, 128, 64}
 
 
 def test_decode_graphs_pick_the_smallest_graph_that_holds_the_batch():

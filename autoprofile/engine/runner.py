@@ -58,6 +58,16 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
                 "fp8_e4m3": torch.float8_e4m3fn}
 
 
+def keep_scratch(mc, device: torch.device) -> None:
+    """The kernels' scratch kept for the process, made by a build before its graphs: FP8 linear layers' split
+    skinny GEMM tile counters (256 KiB). Its first launch would make them, and that launch is inside a capture
+    (the decode graphs' dry one in a boot, or a graph that no warm-up precedes: cuda_graph.warm_ups_due), where
+    they may not be made (the dry capture failed on qwen3.5-35b-a3b-fp8's cold boots, its compiles one by one)."""
+    if mc.quant is not None:
+        from autoprofile.kernels import triton_fp8_skinny
+        triton_fp8_skinny.tile_counters(device)
+
+
 def runner_device(rank: int, device: str = "cuda") -> torch.device:
     """This rank's GPU: LOCAL_RANK (its index on its host, set by the launcher, as torchrun does), else rank."""
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -258,6 +268,8 @@ class ModelRunner:
                                              dtype=self.dtype,
                                              device=self.device)
             self.backend.build(env.decode_rows, min(cfg.context_len, pages * cfg.page_size), env.graph_rows)
+            if self.device.type == "cuda":
+                keep_scratch(mc, self.device)
             ahead = compile_ahead.active()
             if (ahead is not None and self.dry_prefill_ok and ahead.once("prefill corners")
                     and not ahead.cache_warm()):
