@@ -46,8 +46,8 @@ def log_compiles() -> None:
         name = getattr(src, "name", None) or str(metadata.get("name", "?"))
         log.info("%s %s (%.2f s)", "loaded" if cache_hit else "compiled", name, compile_seconds(times))
         if chained is not None:
-            chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit,
-                    **kwargs)
+            chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                    cache_hit=cache_hit, **kwargs)
     knobs.compilation.listener = listener
 
 

@@ -154,8 +154,8 @@ def test_a_boot_knows_a_warm_triton_cache(tmp_path):
 @needs_triton
 @pytest.mark.parametrize("model,kept", [("tiny-fp8", True), ("tiny", False)])
 def test_fp8_weights_get_the_split_gemms_counters_before_any_capture(model, kept, monkeypatch):
-    """The split skinny FP8 GEMM's counters are made by a build before its graphs (runner.keep_scratch), not at
-    its first launch, which is inside a capture (the decode graphs' dry one, or a graph no warm-up precedes):
+    """The split skinny FP8 GEMM's counters are made by a build before its graphs (runner.keep_scratch), not
+    at its first launch, which is inside a capture (the decode graphs' dry one, or a graph no warm-up precedes):
     there they may not be made (the dry capture failed, its compiles came one by one)."""
     from autoprofile.config import ServerConfig, validate
     from autoprofile.engine.runner import keep_scratch

@@ -198,8 +198,8 @@ def test_decode_graph_keys_capture_the_largest_scratch_first():
 
 
 def test_the_decode_graphs_warm_up_their_first_graph_alone_in_every_build():
-    """An eager warm-up precedes the first graph in capture order (the static logits' maker, cuBLAS's workspace
-    on the capture stream) and no other, in a first build, a rebuild and a context cut's build alike; the
+    """An eager warm-up precedes the first graph in capture order (the static logits' maker, cuBLAS's
+    workspace on the capture stream) and no other, in a first build, a rebuild and a context cut's build alike; the
     piecewise graphs warm every bucket in a first build, the largest alone once a build of the process warmed
     them."""
     from autoprofile.engine.cuda_graph import warm_ups_due

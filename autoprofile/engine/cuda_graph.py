@@ -42,15 +42,16 @@ DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tens
 
 
 def warm_ups_due(keys: list, warmed: set, firsts: set | None = None) -> set:
-    """The graphs (in capture order `keys`) whose capture an eager warm-up precedes: the first always (it makes
-    the static logits buffer, and cuBLAS's workspace on the capture stream, which every teardown releases);
-    and `firsts` (engine.piecewise passes every bucket) less the ones an earlier build of this process warmed
-    (a cold boot's rebuild after its probe: the same rows ran the same kernels eagerly).
+    """The graphs (in capture order `keys`) whose capture an eager warm-up precedes: the first always (it
+    makes the static logits buffer, and cuBLAS's workspace on the capture stream, which every teardown
+    releases); and `firsts` (engine.piecewise passes every bucket) less the ones an earlier build of this
+    process warmed (a cold boot's rebuild after its probe: the same rows ran the same kernels eagerly).
     The decode graphs (firsts None) warm their first graph alone, in every build: each other graph's first
-    launches (a Triton kernel's module load, cuBLAS's pick for its rows) run inside its capture, as they did in
-    a cold boot's rebuild since the sixteenth session; the one kernel that keeps scratch made at its first
+    launches (a Triton kernel's module load, cuBLAS's pick for its rows) run inside its capture, as they did
+    in a cold boot's rebuild since the sixteenth session; the one kernel that keeps scratch made at its first
     launch (the split FP8 skinny GEMM's tile counters) has it made by the runner's build first. A warm-up a
-    batch size, as vLLM and SGLang run, cost a warm llama-3.1-8b boot 1.3-1.7 s (35 of its 62 graphs, H200)."""
+    batch size, as vLLM and SGLang run, cost a warm llama-3.1-8b boot 1.3-1.7 s (35 of its 62 graphs,
+    H200)."""
     return ((set() if firsts is None else firsts) - warmed) | set(keys[:1])
 
 
@@ -234,10 +235,10 @@ def _keep_forever(graph) -> None:
 
 
 def dry_capture(device: int, body: Callable[[], None]) -> None:
-    """body() inside one capture on the capture stream that is then dropped: nothing it launches runs on the GPU
-    (under kernels.compile_ahead's `dry`, its Triton launches start their compiles). Relaxed capture mode: a
-    cuBLAS handle may be created inside it (see DecodeGraphs._capture_dry). The cuBLAS workspaces made inside
-    the dropped pool are released after."""
+    """body() inside one capture on the capture stream that is then dropped: nothing it launches runs on the
+    GPU (under kernels.compile_ahead's `dry`, its Triton launches start their compiles). Relaxed capture
+    mode: a cuBLAS handle may be created inside it (see DecodeGraphs._capture_dry). The cuBLAS workspaces
+    made inside the dropped pool are released after."""
     graph, pool = torch.cuda.CUDAGraph(keep_graph=True), torch.cuda.graph_pool_handle()
     torch.cuda.synchronize()
     try:

@@ -60,9 +60,10 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 
 def keep_scratch(mc, device: torch.device) -> None:
     """The kernels' scratch kept for the process, made by a build before its graphs: FP8 linear layers' split
-    skinny GEMM tile counters (256 KiB). Its first launch would make them, and that launch is inside a capture
-    (the decode graphs' dry one in a boot, or a graph that no warm-up precedes: cuda_graph.warm_ups_due), where
-    they may not be made (the dry capture failed on qwen3.5-35b-a3b-fp8's cold boots, its compiles one by one)."""
+    skinny GEMM tile counters (256 KiB). Its first launch would make them, and that launch is inside a
+    capture (the decode graphs' dry one in a boot, or a graph that no warm-up precedes:
+    cuda_graph.warm_ups_due), where they may not be made (the dry capture failed on qwen3.5-35b-a3b-fp8's
+    cold boots, its compiles one by one)."""
     if mc.quant is not None:
         from autoprofile.kernels import triton_fp8_skinny
         triton_fp8_skinny.tile_counters(device)
@@ -436,8 +437,9 @@ class ModelRunner:
 
     @property
     def dry_prefill_ok(self) -> bool:
-        """Whether a boot's first build runs the prefill corners' forwards dry (_prefill_dry): on one CUDA GPU,
-        without images or a hybrid's linear layers (their inputs' host work: image embeddings, state resets)."""
+        """Whether a boot's first build runs the prefill corners' forwards dry (_prefill_dry): on one CUDA
+        GPU, without images or a hybrid's linear layers (their inputs' host work: image embeddings, state
+        resets)."""
         return (self.device.type == "cuda" and self.tp.size == 1 and not self.is_vl and self.state is None)
 
     @property
