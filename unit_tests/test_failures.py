@@ -131,7 +131,7 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
     def step(ids, pos, meta, out):
         assert DEV in cuda_graph._CAPTURE_STREAMS
         calls.append(ids.shape[0])
-        if len(calls) == 4:  # warm 2, capture 2, warm 1, capture 1 <- OOM inside the capture
+        if len(calls) == 3:  # warm 2, capture 2, capture 1 <- OOM inside the capture (one warm-up a build)
             oom()
         return torch.zeros(ids.shape[0], 8) if out is None else out.zero_()
 
@@ -144,8 +144,8 @@ def test_decode_graphs_capture_failure_propagates_and_keeps_only_ended_graphs(cu
 
 
 def test_decode_graphs_write_every_batch_into_one_static_logits_buffer(cuda_log):
-    """The first warm-up (the largest batch) makes the buffer; every later call, warm-up or capture, gets a
-    view of it as `out`, and a step that returns a tensor of its own is refused (its graph would keep it)."""
+    """The first warm-up (the largest batch, the build's one) makes the buffer; every later call, a capture,
+    gets a view of it as `out`, and a step that returns a tensor of its own is refused (its graph would keep it)."""
     g = cuda_graph.DecodeGraphs(2, ReqTable(3, 64, 16, torch.device("cpu")), 64)
     outs = []
 
@@ -156,9 +156,9 @@ def test_decode_graphs_write_every_batch_into_one_static_logits_buffer(cuda_log)
     with mock.patch("torch.cuda.CUDAGraph", side_effect=lambda: FakeGraph(cuda_log, invalidated=False)), \
             mock.patch("torch.cuda.graph_pool_handle", return_value=POOL):
         g.capture(step, show_progress=False)
-    assert outs[0] is None and len(outs) == 4  # warm 2, capture 2, warm 1, capture 1
+    assert outs[0] is None and len(outs) == 3  # warm 2, capture 2, capture 1 (one warm-up a build)
     assert all(o.data_ptr() == g.logits.data_ptr() for o in outs[1:])
-    assert [o.shape[0] for o in outs[1:]] == [2, 1, 1] and g.logits.shape == (2, 8)
+    assert [o.shape[0] for o in outs[1:]] == [2, 1] and g.logits.shape == (2, 8)
 
     def own(ids, pos, meta, out):
         return torch.zeros(ids.shape[0], 8)
