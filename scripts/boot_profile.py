@@ -39,12 +39,12 @@ def log_compiles() -> None:
     (the boot's CompileAhead chains its own onto this one)."""
     from triton import knobs
 
-    from autoprofile.kernels.compile_watch import compile_seconds
+    from autoprofile.kernels.compile_watch import compile_seconds, kernel_name
     log, chained = logging.getLogger("triton.compiles"), knobs.compilation.listener
 
     def listener(*, src, metadata, metadata_group, times, cache_hit, **kwargs):
-        name = getattr(src, "name", None) or str(metadata.get("name", "?"))
-        log.info("%s %s (%.2f s)", "loaded" if cache_hit else "compiled", name, compile_seconds(times))
+        log.info("%s %s (%.2f s)", "loaded" if cache_hit else "compiled", kernel_name(src, metadata),
+                 compile_seconds(times))
         if chained is not None:
             chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                     cache_hit=cache_hit, **kwargs)

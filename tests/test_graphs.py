@@ -137,10 +137,9 @@ def test_each_bucket_replays_its_own_graph_and_equals_eager(runner, bucket):
 
 
 def test_a_rebuild_warms_up_only_its_first_graph_and_still_replays_as_eager(runner):
-    """The profiler's rebuild in the same process (cuda_graph.warm_ups_due): one eager warm-up, the first
+    """The profiler's rebuild in the same process (DecodeGraphs.capture): one eager warm-up, the first
     graph's, then every graph captured cold (as the first build captured them); replay equals eager at a full,
     a padded and a long batch."""
-    assert runner.warmed_graphs == {runner.graphs.keys[0]}
     pool = pool_bytes(runner.graphs.pool)  # the warmed build's (the probe's, in a boot)
     eager_calls, step = [], runner._decode_logits
     runner.teardown()

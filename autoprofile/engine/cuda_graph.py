@@ -41,20 +41,6 @@ log = logging.getLogger(__name__)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None], torch.Tensor]
 
 
-def warm_ups_due(keys: list, warmed: set, firsts: set | None = None) -> set:
-    """The graphs (in capture order `keys`) whose capture an eager warm-up precedes: the first always (it
-    makes the static logits buffer, and cuBLAS's workspace on the capture stream, which every teardown
-    releases); and `firsts` (engine.piecewise passes every bucket) less the ones an earlier build of this
-    process warmed (a cold boot's rebuild after its probe: the same rows ran the same kernels eagerly).
-    The decode graphs (firsts None) warm their first graph alone, in every build: each other graph's first
-    launches (a Triton kernel's module load, cuBLAS's pick for its rows) run inside its capture, as they did
-    in a cold boot's rebuild since the sixteenth session; the one kernel that keeps scratch made at its first
-    launch (the split FP8 skinny GEMM's tile counters) has it made by the runner's build first. A warm-up a
-    batch size, as vLLM and SGLang run, cost a warm llama-3.1-8b boot 1.3-1.7 s (35 of its 62 graphs,
-    H200)."""
-    return ((set() if firsts is None else firsts) - warmed) | set(keys[:1])
-
-
 class DecodeGraphs:
     """Owns the graphs, their shared pool and every static buffer: teardown() drops them all."""
 
@@ -113,11 +99,16 @@ class DecodeGraphs:
                                  state_slots=self.state_slots[:bs] if self.state_slots is not None else None)
 
     def capture(self, step: DecodeStep, before_first: Callable[[], None] | None = None,
-                show_progress: bool = True, warmed: set[tuple[int, int]] | None = None) -> None:
+                show_progress: bool = True) -> None:
         """In self.keys order (largest scratch first), so later graphs reuse the pool's blocks. `step` is
         not kept. A failure inside a capture (a real OOM: a peer grew after measure) ends that capture
-        cleanly and propagates like any other build failure. warmed: the graphs an earlier build of this
-        process warmed up (warm_ups_due); the ones this capture warms are added to it."""
+        cleanly and propagates like any other build failure.
+        One eager warm-up, before the first graph, in every build: it makes the static logits buffer and
+        cuBLAS's workspace on the capture stream (which every teardown releases). Each other graph's first
+        launches (a Triton kernel's module load, cuBLAS's pick for its rows) run inside its capture; the one
+        kernel that keeps scratch made at its first launch (the split FP8 skinny GEMM's tile counters) has it
+        made by the runner's build first (runner.keep_scratch). A warm-up a batch size, as vLLM and SGLang
+        run, cost a warm llama-3.1-8b boot 1.3-1.7 s (35 of its 62 graphs, H200)."""
         capture_stream(torch.cuda.current_device())
         t0 = time.perf_counter()
         ahead = compile_ahead.active()
@@ -132,20 +123,14 @@ class DecodeGraphs:
                 ahead.dry(self._capture_dry, step)
         warming = 0.0
         order = tqdm(self.keys, desc="capturing decode graphs", unit="graph", disable=not show_progress)
-        warmed = set() if warmed is None else warmed
-        warm_ups = warm_ups_due(self.keys, warmed)
         for bs, bucket in order:
             args = (self.input_ids[:bs], self.rope_positions[:bs], self.meta(bs, bucket))
             t_warm = time.perf_counter()
             self._derive(bs, bucket)
-            if (bs, bucket) in warm_ups:
-                # warm-up outside the capture: Triton compiles, cuBLAS picks its kernels, a row count's own
-                # kernel path makes its scratch; the first (the largest batch) makes the static logits buffer
-                # [max_bs, vocab], the others write it as their graphs will
-                warm = step(*args, None if self.logits is None else self.logits[:bs])
-                self.logits = warm if self.logits is None else self.logits
-                del warm
-                warmed.add((bs, bucket))
+            if self.logits is None:
+                # the warm-up, outside the capture, of the first graph (the largest batch): it makes the
+                # static logits buffer [max_bs, vocab] that every graph writes
+                self.logits = step(*args, None)
             warming += time.perf_counter() - t_warm
             if before_first is not None:
                 before_first()

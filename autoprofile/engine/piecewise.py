@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from autoprofile.engine.cuda_graph import abandon_capture, begin_capture, capture_stream, warm_ups_due
+from autoprofile.engine.cuda_graph import abandon_capture, begin_capture, capture_stream
 from autoprofile.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,14 @@ def root_of(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
 
+def warm_ups_due(buckets: list[int], warmed: set[int]) -> set[int]:
+    """The buckets (in capture order) whose capture an eager warm-up precedes: every bucket an earlier build
+    of this process did not warm (a cold boot's rebuild after its probe: the same buckets ran the same
+    kernels eagerly), and the first always (it makes cuBLAS's workspace on the capture stream, which every
+    teardown releases)."""
+    return (set(buckets) - warmed) | set(buckets[:1])
+
+
 class PiecewiseGraphs:
     """Owns the pieces of every bucket, their pool and the static buffers: teardown() drops them all."""
 
@@ -118,15 +126,15 @@ class PiecewiseGraphs:
         """Every bucket, the largest first: an eager warm-up (Triton compiles, cuBLAS picks its kernels),
         then the capture of its pieces. A failure inside a capture (a real OOM) ends it cleanly, keeps the
         pieces captured before (teardown() drops them) and propagates. warmed: the buckets an earlier build of
-        this process warmed up, whose warm-up is skipped but for the first bucket's (as the decode graphs':
-        cuda_graph.warm_ups_due); the ones warmed here are added to it."""
+        this process warmed up, whose warm-up is skipped but for the first bucket's (warm_ups_due); the ones
+        warmed here are added to it."""
         device = torch.cuda.current_device()
         stream = capture_stream(device)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
         order, warmed = list(reversed(self.buckets)), set() if warmed is None else warmed
-        warm_ups = warm_ups_due(order, warmed, set(order))
+        warm_ups = warm_ups_due(order, warmed)
         for bucket in order:
             torch.cuda.synchronize()  # the static buffers (made or last written on the current stream)
             if bucket in warm_ups:

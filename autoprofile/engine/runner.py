@@ -62,7 +62,7 @@ def keep_scratch(mc, device: torch.device) -> None:
     """The kernels' scratch kept for the process, made by a build before its graphs: FP8 linear layers' split
     skinny GEMM tile counters (256 KiB). Its first launch would make them, and that launch is inside a
     capture (the decode graphs' dry one in a boot, or a graph that no warm-up precedes:
-    cuda_graph.warm_ups_due), where they may not be made (the dry capture failed on qwen3.5-35b-a3b-fp8's
+    DecodeGraphs.capture), where they may not be made (the dry capture failed on qwen3.5-35b-a3b-fp8's
     cold boots, its compiles one by one)."""
     if mc.quant is not None:
         from autoprofile.kernels import triton_fp8_skinny
@@ -81,7 +81,6 @@ class ModelRunner:
     def __init__(self, cfg: ServerConfig, rank: int = 0, world_size: int = 1, group=None):
         self.cfg, self.rank = cfg, rank
         self.boot_steps: list[tuple[str, float]] = []  # (graphs / stress prefill / stress decode, seconds)
-        self.warmed_graphs: set[tuple[int, int]] = set()  # decode graphs warmed up by a build (cuda_graph)
         self.warmed_pieces: set[int] = set()  # piecewise buckets warmed up by a build (piecewise)
         self.device = runner_device(rank, cfg.device)
         self.tp = TP(rank, world_size, group)
@@ -281,7 +280,7 @@ class ModelRunner:
                                            state_pad=self.state.pad if self.state is not None else None)
                 t0 = time.perf_counter()
                 self.graphs.capture(self._decode_logits, lambda: checkpoint("graph_capture"),
-                                    show_progress=self.rank == 0, warmed=self.warmed_graphs)
+                                    show_progress=self.rank == 0)
                 self.boot_steps.append(("graphs", time.perf_counter() - t0))
             if self.piecewise_ok:  # (decode graphs too: piecewise_ok needs use_graphs)
                 t0 = time.perf_counter()
@@ -303,10 +302,10 @@ class ModelRunner:
                  gib(self.kv_bytes), env.running_reqs, state, decode)
 
     def forget_warm_ups(self) -> None:
-        """The next build warms up every batch size and bucket again (cuda_graph.warm_ups_due). The profiler
-        calls it on every rank after an attempt failed anywhere: a capture cut short leaves a rank's warm-ups
-        partial, and under --tp one rank's extra eager warm-up would all-reduce with none on the others."""
-        self.warmed_graphs.clear()
+        """The next build warms up every piecewise bucket again (piecewise.warm_ups_due; the decode graphs
+        warm their first graph in every build). The profiler calls it on every rank after an attempt failed
+        anywhere: a capture cut short leaves a rank's warm-ups partial, and under --tp one rank's extra eager
+        warm-up would all-reduce with none on the others."""
         self.warmed_pieces.clear()
 
     def teardown(self) -> None:

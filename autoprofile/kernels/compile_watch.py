@@ -32,7 +32,7 @@ class CompileWatch:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __call__(self, *, src, metadata, metadata_group, times, cache_hit, **kwargs) -> None:
-        name = getattr(src, "name", None) or str(metadata.get("name", "?"))
+        name = kernel_name(src, metadata)
         seconds = compile_seconds(times)
         with self._lock:
             if cache_hit:
@@ -71,6 +71,11 @@ def specialization(src) -> str:
             if len(key) == 1 and key[0] < len(names) and attr[0] == "tt.divisibility":
                 parts.append(f"{names[key[0]]} %{attr[1]}")
     return ", ".join(parts)
+
+
+def kernel_name(src, metadata) -> str:
+    """The kernel a compilation listener's call is about (its source's name, else the metadata's)."""
+    return getattr(src, "name", None) or str(metadata.get("name", "?"))
 
 
 def compile_seconds(times) -> float:
