@@ -233,7 +233,10 @@ def test_an_image_crosses_to_the_engine_process_and_is_answered_as_in_one_proces
             assert status == 200, out
             answers.append((out["choices"][0]["message"]["content"], out["usage"]))
         finally:
-            code = s.stop()  # (once -6 in a CI run on a loaded CPU, not reproduced since: the log says why)
+            # -6 twice in local runs on a loaded CPU (not reproduced alone, 3 of 3 passed): the second time the
+            # log ended "drained", then "FATAL: exception not rethrown" (glibc: a thread unwound at exit inside
+            # a C++ catch-all); its cause is not yet found
+            code = s.stop()
             assert code == 0, (extra, code, "".join(s.log)[-4000:])
     assert answers[0] == answers[1] and answers[0][1]["prompt_tokens"] > 20  # the image's tokens counted
 
